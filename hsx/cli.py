@@ -1,0 +1,80 @@
+"""Command line: `hsx extract --config recipes/X.yaml [--flag value ...]` (also `python -m hsx`, and
+`accelerate launch -m hsx extract ...`).
+
+Every ExtractConfig field is a flag; flags override the YAML. Problems the user can fix print as one line
+(`hsx: error: ...`) with a non-zero exit and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+
+from hsx.config import FIELDS, ExtractConfig, HsxError, load_config
+
+HELP = {
+    "model": "local folder or Hub id of the target model",
+    "dataset": "Hub id, or a local .jsonl/.json/.parquet/.arrow file or folder",
+    "layers": "decoder layers (0-based, negatives from the end), e.g. `1 -1` or `1,-1`, or a preset: "
+              "eagle3, dflash, dflash-K",
+    "final_hidden": "also store the final-norm output (transformers' hidden_states[N]) as final_hidden_state",
+    "max_length": "longer rows are truncated (and counted)",
+    "output_dir": "where the Arrow dataset goes; rerunning the same command there continues the job",
+    "strict": "stop at the first unusable input row instead of skipping and counting it",
+    "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
+    "unit_tokens": "tokens per output file, the grain of commit and resume",
+    "compile": "torch.compile the model: auto (on for CUDA), on, off",
+    "chat_template_kwargs": "JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
+    "limit": "only the first N input rows",
+    "overwrite": "delete what hsx wrote in --output-dir and start over",
+}
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML recipe; flags override its keys")
+    hints = typing.get_type_hints(ExtractConfig)
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        hint = hints[name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) else ()
+        kind = next((a for a in args if a is not type(None)), hint)
+        if name == "layers":
+            p.add_argument(flag, nargs="+", default=None, help=HELP[name])
+        elif kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP.get(name))
+        elif kind is int:
+            p.add_argument(flag, type=int, default=None, help=HELP.get(name))
+        else:
+            p.add_argument(flag, type=str, default=None, help=HELP.get(name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of chosen layers of a "
+                                     "Hugging Face causal LM into an Arrow dataset.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("extract", help="run (or continue) an extraction job")
+    _add_config_flags(ex)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "extract":
+            from hsx.run import extract
+
+            overrides = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+            extract(load_config(args.config, overrides))
+    except HsxError as e:
+        print(f"hsx: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hsx: interrupted; finished units are kept: run the same command to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""What a job is: one dataclass, read from a YAML recipe and overridden by command-line flags.
+
+Every field is a YAML key (snake_case) and a flag (kebab-case); an unknown key is an error, not a warning, so a
+typo in a recipe never silently runs the wrong job. Layers are resolved against the model's depth here too:
+integers (negatives count from the end) or one preset name (`eagle3`, `dflash`, `dflash-K`), giving sorted,
+distinct, non-negative decoder-layer indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LAYER_CONVENTION = (
+    "layer i is the output of decoder layer i (0-based), before the final norm: transformers' "
+    "output_hidden_states[i+1] for i < N-1 and a forward hook for i = N-1; final_hidden_state is the output of "
+    "the final norm (transformers' hidden_states[N]), the input of lm_head"
+)
+
+
+class HsxError(Exception):
+    """A problem the user can fix; the CLI prints it as one line and exits non-zero, without a traceback."""
+
+
+@dataclass
+class ExtractConfig:
+    # What to run and on what.
+    model: str = ""
+    revision: str | None = None
+    tokenizer: str | None = None  # defaults to the model's own
+    dataset: str = ""
+    dataset_config: str | None = None
+    split: str = "train"
+    limit: int | None = None  # only the first N input rows: for trying a recipe out
+    # What to capture.
+    layers: list[int] | str = field(default_factory=list)
+    final_hidden: bool = False
+    max_length: int = 4096
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Where it goes.
+    output_dir: str = ""
+    storage_dtype: str = "bfloat16"
+    strict: bool = False
+    overwrite: bool = False
+    # How fast; none of these change the output.
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
+    unit_tokens: int = 1 << 20  # tokens per committed output file (a resumable unit)
+    compile: str = "auto"  # auto (on for CUDA), on, off
+    num_proc: int | None = None  # tokenization processes
+    trust_remote_code: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
+OUTPUT_FIELDS = (  # what decides the output; the rest may change between restarts of one job
+    "model", "revision", "tokenizer", "dataset", "dataset_config", "split", "limit", "layers", "final_hidden",
+    "max_length", "chat_template_kwargs", "storage_dtype", "dtype",
+)
+STORAGE_DTYPES = ("bfloat16",)
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
+    """Read a YAML recipe (optional), apply flag overrides (already typed), and check the result."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise HsxError(f"cannot read config {path}: {e}") from None
+        if not isinstance(raw, dict):
+            raise HsxError(f"config {path}: expected a mapping of keys to values, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise HsxError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+        values.update(raw)
+        values = _resolve_recipe_paths(values, Path(path).parent)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = ExtractConfig(**values)
+    check_config(cfg)
+    return cfg
+
+
+def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
+    """A relative path in a recipe that does not exist from the working directory is read from the recipe's."""
+    for key in ("model", "tokenizer", "dataset"):
+        v = values.get(key)
+        if isinstance(v, str) and v.startswith(".") and not Path(v).exists() and (recipe_dir / v).exists():
+            values[key] = str(recipe_dir / v)
+    return values
+
+
+def check_config(cfg: ExtractConfig) -> None:
+    for name in ("model", "dataset", "output_dir"):
+        if not getattr(cfg, name):
+            raise HsxError(f"--{name.replace('_', '-')} is required")
+    if cfg.layers in ([], "", None):
+        raise HsxError("--layers is required: integers (negatives count from the end) or a preset "
+                       "(eagle3, dflash, dflash-K)")
+    cfg.layers = parse_layer_spec(cfg.layers)
+    if cfg.max_length < 1:
+        raise HsxError(f"--max-length must be positive, got {cfg.max_length}")
+    if cfg.storage_dtype not in STORAGE_DTYPES:
+        raise HsxError(f"--storage-dtype {cfg.storage_dtype!r} is not supported; choose from {STORAGE_DTYPES}")
+    if cfg.dtype not in COMPUTE_DTYPES:
+        raise HsxError(f"--dtype {cfg.dtype!r} is not supported; choose from {COMPUTE_DTYPES}")
+    if cfg.compile not in ("auto", "on", "off"):
+        raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
+    if cfg.token_budget is not None and cfg.token_budget < 1:
+        raise HsxError(f"--token-budget must be positive, got {cfg.token_budget}")
+    if isinstance(cfg.chat_template_kwargs, str):
+        try:
+            cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise HsxError(f"--chat-template-kwargs must be a JSON object: {e}") from None
+    if not isinstance(cfg.chat_template_kwargs, dict):
+        raise HsxError("chat_template_kwargs must be a mapping")
+
+
+# ---- layers -------------------------------------------------------------------------------------------------
+
+PRESET_RE = re.compile(r"^(eagle3|dflash(?:-(\d+))?)$")
+
+
+def parse_layer_spec(spec: list | str | int) -> list[int] | str:
+    """Normalise `1,-1`, `[1, -1]`, `"1 -1"` to [1, -1]; leave a preset name as a string (it needs N)."""
+    if isinstance(spec, int):
+        return [spec]
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 1 and isinstance(spec[0], str):
+            return parse_layer_spec(spec[0])
+        items = [str(x) for x in spec]
+        if len(items) == 1 and PRESET_RE.match(items[0].strip()):
+            return items[0].strip()
+        tokens = [t for item in items for t in re.split(r"[,\s]+", item.strip()) if t]
+    else:
+        s = str(spec).strip()
+        if PRESET_RE.match(s):
+            return s
+        tokens = [t for t in re.split(r"[,\s]+", s) if t]
+    try:
+        return [int(t) for t in tokens]
+    except ValueError:
+        raise HsxError(f"--layers {spec!r}: expected integers or one preset (eagle3, dflash, dflash-K)") from None
+
+
+def preset_layers(name: str, num_layers: int) -> tuple[list[int], bool]:
+    """Layers and whether the final-norm state is included, for a preset on a model of `num_layers` layers."""
+    n = num_layers
+    m = PRESET_RE.match(name)
+    if not m:
+        raise HsxError(f"unknown layer preset {name!r}; known: eagle3, dflash, dflash-K")
+    if name == "eagle3":
+        return [1, n // 2 - 1, n - 4], True
+    k = int(m.group(2)) if m.group(2) else 5
+    if k < 1:
+        raise HsxError(f"layer preset {name!r}: K must be at least 1")
+    if k == 1:
+        return [n // 2], False
+    return [round(1 + j * (n - 4) / (k - 1)) for j in range(k)], False
+
+
+def resolve_layers(spec: list[int] | str, num_layers: int, final_hidden: bool) -> tuple[list[int], bool]:
+    """Turn a layer spec into sorted non-negative indices (and the final-hidden flag a preset may add)."""
+    if isinstance(spec, str):
+        layers, preset_final = preset_layers(spec, num_layers)
+        final_hidden = final_hidden or preset_final
+        where = f"preset {spec!r}"
+    else:
+        layers, where = list(spec), "--layers"
+    resolved = []
+    for i in layers:
+        j = i + num_layers if i < 0 else i
+        if not 0 <= j < num_layers:
+            raise HsxError(f"{where}: layer {i} is out of range for a model with {num_layers} layers "
+                           f"(valid: {-num_layers}..{num_layers - 1})")
+        resolved.append(j)
+    if len(set(resolved)) != len(resolved):
+        raise HsxError(f"{where}: duplicate layers {layers} (resolved: {resolved})")
+    return sorted(resolved), final_hidden

@@ -1,0 +1,290 @@
+"""The batched GPU function `datasets.map` calls: right-padded forward → real tokens → one pinned host buffer.
+
+Measured on an H200 (h200-probes.md): a blocking device-to-host copy per batch halves throughput (50% → 26% of
+the bf16 matmul rate), so the GPU work runs one step ahead of `map`. A producer thread walks the same batches
+`map` will ask for, in the same order, and for each one: builds the right-padded ids and the index of real tokens
+on the host (boolean indexing on the GPU would force a sync), runs the truncated model with `attention_mask=None`
+(with causal attention the real tokens are exact and SDPA takes its fastest path), gathers the captured layers'
+real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only
+waits for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and
+returns it; `datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has
+written its table (the call after the one that returned it).
+
+A batch that runs out of GPU memory is split in halves and retried, and the token cap for later batches shrinks;
+only a single row that cannot fit alone is dropped, with reason `oom`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from hsx.buckets import PAD_MULTIPLE
+from hsx.capture import capture
+from hsx.model import LoadedModel
+
+PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
+
+
+@dataclass
+class Slot:
+    """Pinned host memory for one batch in flight: the states out, the padded ids and gather index in."""
+    states: torch.Tensor  # int16, flat
+    ids: torch.Tensor  # int64, flat
+    index: torch.Tensor  # int64, flat
+    done: torch.cuda.Event | None = None
+
+
+@dataclass
+class Result:
+    sample_ids: np.ndarray
+    slot: Slot
+    kept: np.ndarray  # bool per row: False for rows dropped by an OOM no split could avoid
+    tokens: int  # real tokens of kept rows
+    padded_tokens: int  # tokens computed, padding included
+    segment_tokens: list[int] = field(default_factory=list)  # tokens of each forward (more than one after a split)
+    gpu_events: list = field(default_factory=list)  # (start, end) CUDA event pairs of the forwards
+    seconds: float = 0.0  # host time of the forwards (CPU runs)
+
+
+class Extractor:
+    """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
+
+    def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, compile_model: bool,
+                 slots: int = 3):
+        self.loaded, self.device = loaded, device
+        self.layers, self.final = loaded.layers, loaded.final_hidden
+        self.hidden = loaded.hidden_size
+        self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
+        self.per_token = self.width + (self.hidden if self.final else 0)
+        self.token_cap = token_budget  # shrinks after an OOM
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.forward = torch.compile(self._forward, dynamic=True) if compile_model else self._forward
+        self.capacity = 0
+        self.free: queue.Queue[Slot | None] = queue.Queue()
+        self.num_slots = slots
+        self.store: dict[int, torch.Tensor] = {}
+        self.compile_seconds = 0.0
+
+    # ---- GPU side ----
+
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = self.loaded.base(input_ids=ids, use_cache=False)
+        h = self.hidden
+        parts = [self.store[i].reshape(-1, h).index_select(0, index) for i in self.layers]
+        states = torch.cat(parts, dim=1).reshape(-1)  # (n, layers*hidden), layers in ascending order
+        if not self.final:
+            return states
+        final = out.last_hidden_state.reshape(-1, h).index_select(0, index).reshape(-1)
+        return torch.cat([states, final])
+
+    def _ensure_slots(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        # Grow all slots together; only happens before the first batch or for a longer-than-budget row.
+        while not self.free.empty():
+            self.free.get_nowait()
+        self.capacity = max(tokens, self.token_cap)
+        for _ in range(self.num_slots):
+            self.free.put(Slot(
+                states=torch.empty(self.capacity * self.per_token, dtype=torch.int16, pin_memory=self.cuda),
+                ids=torch.empty(self.capacity + PAD_MULTIPLE * 64, dtype=torch.int64, pin_memory=self.cuda),
+                index=torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.cuda),
+            ))
+
+    def run_batch(self, table: pa.Table, slot: Slot) -> Result:
+        """Everything for one map batch, asynchronously: returns once the work is queued on the GPU."""
+        ids_col = table.column("input_ids").combine_chunks()
+        offsets = ids_col.offsets.to_numpy().astype(np.int64)
+        offsets -= offsets[0]
+        values = ids_col.values.to_numpy()
+        lengths = np.diff(offsets)
+        rows = len(lengths)
+        kept = np.ones(rows, dtype=bool)
+        result = Result(sample_ids=table.column("sample_id").to_numpy(), slot=slot, kept=kept, tokens=0,
+                        padded_tokens=0)
+        pending = [(0, rows)]
+        written = 0  # tokens already placed in the slot
+        while pending:
+            a, z = pending.pop(0)
+            sub_len = lengths[a:z]
+            padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+            if (z - a) * padded > self.token_cap and z - a > 1:  # over the (possibly shrunk) cap: split first
+                mid = a + (z - a) // 2
+                pending[:0] = [(a, mid), (mid, z)]
+                continue
+            try:
+                self._launch(values[offsets[a]:offsets[z]], sub_len, padded, slot, written, result)
+                written += int(sub_len.sum())
+                result.padded_tokens += (z - a) * padded
+            except torch.OutOfMemoryError:
+                self.store.clear()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+                if z - a == 1:
+                    kept[a] = False
+                    continue
+                self.token_cap = max(padded, ((z - a) * padded) // 2)
+                mid = a + (z - a) // 2
+                pending[:0] = [(a, mid), (mid, z)]
+        result.tokens = written
+        if self.cuda:
+            slot.done = torch.cuda.Event()
+            slot.done.record(self.copy_stream)
+        return result
+
+    def _launch(self, values: np.ndarray, lengths: np.ndarray, padded: int, slot: Slot, at: int,
+                result: Result) -> None:
+        b, n = len(lengths), int(lengths.sum())
+        if self.cuda and result.segment_tokens:
+            torch.cuda.current_stream(self.device).synchronize()  # the staging buffers are in use (rare: a split)
+        row = np.repeat(np.arange(b, dtype=np.int64), lengths)
+        col = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        ids_host = slot.ids[: b * padded]
+        ids_np = ids_host.numpy().reshape(b, padded)
+        ids_np.fill(0)  # pad id: any id works, pad positions never influence real ones (causal, right-padded)
+        ids_np[row, col] = values
+        index_host = slot.index[at:at + n]
+        np.multiply(row, padded, out=index_host.numpy())
+        index_host.numpy()[:] += col
+        ids = ids_host.to(self.device, non_blocking=True).view(b, padded)
+        index = index_host.to(self.device, non_blocking=True)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = self.forward(ids, index)
+        result.segment_tokens.append(n)
+        self.store.clear()
+        dest = slot.states[at * self.per_token:(at + n) * self.per_token]
+        if self.cuda:
+            end.record()
+            result.gpu_events.append((start, end))
+            self.copy_stream.wait_event(end)
+            with torch.cuda.stream(self.copy_stream):
+                dest.copy_(out.view(torch.int16), non_blocking=True)
+            out.record_stream(self.copy_stream)  # keep the allocator off `out` until the copy is done
+        else:
+            dest.copy_(out.view(torch.int16))
+            result.seconds += time.perf_counter() - t0
+
+    # ---- host side ----
+
+    def to_table(self, table: pa.Table, result: Result) -> pa.Table:
+        """The map function's output: the input's columns plus the states, wrapping the slot without a copy."""
+        if result.slot.done is not None:
+            result.slot.done.synchronize()
+        if not result.kept.all():
+            table = table.filter(pa.array(result.kept))
+        lengths = table.column("num_tokens").to_numpy().astype(np.int64)
+        n = int(lengths.sum())
+        offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
+        flat = result.slot.states[: n * self.per_token].numpy()
+        # Slot layout per segment: all rows' [tokens, layers*hidden], then (final) [tokens, hidden]; segments of
+        # an OOM-split batch are contiguous in row order, so the concatenation is the batch's order.
+        columns = {c: table.column(c) for c in PASSTHROUGH_COLUMNS}
+        if not self.final:
+            columns["hidden_states"] = _nested(flat, offsets, self.width)
+        else:
+            states, finals = _split_segments(flat, result, lengths, self.width, self.hidden)
+            columns["hidden_states"] = _nested(states, offsets, self.width)
+            columns["final_hidden_state"] = _nested(finals, offsets, self.hidden)
+        return pa.table(columns)
+
+    def gpu_seconds(self, result: Result) -> float:
+        if not result.gpu_events:
+            return result.seconds
+        return sum(s.elapsed_time(e) for s, e in result.gpu_events) / 1000.0
+
+
+def _nested(values: np.ndarray, offsets: pa.Array, width: int) -> pa.Array:
+    flat = pa.Array.from_buffers(pa.int16(), len(values), [None, pa.py_buffer(values)])
+    return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, width))
+
+
+def _split_segments(flat: np.ndarray, result: Result, lengths: np.ndarray, width: int, hidden: int):
+    """With final states, each launched segment holds [n, width] then [n, hidden]; undo that per segment.
+
+    The common case is one segment per batch: two zero-copy views. Split batches (after an OOM) are rare and
+    take one copy."""
+    per = width + hidden
+    n = int(lengths.sum())
+    if len(result.segment_tokens) <= 1:
+        return flat[: n * width], flat[n * width: n * per]
+    seg = np.asarray(result.segment_tokens, dtype=np.int64)
+    states = np.empty(n * width, dtype=np.int16)
+    finals = np.empty(n * hidden, dtype=np.int16)
+    at = s_at = f_at = 0
+    for t in seg:
+        states[s_at:s_at + t * width] = flat[at:at + t * width]
+        finals[f_at:f_at + t * hidden] = flat[at + t * width:at + t * per]
+        at, s_at, f_at = at + t * per, s_at + t * width, f_at + t * hidden
+    return states, finals
+
+
+class Pipeline:
+    """Runs `Extractor.run_batch` over a fixed sequence of batches in a thread, a few batches ahead of `map`."""
+
+    def __init__(self, extractor: Extractor, batches: Iterator[pa.Table], max_batch_tokens: int):
+        self.ex = extractor
+        self.ex._ensure_slots(max_batch_tokens)
+        self.results: queue.Queue = queue.Queue()
+        self.returned: Slot | None = None  # the slot whose table map is writing now
+        self.stop = threading.Event()
+        self.wait_seconds = 0.0  # producer time blocked on a free slot: the writer is the bottleneck then
+        self.thread = threading.Thread(target=self._produce, args=(batches,), name="hsx-gpu", daemon=True)
+        self.thread.start()
+
+    def _produce(self, batches: Iterator[pa.Table]) -> None:
+        try:
+            with torch.inference_mode(), capture(self.ex.loaded.base, self.ex.layers) as store:
+                self.ex.store = store
+                for table in batches:
+                    t0 = time.perf_counter()
+                    slot = self.ex.free.get()
+                    self.wait_seconds += time.perf_counter() - t0
+                    if slot is None or self.stop.is_set():
+                        return
+                    self.results.put(self.ex.run_batch(table, slot))
+        except BaseException as e:  # surfaced in the map function, on the main thread
+            self.results.put(e)
+        finally:
+            self.results.put(None)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        """The function given to `datasets.map` (batched, arrow-formatted)."""
+        if self.returned is not None:
+            self.ex.free.put(self.returned)  # datasets wrote the previous table before calling us again
+            self.returned = None
+        result = self.results.get()
+        if isinstance(result, BaseException):
+            raise result
+        if result is None:
+            raise RuntimeError("hsx: the GPU pipeline ended before map did (batches out of step)")
+        if len(result.sample_ids) != table.num_rows or not np.array_equal(
+                result.sample_ids, table.column("sample_id").to_numpy()):
+            raise RuntimeError("hsx: the GPU pipeline and map are out of step")
+        self.last = result
+        out = self.ex.to_table(table, result)
+        self.returned = result.slot
+        return out
+
+    def release(self) -> None:
+        """After a unit's map has finished (its last table is written)."""
+        if self.returned is not None:
+            self.ex.free.put(self.returned)
+            self.returned = None
+
+    def close(self) -> None:
+        self.stop.set()
+        self.release()
+        self.ex.free.put(None)  # wakes a producer blocked on a slot
+        self.thread.join(timeout=60)

@@ -1,0 +1,241 @@
+"""The output dir: Arrow shards under data/, hsx's run state under .hsx/, hsx.json and a dataset card.
+
+    OUT/data/train-<bucket>-<chunk>.arrow   Arrow IPC stream files (what datasets writes; `Dataset.from_file`
+                                            memory-maps them; `load_dataset(OUT)` reads them)
+    OUT/README.md                           dataset card: YAML `configs` pointing at data/train-*.arrow
+    OUT/hsx.json                            what was run, counts, layer convention; `complete` once finalized
+    OUT/.hsx/job.json                       the fingerprint of what decides the output
+    OUT/.hsx/manifest.jsonl                 one line per committed unit (datasets ignores dot-folders)
+
+A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
+its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
+"-of-N": resumed and parallel runs add units without renaming any.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hsx.config import LAYER_CONVENTION, HsxError
+
+MANIFEST = "manifest.jsonl"
+
+
+def features(width: int, hidden: int, final_hidden: bool):
+    """The output schema. bf16 is stored bit-exact as int16 (Arrow has no bfloat16), marked id="bfloat16"."""
+    from datasets import Features, List, Value
+
+    f = {
+        "sample_id": Value("int64"),
+        "input_ids": List(Value("int32")),
+        "loss_mask": List(Value("int8")),
+        "num_tokens": Value("int32"),
+        "hidden_states": List(List(Value("int16", id="bfloat16"), length=width)),
+    }
+    if final_hidden:
+        f["final_hidden_state"] = List(List(Value("int16", id="bfloat16"), length=hidden))
+    return Features(f)
+
+
+class OutputDir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.data = self.root / "data"
+        self.state = self.root / ".hsx"
+        self.tmp = self.state / "tmp"
+
+    # ---- claiming a dir for a job ----
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """One job per dir: an advisory lock on .hsx/lock, released by the kernel if the process dies."""
+        self.state.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise HsxError(f"{self.root} is in use by another hsx job (lock held on .hsx/lock)") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def claim(self, job: dict[str, Any], overwrite: bool) -> str:
+        """Record the job's fingerprint, or check it against the one there. Returns 'new', 'resume' or 'complete'."""
+        job_file = self.state / "job.json"
+        if overwrite:
+            self.clear()
+        elif not job_file.exists() and self.root.exists() and any(
+                p.name not in (".hsx",) for p in self.root.iterdir()):
+            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
+        if job_file.exists():
+            old = json.loads(job_file.read_text())
+            if old.get("fingerprint") != job["fingerprint"]:
+                diff = sorted(k for k in set(old.get("inputs", {})) | set(job["inputs"])
+                              if old.get("inputs", {}).get(k) != job["inputs"].get(k))
+                raise HsxError(f"{self.root} holds a different job (differs in: {', '.join(diff) or 'version'}); "
+                               "use another --output-dir, or --overwrite to delete it and start over")
+            info = self.read_info()
+            return "complete" if info.get("complete") else "resume"
+        self.state.mkdir(parents=True, exist_ok=True)
+        atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
+        return "new"
+
+    def clear(self) -> None:
+        """Delete only what hsx writes here (never the lock, which this process holds)."""
+        for name in ("hsx.json", "README.md"):
+            (self.root / name).unlink(missing_ok=True)
+        if self.data.exists():
+            for f in self.data.glob("train-*.arrow"):
+                f.unlink()
+            if not any(self.data.iterdir()):
+                self.data.rmdir()
+        if self.state.exists():
+            for p in self.state.iterdir():
+                if p.name != "lock":
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    def read_info(self) -> dict[str, Any]:
+        f = self.root / "hsx.json"
+        return json.loads(f.read_text()) if f.exists() else {}
+
+    # ---- units ----
+
+    def done_units(self) -> dict[str, dict[str, Any]]:
+        """Committed units from the manifest, whose files exist with the recorded size."""
+        done = {}
+        manifest = self.state / MANIFEST
+        if manifest.exists():
+            for line in manifest.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a kill mid-append: that unit is redone
+                f = self.data / rec["file"]
+                if f.exists() and f.stat().st_size == rec["bytes"]:
+                    done[rec["unit"]] = rec
+        return done
+
+    def unit_tmp(self, unit: str) -> Path:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return self.tmp / f"train-{unit}.arrow"
+
+    def commit(self, unit: str, record: dict[str, Any]) -> None:
+        tmp = self.unit_tmp(unit)
+        final = self.data / f"train-{unit}.arrow"
+        self.data.mkdir(parents=True, exist_ok=True)
+        fsync_file(tmp)
+        os.replace(tmp, final)
+        fsync_dir(self.data)
+        record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, **record}
+        with open(self.state / MANIFEST, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def data_files(self) -> list[Path]:
+        return sorted(self.data.glob("train-*.arrow"))
+
+    # ---- finalizing ----
+
+    def finalize(self, info: dict[str, Any], card: str) -> None:
+        atomic_write(self.root / "README.md", card)
+        atomic_write(self.root / "hsx.json", json.dumps(info, indent=2) + "\n")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def job_fingerprint(inputs: dict[str, Any]) -> dict[str, Any]:
+    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
+    return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs}
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dataset_card(info: dict[str, Any], command: str) -> str:
+    """README.md for the output dir: `configs` for load_dataset, what the columns are, how to decode bf16."""
+    c = info["counts"]
+    layers = ", ".join(str(i) for i in info["layers"])
+    final_col = ("\n- `final_hidden_state`: (T, {h}) int16 bits of bfloat16, the output of the final norm "
+                 "(transformers' `hidden_states[N]`, the input of lm_head)").format(h=info["hidden_size"]) \
+        if info["final_hidden"] else ""
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.arrow
+tags:
+- hsx
+- hidden-states
+---
+
+# Hidden states of `{info['model']}`
+
+Extracted with [hsx](https://github.com/) {info['hsx_version']}: layers **{layers}** of {info['num_model_layers']}
+(hidden size {info['hidden_size']}), {c['rows_written']:,} rows, {c['tokens_written']:,} tokens.
+
+Layer convention: {info['layer_convention']}.
+
+## Columns
+- `sample_id`: int64, the row's index in the input dataset (`{info['config']['dataset']}`, split `{info['config']['split']}`)
+- `input_ids`: int32 token ids; `loss_mask`: int8, 1 on each assistant token including its end-of-turn token (unshifted)
+- `num_tokens`: int32
+- `hidden_states`: (T, {len(info['layers'])}·{info['hidden_size']}) int16 bits of bfloat16, layers concatenated in the order above{final_col}
+
+Rows are ordered by length bucket, then `sample_id`. Skipped input rows: {json.dumps(c['skipped'])};
+truncated to {info['max_length']} tokens: {c['truncated']}.
+
+## Loading
+Arrow has no bfloat16: the states are stored bit-exact as int16. Local outputs, memory-mapped, no copy:
+
+```python
+import hsx
+ds = hsx.load("path/to/this/dir")          # datasets.Dataset over the Arrow files, memory-mapped
+rows = hsx.torch_view(ds)                   # rows[i]["hidden_states"]: torch.bfloat16 (T, layers, hidden)
+```
+
+With plain `datasets` (note: `load_dataset` on a local dir copies it into the cache; `streaming=True` does not):
+
+```python
+import torch
+from datasets import load_dataset
+ds = load_dataset("path/or/repo", split="train", streaming=True).with_format("torch", dtype=None)
+row = next(iter(ds))
+states = row["hidden_states"].view(torch.bfloat16).reshape(row["num_tokens"], {len(info['layers'])}, {info['hidden_size']})
+```
+
+Produced by: `{command}`
+"""
