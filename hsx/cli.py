@@ -50,12 +50,27 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=str, default=None, help=HELP.get(name))
 
 
+def config_overrides(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of chosen layers of a "
                                      "Hugging Face causal LM into an Arrow dataset.")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("extract", help="run (or continue) an extraction job")
     _add_config_flags(ex)
+    from hsx.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="measure hsx against batch-1 and padded extraction"))
+    pl = sub.add_parser("plan", help="weights, memory, token budget, disk and time of a job, before running it")
+    _add_config_flags(pl)
+    pl.add_argument("--shape", help="a named model shape instead of --model (see hsx.plan.SHAPES)")
+    pl.add_argument("--tokens", type=int, help="total tokens (default: tokenize the dataset and count)")
+    pl.add_argument("--rate", type=float, help="tokens/s to time the job at (default: 70%% of an H200's "
+                    "measured 790 TFLOP/s)")
+    pl.add_argument("--gpu-memory-gib", type=float, default=139.0)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
@@ -65,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "extract":
             from hsx.run import extract
 
-            overrides = {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
-            extract(load_config(args.config, overrides))
+            extract(load_config(args.config, config_overrides(args)))
+        elif args.command == "bench":
+            from hsx.bench import bench
+
+            bench(args)
+        elif args.command == "plan":
+            from hsx.plan import plan_command
+
+            plan_command(args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
         return 2

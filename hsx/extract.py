@@ -28,7 +28,7 @@ import torch
 
 from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
-from hsx.model import LoadedModel
+from hsx.model import LoadedModel, compile_layers
 
 PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
 
@@ -67,7 +67,8 @@ class Extractor:
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.forward = torch.compile(self._forward, dynamic=True) if compile_model else self._forward
+        if compile_model:
+            compile_layers(loaded.base)
         self.capacity = 0
         self.free: queue.Queue[Slot | None] = queue.Queue()
         self.num_slots = slots
@@ -81,10 +82,10 @@ class Extractor:
         h = self.hidden
         parts = [self.store[i].reshape(-1, h).index_select(0, index) for i in self.layers]
         states = torch.cat(parts, dim=1).reshape(-1)  # (n, layers*hidden), layers in ascending order
-        if not self.final:
-            return states
-        final = out.last_hidden_state.reshape(-1, h).index_select(0, index).reshape(-1)
-        return torch.cat([states, final])
+        if self.final:
+            final = out.last_hidden_state.reshape(-1, h).index_select(0, index).reshape(-1)
+            states = torch.cat([states, final])
+        return states.to(torch.bfloat16)  # storage is bf16 bits whatever the compute dtype
 
     def _ensure_slots(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -161,7 +162,7 @@ class Extractor:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        out = self.forward(ids, index)
+        out = self._forward(ids, index)
         result.segment_tokens.append(n)
         self.store.clear()
         dest = slot.states[at * self.per_token:(at + n) * self.per_token]

@@ -129,3 +129,30 @@ def build_random_model(text_config, layers: list[int], final_hidden: bool, devic
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text_config.hidden_size), model_path="", revision=None, text_config=tcfg)
 
+
+
+def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], final_hidden: bool) -> LoadedModel:
+    """A truncated decoder that shares the weights of an already built CausalLM (benchmarks: one copy of the
+    weights serves the naive runs and hsx's)."""
+    base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
+    n = int(text_config.num_hidden_layers)
+    depth = n if final_hidden else max(layers) + 1
+    view = copy.copy(base)  # shallow: same parameters; its own module table, config and hook dicts below
+    view._modules, view._parameters, view._buffers = dict(base._modules), dict(base._parameters), dict(base._buffers)
+    view.config = truncated_config(base.config, depth)
+    view = finish_truncation(view, depth, final_hidden)
+    return LoadedModel(base=view, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
+                       hidden_size=int(text_config.hidden_size), model_path="", revision=None,
+                       text_config=view.config)
+
+
+def compile_layers(base: torch.nn.Module) -> None:
+    """Regional compilation: torch.compile each decoder layer's forward, in place, once per model.
+
+    Layers of one class share one graph (compiled once, ~1 graph per layer type plus one for batch size 1), and
+    the capture hooks stay outside the compiled code, so adding or removing them never recompiles."""
+    if getattr(base, "_hsx_compiled", False):
+        return
+    for layer in decoder_layers(base):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    base._hsx_compiled = True

@@ -16,15 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from hsx import __version__
 from hsx.buckets import plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
 from hsx.sink import OutputDir, dataset_card, features, job_fingerprint
 
 CPU_TOKEN_BUDGET = 4096
-GPU_TOKEN_BUDGET = 16384  # fastest measured on an H200 for an 8B shape (16k: 48%, 64k: 44% of matmul rate)
 
 
 @dataclass
@@ -56,15 +53,11 @@ def command_line() -> str:
     return "hsx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and sys.argv[0] else "hsx extract"
 
 
-def extract(cfg: ExtractConfig, log=print) -> dict[str, Any]:
-    """Run (or continue) the job; returns the summary that is also written to hsx.json."""
-    import datasets
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
+def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
+    """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
+    `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
     from hsx import data
-    from hsx.config import resolve_layers
-    from hsx.model import load_model, resolve_model_path, text_config_of
 
     proc = current_process()
     if proc.world_size > 1:
@@ -72,21 +65,17 @@ def extract(cfg: ExtractConfig, log=print) -> dict[str, Any]:
     out = OutputDir(cfg.output_dir)
     t_start = time.perf_counter()
     with out.locked():
-        model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-        try:
-            text = text_config_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code))
-        except (OSError, ValueError, KeyError) as e:
-            raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
-        num_layers = int(text.num_hidden_layers)
-        layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or model_path,
-                                                      trust_remote_code=cfg.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise HsxError(f"cannot load tokenizer {cfg.tokenizer or cfg.model!r}: {str(e).splitlines()[0]}") \
-                from None
+        if model is None:
+            model_path, revision, text = _model_facts(cfg)
+            num_layers = int(text.num_hidden_layers)
+            layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
+        else:
+            model_path, revision, text = model.model_path, model.revision, model.text_config
+            num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
         raw = data.load_input(cfg)
-        template_sha = data.chat_template_sha256(tokenizer)
+        tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
+        raw = data.load_input(cfg)
+        template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         job = job_fingerprint({
             "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
             "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
@@ -116,7 +105,7 @@ def extract(cfg: ExtractConfig, log=print) -> dict[str, Any]:
         hidden = int(text.hidden_size)
         stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
         if pending:
-            stats = _run_units(cfg, proc, out, ordered, pending, layers, final_hidden, hidden, log)
+            stats = _run_units(cfg, proc, out, ordered, pending, layers, final_hidden, hidden, model)
         elif units:
             log("hsx: every unit is already written; finalizing")
 
@@ -142,7 +131,7 @@ def extract(cfg: ExtractConfig, log=print) -> dict[str, Any]:
             },
             "units": len(units), "world_size": proc.world_size, "hsx_version": __version__,
             "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden},
-            "fingerprint": job["fingerprint"], "complete": True,
+            "fingerprint": job["fingerprint"], "run": stats, "complete": True,
         }
         out.finalize(info, dataset_card(info, command_line()))
         wall = time.perf_counter() - t_start
@@ -151,28 +140,60 @@ def extract(cfg: ExtractConfig, log=print) -> dict[str, Any]:
             f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}")
         if stats["tokens"]:
             pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
-            log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s over {stats['seconds']:.1f} s "
+            mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
+            log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s{mfu} over {stats['seconds']:.1f} s "
                 f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
                 f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
         return info
 
 
+def _model_facts(cfg: ExtractConfig):
+    from transformers import AutoConfig
+
+    from hsx.model import resolve_model_path, text_config_of
+
+    model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
+    try:
+        text = text_config_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code))
+    except (OSError, ValueError, KeyError) as e:
+        raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+    return model_path, revision, text
+
+
+def _tokenizer(cfg: ExtractConfig, model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.tokenizer or model_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise HsxError(f"cannot load tokenizer {cfg.tokenizer or cfg.model!r}: {str(e).splitlines()[0]}") from None
+
+
 def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pending, layers: list[int],
-               final_hidden: bool, hidden: int, log) -> dict[str, Any]:
+               final_hidden: bool, hidden: int, loaded=None) -> dict[str, Any]:
     import datasets
     import torch
     from tqdm.auto import tqdm
 
     from hsx.extract import Extractor, Pipeline
     from hsx.model import load_model
+    from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
-    loaded = load_model(cfg, device)
-    budget = cfg.token_budget or (GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET)
-    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+    cuda = device.type == "cuda"
+    loaded = loaded or load_model(cfg, device)
+    width = len(layers) * hidden + (hidden if final_hidden else 0)
+    if cfg.token_budget:
+        budget = cfg.token_budget
+    elif cuda:
+        budget = auto_token_budget(loaded.text_config, width, torch.cuda.mem_get_info(device)[0], cfg.max_length)
+    else:
+        budget = CPU_TOKEN_BUDGET
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile)
     feats = features(len(layers) * hidden, hidden, final_hidden)
-    width = len(layers) * hidden + (hidden if final_hidden else 0)
+    peak_tflops = measure_matmul_tflops(device) if cuda else None
+    per_layer = layer_params(loaded.text_config)
 
     def unit_rows(u):
         return ordered.select(range(u.start, u.stop)).with_format("arrow")
@@ -185,7 +206,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     total_tokens = sum(u.tokens for u in pending)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extracting", disable=not proc.is_main,
                dynamic_ncols=True)
-    stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
+    stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
+             "token_budget": budget, "compile": use_compile, "device": str(device)}
     pipeline = Pipeline(extractor, batches(), max_batch)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
@@ -203,9 +225,12 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 stats["tokens"] += r.tokens
                 stats["padded_tokens"] += r.padded_tokens
                 stats["gpu_seconds"] += extractor.gpu_seconds(r)
+                stats["flops"] += flops(loaded.text_config, loaded.depth,
+                                        result_table.column("num_tokens").to_numpy(), per_layer)
                 bar.update(int(table.column("num_tokens").to_numpy().sum()))
                 elapsed = time.perf_counter() - t0
-                bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
+                mfu = f", MFU {stats['flops'] / elapsed / (peak_tflops * 1e12):.0%}" if peak_tflops else ""
+                bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
                 return result_table
 
             unit_rows(u).map(
@@ -221,4 +246,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         if progress_was_on:
             datasets.enable_progress_bars()
     stats["seconds"] = time.perf_counter() - t0
+    if peak_tflops:
+        stats["matmul_tflops"] = peak_tflops
+        stats["mfu"] = stats["flops"] / stats["seconds"] / (peak_tflops * 1e12)
     return stats

@@ -1,0 +1,271 @@
+"""`hsx bench`: hsx against the two common ways of extracting hidden states, on the same data, in one process.
+
+(a) EAGLE ge_data style: batch 1, the full CausalLM, `output_hidden_states=True`, a blocking copy per sample.
+(b) DeepSpec / SpecForge-HF style: padded batches of 32 in dataset order, full depth, no lm_head, an attention
+    mask, a blocking copy per batch.
+(c) hsx's real pipeline (`hsx extract` on the same rows and the same weights), writing the real Arrow output.
+
+(a) and (b) run on a subset (rows drawn from the same distribution) and are reported as rates; the table says
+how many rows each used. Weights are random, from a named shape or a local model; lengths are drawn from a
+lognormal body with a uniform tail (default: mean ≈ 354 tokens, 1% tail to 4k: the H200 probes' distribution).
+Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, allocator) that is timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.plan.SHAPES)")
+    p.add_argument("--model", help="a local model folder instead of --shape (its weights are used)")
+    p.add_argument("--layers", nargs="+", default=["dflash"], help="as for extract (default: dflash)")
+    p.add_argument("--final-hidden", action="store_true")
+    p.add_argument("--count", type=int, default=2000, help="rows")
+    p.add_argument("--mean", type=float, default=344.0, help="mean length of the lognormal body, tokens")
+    p.add_argument("--spread", type=float, default=0.8, help="sigma of the lognormal body")
+    p.add_argument("--tail", type=float, default=0.01, help="fraction of rows uniform in [max/2, max]")
+    p.add_argument("--min-length", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-budget", type=int)
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
+    p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
+    p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
+    p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--json", help="write the results here")
+
+
+def synthetic_lengths(count: int, mean: float, spread: float, tail: float, min_length: int, max_length: int,
+                      seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean) - spread**2 / 2
+    lengths = np.clip(rng.lognormal(mu, spread, count), min_length, max_length).astype(np.int64)
+    n_tail = int(round(tail * count))
+    if n_tail:
+        idx = rng.choice(count, n_tail, replace=False)
+        lengths[idx] = rng.integers(max_length // 2, max_length + 1, n_tail)
+    return lengths
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_naive(causal, rows: list[np.ndarray], layers: list[int], device) -> tuple[float, int]:
+    """(a): one sample at a time through the full CausalLM, output_hidden_states, blocking copies."""
+    import torch
+
+    n_layers = causal.config.get_text_config().num_hidden_layers
+    tokens = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for ids in rows:
+            out = causal(input_ids=torch.from_numpy(ids)[None].to(device), output_hidden_states=True,
+                         use_cache=False)
+            # hidden_states[i+1] is layer i's output; the last layer's pre-norm output is not available here.
+            states = torch.cat([out.hidden_states[min(i + 1, n_layers)][0] for i in layers], dim=-1)
+            states.cpu()
+            tokens += len(ids)
+    _sync(device)
+    return tokens, time.perf_counter() - t0
+
+
+def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: int = 32) -> tuple[int, int, float]:
+    """(b): dataset order, padded batches of 32, full depth, attention mask, blocking copy per batch."""
+    import torch
+
+    n_layers = base.config.num_hidden_layers
+    tokens = padded = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for k in range(0, len(rows), batch):
+            chunk = rows[k:k + batch]
+            t = max(len(r) for r in chunk)
+            ids = np.zeros((len(chunk), t), dtype=np.int64)
+            mask = np.zeros((len(chunk), t), dtype=np.int64)
+            for j, r in enumerate(chunk):
+                ids[j, :len(r)], mask[j, :len(r)] = r, 1
+            m = torch.from_numpy(mask).to(device)
+            out = base(input_ids=torch.from_numpy(ids).to(device), attention_mask=m, output_hidden_states=True,
+                       use_cache=False)
+            states = torch.cat([out.hidden_states[min(i + 1, n_layers)] for i in layers], dim=-1)
+            states[m.bool()].cpu()
+            tokens += int(mask.sum())
+            padded += ids.size
+    _sync(device)
+    return tokens, padded, time.perf_counter() - t0
+
+
+def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    import datasets
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hsx import model as hsx_model
+    from hsx.config import ExtractConfig, parse_layer_spec, resolve_layers
+    from hsx.plan import flops, layer_params, measure_matmul_tflops, shape_config
+    from hsx.run import current_process, extract
+
+    device = current_process().device
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.model:
+        full_config = AutoConfig.from_pretrained(args.model)
+    else:
+        full_config = shape_config(args.shape)
+    text = hsx_model.text_config_of(full_config)
+    n = int(text.num_hidden_layers)
+    layers, final_hidden = resolve_layers(parse_layer_spec(args.layers), n, args.final_hidden)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+
+    log(f"hsx bench: {args.model or args.shape} ({n} layers × {text.hidden_size}), layers {layers}"
+        f"{' + final' if final_hidden else ''}, {args.count} rows, device {device}")
+    peak_tflops = measure_matmul_tflops(device)
+    log(f"  measured matmul rate: {peak_tflops:.1f} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'})")
+
+    # One set of weights for every run: (a) uses the CausalLM, (b) its base model, (c) a truncated view of it.
+    t0 = time.perf_counter()
+    if args.model:
+        causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True).to(device)
+    else:
+        with torch.device(device):
+            causal = AutoModelForCausalLM.from_config(full_config, dtype=dtype, attn_implementation="sdpa")
+    causal.eval().requires_grad_(False)
+    causal.config.use_cache = False
+    build_s = time.perf_counter() - t0
+    base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
+    vocab = int(text.vocab_size)
+
+    lengths = synthetic_lengths(args.count, args.mean, args.spread, args.tail, args.min_length, args.max_length,
+                                args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    rows = [rng.integers(0, vocab, int(n_tok)).astype(np.int32) for n_tok in lengths]
+    per_layer = layer_params(text)
+
+    def rate(tokens: int, seconds: float, lens: np.ndarray, depth: int) -> dict[str, float]:
+        f = flops(text, depth, lens, per_layer)
+        return {"tokens": int(tokens), "seconds": seconds, "tok_per_s": tokens / seconds,
+                "mfu": f / seconds / (peak_tflops * 1e12)}
+
+    results: dict[str, Any] = {
+        "model": args.model or f"random:{args.shape}", "layers": layers, "final_hidden": final_hidden,
+        "num_model_layers": n, "hidden_size": int(text.hidden_size), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "dtype": str(dtype).replace("torch.", ""), "matmul_tflops": peak_tflops, "rows": args.count,
+        "tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), "max_length_drawn": int(lengths.max()),
+        "model_build_seconds": build_s, "versions": _versions(),
+    }
+
+    # (a) and (b): subsets drawn at random from the same rows.
+    if "a" not in skip:
+        idx = np.sort(np.random.default_rng(args.seed + 2).choice(args.count, min(args.subset_a, args.count),
+                                                                   replace=False))
+        run_naive(causal, [rows[i] for i in idx[:3]], layers, device)  # warm-up
+        tok, sec = run_naive(causal, [rows[i] for i in idx], layers, device)
+        results["a"] = {**rate(tok, sec, lengths[idx], n), "rows": len(idx), "padding": 0.0,
+                        "what": "batch 1, full CausalLM, output_hidden_states, blocking copy"}
+        log(f"  (a) naive: {results['a']['tok_per_s']:,.0f} tok/s, MFU {results['a']['mfu']:.1%} ({len(idx)} rows)")
+    if "b" not in skip:
+        k = min(args.subset_b, args.count)
+        run_padded(base, rows[:32], layers, device)  # warm-up
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        tok, pad, sec = run_padded(base, rows[:k], layers, device)
+        results["b"] = {**rate(tok, sec, lengths[:k], n), "rows": k, "padding": 1 - tok / pad,
+                        "what": "dataset order, padded batches of 32, full depth, no lm_head, attention mask, "
+                                "blocking copy"}
+        if cuda:
+            results["b"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        log(f"  (b) padded: {results['b']['tok_per_s']:,.0f} tok/s, MFU {results['b']['mfu']:.1%}, "
+            f"padding {results['b']['padding']:.1%} ({k} rows)")
+
+    # (c): hsx's real pipeline over all rows, sharing the weights.
+    loaded = hsx_model.truncated_view(causal, text, layers, final_hidden)
+    if not final_hidden:
+        del causal.lm_head  # (c) never needs it; free its memory (and the full model is not used again)
+    work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
+    out_dir = Path(args.output_dir) if args.output_dir else work / "out"
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
+    common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
+                  max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
+                  overwrite=True)
+    quiet = lambda *a, **k: None  # noqa: E731
+    # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
+    warm_idx = np.argsort(lengths)[:: max(1, args.count // 96)]
+    datasets.Dataset.from_dict({"input_ids": [rows[i] for i in warm_idx]}).save_to_disk(str(work / "warm"))
+    t0 = time.perf_counter()
+    extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
+            log=quiet, model=loaded)
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
+    run = info["run"]
+    out_bytes = sum(f.stat().st_size for f in (out_dir / "data").glob("*.arrow"))
+    results["c"] = {
+        **rate(run["tokens"], run["seconds"], lengths, loaded.depth), "rows": info["counts"]["rows_written"],
+        "padding": 1 - run["tokens"] / max(1, run["padded_tokens"]),
+        "gpu_idle": 1 - run["gpu_seconds"] / run["seconds"],
+        "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
+        "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
+        "layers_run": loaded.depth, "compile": run.get("compile"),
+        "what": "hsx extract: length buckets, token budget, truncated, hooks, pipelined copies, Arrow output",
+    }
+    if cuda:
+        results["c"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    for other in ("a", "b"):
+        if other in results:
+            results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
+    log(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.output_dir:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    return results
+
+
+def _versions() -> dict[str, str]:
+    import datasets
+    import torch
+    import transformers
+
+    from hsx import __version__
+
+    return {"hsx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "datasets": datasets.__version__}
+
+
+def format_table(r: dict[str, Any]) -> str:
+    lines = ["| run | rows | tok/s | MFU | padding | peak GiB | vs (c) |", "|---|---|---|---|---|---|---|"]
+    for key, name in (("a", "(a) batch 1, output_hidden_states"), ("b", "(b) padded 32, dataset order"),
+                      ("c", "(c) hsx extract")):
+        if key not in r:
+            continue
+        x = r[key]
+        ratio = f"{r['c_over_' + key]:.1f}×" if key != "c" and f"c_over_{key}" in r else ""
+        lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
+                     f"{x.get('peak_gpu_gib', float('nan')):.1f} | {ratio} |")
+    c = r["c"]
+    lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
+                 f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}), token budget {c['token_budget']}, "
+                 f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+    return "\n".join(lines)

@@ -1,0 +1,248 @@
+"""Input rows -> token ids and loss masks: chat (messages / ShareGPT), text, pre-tokenized; skips; truncation."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from conftest import HAND_CONVERSATION, LONG_USER, write_jsonl
+from hsx import data
+from hsx.config import ExtractConfig, HsxError
+
+EXPECTED_HAND_TEXT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nWhat is the weather today?<|im_end|>\n"
+    "<|im_start|>assistant\nThe weather today is sunny.<|im_end|>\n"
+    "<|im_start|>user\nAnd the river?<|im_end|>\n"
+    "<|im_start|>assistant\nThe river is quiet, and the water is warm.<|im_end|>\n"
+)
+
+
+def tok_batch(tokenizer, fmt, values, max_length=4096, kwargs=None):
+    return data.tokenize_batch({fmt: values}, list(range(len(values))), tokenizer, fmt, max_length, kwargs or {})
+
+
+def runs(mask):
+    """[start, stop) of each run of ones."""
+    m = np.r_[0, np.asarray(mask, dtype=int), 0]
+    d = np.diff(m)
+    return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
+
+
+# ---- chat -----------------------------------------------------------------------------------------------------
+
+def test_hand_checked_conversation_mask(tokenizer):
+    out = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])
+    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    assert out["skip_reason"] == [""]
+    assert len(ids) == len(mask) == out["num_tokens"][0]
+    assert tokenizer.decode(ids) == EXPECTED_HAND_TEXT
+    r = runs(mask)
+    assert len(r) == 2, r
+    assert [tokenizer.decode(ids[a:b]) for a, b in r] == [
+        "The weather today is sunny.<|im_end|>",
+        "The river is quiet, and the water is warm.<|im_end|>",
+    ]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for a, b in r:
+        assert ids[b - 1] == im_end  # the end-of-turn token is supervised ...
+        assert tokenizer.decode(ids[b:b + 1]) == "\n"  # ... the newline after it is not
+        assert tokenizer.decode(ids[:a]).endswith("<|im_start|>assistant\n")  # the header is not
+    # nothing else is masked: not the system prompt, the user turns, the headers, or the other <|im_end|>s
+    assert sum(mask) == sum(b - a for a, b in r)
+    assert sum(1 for i, m in zip(ids, mask) if i == im_end and m) == 2
+    assert sum(1 for i, m in zip(ids, mask) if i == im_start and m) == 0
+
+
+def test_mask_matches_template_rendering(tokenizer):
+    """The ids are exactly the template's text tokenized."""
+    out = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])
+    text = tokenizer.apply_chat_template(HAND_CONVERSATION, tokenize=False)
+    assert text == EXPECTED_HAND_TEXT
+    assert out["input_ids"][0] == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def conversations():
+    from hsx.demo import chat_rows
+
+    convs = [HAND_CONVERSATION] + [r["messages"] for r in chat_rows(16, seed=5)[:16]]
+    convs.append([{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi there, how are you?"},
+                  {"role": "user", "content": "Fine."}, {"role": "assistant", "content": "Good to hear it."}])
+    return convs
+
+
+def test_fallback_mask_equals_generation_mask(tokenizer, tokenizer_no_generation):
+    convs = conversations()
+    assert not data.GENERATION_TAG.search(tokenizer_no_generation.chat_template)
+    assert data.GENERATION_TAG.search(tokenizer.chat_template)
+    gen = tok_batch(tokenizer, "messages", convs)
+    fb = tok_batch(tokenizer_no_generation, "messages", convs)
+    assert gen["skip_reason"] == fb["skip_reason"] == [""] * len(convs)
+    assert fb["input_ids"] == gen["input_ids"]
+    for i, (m_gen, m_fb) in enumerate(zip(gen["loss_mask"], fb["loss_mask"])):
+        assert m_fb == m_gen, f"conversation {i}"
+        assert sum(m_gen) > 0
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the fallback mask (templates without {% generation %}) searches each "
+                   "assistant message from the start of the rendered text / the previous assistant span, so it "
+                   "marks text in an earlier system/user turn (or inside '<|im_start|>') that equals the "
+                   "assistant content")
+@pytest.mark.parametrize("conv", [
+    [{"role": "user", "content": "Please say: yes."}, {"role": "assistant", "content": "yes."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"}],
+], ids=["content-in-user-turn", "content-in-special-token"])
+def test_fallback_mask_when_content_repeats_earlier(tokenizer, tokenizer_no_generation, conv):
+    gen = tok_batch(tokenizer, "messages", [conv])
+    fb = tok_batch(tokenizer_no_generation, "messages", [conv])
+    assert fb["input_ids"] == gen["input_ids"]
+    assert fb["loss_mask"] == gen["loss_mask"]
+
+
+def test_sharegpt_equals_messages(tokenizer):
+    msgs = HAND_CONVERSATION
+    role_to_from = {"system": "system", "user": "human", "assistant": "gpt"}
+    share = [{"from": role_to_from[m["role"]], "value": m["content"]} for m in msgs]
+    a = tok_batch(tokenizer, "messages", [msgs])
+    b = tok_batch(tokenizer, "conversations", [share])
+    assert b["skip_reason"] == [""]
+    assert (b["input_ids"], b["loss_mask"]) == (a["input_ids"], a["loss_mask"])
+
+
+def test_sharegpt_bad_rows(tokenizer):
+    rows = [[], None, [{"from": "human", "value": "hi"}], [{"from": "human", "value": "hi"}, {"from": "gpt",
+                                                                                              "value": None}],
+            [{"value": "hi"}, {"from": "gpt", "value": "x"}]]
+    out = tok_batch(tokenizer, "conversations", rows)
+    assert out["skip_reason"] == ["empty_conversation", "missing_value", "no_assistant_turn", "null_content",
+                                  "missing_value"]
+    assert out["input_ids"] == [[]] * 5 and out["num_tokens"] == [0] * 5
+
+
+def test_chat_bad_rows(tokenizer):
+    rows = [[], None, [{"role": "user", "content": "hi"}],
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+            [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "ok"}],
+            [{"role": None, "content": "hi"}, {"role": "assistant", "content": "ok"}],
+            HAND_CONVERSATION]
+    out = tok_batch(tokenizer, "messages", rows)
+    assert out["skip_reason"] == ["empty_conversation", "missing_value", "no_assistant_turn", "null_content",
+                                  "null_content", "missing_value", ""]
+    assert out["num_tokens"][-1] > 0 and out["num_tokens"][:-1] == [0] * 6
+
+
+def test_truncation(tokenizer):
+    long_answer = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": LONG_USER}]
+    long_prompt = [{"role": "user", "content": LONG_USER}, {"role": "assistant", "content": "Yes."}]
+    full = tok_batch(tokenizer, "messages", [long_answer])
+    out = tok_batch(tokenizer, "messages", [long_answer, long_prompt, HAND_CONVERSATION], max_length=40)
+    assert len(full["input_ids"][0]) > 40
+    assert out["truncated"] == [True, False, False]
+    assert out["skip_reason"] == ["", "no_supervised_tokens_after_truncation", ""]
+    assert out["input_ids"][0] == full["input_ids"][0][:40]
+    assert out["loss_mask"][0] == full["loss_mask"][0][:40]
+    assert out["num_tokens"][0] == 40
+
+
+def test_text_rows(tokenizer):
+    texts = ["The cat slept on the warm chair.", "", None, "A good question is often more useful."]
+    out = tok_batch(tokenizer, "text", texts)
+    assert out["skip_reason"] == ["", "empty_text", "missing_value", ""]
+    for r in (0, 3):
+        assert out["input_ids"][r] == tokenizer(texts[r])["input_ids"]
+        assert out["loss_mask"][r] == [1] * len(out["input_ids"][r])
+        assert out["num_tokens"][r] == len(out["input_ids"][r]) > 0
+
+
+def test_input_ids_rows(tokenizer):
+    batch = {"input_ids": [[5, 6, 7], [8, 9], [], None, [1, 2, 3], [4, 4]],
+             "loss_mask": [[0, 1, 1], None, [], None, [1, 0], [0, 0]]}
+    out = data.tokenize_batch(batch, list(range(10, 16)), tokenizer, "input_ids", 4096, {})
+    assert out["sample_id"] == list(range(10, 16))
+    assert out["skip_reason"] == ["", "", "empty_input", "missing_value", "loss_mask_length_mismatch",
+                                  "no_supervised_tokens"]
+    assert out["input_ids"][:2] == [[5, 6, 7], [8, 9]]
+    assert out["loss_mask"][:2] == [[0, 1, 1], [1, 1]]  # no loss_mask: every token supervised
+    out = data.tokenize_batch({"input_ids": [[5, 6, 7, 8]]}, [0], tokenizer, "input_ids", 2, {})
+    assert out["input_ids"] == [[5, 6]] and out["truncated"] == [True]
+
+
+def test_row_format():
+    assert data.row_format(["messages", "id"]) == "messages"
+    assert data.row_format(["conversations"]) == "conversations"
+    assert data.row_format(["text", "meta"]) == "text"
+    assert data.row_format(["input_ids", "text"]) == "input_ids"
+    with pytest.raises(HsxError, match="messages"):
+        data.row_format(["prompt", "answer"])
+
+
+def test_chat_template_sha256(tokenizer, tokenizer_no_generation):
+    from hsx.demo import CHAT_TEMPLATE
+
+    assert data.chat_template_sha256(tokenizer) == hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
+    assert data.chat_template_sha256(tokenizer) != data.chat_template_sha256(tokenizer_no_generation)
+
+
+# ---- through datasets -----------------------------------------------------------------------------------------
+
+def cfg_for(path, **kw):
+    return ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", **kw)
+
+
+def test_tokenize_through_datasets(tmp_path, tokenizer, chat_data):
+    raw = data.load_input(cfg_for(chat_data.path, max_length=160))
+    assert len(raw) == len(chat_data.rows)
+    tok = data.tokenize(raw, tokenizer, cfg_for(chat_data.path, max_length=160), str(tmp_path / "t.arrow"),
+                        fingerprint="test-tok-1")
+    assert tok.column_names == list(data.TOKENIZED_COLUMNS)
+    assert tok.features["input_ids"].feature.dtype == "int32"
+    assert tok.features["loss_mask"].feature.dtype == "int8"
+    assert tok["sample_id"] == list(range(len(chat_data.rows)))
+    reasons = tok["skip_reason"]
+    assert {i: r for i, r in enumerate(reasons) if r} == chat_data.skip
+    sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tok)
+    assert sorted(set(range(len(chat_data.rows))) - set(sample_ids.tolist())) == sorted(chat_data.skip)
+    expected = {}
+    for r in chat_data.skip.values():
+        expected[r] = expected.get(r, 0) + 1
+    assert skipped == expected
+    assert truncated >= 1
+    assert truncated == sum(tok["truncated"])
+    assert num_tokens.max() <= 160
+    assert data.first_skipped(tok) == (min(chat_data.skip), chat_data.skip[min(chat_data.skip)])
+    # the hand conversation (row 0) went through the same map unchanged
+    direct = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])
+    assert tok[0]["input_ids"] == direct["input_ids"][0] and tok[0]["loss_mask"] == direct["loss_mask"][0]
+
+
+def test_tokenize_chat_without_template_is_an_error(tmp_path, chat_data):
+    from hsx.demo import build_tokenizer
+
+    raw = data.load_input(cfg_for(chat_data.path))
+    with pytest.raises(HsxError, match="chat template"):
+        data.tokenize(raw, build_tokenizer(chat_template=None), cfg_for(chat_data.path), str(tmp_path / "t.arrow"),
+                      fingerprint="test-tok-2")
+
+
+def test_load_input_folder_and_limit(tmp_path):
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "a"}, {"text": "b"}])
+    write_jsonl(tmp_path / "d" / "b.jsonl", [{"text": "c"}])
+    write_jsonl(tmp_path / "d" / ".hidden" / "x.jsonl", [{"text": "zzz"}])
+    ds = data.load_input(cfg_for(tmp_path / "d"))
+    assert ds["text"] == ["a", "b", "c"]
+    assert data.load_input(cfg_for(tmp_path / "d", limit=2))["text"] == ["a", "b"]
+
+
+def test_load_input_errors(tmp_path, broken_jsonl):
+    with pytest.raises(HsxError, match="cannot read dataset"):
+        data.load_input(cfg_for(broken_jsonl))
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(HsxError, match="unsupported"):
+        data.load_input(cfg_for(tmp_path / "x.csv"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HsxError):
+        data.load_input(cfg_for(tmp_path / "empty"))
