@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
 
 
 def synthetic_lengths(count: int, mean: float, spread: float, tail: float, min_length: int, max_length: int,
@@ -233,6 +234,9 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     for other in ("a", "b"):
         if other in results:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
+    if args.profile:
+        results["c"]["profile"] = args.profile
+        profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile)
     log(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -241,6 +245,44 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         if args.output_dir:
             shutil.rmtree(out_dir, ignore_errors=True)
     return results
+
+
+def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str) -> None:
+    """Kernel time of (c)'s GPU work on a dozen budget-sized batches spread over the length distribution."""
+    import pyarrow as pa
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hsx.extract import Extractor
+
+    order = np.argsort(lengths, kind="stable")
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        if cur and (len(cur) + 1) * max(cur_max, lengths[i]) > budget:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(int(i))
+        cur_max = max(cur_max, int(lengths[i]))
+    batches.append(cur)
+    pick = [batches[k] for k in np.linspace(0, len(batches) - 1, 12).astype(int)]
+    device = next(loaded.base.parameters()).device
+    ex = Extractor(loaded, device, budget, compile_model=getattr(loaded.base, "_hsx_compiled", False))
+    ex._ensure_slots(budget + 4096)
+    tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
+                        "input_ids": pa.array([rows[i].tolist() for i in b], pa.list_(pa.int32()))}) for b in pick]
+    slot = ex.free.get()
+    from hsx.capture import capture
+
+    with torch.inference_mode(), capture(loaded.base, loaded.layers) as store:
+        ex.store = store
+        for t in tables[:2]:
+            ex.run_batch(t, slot)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for t in tables:
+                ex.run_batch(t, slot)
+            torch.cuda.synchronize()
+    Path(path).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
 
 
 def _versions() -> dict[str, str]:

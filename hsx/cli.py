@@ -24,7 +24,7 @@ HELP = {
     "output_dir": "where the Arrow dataset goes; rerunning the same command there continues the job",
     "strict": "stop at the first unusable input row instead of skipping and counting it",
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
-    "unit_tokens": "tokens per output file, the grain of commit and resume",
+    "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
     "compile": "torch.compile the model: auto (on for CUDA), on, off",
     "chat_template_kwargs": "JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
     "limit": "only the first N input rows",

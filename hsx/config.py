@@ -52,7 +52,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
-    unit_tokens: int = 1 << 20  # tokens per committed output file (a resumable unit)
+    unit_tokens: int | None = None  # tokens per output file (a resumable unit); None: about 2 GiB of states
     compile: str = "auto"  # auto (on for CUDA), on, off
     num_proc: int | None = None  # tokenization processes
     trust_remote_code: bool = False

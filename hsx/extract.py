@@ -240,7 +240,12 @@ class Pipeline:
         self.results: queue.Queue = queue.Queue()
         self.returned: Slot | None = None  # the slot whose table map is writing now
         self.stop = threading.Event()
-        self.wait_seconds = 0.0  # producer time blocked on a free slot: the writer is the bottleneck then
+        # Where the time goes: the producer blocked on a free slot (the writer is behind), map waiting for the GPU,
+        # and the time between map calls (datasets writing the previous table).
+        self.wait_seconds = 0.0
+        self.map_wait_seconds = 0.0
+        self.write_seconds = 0.0
+        self._returned_at: float | None = None
         self.thread = threading.Thread(target=self._produce, args=(batches,), name="hsx-gpu", daemon=True)
         self.thread.start()
 
@@ -262,6 +267,9 @@ class Pipeline:
 
     def __call__(self, table: pa.Table) -> pa.Table:
         """The function given to `datasets.map` (batched, arrow-formatted)."""
+        t0 = time.perf_counter()
+        if self._returned_at is not None:
+            self.write_seconds += t0 - self._returned_at
         if self.returned is not None:
             self.ex.free.put(self.returned)  # datasets wrote the previous table before calling us again
             self.returned = None
@@ -274,12 +282,19 @@ class Pipeline:
                 result.sample_ids, table.column("sample_id").to_numpy()):
             raise RuntimeError("hsx: the GPU pipeline and map are out of step")
         self.last = result
+        if result.slot.done is not None:
+            result.slot.done.synchronize()
+        self.map_wait_seconds += time.perf_counter() - t0
         out = self.ex.to_table(table, result)
         self.returned = result.slot
+        self._returned_at = time.perf_counter()
         return out
 
     def release(self) -> None:
         """After a unit's map has finished (its last table is written)."""
+        if self._returned_at is not None:
+            self.write_seconds += time.perf_counter() - self._returned_at
+            self._returned_at = None
         if self.returned is not None:
             self.ex.free.put(self.returned)
             self.returned = None

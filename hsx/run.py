@@ -19,9 +19,10 @@ from typing import Any
 from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
-from hsx.sink import OutputDir, dataset_card, features, job_fingerprint
+from hsx.sink import Committer, OutputDir, dataset_card, features, job_fingerprint
 
 CPU_TOKEN_BUDGET = 4096
+UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
 
 
 @dataclass
@@ -75,13 +76,16 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
         raw = data.load_input(cfg)
         tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
         raw = data.load_input(cfg)
+        hidden = int(text.hidden_size)
+        bytes_per_token = 2 * (len(layers) + int(final_hidden)) * hidden
+        unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         job = job_fingerprint({
             "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
             "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
             "max_length": cfg.max_length, "chat_template_sha256": template_sha,
             "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
-            "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "hsx_version": ".".join(__version__.split(".")[:2]),
+            "limit": cfg.limit, "unit_tokens": unit_tokens, "hsx_version": ".".join(__version__.split(".")[:2]),
         })
         state = out.claim(job, cfg.overwrite)
         if state == "complete":
@@ -96,13 +100,12 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
         if cfg.strict and (bad := data.first_skipped(tokenized)):
             raise HsxError(f"--strict: input row {bad[0]} of {cfg.dataset} cannot be used: {bad[1]}")
         sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
-        order, units = plan_units(sample_ids, num_tokens, cfg.max_length, cfg.unit_tokens)
+        order, units = plan_units(sample_ids, num_tokens, cfg.max_length, unit_tokens)
         done = out.done_units()
         pending = [u for u in units if u.name not in done]
         ordered = tokenized.select(positions[order]).select_columns(
             ["sample_id", "input_ids", "loss_mask", "num_tokens"])
 
-        hidden = int(text.hidden_size)
         stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
         if pending:
             stats = _run_units(cfg, proc, out, ordered, pending, layers, final_hidden, hidden, model)
@@ -209,6 +212,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device)}
     pipeline = Pipeline(extractor, batches(), max_batch)
+    committer = Committer(out)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     t0 = time.perf_counter()
@@ -233,19 +237,24 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
                 return result_table
 
+            committer.check()
             unit_rows(u).map(
                 step, batched=True, batch_size=u.batch_size(budget), features=feats,
                 cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
                 writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
             )
             pipeline.release()
-            out.commit(u.name, counts)
+            committer.submit(u.name, counts)
+        committer.join()
     finally:
+        committer.close()
         pipeline.close()
         bar.close()
         if progress_was_on:
             datasets.enable_progress_bars()
     stats["seconds"] = time.perf_counter() - t0
+    stats.update(gpu_waited_for_writer_seconds=pipeline.wait_seconds, map_waited_for_gpu_seconds=pipeline.map_wait_seconds,
+                 write_seconds=pipeline.write_seconds)
     if peak_tflops:
         stats["matmul_tflops"] = peak_tflops
         stats["mfu"] = stats["flops"] / stats["seconds"] / (peak_tflops * 1e12)

@@ -153,6 +153,46 @@ class OutputDir:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class Committer:
+    """Commits units (fsync, rename, manifest) on a background thread: an fsync waits for the disk to take
+    gigabytes, and the GPU must not wait with it. Errors (a full disk) surface at the next submit or join."""
+
+    def __init__(self, out: OutputDir):
+        import queue
+        import threading
+
+        self.out, self.error = out, None
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="hsx-commit", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.out.commit(*item)
+                except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+                    self.error = e
+            self.queue.task_done()
+        self.queue.task_done()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, unit: str, record: dict[str, Any]) -> None:
+        self.check()
+        self.queue.put((unit, record))
+
+    def join(self) -> None:
+        self.queue.join()
+        self.check()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
 def job_fingerprint(inputs: dict[str, Any]) -> dict[str, Any]:
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs}
