@@ -226,7 +226,9 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "gpu_idle": 1 - run["gpu_seconds"] / run["seconds"],
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
-        "layers_run": loaded.depth, "compile": run.get("compile"),
+        "layers_run": loaded.depth, "compile": run.get("compile"), "pipeline": {
+            k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
+                                "write_seconds") if k in run},
         "what": "hsx extract: length buckets, token budget, truncated, hooks, pipelined copies, Arrow output",
     }
     if cuda:

@@ -13,7 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 if "HF_DATASETS_CACHE" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="hsx-tests-datasets-cache-")
     os.environ["HF_DATASETS_CACHE"] = _cache
@@ -198,6 +197,35 @@ def broken_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "broken.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "us\n')
     return path
+
+
+@dataclass
+class Expected:
+    rows: dict[int, tuple[list[int], list[int], bool]]  # usable sample_id -> (input_ids, loss_mask, truncated)
+    skip: dict[int, str]  # sample_id -> skip reason
+    skip_counts: dict[str, int]
+    truncated: int
+
+
+def expected_tokenization(chat: ChatData, tokenizer, max_length: int) -> Expected:
+    """What hsx should make of `chat` rows, computed straight from the tokenizer (generation markers)."""
+    rows, skip = {}, dict(chat.skip)
+    for sid, row in enumerate(chat.rows):
+        if sid in skip:
+            continue
+        enc = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(enc["input_ids"])[:max_length], list(enc["assistant_masks"])[:max_length]
+        truncated = len(enc["input_ids"]) > max_length
+        if not any(mask):
+            skip[sid] = "no_supervised_tokens_after_truncation" if truncated else "no_supervised_tokens"
+            continue
+        rows[sid] = (ids, mask, truncated)
+    counts: dict[str, int] = {}
+    for r in skip.values():
+        counts[r] = counts.get(r, 0) + 1
+    return Expected(rows=rows, skip=dict(sorted(skip.items())), skip_counts=dict(sorted(counts.items())),
+                    truncated=sum(t for _, _, t in rows.values()))
 
 
 def bucket_of(num_tokens: np.ndarray, max_length: int) -> np.ndarray:

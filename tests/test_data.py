@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import HAND_CONVERSATION, LONG_USER, write_jsonl
+from conftest import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
 from hsx import data
 from hsx.config import ExtractConfig, HsxError
 
@@ -139,7 +139,8 @@ def test_truncation(tokenizer):
     long_answer = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": LONG_USER}]
     long_prompt = [{"role": "user", "content": LONG_USER}, {"role": "assistant", "content": "Yes."}]
     full = tok_batch(tokenizer, "messages", [long_answer])
-    out = tok_batch(tokenizer, "messages", [long_answer, long_prompt, HAND_CONVERSATION], max_length=40)
+    short = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    out = tok_batch(tokenizer, "messages", [long_answer, long_prompt, short], max_length=40)
     assert len(full["input_ids"][0]) > 40
     assert out["truncated"] == [True, False, False]
     assert out["skip_reason"] == ["", "no_supervised_tokens_after_truncation", ""]
@@ -202,18 +203,20 @@ def test_tokenize_through_datasets(tmp_path, tokenizer, chat_data):
     assert tok.features["input_ids"].feature.dtype == "int32"
     assert tok.features["loss_mask"].feature.dtype == "int8"
     assert tok["sample_id"] == list(range(len(chat_data.rows)))
+    exp = expected_tokenization(chat_data, tokenizer, 160)
     reasons = tok["skip_reason"]
-    assert {i: r for i, r in enumerate(reasons) if r} == chat_data.skip
+    assert {i: r for i, r in enumerate(reasons) if r} == exp.skip
     sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tok)
-    assert sorted(set(range(len(chat_data.rows))) - set(sample_ids.tolist())) == sorted(chat_data.skip)
-    expected = {}
-    for r in chat_data.skip.values():
-        expected[r] = expected.get(r, 0) + 1
-    assert skipped == expected
-    assert truncated >= 1
+    assert sorted(sample_ids.tolist()) == sorted(exp.rows)
+    assert skipped == exp.skip_counts
+    assert truncated == exp.truncated >= 1
     assert truncated == sum(tok["truncated"])
-    assert num_tokens.max() <= 160
-    assert data.first_skipped(tok) == (min(chat_data.skip), chat_data.skip[min(chat_data.skip)])
+    for sid, n in zip(sample_ids.tolist(), num_tokens.tolist()):
+        ids, mask, _ = exp.rows[sid]
+        assert n == len(ids) <= 160
+        assert tok[positions[sample_ids.tolist().index(sid)]]["input_ids"] == ids
+        assert tok[positions[sample_ids.tolist().index(sid)]]["loss_mask"] == mask
+    assert data.first_skipped(tok) == (min(exp.skip), exp.skip[min(exp.skip)])
     # the hand conversation (row 0) went through the same map unchanged
     direct = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])
     assert tok[0]["input_ids"] == direct["input_ids"][0] and tok[0]["loss_mask"] == direct["loss_mask"][0]

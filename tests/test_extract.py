@@ -1,0 +1,253 @@
+"""The forward path in float32, checked before storage: truncated model + hooks + right-padded batches + gather.
+
+The Extractor is driven through the Pipeline, exactly as `datasets.map` drives it; its device tensor (what it copies
+to the host as bf16 bits) is recorded by wrapping `_forward`, and compared with the full-depth model run on one
+sample, unpadded (conftest.TinyModel.reference), within 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from conftest import bf16_ulps
+from hsx.capture import capture
+from hsx.config import ExtractConfig
+from hsx.extract import Extractor, Pipeline
+from hsx.model import load_model
+
+CPU = torch.device("cpu")
+
+
+def make_cfg(model, layers, final_hidden, dtype="float32"):
+    return ExtractConfig(model=str(model.path), dataset="unused", layers=layers, final_hidden=final_hidden,
+                         output_dir="unused", dtype=dtype, compile="off")
+
+
+def sample_ids_lists(tokenizer, n=7, seed=11):
+    from hsx.demo import chat_rows
+
+    rows = chat_rows(n, seed=seed)[:n]
+    return [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"] for r in rows]
+
+
+def as_table(ids_lists, first_id=0):
+    return pa.table({
+        "sample_id": pa.array(range(first_id, first_id + len(ids_lists)), pa.int64()),
+        "input_ids": pa.array(ids_lists, pa.list_(pa.int32())),
+        "loss_mask": pa.array([[1] * len(i) for i in ids_lists], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(i) for i in ids_lists], pa.int32()),
+    })
+
+
+class Recorder:
+    """Wraps Extractor._forward. For each forward it records the padded ids, the gather index, the hooked layers'
+    outputs and the final norm's output as the model computed them (float32 for a float32 model, before any
+    conversion for storage), and the tensor `_forward` hands on to be copied out."""
+
+    def __init__(self, ex: Extractor, fail=None):
+        self.ex = ex
+        self.orig = ex._forward
+        self.calls: list[dict] = []
+        self.fail = fail
+        self._final = None
+        norm = getattr(ex.loaded.base, "norm", None)
+        if ex.final and isinstance(norm, torch.nn.Module):
+            norm.register_forward_hook(lambda m, a, o: setattr(self, "_final", o.detach().clone()))
+        ex._forward = self
+        ex.forward = self  # older code paths call self.forward
+
+    def __call__(self, ids, index):
+        if self.fail is not None and self.fail(ids):
+            raise torch.OutOfMemoryError("simulated")
+        out = self.orig(ids, index)
+        self.calls.append({
+            "ids": ids.detach().clone(), "index": index.detach().clone(),
+            "layers": {i: t.detach().clone() for i, t in self.ex.store.items()},
+            "final": self._final, "out": out.detach().clone(),
+        })
+        return out
+
+    def real_tokens(self, call, lengths):
+        """(n, layers, hidden) and (n, hidden) of the real tokens, gathered here with our own host index."""
+        b, padded = call["ids"].shape
+        rows = np.repeat(np.arange(b), lengths)
+        cols = np.concatenate([np.arange(t) for t in lengths])
+        states = torch.stack([call["layers"][i][rows, cols] for i in self.ex.layers], dim=1)
+        final = call["final"][rows, cols] if call["final"] is not None else None
+        return states, final, torch.from_numpy(rows * padded + cols)
+
+
+def run_pipeline(loaded, batches, token_budget, fail=None):
+    ex = Extractor(loaded, CPU, token_budget, compile_model=False)
+    rec = Recorder(ex, fail)
+    max_tokens = max(t.num_rows * (-(-max(t.column("num_tokens").to_pylist()) // 8) * 8) for t in batches)
+    pipe = Pipeline(ex, iter(batches), max_tokens)
+    try:
+        tables = [pipe(t) for t in batches]
+    finally:
+        pipe.close()
+    return ex, rec, tables
+
+
+def stored(table, column, width):
+    flat = table.column(column).combine_chunks().flatten().flatten().to_numpy().copy()
+    return torch.from_numpy(flat).view(torch.bfloat16).reshape(-1, width)
+
+
+@pytest.fixture(scope="module")
+def ids_lists(tokenizer):
+    return sample_ids_lists(tokenizer)
+
+
+@pytest.mark.parametrize(("layers", "final"), [([0, 2, 5], False), ([1, 4, 7], True), ([7], False)],
+                         ids=["truncated", "last+final", "last-only"])
+def test_float32_forward_matches_reference(model8, ids_lists, layers, final):
+    """Truncated model, hooks, right padding, attention_mask=None: real tokens equal the unpadded full-depth
+    reference within 1e-5 in float32, for several layers including the last (pre-norm) and the final norm."""
+    loaded = load_model(make_cfg(model8, layers, final), CPU)
+    assert next(loaded.base.parameters()).dtype == torch.float32
+    # two batches of several rows of different lengths: right padding inside each
+    batches = [as_table(ids_lists[:4]), as_table(ids_lists[4:], first_id=4)]
+    ex, rec, tables = run_pipeline(loaded, batches, token_budget=1 << 16)
+    assert [c["ids"].shape[0] for c in rec.calls] == [4, len(ids_lists) - 4]
+    for batch, call in zip(batches, rec.calls):
+        lengths = batch.column("num_tokens").to_pylist()
+        assert len(set(lengths)) > 1  # really padded
+        assert call["ids"].shape[1] % 8 == 0 and call["ids"].shape[1] >= max(lengths)
+        assert sorted(call["layers"]) == layers
+        states, fin, index = rec.real_tokens(call, lengths)
+        assert states.dtype == torch.float32
+        assert torch.equal(call["index"], index)  # hsx's host-built gather index picks exactly the real tokens
+        at = 0
+        for ids in batch.column("input_ids").to_pylist():
+            ref = model8.reference(ids)
+            t = len(ids)
+            assert call["ids"][ids_row(call, at, t)].tolist()[:t] == ids
+            for k, layer in enumerate(layers):
+                torch.testing.assert_close(states[at:at + t, k], ref[layer], atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, layer=layer: f"layer {layer}: {m}")
+            if final:
+                torch.testing.assert_close(fin[at:at + t], ref["final"], atol=1e-5, rtol=1e-5)
+            at += t
+    # and what is stored is those float32 values rounded to bf16 (within 1 bf16 ulp of the reference)
+    for batch, table in zip(batches, tables):
+        check_table_against_reference(model8, table, layers, final)
+
+
+def ids_row(call, at, t):
+    """The padded row of `ids` holding the real tokens that start at flat position `at`."""
+    return int(call["index"][at]) // call["ids"].shape[1]
+
+
+def test_layers_are_distinguishable(model8, ids_lists):
+    """Guard for the tests above: neighbouring layers (and pre-/post-norm) differ by far more than tolerance."""
+    ref = model8.reference(ids_lists[0])
+    for i in range(model8.num_layers - 1):
+        assert (ref[i] - ref[i + 1]).abs().max() > 1e-2
+    assert (ref[model8.num_layers - 1] - ref["final"]).abs().max() > 1e-2
+
+
+def test_stored_bits_are_the_bf16_of_the_forward(model8, ids_lists):
+    """The table stores exactly the bf16 bits of the computed states: layers side by side in `layers` order,
+    the final norm separately, rows in batch order."""
+    layers = [1, 4, 7]
+    h = model8.hidden
+    loaded = load_model(make_cfg(model8, layers, True), CPU)
+    batch = as_table(ids_lists[:5])
+    ex, rec, (table,) = run_pipeline(loaded, [batch], token_budget=1 << 16)
+    assert table.column_names == ["sample_id", "input_ids", "loss_mask", "num_tokens", "hidden_states",
+                                  "final_hidden_state"]
+    assert table.schema.field("hidden_states").type == pa.list_(pa.list_(pa.int16(), len(layers) * h))
+    assert table.schema.field("final_hidden_state").type == pa.list_(pa.list_(pa.int16(), h))
+    states, fin, _ = rec.real_tokens(rec.calls[0], batch.column("num_tokens").to_pylist())
+    assert torch.equal(stored(table, "hidden_states", len(layers) * h).reshape(-1, len(layers), h),
+                       states.to(torch.bfloat16))
+    assert torch.equal(stored(table, "final_hidden_state", h), fin.to(torch.bfloat16))
+    for c in ("sample_id", "input_ids", "loss_mask", "num_tokens"):
+        assert table.column(c).to_pylist() == batch.column(c).to_pylist()
+
+
+def test_batch_split_over_token_cap_keeps_layout(model8, ids_lists):
+    """A batch over the token cap runs as several forwards; the stored rows equal one-at-a-time reference."""
+    layers = [2, 7]
+    loaded = load_model(make_cfg(model8, layers, True), CPU)
+    batch = as_table(ids_lists[:5])
+    longest = -(-max(batch.column("num_tokens").to_pylist()) // 8) * 8
+    ex, rec, (table,) = run_pipeline(loaded, [batch], token_budget=longest)
+    assert len(rec.calls) > 1, "the batch should have been split"
+    check_table_against_reference(model8, table, layers, final=True)
+
+
+def test_oom_split_and_drop(model8, ids_lists):
+    """An OOM splits the batch; a single row that still does not fit is dropped; the rest stay exact."""
+    layers = [3]
+    loaded = load_model(make_cfg(model8, layers, True), CPU)
+    batch = as_table(ids_lists[:5])
+    victim = max(range(5), key=lambda r: len(ids_lists[r]))
+    victim_len = -(-len(ids_lists[victim]) // 8) * 8
+    assert [-(-len(ids_lists[r]) // 8) * 8 for r in range(5)].count(victim_len) == 1
+
+    def fail(ids):  # everything with more than one row fails, and the longest row fails alone too
+        return ids.shape[0] > 1 or ids.shape[1] == victim_len
+
+    ex, rec, (table,) = run_pipeline(loaded, [batch], token_budget=1 << 16, fail=fail)
+    kept = [r for r in range(5) if r != victim]
+    assert table.column("sample_id").to_pylist() == kept
+    assert ex.token_cap < (1 << 16)
+    check_table_against_reference(model8, table, layers, final=True)
+
+
+def check_table_against_reference(model, table, layers, final):
+    """Stored bf16 states are the float32 reference rounded to bf16, within 1 bf16 ulp."""
+    h = model.hidden
+    for row in table.to_pylist():
+        ref = model.reference(row["input_ids"])
+        got = torch.tensor(row["hidden_states"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, len(layers), h)
+        assert got.shape[0] == row["num_tokens"] == len(row["input_ids"])
+        for k, layer in enumerate(layers):
+            assert int(bf16_ulps(got[:, k], ref[layer]).max()) <= 1, f"layer {layer}"
+        if final:
+            fin = torch.tensor(row["final_hidden_state"], dtype=torch.int16).view(torch.bfloat16)
+            assert int(bf16_ulps(fin.reshape(-1, h), ref["final"]).max()) <= 1
+
+
+# ---- model loading and hooks ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("layers", "final", "depth"), [([0, 2], False, 3), ([5], False, 6), ([1], True, 8),
+                                                       ("dflash-2", False, 6)])
+def test_load_model_truncates(model8, layers, final, depth):
+    loaded = load_model(make_cfg(model8, layers, final), CPU)
+    base = loaded.base
+    assert loaded.depth == depth and len(base.layers) == depth
+    assert loaded.num_model_layers == 8 and loaded.hidden_size == 64
+    assert not hasattr(base, "lm_head")
+    assert not any(p.requires_grad for p in base.parameters())
+    assert isinstance(base.norm, torch.nn.Identity) != final
+    # the loaded weights are the saved ones (float32: bit-exact)
+    src = model8.model.model
+    for i in range(depth):
+        for (name, p), (name2, q) in zip(base.layers[i].named_parameters(), src.layers[i].named_parameters()):
+            assert name == name2 and torch.equal(p, q)
+    assert torch.equal(base.embed_tokens.weight, src.embed_tokens.weight)
+
+
+def test_load_model_dtype(model8):
+    loaded = load_model(make_cfg(model8, [1], False, dtype="bfloat16"), CPU)
+    assert next(loaded.base.parameters()).dtype == torch.bfloat16
+
+
+def test_capture_hooks_removed(model8):
+    loaded = load_model(make_cfg(model8, [0, 2], False), CPU)
+    layers = loaded.base.layers
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture(loaded.base, [0, 2]) as store:
+            assert len(layers[0]._forward_hooks) == 1 and len(layers[2]._forward_hooks) == 1
+            with torch.inference_mode():
+                loaded.base(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+            assert sorted(store) == [0, 2] and store[2].shape == (1, 3, 64)
+            raise RuntimeError("boom")
+    assert all(len(layer._forward_hooks) == 0 for layer in layers)
+    assert store == {}
