@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-budget", type=int)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
@@ -178,24 +179,34 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     if "a" not in skip:
         idx = np.sort(np.random.default_rng(args.seed + 2).choice(args.count, min(args.subset_a, args.count),
                                                                    replace=False))
-        run_naive(causal, [rows[i] for i in idx[:3]], layers, device)  # warm-up
-        tok, sec = run_naive(causal, [rows[i] for i in idx], layers, device)
-        results["a"] = {**rate(tok, sec, lengths[idx], n), "rows": len(idx), "padding": 0.0,
-                        "what": "batch 1, full CausalLM, output_hidden_states, blocking copy"}
-        log(f"  (a) naive: {results['a']['tok_per_s']:,.0f} tok/s, MFU {results['a']['mfu']:.1%} ({len(idx)} rows)")
+        try:
+            run_naive(causal, [rows[i] for i in idx[:3]], layers, device)  # warm-up
+            tok, sec = run_naive(causal, [rows[i] for i in idx], layers, device)
+            results["a"] = {**rate(tok, sec, lengths[idx], n), "rows": len(idx), "padding": 0.0}
+            log(f"  (a) naive: {results['a']['tok_per_s']:,.0f} tok/s, MFU {results['a']['mfu']:.1%} ({len(idx)} rows)")
+        except torch.OutOfMemoryError as e:
+            results["a"] = {"oom": str(e).splitlines()[0], "rows": len(idx)}
+            log("  (a) naive: out of memory")
+        results["a"]["what"] = "batch 1, full CausalLM, output_hidden_states, blocking copy"
+        _free(device)
     if "b" not in skip:
         k = min(args.subset_b, args.count)
-        run_padded(base, rows[:32], layers, device)  # warm-up
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        tok, pad, sec = run_padded(base, rows[:k], layers, device)
-        results["b"] = {**rate(tok, sec, lengths[:k], n), "rows": k, "padding": 1 - tok / pad,
-                        "what": "dataset order, padded batches of 32, full depth, no lm_head, attention mask, "
-                                "blocking copy"}
-        if cuda:
-            results["b"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        log(f"  (b) padded: {results['b']['tok_per_s']:,.0f} tok/s, MFU {results['b']['mfu']:.1%}, "
-            f"padding {results['b']['padding']:.1%} ({k} rows)")
+        try:
+            run_padded(base, rows[:32], layers, device)  # warm-up
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            tok, pad, sec = run_padded(base, rows[:k], layers, device)
+            results["b"] = {**rate(tok, sec, lengths[:k], n), "rows": k, "padding": 1 - tok / pad}
+            if cuda:
+                results["b"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            log(f"  (b) padded: {results['b']['tok_per_s']:,.0f} tok/s, MFU {results['b']['mfu']:.1%}, "
+                f"padding {results['b']['padding']:.1%} ({k} rows)")
+        except torch.OutOfMemoryError as e:
+            results["b"] = {"oom": str(e).splitlines()[0], "rows": k}
+            log("  (b) padded: out of memory")
+        results["b"]["what"] = ("dataset order, padded batches of 32, full depth, no lm_head, attention mask, "
+                                "output_hidden_states, blocking copy")
+        _free(device)
 
     # (c): hsx's real pipeline over all rows, sharing the weights.
     loaded = hsx_model.truncated_view(causal, text, layers, final_hidden)
@@ -206,6 +217,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
+                  sdpa_backend=args.sdpa_backend,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
@@ -226,7 +238,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "gpu_idle": 1 - run["gpu_seconds"] / run["seconds"],
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
-        "layers_run": loaded.depth, "compile": run.get("compile"), "pipeline": {
+        "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
+        "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
         "what": "hsx extract: length buckets, token budget, truncated, hooks, pipelined copies, Arrow output",
@@ -234,11 +247,11 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     if cuda:
         results["c"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     for other in ("a", "b"):
-        if other in results:
+        if other in results and "tok_per_s" in results[other]:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
     if args.profile:
         results["c"]["profile"] = args.profile
-        profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile)
+        profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend)
     log(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -249,13 +262,14 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     return results
 
 
-def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str) -> None:
+def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str,
+                    backend: str) -> None:
     """Kernel time of (c)'s GPU work on a dozen budget-sized batches spread over the length distribution."""
     import pyarrow as pa
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hsx.extract import Extractor
+    from hsx.extract import Extractor, sdpa_backend
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0
@@ -275,7 +289,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     slot = ex.free.get()
     from hsx.capture import capture
 
-    with torch.inference_mode(), capture(loaded.base, loaded.layers) as store:
+    with torch.inference_mode(), sdpa_backend(backend, True), capture(loaded.base, loaded.layers) as store:
         ex.store = store
         for t in tables[:2]:
             ex.run_batch(t, slot)
@@ -285,6 +299,16 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
                 ex.run_batch(t, slot)
             torch.cuda.synchronize()
     Path(path).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
+def _free(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _versions() -> dict[str, str]:
@@ -305,11 +329,15 @@ def format_table(r: dict[str, Any]) -> str:
         if key not in r:
             continue
         x = r[key]
+        if "oom" in x:
+            lines.append(f"| {name} | {x['rows']:,} | out of memory | | | | |")
+            continue
         ratio = f"{r['c_over_' + key]:.1f}×" if key != "c" and f"c_over_{key}" in r else ""
         lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
                      f"{x.get('peak_gpu_gib', float('nan')):.1f} | {ratio} |")
     c = r["c"]
     lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
-                 f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}), token budget {c['token_budget']}, "
+                 f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}), sdpa {c['sdpa_backend']}, "
+                 f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
     return "\n".join(lines)

@@ -193,7 +193,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     else:
         budget = CPU_TOKEN_BUDGET
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
-    extractor = Extractor(loaded, device, budget, compile_model=use_compile)
+    extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend)
     feats = features(len(layers) * hidden, hidden, final_hidden)
     peak_tflops = measure_matmul_tflops(device) if cuda else None
     per_layer = layer_params(loaded.text_config)
@@ -210,7 +210,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extracting", disable=not proc.is_main,
                dynamic_ncols=True)
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
-             "token_budget": budget, "compile": use_compile, "device": str(device)}
+             "token_budget": budget, "compile": use_compile, "device": str(device),
+             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a"}
     pipeline = Pipeline(extractor, batches(), max_batch)
     committer = Committer(out)
     progress_was_on = datasets.is_progress_bar_enabled()
