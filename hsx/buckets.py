@@ -10,6 +10,7 @@ the number of processes. Buckets are cut into units of at most `unit_tokens` tok
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,19 +50,24 @@ def plan_units(sample_ids: np.ndarray, num_tokens: np.ndarray, max_length: int,
     bounds = bucket_bounds(max_length)
     bucket = np.searchsorted(bounds, num_tokens, side="left")
     order = np.lexsort((sample_ids, bucket))
-    bucket_sorted, tokens_sorted = bucket[order], num_tokens[order]
+    bucket_sorted = bucket[order]
+    tokens_sorted = np.asarray(num_tokens, dtype=np.int64)[order]
+    cum = np.r_[0, np.cumsum(tokens_sorted)].tolist()  # cum[i]: tokens in rows [0, i)
     units: list[Unit] = []
     edges = np.flatnonzero(np.diff(bucket_sorted)) + 1
-    for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(order)]):
+    for lo, hi in zip(np.r_[0, edges].tolist(), np.r_[edges, len(order)].tolist()):
         if hi <= lo:
             continue
         b = int(bucket_sorted[lo])
-        cum = np.cumsum(tokens_sorted[lo:hi])
-        # Cut whenever the running total passes another multiple of unit_tokens (a unit holds at least one row).
-        cuts = np.flatnonzero(np.diff(cum // unit_tokens)) + 1
-        for chunk, (a, z) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, hi - lo])):
-            units.append(Unit(name=f"{b:03d}-{chunk:05d}", bucket=b, upper_bound=int(bounds[b]),
-                              start=int(lo + a), stop=int(lo + z), tokens=int(tokens_sorted[lo + a:lo + z].sum())))
+        upper = int(bounds[b])
+        # Greedy: each unit takes as many rows as fit in unit_tokens (at least one row, which may be larger):
+        # one binary search per unit over the cumulative totals, no Python per row.
+        a, chunk = lo, 0
+        while a < hi:
+            z = max(a + 1, bisect_right(cum, cum[a] + unit_tokens, a + 1, hi + 1) - 1)
+            units.append(Unit(name=f"{b:03d}-{chunk:05d}", bucket=b, upper_bound=upper, start=a, stop=z,
+                              tokens=cum[z] - cum[a]))
+            a, chunk = z, chunk + 1
     return order, units
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class ExtractConfig:
     # How fast; none of these change the output.
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
+    sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
     token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
     unit_tokens: int | None = None  # tokens per output file (a resumable unit); None: about 2 GiB of states
     compile: str = "auto"  # auto (on for CUDA), on, off
@@ -92,11 +94,14 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
 
 
 def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
-    """A relative path in a recipe that does not exist from the working directory is read from the recipe's."""
+    """A relative path in a recipe that does not exist from the working directory but does from the recipe's
+    folder is read from there (stored normalized: `recipes/../data/x.jsonl` -> `data/x.jsonl`). Anything else (a
+    path that exists here, an absolute path, a Hub id) is left as written."""
     for key in ("model", "tokenizer", "dataset"):
         v = values.get(key)
-        if isinstance(v, str) and v.startswith(".") and not Path(v).exists() and (recipe_dir / v).exists():
-            values[key] = str(recipe_dir / v)
+        if (isinstance(v, str) and v and not os.path.isabs(v) and not Path(v).exists()
+                and (recipe_dir / v).exists()):
+            values[key] = os.path.normpath(recipe_dir / v)
     return values
 
 

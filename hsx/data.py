@@ -111,8 +111,12 @@ def chat_template_sha256(tokenizer) -> str | None:
     return hashlib.sha256(t.encode()).hexdigest() if t else None
 
 
-def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: str):
-    """One batched `map` over the whole input; returns the tokenized dataset (memory-mapped from `cache_file`)."""
+def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: str, vocab_size: int | None = None):
+    """One batched `map` over the whole input; returns the tokenized dataset (memory-mapped from `cache_file`).
+
+    `vocab_size` (the model's vocabulary): rows with a token id outside [0, vocab_size) are skipped as
+    `token_id_out_of_range` instead of crashing the forward; None checks nothing. The map is cached under
+    `fingerprint`, which must change with it (the job fingerprint does: it names the model)."""
     import datasets
 
     fmt = row_format(ds.column_names)
@@ -136,7 +140,7 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         remove_columns=ds.column_names,
         features=features,
         fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_length": cfg.max_length,
-                   "template_kwargs": dict(cfg.chat_template_kwargs)},
+                   "template_kwargs": dict(cfg.chat_template_kwargs), "vocab_size": vocab_size},
         num_proc=num_proc,
         cache_file_name=cache_file,
         new_fingerprint=fingerprint,
@@ -151,7 +155,7 @@ def _cpu_count() -> int:
 
 
 def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: str, max_length: int,
-                   template_kwargs: dict[str, Any]) -> dict[str, list]:
+                   template_kwargs: dict[str, Any], vocab_size: int | None = None) -> dict[str, list]:
     n = len(indices)
     ids: list[list[int]] = [[] for _ in range(n)]
     masks: list[list[int]] = [[] for _ in range(n)]
@@ -192,6 +196,9 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
     truncated = [False] * n
     for r in range(n):
         if reasons[r]:
+            continue
+        if vocab_size is not None and ids[r] and (min(ids[r]) < 0 or max(ids[r]) >= vocab_size):
+            reasons[r] = "token_id_out_of_range"  # the embedding lookup would fail (or read garbage)
             continue
         if len(ids[r]) > max_length:
             ids[r], masks[r], truncated[r] = ids[r][:max_length], masks[r][:max_length], True
@@ -234,34 +241,65 @@ def normalize_conversation(raw: Any, sharegpt: bool) -> tuple[list[dict[str, str
 
 def chat_tokenize(tokenizer, convs: list[list[dict[str, str]]],
                   template_kwargs: dict[str, Any]) -> list[tuple[list[int], list[int], str]]:
+    """(input_ids, loss_mask, skip_reason) per conversation. A conversation the template refuses (a role it
+    rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`."""
     if GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
-        enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **template_kwargs)
-        return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]
-    return [offset_mask_tokenize(tokenizer, conv, template_kwargs) for conv in convs]
+        try:
+            return _generation_mask_tokenize(tokenizer, convs, template_kwargs)
+        except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
+            results = []
+            for conv in convs:
+                try:
+                    results += _generation_mask_tokenize(tokenizer, [conv], template_kwargs)
+                except Exception:  # noqa: BLE001
+                    results.append(([], [], "chat_template_error"))
+            return results
+    results = []
+    for conv in convs:
+        try:
+            results.append(offset_mask_tokenize(tokenizer, conv, template_kwargs))
+        except Exception:  # noqa: BLE001
+            results.append(([], [], "chat_template_error"))
+    return results
+
+
+def _generation_mask_tokenize(tokenizer, convs, template_kwargs) -> list[tuple[list[int], list[int], str]]:
+    enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True, **template_kwargs)
+    return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]
 
 
 def offset_mask_tokenize(tokenizer, conv: list[dict[str, str]],
                          template_kwargs: dict[str, Any]) -> tuple[list[int], list[int], str]:
     """Fallback for templates without generation markers: find each assistant message in the rendered text and
-    mark the tokens that overlap it, plus the end-of-turn token that directly follows it."""
+    mark the tokens that overlap it, plus the end-of-turn token that directly follows it.
+
+    Assistant message i is looked for where the template puts it: after the rendering of the messages before it
+    with the generation prompt (`conv[:i]`, add_generation_prompt=True), when the full text starts with that.
+    Templates that rewrite history (drop earlier reasoning, ...) break that; then the search is sequential, past
+    the content of every earlier message (of any role), so text repeated from an earlier turn is not marked."""
     text = tokenizer.apply_chat_template(conv, tokenize=False, **template_kwargs)
     eos = tokenizer.eos_token or ""
     spans, pos = [], 0
-    for m in conv:
-        if m["role"] != "assistant":
-            continue
+    for i, m in enumerate(conv):
         content = m["content"] if isinstance(m["content"], str) else str(m["content"])
-        # Templates may strip whitespace or an earlier turn's reasoning; try those forms in turn.
-        for needle in (content, content.strip(), content.split("</think>")[-1].strip()):
-            start = text.find(needle, pos) if needle else -1
-            if start >= 0:
-                end = start + len(needle)
-                if eos and text.startswith(eos, end):
-                    end += len(eos)
-                spans.append((start, end))
-                pos = end
-                break
+        if m["role"] != "assistant":
+            found = _find_content(text, content, pos)
+            if found is not None:
+                pos = found[1]
+            continue
+        prefix = _rendered_prefix(tokenizer, conv[:i], template_kwargs)
+        if prefix is not None and text.startswith(prefix):
+            found = _find_content(text, content, len(prefix), anchored=True)
+        else:
+            found = _find_content(text, content, pos)
+        if found is None:
+            continue
+        start, end = found
+        if eos and text.startswith(eos, end):
+            end += len(eos)
+        spans.append((start, end))
+        pos = end
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     if not spans:
@@ -271,6 +309,32 @@ def offset_mask_tokenize(tokenizer, conv: list[dict[str, str]],
     for s, e in spans:
         mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
     return ids, mask.astype(np.int8).tolist(), ""
+
+
+def _rendered_prefix(tokenizer, head: list[dict[str, str]], template_kwargs: dict[str, Any]) -> str | None:
+    """The text the template renders before an assistant turn that follows `head`, or None if it will not."""
+    try:
+        prefix = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except Exception:  # noqa: BLE001  (e.g. a template that refuses an empty list or a trailing system turn)
+        return None
+    return prefix if isinstance(prefix, str) else None
+
+
+def _find_content(text: str, content: str, pos: int, anchored: bool = False) -> tuple[int, int] | None:
+    """[start, end) of `content` in `text` at or after `pos`. Templates may strip whitespace or an earlier turn's
+    reasoning; those forms are tried in turn. `anchored`: the content is expected at `pos` (after whitespace)
+    and is taken from there when it is; otherwise the first occurrence after `pos` counts."""
+    needles = [n for n in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())) if n]
+    if anchored:
+        at = len(text) - len(text[pos:].lstrip())
+        for needle in needles:
+            if text.startswith(needle, at):
+                return at, at + len(needle)
+    for needle in needles:
+        start = text.find(needle, pos)
+        if start >= 0:
+            return start, start + len(needle)
+    return None
 
 
 # ---- accounting ---------------------------------------------------------------------------------------------

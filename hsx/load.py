@@ -15,9 +15,6 @@ from typing import Any
 
 import numpy as np
 
-# The views are read-only on purpose (they are the mapped file); torch warns about that on every row.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
 
 def load(path: str):
     """The output dir as one `datasets.Dataset`, memory-mapped from data/train-*.arrow, in output order."""
@@ -53,15 +50,13 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
         return len(self.ds)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import torch
-
         t = self.ds[int(i)]  # a one-row pyarrow Table sliced from the mapped file
-        ids = torch.from_numpy(_values(t, "input_ids"))
+        ids = _tensor(_values(t, "input_ids"))
         n = ids.shape[0]
         row: dict[str, Any] = {
             "sample_id": int(t.column("sample_id")[0].as_py()),
             "input_ids": ids,
-            "loss_mask": torch.from_numpy(_values(t, "loss_mask")),
+            "loss_mask": _tensor(_values(t, "loss_mask")),
             "hidden_states": _bf16(t, "hidden_states").view(n, self.width // self.hidden, self.hidden),
         }
         if "final_hidden_state" in t.column_names:
@@ -69,10 +64,20 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
         return row
 
 
+def _tensor(a: np.ndarray):
+    """`torch.from_numpy` of a read-only view. The views are read-only on purpose (they are the mapped file);
+    torch warns about that, so the warning is silenced here, and only here."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
 def _bf16(t, name: str):
     import torch
 
-    return torch.from_numpy(_values(t, name, nested=True)).view(torch.bfloat16)
+    return _tensor(_values(t, name, nested=True)).view(torch.bfloat16)
 
 
 def _values(t, name: str, nested: bool = False) -> np.ndarray:

@@ -96,7 +96,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
             log(f"hsx: continuing the job in {cfg.output_dir}")
 
         tokenized = data.tokenize(raw, tokenizer, cfg, str(out.state / "tokenized" / "tokens.arrow"),
-                                  fingerprint=f"hsx-tok-{job['fingerprint'][:24]}")
+                                  fingerprint=f"hsx-tok-{job['fingerprint'][:24]}", vocab_size=int(text.vocab_size))
         if cfg.strict and (bad := data.first_skipped(tokenized)):
             raise HsxError(f"--strict: input row {bad[0]} of {cfg.dataset} cannot be used: {bad[1]}")
         sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
@@ -136,7 +136,8 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
             "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden},
             "fingerprint": job["fingerprint"], "run": stats, "complete": True,
         }
-        out.finalize(info, dataset_card(info, command_line()))
+        out.finalize(info, dataset_card(info, command_line()),
+                     features=features(len(layers) * hidden, hidden, final_hidden))
         wall = time.perf_counter() - t_start
         c = info["counts"]
         log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "

@@ -45,6 +45,13 @@ def features(width: int, hidden: int, final_hidden: bool):
     return Features(f)
 
 
+def info_features(info: dict[str, Any]):
+    """The output schema an hsx.json describes (None if it does not say enough)."""
+    if not {"layers", "hidden_size", "final_hidden"} <= set(info):
+        return None
+    return features(len(info["layers"]) * info["hidden_size"], info["hidden_size"], bool(info["final_hidden"]))
+
+
 class OutputDir:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -56,7 +63,10 @@ class OutputDir:
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """One job per dir: an advisory lock on .hsx/lock, released by the kernel if the process dies."""
+        """One job per dir: an advisory lock on .hsx/lock, released by the kernel if the process dies.
+
+        A non-empty dir that hsx did not write is refused here, before anything (.hsx/) is created in it."""
+        self.check_not_foreign()
         self.state.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -68,8 +78,23 @@ class OutputDir:
         finally:
             os.close(fd)
 
+    def check_not_foreign(self) -> None:
+        if self.root.is_dir() and not self.state.is_dir() and any(self.root.iterdir()):
+            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
+        if self.root.exists() and not self.root.is_dir():
+            raise HsxError(f"{self.root} is a file, not a folder; choose another --output-dir")
+
+    def has_output(self) -> bool:
+        """Whether a job has committed anything here: a manifest line, a data file, or hsx.json."""
+        manifest = self.state / MANIFEST
+        return ((manifest.exists() and manifest.read_text().strip() != "") or any(self.data_files())
+                or (self.root / "hsx.json").exists())
+
     def claim(self, job: dict[str, Any], overwrite: bool) -> str:
-        """Record the job's fingerprint, or check it against the one there. Returns 'new', 'resume' or 'complete'."""
+        """Record the job's fingerprint, or check it against the one there. Returns 'new', 'resume' or 'complete'.
+
+        A dir whose job failed before committing anything (a --strict error, a missing chat template, ...) holds
+        no output, so it is re-claimed for whatever job comes next instead of refused as a different job."""
         job_file = self.state / "job.json"
         if overwrite:
             self.clear()
@@ -78,13 +103,15 @@ class OutputDir:
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
         if job_file.exists():
             old = json.loads(job_file.read_text())
-            if old.get("fingerprint") != job["fingerprint"]:
+            if old.get("fingerprint") == job["fingerprint"]:
+                info = self.read_info()
+                return "complete" if info.get("complete") else "resume"
+            if self.has_output():
                 diff = sorted(k for k in set(old.get("inputs", {})) | set(job["inputs"])
                               if old.get("inputs", {}).get(k) != job["inputs"].get(k))
                 raise HsxError(f"{self.root} holds a different job (differs in: {', '.join(diff) or 'version'}); "
                                "use another --output-dir, or --overwrite to delete it and start over")
-            info = self.read_info()
-            return "complete" if info.get("complete") else "resume"
+            self.clear()  # a job that failed before committing anything: drop its job.json, tokenized cache, tmp
         self.state.mkdir(parents=True, exist_ok=True)
         atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
         return "new"
@@ -146,11 +173,38 @@ class OutputDir:
 
     # ---- finalizing ----
 
-    def finalize(self, info: dict[str, Any], card: str) -> None:
+    def finalize(self, info: dict[str, Any], card: str, features=None) -> None:
+        """Write the card and hsx.json (last: `complete` is the commit point of the whole job).
+
+        A job with no usable rows committed no unit; it gets one empty data file with the output schema
+        (`features`, a datasets.Features; by default the one `info` describes), so `load_dataset(OUT)` and
+        `hsx.load` give 0 rows instead of failing."""
+        if not self.data_files():
+            features = features if features is not None else info_features(info)
+            if features is not None:
+                self.write_empty_data_file(features)
         atomic_write(self.root / "README.md", card)
         atomic_write(self.root / "hsx.json", json.dumps(info, indent=2) + "\n")
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_empty_data_file(self, features) -> Path:
+        """data/train-000-00000.arrow with zero rows and the given schema, written under a temp name and renamed."""
+        from datasets.arrow_writer import ArrowWriter
+
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        final = self.data / "train-000-00000.arrow"
+        tmp = self.tmp / f"empty-{final.name}"
+        writer = ArrowWriter(features=features, path=str(tmp))
+        try:
+            writer.finalize()
+        finally:
+            writer.close()
+        fsync_file(tmp)
+        os.replace(tmp, final)
+        fsync_dir(self.data)
+        return final
 
 
 class Committer:

@@ -102,12 +102,6 @@ def test_plan_units_batch_size_counts_padding():
     assert big.batch_size(1) == 1  # never zero
 
 
-UNIT_CAP_BUG = ("BUG: plan_units cuts a bucket only when the running token total crosses a multiple of unit_tokens, "
-                "so a unit of several rows can hold up to ~2x unit_tokens (rows of 60 tokens with unit_tokens=100 "
-                "give a unit of 2 rows / 120 tokens)")
-
-
-@pytest.mark.xfail(strict=True, reason=UNIT_CAP_BUG)
 def test_unit_token_cap():
     """A unit holds at most `unit_tokens` tokens, unless it is a single row."""
     over = []
@@ -122,7 +116,46 @@ def test_unit_token_cap():
     assert over == []
 
 
-@pytest.mark.xfail(strict=True, reason=UNIT_CAP_BUG)
 def test_unit_token_cap_minimal():
     _, units = plan_units(np.arange(4, dtype=np.int64), np.full(4, 60, dtype=np.int64), 64, 100)
-    assert all(u.tokens <= 100 for u in units), [(u.name, u.tokens) for u in units]
+    assert [(u.name, u.start, u.stop, u.tokens) for u in units] == [
+        ("007-00000", 0, 1, 60), ("007-00001", 1, 2, 60), ("007-00002", 2, 3, 60), ("007-00003", 3, 4, 60)]
+
+
+def test_units_are_greedy():
+    """Each unit is as full as the cap allows: the next row of its bucket would not have fitted (so units are
+    not cut needlessly small), and an exact fit stays one unit."""
+    rng = np.random.default_rng(11)
+    sid = np.arange(2000, dtype=np.int64)
+    tok = rng.integers(1, 1025, size=2000).astype(np.int64)
+    for unit_tokens in (1, 100, 700, 5000, 1 << 30):
+        order, units = check_plan(sid, tok, 1024, unit_tokens)
+        t = tok[order]
+        for u, nxt in zip(units, units[1:]):
+            assert u.tokens <= unit_tokens or u.stop - u.start == 1
+            if nxt.bucket == u.bucket:
+                assert u.tokens + t[nxt.start] > unit_tokens, (unit_tokens, u, nxt)
+    _, units = plan_units(np.arange(6, dtype=np.int64), np.full(6, 50, dtype=np.int64), 64, 100)
+    assert [(u.start, u.stop, u.tokens) for u in units] == [(0, 2, 100), (2, 4, 100), (4, 6, 100)]
+
+
+def test_rows_larger_than_a_unit_get_one_unit_each():
+    tok = np.array([300, 20, 20, 300, 300, 20], dtype=np.int64)  # two buckets; in order: 20 20 20 | 300 300 300
+    _, units = plan_units(np.arange(6, dtype=np.int64), tok, 512, 100)
+    assert [(u.stop - u.start, u.tokens) for u in units] == [(3, 60), (1, 300), (1, 300), (1, 300)]
+
+
+def test_plan_a_million_rows_quickly():
+    import time
+
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    sid = rng.permutation(n).astype(np.int64)
+    tok = rng.integers(1, 4097, size=n).astype(np.int64)
+    t0 = time.perf_counter()
+    order, units = plan_units(sid, tok, 4096, 1 << 20)
+    elapsed = time.perf_counter() - t0
+    assert len(order) == n and units[-1].stop == n
+    assert sum(u.tokens for u in units) == int(tok.sum())
+    assert max(u.tokens for u in units) <= 1 << 20
+    assert elapsed < 3.0, f"planning 1M rows took {elapsed:.2f} s"

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -106,10 +107,20 @@ def test_different_job_in_the_dir_is_an_error(cli_run, model4, small_chat_path):
     assert (cli_run["out"] / "hsx.json").read_text() == before
 
 
+def demo_command() -> list[str]:
+    """The recipe's first line, which is the command to run it from the repo root."""
+    first = (REPO / "recipes" / "demo.yaml").read_text().splitlines()[0]
+    assert first.startswith("# hsx extract "), first
+    return shlex.split(first[len("# hsx "):])
+
+
 def test_demo_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "demo"
-    rc, stdout, stderr = run_main(["extract", "--config", "recipes/demo.yaml", "--output-dir", str(out)])
+    argv = demo_command()
+    assert argv[argv.index("--config") + 1] == "recipes/demo.yaml"
+    argv[argv.index("--output-dir") + 1] = str(out)  # the recipe's own command, written elsewhere
+    rc, stdout, stderr = run_main(argv)
     assert rc == 0, stderr
     assert "Traceback" not in stderr
     info = json.loads((out / "hsx.json").read_text())
@@ -121,6 +132,20 @@ def test_demo_recipe(tmp_path, monkeypatch):
     assert info["layers"] == [1, 2, 3, 4, 5]  # dflash on 8 layers
     ds = hsx.load(str(out))
     assert len(ds) == 96 and "final_hidden_state" in ds.column_names
+    assert info["config"]["model"] == "hsx/demo/tiny-qwen3"  # recipe-relative, normalized against the cwd
+    assert info["config"]["dataset"] == "hsx/demo/chat.jsonl"
+
+
+def test_demo_recipe_from_another_directory(tmp_path, monkeypatch):
+    """`hsx extract --config /abs/path/recipes/demo.yaml` from anywhere: the recipe's paths are its own."""
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, stderr = run_main(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", "out",
+                                   "--limit", "10"])
+    assert rc == 0, stderr
+    info = json.loads((tmp_path / "out" / "hsx.json").read_text())
+    assert info["config"]["model"] == str(REPO / "hsx" / "demo" / "tiny-qwen3")
+    assert info["config"]["dataset"] == str(REPO / "hsx" / "demo" / "chat.jsonl")
+    assert info["counts"]["rows_in"] == 10 and info["num_model_layers"] == 8
 
 
 # ---- flags and YAML (extract itself replaced: only the parsed config is checked) --------------------------------
@@ -230,8 +255,20 @@ def test_output_dir_not_written_by_hsx(tmp_path, capsys, model4, small_chat_path
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     rc = main(base_args(model4, small_chat_path, out))
-    assert_one_line_error(rc, capsys.readouterr().err, str(out))
+    assert_one_line_error(rc, capsys.readouterr().err, str(out), "not written by hsx")
     assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]  # no .hsx/ left behind
+    rc = main(base_args(model4, small_chat_path, out))  # so the second try says the same, not something else
+    assert_one_line_error(rc, capsys.readouterr().err, str(out), "not written by hsx")
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_output_dir_that_exists_empty_is_used(tmp_path, model4, small_chat_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, stdout, err = run_main(base_args(model4, small_chat_path, out))
+    assert rc == 0, err
+    assert json.loads((out / "hsx.json").read_text())["counts"]["rows_written"] == 6
 
 
 @pytest.mark.parametrize("missing", ["--model", "--dataset", "--layers", "--output-dir"])
@@ -290,48 +327,73 @@ def test_subprocess_hsx_command_runs(tmp_path, model4, small_chat_path):
     assert ds.num_rows == 6 and ds.features["final_hidden_state"].feature.length == 64
 
 
-# ---- known bugs (strict xfail: they fail today; fix hsx/, then drop the mark) ----------------------------------
+# ---- rows that used to crash, and dirs that used to be refused -------------------------------------------------
 
-def _skipped_or_one_line_error(argv, out: Path, capsys) -> None:
-    """A row that cannot be used is either skipped and counted (rc 0), or reported as one line: never a crash."""
-    rc = main(argv)
-    err = capsys.readouterr().err
-    if rc == 0:
-        info = json.loads((out / "hsx.json").read_text())
-        assert info["counts"]["rows_written"] == 1 and sum(info["counts"]["skipped"].values()) == 1
-    else:
-        assert_one_line_error(rc, err)
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: a row the chat template refuses (here role 'tool', which the template "
-                   "rejects with raise_exception) crashes the whole job with jinja2 TemplateError and a traceback "
-                   "instead of being skipped and counted")
-def test_row_rejected_by_template_is_not_a_crash(tmp_path, capsys, model4):
+def test_row_rejected_by_template_is_skipped(tmp_path, capsys, model4):
+    """A row the chat template refuses (role 'tool': the demo template raises) is skipped and counted."""
     path = write_jsonl(tmp_path / "d.jsonl", [
         {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]},
         {"messages": [{"role": "tool", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]},
     ])
-    _skipped_or_one_line_error(base_args(model4, path, tmp_path / "out"), tmp_path / "out", capsys)
+    rc = main(base_args(model4, path, tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "Traceback" not in err
+    info = json.loads((tmp_path / "out" / "hsx.json").read_text())
+    assert info["counts"]["rows_written"] == 1
+    assert info["counts"]["skipped"] == {"chat_template_error": 1}
+    assert [r["sample_id"] for r in hsx.load(str(tmp_path / "out"))] == [0]
+    # --strict names it
+    rc = main(base_args(model4, path, tmp_path / "strict") + ["--strict"])
+    assert_one_line_error(rc, capsys.readouterr().err, "row 1", "chat_template_error")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a pre-tokenized row with a token id >= the model's vocab size crashes "
-                   "the forward (IndexError in the embedding, with a traceback) instead of being skipped or "
-                   "reported as one line")
-def test_out_of_vocab_input_ids_is_not_a_crash(tmp_path, capsys, model4):
+def test_out_of_vocab_input_ids_is_skipped(tmp_path, capsys, model4):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 20, 30, 40]}, {"input_ids": [1, 20, 99999]}])
-    _skipped_or_one_line_error(base_args(model4, path, tmp_path / "out"), tmp_path / "out", capsys)
+    rc = main(base_args(model4, path, tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    info = json.loads((tmp_path / "out" / "hsx.json").read_text())
+    assert info["counts"]["rows_written"] == 1
+    assert info["counts"]["skipped"] == {"token_id_out_of_range": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a --strict failure leaves .hsx/job.json behind, so after fixing the "
-                   "named row the same command fails with 'holds a different job (differs in: input)' although the "
-                   "dir holds no output yet (same after a missing-chat-template error)")
 def test_fix_the_row_after_strict_and_rerun(tmp_path, capsys, model4):
     good = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
     path = write_jsonl(tmp_path / "d.jsonl", [good, {"messages": []}])
-    argv = base_args(model4, path, tmp_path / "out") + ["--strict"]
+    out = tmp_path / "out"
+    argv = base_args(model4, path, out) + ["--strict"]
     assert_one_line_error(main(argv), capsys.readouterr().err, "row 1")
+    old_job = json.loads((out / ".hsx" / "job.json").read_text())["fingerprint"]
     write_jsonl(path, [good, good])  # the user fixes row 1
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert json.loads((tmp_path / "out" / "hsx.json").read_text())["counts"]["rows_written"] == 2
+    assert json.loads((out / "hsx.json").read_text())["counts"]["rows_written"] == 2
+    assert json.loads((out / ".hsx" / "job.json").read_text())["fingerprint"] != old_job
+    assert len(hsx.load(str(out))) == 2
+
+
+def test_fix_the_tokenizer_after_missing_template_and_rerun(tmp_path, capsys, model4, small_chat_path,
+                                                           no_template_tokenizer_dir):
+    out = tmp_path / "out"
+    argv = base_args(model4, small_chat_path, out)
+    assert_one_line_error(main(argv + ["--tokenizer", str(no_template_tokenizer_dir)]), capsys.readouterr().err,
+                          "chat template")
+    assert (out / ".hsx" / "job.json").exists() and not (out / "hsx.json").exists()
+    rc = main(argv)  # the model's own tokenizer, which has one
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert json.loads((out / "hsx.json").read_text())["counts"]["rows_written"] == 6
+
+
+def test_a_dir_with_output_of_another_job_is_still_refused_after_a_failure(tmp_path, capsys, model4,
+                                                                           small_chat_path):
+    """Re-claiming is only for dirs that hold no output: a finished job is never replaced silently."""
+    out = tmp_path / "out"
+    assert main(base_args(model4, small_chat_path, out)) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in (out / "data").iterdir())
+    rc = main(base_args(model4, small_chat_path, out, "2"))
+    assert_one_line_error(rc, capsys.readouterr().err, "different job")
+    assert sorted(p.name for p in (out / "data").iterdir()) == before

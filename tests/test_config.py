@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hsx.config import ExtractConfig, HsxError, load_config, parse_layer_spec, preset_layers, resolve_layers
@@ -182,6 +184,67 @@ def test_chat_template_kwargs_json_flag():
     cfg = load_config(None, {"model": "m", "dataset": "d", "layers": ["1"], "output_dir": "o",
                              "chat_template_kwargs": '{"enable_thinking": false}'})
     assert cfg.chat_template_kwargs == {"enable_thinking": False}
+
+
+# ---- recipe-relative paths --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def recipe_tree(tmp_path, monkeypatch):
+    """tmp/project/{recipes/r.yaml, data/d.jsonl, models/m/}, and a working directory elsewhere."""
+    proj = tmp_path / "project"
+    (proj / "recipes").mkdir(parents=True)
+    (proj / "data").mkdir()
+    (proj / "data" / "d.jsonl").write_text("{}\n")
+    (proj / "models" / "m").mkdir(parents=True)
+    (proj / "recipes" / "local.jsonl").write_text("{}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    return proj
+
+
+def test_recipe_paths_resolve_against_the_recipe_from_anywhere(recipe_tree):
+    recipe = recipe_tree / "recipes" / "r.yaml"
+    recipe.write_text("model: ../models/m\ntokenizer: ../models/m\ndataset: ../data/d.jsonl\nlayers: [1]\n"
+                      "output_dir: out\n")
+    cfg = load_config(str(recipe), {})
+    assert cfg.model == cfg.tokenizer == str(recipe_tree / "models" / "m")  # normalized: no "recipes/.."
+    assert cfg.dataset == str(recipe_tree / "data" / "d.jsonl")
+    assert cfg.output_dir == "out"  # the output is where the user runs, not next to the recipe
+
+
+def test_recipe_paths_without_a_leading_dot(recipe_tree):
+    recipe = recipe_tree / "recipes" / "r.yaml"
+    recipe.write_text("model: Org/hub-model\ndataset: local.jsonl\nlayers: [1]\noutput_dir: out\n")
+    cfg = load_config(str(recipe), {})
+    assert cfg.dataset == str(recipe_tree / "recipes" / "local.jsonl")
+    assert cfg.model == "Org/hub-model"  # exists nowhere: a Hub id, left as written
+
+
+def test_recipe_paths_relative_recipe_and_cwd_first(recipe_tree, monkeypatch):
+    monkeypatch.chdir(recipe_tree)
+    recipe = recipe_tree / "recipes" / "r.yaml"
+    recipe.write_text("model: ../models/m\ndataset: data/d.jsonl\nlayers: [1]\noutput_dir: out\n")
+    cfg = load_config("recipes/r.yaml", {})
+    assert cfg.model == os.path.join("models", "m")  # recipes/../models/m, normalized, still relative
+    assert cfg.dataset == "data/d.jsonl"  # exists from the working directory: as written
+    # a flag is never rewritten
+    cfg = load_config("recipes/r.yaml", {"dataset": "../data/d.jsonl"})
+    assert cfg.dataset == "../data/d.jsonl"
+
+
+def test_demo_recipe_paths(monkeypatch, tmp_path):
+    from conftest import REPO
+
+    recipe = REPO / "recipes" / "demo.yaml"
+    monkeypatch.chdir(REPO)
+    cfg = load_config("recipes/demo.yaml", {"output_dir": "o"})
+    assert (cfg.model, cfg.dataset) == ("hsx/demo/tiny-qwen3", "hsx/demo/chat.jsonl")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(recipe), {"output_dir": "o"})
+    assert cfg.model == str(REPO / "hsx" / "demo" / "tiny-qwen3")
+    assert cfg.dataset == str(REPO / "hsx" / "demo" / "chat.jsonl")
+    assert os.path.isdir(cfg.model) and os.path.isfile(cfg.dataset)
 
 
 def test_to_dict_round_trips():

@@ -87,19 +87,75 @@ def test_fallback_mask_equals_generation_mask(tokenizer, tokenizer_no_generation
         assert sum(m_gen) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the fallback mask (templates without {% generation %}) searches each "
-                   "assistant message from the start of the rendered text / the previous assistant span, so it "
-                   "marks text in an earlier system/user turn (or inside '<|im_start|>') that equals the "
-                   "assistant content")
 @pytest.mark.parametrize("conv", [
     [{"role": "user", "content": "Please say: yes."}, {"role": "assistant", "content": "yes."}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"}],
-], ids=["content-in-user-turn", "content-in-special-token"])
+    [{"role": "system", "content": "yes."}, {"role": "user", "content": "yes."},
+     {"role": "assistant", "content": "yes."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "a"}],
+    [{"role": "user", "content": "Say 'im' twice."}, {"role": "assistant", "content": "im"},
+     {"role": "user", "content": "Again: im"}, {"role": "assistant", "content": "im im"}],
+], ids=["content-in-user-turn", "content-in-special-token", "content-in-system-and-user", "repeated-multi-turn",
+        "content-in-later-user-turn"])
 def test_fallback_mask_when_content_repeats_earlier(tokenizer, tokenizer_no_generation, conv):
     gen = tok_batch(tokenizer, "messages", [conv])
     fb = tok_batch(tokenizer_no_generation, "messages", [conv])
+    assert gen["skip_reason"] == fb["skip_reason"] == [""]
     assert fb["input_ids"] == gen["input_ids"]
     assert fb["loss_mask"] == gen["loss_mask"]
+
+
+# ChatML with a header that counts the messages: the rendering of conv[:i] is never a prefix of the full text
+# (the way templates that rewrite history behave), so the fallback has to search sequentially.
+_COUNTING_TEMPLATE = (
+    "{{- '<|im_start|>system\nTurns: ' + (messages|length|string) + '<|im_end|>\n' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}@GEN@{{- message['content'] + '<|im_end|>' -}}@ENDGEN@{{- '\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("conv", [
+    [{"role": "user", "content": "Please say: yes."}, {"role": "assistant", "content": "yes."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say ok, then ok."},
+     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}],
+    HAND_CONVERSATION,
+], ids=["content-in-user-turn", "repeated-in-every-turn", "hand"])
+def test_fallback_mask_when_template_rewrites_history(conv):
+    from hsx.demo import build_tokenizer
+
+    with_gen = build_tokenizer(_COUNTING_TEMPLATE.replace("@GEN@", "{%- generation -%}")
+                               .replace("@ENDGEN@", "{%- endgeneration -%}"))
+    without = build_tokenizer(_COUNTING_TEMPLATE.replace("@GEN@", "").replace("@ENDGEN@", ""))
+    full = without.apply_chat_template(conv, tokenize=False)
+    last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
+    assert not full.startswith(without.apply_chat_template(conv[:last], tokenize=False, add_generation_prompt=True))
+    gen = tok_batch(with_gen, "messages", [conv])
+    fb = tok_batch(without, "messages", [conv])
+    assert gen["skip_reason"] == fb["skip_reason"] == [""]
+    assert fb["input_ids"] == gen["input_ids"]
+    assert fb["loss_mask"] == gen["loss_mask"]
+
+
+@pytest.mark.parametrize("fixture", ["tokenizer", "tokenizer_no_generation"])
+def test_row_the_template_refuses_is_skipped(request, fixture):
+    """The demo template raises on role 'tool': that row is skipped, the rest of its batch is tokenized as usual."""
+    tok = request.getfixturevalue(fixture)
+    good = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    tool = [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]
+    with pytest.raises(Exception, match="Unsupported role"):
+        tok.apply_chat_template(tool, tokenize=False)
+    out = tok_batch(tok, "messages", [good, tool, HAND_CONVERSATION, tool])
+    assert out["skip_reason"] == ["", "chat_template_error", "", "chat_template_error"]
+    assert out["input_ids"][1] == out["input_ids"][3] == [] and out["num_tokens"][1] == 0
+    alone = tok_batch(tok, "messages", [good, HAND_CONVERSATION])
+    assert [out["input_ids"][0], out["input_ids"][2]] == alone["input_ids"]
+    assert [out["loss_mask"][0], out["loss_mask"][2]] == alone["loss_mask"]
+    assert all(sum(m) > 0 for m in alone["loss_mask"])
 
 
 def test_sharegpt_equals_messages(tokenizer):
@@ -172,6 +228,37 @@ def test_input_ids_rows(tokenizer):
     assert out["input_ids"] == [[5, 6]] and out["truncated"] == [True]
 
 
+def test_input_ids_out_of_vocab(tokenizer):
+    batch = {"input_ids": [[1, 2, 3], [1, 2, 100], [1, -1, 3], [99, 0], [5, 6, 7, 100], [100]]}
+    out = data.tokenize_batch(batch, list(range(6)), tokenizer, "input_ids", 4096, {}, vocab_size=100)
+    assert out["skip_reason"] == ["", "token_id_out_of_range", "token_id_out_of_range", "", "token_id_out_of_range",
+                                  "token_id_out_of_range"]
+    assert out["input_ids"] == [[1, 2, 3], [], [], [99, 0], [], []]
+    assert out["num_tokens"] == [3, 0, 0, 2, 0, 0]
+    # a bad id past max_length still marks the row as bad input (it does not depend on the cut)
+    out = data.tokenize_batch(batch, list(range(6)), tokenizer, "input_ids", 3, {}, vocab_size=100)
+    assert out["skip_reason"][4] == "token_id_out_of_range" and out["truncated"][4] is False
+    # without a vocab size nothing is checked (as before)
+    out = data.tokenize_batch(batch, list(range(6)), tokenizer, "input_ids", 4096, {})
+    assert out["skip_reason"] == [""] * 6
+
+
+def test_chat_and_text_rows_out_of_vocab(tokenizer):
+    """A --tokenizer whose ids exceed the model's vocabulary: those rows are skipped too."""
+    ids = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])["input_ids"][0]
+    top = max(ids)
+    out = data.tokenize_batch({"messages": [HAND_CONVERSATION]}, [0], tokenizer, "messages", 4096, {},
+                              vocab_size=top)
+    assert out["skip_reason"] == ["token_id_out_of_range"]
+    out = data.tokenize_batch({"messages": [HAND_CONVERSATION]}, [0], tokenizer, "messages", 4096, {},
+                              vocab_size=top + 1)
+    assert out["skip_reason"] == [""] and out["input_ids"][0] == ids
+    text = "The cat slept on the warm chair."
+    top = max(tokenizer(text)["input_ids"])
+    out = data.tokenize_batch({"text": [text]}, [0], tokenizer, "text", 4096, {}, vocab_size=top)
+    assert out["skip_reason"] == ["token_id_out_of_range"]
+
+
 def test_row_format():
     assert data.row_format(["messages", "id"]) == "messages"
     assert data.row_format(["conversations"]) == "conversations"
@@ -220,6 +307,19 @@ def test_tokenize_through_datasets(tmp_path, tokenizer, chat_data):
     # the hand conversation (row 0) went through the same map unchanged
     direct = tok_batch(tokenizer, "messages", [HAND_CONVERSATION])
     assert tok[0]["input_ids"] == direct["input_ids"][0] and tok[0]["loss_mask"] == direct["loss_mask"][0]
+
+
+def test_tokenize_checks_vocab_size_through_datasets(tmp_path):
+    path = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 20, 30, 40]}, {"input_ids": [1, 20, 99999]},
+                                                {"input_ids": [-3, 4]}, {"input_ids": [7, 8]}])
+    cfg = cfg_for(path)
+    raw = data.load_input(cfg)
+    tok = data.tokenize(raw, None, cfg, str(tmp_path / "t.arrow"), fingerprint="test-tok-vocab", vocab_size=512)
+    assert tok["skip_reason"] == ["", "token_id_out_of_range", "token_id_out_of_range", ""]
+    sample_ids, num_tokens, _, skipped, _ = data.usable_rows(tok)
+    assert sample_ids.tolist() == [0, 3] and num_tokens.tolist() == [4, 2]
+    assert skipped == {"token_id_out_of_range": 2}
+    assert data.first_skipped(tok) == (1, "token_id_out_of_range")
 
 
 def test_tokenize_chat_without_template_is_an_error(tmp_path, chat_data):
