@@ -148,7 +148,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True).to(device)
     else:
         with torch.device(device):
-            causal = AutoModelForCausalLM.from_config(full_config, dtype=dtype, attn_implementation="sdpa")
+            causal = AutoModelForCausalLM.from_config(
+                full_config, dtype=dtype, attn_implementation=hsx_model.supported_attn_implementation(text, "sdpa"))
     causal.eval().requires_grad_(False)
     causal.config.use_cache = False
     build_s = time.perf_counter() - t0

@@ -13,6 +13,8 @@ import types
 import typing
 
 from hsx.config import FIELDS, ExtractConfig, HsxError, load_config
+from hsx.run import Stopped
+from hsx.verify import VerifyFailed
 
 HELP = {
     "model": "local folder or Hub id of the target model",
@@ -22,6 +24,7 @@ HELP = {
     "final_hidden": "also store the final-norm output (transformers' hidden_states[N]) as final_hidden_state",
     "max_length": "longer rows are truncated (and counted)",
     "output_dir": "where the Arrow dataset goes; rerunning the same command there continues the job",
+    "nonfinite": "rows whose states hold NaN/Inf: skip (and count) them, or keep them with has_nonfinite set",
     "strict": "stop at the first unusable input row instead of skipping and counting it",
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
     "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
@@ -72,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "measured 790 TFLOP/s)")
     pl.add_argument("--gpu-memory-gib", type=float, default=139.0)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
+    ve.add_argument("output_dir")
+    ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
+    ve.add_argument("--tolerance", type=float, default=2e-2,
+                    help="worst allowed relative error (Frobenius, per layer) against the reference")
+    ve.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -86,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             from hsx.bench import bench
 
             bench(args)
+        elif args.command == "verify":
+            from hsx.verify import verify
+
+            verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed)
         elif args.command == "plan":
             from hsx.plan import plan_command
 
@@ -93,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
         return 2
+    except VerifyFailed as e:
+        print(f"hsx: verify failed: {e}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        print(f"hsx: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("hsx: interrupted; finished units are kept: run the same command to continue", file=sys.stderr)
         return 130

@@ -48,6 +48,7 @@ class ExtractConfig:
     output_dir: str = ""
     storage_dtype: str = "bfloat16"
     strict: bool = False
+    nonfinite: str = "skip"  # rows whose states hold NaN/Inf: "skip" (counted) or "keep" (flagged in has_nonfinite)
     overwrite: bool = False
     # How fast; none of these change the output.
     dtype: str = "bfloat16"
@@ -66,7 +67,7 @@ class ExtractConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 OUTPUT_FIELDS = (  # what decides the output; the rest may change between restarts of one job
     "model", "revision", "tokenizer", "dataset", "dataset_config", "split", "limit", "layers", "final_hidden",
-    "max_length", "chat_template_kwargs", "storage_dtype", "dtype",
+    "max_length", "chat_template_kwargs", "storage_dtype", "dtype", "nonfinite",
 )
 STORAGE_DTYPES = ("bfloat16",)
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -119,6 +120,10 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--storage-dtype {cfg.storage_dtype!r} is not supported; choose from {STORAGE_DTYPES}")
     if cfg.dtype not in COMPUTE_DTYPES:
         raise HsxError(f"--dtype {cfg.dtype!r} is not supported; choose from {COMPUTE_DTYPES}")
+    if cfg.nonfinite not in ("skip", "keep"):
+        raise HsxError(f"--nonfinite must be skip or keep, got {cfg.nonfinite!r}")
+    if cfg.sdpa_backend not in ("flash", "cudnn", "efficient", "default"):
+        raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
     if cfg.compile not in ("auto", "on", "off"):
         raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
     if cfg.token_budget is not None and cfg.token_budget < 1:

@@ -9,6 +9,10 @@ safetensors only, never unpickled; remote code runs only when asked.
 from __future__ import annotations
 
 import copy
+import inspect
+import json
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,21 +101,89 @@ def load_model(cfg: ExtractConfig, device: torch.device) -> LoadedModel:
     layers, final_hidden = resolve_layers(cfg.layers, n, cfg.final_hidden)
     depth = n if final_hidden else max(layers) + 1
     tcfg = truncated_config(text, depth)
+    attn = supported_attn_implementation(tcfg, cfg.attn_implementation)
+    kwargs: dict[str, Any] = {}
+    prefix = text_weights_prefix(checkpoint_keys(path))
+    if prefix not in (None, "", "model."):
+        # A multimodal checkpoint whose text weights sit under a prefix the text model's class does not map by
+        # itself (Gemma 3 and other llava-style checkpoints store `language_model.model.*`): without this, every
+        # weight is "missing" and the text model runs on random weights. Verified exact on Qwen3.5 too.
+        kwargs["key_mapping"] = {"^" + re.escape(prefix): ""}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report lists every layer we chose not to load
     try:
-        base = AutoModel.from_pretrained(
-            path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+        base, info = AutoModel.from_pretrained(
+            path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
             use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
-            device_map={"": device} if device.type != "cpu" else None,
+            device_map={"": device} if device.type != "cpu" else None, output_loading_info=True, **kwargs,
         )
     except (OSError, ValueError) as e:
         raise HsxError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+    check_loaded_weights(base, info, cfg.model)
+    base._hsx_attn_requested = cfg.attn_implementation
     base = finish_truncation(base, depth, final_hidden).to(device)
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg)
+
+
+def supported_attn_implementation(text_config, requested: str | None) -> str | None:
+    """`requested`, unless it is the default "sdpa" and the model's class has no SDPA path (GPT-OSS: its attention
+    sinks): then None, which lets transformers pick the model's own default (eager for GPT-OSS)."""
+    if requested != "sdpa":
+        return requested
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        cls = MODEL_MAPPING[type(text_config)]
+    except (KeyError, ImportError, ValueError):  # remote code, or unknown to this transformers: let it decide
+        return requested
+    return requested if getattr(cls, "_supports_sdpa", True) else None
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """The tensor names of a local safetensors checkpoint (from the index, else the files' headers)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text()).get("weight_map", {}))
+        except (OSError, ValueError):
+            return []
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                keys.extend(st.keys())
+        except (OSError, ValueError, RuntimeError):
+            continue
+    return keys
+
+
+def text_weights_prefix(keys: list[str]) -> str | None:
+    """The prefix of the decoder's weights in a checkpoint: the one that holds both `embed_tokens.weight` and
+    `layers.*` ("model." for a CausalLM, "model.language_model." or "language_model.model." for vision-language
+    checkpoints). None when there is no such single prefix (other naming): transformers decides alone."""
+    emb = "embed_tokens.weight"
+    candidates = {k[: -len(emb)] for k in keys if k.endswith(emb) and (k == emb or k[: -len(emb)].endswith("."))}
+    candidates = {p for p in candidates if any(k.startswith(p + "layers.") for k in keys)}
+    return candidates.pop() if len(candidates) == 1 else None
+
+
+def check_loaded_weights(base: torch.nn.Module, info: dict, model: str) -> None:
+    """Refuse a model whose parameters were not all read from the checkpoint: transformers fills missing ones with
+    random values and only logs it (a warning we silence), which would make every hidden state silently wrong."""
+    params = dict(base.named_parameters())
+    missing = sorted(k for k in info.get("missing_keys", ()) if k in params)
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
+    if missing or mismatched:
+        what = missing or mismatched
+        raise HsxError(f"model {model!r}: {len(what)} weight(s) of the decoder were not found in the checkpoint "
+                       f"({'missing' if missing else 'shape mismatch'}: {', '.join(what[:3])}"
+                       f"{', ...' if len(what) > 3 else ''}); refusing to extract from randomly initialized weights")
 
 
 def build_random_model(text_config, layers: list[int], final_hidden: bool, device: torch.device,
@@ -122,6 +194,7 @@ def build_random_model(text_config, layers: list[int], final_hidden: bool, devic
     n = int(text_config.num_hidden_layers)
     depth = n if final_hidden else max(layers) + 1
     tcfg = truncated_config(text_config, depth)
+    attn_implementation = supported_attn_implementation(tcfg, attn_implementation)
     tcfg._attn_implementation = attn_implementation
     with torch.device(device):
         base = AutoModel.from_config(tcfg, dtype=dtype, attn_implementation=attn_implementation)
@@ -156,3 +229,89 @@ def compile_layers(base: torch.nn.Module) -> None:
     for layer in decoder_layers(base):
         layer.forward = torch.compile(layer.forward, dynamic=True)
     base._hsx_compiled = True
+
+
+# ---- which kernels run ---------------------------------------------------------------------------------------------
+
+LINEAR_ATTENTION_KERNEL = "chunk_gated_delta_rule"  # Gated DeltaNet over a whole sequence (fla when installed)
+CONV_KERNEL = "causal_conv1d_fn"  # its short causal convolution (causal-conv1d when installed)
+
+
+def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
+    """Which code paths the model's forward runs, for hsx.json and the run summary.
+
+    attn_implementation: transformers' attention path (and attn_implementation_requested, what the job asked for;
+    they differ when the model has no SDPA path, e.g. GPT-OSS runs eager). experts_implementation: the MoE experts'
+    path (None without experts). linear_attention / causal_conv1d: for hybrid models with Gated DeltaNet layers
+    (Qwen3.5/3.6, Qwen3-Next), "fla" / "causal_conv1d" when those packages' kernels are used, "torch fallback"
+    for transformers' reference PyTorch code (correct for hsx's right-padded batches, much slower); None without
+    such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart; hsx never packs."""
+    config = base.config
+    modules = list(base.modules())
+    has_experts = any(type(m).__name__.endswith("Experts") for m in modules)
+    linear = [m for m in modules if _is_linear_attention(m)]
+    report: dict[str, Any] = {
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "attn_implementation_requested": getattr(base, "_hsx_attn_requested", None),
+        "experts_implementation": getattr(config, "_experts_implementation", None) if has_experts else None,
+        "linear_attention": None,
+        "causal_conv1d": None,
+    }
+    if linear:
+        kernels = _fallback_kernels(linear)
+        report["linear_attention"] = "fla" if kernels.get(LINEAR_ATTENTION_KERNEL, _importable(
+            "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")) else "torch fallback"
+        report["causal_conv1d"] = "causal_conv1d" if kernels.get(CONV_KERNEL, _importable(
+            "causal_conv1d", "causal_conv1d_fn")) else "torch fallback"
+    report["packing_safe"], report["packing_note"] = _packing(report, config)
+    return report
+
+
+def _packing(report: dict[str, Any], config) -> tuple[bool, str]:
+    if report["linear_attention"] is not None and (report["linear_attention"] != "fla"
+                                                   or report["causal_conv1d"] != "causal_conv1d"):
+        return False, ("Gated DeltaNet layers without both fla and causal-conv1d ignore sequence boundaries: "
+                       "packed sequences would leak into each other")
+    if getattr(config, "model_type", None) == "gpt_oss" and report["attn_implementation"] in ("eager", "sdpa",
+                                                                                               "flex_attention"):
+        return False, "GPT-OSS builds its mask without position_ids: packed sequences leak on this attention path"
+    return True, ""
+
+
+def _is_linear_attention(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("GatedDeltaNet") or (getattr(module, "layer_type", None) == "linear_attention"
+                                              and not name.endswith("DecoderLayer"))
+
+
+def _fallback_kernels(modules: list[torch.nn.Module]) -> dict[str, bool]:
+    """{kernel name: True when its package's implementation is used} for the functions that transformers wraps with
+    `use_kernel_func_from_hub_with_fallback` in the modules' modeling files (5.17 to 5.24 at least: the wrapper
+    closes over `func_name` and `is_new_implementation`). Older layouts keep the kernel as a module attribute."""
+    found: dict[str, bool] = {}
+    for mod_name in {type(m).__module__ for m in modules}:
+        namespace = vars(sys.modules.get(mod_name, object()))
+        for obj in list(namespace.values()):
+            if not callable(obj) or not hasattr(obj, "__code__"):
+                continue
+            try:
+                free = inspect.getclosurevars(obj).nonlocals
+            except (TypeError, ValueError):
+                continue
+            if "is_new_implementation" in free and isinstance(free.get("func_name"), str):
+                found[free["func_name"]] = bool(free["is_new_implementation"])
+    for m in modules:  # older transformers: self.chunk_gated_delta_rule = fla's or torch's
+        for attr, key in ((LINEAR_ATTENTION_KERNEL, LINEAR_ATTENTION_KERNEL), (CONV_KERNEL, CONV_KERNEL)):
+            fn = getattr(m, attr, None)
+            if key not in found and callable(fn) and not isinstance(fn, torch.nn.Module):
+                found[key] = (getattr(fn, "__module__", "") or "").split(".")[0] in ("fla", "causal_conv1d")
+    return found
+
+
+def _importable(module: str, name: str) -> bool:
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name, None) is not None
+    except Exception:  # noqa: BLE001 - a broken optional kernel package is the same as none
+        return False

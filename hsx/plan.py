@@ -1,15 +1,23 @@
-"""What a job costs before it runs: weights, activation memory per token, token budget, FLOPs, disk and time.
+"""What a job costs before it runs: weights, activation memory per token, token budget, GPUs, FLOPs, disk, time.
 
 `hsx plan` prints it; `hsx extract` uses the same numbers for its token budget and the MFU in its progress bar,
 and `hsx bench` for MFU. Model shapes that benchmarks and offline planning need ship here (facts from the
-models' config.json files), so nothing needs the Hub. MFU counts real tokens only: 2 × (parameters of the
-decoder layers run) per token, plus causal attention, 2·L²·d_attn per attention layer per sequence of length L.
+models' config.json files, `SHAPES`, reachable by Hub id through `HUB_SHAPES`), so planning a recipe never needs
+the Hub; nor does it need the data (`DATASET_SIZES`, or `--tokens`).
+
+FLOPs count real tokens only: 2 × (matmul parameters of the decoder layers run) per token, with mixture-of-experts
+layers counting the router and the ACTIVE experts only, plus causal attention, 2·L²·d_attn per full-attention
+layer per sequence of length L (sliding-window layers: the pairs inside the window). Linear-attention layers
+(Gated DeltaNet) count their projections and convolution; their recurrent/chunked state work is left out (under
+1% of a Qwen3.6-27B layer's matmuls). Weights count every expert. Norms, biases and rotary tables are left out.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +25,11 @@ import numpy as np
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
 BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
+GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
+NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
+DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the H200 probes' chat-like mean
+FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
+GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
 
 # Facts from each model's config.json (random weights built from these are the benchmark subjects).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -41,18 +54,58 @@ SHAPES: dict[str, dict[str, Any]] = {
                         num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                         tie_word_embeddings=False),
+    # Qwen3.6-27B (config.json: model_type qwen3_5, a VLM; this is its text_config, which hsx runs; Qwen3.5-27B
+    # has the same text shape). 16 × [Gated DeltaNet ×3, gated full attention ×1]; the MTP layer is not run.
+    "qwen3.6-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                        layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(64)],
+                        max_position_embeddings=262144, rms_norm_eps=1e-6,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                             mrope_section=[11, 11, 10], mrope_interleaved=True),
+                        tie_word_embeddings=False),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                            num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False),
+}
+
+# Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
+HUB_SHAPES: dict[str, str] = {
+    "Qwen/Qwen3-8B": "qwen3-8b",
+    "Qwen/Qwen3-32B": "qwen3-32b",
+    "Qwen/Qwen3.5-27B": "qwen3.6-27b",
+    "Qwen/Qwen3.6-27B": "qwen3.6-27b",
+    "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Meta-Llama-3-70B": "llama-3-70b",
+    "meta-llama/Meta-Llama-3-70B-Instruct": "llama-3-70b",
+}
+
+# Public chat datasets whose size ships here, so a recipe's disk and time can be planned without the data:
+# (Hub id, split) -> (rows, mean tokens per row with a chat template applied). Rows are from the dataset card;
+# tokens are an ESTIMATE (the split's text bytes from the card / ~4.3 bytes per token of the Llama-3 and Qwen
+# tokenizers, + template tokens; expect ±15%). `--tokens` overrides; hsx.json's tokens_written is the truth.
+DATASET_SIZES: dict[tuple[str, str], tuple[int, int]] = {
+    ("HuggingFaceH4/ultrachat_200k", "train_sft"): (207_865, 1_500),  # 1.40 GB of text, ~6.7 kB per row
+    ("HuggingFaceH4/ultrachat_200k", "test_sft"): (23_110, 1_500),
 }
 
 
 def shape_config(name: str):
-    """A transformers config for a named shape."""
+    """A transformers config for a named shape (a `SHAPES` key, or a Hub id in `HUB_SHAPES`)."""
     from transformers import AutoConfig
 
     from hsx.config import HsxError
 
-    if name not in SHAPES:
-        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    facts = dict(SHAPES[name])
+    key = HUB_SHAPES.get(name, name)
+    if key not in SHAPES:
+        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}, or the Hub ids {', '.join(HUB_SHAPES)}")
+    facts = dict(SHAPES[key])
     return AutoConfig.for_model(facts.pop("model_type"), **facts)
 
 
@@ -62,19 +115,83 @@ def _head_dim(c) -> int:
     return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
 
-def layer_params(c) -> int:
-    """Matmul parameters of one dense decoder layer (attention projections + gated MLP)."""
-    h, hd = int(c.hidden_size), _head_dim(c)
+def layer_types(c) -> list[str]:
+    """Each decoder layer's kind: full_attention (the default), sliding_attention or linear_attention."""
+    n = int(c.num_hidden_layers)
+    kinds = getattr(c, "layer_types", None)
+    return list(kinds[:n]) if isinstance(kinds, (list, tuple)) and len(kinds) >= n else ["full_attention"] * n
+
+
+def _num_experts(c) -> int:
+    return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
+
+
+def _is_moe_layer(c, i: int) -> bool:
+    """Qwen-MoE / Mixtral rule: every `decoder_sparse_step`-th layer routes, except `mlp_only_layers`."""
+    if not _num_experts(c) or not getattr(c, "num_experts_per_tok", None):
+        return False
+    if i in (getattr(c, "mlp_only_layers", None) or []):
+        return False
+    return (i + 1) % int(getattr(c, "decoder_sparse_step", None) or 1) == 0
+
+
+def _attention_params(c, kind: str) -> int:
+    h = int(c.hidden_size)
+    if kind == "linear_attention":  # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_a/b, depthwise conv, out_proj
+        kd = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
+        vd = int(c.linear_num_value_heads) * int(c.linear_value_head_dim)
+        conv = 2 * kd + vd
+        return h * (conv + vd + 2 * int(c.linear_num_value_heads)) + conv * int(c.linear_conv_kernel_dim) + vd * h
+    hd = _head_dim(c)
     q, kv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
-    return h * q + 2 * h * kv + q * h + 3 * h * int(c.intermediate_size)
+    gate = 2 if getattr(c, "model_type", "") in GATED_QUERY_MODEL_TYPES else 1
+    return h * q * gate + 2 * h * kv + q * h
+
+
+def _mlp_params(c, i: int, active: bool) -> int:
+    h = int(c.hidden_size)
+    if not _is_moe_layer(c, i):
+        return 3 * h * int(c.intermediate_size)
+    e, k = _num_experts(c), int(c.num_experts_per_tok)
+    m = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+    shared = int(getattr(c, "shared_expert_intermediate_size", None) or 0)
+    return h * e + 3 * h * m * (k if active else e) + (3 * h * shared + h if shared else 0)
+
+
+def decoder_layer_params(c, i: int, active: bool = True) -> int:
+    """Matmul parameters of decoder layer i: those a token goes through (`active`: routed experts only), or all
+    of them (the weights)."""
+    return _attention_params(c, layer_types(c)[i]) + _mlp_params(c, i, active)
+
+
+def layer_params(c, depth: int | None = None) -> int:
+    """Matmul parameters a token goes through per decoder layer, averaged over the first `depth` layers (all by
+    default): exact for uniform dense models; for hybrid and MoE models `depth × layer_params(c, depth)` is the
+    per-token count of running those layers (active experts only)."""
+    d = depth or int(c.num_hidden_layers)
+    return round(sum(decoder_layer_params(c, i) for i in range(d)) / d)
+
+
+def attention_flops(c, depth: int, lengths: np.ndarray) -> float:
+    """The length-dependent attention FLOPs (scores and weighted values) of `depth` layers over these sequences."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    d_attn = int(c.num_attention_heads) * _head_dim(c)
+    kinds = layer_types(c)[:depth]
+    total = 2.0 * d_attn * float((lengths**2).sum()) * kinds.count("full_attention")
+    window = getattr(c, "sliding_window", None)
+    if kinds.count("sliding_attention"):
+        w = float(window) if window else math.inf
+        pairs = np.where(lengths <= w, lengths**2 / 2, w * lengths - w * w / 2)
+        total += 4.0 * d_attn * float(pairs.sum()) * kinds.count("sliding_attention")
+    return total
 
 
 def flops(c, depth: int, lengths: np.ndarray, layer_param_count: int | None = None) -> float:
-    """FLOPs of running `depth` decoder layers over sequences of these lengths (real tokens only)."""
+    """FLOPs of running `depth` decoder layers over sequences of these lengths (real tokens only).
+    `layer_param_count`: the per-layer mean from `layer_params`, precomputed (the progress bar calls this often)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    per_layer = layer_param_count if layer_param_count is not None else layer_params(c)
-    d_attn = int(c.num_attention_heads) * _head_dim(c)
-    return depth * (2.0 * per_layer * lengths.sum() + 2.0 * d_attn * float((lengths ** 2).sum()))
+    per_layer = layer_param_count if layer_param_count is not None else layer_params(c, depth)
+    return 2.0 * depth * per_layer * float(lengths.sum()) + attention_flops(c, depth, lengths)
 
 
 def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) -> float:
@@ -103,12 +220,34 @@ def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) ->
 
 # ---- memory and disk ----------------------------------------------------------------------------------------
 
+def _transient_values(c, i: int) -> int:
+    """Values per token alive while decoder layer i runs its attention or its MLP stage (the larger one)."""
+    h, kind = int(c.hidden_size), layer_types(c)[i]
+    if kind == "linear_attention":
+        kd = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
+        hv, dv = int(c.linear_num_value_heads), int(c.linear_value_head_dim)
+        conv = 2 * kd + hv * dv
+        # qkv before and after the conv, z, a/b, the core output, and the per-chunk states spread over the chunk
+        attn = 2 * conv + 2 * hv * dv + 2 * hv + hv * int(c.linear_key_head_dim) * dv // FLA_CHUNK + h
+    else:
+        hd = _head_dim(c)
+        q, kv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
+        gate = 2 if getattr(c, "model_type", "") in GATED_QUERY_MODEL_TYPES else 1
+        attn = q * gate + 2 * kv + q + h
+    if _is_moe_layer(c, i):  # each token is copied to its k experts: input, gate/up, activation, output
+        k, e = int(c.num_experts_per_tok), _num_experts(c)
+        m = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+        mlp = k * (2 * h + 3 * m) + 2 * e  # router logits in float32
+    else:
+        mlp = 3 * int(c.intermediate_size) + h
+    return max(attn, mlp)
+
+
 def activation_bytes_per_token(c, stored_values_per_token: int, dtype_bytes: int = 2) -> int:
-    """Peak GPU bytes per token in a batch: one layer's transient activations plus the captured outputs
+    """Peak GPU bytes per token in a batch: the largest layer's transient activations plus the captured outputs
     (held until the batch ends) and the gathered copy. A 1.5× margin covers allocator fragmentation."""
-    h, hd, i = int(c.hidden_size), _head_dim(c), int(c.intermediate_size)
-    q, kv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
-    transient = max(q + 2 * kv + q + h, 3 * i + h) + 3 * h  # attention or MLP stage, plus residual/norm
+    h = int(c.hidden_size)
+    transient = max(_transient_values(c, i) for i in range(int(c.num_hidden_layers))) + 3 * h  # + residual/norm
     return int(1.5 * dtype_bytes * (transient + 2 * stored_values_per_token))
 
 
@@ -120,13 +259,35 @@ def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_leng
 
 
 def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
-    return dtype_bytes * (depth * layer_params(c) + int(c.vocab_size) * int(c.hidden_size))
+    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head."""
+    layers = sum(decoder_layer_params(c, i, active=False) for i in range(depth))
+    return dtype_bytes * (layers + int(c.vocab_size) * int(c.hidden_size))
 
+
+def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int, gpu_bytes: int,
+                  node_gpus: int = NODE_GPUS) -> int | None:
+    """GPUs one model copy needs (1, 2, 4, ... up to a node): its share of the weights plus a batch of
+    `min_batch_tokens` within GPU_HEADROOM of each GPU. None: more than a node."""
+    g = 1
+    while g <= node_gpus:
+        if weights / g + activation_per_token * min_batch_tokens <= GPU_HEADROOM * gpu_bytes:
+            return g
+        g *= 2
+    return None
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
-         matmul_tflops: float = 790.0, mfu: float = 0.70, storage_dtype: str = "bfloat16") -> dict[str, Any]:
-    """A job's costs as a dict (what `hsx plan --json` prints)."""
+         matmul_tflops: float = 790.0, mfu: float = 0.70, storage_dtype: str = "bfloat16",
+         token_budget: int | None = None, node_gpus: int = NODE_GPUS) -> dict[str, Any]:
+    """A job's costs as a dict (what `hsx plan --json` prints).
+
+    Memory: a copy that needs g > 1 GPUs is planned as its decoder layers spread evenly over the group
+    (device_map-style), each GPU holding weights/g plus a whole batch's activations. Time: the rate is one GPU's
+    (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token); a copy on g GPUs
+    runs its layers one GPU at a time, so it goes at about that rate too, and a node runs node_gpus // g copies."""
     n = int(c.num_hidden_layers)
     depth = n if final_hidden else max(layers) + 1
     h = int(c.hidden_size)
@@ -134,28 +295,36 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     bpt = values * BYTES_PER_VALUE[storage_dtype]
     weights = weight_bytes(c, depth)
     act = activation_bytes_per_token(c, values)
-    budget = auto_token_budget(c, values, (gpu_bytes - weights) if gpu_bytes else 1 << 62, max_length)
-    flops_per_token = flops(c, depth, np.array([1.0]))  # the attention term is per-length; added below
+    min_batch = max(max_length, DEFAULT_BUDGET_CAP // 4)  # one full row, and enough tokens to keep a GPU busy
+    gpus = gpus_per_copy(weights, act, token_budget or min_batch, gpu_bytes, node_gpus) if gpu_bytes else 1
+    per_gpu_weights = weights / (gpus or node_gpus)
+    budget = token_budget or auto_token_budget(
+        c, values, (gpu_bytes - per_gpu_weights) if gpu_bytes else 1 << 62, max_length)
     out: dict[str, Any] = {
         "num_model_layers": n, "layers": layers, "final_hidden": final_hidden, "layers_run": depth,
         "hidden_size": h, "values_per_token": values, "bytes_per_token": bpt,
         "weight_bytes": weights, "activation_bytes_per_token": act, "token_budget": budget,
-        "peak_gpu_bytes_estimate": weights + act * budget,
+        "peak_gpu_bytes_estimate": int(per_gpu_weights + act * budget),  # per GPU of a copy
         "max_length": max_length,
         "arrow_values_per_max_length_row": max_length * values,
         "arrow_limit_ok": max_length * values <= ARROW_MAX_VALUES,
         "max_tokens_per_record_batch": ARROW_MAX_VALUES // values,
     }
     if gpu_bytes is not None:
-        out["gpu_bytes"] = gpu_bytes
-        out["fits"] = weights + act * max_length <= gpu_bytes
+        copies = node_gpus // gpus if gpus else 0
+        out.update({"gpu_bytes": gpu_bytes, "fits": gpus == 1, "gpus_per_copy": gpus, "node_gpus": node_gpus,
+                    "copies_per_node": copies})
     if tokens is not None:
-        mean_len = tokens / rows if rows else 350.0
-        per_token = flops_per_token + 2.0 * int(c.num_attention_heads) * _head_dim(c) * depth * mean_len
+        mean_len = min(tokens / rows if rows else float(DEFAULT_MEAN_TOKENS), float(max_length))
+        per_token = 2.0 * depth * layer_params(c, depth) + attention_flops(c, depth, np.array([mean_len])) / mean_len
         rate = rate_tokens_per_s or (mfu * matmul_tflops * 1e12 / per_token)
-        out.update({"tokens": tokens, "total_bytes": tokens * bpt, "rate_tokens_per_s": rate,
+        out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
+                    "rate_tokens_per_s": rate,
                     "rate_source": "given" if rate_tokens_per_s else f"{mfu:.0%} of {matmul_tflops:.0f} TFLOP/s",
-                    "expected_seconds": tokens / rate})
+                    "expected_seconds": tokens / rate, "write_bytes_per_s": rate * bpt})
+        if out.get("copies_per_node"):
+            out["expected_seconds_node"] = tokens / rate / out["copies_per_node"]
+            out["write_bytes_per_s_node"] = rate * bpt * out["copies_per_node"]
     return out
 
 
@@ -166,57 +335,229 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{p['num_model_layers']} decoder layers, no lm_head",
         f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
         f"activation memory per token: {p['activation_bytes_per_token'] / 1024:.0f} KiB; token budget "
-        f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB)",
+        f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB per GPU)",
         f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} bf16 values)",
         f"Arrow limit: a {p['max_length']:,}-token row holds {p['arrow_values_per_max_length_row']:,} values "
         f"({'ok' if p['arrow_limit_ok'] else 'OVER 2^31: lower --max-length or store fewer layers'}); at most "
         f"{p['max_tokens_per_record_batch']:,} tokens per record batch",
     ]
-    if "fits" in p:
-        lines.append(f"fits one GPU of {p['gpu_bytes'] / gib:.0f} GiB: {'yes' if p['fits'] else 'NO'}")
+    if "gpus_per_copy" in p:
+        g, size = p["gpus_per_copy"], f"{p['gpu_bytes'] / gib:.0f} GiB"
+        node = f"{p['copies_per_node']} copies per {p['node_gpus']}-GPU node"
+        if g == 1:
+            lines.append(f"GPUs: 1 × {size} per model copy → {node}")
+        elif g:
+            lines.append(f"GPUs: {g} × {size} per model copy, its layers spread over the group (device_map / "
+                         f"tensor parallel) → {node}")
+        else:
+            lines.append(f"GPUs: a model copy needs more than {p['node_gpus']} GPUs of {size}")
+    if "launch" in p:
+        lines.append(f"launch: {p['launch']}")
+    if p.get("launch_node"):
+        lines.append(f"  a node of {p['node_gpus']} GPUs: {p['launch_node']}")
     if "tokens" in p:
-        lines.append(f"{p['tokens']:,} tokens → {p['total_bytes'] / 1e12:.3f} TB on disk; at "
-                     f"{p['rate_tokens_per_s']:,.0f} tok/s ({p['rate_source']}) ≈ {_duration(p['expected_seconds'])}")
+        when = format_duration(p["expected_seconds"]) + (" on one copy" if p.get("copies_per_node") else "")
+        if p.get("copies_per_node", 1) > 1:
+            when += f", {format_duration(p['expected_seconds_node'])} on a node of {p['node_gpus']} GPUs"
+        lines.append(f"{p['tokens']:,} tokens ({p.get('tokens_source', 'given')}) → "
+                     f"{format_bytes(p['total_bytes'])} on disk; at {p['rate_tokens_per_s']:,.0f} tok/s per copy ({p['rate_source']}) ≈ {when}")
+        node = f", {format_bytes(p['write_bytes_per_s_node'])}/s per node" if p.get("copies_per_node", 1) > 1 else ""
+        lines.append(f"disk writes: {format_bytes(p['write_bytes_per_s'])}/s per copy{node}")
+    else:
+        lines.append("disk and time: give --tokens N (the dataset's size is not known offline)")
     return "\n".join(lines)
 
 
+def launch_commands(config_path: str | None, overrides: dict[str, Any], output_dir: str, gpus: int,
+                    node_gpus: int = NODE_GPUS) -> tuple[str, str | None]:
+    """The command that runs the planned job (one copy), and the one that fills a node with copies (None when a
+    copy already takes the node). Accelerate configs are the shipped recipes/accelerate/{1,8}gpu.yaml."""
+    args = ["extract"] + (["--config", config_path] if config_path else [])
+    for key, value in overrides.items():
+        if key == "output_dir":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif key == "layers" and isinstance(value, (list, tuple)):
+            args += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            import json
+
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    args += ["--output-dir", output_dir]
+    tail = " ".join(shlex.quote(a) for a in args)
+    node = f"accelerate launch --config_file recipes/accelerate/{node_gpus}gpu.yaml"
+    if gpus == 1:
+        return f"hsx {tail}", f"{node} -m hsx {tail}"
+    return f"{node} --num_processes {node_gpus // gpus} -m hsx {tail}", None
+
+
+PLACEHOLDER = "(plan)"
+
+
 def plan_command(args) -> dict[str, Any]:
-    """`hsx plan`: the job's costs from its recipe/flags, offline where the model's shape is known."""
+    """`hsx plan`: the job's costs from its recipe/flags, offline for local models and shipped shapes.
+
+    Tokens come from `--tokens`; else from `DATASET_SIZES` for a known Hub dataset; else, for a local dataset,
+    from tokenizing it (a sample of SAMPLE_ROWS rows when larger; rows × DEFAULT_MEAN_TOKENS without a tokenizer
+    offline); else there is no disk or time line. Neither the dataset nor the weights are downloaded."""
     import json
 
     from hsx.cli import config_overrides
     from hsx.config import load_config, resolve_layers
 
     overrides = config_overrides(args)
-    overrides.setdefault("output_dir", "(plan)")
     if args.shape:
         overrides["model"] = overrides.get("model") or f"shape:{args.shape}"
-    overrides.setdefault("dataset", "(none)")
-    cfg = load_config(args.config, overrides)
-    if args.shape:
-        text = shape_config(args.shape)
-    else:
-        from transformers import AutoConfig
-
-        from hsx.model import resolve_model_path, text_config_of
-
-        text = text_config_of(AutoConfig.from_pretrained(resolve_model_path(cfg.model, cfg.revision, False)[0]))
+    recipe = _recipe_keys(args.config)
+    # output_dir and dataset are required by an extract job, not by a plan: fill in only what neither gives
+    placeholders = {k: PLACEHOLDER for k in ("output_dir", "dataset") if not overrides.get(k) and not recipe.get(k)}
+    cfg = load_config(args.config, {**overrides, **placeholders})
+    text = model_text_config(cfg, args.shape)
     layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
-    tokens, rows = args.tokens, None
-    if tokens is None and cfg.dataset != "(none)":
-        from hsx.data import load_input
-
-        rows = len(load_input(cfg))
-        tokens = rows * 354  # the mean of the H200 probes' chat-like distribution; --tokens gives the real count
+    tokens, rows, source = planned_tokens(cfg, args.tokens)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=args.rate,
-             gpu_bytes=int(args.gpu_memory_gib * 1024**3))
-    if rows is not None:
-        p["rows"], p["tokens_estimated"] = rows, True
+             gpu_bytes=int(args.gpu_memory_gib * 1024**3), storage_dtype=cfg.storage_dtype,
+             token_budget=cfg.token_budget)
+    if tokens is not None:
+        p["tokens_source"] = source
+        p["tokens_estimated"] = source.startswith("estimate")
+        if rows is not None:
+            p["rows"] = rows
+    if not args.shape and p["gpus_per_copy"]:  # a named shape has no weights to run
+        output_dir = cfg.output_dir if cfg.output_dir != PLACEHOLDER else default_output_dir(args.config, cfg.model)
+        p["launch"], node = launch_commands(args.config, overrides, output_dir, p["gpus_per_copy"])
+        if node:
+            p["launch_node"] = node
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
     return p
 
 
-def _duration(seconds: float) -> str:
+def _recipe_keys(path: str | None) -> dict[str, Any]:
+    """The recipe's raw keys (unchecked: load_config reports any problem with the file)."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def default_output_dir(config_path: str | None, model: str) -> str:
+    """out/<recipe name>, or out/<model name> without a recipe."""
+    name = Path(config_path).stem if config_path else Path(model.rstrip("/")).name.lower()
+    return f"out/{name}"
+
+
+def model_text_config(cfg, shape: str | None = None):
+    """The decoder's config: a named shape, a local model folder's config.json, a shape shipped for this Hub id,
+    or the Hub id's config.json (config only, from the Hugging Face cache when offline)."""
+    from transformers import AutoConfig
+
+    from hsx.config import HsxError
+    from hsx.model import text_config_of
+
+    if shape:
+        return shape_config(shape)
+    if Path(cfg.model).is_dir():
+        try:
+            return text_config_of(AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
+        except (OSError, ValueError, KeyError) as e:
+            raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+    if cfg.model in HUB_SHAPES:
+        return shape_config(cfg.model)
+    try:
+        return text_config_of(AutoConfig.from_pretrained(cfg.model, revision=cfg.revision,
+                                                         trust_remote_code=cfg.trust_remote_code))
+    except (OSError, ValueError, KeyError) as e:
+        raise HsxError(f"cannot get the config of model {cfg.model!r} ({str(e).splitlines()[0]}); shapes that ship "
+                       f"with hsx: {', '.join(HUB_SHAPES)}; or pass --shape (one of {', '.join(SHAPES)})") from None
+
+
+def planned_tokens(cfg, given: int | None) -> tuple[int | None, int | None, str]:
+    """(tokens, rows, where the number comes from); tokens None when nothing offline tells."""
+    if given is not None:
+        return given, None, "given"
+    if cfg.dataset == PLACEHOLDER:
+        return None, None, ""
+    known = DATASET_SIZES.get((cfg.dataset, cfg.split))
+    if known:
+        rows, mean = known
+        rows = min(rows, cfg.limit) if cfg.limit is not None else rows
+        mean = min(mean, cfg.max_length)
+        return rows * mean, rows, f"estimate: {cfg.dataset} {cfg.split}, {rows:,} rows × ~{mean:,} tokens"
+    if Path(cfg.dataset).exists():
+        return local_tokens(cfg)
+    return None, None, ""
+
+
+SAMPLE_ROWS = 2000  # a local dataset larger than this is planned from an evenly spaced sample of its rows
+
+
+def local_tokens(cfg) -> tuple[int, int, str]:
+    """Tokens and usable rows of a local dataset, tokenized as `hsx extract` would (chat template, max_length,
+    skips), all of it or a sample of SAMPLE_ROWS rows scaled up. Without a tokenizer available offline:
+    rows × DEFAULT_MEAN_TOKENS."""
+    import tempfile
+    import uuid
+
+    import datasets
+
+    from hsx.data import load_input, row_format, tokenize, usable_rows
+
+    ds = load_input(cfg)
+    rows = len(ds)
+    tokenizer = None
+    if row_format(ds.column_names) != "input_ids":
+        tokenizer = _offline_tokenizer(cfg)
+        if tokenizer is None:
+            return (rows * DEFAULT_MEAN_TOKENS, rows, f"estimate: {rows:,} rows × {DEFAULT_MEAN_TOKENS} tokens (no "
+                    f"tokenizer offline); --tokens gives the real count")
+    sample = ds if rows <= SAMPLE_ROWS else ds.select(np.linspace(0, rows - 1, SAMPLE_ROWS).astype(np.int64))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with tempfile.TemporaryDirectory(prefix="hsx-plan-") as tmp:
+            tokenized = tokenize(sample, tokenizer, cfg, str(Path(tmp) / "tokens.arrow"),
+                                 fingerprint=f"hsx-plan-{uuid.uuid4().hex}")
+            num_tokens = usable_rows(tokenized)[1]
+            del tokenized
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if sample is ds:
+        return int(num_tokens.sum()), len(num_tokens), f"counted: {rows:,} rows tokenized, {len(num_tokens):,} usable"
+    scale = rows / len(sample)
+    return (round(int(num_tokens.sum()) * scale), round(len(num_tokens) * scale),
+            f"estimate: {len(sample):,} of {rows:,} rows tokenized, scaled up")
+
+
+def _offline_tokenizer(cfg):
+    """The job's tokenizer from a local folder or the Hugging Face cache; None if that needs the Hub."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.model
+    kwargs = {} if Path(source).is_dir() else {"revision": cfg.revision, "local_files_only": True}
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def format_duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:

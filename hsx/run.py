@@ -8,11 +8,16 @@ committed as soon as its map returns. Running the same command again continues; 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,29 +30,92 @@ CPU_TOKEN_BUDGET = 4096
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
 
 
+class Stopped(Exception):
+    """SIGINT/SIGTERM: the job stopped cleanly after a unit; the same command continues it."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 @dataclass
 class Process:
     rank: int
     world_size: int
     device: Any  # torch.device
+    state: Any = None  # accelerate.PartialState when launched with several processes
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def barrier(self) -> None:
+        if self.state is not None:
+            self.state.wait_for_everyone()
+
 
 def current_process() -> Process:
+    """This process's rank and device. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
+    comes from accelerate: NCCL on GPUs, gloo on CPUs (accelerate's state is single-process on a machine without
+    CUDA unless it is created with cpu=True, and then every rank would process every row)."""
     import torch
 
-    rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local % torch.cuda.device_count())
+    cuda = torch.cuda.is_available()
+    if world > 1:
+        from datetime import timedelta
+
+        from accelerate import PartialState
+
+        # Ranks meet only around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
+        state = PartialState(cpu=not cuda, timeout=timedelta(hours=6))
+        device = state.device
+        if cuda:
+            torch.cuda.set_device(device)
+        return Process(rank=state.process_index, world_size=state.num_processes, device=device, state=state)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return Process(rank=rank, world_size=world, device=device)
+    return Process(rank=0, world_size=1, device=device)
+
+
+@contextmanager
+def stop_on_signal(log) -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM ask the job to stop after the unit in progress (schedulers send SIGTERM, then SIGKILL after
+    a grace period; a unit is sized to finish within it). A second signal stops at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.signum = signum
+        stop.set()
+        log(f"hsx: {signal.Signals(signum).name}: stopping after the current unit (again to stop now)")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def assign_units(units: list, rank: int, world_size: int) -> list:
+    """This rank's share: longest-processing-time-first by tokens, so ranks finish together. Deterministic, so
+    every rank computes the same split from the same manifest."""
+    if world_size == 1:
+        return list(units)
+    load = [0] * world_size
+    mine = []
+    for u in sorted(units, key=lambda u: (-u.tokens, u.name)):
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        load[r] += u.tokens
+        if r == rank:
+            mine.append(u)
+    return sorted(mine, key=lambda u: u.name)
 
 
 def command_line() -> str:
@@ -58,67 +126,103 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
+    proc = current_process()
+    say = log if proc.is_main else (lambda *a, **k: None)
+    out = OutputDir(cfg.output_dir, rank=proc.rank)
+    try:
+        with out.locked(), stop_on_signal(say) as stop:
+            return _extract(cfg, proc, out, stop, say, log, model)
+    except OSError as e:
+        if e.errno == errno.ENOSPC or "No space left" in str(e):
+            done = len(out.done_units())
+            raise HsxError(f"disk full while writing {cfg.output_dir}: {done} unit(s) are complete and intact; "
+                           "free some space and run the same command to continue") from None
+        raise
+
+
+def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.Event, say, log, model):
     from hsx import data
 
-    proc = current_process()
-    if proc.world_size > 1:
-        raise HsxError("multi-process runs are not supported yet; run one process")
-    out = OutputDir(cfg.output_dir)
     t_start = time.perf_counter()
-    with out.locked():
-        if model is None:
-            model_path, revision, text = _model_facts(cfg)
-            num_layers = int(text.num_hidden_layers)
-            layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
-        else:
-            model_path, revision, text = model.model_path, model.revision, model.text_config
-            num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
-        raw = data.load_input(cfg)
-        tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
-        raw = data.load_input(cfg)
-        hidden = int(text.hidden_size)
-        bytes_per_token = 2 * (len(layers) + int(final_hidden)) * hidden
-        unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
-        template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
-        job = job_fingerprint({
-            "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
-            "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
-            "max_length": cfg.max_length, "chat_template_sha256": template_sha,
-            "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
-            "limit": cfg.limit, "unit_tokens": unit_tokens, "hsx_version": ".".join(__version__.split(".")[:2]),
-        })
-        state = out.claim(job, cfg.overwrite)
-        if state == "complete":
-            info = out.read_info()
-            log(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
-            return info
-        if state == "resume":
-            log(f"hsx: continuing the job in {cfg.output_dir}")
+    if model is None:
+        model_path, revision, text = _model_facts(cfg)
+        num_layers = int(text.num_hidden_layers)
+        layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
+    else:
+        model_path, revision, text = model.model_path, model.revision, model.text_config
+        num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
+    raw = data.load_input(cfg)
+    tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
+    hidden = int(text.hidden_size)
+    bytes_per_token = 2 * (len(layers) + int(final_hidden)) * hidden
+    unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
+    template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
+    job = job_fingerprint({
+        "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
+        "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
+        "max_length": cfg.max_length, "chat_template_sha256": template_sha,
+        "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
+        "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite,
+        "hsx_version": ".".join(__version__.split(".")[:2]),
+    })
 
-        tokenized = data.tokenize(raw, tokenizer, cfg, str(out.state / "tokenized" / "tokens.arrow"),
-                                  fingerprint=f"hsx-tok-{job['fingerprint'][:24]}", vocab_size=int(text.vocab_size))
-        if cfg.strict and (bad := data.first_skipped(tokenized)):
-            raise HsxError(f"--strict: input row {bad[0]} of {cfg.dataset} cannot be used: {bad[1]}")
-        sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
-        order, units = plan_units(sample_ids, num_tokens, cfg.max_length, unit_tokens)
-        done = out.done_units()
-        pending = [u for u in units if u.name not in done]
-        ordered = tokenized.select(positions[order]).select_columns(
-            ["sample_id", "input_ids", "loss_mask", "num_tokens"])
+    # Rank 0 claims the dir and tokenizes; the others then read its cache (tokenization happens once).
+    tokenized, state, error = None, None, None
+    cache = str(out.state / "tokenized" / "tokens.arrow")
+    fingerprint = f"hsx-tok-{job['fingerprint'][:24]}"
+    for turn in ("main", "others"):
+        if (turn == "main") == proc.is_main:
+            try:
+                state = out.claim(job, cfg.overwrite and proc.is_main)
+                if state != "complete":
+                    out.clear_tmp()
+                    tokenized = data.tokenize(raw, tokenizer, cfg, cache, fingerprint=fingerprint,
+                                              vocab_size=int(text.vocab_size))
+            except HsxError as e:
+                error = e  # raised after the barrier, so no rank waits forever for this one
+        proc.barrier()
+    if error is not None:
+        raise error
+    if state == "complete":
+        info = out.read_info()
+        say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
+        return info
+    if state == "resume":
+        say(f"hsx: continuing the job in {cfg.output_dir}")
+    if cfg.strict and (bad := data.first_skipped(tokenized)):
+        raise HsxError(f"--strict: input row {bad[0]} of {cfg.dataset} cannot be used: {bad[1]}")
+    if stop.is_set():
+        raise Stopped("stopped after tokenizing; run the same command to continue", 128 + stop.signum)
+    sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
+    order, units = plan_units(sample_ids, num_tokens, cfg.max_length, unit_tokens)
+    done = out.done_units()
+    proc.barrier()  # every rank read the same manifest before any rank commits a new unit
+    pending = [u for u in units if u.name not in done]
+    mine = assign_units(pending, proc.rank, proc.world_size)
+    ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask", "num_tokens"])
 
-        stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
-        if pending:
-            stats = _run_units(cfg, proc, out, ordered, pending, layers, final_hidden, hidden, model)
-        elif units:
-            log("hsx: every unit is already written; finalizing")
+    stats: dict[str, Any] = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
+    if mine:
+        stats = _run_units(cfg, proc, out, ordered, mine, layers, final_hidden, hidden, stop, model, say)
+    if stop.is_set():
+        raise Stopped(f"stopped cleanly after {len(out.done_units())} of {len(units)} units; run the same "
+                      "command to continue", 128 + stop.signum)
 
-        done = out.done_units()
-        missing = [u.name for u in units if u.name not in done]
-        if missing:
-            raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
-        oom = sum(r.get("skipped_oom", 0) for r in done.values())
-        if oom:
-            skipped = dict(sorted({**skipped, "oom": skipped.get("oom", 0) + oom}.items()))
+    # Completion is tracked by the manifests each rank appends to (no collective at the end, which could time
+    # out when ranks finish far apart): whichever process sees every unit committed finalizes.
+    done = out.done_units()
+    missing = [u.name for u in units if u.name not in done]
+    if missing:
+        if proc.world_size > 1:
+            log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes")
+            return {"complete": False, "rank": proc.rank, "run": stats}
+        raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
+    with out.finalizing() as already:
+        if already:
+            return out.read_info()
+        extra = {"oom": sum(r.get("skipped_oom", 0) for r in done.values()),
+                 "nonfinite": sum(r.get("skipped_nonfinite", 0) for r in done.values())}
+        skipped = dict(sorted({**skipped, **{k: skipped.get(k, 0) + v for k, v in extra.items() if v}}.items()))
         info = {
             "model": cfg.model, "model_path": model_path, "revision": revision,
             "tokenizer": cfg.tokenizer or cfg.model, "layers": layers, "final_hidden": final_hidden,
@@ -131,24 +235,28 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
                 "tokens_written": sum(r["tokens"] for r in done.values()),
                 "truncated": truncated,
                 "skipped": skipped,
+                "nonfinite": {"mode": cfg.nonfinite,
+                              "rows": sum(r.get("skipped_nonfinite", 0) + r.get("nonfinite_kept", 0)
+                                          for r in done.values())},
             },
             "units": len(units), "world_size": proc.world_size, "hsx_version": __version__,
-            "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden},
+            "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden, "unit_tokens": unit_tokens},
             "fingerprint": job["fingerprint"], "run": stats, "complete": True,
         }
         out.finalize(info, dataset_card(info, command_line()),
-                     features=features(len(layers) * hidden, hidden, final_hidden))
-        wall = time.perf_counter() - t_start
-        c = info["counts"]
-        log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
-            f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}")
-        if stats["tokens"]:
-            pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
-            mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
-            log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s{mfu} over {stats['seconds']:.1f} s "
-                f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
-                f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
-        return info
+                     features=features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep"))
+    wall = time.perf_counter() - t_start
+    c = info["counts"]
+    log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
+        f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}; rows with "
+        f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
+    if stats["tokens"]:
+        pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
+        mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
+        log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s{mfu} over {stats['seconds']:.1f} s "
+            f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
+            f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
+    return info
 
 
 def _model_facts(cfg: ExtractConfig):
@@ -174,18 +282,25 @@ def _tokenizer(cfg: ExtractConfig, model_path: str):
 
 
 def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pending, layers: list[int],
-               final_hidden: bool, hidden: int, loaded=None) -> dict[str, Any]:
+               final_hidden: bool, hidden: int, stop: threading.Event, loaded=None, log=print) -> dict[str, Any]:
     import datasets
     import torch
     from tqdm.auto import tqdm
 
     from hsx.extract import Extractor, Pipeline
-    from hsx.model import load_model
+    from hsx.model import kernel_report, load_model
     from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
     cuda = device.type == "cuda"
     loaded = loaded or load_model(cfg, device)
+    kernels = kernel_report(loaded.base)
+    if kernels.get("linear_attention") == "torch fallback":
+        log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
+            "slower; install flash-linear-attention and causal-conv1d")
+    if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
+        log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
+            f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")
     width = len(layers) * hidden + (hidden if final_hidden else 0)
     if cfg.token_budget:
         budget = cfg.token_budget
@@ -194,8 +309,9 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     else:
         budget = CPU_TOKEN_BUDGET
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
-    extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend)
-    feats = features(len(layers) * hidden, hidden, final_hidden)
+    extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
+                          nonfinite=cfg.nonfinite)
+    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep")
     peak_tflops = measure_matmul_tflops(device) if cuda else None
     per_layer = layer_params(loaded.text_config)
 
@@ -212,7 +328,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                dynamic_ncols=True)
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device),
-             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a"}
+             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "kernels": kernels}
     pipeline = Pipeline(extractor, batches(), max_batch)
     committer = Committer(out)
     progress_was_on = datasets.is_progress_bar_enabled()
@@ -220,14 +336,18 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     t0 = time.perf_counter()
     try:
         for u in pending:
-            counts = {"rows": 0, "tokens": 0, "skipped_oom": 0}
+            if stop.is_set():
+                break
+            nonfinite_key = "skipped_nonfinite" if cfg.nonfinite == "skip" else "nonfinite_kept"
+            counts = {"rows": 0, "tokens": 0, "skipped_oom": 0, nonfinite_key: 0}
 
             def step(table, _counts=counts):
                 result_table = pipeline(table)
                 r = pipeline.last
                 _counts["rows"] += result_table.num_rows
-                _counts["tokens"] += r.tokens
+                _counts["tokens"] += int(result_table.column("num_tokens").to_numpy().sum())
                 _counts["skipped_oom"] += int((~r.kept).sum())
+                _counts[nonfinite_key] += r.nonfinite_rows
                 stats["tokens"] += r.tokens
                 stats["padded_tokens"] += r.padded_tokens
                 stats["gpu_seconds"] += extractor.gpu_seconds(r)

@@ -5,7 +5,8 @@
     OUT/README.md                           dataset card: YAML `configs` pointing at data/train-*.arrow
     OUT/hsx.json                            what was run, counts, layer convention; `complete` once finalized
     OUT/.hsx/job.json                       the fingerprint of what decides the output
-    OUT/.hsx/manifest.jsonl                 one line per committed unit (datasets ignores dot-folders)
+    OUT/.hsx/manifest-<rank>.jsonl          one line per committed unit: rows, tokens, bytes, CRC-32
+                                            (one file per rank; datasets ignores dot-folders)
 
 A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
 its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
@@ -26,10 +27,10 @@ from typing import Any
 
 from hsx.config import LAYER_CONVENTION, HsxError
 
-MANIFEST = "manifest.jsonl"
+MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 
 
-def features(width: int, hidden: int, final_hidden: bool):
+def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False):
     """The output schema. bf16 is stored bit-exact as int16 (Arrow has no bfloat16), marked id="bfloat16"."""
     from datasets import Features, List, Value
 
@@ -42,6 +43,8 @@ def features(width: int, hidden: int, final_hidden: bool):
     }
     if final_hidden:
         f["final_hidden_state"] = List(List(Value("int16", id="bfloat16"), length=hidden))
+    if flag_nonfinite:
+        f["has_nonfinite"] = Value("bool")  # with --nonfinite keep: rows whose states hold NaN/Inf
     return Features(f)
 
 
@@ -53,11 +56,16 @@ def info_features(info: dict[str, Any]):
 
 
 class OutputDir:
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, rank: int = 0):
         self.root = Path(root)
+        self.rank = rank
         self.data = self.root / "data"
         self.state = self.root / ".hsx"
-        self.tmp = self.state / "tmp"
+        self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
+
+    def manifest_lines(self) -> Iterator[str]:
+        for manifest in sorted(self.state.glob(MANIFESTS)):
+            yield from manifest.read_text().splitlines()
 
     # ---- claiming a dir for a job ----
 
@@ -68,7 +76,8 @@ class OutputDir:
         A non-empty dir that hsx did not write is refused here, before anything (.hsx/) is created in it."""
         self.check_not_foreign()
         self.state.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
+        fd = os.open(self.state / name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -86,8 +95,7 @@ class OutputDir:
 
     def has_output(self) -> bool:
         """Whether a job has committed anything here: a manifest line, a data file, or hsx.json."""
-        manifest = self.state / MANIFEST
-        return ((manifest.exists() and manifest.read_text().strip() != "") or any(self.data_files())
+        return (any(line.strip() for line in self.manifest_lines()) or any(self.data_files())
                 or (self.root / "hsx.json").exists())
 
     def claim(self, job: dict[str, Any], overwrite: bool) -> str:
@@ -127,8 +135,18 @@ class OutputDir:
                 self.data.rmdir()
         if self.state.exists():
             for p in self.state.iterdir():
-                if p.name != "lock":
+                if not p.name.startswith("lock"):
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    @contextmanager
+    def finalizing(self) -> Iterator[bool]:
+        """Serialize finalization between ranks; yields True when another process already finalized."""
+        fd = os.open(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield bool(self.read_info().get("complete"))
+        finally:
+            os.close(fd)
 
     def read_info(self) -> dict[str, Any]:
         f = self.root / "hsx.json"
@@ -137,19 +155,22 @@ class OutputDir:
     # ---- units ----
 
     def done_units(self) -> dict[str, dict[str, Any]]:
-        """Committed units from the manifest, whose files exist with the recorded size."""
+        """Committed units from the manifests (every rank's), whose files exist with the recorded size."""
         done = {}
-        manifest = self.state / MANIFEST
-        if manifest.exists():
-            for line in manifest.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a kill mid-append: that unit is redone
-                f = self.data / rec["file"]
-                if f.exists() and f.stat().st_size == rec["bytes"]:
-                    done[rec["unit"]] = rec
+        for line in self.manifest_lines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a kill mid-append: that unit is redone
+            f = self.data / rec["file"]
+            if f.exists() and f.stat().st_size == rec["bytes"]:
+                done[rec["unit"]] = rec
         return done
+
+    def clear_tmp(self) -> None:
+        """Partial units a killed run of this rank left behind (never committed, so never counted)."""
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def unit_tmp(self, unit: str) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -160,10 +181,11 @@ class OutputDir:
         final = self.data / f"train-{unit}.arrow"
         self.data.mkdir(parents=True, exist_ok=True)
         fsync_file(tmp)
+        crc = file_crc32(tmp)
         os.replace(tmp, final)
         fsync_dir(self.data)
-        record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, **record}
-        with open(self.state / MANIFEST, "a") as f:
+        record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc, **record}
+        with open(self.state / f"manifest-{self.rank:05d}.jsonl", "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -185,8 +207,7 @@ class OutputDir:
                 self.write_empty_data_file(features)
         atomic_write(self.root / "README.md", card)
         atomic_write(self.root / "hsx.json", json.dumps(info, indent=2) + "\n")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.state / "tmp", ignore_errors=True)  # every rank is done: no partial unit is left
 
     def write_empty_data_file(self, features) -> Path:
         """data/train-000-00000.arrow with zero rows and the given schema, written under a temp name and renamed."""
@@ -260,6 +281,17 @@ def atomic_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def file_crc32(path: Path, chunk: int = 64 << 20) -> str:
+    """CRC-32 of a file (zlib releases the GIL on large buffers: ~1 s per few GB, on the commit thread)."""
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def fsync_file(path: Path) -> None:

@@ -103,7 +103,8 @@ def test_hsx_json(main_run, model8, chat_data, expected):
     assert info["hsx_version"] == hsx.__version__
     assert info["complete"] is True
     c = info["counts"]
-    assert set(c) == {"rows_in", "rows_written", "tokens_written", "truncated", "skipped"}
+    assert set(c) == {"rows_in", "rows_written", "tokens_written", "truncated", "skipped", "nonfinite"}
+    assert c["nonfinite"] == {"mode": "skip", "rows": 0}
     assert c["rows_in"] == len(chat_data.rows)
     assert c["rows_written"] == len(expected.rows)
     assert c["tokens_written"] == sum(len(ids) for ids, _, _ in expected.rows.values())

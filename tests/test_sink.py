@@ -76,7 +76,7 @@ def test_a_dir_without_output_is_reclaimed_by_another_job(tmp_path):
         (out.state / "tokenized").mkdir()
         (out.state / "tokenized" / "tokens.arrow").write_bytes(b"stale")
         out.unit_tmp("000-00000").write_bytes(b"half a unit")
-        (out.state / "manifest.jsonl").write_text("")
+        (out.state / "manifest-00000.jsonl").write_text("")
         (out.data).mkdir()
         new = job(input="b")
         assert out.claim(new, False) == "new"
@@ -91,7 +91,7 @@ def test_a_dir_with_output_of_another_job_is_refused(tmp_path, output):
     with out.locked():
         out.claim(job(input="a"), False)
         if output == "manifest":
-            (out.state / "manifest.jsonl").write_text('{"unit": "000-00000"}\n')
+            (out.state / "manifest-00000.jsonl").write_text('{"unit": "000-00000"}\n')
         elif output == "data_file":
             out.data.mkdir()
             (out.data / "train-000-00000.arrow").write_bytes(b"x")

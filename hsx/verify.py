@@ -1,0 +1,129 @@
+"""`hsx verify OUT`: trust, but check. Re-reads an output dir and recomputes rows with the reference forward.
+
+Checks, in order: hsx.json says complete; the schema matches the recorded layers and hidden size; each data
+file matches its manifest line (size, CRC-32, rows); the row and token counts match hsx.json; no `sample_id`
+repeats; every row's columns have `num_tokens` entries; and K random rows recomputed by the reference — the
+full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for layer i < N-1, a hook for the pre-norm
+output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree within a relative error (Frobenius,
+per layer). Any mismatch is a non-zero exit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class VerifyFailed(Exception):
+    pass
+
+
+def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print) -> dict[str, Any]:
+    import pyarrow.compute as pc
+
+    from hsx.load import load, torch_view
+    from hsx.sink import OutputDir, features, file_crc32
+
+    out = OutputDir(out_dir)
+    problems: list[str] = []
+    info = out.read_info()
+    if not info.get("complete"):
+        raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
+    layers, hidden, final = info["layers"], info["hidden_size"], info["final_hidden"]
+    keep_flag = info.get("config", {}).get("nonfinite") == "keep"
+    ds = load(out_dir)
+    expected = features(len(layers) * hidden, hidden, final, keep_flag)
+    if ds.features.arrow_schema != expected.arrow_schema:
+        problems.append(f"schema {ds.features} differs from the expected {expected}")
+
+    done = out.done_units()
+    files = out.data_files()
+    for f in files:
+        rec = next((r for r in done.values() if r["file"] == f.name), None)
+        if rec is None:
+            if info["counts"]["rows_written"] == 0 and f.name == "train-000-00000.arrow":
+                continue  # the empty file of an output with no usable rows
+            problems.append(f"{f.name} is not in the manifest")
+            continue
+        if f.stat().st_size != rec["bytes"]:
+            problems.append(f"{f.name}: {f.stat().st_size} bytes, manifest says {rec['bytes']}")
+        elif "crc32" in rec and file_crc32(f) != rec["crc32"]:
+            problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
+    missing = {r["file"] for r in done.values()} - {f.name for f in files}
+    problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
+
+    ids = np.asarray(ds.data.column("sample_id").to_numpy())
+    if len(ids) != info["counts"]["rows_written"]:
+        problems.append(f"{len(ids)} rows, hsx.json says {info['counts']['rows_written']}")
+    if len(np.unique(ids)) != len(ids):
+        problems.append(f"{len(ids) - len(np.unique(ids))} sample_id(s) repeat")
+    num_tokens = ds.data.column("num_tokens").to_numpy()
+    if int(num_tokens.sum()) != info["counts"]["tokens_written"]:
+        problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info['counts']['tokens_written']}")
+    for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
+        lengths = pc.list_value_length(ds.data.column(col)).to_numpy(zero_copy_only=False)
+        if not np.array_equal(lengths, num_tokens):
+            problems.append(f"column {col}: lengths differ from num_tokens in {int((lengths != num_tokens).sum())} rows")
+
+    errors: dict[str, float] = {}
+    if samples and len(ds):
+        if not info.get("model_path") or not Path(info["model_path"]).exists():
+            problems.append(f"cannot recompute rows: model folder {info.get('model_path')!r} is not here")
+        else:
+            errors = _recompute(info, torch_view(out_dir), samples, seed)
+            for name, err in errors.items():
+                if not err <= tolerance:
+                    problems.append(f"{name}: relative error {err:.3g} > {tolerance:g}")
+    report = {"rows": len(ds), "files": len(files), "samples": min(samples, len(ds)), "worst_relative_error": errors,
+              "problems": problems}
+    if errors:
+        log("hsx verify: worst relative error per layer: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    if problems:
+        raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
+    log(f"hsx verify: {out_dir} is consistent: {len(ds):,} rows in {len(files)} files, "
+        f"{min(samples, len(ds))} rows recomputed within {tolerance:g}")
+    return report
+
+
+def _recompute(info: dict[str, Any], rows, samples: int, seed: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModel
+
+    from hsx.model import TORCH_DTYPES, decoder_layers
+
+    cfg = info["config"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModel.from_pretrained(info["model_path"], dtype=TORCH_DTYPES[cfg.get("dtype", "bfloat16")],
+                                      use_safetensors=True, trust_remote_code=cfg.get("trust_remote_code", False))
+    model = model.to(device).eval()
+    n = info["num_model_layers"]
+    last = {}
+    hook = decoder_layers(model)[n - 1].register_forward_hook(
+        lambda m, a, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
+    worst: dict[str, float] = {}
+    picks = np.random.default_rng(seed).choice(len(rows), min(samples, len(rows)), replace=False)
+    try:
+        with torch.inference_mode():
+            for i in picks:
+                row = rows[int(i)]
+                ids = row["input_ids"].long()[None].to(device)
+                out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                for j, layer in enumerate(info["layers"]):
+                    ref = out.hidden_states[layer + 1] if layer < n - 1 else last["out"]
+                    _worst(worst, f"layer {layer}", row["hidden_states"][:, j], ref[0])
+                if "final_hidden_state" in row:
+                    _worst(worst, "final_hidden_state", row["final_hidden_state"], out.hidden_states[n][0])
+    finally:
+        hook.remove()
+    return worst
+
+
+def _worst(worst: dict[str, float], name: str, got, ref) -> None:
+    got, ref = got.float().cpu(), ref.float().cpu()
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    if not np.isfinite(err):
+        err = float("inf")
+    worst[name] = max(worst.get(name, 0.0), err)
+
