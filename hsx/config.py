@@ -48,6 +48,12 @@ class ExtractConfig:
     output_dir: str = ""
     storage_dtype: str = "bfloat16"
     strict: bool = False
+    # Publishing (token from HF_TOKEN / `hf auth login`, never recorded).
+    push_to_hub: str | None = None  # a Hub dataset repo id
+    push_mode: str = "end"  # end: upload once complete; stream: upload units as they are committed
+    delete_after_upload: bool = False  # stream mode: remove a unit locally once the Hub has it
+    hub_private: bool = True
+    hub_revision: str | None = None  # branch to push to (created if missing)
     nonfinite: str = "skip"  # rows whose states hold NaN/Inf: "skip" (counted) or "keep" (flagged in has_nonfinite)
     overwrite: bool = False
     # How fast; none of these change the output.
@@ -65,10 +71,6 @@ class ExtractConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-OUTPUT_FIELDS = (  # what decides the output; the rest may change between restarts of one job
-    "model", "revision", "tokenizer", "dataset", "dataset_config", "split", "limit", "layers", "final_hidden",
-    "max_length", "chat_template_kwargs", "storage_dtype", "dtype", "nonfinite",
-)
 STORAGE_DTYPES = ("bfloat16",)
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -120,6 +122,10 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--storage-dtype {cfg.storage_dtype!r} is not supported; choose from {STORAGE_DTYPES}")
     if cfg.dtype not in COMPUTE_DTYPES:
         raise HsxError(f"--dtype {cfg.dtype!r} is not supported; choose from {COMPUTE_DTYPES}")
+    if cfg.push_mode not in ("end", "stream"):
+        raise HsxError(f"--push-mode must be end or stream, got {cfg.push_mode!r}")
+    if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
+        raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.nonfinite not in ("skip", "keep"):
         raise HsxError(f"--nonfinite must be skip or keep, got {cfg.nonfinite!r}")
     if cfg.sdpa_backend not in ("flash", "cudnn", "efficient", "default"):
