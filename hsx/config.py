@@ -71,7 +71,7 @@ class ExtractConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-STORAGE_DTYPES = ("bfloat16",)
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 

@@ -36,7 +36,7 @@ PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
 @dataclass
 class Slot:
     """Pinned host memory for one batch in flight: the states out, the padded ids and gather index in."""
-    states: torch.Tensor  # int16, flat
+    states: torch.Tensor  # uint8, flat: each launched segment holds its columns' bytes one after the other
     ids: torch.Tensor  # int64, flat
     index: torch.Tensor  # int64, flat
     nonfinite: torch.Tensor  # int32 per row: tokens with a NaN/Inf anywhere in their states
@@ -60,12 +60,15 @@ class Extractor:
     """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, compile_model: bool,
-                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip"):
+                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
+                 storage_dtype: str = "bfloat16"):
         self.loaded, self.device = loaded, device
         self.layers, self.final = loaded.layers, loaded.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
-        self.per_token = self.width + (self.hidden if self.final else 0)
+        self.storage_dtype = storage_dtype
+        self.columns = output_columns(len(self.layers), self.hidden, self.final, storage_dtype)
+        self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -80,15 +83,15 @@ class Extractor:
 
     # ---- GPU side ----
 
-    def _forward(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
+        """(n, layers*hidden) states of the real tokens, and (n, hidden) final-norm states when asked."""
         out = self.loaded.base(input_ids=ids, use_cache=False)
         h = self.hidden
         parts = [self.store[i].reshape(-1, h).index_select(0, index) for i in self.layers]
-        states = torch.cat(parts, dim=1).reshape(-1)  # (n, layers*hidden), layers in ascending order
+        states = [torch.cat(parts, dim=1)]  # layers in ascending order
         if self.final:
-            final = out.last_hidden_state.reshape(-1, h).index_select(0, index).reshape(-1)
-            states = torch.cat([states, final])
-        return states.to(torch.bfloat16)  # storage is bf16 bits whatever the compute dtype
+            states.append(out.last_hidden_state.reshape(-1, h).index_select(0, index))
+        return states
 
     def _ensure_slots(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -99,7 +102,7 @@ class Extractor:
         self.capacity = max(tokens, self.token_cap)
         for _ in range(self.num_slots):
             self.free.put(Slot(
-                states=torch.empty(self.capacity * self.per_token, dtype=torch.int16, pin_memory=self.cuda),
+                states=torch.empty(self.capacity * self.per_token, dtype=torch.uint8, pin_memory=self.cuda),
                 ids=torch.empty(self.capacity + PAD_MULTIPLE * 64, dtype=torch.int64, pin_memory=self.cuda),
                 index=torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.cuda),
                 nonfinite=torch.zeros(self.capacity, dtype=torch.int32, pin_memory=self.cuda),
@@ -167,15 +170,19 @@ class Extractor:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        out = self._forward(ids, index)
+        states = self._forward(ids, index)
         result.segment_tokens.append(n)
         self.store.clear()
         # NaN/Inf per row, on the device (one read of the output, ~0.1% of the batch's time): tokens → rows.
-        bad_tokens = ~torch.isfinite(out.view(n, -1) if not self.final else out[: n * self.width].view(n, -1)).all(1)
+        bad_tokens = ~torch.isfinite(states[0]).all(1)
         if self.final:
-            bad_tokens |= ~torch.isfinite(out[n * self.width:].view(n, -1)).all(1)
-        bad_rows = torch.zeros(b, dtype=torch.int32, device=out.device).index_add_(
+            bad_tokens |= ~torch.isfinite(states[1]).all(1)
+        if self.storage_dtype == "float16":  # past fp16's range the stored value would be inf
+            for x in states:
+                bad_tokens |= (x.abs() > torch.finfo(torch.float16).max).any(1)
+        bad_rows = torch.zeros(b, dtype=torch.int32, device=bad_tokens.device).index_add_(
             0, torch.div(index, padded, rounding_mode="floor"), bad_tokens.int())
+        out = encode(states, len(self.layers), self.storage_dtype)
         dest = slot.states[at * self.per_token:(at + n) * self.per_token]
         bad_dest = slot.nonfinite[row_at:row_at + b]
         if self.cuda:
@@ -183,12 +190,12 @@ class Extractor:
             result.gpu_events.append((start, end))
             self.copy_stream.wait_event(end)
             with torch.cuda.stream(self.copy_stream):
-                dest.copy_(out.view(torch.int16), non_blocking=True)
+                dest.copy_(out, non_blocking=True)
                 bad_dest.copy_(bad_rows, non_blocking=True)
             out.record_stream(self.copy_stream)  # keep the allocator off `out` until the copy is done
             bad_rows.record_stream(self.copy_stream)
         else:
-            dest.copy_(out.view(torch.int16))
+            dest.copy_(out)
             bad_dest.copy_(bad_rows)
             result.seconds += time.perf_counter() - t0
 
@@ -207,23 +214,17 @@ class Extractor:
         lengths = table.column("num_tokens").to_numpy().astype(np.int64)
         n = int(lengths.sum())
         flat = result.slot.states[: n * self.per_token].numpy()
-        if self.final:
-            states, finals = _split_segments(flat, result, lengths, self.width, self.hidden)
-        else:
-            states, finals = flat, None
+        values = _split_columns(flat, result.segment_tokens, self.columns)
         result.nonfinite_rows = int(nonfinite.sum())
         if result.nonfinite_rows and self.nonfinite == "skip":
             keep_tokens = np.repeat(~nonfinite, lengths)
-            states = states.reshape(-1, self.width)[keep_tokens].reshape(-1)
-            if finals is not None:
-                finals = finals.reshape(-1, self.hidden)[keep_tokens].reshape(-1)
+            values = [v.reshape(-1, c.width)[keep_tokens].reshape(-1) for v, c in zip(values, self.columns)]
             table = table.filter(pa.array(~nonfinite))
             lengths = lengths[~nonfinite]
         offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
         columns = {c: table.column(c) for c in PASSTHROUGH_COLUMNS}
-        columns["hidden_states"] = _nested(states, offsets, self.width)
-        if finals is not None:
-            columns["final_hidden_state"] = _nested(finals, offsets, self.hidden)
+        for v, c in zip(values, self.columns):
+            columns[c.name] = _nested(v, offsets, c)
         if self.nonfinite == "keep":
             columns["has_nonfinite"] = pa.array(nonfinite)
         return pa.table(columns)
@@ -234,29 +235,82 @@ class Extractor:
         return sum(s.elapsed_time(e) for s, e in result.gpu_events) / 1000.0
 
 
-def _nested(values: np.ndarray, offsets: pa.Array, width: int) -> pa.Array:
-    flat = pa.Array.from_buffers(pa.int16(), len(values), [None, pa.py_buffer(values)])
-    return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, width))
+def _nested(values: np.ndarray, offsets: pa.Array, column: "Column") -> pa.Array:
+    """list<fixed_size_list<type, width>> over `values` (bytes of the column), without copying them."""
+    flat = pa.Array.from_buffers(column.arrow_type, len(values) // column.itemsize, [None, pa.py_buffer(values)])
+    return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, column.width))
 
 
-def _split_segments(flat: np.ndarray, result: Result, lengths: np.ndarray, width: int, hidden: int):
-    """With final states, each launched segment holds [n, width] then [n, hidden]; undo that per segment.
+def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list["Column"]) -> list[np.ndarray]:
+    """Each launched segment holds its tokens' bytes column after column; return each column's bytes.
 
-    The common case is one segment per batch: two zero-copy views. Split batches (after an OOM) are rare and
-    take one copy."""
-    per = width + hidden
-    n = int(lengths.sum())
-    if len(result.segment_tokens) <= 1:
-        return flat[: n * width], flat[n * width: n * per]
-    seg = np.asarray(result.segment_tokens, dtype=np.int64)
-    states = np.empty(n * width, dtype=np.int16)
-    finals = np.empty(n * hidden, dtype=np.int16)
-    at = s_at = f_at = 0
-    for t in seg:
-        states[s_at:s_at + t * width] = flat[at:at + t * width]
-        finals[f_at:f_at + t * hidden] = flat[at + t * width:at + t * per]
-        at, s_at, f_at = at + t * per, s_at + t * width, f_at + t * hidden
-    return states, finals
+    The common case is one segment per batch: zero-copy views. Split batches (after an OOM) are rare and take
+    one copy."""
+    if len(segment_tokens) <= 1:
+        n = int(sum(segment_tokens))
+        edges = np.cumsum([0] + [n * c.nbytes for c in columns])
+        return [flat[a:z] for a, z in zip(edges[:-1], edges[1:])]
+    pieces: list[list[np.ndarray]] = [[] for _ in columns]
+    at = 0
+    for t in segment_tokens:
+        for k, c in enumerate(columns):
+            pieces[k].append(flat[at:at + t * c.nbytes])
+            at += t * c.nbytes
+    return [np.concatenate(p) for p in pieces]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One stored column of per-token values: its name, width (values per token) and storage type."""
+    name: str
+    width: int
+    dtype: str  # bfloat16 (stored as int16 bits), float16, float32, float8_e4m3 (stored as uint8 bits)
+
+    @property
+    def itemsize(self) -> int:
+        return {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * self.itemsize
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        return {"bfloat16": pa.int16(), "float16": pa.float16(), "float32": pa.float32(),
+                "float8_e4m3": pa.uint8()}[self.dtype]
+
+
+def output_columns(num_layers: int, hidden: int, final: bool, storage_dtype: str) -> list[Column]:
+    """The state columns, in the order `encode` lays them out. fp8 adds one float32 scale per token and layer."""
+    cols = [Column("hidden_states", num_layers * hidden, storage_dtype)]
+    if final:
+        cols.append(Column("final_hidden_state", hidden, storage_dtype))
+    if storage_dtype == "float8_e4m3":
+        cols.append(Column("hidden_states_scale", num_layers, "float32"))
+        if final:
+            cols.append(Column("final_hidden_state_scale", 1, "float32"))
+    return cols
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def encode(states: list[torch.Tensor], num_layers: int, storage_dtype: str) -> torch.Tensor:
+    """The batch's state columns as one flat uint8 tensor, in `output_columns` order, on the device.
+
+    fp8 (e4m3) scales each token's vector of each layer by its absolute maximum / 448, so every layer keeps
+    its own range (residual-stream magnitudes grow by orders of magnitude with depth)."""
+    if storage_dtype in ("bfloat16", "float16", "float32"):
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[storage_dtype]
+        return torch.cat([x.to(dtype).reshape(-1).view(torch.uint8) for x in states])
+    quantized, scales = [], []
+    for x, groups in zip(states, (num_layers, 1)):
+        n = x.shape[0]
+        xf = x.float().view(n, groups, -1)
+        scale = xf.abs().amax(-1).clamp_min(1e-30) / FP8_MAX
+        quantized.append((xf / scale[..., None]).to(torch.float8_e4m3fn).reshape(-1).view(torch.uint8))
+        scales.append(scale.reshape(-1).view(torch.uint8))
+    return torch.cat(quantized + scales)
 
 
 def sdpa_backend(name: str, cuda: bool):

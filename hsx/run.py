@@ -24,6 +24,7 @@ from typing import Any
 from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
+from hsx.extract import output_columns
 from hsx.sink import Committer, OutputDir, dataset_card, features, job_fingerprint
 
 CPU_TOKEN_BUDGET = 4096
@@ -154,7 +155,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     raw = data.load_input(cfg)
     tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
     hidden = int(text.hidden_size)
-    bytes_per_token = 2 * (len(layers) + int(final_hidden)) * hidden
+    bytes_per_token = sum(c.nbytes for c in output_columns(len(layers), hidden, final_hidden, cfg.storage_dtype))
     unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
     template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
     job = job_fingerprint({
@@ -244,7 +245,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
             "fingerprint": job["fingerprint"], "run": stats, "complete": True,
         }
         out.finalize(info, dataset_card(info, command_line()),
-                     features=features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep"))
+                     features=features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep",
+                                       cfg.storage_dtype))
     wall = time.perf_counter() - t_start
     c = info["counts"]
     log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
@@ -301,7 +303,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
         log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
             f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")
-    width = len(layers) * hidden + (hidden if final_hidden else 0)
+    width = len(layers) * hidden + (hidden if final_hidden else 0)  # values per token, for memory and Arrow limits
     if cfg.token_budget:
         budget = cfg.token_budget
     elif cuda:
@@ -310,8 +312,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         budget = CPU_TOKEN_BUDGET
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
-                          nonfinite=cfg.nonfinite)
-    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep")
+                          nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype)
+    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype)
     peak_tflops = measure_matmul_tflops(device) if cuda else None
     per_layer = layer_params(loaded.text_config)
 

@@ -30,19 +30,27 @@ from hsx.config import LAYER_CONVENTION, HsxError
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 
 
-def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False):
-    """The output schema. bf16 is stored bit-exact as int16 (Arrow has no bfloat16), marked id="bfloat16"."""
+def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False,
+             storage_dtype: str = "bfloat16"):
+    """The output schema. Arrow has no bfloat16: bf16 is stored bit-exact as int16 (marked id="bfloat16"), fp8
+    as uint8 bits (id="float8_e4m3fn") with float32 scales per token and layer in `*_scale` columns."""
     from datasets import Features, List, Value
 
+    value = {"bfloat16": Value("int16", id="bfloat16"), "float16": Value("float16"),
+             "float32": Value("float32"), "float8_e4m3": Value("uint8", id="float8_e4m3fn")}[storage_dtype]
     f = {
         "sample_id": Value("int64"),
         "input_ids": List(Value("int32")),
         "loss_mask": List(Value("int8")),
         "num_tokens": Value("int32"),
-        "hidden_states": List(List(Value("int16", id="bfloat16"), length=width)),
+        "hidden_states": List(List(value, length=width)),
     }
     if final_hidden:
-        f["final_hidden_state"] = List(List(Value("int16", id="bfloat16"), length=hidden))
+        f["final_hidden_state"] = List(List(value, length=hidden))
+    if storage_dtype == "float8_e4m3":
+        f["hidden_states_scale"] = List(List(Value("float32"), length=width // hidden))
+        if final_hidden:
+            f["final_hidden_state_scale"] = List(List(Value("float32"), length=1))
     if flag_nonfinite:
         f["has_nonfinite"] = Value("bool")  # with --nonfinite keep: rows whose states hold NaN/Inf
     return Features(f)
@@ -52,7 +60,9 @@ def info_features(info: dict[str, Any]):
     """The output schema an hsx.json describes (None if it does not say enough)."""
     if not {"layers", "hidden_size", "final_hidden"} <= set(info):
         return None
-    return features(len(info["layers"]) * info["hidden_size"], info["hidden_size"], bool(info["final_hidden"]))
+    cfg = info.get("config", {})
+    return features(len(info["layers"]) * info["hidden_size"], info["hidden_size"], bool(info["final_hidden"]),
+                    cfg.get("nonfinite") == "keep", info.get("storage_dtype", "bfloat16"))
 
 
 class OutputDir:

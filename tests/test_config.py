@@ -171,7 +171,7 @@ def test_required_fields(missing):
         load_config(None, values)
 
 
-@pytest.mark.parametrize(("key", "value"), [("max_length", 0), ("dtype", "int8"), ("storage_dtype", "float32"),
+@pytest.mark.parametrize(("key", "value"), [("max_length", 0), ("dtype", "int8"), ("storage_dtype", "int4"),
                                             ("token_budget", 0), ("compile", "maybe"),
                                             ("chat_template_kwargs", "{not json")])
 def test_bad_values_are_errors(key, value):

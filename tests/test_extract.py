@@ -66,7 +66,7 @@ class Recorder:
         self.calls.append({
             "ids": ids.detach().clone(), "index": index.detach().clone(),
             "layers": {i: t.detach().clone() for i, t in self.ex.store.items()},
-            "final": self._final, "out": out.detach().clone(),
+            "final": self._final, "out": [t.detach().clone() for t in out],
         })
         return out
 
