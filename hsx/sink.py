@@ -7,6 +7,8 @@
     OUT/.hsx/job.json                       the fingerprint of what decides the output
     OUT/.hsx/manifest-<rank>.jsonl          one line per committed unit: rows, tokens, bytes, CRC-32
                                             (one file per rank; datasets ignores dot-folders)
+    OUT/.hsx/uploaded-<rank>.jsonl          one line per file a Hub push committed (hsx.hub); a unit deleted
+                                            after upload (--delete-after-upload) still counts as done
 
 A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
 its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
@@ -28,6 +30,7 @@ from typing import Any
 from hsx.config import LAYER_CONVENTION, HsxError
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
+UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
 
 
 def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False,
@@ -164,18 +167,58 @@ class OutputDir:
 
     # ---- units ----
 
-    def done_units(self) -> dict[str, dict[str, Any]]:
-        """Committed units from the manifests (every rank's), whose files exist with the recorded size."""
-        done = {}
+    def manifest_records(self) -> dict[str, dict[str, Any]]:
+        """Every committed unit's manifest record (every rank's), by unit name; whether its file is still here
+        or not."""
+        records = {}
         for line in self.manifest_lines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from a kill mid-append: that unit is redone
+            records[rec["unit"]] = rec
+        return records
+
+    def done_units(self) -> dict[str, dict[str, Any]]:
+        """Committed units from the manifests (every rank's) whose files exist with the recorded size, or that a
+        Hub push recorded as uploaded (in .hsx/uploaded-*.jsonl, with the same size and CRC-32): with
+        --delete-after-upload those are gone from disk and must not be redone."""
+        uploaded = self.uploaded()
+        done = {}
+        for unit, rec in self.manifest_records().items():
             f = self.data / rec["file"]
             if f.exists() and f.stat().st_size == rec["bytes"]:
-                done[rec["unit"]] = rec
+                done[unit] = rec
+            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec):
+                done[unit] = rec
         return done
+
+    # ---- upload bookkeeping (hsx.hub) ----
+
+    def uploaded(self) -> dict[str, dict[str, Any]]:
+        """What Hub pushes recorded as committed on the Hub, by path in the repo (`data/train-....arrow`): the last
+        record of each path over every .hsx/uploaded-*.jsonl (one per rank, and one for `hsx push`)."""
+        records: dict[str, dict[str, Any]] = {}
+        for ledger in sorted(self.state.glob(UPLOADED)):
+            for line in ledger.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line: that file is uploaded again (a no-op on the Hub)
+                records[rec["file"]] = rec
+        return records
+
+    def record_uploaded(self, records: list[dict[str, Any]], name: str | None = None) -> None:
+        """Append upload records to .hsx/uploaded-<name>.jsonl (default: this rank's) and fsync: called only after
+        the Hub confirmed the commit, and before any local file is deleted."""
+        if not records:
+            return
+        self.state.mkdir(parents=True, exist_ok=True)
+        name = name or f"{self.rank:05d}"
+        with open(self.state / f"uploaded-{name}.jsonl", "a") as f:
+            f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
 
     def clear_tmp(self) -> None:
         """Partial units a killed run of this rank left behind (never committed, so never counted)."""
@@ -211,7 +254,7 @@ class OutputDir:
         A job with no usable rows committed no unit; it gets one empty data file with the output schema
         (`features`, a datasets.Features; by default the one `info` describes), so `load_dataset(OUT)` and
         `hsx.load` give 0 rows instead of failing."""
-        if not self.data_files():
+        if not self.data_files() and not self.done_units():  # (units uploaded and deleted are not "no unit")
             features = features if features is not None else info_features(info)
             if features is not None:
                 self.write_empty_data_file(features)
@@ -242,11 +285,13 @@ class Committer:
     """Commits units (fsync, rename, manifest) on a background thread: an fsync waits for the disk to take
     gigabytes, and the GPU must not wait with it. Errors (a full disk) surface at the next submit or join."""
 
-    def __init__(self, out: OutputDir):
+    def __init__(self, out: OutputDir, on_commit=None):
+        """`on_commit(unit, path)` runs on the commit thread after each unit's manifest line is on disk (hsx.hub's
+        StreamUploader.submit: --push-mode stream)."""
         import queue
         import threading
 
-        self.out, self.error = out, None
+        self.out, self.error, self.on_commit = out, None, on_commit
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="hsx-commit", daemon=True)
         self.thread.start()
@@ -256,6 +301,8 @@ class Committer:
             if self.error is None:
                 try:
                     self.out.commit(*item)
+                    if self.on_commit is not None:
+                        self.on_commit(item[0], self.out.data / f"train-{item[0]}.arrow")
                 except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
                     self.error = e
             self.queue.task_done()
@@ -278,6 +325,12 @@ class Committer:
         self.thread.join()
 
 
+def uploaded_matches(uploaded: dict[str, Any] | None, rec: dict[str, Any]) -> bool:
+    """Whether an upload record is of this manifest record's file: same size, and same CRC-32 where both say."""
+    return (uploaded is not None and uploaded.get("bytes") == rec["bytes"]
+            and (uploaded.get("crc32") is None or rec.get("crc32") is None or uploaded["crc32"] == rec["crc32"]))
+
+
 def job_fingerprint(inputs: dict[str, Any]) -> dict[str, Any]:
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs}
@@ -293,15 +346,36 @@ def atomic_write(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def file_crc32(path: Path, chunk: int = 64 << 20) -> str:
-    """CRC-32 of a file (zlib releases the GIL on large buffers: ~1 s per few GB, on the commit thread)."""
-    import zlib
+CRC_CHUNK = 256 << 20
 
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 of each 256 MiB chunk of a file, ":"-joined, computed by a few threads (zlib releases the GIL).
+
+    One thread manages ~1-2 GB/s, slower than an H200 writes an 8B model's states (1.6 GB/s): measured there,
+    a single-threaded checksum fell behind the writer and added 6.4 s to a 9 s run."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = Path(path).stat().st_size
+
+    def chunk_crc(i: int) -> str:
+        crc, buf = 0, bytearray(16 << 20)
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(i * CRC_CHUNK)
+            left = min(CRC_CHUNK, size - i * CRC_CHUNK)
+            while left > 0:
+                k = f.readinto(view[: min(len(buf), left)])
+                if not k:
+                    break
+                crc = zlib.crc32(view[:k], crc)
+                left -= k
+        return f"{crc:08x}"
+
+    chunks = max(1, -(-size // CRC_CHUNK))
+    with ThreadPoolExecutor(max_workers=min(8, chunks, os.cpu_count() or 1)) as pool:
+        return ":".join(pool.map(chunk_crc, range(chunks)))
 
 
 def fsync_file(path: Path) -> None:
@@ -320,19 +394,114 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+BIG_OUTPUT_BYTES = 50e9  # above this (or on the Hub) the card leads with streaming / hsx.load
+STORAGE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+
+
+def output_bytes(info: dict[str, Any]) -> int:
+    """The states' size: tokens x stored vectors x hidden x itemsize (+ fp8's float32 scale per vector)."""
+    dtype = info.get("storage_dtype", "bfloat16")
+    vectors = len(info["layers"]) + int(bool(info.get("final_hidden")))
+    per_vector = info["hidden_size"] * STORAGE_ITEMSIZE.get(dtype, 2) + (4 if dtype == "float8_e4m3" else 0)
+    return int(info["counts"]["tokens_written"]) * vectors * per_vector
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _decode_lines(dtype: str, num_layers: int, hidden: int) -> str:
+    """The plain-torch decode of one row from `with_format("torch", dtype=None)` (dtype=None keeps the stored
+    integer type: datasets would otherwise widen int16 to int64)."""
+    shape = f'row["num_tokens"], {num_layers}, {hidden}'
+    if dtype == "bfloat16":
+        return f'states = row["hidden_states"].view(torch.bfloat16).reshape({shape})'
+    if dtype == "float8_e4m3":
+        return (f'q = row["hidden_states"].view(torch.float8_e4m3fn).reshape({shape})\n'
+                'states = (q.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)  # x = q * scale')
+    return f'states = row["hidden_states"].reshape({shape})  # {dtype}'
+
+
 def dataset_card(info: dict[str, Any], command: str) -> str:
-    """README.md for the output dir: `configs` for load_dataset, what the columns are, how to decode bf16."""
+    """README.md for the output dir (and its Hub repo): YAML `configs` for load_dataset, the job fingerprint, what
+    the columns are, how to decode the states, and how to load them without copying.
+
+    The fingerprint is in the YAML twice: `hsx_fingerprint` for people and tools, and as the config's
+    `description`, which is what busts datasets' cache of local dirs: datasets 5.2 keys `load_dataset(DIR)` by
+    the folder's name and the card's configs (not the path, not the files' contents or mtimes), so two outputs
+    in folders of the same name (or one folder re-made by another job) returned the first one's rows; a
+    top-level YAML key does not change that key, the config's description does (tests/test_load.py)."""
+    import re
+
     c = info["counts"]
+    num_layers, hidden = len(info["layers"]), info["hidden_size"]
     layers = ", ".join(str(i) for i in info["layers"])
-    final_col = ("\n- `final_hidden_state`: (T, {h}) int16 bits of bfloat16, the output of the final norm "
-                 "(transformers' `hidden_states[N]`, the input of lm_head)").format(h=info["hidden_size"]) \
-        if info["final_hidden"] else ""
+    dtype = info.get("storage_dtype", "bfloat16")
+    cfg = info.get("config", {})
+    repo = cfg.get("push_to_hub")
+    where = repo or "path/to/this/dir"
+    fingerprint = info.get("fingerprint", "")
+    size = output_bytes(info)
+    big = bool(repo) or size > BIG_OUTPUT_BYTES
+    command = re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", command)  # never a token in a card
+    stored = {"bfloat16": "int16 bits of bfloat16", "float16": "float16", "float32": "float32",
+              "float8_e4m3": "uint8 bits of float8_e4m3fn (x = q * scale)"}.get(dtype, dtype)
+    scale_cols = ("\n- `hidden_states_scale`: (T, {n}) float32, one scale per token and layer (fp8: absmax / 448)"
+                  .format(n=num_layers) if dtype == "float8_e4m3" else "")
+    final_col = (f"\n- `final_hidden_state`: (T, {hidden}) {stored}, the output of the final norm (transformers' "
+                 "`hidden_states[N]`, the input of lm_head)") if info["final_hidden"] else ""
+    flag_col = ("\n- `has_nonfinite`: bool, the row's states hold NaN/Inf (kept with --nonfinite keep)"
+                if cfg.get("nonfinite") == "keep" else "")
+    first = info["layers"][0]
+    hsx_load = f'''```python
+import hsx  # pip install hsx
+rows = hsx.load("{where}", layers=[{first}])  # {"Hub repo: streamed" if repo else "local dir: memory-mapped in place"}, torch rows with only layer {first}
+ds = hsx.load("{where}")                      # {"datasets.IterableDataset (streaming)" if repo else "datasets.Dataset, no copy"}
+```'''
+    plain = f'''```python
+import torch
+from datasets import load_dataset
+ds = load_dataset("{where}", split="train", streaming=True).with_format("torch", dtype=None)
+row = next(iter(ds))
+{_decode_lines(dtype, num_layers, hidden)}  # (T, layers, hidden)
+```'''
+    if big:
+        loading = f"""## Loading
+This output holds about **{_human_bytes(size)}** of states. A plain `load_dataset("{where}")` first copies all of
+it into the HF cache; stream it instead, or read it with hsx:
+
+{hsx_load}
+
+With plain `datasets`, streaming (Arrow has no bfloat16: the states are stored bit-exact as {stored}):
+
+{plain}
+"""
+    else:
+        loading = f"""## Loading
+Arrow has no bfloat16: the states are stored bit-exact as {stored}. Local outputs, memory-mapped, no copy:
+
+```python
+import hsx
+ds = hsx.load("{where}")           # datasets.Dataset over the Arrow files, memory-mapped
+rows = hsx.torch_view("{where}")   # rows[i]["hidden_states"]: torch tensor (T, layers, hidden), a view
+```
+
+With plain `datasets` (`load_dataset` on a local dir copies it into the cache; `streaming=True` does not):
+
+{plain}
+"""
     return f"""---
 configs:
 - config_name: default
+  description: hsx job {fingerprint}
   data_files:
   - split: train
     path: data/train-*.arrow
+hsx_fingerprint: {fingerprint or "null"}
 tags:
 - hsx
 - hidden-states
@@ -341,37 +510,22 @@ tags:
 # Hidden states of `{info['model']}`
 
 Extracted with [hsx](https://github.com/) {info['hsx_version']}: layers **{layers}** of {info['num_model_layers']}
-(hidden size {info['hidden_size']}), {c['rows_written']:,} rows, {c['tokens_written']:,} tokens.
+(hidden size {hidden}){" and the final-norm output" if info["final_hidden"] else ""}, stored as {dtype};
+{c['rows_written']:,} rows, {c['tokens_written']:,} tokens, about {_human_bytes(size)} of states.
 
 Layer convention: {info['layer_convention']}.
 
+{loading}
 ## Columns
-- `sample_id`: int64, the row's index in the input dataset (`{info['config']['dataset']}`, split `{info['config']['split']}`)
+- `sample_id`: int64, the row's index in the input dataset (`{cfg.get('dataset', '?')}`, split `{cfg.get('split', '?')}`)
 - `input_ids`: int32 token ids; `loss_mask`: int8, 1 on each assistant token including its end-of-turn token (unshifted)
 - `num_tokens`: int32
-- `hidden_states`: (T, {len(info['layers'])}·{info['hidden_size']}) int16 bits of bfloat16, layers concatenated in the order above{final_col}
+- `hidden_states`: (T, {num_layers}·{hidden}) {stored}, layers concatenated in the order above{scale_cols}{final_col}{flag_col}
 
 Rows are ordered by length bucket, then `sample_id`. Skipped input rows: {json.dumps(c['skipped'])};
 truncated to {info['max_length']} tokens: {c['truncated']}.
 
-## Loading
-Arrow has no bfloat16: the states are stored bit-exact as int16. Local outputs, memory-mapped, no copy:
-
-```python
-import hsx
-ds = hsx.load("path/to/this/dir")          # datasets.Dataset over the Arrow files, memory-mapped
-rows = hsx.torch_view(ds)                   # rows[i]["hidden_states"]: torch.bfloat16 (T, layers, hidden)
-```
-
-With plain `datasets` (note: `load_dataset` on a local dir copies it into the cache; `streaming=True` does not):
-
-```python
-import torch
-from datasets import load_dataset
-ds = load_dataset("path/or/repo", split="train", streaming=True).with_format("torch", dtype=None)
-row = next(iter(ds))
-states = row["hidden_states"].view(torch.bfloat16).reshape(row["num_tokens"], {len(info['layers'])}, {info['hidden_size']})
-```
-
 Produced by: `{command}`
+
+Job fingerprint: `{fingerprint}` (hsx.json holds the whole job).
 """
