@@ -60,6 +60,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
+    gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
     token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
     unit_tokens: int | None = None  # tokens per output file (a resumable unit); None: about 2 GiB of states
     compile: str = "auto"  # auto (on for CUDA), on, off
@@ -132,6 +133,8 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
     if cfg.compile not in ("auto", "on", "off"):
         raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
+    if cfg.gpus_per_copy < 1:
+        raise HsxError(f"--gpus-per-copy must be at least 1, got {cfg.gpus_per_copy}")
     if cfg.token_budget is not None and cfg.token_budget < 1:
         raise HsxError(f"--token-budget must be positive, got {cfg.token_budget}")
     if isinstance(cfg.chat_template_kwargs, str):

@@ -87,10 +87,14 @@ class Extractor:
         """(n, layers*hidden) states of the real tokens, and (n, hidden) final-norm states when asked."""
         out = self.loaded.base(input_ids=ids, use_cache=False)
         h = self.hidden
-        parts = [self.store[i].reshape(-1, h).index_select(0, index) for i in self.layers]
+        # With a copy spread over several GPUs, layers live on different devices: gather where each layer is, then
+        # bring the real tokens (not the padded batch) to the first device.
+        parts = [self.store[i].reshape(-1, h).index_select(0, index.to(self.store[i].device, non_blocking=True))
+                 .to(index.device, non_blocking=True) for i in self.layers]
         states = [torch.cat(parts, dim=1)]  # layers in ascending order
         if self.final:
-            states.append(out.last_hidden_state.reshape(-1, h).index_select(0, index))
+            last = out.last_hidden_state
+            states.append(last.reshape(-1, h).index_select(0, index.to(last.device)).to(index.device))
         return states
 
     def _ensure_slots(self, tokens: int) -> None:

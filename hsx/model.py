@@ -87,7 +87,17 @@ def finish_truncation(base: torch.nn.Module, depth: int, final_hidden: bool) -> 
     return base
 
 
-def load_model(cfg: ExtractConfig, device: torch.device) -> LoadedModel:
+def group_device_map(devices: list[torch.device]) -> dict[str, Any]:
+    """from_pretrained arguments that place one copy on `devices`: the whole model on one device, or spread layer
+    by layer over a group of GPUs (accelerate's device_map="auto" limited to the group's memory)."""
+    if len(devices) == 1:
+        return {"device_map": {"": devices[0]}} if devices[0].type != "cpu" else {}
+    free = {d.index: torch.cuda.mem_get_info(d)[0] for d in devices}
+    # Leave room on each GPU for a batch's activations and the captured states (plan.py sizes them).
+    return {"device_map": "auto", "max_memory": {i: int(0.85 * f) for i, f in free.items()}}
+
+
+def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None) -> LoadedModel:
     import transformers
     from transformers import AutoConfig, AutoModel
 
@@ -114,8 +124,8 @@ def load_model(cfg: ExtractConfig, device: torch.device) -> LoadedModel:
     try:
         base, info = AutoModel.from_pretrained(
             path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
-            use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
-            device_map={"": device} if device.type != "cpu" else None, output_loading_info=True, **kwargs,
+            use_safetensors=True, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
+            **group_device_map(devices or [device]), **kwargs,
         )
     except (OSError, ValueError) as e:
         raise HsxError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
@@ -123,7 +133,9 @@ def load_model(cfg: ExtractConfig, device: torch.device) -> LoadedModel:
         transformers.logging.set_verbosity(verbosity)
     check_loaded_weights(base, info, cfg.model)
     base._hsx_attn_requested = cfg.attn_implementation
-    base = finish_truncation(base, depth, final_hidden).to(device)
+    base = finish_truncation(base, depth, final_hidden)
+    if not devices or len(devices) == 1:
+        base = base.to(device)
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg)
 

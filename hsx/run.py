@@ -45,6 +45,7 @@ class Process:
     world_size: int
     device: Any  # torch.device
     state: Any = None  # accelerate.PartialState when launched with several processes
+    devices: list = None  # the GPUs this process's model copy is spread over (one, unless --gpus-per-copy)
 
     @property
     def is_main(self) -> bool:
@@ -55,29 +56,38 @@ class Process:
             self.state.wait_for_everyone()
 
 
-def current_process() -> Process:
-    """This process's rank and device. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
-    comes from accelerate: NCCL on GPUs, gloo on CPUs (accelerate's state is single-process on a machine without
-    CUDA unless it is created with cpu=True, and then every rank would process every row)."""
+def current_process(gpus_per_copy: int = 1) -> Process:
+    """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
+    comes from accelerate. hsx needs it only for barriers around tokenization, so it is always gloo on the CPU
+    (accelerate's cpu=True state): that also works on machines without CUDA (where accelerate's default state
+    is single-process in every rank, so each would process every row) and with several GPUs per process (NCCL
+    refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy."""
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
+    state, rank, local = None, 0, 0
     if world > 1:
         from datetime import timedelta
 
         from accelerate import PartialState
 
         # Ranks meet only around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
-        state = PartialState(cpu=not cuda, timeout=timedelta(hours=6))
-        device = state.device
-        if cuda:
-            torch.cuda.set_device(device)
-        return Process(rank=state.process_index, world_size=state.num_processes, device=device, state=state)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return Process(rank=0, world_size=1, device=device)
+        state = PartialState(cpu=True, timeout=timedelta(hours=6))
+        rank, world = state.process_index, state.num_processes
+        local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
+    if not cuda:
+        return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
+                       devices=[torch.device("cpu")])
+    count = torch.cuda.device_count()
+    first = local * gpus_per_copy
+    if first + gpus_per_copy > count:
+        raise HsxError(f"process {local} of this node needs GPUs {first}..{first + gpus_per_copy - 1} "
+                       f"(--gpus-per-copy {gpus_per_copy}) but the node has {count}; launch "
+                       f"{count // gpus_per_copy} process(es) per node")
+    devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
+    torch.cuda.set_device(devices[0])
+    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices)
 
 
 @contextmanager
@@ -127,7 +137,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
-    proc = current_process()
+    proc = current_process(cfg.gpus_per_copy)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
     try:
@@ -295,7 +305,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
 
     device = proc.device
     cuda = device.type == "cuda"
-    loaded = loaded or load_model(cfg, device)
+    loaded = loaded or load_model(cfg, device, proc.devices)
     kernels = kernel_report(loaded.base)
     if kernels.get("linear_attention") == "torch fallback":
         log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
@@ -310,7 +320,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         budget = auto_token_budget(loaded.text_config, width, torch.cuda.mem_get_info(device)[0], cfg.max_length)
     else:
         budget = CPU_TOKEN_BUDGET
-    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
                           nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype)
     feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype)

@@ -406,7 +406,7 @@ def output_bytes(info: dict[str, Any]) -> int:
     return int(info["counts"]["tokens_written"]) * vectors * per_vector
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -458,9 +458,10 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
                 if cfg.get("nonfinite") == "keep" else "")
     first = info["layers"][0]
     hsx_load = f'''```python
-import hsx  # pip install hsx
-rows = hsx.load("{where}", layers=[{first}])  # {"Hub repo: streamed" if repo else "local dir: memory-mapped in place"}, torch rows with only layer {first}
-ds = hsx.load("{where}")                      # {"datasets.IterableDataset (streaming)" if repo else "datasets.Dataset, no copy"}
+import hsx
+# {"streamed from the Hub" if repo else "memory-mapped in place"}: torch rows, hidden_states (T, 1, {hidden}) of layer {first} only
+rows = hsx.load("{where}", layers=[{first}])
+ds = hsx.load("{where}")  # {"a datasets.IterableDataset (streaming)" if repo else "a datasets.Dataset, no copy"}
 ```'''
     plain = f'''```python
 import torch
@@ -471,7 +472,7 @@ row = next(iter(ds))
 ```'''
     if big:
         loading = f"""## Loading
-This output holds about **{_human_bytes(size)}** of states. A plain `load_dataset("{where}")` first copies all of
+This output holds about **{human_bytes(size)}** of states. A plain `load_dataset("{where}")` first copies all of
 it into the HF cache; stream it instead, or read it with hsx:
 
 {hsx_load}
@@ -511,7 +512,7 @@ tags:
 
 Extracted with [hsx](https://github.com/) {info['hsx_version']}: layers **{layers}** of {info['num_model_layers']}
 (hidden size {hidden}){" and the final-norm output" if info["final_hidden"] else ""}, stored as {dtype};
-{c['rows_written']:,} rows, {c['tokens_written']:,} tokens, about {_human_bytes(size)} of states.
+{c['rows_written']:,} rows, {c['tokens_written']:,} tokens, about {human_bytes(size)} of states.
 
 Layer convention: {info['layer_convention']}.
 

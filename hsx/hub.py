@@ -1,0 +1,545 @@
+"""Publishing an output dir to the Hugging Face Hub: a complete dir at the end (`push_output`, `hsx push`), or
+unit by unit while the job runs (`StreamUploader`, --push-mode stream), optionally deleting each unit locally once
+the Hub has it (--delete-after-upload), so a job can produce more than the local disk holds (peers report 1.2 TB
+for ShareGPT-68k on an 8B model and 35 TB projected for a 120B one).
+
+What goes up: data/train-*.arrow, README.md and hsx.json, as they are; never .hsx/ (run state, the tokenized cache).
+The Arrow units are already Hub-ready shards: the card's `configs` make `load_dataset(REPO)` read them. datasets'
+own `push_to_hub` would rewrite everything as Parquet, which for nested int16 writes at 62-131 MB/s against Arrow
+IPC's ~4 GB/s and saves only 20-30% (../shared/notes/datasets-arrow.md §4), and it needs the whole dataset present.
+
+How:
+- huggingface_hub's own API: `create_repo(repo_type="dataset", exist_ok=True, private=...)`, `create_branch` for a
+  revision, then `create_commit` with explicit `CommitOperationAdd` batches. With hf_xet (a huggingface_hub 2.x
+  dependency) a commit's files are chunked, deduplicated and uploaded in a single read pass, and a retried commit
+  re-sends ~0 bytes of the chunks the server already holds. `create_commit` rather than `upload_folder`: every
+  commit then holds exactly the files listed, so once the Hub confirms it we know which units it holds (the upload
+  records and --delete-after-upload depend on that), and no scan or pattern match over thousands of unit files
+  runs per commit (`upload_folder`'s allow_patterns match every file against every pattern).
+- Batches: at most 50 files (the Hub recommends < 100 files per commit) and 64 GiB per commit. A stream starts at
+  most one commit per `min_seconds_between_commits` (60 s by default: the Hub rate-limits commits; at H200 speed a
+  2 GiB unit is committed about every second, so a minute's units go in one commit); `close()` flushes the rest.
+- Retries: HTTP 408/409/412/423/425/429 and 5xx, connection errors and timeouts are retried with exponential
+  backoff (2 s doubling, capped at 5 min, jittered, at least the server's Retry-After), 8 attempts (~15 min) in
+  all; any other error (401/403/404, a bad name, offline mode) fails at once. A failure names the repo and the
+  step, never the token.
+- Upload records: after the Hub confirms a commit, one line per file goes to .hsx/uploaded-<rank>.jsonl (fsynced;
+  `hsx push` writes uploaded-push.jsonl): path, bytes, CRC-32 (from the manifest), repo, revision, commit. Only then
+  is a unit deleted with delete_after_upload, and `OutputDir.done_units()` counts recorded units as done, so a
+  resumed job does not redo them. A restarted push skips the files it recorded that the Hub still has with the
+  same size; a file the Hub has without a record (a kill between the commit and the record) is compared by sha256
+  (LFS) or git blob id before it is skipped.
+- `push_output` sends README.md and hsx.json in its last commit (hsx.json's `complete` is the commit point, on the
+  Hub as locally) and deletes, in that commit, data/train-*.arrow files of the repo that are not part of this
+  output (an older job's, after --overwrite), so the repo is exactly this output.
+- Token: HfApi() reads HF_TOKEN / `hf auth login` unless a token is given; it is never printed or written (error
+  messages are scrubbed of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx.config import HsxError
+from hsx.sink import OutputDir, fsync_dir, human_bytes, uploaded_matches
+
+REPO_TYPE = "dataset"
+MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
+MAX_BYTES_PER_COMMIT = 64 << 30  # a failed commit is retried whole (hf_xet dedup re-sends ~0 bytes, but re-reads)
+MIN_SECONDS_BETWEEN_COMMITS = 60.0  # stream mode: the Hub rate-limits commits
+RETRIES = 8  # attempts per Hub call: 2+4+...+256 s of backoff, ~15 min
+BACKOFF_SECONDS = 2.0
+BACKOFF_CAP_SECONDS = 300.0
+RETRY_STATUS = {408, 409, 412, 423, 425, 429}  # and every 5xx
+DATA_GLOB = "train-*.arrow"
+TOP_FILES = ("README.md", "hsx.json")  # uploaded last: hsx.json's `complete` is the commit point
+PUSH_LEDGER = "push"  # .hsx/uploaded-push.jsonl
+
+
+# ---- errors, retries, secrets -----------------------------------------------------------------------------------
+
+def is_transient(e: BaseException) -> bool:
+    """Worth retrying: HTTP 408/409/412/423/425/429/5xx, connection errors, timeouts. Not: offline mode, 4xx."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if "OfflineModeIsEnabled" in names:  # HF_HUB_OFFLINE=1: a ConnectionError that no retry fixes
+        return False
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return status in RETRY_STATUS or status >= 500
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    # httpx-style transport errors (huggingface_hub 2.x's HTTP client), without importing a particular client
+    return bool(names & {"TransportError", "TimeoutException", "NetworkError", "ConnectError", "ReadError",
+                         "WriteError", "RemoteProtocolError", "ProtocolError"})
+
+
+def _retry_after(e: BaseException) -> float:
+    headers = getattr(getattr(e, "response", None), "headers", None) or {}
+    try:
+        return float(headers.get("Retry-After") or headers.get("retry-after") or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _secrets(token: str | None) -> list[str]:
+    found = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    return [s for s in found if isinstance(s, str) and len(s) >= 4]
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """A message with every known token (and anything shaped like an HF token) blanked."""
+    for s in secrets:
+        text = text.replace(s, "***")
+    return re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", text)
+
+
+def describe(e: BaseException, secrets: list[str] = ()) -> str:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = f"{type(e).__name__}{f' (HTTP {status})' if status else ''}: {first}"
+    return scrub(text, list(secrets))
+
+
+class _Hub:
+    """One repo on the Hub, through an HfApi, with retries. `api` may be any object with HfApi's methods."""
+
+    def __init__(self, repo_id: str, *, revision: str | None, api, token: str | None, retries: int,
+                 backoff: float, log: Callable[[str], Any]):
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=token) if token else HfApi()  # token=None: HF_TOKEN or the stored login
+        self.api, self.repo_id, self.revision = api, repo_id, revision
+        self.retries, self.backoff, self.log = max(1, retries), backoff, log
+        self.secrets = _secrets(token)
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        for attempt in range(1, self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001  (classified below; re-raised as HsxError)
+                if not is_transient(e) or attempt == self.retries:
+                    tries = f" after {attempt} attempts" if attempt > 1 else ""
+                    raise HsxError(f"push to {self.where}: {what} failed{tries}: {describe(e, self.secrets)}") from e
+                delay = 0.0
+                if self.backoff > 0:  # (tests pass backoff=0)
+                    delay = min(BACKOFF_CAP_SECONDS, self.backoff * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+                    delay = max(delay, min(_retry_after(e), BACKOFF_CAP_SECONDS))
+                self.log(f"hsx: push: {what} failed ({describe(e, self.secrets)}); attempt {attempt + 1} of "
+                         f"{self.retries} in {delay:.0f} s")
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def ensure_repo(self, private: bool) -> None:
+        self.call("create_repo", lambda: self.api.create_repo(self.repo_id, repo_type=REPO_TYPE, exist_ok=True,
+                                                              private=private))
+        if self.revision:
+            self.call("create_branch", lambda: self.api.create_branch(self.repo_id, branch=self.revision,
+                                                                      repo_type=REPO_TYPE, exist_ok=True))
+
+    def remote_files(self) -> dict[str, RemoteFile]:
+        def listing():
+            files = {}
+            for f in self.api.list_repo_tree(self.repo_id, recursive=True, repo_type=REPO_TYPE,
+                                             revision=self.revision):
+                if getattr(f, "size", None) is None:
+                    continue  # a folder
+                lfs = getattr(f, "lfs", None)
+                files[f.path] = RemoteFile(int(f.size), getattr(lfs, "sha256", None) if lfs is not None else None,
+                                           getattr(f, "blob_id", None))
+            return files
+
+        return self.call("list_repo_tree", listing)
+
+    def commit(self, adds: list[tuple[str, Path]], deletes: list[str], message: str) -> str | None:
+        """One commit of these files (path in repo, local path) and deletions; returns the commit id."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        def attempt():
+            # fresh operations each attempt: create_commit mutates them
+            ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(f)) for p, f in adds]
+            ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
+            info = self.api.create_commit(self.repo_id, operations=ops, commit_message=message,
+                                          repo_type=REPO_TYPE, revision=self.revision)
+            return getattr(info, "oid", None)
+
+        what = f"commit of {len(adds)} file(s)" + (f" and {len(deletes)} deletion(s)" if deletes else "")
+        return self.call(what, attempt)
+
+
+@dataclass
+class RemoteFile:
+    size: int
+    sha256: str | None  # LFS / xet files
+    blob_id: str | None  # git blob id (sha1 of "blob <size>\0<content>")
+
+
+def sha256_file(path: Path, chunk: int = 64 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_blob_id(path: Path) -> str:
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def same_content(path: Path, remote: RemoteFile | None) -> bool:
+    """Whether the Hub's file is this local file (size, then sha256 for LFS files or the git blob id)."""
+    if remote is None or path.stat().st_size != remote.size:
+        return False
+    if remote.sha256:
+        return sha256_file(path) == remote.sha256
+    if remote.blob_id:
+        return git_blob_id(path) == remote.blob_id
+    return False
+
+
+def _batches(items: list, sizes: list[int], max_files: int, max_bytes: int) -> list[list]:
+    out, cur, cur_bytes = [], [], 0
+    for item, size in zip(items, sizes):
+        if cur and (len(cur) >= max_files or cur_bytes + size > max_bytes):
+            out.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(item)
+        cur_bytes += size
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _gb(n: float) -> str:
+    return human_bytes(n)
+
+
+def _record(path_in_repo: str, size: int, manifest: dict | None, hub: _Hub, commit: str | None) -> dict:
+    return {"file": path_in_repo, "unit": (manifest or {}).get("unit"), "bytes": size,
+            "crc32": (manifest or {}).get("crc32"), "repo": hub.repo_id, "revision": hub.revision or "main",
+            "commit": commit, "time": round(time.time(), 3)}
+
+
+def _recorded_here(rec: dict | None, hub: _Hub, size: int, manifest: dict | None) -> bool:
+    """An upload record says this file, as it is, went to this repo and revision."""
+    if rec is None or rec.get("repo") != hub.repo_id or rec.get("revision") != (hub.revision or "main"):
+        return False
+    return uploaded_matches(rec, {"bytes": size, "crc32": (manifest or {}).get("crc32")})
+
+
+# ---- a complete dir ---------------------------------------------------------------------------------------------
+
+def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = True, revision: str | None = None,
+                token: str | None = None, api=None, log: Callable[[str], Any] = print,
+                max_files_per_commit: int = MAX_FILES_PER_COMMIT, max_bytes_per_commit: int = MAX_BYTES_PER_COMMIT,
+                retries: int = RETRIES, backoff: float = BACKOFF_SECONDS, prune: bool = True) -> dict[str, Any]:
+    """Upload a COMPLETE output dir to the Hub dataset repo `repo_id` (created if missing, private by default;
+    `revision`: a branch, created if missing): data/train-*.arrow, then README.md and hsx.json in the last commit.
+
+    Resumable and idempotent: files the Hub already has (recorded in .hsx/uploaded-*.jsonl, or found identical)
+    are skipped, so running it again after a failure uploads only what is missing, and on a pushed dir it only
+    checks. Units deleted after upload (--delete-after-upload) must be on the Hub already. With `prune`, the last
+    commit also deletes the repo's data/train-*.arrow files that are not part of this output.
+
+    Returns {"uploaded": files, "skipped": files, "deleted": remote files, "commits": n, "bytes": uploaded bytes}."""
+    out = OutputDir(out_dir)
+    info = out.read_info()
+    if not info.get("complete"):
+        raise HsxError(f"{out_dir} is not a complete hsx output (hsx.json missing or not complete): run the same "
+                       "`hsx extract` command to finish it, or push units as they are written with --push-mode stream")
+    hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
+    hub.ensure_repo(private)
+    by_file = {rec["file"]: rec for rec in out.manifest_records().values()}
+    summary = {"uploaded": [], "skipped": [], "deleted": [], "commits": 0, "bytes": 0}
+
+    for round_ in range(3):  # a unit may vanish under us (another rank deleting it after its upload): re-plan
+        remote = hub.remote_files()
+        uploaded = out.uploaded()
+        todo, skipped, new_records = _plan_data(out, hub, remote, uploaded, by_file)
+        out.record_uploaded(new_records, PUSH_LEDGER)
+        summary["skipped"] = sorted(set(skipped) - set(summary["uploaded"]))
+        try:
+            _push_data(out, hub, todo, by_file, summary, max_files_per_commit, max_bytes_per_commit, log)
+        except HsxError as e:
+            if isinstance(e.__cause__, FileNotFoundError) and round_ < 2:
+                log(f"hsx: push: a file vanished while pushing ({e.__cause__}); checking the Hub again")
+                continue
+            raise
+        break
+
+    remote = hub.remote_files()
+    output_files = {f"data/{p.name}" for p in out.data_files()} | {f"data/{name}" for name in by_file}
+    stale = sorted(p for p in remote if prune and p.startswith("data/") and Path(p).match(DATA_GLOB)
+                   and p.count("/") == 1 and p not in output_files)
+    tops = [(name, out.root / name) for name in TOP_FILES
+            if (out.root / name).exists() and not same_content(out.root / name, remote.get(name))]
+    if tops or stale:
+        if stale:
+            log(f"hsx: push: deleting {len(stale)} file(s) of {hub.where} that are not part of this output "
+                f"({stale[0]}, ...)")
+        oid = hub.commit(tops, stale, f"hsx: {', '.join(n for n, _ in tops) or 'prune'} "
+                                      f"(job {info.get('fingerprint', '?')[:12]})")
+        summary["commits"] += 1
+        summary["uploaded"] += [n for n, _ in tops]
+        summary["deleted"] = stale
+        summary["bytes"] += sum(p.stat().st_size for _, p in tops)
+        out.record_uploaded([_record(n, p.stat().st_size, None, hub, oid) for n, p in tops], PUSH_LEDGER)
+    if summary["commits"]:
+        log(f"hsx: pushed {len(summary['uploaded'])} file(s), {_gb(summary['bytes'])}, to {hub.where} in "
+            f"{summary['commits']} commit(s); {len(summary['skipped'])} already there")
+    else:
+        log(f"hsx: {hub.where} already holds this output ({len(summary['skipped'])} data files); nothing to push")
+    return summary
+
+
+def _plan_data(out: OutputDir, hub: _Hub, remote: dict[str, RemoteFile], uploaded: dict[str, dict],
+               by_file: dict[str, dict]) -> tuple[list[Path], list[str], list[dict]]:
+    """Local data files to upload; files the Hub has already; records for files found identical without one."""
+    todo, skipped, new_records = [], [], []
+    local = {p.name: p for p in out.data_files()}
+    for name, path in sorted(local.items()):
+        pir, size = f"data/{name}", path.stat().st_size
+        r = remote.get(pir)
+        if r is not None and r.size == size and _recorded_here(uploaded.get(pir), hub, size, by_file.get(name)):
+            skipped.append(pir)
+        elif same_content(path, r):  # committed by an earlier push that was killed before recording it
+            skipped.append(pir)
+            new_records.append(_record(pir, size, by_file.get(name), hub, None))
+        else:
+            todo.append(path)
+    for name, rec in sorted(by_file.items()):
+        if name in local:
+            continue
+        pir = f"data/{name}"
+        up = uploaded.get(pir)
+        if not uploaded_matches(up, rec):
+            raise HsxError(f"{out.root}: unit {name} is in the manifest but neither on disk nor recorded as "
+                           "uploaded; run the same `hsx extract` command to redo it")
+        r = remote.get(pir)
+        if r is None or r.size != rec["bytes"]:
+            raise HsxError(f"{out.root}: unit {name} was deleted locally after its upload to "
+                           f"{up.get('repo')}@{up.get('revision')}, but {hub.where} does not have it; push to "
+                           f"{up.get('repo')} (revision {up.get('revision')}) instead")
+        skipped.append(pir)
+    return todo, skipped, new_records
+
+
+def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, dict], summary: dict,
+               max_files: int, max_bytes: int, log) -> None:
+    if not todo:
+        return
+    sizes = [p.stat().st_size for p in todo]
+    total, done_bytes = sum(sizes), 0
+    log(f"hsx: push: {len(todo)} data file(s), {_gb(total)}, to {hub.where}")
+    for batch in _batches(todo, sizes, max(1, max_files), max_bytes):
+        for p in batch:
+            if not p.exists():
+                raise HsxError(f"{p} vanished") from FileNotFoundError(str(p))
+        batch_sizes = [p.stat().st_size for p in batch]
+        oid = hub.commit([(f"data/{p.name}", p) for p in batch], [],
+                         f"hsx: add {len(batch)} unit(s) ({_gb(sum(batch_sizes))})")
+        out.record_uploaded([_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
+                             for p, s in zip(batch, batch_sizes)], PUSH_LEDGER)
+        summary["commits"] += 1
+        summary["uploaded"] += [f"data/{p.name}" for p in batch]
+        summary["bytes"] += sum(batch_sizes)
+        done_bytes += sum(batch_sizes)
+        log(f"hsx: push: {_gb(done_bytes)} of {_gb(total)} committed to {hub.where}")
+
+
+# ---- while the job runs -----------------------------------------------------------------------------------------
+
+@dataclass
+class _Unit:
+    unit: str
+    path: Path
+    size: int
+
+
+_CLOSE = object()
+
+
+class StreamUploader:
+    """Uploads units while a job runs (--push-mode stream), on a background thread, batching them into few commits.
+
+    `submit(unit, path)` once a unit is committed locally (its manifest line on disk); the thread starts a commit
+    as soon as one is allowed (at most one per `min_seconds_between_commits`), with every unit waiting then (at
+    most `max_units_per_commit` / `max_bytes_per_commit`). After the Hub confirms a commit its units are recorded
+    in .hsx/uploaded-<rank>.jsonl (fsynced) and, with `delete_after_upload`, deleted locally: a unit whose commit
+    failed stays on disk. A failure (after retries) stops uploading; it is raised by the next `submit`, by
+    `check()` and by `close()`, which also waits for the pending units to be committed. `finish()` closes, then
+    runs `push_output` (README.md, hsx.json, anything still missing): call it once the output is complete.
+
+    On start it creates the repo (or branch) if needed, so a bad token or name fails before hours of compute,
+    and re-submits this rank's committed units that were never recorded as uploaded (a killed run's last ones)."""
+
+    def __init__(self, out_dir: str | os.PathLike, repo_id: str, *, rank: int = 0, private: bool = True,
+                 revision: str | None = None, delete_after_upload: bool = False, api=None, token: str | None = None,
+                 max_units_per_commit: int = MAX_FILES_PER_COMMIT, max_bytes_per_commit: int = MAX_BYTES_PER_COMMIT,
+                 min_seconds_between_commits: float = MIN_SECONDS_BETWEEN_COMMITS, retries: int = RETRIES,
+                 backoff: float = BACKOFF_SECONDS, log: Callable[[str], Any] = print, resubmit: bool = True):
+        self.out = OutputDir(out_dir, rank=rank)
+        self.repo_id, self.revision, self.private = repo_id, revision, private
+        self.delete_after_upload = delete_after_upload
+        self.max_units, self.max_bytes = max(1, max_units_per_commit), max_bytes_per_commit
+        self.interval = min_seconds_between_commits
+        self.log = log
+        self.hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
+        self.hub.ensure_repo(private)
+        self._check_records()
+        self.error: BaseException | None = None
+        self.stats = {"units": 0, "bytes": 0, "commits": 0, "deleted": 0}
+        self._next_commit_at = 0.0
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"hsx-upload-{rank}", daemon=True)
+        self._thread.start()
+        if resubmit:
+            self._resubmit_leftovers()
+
+    # ---- the caller's side ----
+
+    def submit(self, unit: str, path: str | os.PathLike | None = None) -> None:
+        """Queue a committed unit (default path: data/train-<unit>.arrow) for upload; raises an earlier failure."""
+        self.check()
+        p = Path(path) if path is not None else self.out.data / f"train-{unit}.arrow"
+        self._queue.put(_Unit(unit, p, p.stat().st_size))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Commit every unit submitted so far (respecting the commit interval), stop the thread, raise a failure."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_CLOSE)
+            self._thread.join()
+        self.check()
+
+    def finish(self, **kwargs) -> dict[str, Any]:
+        """close(), then push_output of the complete dir (README.md, hsx.json, whatever is still missing)."""
+        self.close()
+        return push_output(self.out.root, self.repo_id, private=self.private, revision=self.revision,
+                           api=self.hub.api, log=self.log, retries=self.hub.retries, backoff=self.hub.backoff,
+                           **kwargs)
+
+    def __enter__(self) -> StreamUploader:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the job failed: still commit what is queued, but let the job's error be the one raised
+            try:
+                self.close()
+            except Exception as e:  # noqa: BLE001
+                self.log(f"hsx: push: {e}")
+
+    # ---- the thread ----
+
+    def _work(self) -> None:
+        pending: list[_Unit] = []
+        closing = False
+        while True:
+            if closing:
+                if not pending:
+                    return
+                wait = self._next_commit_at - time.monotonic()
+                if wait > 0 and self.error is None:
+                    time.sleep(wait)
+            else:
+                wait = None if not pending else max(0.0, self._next_commit_at - time.monotonic())
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    item = None
+                if item is _CLOSE:
+                    closing = True
+                    continue
+                if item is not None:
+                    pending.append(item)
+                    while True:  # take whatever else is queued now
+                        try:
+                            more = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if more is _CLOSE:
+                            closing = True
+                            break
+                        pending.append(more)
+                if not pending or time.monotonic() < self._next_commit_at:
+                    continue
+            batch = _batches(pending, [u.size for u in pending], self.max_units, self.max_bytes)[0]
+            pending = pending[len(batch):]
+            self._next_commit_at = time.monotonic() + self.interval
+            if self.error is None:
+                try:
+                    self._commit(batch)
+                except BaseException as e:  # noqa: BLE001  (raised on the caller's thread)
+                    self.error = e
+                    self.log(f"hsx: push: stopped uploading: {e}; the units not uploaded stay on disk")
+
+    def _commit(self, batch: list[_Unit]) -> None:
+        size = sum(u.size for u in batch)
+        oid = self.hub.commit([(f"data/{u.path.name}", u.path) for u in batch], [],
+                              f"hsx: add {len(batch)} unit(s) ({_gb(size)}, rank {self.out.rank})")
+        manifest = {rec["file"]: rec for rec in self.out.manifest_records().values()}
+        self.out.record_uploaded([_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
+                                  for u in batch])  # fsynced before any deletion
+        self.stats["units"] += len(batch)
+        self.stats["bytes"] += size
+        self.stats["commits"] += 1
+        if self.delete_after_upload:
+            for u in batch:
+                u.path.unlink(missing_ok=True)
+                self.stats["deleted"] += 1
+            fsync_dir(self.out.data)
+        self.log(f"hsx: push: {len(batch)} unit(s), {_gb(size)}, committed to {self.hub.where} "
+                 f"({self.stats['units']} so far{', deleted locally' if self.delete_after_upload else ''})")
+
+    # ---- start ----
+
+    def _check_records(self) -> None:
+        """Units deleted after an upload to another repo or revision cannot be uploaded here."""
+        uploaded = self.out.uploaded()
+        for rec in self.out.manifest_records().values():
+            up = uploaded.get(f"data/{rec['file']}")
+            if (up is not None and not (self.out.data / rec["file"]).exists()
+                    and (up.get("repo"), up.get("revision")) != (self.repo_id, self.revision or "main")):
+                raise HsxError(f"{self.out.root}: unit {rec['file']} was deleted locally after its upload to "
+                               f"{up.get('repo')}@{up.get('revision')}; push this job to that repo and revision")
+
+    def _resubmit_leftovers(self) -> None:
+        """This rank's committed units that are on disk but not recorded as uploaded here (a killed run's)."""
+        manifest = self.out.state / f"manifest-{self.out.rank:05d}.jsonl"
+        if not manifest.exists():
+            return
+        uploaded, mine = self.out.uploaded(), {}
+        for line in manifest.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            mine[rec["unit"]] = rec
+        for unit, rec in sorted(mine.items()):
+            f = self.out.data / rec["file"]
+            if (f.exists() and f.stat().st_size == rec["bytes"]
+                    and not _recorded_here(uploaded.get(f"data/{rec['file']}"), self.hub, rec["bytes"], rec)):
+                self._queue.put(_Unit(unit, f, rec["bytes"]))
