@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "measured 790 TFLOP/s)")
     pl.add_argument("--gpu-memory-gib", type=float, default=139.0)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    me = sub.add_parser("merge", help="join the dirs the nodes of one job wrote into one output (metadata only)")
+    me.add_argument("output_dir")
+    me.add_argument("dirs", nargs="+", help="the nodes' output dirs (output_dir may be one of them)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
     ve.add_argument("output_dir")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             from hsx.bench import bench
 
             bench(args)
+        elif args.command == "merge":
+            from hsx.sink import merge
+
+            merge(args.output_dir, args.dirs)
         elif args.command == "verify":
             from hsx.verify import verify
 

@@ -25,7 +25,8 @@ from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
 from hsx.extract import output_columns
-from hsx.sink import Committer, OutputDir, dataset_card, features, job_fingerprint
+from hsx.sink import (Committer, OutputDir, complete_info, dataset_card, features, info_features,
+                      job_fingerprint)
 
 CPU_TOKEN_BUDGET = 4096
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
@@ -46,6 +47,7 @@ class Process:
     device: Any  # torch.device
     state: Any = None  # accelerate.PartialState when launched with several processes
     devices: list = None  # the GPUs this process's model copy is spread over (one, unless --gpus-per-copy)
+    local_rank: int = 0  # rank within this node
 
     @property
     def is_main(self) -> bool:
@@ -78,7 +80,7 @@ def current_process(gpus_per_copy: int = 1) -> Process:
         local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
     if not cuda:
         return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
-                       devices=[torch.device("cpu")])
+                       devices=[torch.device("cpu")], local_rank=local)
     count = torch.cuda.device_count()
     first = local * gpus_per_copy
     if first + gpus_per_copy > count:
@@ -87,7 +89,7 @@ def current_process(gpus_per_copy: int = 1) -> Process:
                        f"{count // gpus_per_copy} process(es) per node")
     devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
     torch.cuda.set_device(devices[0])
-    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices)
+    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local)
 
 
 @contextmanager
@@ -177,12 +179,14 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "hsx_version": ".".join(__version__.split(".")[:2]),
     })
 
-    # Rank 0 claims the dir and tokenizes; the others then read its cache (tokenization happens once).
+    # Rank 0 claims the dir and tokenizes; then each node's first process (which finds the cache there if the
+    # dir is shared, and tokenizes for its node if each node writes its own dir); then everyone else.
     tokenized, state, error = None, None, None
     cache = str(out.state / "tokenized" / "tokens.arrow")
     fingerprint = f"hsx-tok-{job['fingerprint'][:24]}"
-    for turn in ("main", "others"):
-        if (turn == "main") == proc.is_main:
+    my_turn = 0 if proc.is_main else (1 if proc.local_rank == 0 else 2)
+    for turn in range(3 if proc.world_size > 1 else 1):
+        if turn == my_turn:
             try:
                 state = out.claim(job, cfg.overwrite and proc.is_main)
                 if state != "complete":
@@ -206,6 +210,18 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         raise Stopped("stopped after tokenizing; run the same command to continue", 128 + stop.signum)
     sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
     order, units = plan_units(sample_ids, num_tokens, cfg.max_length, unit_tokens)
+    summary = {  # what hsx.json says that does not depend on the run: written now, so `hsx merge` can finish
+        "model": cfg.model, "model_path": model_path, "revision": revision,
+        "tokenizer": cfg.tokenizer or cfg.model, "layers": layers, "final_hidden": final_hidden,
+        "layer_convention": LAYER_CONVENTION, "hidden_size": hidden, "num_model_layers": num_layers,
+        "storage_dtype": cfg.storage_dtype, "max_length": cfg.max_length, "chat_template_sha256": template_sha,
+        "counts": {"rows_in": len(raw), "truncated": truncated, "skipped": skipped},
+        "unit_names": [u.name for u in units], "hsx_version": __version__,
+        "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden, "unit_tokens": unit_tokens},
+        "fingerprint": job["fingerprint"], "command": command_line(),
+    }
+    if proc.local_rank == 0:
+        out.write_summary(summary)
     done = out.done_units()
     proc.barrier()  # every rank read the same manifest before any rank commits a new unit
     pending = [u for u in units if u.name not in done]
@@ -225,38 +241,15 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     missing = [u.name for u in units if u.name not in done]
     if missing:
         if proc.world_size > 1:
-            log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes")
+            log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
+                "node wrote its own dir, `hsx merge OUT NODE_DIRS...`)")
             return {"complete": False, "rank": proc.rank, "run": stats}
         raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
     with out.finalizing() as already:
         if already:
             return out.read_info()
-        extra = {"oom": sum(r.get("skipped_oom", 0) for r in done.values()),
-                 "nonfinite": sum(r.get("skipped_nonfinite", 0) for r in done.values())}
-        skipped = dict(sorted({**skipped, **{k: skipped.get(k, 0) + v for k, v in extra.items() if v}}.items()))
-        info = {
-            "model": cfg.model, "model_path": model_path, "revision": revision,
-            "tokenizer": cfg.tokenizer or cfg.model, "layers": layers, "final_hidden": final_hidden,
-            "layer_convention": LAYER_CONVENTION, "hidden_size": hidden, "num_model_layers": num_layers,
-            "storage_dtype": cfg.storage_dtype, "max_length": cfg.max_length,
-            "chat_template_sha256": template_sha,
-            "counts": {
-                "rows_in": len(raw),
-                "rows_written": sum(r["rows"] for r in done.values()),
-                "tokens_written": sum(r["tokens"] for r in done.values()),
-                "truncated": truncated,
-                "skipped": skipped,
-                "nonfinite": {"mode": cfg.nonfinite,
-                              "rows": sum(r.get("skipped_nonfinite", 0) + r.get("nonfinite_kept", 0)
-                                          for r in done.values())},
-            },
-            "units": len(units), "world_size": proc.world_size, "hsx_version": __version__,
-            "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden, "unit_tokens": unit_tokens},
-            "fingerprint": job["fingerprint"], "run": stats, "complete": True,
-        }
-        out.finalize(info, dataset_card(info, command_line()),
-                     features=features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep",
-                                       cfg.storage_dtype))
+        info = complete_info(summary, done, proc.world_size, stats)
+        out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
     wall = time.perf_counter() - t_start
     c = info["counts"]
     log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "

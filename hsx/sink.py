@@ -161,6 +161,13 @@ class OutputDir:
         finally:
             os.close(fd)
 
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.state / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+
+    def read_summary(self) -> dict[str, Any]:
+        f = self.state / "summary.json"
+        return json.loads(f.read_text()) if f.exists() else {}
+
     def read_info(self) -> dict[str, Any]:
         f = self.root / "hsx.json"
         return json.loads(f.read_text()) if f.exists() else {}
@@ -331,6 +338,30 @@ def uploaded_matches(uploaded: dict[str, Any] | None, rec: dict[str, Any]) -> bo
             and (uploaded.get("crc32") is None or rec.get("crc32") is None or uploaded["crc32"] == rec["crc32"]))
 
 
+def complete_info(summary: dict[str, Any], done: dict[str, dict[str, Any]], world_size: int,
+                  run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hsx.json of a finished job: the summary written at planning time plus what the manifests record."""
+    info = {k: v for k, v in summary.items() if k not in ("unit_names", "command")}
+    counts = dict(summary["counts"])
+    extra = {"oom": sum(r.get("skipped_oom", 0) for r in done.values()),
+             "nonfinite": sum(r.get("skipped_nonfinite", 0) for r in done.values())}
+    skipped = dict(counts["skipped"])
+    for reason, n in extra.items():
+        if n:
+            skipped[reason] = skipped.get(reason, 0) + n
+    info["counts"] = {
+        "rows_in": counts["rows_in"],
+        "rows_written": sum(r["rows"] for r in done.values()),
+        "tokens_written": sum(r["tokens"] for r in done.values()),
+        "truncated": counts["truncated"],
+        "skipped": dict(sorted(skipped.items())),
+        "nonfinite": {"mode": summary["config"].get("nonfinite", "skip"),
+                      "rows": sum(r.get("skipped_nonfinite", 0) + r.get("nonfinite_kept", 0) for r in done.values())},
+    }
+    info.update(units=len(summary["unit_names"]), world_size=world_size, run=run or {}, complete=True)
+    return info
+
+
 def job_fingerprint(inputs: dict[str, Any]) -> dict[str, Any]:
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs}
@@ -415,13 +446,13 @@ def human_bytes(n: float) -> str:
 
 
 def _decode_lines(dtype: str, num_layers: int, hidden: int) -> str:
-    """The plain-torch decode of one row from `with_format("torch", dtype=None)` (dtype=None keeps the stored
-    integer type: datasets would otherwise widen int16 to int64)."""
+    """The plain-torch decode of one row from `with_format("torch")`, which widens the stored integer bits to
+    int64 (a streaming dataset's with_format takes no dtype=): narrow them back, then reinterpret."""
     shape = f'row["num_tokens"], {num_layers}, {hidden}'
     if dtype == "bfloat16":
-        return f'states = row["hidden_states"].view(torch.bfloat16).reshape({shape})'
+        return f'states = row["hidden_states"].to(torch.int16).view(torch.bfloat16).reshape({shape})'
     if dtype == "float8_e4m3":
-        return (f'q = row["hidden_states"].view(torch.float8_e4m3fn).reshape({shape})\n'
+        return (f'q = row["hidden_states"].to(torch.uint8).view(torch.float8_e4m3fn).reshape({shape})\n'
                 'states = (q.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)  # x = q * scale')
     return f'states = row["hidden_states"].reshape({shape})  # {dtype}'
 
@@ -466,9 +497,9 @@ ds = hsx.load("{where}")  # {"a datasets.IterableDataset (streaming)" if repo el
     plain = f'''```python
 import torch
 from datasets import load_dataset
-ds = load_dataset("{where}", split="train", streaming=True).with_format("torch", dtype=None)
+ds = load_dataset("{where}", split="train", streaming=True).with_format("torch")
 row = next(iter(ds))
-{_decode_lines(dtype, num_layers, hidden)}  # (T, layers, hidden)
+{_decode_lines(dtype, num_layers, hidden)}  # (T, layers, hidden), bit-exact
 ```'''
     if big:
         loading = f"""## Loading
@@ -530,3 +561,51 @@ Produced by: `{command}`
 
 Job fingerprint: `{fingerprint}` (hsx.json holds the whole job).
 """
+
+
+def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
+    """`hsx merge OUT DIR...`: join the dirs that the nodes of one job wrote (each its own, when there is no
+    shared filesystem) into OUT. Only metadata is written: OUT/data/ gets relative symlinks to the other dirs'
+    unit files (OUT may be one of the dirs), a manifest, hsx.json and the card. No hidden-state byte is copied."""
+    sources = [OutputDir(d) for d in dirs]
+    jobs = []
+    for src in sources:
+        f = src.state / "job.json"
+        if not f.exists():
+            raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
+        jobs.append(json.loads(f.read_text()))
+    if len({j["fingerprint"] for j in jobs}) != 1:
+        raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
+    summary = next((s for s in (src.read_summary() for src in sources) if s), None)
+    if summary is None:
+        raise HsxError("no dir has a planning summary (.hsx/summary.json): did the job get past tokenization?")
+    done: dict[str, tuple[OutputDir, dict[str, Any]]] = {}
+    for src in sources:
+        for unit, rec in src.done_units().items():
+            done.setdefault(unit, (src, rec))
+    missing = [u for u in summary["unit_names"] if u not in done]
+    if missing:
+        raise HsxError(f"{len(missing)} of {len(summary['unit_names'])} units are in none of the dirs "
+                       f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); run the job again to "
+                       "write them, then merge")
+    out = OutputDir(out_dir)
+    out.data.mkdir(parents=True, exist_ok=True)
+    out.state.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for unit in summary["unit_names"]:
+        src, rec = done[unit]
+        target, link = src.data / rec["file"], out.data / rec["file"]
+        if target.resolve() != link.resolve():
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
+        lines.append(json.dumps(rec, sort_keys=True))
+    atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
+    atomic_write(out.state / "job.json", json.dumps(jobs[0], indent=2, sort_keys=True))
+    out.write_summary(summary)
+    info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
+                         run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
+    out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
+    log(f"hsx merge: {out_dir}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
+        f"{len(dirs)} dirs (symlinked, nothing copied)")
+    return info

@@ -1,0 +1,70 @@
+"""hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import hsx
+from hsx.config import HsxError
+from hsx.sink import merge
+
+DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from hsx.cli import main
+
+    out = tmp_path_factory.mktemp("merge") / "reference"
+    assert main(["extract", "--config", str(DEMO), "--output-dir", str(out), "--unit-tokens", "1500"]) == 0
+    return out
+
+
+def split_like_two_nodes(reference: Path, root: Path) -> list[Path]:
+    """Two node dirs, each with half the units and only its own manifest, as two nodes would leave them."""
+    units = sorted((reference / "data").glob("train-*.arrow"))
+    records = [json.loads(line) for f in sorted((reference / ".hsx").glob("manifest-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    dirs = []
+    for node in range(2):
+        d = root / f"node{node}"
+        (d / "data").mkdir(parents=True)
+        (d / ".hsx").mkdir()
+        for name in ("job.json", "summary.json"):
+            shutil.copy(reference / ".hsx" / name, d / ".hsx" / name)
+        mine = [r for k, r in enumerate(sorted(records, key=lambda r: r["unit"])) if k % 2 == node]
+        for r in mine:
+            shutil.copy(reference / "data" / r["file"], d / "data" / r["file"])
+        (d / ".hsx" / f"manifest-{node:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
+        dirs.append(d)
+    assert sum(len(list((d / "data").glob("*.arrow"))) for d in dirs) == len(units)
+    return dirs
+
+
+def test_merge_equals_the_single_dir_output(reference, tmp_path):
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    info = merge(str(node0), [str(node0), str(node1)], log=lambda *a: None)
+    assert info["complete"] and info["counts"] == json.loads((reference / "hsx.json").read_text())["counts"]
+    links = [p for p in (node0 / "data").iterdir() if p.is_symlink()]
+    assert links and all(p.resolve().parent == (node1 / "data").resolve() for p in links)  # nothing copied
+    assert hsx.load(str(node0)).data.table.equals(hsx.load(str(reference)).data.table)
+    from datasets import load_dataset
+
+    streamed = load_dataset(str(node0), split="train", streaming=True)
+    assert sum(1 for _ in streamed) == info["counts"]["rows_written"]
+
+
+def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
+    assert hsx.load(str(tmp_path / "joined")).data.table.equals(hsx.load(str(reference)).data.table)
+    with pytest.raises(HsxError, match="units are in none of the dirs"):
+        merge(str(tmp_path / "half"), [str(node1)], log=lambda *a: None)
+    other = tmp_path / "other"
+    shutil.copytree(node1, other)
+    job = json.loads((other / ".hsx" / "job.json").read_text())
+    (other / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "different"}))
+    with pytest.raises(HsxError, match="different jobs"):
+        merge(str(tmp_path / "mixed"), [str(node0), str(other)], log=lambda *a: None)
