@@ -22,6 +22,8 @@ HELP = {
     "layers": "decoder layers (0-based, negatives from the end), e.g. `1 -1` or `1,-1`, or a preset: "
               "eagle3, dflash, dflash-K",
     "final_hidden": "also store the final-norm output (transformers' hidden_states[N]) as final_hidden_state",
+    "topk_logits": "also store the target's top-K logits and token ids per token (from the final-norm state, in "
+                   "chunks; needs --final-hidden or a preset that includes it)",
     "max_length": "longer rows are truncated (and counted)",
     "output_dir": "where the Arrow dataset goes; rerunning the same command there continues the job",
     "push_to_hub": "a Hub dataset repo to upload the output to (token from HF_TOKEN or `hf auth login`)",

@@ -42,6 +42,7 @@ class ExtractConfig:
     # What to capture.
     layers: list[int] | str = field(default_factory=list)
     final_hidden: bool = False
+    topk_logits: int = 0  # >0: store the target's top-k logits (values and token ids) per token, from the final norm
     max_length: int = 4096
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Where it goes.
@@ -133,6 +134,8 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
     if cfg.compile not in ("auto", "on", "off"):
         raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
+    if cfg.topk_logits < 0:
+        raise HsxError(f"--topk-logits must be 0 (off) or positive, got {cfg.topk_logits}")
     if cfg.gpus_per_copy < 1:
         raise HsxError(f"--gpus-per-copy must be at least 1, got {cfg.gpus_per_copy}")
     if cfg.token_budget is not None and cfg.token_budget < 1:

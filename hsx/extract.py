@@ -61,13 +61,16 @@ class Extractor:
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, compile_model: bool,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
-                 storage_dtype: str = "bfloat16"):
+                 storage_dtype: str = "bfloat16", topk_logits: int = 0):
         self.loaded, self.device = loaded, device
         self.layers, self.final = loaded.layers, loaded.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
         self.storage_dtype = storage_dtype
-        self.columns = output_columns(len(self.layers), self.hidden, self.final, storage_dtype)
+        self.topk = topk_logits
+        if self.topk and (not self.final or loaded.lm_head is None):
+            raise ValueError("top-k logits need the final-norm state and the lm_head weight")
+        self.columns = output_columns(len(self.layers), self.hidden, self.final, storage_dtype, topk_logits)
         self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
@@ -96,6 +99,19 @@ class Extractor:
             last = out.last_hidden_state
             states.append(last.reshape(-1, h).index_select(0, index.to(last.device)).to(index.device))
         return states
+
+    def _topk(self, final: torch.Tensor, chunk: int = 2048) -> list[torch.Tensor]:
+        """Top-k logits of lm_head(final) in chunks of tokens: full-vocabulary logits exist for `chunk` tokens at a
+        time (2048 × 152k × 2 bytes = 0.6 GB), never for the batch (16k tokens: 5 GB)."""
+        head = self.loaded.lm_head
+        values, ids = [], []
+        for a in range(0, final.shape[0], chunk):
+            logits = final[a:a + chunk].to(head.dtype) @ head.t()
+            v, i = logits.topk(self.topk, dim=-1)
+            values.append(v)
+            ids.append(i)
+        return [torch.cat(values).to(torch.bfloat16).reshape(-1).view(torch.uint8),
+                torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8)]
 
     def _ensure_slots(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -187,6 +203,8 @@ class Extractor:
         bad_rows = torch.zeros(b, dtype=torch.int32, device=bad_tokens.device).index_add_(
             0, torch.div(index, padded, rounding_mode="floor"), bad_tokens.int())
         out = encode(states, len(self.layers), self.storage_dtype)
+        if self.topk:
+            out = torch.cat([out, *self._topk(states[1])])
         dest = slot.states[at * self.per_token:(at + n) * self.per_token]
         bad_dest = slot.nonfinite[row_at:row_at + b]
         if self.cuda:
@@ -272,7 +290,7 @@ class Column:
 
     @property
     def itemsize(self) -> int:
-        return {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}[self.dtype]
+        return {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1, "int32": 4}[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -281,11 +299,12 @@ class Column:
     @property
     def arrow_type(self) -> pa.DataType:
         return {"bfloat16": pa.int16(), "float16": pa.float16(), "float32": pa.float32(),
-                "float8_e4m3": pa.uint8()}[self.dtype]
+                "float8_e4m3": pa.uint8(), "int32": pa.int32()}[self.dtype]
 
 
-def output_columns(num_layers: int, hidden: int, final: bool, storage_dtype: str) -> list[Column]:
-    """The state columns, in the order `encode` lays them out. fp8 adds one float32 scale per token and layer."""
+def output_columns(num_layers: int, hidden: int, final: bool, storage_dtype: str, topk: int = 0) -> list[Column]:
+    """The state columns, in the order `encode` lays them out. fp8 adds one float32 scale per token and layer;
+    top-k target logits add their bf16 values and int32 token ids last."""
     cols = [Column("hidden_states", num_layers * hidden, storage_dtype)]
     if final:
         cols.append(Column("final_hidden_state", hidden, storage_dtype))
@@ -293,6 +312,8 @@ def output_columns(num_layers: int, hidden: int, final: bool, storage_dtype: str
         cols.append(Column("hidden_states_scale", num_layers, "float32"))
         if final:
             cols.append(Column("final_hidden_state_scale", 1, "float32"))
+    if topk:
+        cols += [Column("topk_logits", topk, "bfloat16"), Column("topk_ids", topk, "int32")]
     return cols
 
 

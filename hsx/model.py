@@ -36,6 +36,7 @@ class LoadedModel:
     model_path: str
     revision: str | None
     text_config: Any  # the truncated config that was built
+    lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k target logits
 
 
 def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool) -> tuple[str, str | None]:
@@ -136,8 +137,31 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     base = finish_truncation(base, depth, final_hidden)
     if not devices or len(devices) == 1:
         base = base.to(device)
+    head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
-                       hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg)
+                       hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg,
+                       lm_head=head)
+
+
+def load_lm_head(path: str, text_config, base: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """The output projection's weight, read from the checkpoint's safetensors alone (the model itself is loaded
+    without lm_head); tied embeddings reuse the input embedding."""
+    if getattr(text_config, "tie_word_embeddings", False):
+        return base.get_input_embeddings().weight
+    from safetensors import safe_open
+
+    keys = [k for k in checkpoint_keys(path) if k.endswith("lm_head.weight")]
+    if not keys:
+        raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits needs the output projection")
+    key = min(keys, key=len)
+    index = Path(path) / "model.safetensors.index.json"
+    files = ([Path(path) / json.loads(index.read_text())["weight_map"][key]] if index.is_file()
+             else sorted(Path(path).glob("*.safetensors")))
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            if key in st.keys():
+                return st.get_tensor(key).to(base.get_input_embeddings().weight.dtype)
+    raise HsxError(f"{path}: {key} is listed but not found in the checkpoint files")
 
 
 def supported_attn_implementation(text_config, requested: str | None) -> str | None:

@@ -164,10 +164,13 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     else:
         model_path, revision, text = model.model_path, model.revision, model.text_config
         num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
+    if cfg.topk_logits and not final_hidden:
+        raise HsxError("--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 preset)")
     raw = data.load_input(cfg)
     tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
     hidden = int(text.hidden_size)
-    bytes_per_token = sum(c.nbytes for c in output_columns(len(layers), hidden, final_hidden, cfg.storage_dtype))
+    bytes_per_token = sum(c.nbytes for c in output_columns(len(layers), hidden, final_hidden, cfg.storage_dtype,
+                                                            cfg.topk_logits))
     unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
     template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
     job = job_fingerprint({
@@ -175,7 +178,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
-        "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite,
+        "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite, "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]),
     })
 
@@ -316,8 +319,9 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
-                          nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype)
-    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype)
+                          nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits)
+    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype,
+                     cfg.topk_logits)
     peak_tflops = measure_matmul_tflops(device) if cuda else None
     per_layer = layer_params(loaded.text_config)
 

@@ -34,7 +34,7 @@ UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and
 
 
 def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False,
-             storage_dtype: str = "bfloat16"):
+             storage_dtype: str = "bfloat16", topk_logits: int = 0):
     """The output schema. Arrow has no bfloat16: bf16 is stored bit-exact as int16 (marked id="bfloat16"), fp8
     as uint8 bits (id="float8_e4m3fn") with float32 scales per token and layer in `*_scale` columns."""
     from datasets import Features, List, Value
@@ -54,6 +54,9 @@ def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool =
         f["hidden_states_scale"] = List(List(Value("float32"), length=width // hidden))
         if final_hidden:
             f["final_hidden_state_scale"] = List(List(Value("float32"), length=1))
+    if topk_logits:
+        f["topk_logits"] = List(List(Value("int16", id="bfloat16"), length=topk_logits))
+        f["topk_ids"] = List(List(Value("int32"), length=topk_logits))
     if flag_nonfinite:
         f["has_nonfinite"] = Value("bool")  # with --nonfinite keep: rows whose states hold NaN/Inf
     return Features(f)
@@ -65,7 +68,7 @@ def info_features(info: dict[str, Any]):
         return None
     cfg = info.get("config", {})
     return features(len(info["layers"]) * info["hidden_size"], info["hidden_size"], bool(info["final_hidden"]),
-                    cfg.get("nonfinite") == "keep", info.get("storage_dtype", "bfloat16"))
+                    cfg.get("nonfinite") == "keep", info.get("storage_dtype", "bfloat16"), cfg.get("topk_logits", 0))
 
 
 class OutputDir:
@@ -488,9 +491,11 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
     flag_col = ("\n- `has_nonfinite`: bool, the row's states hold NaN/Inf (kept with --nonfinite keep)"
                 if cfg.get("nonfinite") == "keep" else "")
     first = info["layers"][0]
+    split = cfg.get("split", "?")
+    more_cols = scale_cols + final_col + flag_col
     hsx_load = f'''```python
 import hsx
-# {"streamed from the Hub" if repo else "memory-mapped in place"}: torch rows, hidden_states (T, 1, {hidden}) of layer {first} only
+# {"streamed from the Hub" if repo else "memory-mapped in place"}: torch rows, (T, 1, {hidden}) states of layer {first}
 rows = hsx.load("{where}", layers=[{first}])
 ds = hsx.load("{where}")  # {"a datasets.IterableDataset (streaming)" if repo else "a datasets.Dataset, no copy"}
 ```'''
@@ -549,10 +554,10 @@ Layer convention: {info['layer_convention']}.
 
 {loading}
 ## Columns
-- `sample_id`: int64, the row's index in the input dataset (`{cfg.get('dataset', '?')}`, split `{cfg.get('split', '?')}`)
+- `sample_id`: int64, the row's index in the input dataset (`{cfg.get('dataset', '?')}`, split `{split}`)
 - `input_ids`: int32 token ids; `loss_mask`: int8, 1 on each assistant token including its end-of-turn token (unshifted)
 - `num_tokens`: int32
-- `hidden_states`: (T, {num_layers}·{hidden}) {stored}, layers concatenated in the order above{scale_cols}{final_col}{flag_col}
+- `hidden_states`: (T, {num_layers}·{hidden}) {stored}, layers concatenated in the order above{more_cols}
 
 Rows are ordered by length bucket, then `sample_id`. Skipped input rows: {json.dumps(c['skipped'])};
 truncated to {info['max_length']} tokens: {c['truncated']}.

@@ -34,7 +34,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     layers, hidden, final = info["layers"], info["hidden_size"], info["final_hidden"]
     keep_flag = info.get("config", {}).get("nonfinite") == "keep"
     ds = load(out_dir)
-    expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"))
+    expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"),
+                        info.get("config", {}).get("topk_logits", 0))
     if ds.features.arrow_schema != expected.arrow_schema:
         problems.append(f"schema {ds.features} differs from the expected {expected}")
 
