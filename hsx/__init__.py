@@ -7,6 +7,6 @@ config → data → buckets → model → capture → extract → sink → load,
 
 __version__ = "0.1.0"
 
-from hsx.load import collate, load, torch_view  # noqa: E402  (consumer side, cheap to import)
+from hsx.load import collate, export_specforge, load, torch_stream, torch_view  # noqa: E402  (consumer side)
 
-__all__ = ["__version__", "load", "torch_view", "collate"]
+__all__ = ["__version__", "load", "torch_view", "torch_stream", "collate", "export_specforge"]

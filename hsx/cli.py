@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     me = sub.add_parser("merge", help="join the dirs the nodes of one job wrote into one output (metadata only)")
     me.add_argument("output_dir")
     me.add_argument("dirs", nargs="+", help="the nodes' output dirs (output_dir may be one of them)")
+    pu = sub.add_parser("push", help="upload a complete output dir to a Hub dataset repo (resumable)")
+    pu.add_argument("output_dir")
+    pu.add_argument("repo_id")
+    pu.add_argument("--revision", help="branch to push to (created if missing)")
+    pu.add_argument("--public", action="store_true", help="create the repo public (default: private)")
+    sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 files")
+    sf.add_argument("output_dir")
+    sf.add_argument("dest")
+    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use (default: all 3)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
     ve.add_argument("output_dir")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
@@ -111,6 +120,23 @@ def main(argv: list[str] | None = None) -> int:
             from hsx.sink import merge
 
             merge(args.output_dir, args.dirs)
+        elif args.command == "push":
+            from pathlib import Path
+
+            from hsx.hub import push_output
+            from hsx.sink import OutputDir
+
+            if not (Path(args.output_dir) / "hsx.json").is_file():
+                raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
+            with OutputDir(args.output_dir).locked():
+                push_output(args.output_dir, args.repo_id, private=not args.public, revision=args.revision)
+        elif args.command == "export-specforge":
+            from hsx.load import export_specforge
+
+            try:
+                export_specforge(args.output_dir, args.dest, layers=args.layers)
+            except (ValueError, FileNotFoundError) as e:
+                raise HsxError(str(e)) from None
         elif args.command == "verify":
             from hsx.verify import verify
 

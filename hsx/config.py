@@ -124,6 +124,13 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--storage-dtype {cfg.storage_dtype!r} is not supported; choose from {STORAGE_DTYPES}")
     if cfg.dtype not in COMPUTE_DTYPES:
         raise HsxError(f"--dtype {cfg.dtype!r} is not supported; choose from {COMPUTE_DTYPES}")
+    if cfg.push_to_hub:
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(cfg.push_to_hub)
+        except ValueError as e:
+            raise HsxError(f"--push-to-hub {cfg.push_to_hub!r}: {e}") from None
     if cfg.push_mode not in ("end", "stream"):
         raise HsxError(f"--push-mode must be end or stream, got {cfg.push_mode!r}")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):

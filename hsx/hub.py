@@ -20,9 +20,9 @@ How:
   most one commit per `min_seconds_between_commits` (60 s by default: the Hub rate-limits commits; at H200 speed a
   2 GiB unit is committed about every second, so a minute's units go in one commit); `close()` flushes the rest.
 - Retries: HTTP 408/409/412/423/425/429 and 5xx, connection errors and timeouts are retried with exponential
-  backoff (2 s doubling, capped at 5 min, jittered, at least the server's Retry-After), 8 attempts (~15 min) in
-  all; any other error (401/403/404, a bad name, offline mode) fails at once. A failure names the repo and the
-  step, never the token.
+  backoff (2 s doubling, capped at 5 min, jittered x0.5-1, at least the server's Retry-After), 10 attempts
+  (7-14 min of waiting) in all; any other error (401/403/404, a bad name, offline mode) fails at once. A failure
+  names the repo and the step, never the token.
 - Upload records: after the Hub confirms a commit, one line per file goes to .hsx/uploaded-<rank>.jsonl (fsynced;
   `hsx push` writes uploaded-push.jsonl): path, bytes, CRC-32 (from the manifest), repo, revision, commit. Only then
   is a unit deleted with delete_after_upload, and `OutputDir.done_units()` counts recorded units as done, so a
@@ -58,7 +58,7 @@ REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
 MAX_BYTES_PER_COMMIT = 64 << 30  # a failed commit is retried whole (hf_xet dedup re-sends ~0 bytes, but re-reads)
 MIN_SECONDS_BETWEEN_COMMITS = 60.0  # stream mode: the Hub rate-limits commits
-RETRIES = 8  # attempts per Hub call: 2+4+...+256 s of backoff, ~15 min
+RETRIES = 10  # attempts per Hub call: 2+4+...+256+300 s of backoff (jittered x0.5-1): 7-14 min
 BACKOFF_SECONDS = 2.0
 BACKOFF_CAP_SECONDS = 300.0
 RETRY_STATUS = {408, 409, 412, 423, 425, 429}  # and every 5xx
@@ -276,9 +276,11 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         summary["skipped"] = sorted(set(skipped) - set(summary["uploaded"]))
         try:
             _push_data(out, hub, todo, by_file, summary, max_files_per_commit, max_bytes_per_commit, log)
-        except HsxError as e:
-            if isinstance(e.__cause__, FileNotFoundError) and round_ < 2:
-                log(f"hsx: push: a file vanished while pushing ({e.__cause__}); checking the Hub again")
+        except HsxError:
+            gone = [p.name for p in todo if not p.exists()]
+            if gone and round_ < 2:
+                log(f"hsx: push: {len(gone)} file(s) vanished while pushing ({gone[0]}, ...: uploaded and deleted "
+                    "by another rank?); checking the Hub again")
                 continue
             raise
         break
@@ -312,7 +314,7 @@ def _plan_data(out: OutputDir, hub: _Hub, remote: dict[str, RemoteFile], uploade
                by_file: dict[str, dict]) -> tuple[list[Path], list[str], list[dict]]:
     """Local data files to upload; files the Hub has already; records for files found identical without one."""
     todo, skipped, new_records = [], [], []
-    local = {p.name: p for p in out.data_files()}
+    local = {p.name: p for p in out.data_files() if p.exists()}  # (not a dangling link of `hsx merge`)
     for name, path in sorted(local.items()):
         pir, size = f"data/{name}", path.stat().st_size
         r = remote.get(pir)
@@ -350,7 +352,7 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
     for batch in _batches(todo, sizes, max(1, max_files), max_bytes):
         for p in batch:
             if not p.exists():
-                raise HsxError(f"{p} vanished") from FileNotFoundError(str(p))
+                raise HsxError(f"{p} vanished")
         batch_sizes = [p.stat().st_size for p in batch]
         oid = hub.commit([(f"data/{p.name}", p) for p in batch], [],
                          f"hsx: add {len(batch)} unit(s) ({_gb(sum(batch_sizes))})")
@@ -383,8 +385,9 @@ class StreamUploader:
     most `max_units_per_commit` / `max_bytes_per_commit`). After the Hub confirms a commit its units are recorded
     in .hsx/uploaded-<rank>.jsonl (fsynced) and, with `delete_after_upload`, deleted locally: a unit whose commit
     failed stays on disk. A failure (after retries) stops uploading; it is raised by the next `submit`, by
-    `check()` and by `close()`, which also waits for the pending units to be committed. `finish()` closes, then
-    runs `push_output` (README.md, hsx.json, anything still missing): call it once the output is complete.
+    `check()` and by `close()`, which also waits for the pending units to be committed (`abort()` does not: on a
+    stop signal). `finish()` closes, then runs `push_output` (README.md, hsx.json, anything still missing): call
+    it once the output is complete.
 
     On start it creates the repo (or branch) if needed, so a bad token or name fails before hours of compute,
     and re-submits this rank's committed units that were never recorded as uploaded (a killed run's last ones)."""
@@ -392,13 +395,14 @@ class StreamUploader:
     def __init__(self, out_dir: str | os.PathLike, repo_id: str, *, rank: int = 0, private: bool = True,
                  revision: str | None = None, delete_after_upload: bool = False, api=None, token: str | None = None,
                  max_units_per_commit: int = MAX_FILES_PER_COMMIT, max_bytes_per_commit: int = MAX_BYTES_PER_COMMIT,
-                 min_seconds_between_commits: float = MIN_SECONDS_BETWEEN_COMMITS, retries: int = RETRIES,
+                 min_seconds_between_commits: float | None = None, retries: int = RETRIES,
                  backoff: float = BACKOFF_SECONDS, log: Callable[[str], Any] = print, resubmit: bool = True):
         self.out = OutputDir(out_dir, rank=rank)
         self.repo_id, self.revision, self.private = repo_id, revision, private
         self.delete_after_upload = delete_after_upload
         self.max_units, self.max_bytes = max(1, max_units_per_commit), max_bytes_per_commit
-        self.interval = min_seconds_between_commits
+        self.interval = (MIN_SECONDS_BETWEEN_COMMITS if min_seconds_between_commits is None
+                         else min_seconds_between_commits)
         self.log = log
         self.hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
         self.hub.ensure_repo(private)
@@ -407,7 +411,7 @@ class StreamUploader:
         self.stats = {"units": 0, "bytes": 0, "commits": 0, "deleted": 0}
         self._next_commit_at = 0.0
         self._queue: queue.Queue = queue.Queue()
-        self._closed = False
+        self._closed = self._abort = False
         self._thread = threading.Thread(target=self._work, name=f"hsx-upload-{rank}", daemon=True)
         self._thread.start()
         if resubmit:
@@ -433,6 +437,15 @@ class StreamUploader:
             self._thread.join()
         self.check()
 
+    def abort(self) -> None:
+        """Stop after the commit in progress (a stop signal, a failed job): units not committed yet stay on disk,
+        and the next run's uploader re-submits them. Never raises."""
+        self._abort = True
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_CLOSE)
+            self._thread.join()
+
     def finish(self, **kwargs) -> dict[str, Any]:
         """close(), then push_output of the complete dir (README.md, hsx.json, whatever is still missing)."""
         self.close()
@@ -446,11 +459,8 @@ class StreamUploader:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # the job failed: still commit what is queued, but let the job's error be the one raised
-            try:
-                self.close()
-            except Exception as e:  # noqa: BLE001
-                self.log(f"hsx: push: {e}")
+        else:  # the job failed: stop uploading, and let the job's error be the one raised
+            self.abort()
 
     # ---- the thread ----
 
@@ -459,7 +469,7 @@ class StreamUploader:
         closing = False
         while True:
             if closing:
-                if not pending:
+                if not pending or self._abort:
                     return
                 wait = self._next_commit_at - time.monotonic()
                 if wait > 0 and self.error is None:

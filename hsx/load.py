@@ -88,7 +88,23 @@ def _load_local(root: Path, split: str):
         have = sorted({f.name.split("-")[0] for f in (root / "data").glob("*-*.arrow")})
         raise FileNotFoundError(f"{root}: no data/{split}-*.arrow files" +
                                 (f" (splits here: {', '.join(have)})" if have else " (not an hsx output dir?)"))
+    _warn_if_partial(root)
     return concatenate_datasets([Dataset.from_file(str(f)) for f in files])
+
+
+def _warn_if_partial(root: Path) -> None:
+    """A dir whose units were deleted after their upload (--delete-after-upload) holds only part of the output."""
+    if not any((root / ".hsx").glob("uploaded-*.jsonl")):
+        return
+    from hsx.sink import OutputDir
+
+    out = OutputDir(root)
+    gone = [r for r in out.manifest_records().values() if not (out.data / r["file"]).exists()]
+    if gone:
+        repos = sorted({f"{u.get('repo')}" for u in out.uploaded().values() if u.get("repo")})
+        warnings.warn(f"{root}: {len(gone)} unit(s) were deleted after their upload to "
+                      f"{', '.join(repos) or 'the Hub'}; this dir holds only part of the output: load the repo "
+                      "instead", stacklevel=3)
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:
@@ -181,7 +197,8 @@ def _layout(meta: dict | None, features, hidden_size: int | None, layers: list[i
     positions = None
     if layers is not None:
         if not meta or "layers" not in meta:
-            raise ValueError("layers= selects by model layer index: pass the output dir, or meta=<its hsx.json as a dict>")
+            raise ValueError("layers= selects by model layer index: pass the output dir, or meta=<its hsx.json as "
+                             "a dict>")
         positions = layer_positions(meta["layers"], list(layers), meta.get("num_model_layers"))
     return _Layout(hidden=hidden, num_layers=width // hidden, dtype=_storage_dtype(meta, features),
                    positions=positions)

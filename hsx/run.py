@@ -204,6 +204,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     if state == "complete":
         info = out.read_info()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
+        if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo
+            _push(cfg, log)
         return info
     if state == "resume":
         say(f"hsx: continuing the job in {cfg.output_dir}")
@@ -232,8 +234,22 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask", "num_tokens"])
 
     stats: dict[str, Any] = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
-    if mine:
-        stats = _run_units(cfg, proc, out, ordered, mine, layers, final_hidden, hidden, stop, model, say)
+    uploader = None
+    if cfg.push_to_hub and cfg.push_mode == "stream":
+        from hsx.hub import StreamUploader
+
+        uploader = StreamUploader(cfg.output_dir, cfg.push_to_hub, rank=proc.rank, private=cfg.hub_private,
+                                  revision=cfg.hub_revision, delete_after_upload=cfg.delete_after_upload, log=say)
+    try:
+        if mine:
+            stats = _run_units(cfg, proc, out, ordered, mine, layers, final_hidden, hidden, stop, model, say,
+                               on_commit=uploader.submit if uploader is not None else None)
+    except BaseException:
+        if uploader is not None:
+            uploader.abort()  # units not uploaded stay on disk; the next run re-submits them
+        raise
+    if uploader is not None:
+        uploader.abort() if stop.is_set() else uploader.close()
     if stop.is_set():
         raise Stopped(f"stopped cleanly after {len(out.done_units())} of {len(units)} units; run the same "
                       "command to continue", 128 + stop.signum)
@@ -253,6 +269,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
             return out.read_info()
         info = complete_info(summary, done, proc.world_size, stats)
         out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
+    if cfg.push_to_hub:
+        _push(cfg, log)
     wall = time.perf_counter() - t_start
     c = info["counts"]
     log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
@@ -265,6 +283,12 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
             f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
     return info
+
+
+def _push(cfg: ExtractConfig, log) -> None:
+    from hsx.hub import push_output
+
+    push_output(cfg.output_dir, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision, log=log)
 
 
 def _model_facts(cfg: ExtractConfig):
@@ -290,7 +314,8 @@ def _tokenizer(cfg: ExtractConfig, model_path: str):
 
 
 def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pending, layers: list[int],
-               final_hidden: bool, hidden: int, stop: threading.Event, loaded=None, log=print) -> dict[str, Any]:
+               final_hidden: bool, hidden: int, stop: threading.Event, loaded=None, log=print,
+               on_commit=None) -> dict[str, Any]:
     import datasets
     import torch
     from tqdm.auto import tqdm
@@ -340,7 +365,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
              "token_budget": budget, "compile": use_compile, "device": str(device),
              "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "kernels": kernels}
     pipeline = Pipeline(extractor, batches(), max_batch)
-    committer = Committer(out)
+    committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     t0 = time.perf_counter()

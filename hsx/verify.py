@@ -24,7 +24,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     import pyarrow.compute as pc
 
     from hsx.load import load, torch_view
-    from hsx.sink import OutputDir, features, file_crc32
+    from hsx.sink import OutputDir, features, file_crc32, uploaded_matches
 
     out = OutputDir(out_dir)
     problems: list[str] = []
@@ -52,7 +52,9 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             problems.append(f"{f.name}: {f.stat().st_size} bytes, manifest says {rec['bytes']}")
         elif "crc32" in rec and file_crc32(f) != rec["crc32"]:
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
-    missing = {r["file"] for r in done.values()} - {f.name for f in files}
+    uploaded = out.uploaded()
+    missing = {r["file"] for r in done.values()
+               if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
     problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
 
     ids = np.asarray(ds.data.column("sample_id").to_numpy())

@@ -251,3 +251,319 @@ def bf16_ulps(got_bf16: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     d = (a - b).abs()
     tiny = (got_bf16.float() - ref.float()).abs() <= 1e-6
     return torch.where(tiny, torch.zeros_like(d), d)
+
+
+# ---- fault injection and multi-process runs (test_faults.py, test_distributed.py) ------------------------------
+# One job, run many ways: model4, the shipped demo chat (99 rows, 3 unusable), layers 1 and -1 plus the final norm,
+# units of ~400 tokens (~55 units, so kill points land between and inside units). The reference is an
+# uninterrupted 1-process run in this process; every other run must give the same rows, bit for bit (CPU, one
+# intra-op thread everywhere: subprocesses get OMP_NUM_THREADS=1, in-process runs torch.set_num_threads(1)).
+
+import contextlib as _contextlib  # noqa: E402
+import io as _io  # noqa: E402
+import re as _re  # noqa: E402
+import socket as _socket  # noqa: E402
+import subprocess as _subprocess  # noqa: E402
+import sys as _sys  # noqa: E402
+import time as _time  # noqa: E402
+
+FAULT_UNIT_TOKENS = 400
+_PROGRESS = _re.compile(r"\d+%\|| \d+ examples \[|(it|examples|tok)/s[\],]|^\s*$")
+
+
+def fault_argv(model_path, dataset, out, *extra: str) -> list[str]:
+    """`hsx extract` argv (without the program) of the fault and multi-process tests."""
+    return ["extract", "--model", str(model_path), "--dataset", str(dataset), "--layers", "1", "-1",
+            "--final-hidden", "--output-dir", str(out), "--unit-tokens", str(FAULT_UNIT_TOKENS),
+            "--token-budget", "1024", "--compile", "off", *extra]
+
+
+@_contextlib.contextmanager
+def one_torch_thread():
+    """In-process runs compute with one intra-op thread, like the subprocesses (OMP_NUM_THREADS=1): same kernels,
+    same bits, and no fight over the 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hsx_main(argv: list[str]) -> tuple[int, str, str]:
+    """`hsx ...` in this process: (exit code, stdout, stderr)."""
+    from hsx.cli import main
+
+    out, err = _io.StringIO(), _io.StringIO()
+    with one_torch_thread(), _contextlib.redirect_stdout(out), _contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def message_lines(err: str) -> list[str]:
+    """stderr without progress bars."""
+    return [line for line in _re.split(r"[\r\n]+", err) if line.strip() and not _PROGRESS.search(line)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of an hsx subprocess: offline, one thread per process, no leftover launcher variables."""
+    env = dict(os.environ)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU"):
+        env.pop(k, None)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    kids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "pid (comm) state"
+                kids.append(int(p.name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    todo, found = [pid], []
+    while todo:
+        for kid in child_pids(todo.pop()):
+            if kid not in found:
+                found.append(kid)
+                todo.append(kid)
+    return found
+
+
+class Child:
+    """A subprocess in its own session (so the whole tree can be killed), output to files (no pipe to drain)."""
+
+    def __init__(self, cmd: list[str], logs: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = logs / "stdout.txt", logs / "stderr.txt"
+        self._files = (open(self.stdout_path, "w"), open(self.stderr_path, "w"))
+        self.t0 = _time.monotonic()
+        self.proc = _subprocess.Popen(cmd, stdout=self._files[0], stderr=self._files[1], env=env or child_env(),
+                                      cwd=cwd or logs, start_new_session=True)
+
+    def poll_until(self, predicate, timeout: float = 120.0, every: float = 0.005) -> bool:
+        """Wait for predicate() (True) or for the process to end (False)."""
+        end = _time.monotonic() + timeout
+        while _time.monotonic() < end:
+            if predicate():
+                return True
+            if self.proc.poll() is not None:
+                return bool(predicate())
+            _time.sleep(every)
+        raise AssertionError(f"timed out after {timeout} s waiting for a condition; stderr:\n{self.stderr}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill_tree(self, sig: int = 9) -> None:
+        """`sig` to the process and every descendant (torchrun/accelerate start each worker in its own session,
+        so the launcher's process group alone would leave the workers running)."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with _contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def wait(self, timeout: float = 180.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except _subprocess.TimeoutExpired:
+            self.kill_tree()
+            self.proc.wait(30)
+            raise AssertionError(f"did not end within {timeout} s; stderr:\n{self.stderr}") from None
+        finally:
+            for f in self._files:
+                f.close()
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+
+def hsx_child(argv: list[str], logs: Path, **env: str) -> Child:
+    return Child([_sys.executable, "-m", "hsx", *argv], logs, env=child_env(**env))
+
+
+def manifest_records(out: Path) -> list[dict[str, Any]]:
+    """Every parseable line of every rank's manifest."""
+    recs = []
+    for m in sorted((Path(out) / ".hsx").glob("manifest-*.jsonl")):
+        for line in m.read_text().splitlines():
+            with _contextlib.suppress(json.JSONDecodeError):
+                recs.append(json.loads(line))
+    return recs
+
+
+def committed_units(out: Path) -> int:
+    try:
+        return len(manifest_records(out))
+    except OSError:
+        return 0
+
+
+def assert_units_intact(out: Path) -> list[dict[str, Any]]:
+    """Every unit a manifest records is there, with the recorded size and CRC-32, and recorded once."""
+    from hsx.sink import file_crc32
+
+    recs = manifest_records(out)
+    names = [r["unit"] for r in recs]
+    assert len(names) == len(set(names)), f"a unit is recorded twice: {sorted(names)}"
+    for r in recs:
+        f = Path(out) / "data" / r["file"]
+        assert f.exists(), f"{r['file']} is in the manifest but not in data/"
+        assert f.stat().st_size == r["bytes"], r
+        assert file_crc32(f) == r["crc32"], f"{r['file']}: CRC-32 differs from the manifest"
+    return recs
+
+
+def is_complete(out: Path) -> bool:
+    f = Path(out) / "hsx.json"
+    try:
+        return bool(json.loads(f.read_text()).get("complete"))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _states(col) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.list_flatten(pc.list_flatten(col)).to_numpy(zero_copy_only=False).astype(np.int16)
+
+
+def output_table(out: Path):
+    """data/train-*.arrow of an output dir (Arrow IPC streams, as `datasets` writes them) in file-name order,
+    which is output order, as one pyarrow Table."""
+    import pyarrow as pa
+
+    tables = []
+    for f in sorted((Path(out) / "data").glob("train-*.arrow")):
+        with pa.memory_map(str(f)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    assert tables, f"{out}: no data files"
+    return pa.concat_tables(tables)
+
+
+def _without(table, sample_ids):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not sample_ids:
+        return table
+    return table.filter(pc.invert(pc.is_in(table.column("sample_id"),
+                                           value_set=pa.array(sorted(sample_ids), pa.int64()))))
+
+
+def assert_same_output(out: Path, ref: Path, drop=(), ignore_states=(), exact: bool = True,
+                       max_ulps: int = 2) -> None:
+    """The rows of `out` are the rows of `ref` (less the sample_ids in `drop`): same sample_ids in the same order,
+    same input_ids / loss_mask / num_tokens, states bit-identical (or, with exact=False, within `max_ulps` bf16
+    units in the last place) except for the rows in `ignore_states`."""
+    got, want = output_table(out), _without(output_table(ref), drop)
+    ids = got.column("sample_id").to_pylist()
+    assert len(ids) == len(set(ids)), "a sample_id repeats"
+    assert ids == want.column("sample_id").to_pylist(), "sample_ids differ (or their order)"
+    for c in ("input_ids", "loss_mask", "num_tokens"):
+        assert got.column(c).equals(want.column(c)), f"column {c} differs"
+    got, want = _without(got, ignore_states), _without(want, ignore_states)
+    state_cols = [c for c in want.column_names if c in ("hidden_states", "final_hidden_state")]
+    assert [c for c in got.column_names if c in ("hidden_states", "final_hidden_state")] == state_cols
+    for c in state_cols:
+        if got.column(c).equals(want.column(c)):
+            continue
+        a, b = _states(got.column(c)), _states(want.column(c))
+        assert a.shape == b.shape, c
+        assert not exact, f"column {c}: states differ in {(a != b).sum()} of {a.size} values (expected bit-identical)"
+        ulps = bf16_ulps(torch.from_numpy(a).view(torch.bfloat16), torch.from_numpy(b).view(torch.bfloat16).float())
+        assert int(ulps.max()) <= max_ulps, f"column {c}: {int(ulps.max())} bf16 ulps apart"
+
+
+@dataclass
+class FaultReference:
+    model: TinyModel
+    dataset: Path
+    out: Path
+    info: dict
+    sample_ids: list[int]
+
+    def argv(self, out: Path, *extra: str) -> list[str]:
+        return fault_argv(self.model.path, self.dataset, out, *extra)
+
+    @property
+    def units(self) -> int:
+        return int(self.info["units"])
+
+
+@pytest.fixture(scope="session")
+def fault_dataset(tmp_path_factory) -> Path:
+    """The shipped demo chat (99 rows, 3 of them unusable), copied so its modification time is this session's."""
+    path = tmp_path_factory.mktemp("fault-data") / "chat.jsonl"
+    shutil.copyfile(REPO / "hsx" / "demo" / "chat.jsonl", path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def fault_reference(tmp_path_factory, model4, fault_dataset) -> FaultReference:
+    """The uninterrupted 1-process run every faulted or multi-process run must equal."""
+    out = tmp_path_factory.mktemp("fault-ref") / "out"
+    rc, stdout, stderr = hsx_main(fault_argv(model4.path, fault_dataset, out))
+    assert rc == 0, stderr
+    info = json.loads((out / "hsx.json").read_text())
+    assert info["complete"] and info["units"] >= 40, info["units"]  # enough units for kill points to matter
+    ref = FaultReference(model=model4, dataset=fault_dataset, out=out, info=info,
+                         sample_ids=output_table(out).column("sample_id").to_pylist())
+    assert len(ref.sample_ids) == info["counts"]["rows_written"] == 96
+    return ref
+
+
+def assert_equals_reference(out: Path, ref: FaultReference, verify: bool = True,
+                            world_size: int | None = None) -> None:
+    """The finished `out` is the reference: rows, counts, units, manifests; `hsx verify OUT --samples 2` passes."""
+    info = json.loads((out / "hsx.json").read_text())
+    assert info["complete"] is True
+    assert info["counts"] == ref.info["counts"]
+    assert info["units"] == ref.units and info["fingerprint"] == ref.info["fingerprint"]
+    if world_size is not None:
+        assert info["world_size"] == world_size
+    assert sorted(p.name for p in (out / "data").iterdir()) == sorted(p.name for p in (ref.out / "data").iterdir())
+    recs = assert_units_intact(out)
+    assert sorted(r["unit"] for r in recs) == sorted(r["unit"] for r in manifest_records(ref.out))
+    assert_same_output(out, ref.out)
+    assert not (out / ".hsx" / "tmp").exists()  # finalize removed every rank's partial units
+    if verify:
+        rc, stdout, stderr = hsx_main(["verify", str(out), "--samples", "2"])
+        assert rc == 0, stderr
+        assert "is consistent" in stdout
+
+
+def torn_manifest_copy(ref: FaultReference, out: Path) -> None:
+    """A copy of the reference stopped half-way the way a kill or a full disk in the middle of appending a manifest
+    line leaves it: units [0, k) recorded, unit k's file renamed into data/ but its line half written (no
+    newline), the later units never written, no card, no hsx.json."""
+    shutil.copytree(ref.out, out)
+    (out / "hsx.json").unlink()
+    (out / "README.md").unlink()
+    manifest = out / ".hsx" / "manifest-00000.jsonl"
+    lines = manifest.read_text().splitlines()
+    k = len(lines) // 2
+    manifest.write_text("\n".join(lines[:k]) + "\n" + lines[k][: len(lines[k]) // 2])
+    for line in lines[k + 1:]:
+        (out / "data" / json.loads(line)["file"]).unlink()

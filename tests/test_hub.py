@@ -1,0 +1,503 @@
+"""hsx.hub against a stubbed HfApi (no network): what a push uploads, failures and resumption, stream mode's
+batching, deletion only of what the Hub confirmed, done_units() over deleted units, and the token never written."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import importlib
+
+import pytest
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub import errors as hub_errors
+from huggingface_hub.errors import HfHubHTTPError
+
+from hsx.config import HsxError, load_config
+from hsx.hub import StreamUploader, is_transient, push_output
+from hsx.run import extract
+from hsx.sink import Committer, OutputDir
+
+# huggingface_hub's own HTTP client (httpx2 in hub 2.x), for real error objects
+http = importlib.import_module(hub_errors.Response.__module__.split(".")[0])
+REPO = "someone/states"
+ENV_TOKEN = "hf_EnvSecretTokenAAAAAAAAAAAAAAAAAAAA"
+ARG_TOKEN = "hf_ArgSecretTokenBBBBBBBBBBBBBBBBBBBB"
+
+
+def http_error(status: int, message: str = "", retry_after: str | None = None) -> HfHubHTTPError:
+    headers = {"Retry-After": retry_after} if retry_after else {}
+    response = http.Response(status, headers=headers,
+                               request=http.Request("POST", f"https://huggingface.co/api/datasets/{REPO}/commit"))
+    return HfHubHTTPError(f"{status} Error: {message}", response=response)
+
+
+class FakeHfApi:
+    """Records create_repo / create_branch / create_commit / upload_folder / list_repo_tree calls (each checked
+    against the real HfApi signature) and keeps each branch's files in a dict. `fail(method, *errors)` makes the
+    next calls of `method` raise those errors in turn (None: that call succeeds)."""
+
+    def __init__(self):
+        self.repos: dict[str, dict] = {}
+        self.calls: list[tuple[str, dict]] = []
+        self.commits: list[dict] = []
+        self.failures: dict[str, list] = {}
+        self.lock = threading.Lock()
+
+    def fail(self, method: str, *errors) -> None:
+        self.failures.setdefault(method, []).extend(errors)
+
+    def _call(self, method: str, *args, **kwargs) -> None:
+        inspect.signature(getattr(HfApi, method)).bind(None, *args, **kwargs)  # a call the real API accepts
+        self.calls.append((method, kwargs))
+        queue = self.failures.get(method)
+        if queue:
+            error = queue.pop(0)
+            if error is not None:
+                raise error
+
+    def files(self, revision: str = "main") -> dict[str, bytes]:
+        return self.repos[REPO]["branches"][revision]
+
+    # -- the API --
+
+    def create_repo(self, repo_id, **kw):
+        self._call("create_repo", repo_id, **kw)
+        assert kw["repo_type"] == "dataset"
+        if repo_id in self.repos and not kw.get("exist_ok"):
+            raise http_error(409, "exists")
+        self.repos.setdefault(repo_id, {"private": kw.get("private"), "branches": {"main": {}}})
+
+    def create_branch(self, repo_id, **kw):
+        self._call("create_branch", repo_id, **kw)
+        branches = self.repos[repo_id]["branches"]
+        branches.setdefault(kw["branch"], dict(branches["main"]))
+
+    def list_repo_tree(self, repo_id, path_in_repo=None, **kw):
+        self._call("list_repo_tree", repo_id, path_in_repo, **kw)
+        for path, data in sorted(self.repos[repo_id]["branches"][kw.get("revision") or "main"].items()):
+            lfs = SimpleNamespace(sha256=hashlib.sha256(data).hexdigest()) if path.endswith(".arrow") else None
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            yield SimpleNamespace(path=path, size=len(data), blob_id=blob, lfs=lfs)
+
+    def create_commit(self, repo_id, operations, **kw):
+        operations = list(operations)
+        self._call("create_commit", repo_id, operations, **kw)
+        with self.lock:
+            files = self.repos[repo_id]["branches"][kw.get("revision") or "main"]
+            for op in operations:
+                if isinstance(op, CommitOperationAdd):
+                    files[op.path_in_repo] = Path(op.path_or_fileobj).read_bytes()
+                else:
+                    assert isinstance(op, CommitOperationDelete)
+                    files.pop(op.path_in_repo)
+            oid = f"{len(self.commits) + 1:040x}"
+            self.commits.append({"oid": oid, "time": time.monotonic(), "revision": kw.get("revision"),
+                                 "message": kw["commit_message"],
+                                 "added": [op.path_in_repo for op in operations if isinstance(op, CommitOperationAdd)],
+                                 "deleted": [op.path_in_repo for op in operations
+                                             if isinstance(op, CommitOperationDelete)]})
+        return SimpleNamespace(oid=oid)
+
+    def upload_folder(self, **kw):  # not used by hsx.hub (create_commit batches); kept for a complete stub
+        self._call("upload_folder", **kw)
+        raise AssertionError("hsx.hub commits explicit batches; upload_folder should not be called")
+
+
+# ---- outputs ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def complete(tmp_path_factory, model4, chat_data) -> Path:
+    """A finished output with several units (and a tokenized cache under .hsx/)."""
+    root = tmp_path_factory.mktemp("hub") / "out"
+    cfg = load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                             "dataset": str(chat_data.path), "layers": ["1", "3"], "final_hidden": True,
+                             "max_length": 160, "token_budget": 640, "unit_tokens": 300})
+    extract(cfg, log=lambda *a: None)
+    return root
+
+
+@pytest.fixture
+def out(complete, tmp_path) -> Path:
+    root = tmp_path / "out"
+    shutil.copytree(complete, root)
+    (root / ".hsx" / "lock").unlink(missing_ok=True)
+    return root
+
+
+def data_files(root: Path) -> dict[str, bytes]:
+    return {f"data/{p.name}": p.read_bytes() for p in sorted((root / "data").glob("train-*.arrow"))}
+
+
+def expected_repo(root: Path) -> dict[str, bytes]:
+    return {**data_files(root), "README.md": (root / "README.md").read_bytes(),
+            "hsx.json": (root / "hsx.json").read_bytes()}
+
+
+def quiet(*a, **k):
+    pass
+
+
+def units(root: Path) -> list[str]:
+    return sorted(p.name[len("train-"):-len(".arrow")] for p in (root / "data").glob("train-*.arrow"))
+
+
+# ---- push_output ------------------------------------------------------------------------------------------------
+
+def test_push_uploads_exactly_the_output(out):
+    (out / "notes.txt").write_text("not part of the output")
+    api = FakeHfApi()
+    want = expected_repo(out)
+    assert len(want) > 5
+    summary = push_output(out, REPO, api=api, log=quiet, max_files_per_commit=3)
+    assert api.files() == want  # data/*.arrow, README.md, hsx.json; no .hsx/, nothing else
+    assert not any(p.startswith(".hsx") for c in api.commits for p in c["added"])
+    assert api.calls[0] == ("create_repo", {"repo_type": "dataset", "exist_ok": True, "private": True})
+    assert not [c for c in api.calls if c[0] == "create_branch"]
+    # batches of at most 3 data files, README.md and hsx.json last, in one commit
+    assert all(len(c["added"]) <= 3 for c in api.commits)
+    assert api.commits[-1]["added"] == ["README.md", "hsx.json"]
+    assert all(p.startswith("data/") for c in api.commits[:-1] for p in c["added"])
+    assert summary["commits"] == len(api.commits) == -(-len(data_files(out)) // 3) + 1
+    # every file is recorded, and a second push only checks
+    recorded = [json.loads(line) for line in (out / ".hsx" / "uploaded-push.jsonl").read_text().splitlines()]
+    assert {r["file"] for r in recorded} == set(want)
+    assert all(r["repo"] == REPO and r["revision"] == "main" and r["commit"] for r in recorded)
+    n = len(api.commits)
+    again = push_output(out, REPO, api=api, log=quiet)
+    assert len(api.commits) == n and again["commits"] == 0 and len(again["skipped"]) == len(data_files(out))
+
+
+def test_push_to_a_branch_public(out):
+    api = FakeHfApi()
+    push_output(out, REPO, api=api, log=quiet, revision="v2", private=False)
+    assert ("create_branch", {"branch": "v2", "repo_type": "dataset", "exist_ok": True}) in api.calls
+    assert api.repos[REPO]["private"] is False
+    assert api.files("v2") == expected_repo(out) and api.files("main") == {}
+    assert all(c["revision"] == "v2" for c in api.commits)
+
+
+def test_push_refuses_an_incomplete_dir(out):
+    info = json.loads((out / "hsx.json").read_text())
+    (out / "hsx.json").write_text(json.dumps({**info, "complete": False}))
+    api = FakeHfApi()
+    with pytest.raises(HsxError, match="not a complete hsx output"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert api.calls == []
+
+
+def test_failure_in_the_middle_then_resume_uploads_only_what_is_missing(out):
+    api = FakeHfApi()
+    api.fail("create_commit", None, http_error(403, "forbidden"))  # the 2nd commit fails for good (no retry)
+    with pytest.raises(HsxError, match=r"push to someone/states: commit of 2 file\(s\) failed: .*HTTP 403"):
+        push_output(out, REPO, api=api, log=quiet, max_files_per_commit=2)
+    first = api.commits[0]["added"]
+    assert set(api.files()) == set(first) and len(first) == 2  # only the first batch landed
+    assert "hsx.json" not in api.files()  # the repo is not marked complete
+    n_calls = len([c for c in api.calls if c[0] == "create_commit"])
+    assert n_calls == 2
+    summary = push_output(out, REPO, api=api, log=quiet, max_files_per_commit=2)
+    added_after = [p for c in api.commits[1:] for p in c["added"]]
+    assert sorted(added_after) == sorted(set(expected_repo(out)) - set(first))  # nothing twice
+    assert api.files() == expected_repo(out)
+    assert sorted(summary["skipped"]) == sorted(first)
+
+
+def test_transient_errors_are_retried(out):
+    api = FakeHfApi()
+    api.fail("create_repo", http_error(503, "busy"))
+    api.fail("list_repo_tree", http.ConnectError("connection reset"))
+    api.fail("create_commit", http_error(429, "slow down", retry_after="0"), http_error(502, "bad gateway"))
+    log: list[str] = []
+    push_output(out, REPO, api=api, log=log.append, backoff=0)
+    assert api.files() == expected_repo(out)
+    retries = [line for line in log if "attempt 2 of" in line or "attempt 3 of" in line]
+    assert len(retries) == 4 and any("HTTP 429" in line for line in retries)
+    assert any("ConnectError" in line for line in retries)
+
+
+def test_retries_give_up_and_permanent_errors_fail_at_once(out):
+    api = FakeHfApi()
+    api.fail("create_commit", *[http_error(500, "down")] * 3)
+    with pytest.raises(HsxError, match="failed after 3 attempts: .*HTTP 500"):
+        push_output(out, REPO, api=api, log=quiet, backoff=0, retries=3)
+    api = FakeHfApi()
+    api.fail("create_repo", http_error(401, "invalid credentials"))
+    with pytest.raises(HsxError, match="create_repo failed: .*HTTP 401"):
+        push_output(out, REPO, api=api, log=quiet, backoff=0)
+    assert [c[0] for c in api.calls] == ["create_repo"]
+    assert is_transient(http_error(503)) and is_transient(http_error(429)) and is_transient(TimeoutError())
+    assert not is_transient(http_error(404)) and not is_transient(ValueError("bad name"))
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    assert not is_transient(OfflineModeIsEnabled("HF_HUB_OFFLINE=1"))
+
+
+def test_a_commit_that_landed_but_was_not_recorded_is_not_uploaded_again(out):
+    """A kill between the Hub's commit and the upload record: the next push finds the files identical (sha256)."""
+    api = FakeHfApi()
+    push_output(out, REPO, api=api, log=quiet)
+    (out / ".hsx" / "uploaded-push.jsonl").unlink()
+    n = len(api.commits)
+    push_output(out, REPO, api=api, log=quiet)
+    assert len(api.commits) == n
+    assert {json.loads(x)["file"] for x in (out / ".hsx" / "uploaded-push.jsonl").read_text().splitlines()} \
+        == set(data_files(out))
+    # a remote file with the same name and size but other bytes is replaced
+    name = sorted(data_files(out))[0]
+    api.files()[name] = bytes(len(api.files()[name]))
+    (out / ".hsx" / "uploaded-push.jsonl").unlink()
+    push_output(out, REPO, api=api, log=quiet)
+    assert api.commits[-1]["added"] == [name] and api.files() == expected_repo(out)
+
+
+def test_push_prunes_files_of_another_job(out):
+    api = FakeHfApi()
+    api.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    api.files().update({"data/train-099-00000.arrow": b"old job", "data/notes.md": b"kept", "other.txt": b"kept"})
+    summary = push_output(out, REPO, api=api, log=quiet)
+    assert summary["deleted"] == ["data/train-099-00000.arrow"]
+    assert api.files() == {**expected_repo(out), "data/notes.md": b"kept", "other.txt": b"kept"}
+
+
+# ---- stream mode ------------------------------------------------------------------------------------------------
+
+def test_stream_batches_units_into_few_commits_and_deletes_after_upload(out):
+    api = FakeHfApi()
+    want = data_files(out)
+    names = units(out)
+    assert len(names) >= 6
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, max_units_per_commit=4,
+                        min_seconds_between_commits=0.4, log=quiet, resubmit=False)
+    for u in names:
+        up.submit(u)
+    up.close()
+    assert api.files() == want  # every unit once, bytes intact
+    commits = api.commits
+    assert len(commits) <= 1 + -(-(len(names) - 1) // 4) and len(commits) < len(names)
+    assert all(len(c["added"]) <= 4 for c in commits)
+    starts = [c["time"] for c in commits]
+    assert all(b - a >= 0.35 for a, b in zip(starts, starts[1:]))  # at most one commit per interval
+    assert sorted(p for c in commits for p in c["added"]) == sorted(want)
+    assert not list((out / "data").glob("*.arrow"))  # deleted locally, each after its commit
+    recorded = [json.loads(x) for x in (out / ".hsx" / "uploaded-00000.jsonl").read_text().splitlines()]
+    assert sorted(r["file"] for r in recorded) == sorted(want)
+    manifest = OutputDir(out).manifest_records()
+    crc = {f"data/{r['file']}": r["crc32"] for r in manifest.values()}
+    assert all(r["crc32"] == crc[r["file"]] and r["unit"] for r in recorded)
+    # resume knows they are done although their files are gone
+    assert set(OutputDir(out).done_units()) == set(manifest) == set(names)
+    assert up.stats == {"units": len(names), "bytes": sum(map(len, want.values())), "commits": len(commits),
+                        "deleted": len(names)}
+
+
+def test_stream_failure_deletes_only_what_was_uploaded_then_resumes(out):
+    api = FakeHfApi()
+    names = units(out)
+    api.fail("create_commit", None, http_error(403, "no"))  # the 1st commit lands, the 2nd fails for good
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, max_units_per_commit=2,
+                        min_seconds_between_commits=0, log=quiet, resubmit=False)
+    for u in names[:2]:
+        up.submit(u)
+    deadline = time.monotonic() + 10
+    while len(api.commits) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for u in names[2:]:
+        try:
+            up.submit(u)
+        except HsxError:
+            break  # the failure surfaces at the next submit
+    with pytest.raises(HsxError, match="HTTP 403"):
+        up.close()
+    uploaded = set(api.commits[0]["added"])
+    on_disk = {f"data/{p.name}" for p in (out / "data").glob("*.arrow")}
+    assert uploaded and not uploaded & on_disk  # uploaded: deleted
+    assert on_disk == {f"data/train-{u}.arrow" for u in names} - uploaded  # the rest stays, failed commit included
+    assert set(OutputDir(out).done_units()) == set(names)  # deleted-and-uploaded plus on-disk
+    # a new uploader (the resumed job) re-submits this rank's units that were never recorded as uploaded
+    up2 = StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet)
+    up2.close()
+    assert not list((out / "data").glob("*.arrow"))
+    assert set(api.files()) == {f"data/train-{u}.arrow" for u in names}
+    # the end: README.md and hsx.json, the repo is complete
+    summary = StreamUploader(out, REPO, api=api, log=quiet).finish()
+    assert summary["uploaded"] == ["README.md", "hsx.json"]
+    assert set(api.files()) == {f"data/train-{u}.arrow" for u in names} | {"README.md", "hsx.json"}
+
+
+def test_stream_to_another_repo_after_deleting_is_refused(out):
+    api = FakeHfApi()
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet)
+    up.close()  # (resubmits every committed unit: all uploaded and deleted)
+    assert not list((out / "data").glob("*.arrow"))
+    with pytest.raises(HsxError, match="deleted locally after its upload to someone/states@main"):
+        StreamUploader(out, "someone/other", api=api, log=quiet)
+    with pytest.raises(HsxError, match="does not have it"):
+        push_output(out, "someone/other", api=api, log=quiet)
+    assert push_output(out, REPO, api=api, log=quiet)["uploaded"] == ["README.md", "hsx.json"]
+
+
+def test_committer_hands_committed_units_to_the_uploader(tmp_path):
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    seen = []
+    committer = Committer(out, on_commit=lambda unit, path: seen.append((unit, path, path.exists(),
+                                                                         unit in out.manifest_records())))
+    for unit in ("000-00000", "001-00000"):
+        out.unit_tmp(unit).write_bytes(b"x" * 10)
+        committer.submit(unit, {"rows": 1, "tokens": 1})
+    committer.join()
+    committer.close()
+    assert seen == [(u, out.data / f"train-{u}.arrow", True, True) for u in ("000-00000", "001-00000")]
+
+
+def test_finalize_writes_no_empty_file_when_every_unit_was_uploaded_and_deleted(out):
+    api = FakeHfApi()
+    StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
+    o = OutputDir(out)
+    info = o.read_info()
+    o.finalize(info, (out / "README.md").read_text())
+    assert not list((out / "data").glob("*.arrow"))  # no 0-row train-000-00000.arrow over an uploaded unit
+
+
+def test_a_resumed_job_does_not_redo_uploaded_and_deleted_units(out, model4, chat_data):
+    """The end-to-end resume: every unit uploaded and deleted, the job not finalized -> the same command
+    finalizes from the manifests and the upload records without extracting anything again."""
+    api = FakeHfApi()
+    StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
+    before = json.loads((out / "hsx.json").read_text())
+    (out / "hsx.json").unlink()
+    (out / "README.md").unlink()
+    cfg = load_config(None, {"output_dir": str(out), "compile": "off", "model": str(model4.path),
+                             "dataset": str(chat_data.path), "layers": ["1", "3"], "final_hidden": True,
+                             "max_length": 160, "token_budget": 640, "unit_tokens": 300})
+    info = extract(cfg, log=quiet)
+    assert info["complete"] and info["counts"] == before["counts"]
+    assert info["run"]["tokens"] == 0  # nothing extracted again
+    assert not list((out / "data").glob("*.arrow"))
+
+
+# ---- the token ----------------------------------------------------------------------------------------------
+
+def test_token_is_never_written_or_printed(out, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
+    api = FakeHfApi()
+    log: list[str] = []
+    # a server error that echoes the token back must not carry it into a message, a log line or a file
+    api.fail("create_commit", http_error(503, f"bad auth {ARG_TOKEN} / {ENV_TOKEN}"),
+             http_error(400, f"rejected {ARG_TOKEN}"))
+    with pytest.raises(HsxError) as err:
+        push_output(out, REPO, api=api, token=ARG_TOKEN, log=log.append, backoff=0)
+    up = StreamUploader(out, REPO, api=api, token=ARG_TOKEN, delete_after_upload=True,
+                        min_seconds_between_commits=0, log=log.append)
+    up.finish()
+    assert api.files() == {**{k: v for k, v in api.files().items() if k.startswith("data/")},
+                           "README.md": (out / "README.md").read_bytes(), "hsx.json": (out / "hsx.json").read_bytes()}
+    texts = [str(err.value), *log]
+    texts += [p.read_bytes().decode("utf-8", "replace") for p in out.rglob("*") if p.is_file()]
+    texts += [v.decode("utf-8", "replace") for v in api.files().values()]
+    for secret in (ARG_TOKEN, ENV_TOKEN):
+        assert not any(secret in t for t in texts)
+    assert "hf_***" in str(err.value) or "***" in str(err.value)
+
+
+def test_loading_a_dir_with_deleted_units_warns(out):
+    import hsx
+
+    names = units(out)
+    api = FakeHfApi()
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet,
+                        resubmit=False)
+    up.submit(names[0])
+    up.close()
+    with pytest.warns(UserWarning, match=r"1 unit\(s\) were deleted after their upload to someone/states"):
+        assert len(hsx.load(str(out))) < OutputDir(out).read_info()["counts"]["rows_written"]
+
+
+def test_abort_leaves_pending_units_on_disk_for_the_next_run(out):
+    api = FakeHfApi()
+    names = units(out)
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, max_units_per_commit=2,
+                        min_seconds_between_commits=30, log=quiet, resubmit=False)
+    for u in names:
+        up.submit(u)
+    t = time.monotonic()
+    up.abort()  # a stop signal: the first commit (allowed at once, 2 units at most) may land; no 30 s wait
+    assert time.monotonic() - t < 10
+    landed = {p for c in api.commits for p in c["added"]}
+    assert len(landed) <= 2
+    assert {f"data/{p.name}" for p in (out / "data").glob("*.arrow")} == \
+        {f"data/train-{u}.arrow" for u in names} - landed
+    StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
+    assert set(api.files()) == {f"data/train-{u}.arrow" for u in names}
+
+
+# ---- wired into `hsx extract` (--push-to-hub) ---------------------------------------------------------------------
+
+def _wired() -> bool:
+    import inspect as _inspect
+
+    from hsx import run
+
+    return "on_commit" in _inspect.signature(run._run_units).parameters
+
+
+@pytest.mark.xfail(not _wired(), strict=True, reason="until hsx/run.py wires hsx.hub (the lead's part)")
+@pytest.mark.parametrize("mode", ["stream", "end"])
+def test_extract_pushes(tmp_path, model4, chat_data, monkeypatch, mode):
+    import huggingface_hub
+
+    import hsx.hub
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
+    monkeypatch.setattr(hsx.hub, "MIN_SECONDS_BETWEEN_COMMITS", 0.0)
+    root = tmp_path / "out"
+    values = {"output_dir": str(root), "compile": "off", "model": str(model4.path), "dataset": str(chat_data.path),
+              "layers": ["1", "3"], "final_hidden": True, "max_length": 160, "token_budget": 640,
+              "unit_tokens": 300, "push_to_hub": REPO, "push_mode": mode, "delete_after_upload": mode == "stream"}
+    info = extract(load_config(None, values), log=quiet)
+    names = info["unit_names"] if "unit_names" in info else OutputDir(root).manifest_records()
+    want = {f"data/train-{u}.arrow" for u in names} | {"README.md", "hsx.json"}
+    assert set(api.files()) == want
+    assert api.files()["hsx.json"] == (root / "hsx.json").read_bytes()
+    assert api.commits[-1]["added"] == ["README.md", "hsx.json"]
+    assert api.repos[REPO]["private"] is True
+    if mode == "stream":
+        assert not list((root / "data").glob("*.arrow"))  # all uploaded, then deleted
+        added = [p for c in api.commits for p in c["added"] if p.startswith("data/")]
+        assert sorted(added) == sorted(set(added))  # each unit uploaded once
+    n = len(api.commits)
+    again = extract(load_config(None, values), log=quiet)  # complete: the push only checks
+    assert again["complete"] and len(api.commits) == n
+
+
+def test_push_replans_when_a_unit_vanishes_after_another_rank_uploaded_it(out):
+    """The finalizer's push races another rank's stream uploader, which uploads, records and deletes a unit."""
+    api = FakeHfApi()
+    first = sorted((out / "data").glob("train-*.arrow"))[-1]
+    calls = {"n": 0}
+    real = api.create_commit
+
+    def racing_commit(repo_id, operations, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the other rank: commit, record, delete that unit
+            other = StreamUploader(out, REPO, api=api, rank=1, delete_after_upload=True,
+                                   min_seconds_between_commits=0, log=quiet, resubmit=False)
+            other.submit(first.name[len("train-"):-len(".arrow")], first)
+            other.close()
+            raise ValueError(f"Provided path: '{first}' is not a file")
+        return real(repo_id, operations, **kw)
+
+    api.create_commit = racing_commit
+    log: list[str] = []
+    push_output(out, REPO, api=api, log=log.append)
+    assert any("vanished" in line for line in log)
+    assert set(api.files()) == set(expected_repo(out)) | {f"data/{first.name}"}
+    assert not first.exists()
