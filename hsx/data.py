@@ -35,6 +35,8 @@ def load_input(cfg: ExtractConfig):
     import datasets
 
     path = Path(cfg.dataset)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own "Failed to load JSON" line doubles ours
     try:
         if path.is_dir() and (path / "state.json").exists():
             ds = datasets.load_from_disk(str(path))
@@ -49,10 +51,30 @@ def load_input(cfg: ExtractConfig):
     except HsxError:
         raise
     except Exception as e:  # datasets wraps parse errors; the innermost message names the problem
-        raise HsxError(f"cannot read dataset {cfg.dataset}: {_innermost(e)}") from None
+        raise HsxError(f"cannot read dataset {cfg.dataset}: {_innermost(e)}{_json_line(path, e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     if cfg.limit is not None:
         ds = ds.select(range(min(cfg.limit, len(ds))))
     return ds
+
+
+def _json_line(path: Path, e: BaseException) -> str:
+    """For a JSON Lines file that does not parse, the first line that is not valid JSON (the parser only says
+    'Trailing data at position N', which helps nobody find it)."""
+    if not (path.is_file() and path.suffix == ".jsonl"):
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as bad:
+                        return f" (line {number}: {bad.msg})"
+    except OSError:
+        pass
+    return ""
 
 
 def _local_files(path: Path) -> list[Path]:

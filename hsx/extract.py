@@ -240,7 +240,7 @@ class Extractor:
         result.nonfinite_rows = int(nonfinite.sum())
         if result.nonfinite_rows and self.nonfinite == "skip":
             keep_tokens = np.repeat(~nonfinite, lengths)
-            values = [v.reshape(-1, c.width)[keep_tokens].reshape(-1) for v, c in zip(values, self.columns)]
+            values = [v.reshape(-1, c.nbytes)[keep_tokens].reshape(-1) for v, c in zip(values, self.columns)]
             table = table.filter(pa.array(~nonfinite))
             lengths = lengths[~nonfinite]
         offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))

@@ -201,6 +201,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         proc.barrier()
     if error is not None:
         raise error
+    run_id = _shared_run_id(out, proc)
     if state == "complete":
         info = out.read_info()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
@@ -258,8 +259,9 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     # out when ranks finish far apart): whichever process sees every unit committed finalizes.
     done = out.done_units()
     missing = [u.name for u in units if u.name not in done]
+    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size) if proc.world_size > 1 else True
     if missing:
-        if proc.world_size > 1:
+        if not all_ranks_done:
             log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
                 "node wrote its own dir, `hsx merge OUT NODE_DIRS...`)")
             return {"complete": False, "rank": proc.rank, "run": stats}
@@ -283,6 +285,22 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
             f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
     return info
+
+
+def _shared_run_id(out: OutputDir, proc: Process) -> str:
+    """An id every rank of this launch agrees on (rank 0 writes it, the others read it after a barrier), naming
+    the per-rank completion markers of this run."""
+    if proc.world_size == 1:
+        return "single"
+    f = out.state / "run-id"
+    if proc.is_main:
+        import uuid
+
+        from hsx.sink import atomic_write
+
+        atomic_write(f, uuid.uuid4().hex)
+    proc.barrier()
+    return f.read_text().strip()
 
 
 def _push(cfg: ExtractConfig, log) -> None:

@@ -164,6 +164,13 @@ class OutputDir:
         finally:
             os.close(fd)
 
+    def mark_rank_done(self, run_id: str, rank: int, world_size: int) -> bool:
+        """Record that `rank` finished its share of run `run_id`; True once every rank of the run has."""
+        folder = self.state / "ranks" / run_id
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / f"{rank:05d}.done", "")
+        return len(list(folder.glob("*.done"))) >= world_size
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.state / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
 
@@ -248,8 +255,11 @@ class OutputDir:
         os.replace(tmp, final)
         fsync_dir(self.data)
         record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc, **record}
-        with open(self.state / f"manifest-{self.rank:05d}.jsonl", "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        manifest = self.state / f"manifest-{self.rank:05d}.jsonl"
+        torn = manifest.exists() and manifest.stat().st_size > 0 and not manifest.read_bytes().endswith(b"\n")
+        with open(manifest, "a") as f:
+            # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
+            f.write(("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

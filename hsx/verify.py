@@ -33,16 +33,11 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
     layers, hidden, final = info["layers"], info["hidden_size"], info["final_hidden"]
     keep_flag = info.get("config", {}).get("nonfinite") == "keep"
-    ds = load(out_dir)
-    expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"),
-                        info.get("config", {}).get("topk_logits", 0))
-    if ds.features.arrow_schema != expected.arrow_schema:
-        problems.append(f"schema {ds.features} differs from the expected {expected}")
-
-    done = out.done_units()
+    # Files against the manifest first (size, CRC-32): a damaged file is named here, before anything parses it.
+    records = out.manifest_records()
     files = out.data_files()
     for f in files:
-        rec = next((r for r in done.values() if r["file"] == f.name), None)
+        rec = next((r for r in records.values() if r["file"] == f.name), None)
         if rec is None:
             if info["counts"]["rows_written"] == 0 and f.name == "train-000-00000.arrow":
                 continue  # the empty file of an output with no usable rows
@@ -53,9 +48,20 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         elif "crc32" in rec and file_crc32(f) != rec["crc32"]:
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
     uploaded = out.uploaded()
-    missing = {r["file"] for r in done.values()
+    missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
     problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
+    if problems:
+        raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
+
+    try:
+        ds = load(out_dir)
+    except Exception as e:  # noqa: BLE001  (any unreadable file is a failed verification, in one line)
+        raise VerifyFailed(f"cannot read the data files: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"),
+                        info.get("config", {}).get("topk_logits", 0))
+    if ds.features.arrow_schema != expected.arrow_schema:
+        problems.append(f"schema {ds.features} differs from the expected {expected}")
 
     ids = np.asarray(ds.data.column("sample_id").to_numpy())
     if len(ids) != info["counts"]["rows_written"]:
@@ -111,6 +117,8 @@ def _recompute(info: dict[str, Any], rows, samples: int, seed: int) -> dict[str,
         with torch.inference_mode():
             for i in picks:
                 row = rows[int(i)]
+                if row.get("has_nonfinite"):
+                    continue  # kept on purpose (--nonfinite keep): the reference is non-finite there too
                 ids = row["input_ids"].long()[None].to(device)
                 out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
                 for j, layer in enumerate(info["layers"]):

@@ -1,0 +1,153 @@
+"""Several processes on this CPU machine: `accelerate launch --multi_gpu --num_processes 2` and `torchrun
+--nproc_per_node 2` give two real ranks coordinating over gloo. Their output must equal the 1-process reference of
+conftest.py's `fault_reference` (same sample_ids in the same order, same tokens and masks, bit-identical states),
+with hsx.json's world_size 2 and each rank's own manifest; a run that loses a rank must resume, with any number of
+processes, to the same output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    Child,
+    assert_equals_reference,
+    assert_units_intact,
+    child_env,
+    committed_units,
+    descendants,
+    free_port,
+    hsx_main,
+    is_complete,
+    torn_manifest_copy,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def accelerate_launch(argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "hsx", *argv]
+
+
+def torchrun(argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), "-m", "hsx", *argv]
+
+
+def launch(cmd: list[str], logs: Path) -> Child:
+    return Child(cmd, logs, env=child_env())
+
+
+def rank_manifests(out: Path) -> dict[str, list[dict]]:
+    recs = {}
+    for m in sorted((out / ".hsx").glob("manifest-*.jsonl")):
+        recs[m.name] = [json.loads(line) for line in m.read_text().splitlines()]
+    return recs
+
+
+def assert_two_ranks_shared_the_work(out: Path) -> None:
+    """Both ranks committed units, from their own manifest; split by tokens (longest-processing-time first: the
+    two loads differ by at most one unit)."""
+    per_rank = rank_manifests(out)
+    assert sorted(per_rank) == ["manifest-00000.jsonl", "manifest-00001.jsonl"], sorted(per_rank)
+    assert all(per_rank.values()), {k: len(v) for k, v in per_rank.items()}
+    tokens = [sum(r["tokens"] for r in recs) for recs in per_rank.values()]
+    biggest = max(r["tokens"] for recs in per_rank.values() for r in recs)
+    assert abs(tokens[0] - tokens[1]) <= biggest, tokens
+
+
+@pytest.mark.parametrize("launcher", [accelerate_launch, torchrun], ids=["accelerate", "torchrun"])
+def test_two_processes_equal_one(tmp_path, fault_reference, launcher):
+    ref = fault_reference
+    out = tmp_path / "out"
+    child = launch(launcher(ref.argv(out)), tmp_path / "run")
+    rc = child.wait()
+    assert rc == 0, child.stderr
+    assert "Traceback" not in child.stderr
+    assert_equals_reference(out, ref, world_size=2)
+    assert_two_ranks_shared_the_work(out)
+    assert child.stdout.count("hsx: wrote 96 rows") == 1  # exactly one process finalized
+    # the second rank read rank 0's tokenized cache: one cache file
+    assert [p.name for p in (out / ".hsx" / "tokenized").glob("*.arrow")] == ["tokens.arrow"]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(b"RANK="):
+            return int(kv[5:])
+    return None
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The worker process of `rank` under the launcher (accelerate and torchrun start workers as children)."""
+    for pid in descendants(launcher_pid):
+        if _rank_of(pid) == rank:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+
+
+@pytest.mark.parametrize(("victim", "resumes"), [("rank1", ("1", "accelerate")), ("rank0", ("1",)),
+                                                 ("launcher", ("torchrun",))], ids=["rank1", "rank0", "launcher"])
+def test_a_killed_rank_resumes_with_one_or_two_processes(tmp_path, fault_reference, victim, resumes):
+    """SIGKILL one rank (or the launcher and its workers at once) mid-run; then, from copies of what it left, resume
+    with 1 process and/or with 2 processes (accelerate or torchrun): each equals the 1-process reference."""
+    ref = fault_reference
+    out = tmp_path / "out"
+    k = random.Random(victim).randint(6, ref.units // 2)
+    child = launch(accelerate_launch(ref.argv(out)), tmp_path / "run")
+    assert child.poll_until(lambda: committed_units(out) >= k and all(rank_manifests_nonempty(out))), child.stderr
+    if victim == "launcher":
+        child.kill_tree(signal.SIGKILL)
+    else:
+        os.kill(rank_pid(child.proc.pid, int(victim[-1])), signal.SIGKILL)
+    rc = child.wait()
+    child.kill_tree(signal.SIGKILL)  # nothing of the job may outlive it
+    assert rc != 0, child.stderr
+    done = len(assert_units_intact(out))
+    assert k <= done < ref.units and not is_complete(out), (done, ref.units)
+
+    for how in resumes:
+        resumed = tmp_path / f"resume-{how}"
+        shutil.copytree(out, resumed)
+        if how == "1":
+            rc, stdout, stderr = hsx_main(ref.argv(resumed))
+            assert rc == 0, stderr
+            assert "continuing the job" in stdout
+            assert_equals_reference(resumed, ref, world_size=1, verify=False)
+        else:
+            launcher = accelerate_launch if how == "accelerate" else torchrun
+            child = launch(launcher(ref.argv(resumed)), tmp_path / f"run-{how}")
+            rc = child.wait()
+            assert rc == 0, child.stderr
+            assert_equals_reference(resumed, ref, world_size=2, verify=False)
+            before = {m: len(r) for m, r in rank_manifests(out).items()}
+            after = {m: len(r) for m, r in rank_manifests(resumed).items()}
+            assert all(after[m] > before.get(m, 0) for m in after), (before, after)  # both ranks did the rest
+
+
+def rank_manifests_nonempty(out: Path) -> list[bool]:
+    ms = [out / ".hsx" / f"manifest-{r:05d}.jsonl" for r in (0, 1)]
+    return [m.exists() and m.stat().st_size > 0 for m in ms]
+
+
+def test_two_processes_never_exit_0_with_an_incomplete_job(tmp_path, fault_reference):
+    ref = fault_reference
+    out = tmp_path / "out"
+    torn_manifest_copy(ref, out)
+    child = launch(accelerate_launch(ref.argv(out)), tmp_path / "run")
+    rc = child.wait()
+    assert is_complete(out) or rc != 0, (rc, child.stdout)
