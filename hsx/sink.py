@@ -423,6 +423,7 @@ def file_crc32(path: Path) -> str:
 
 
 def fsync_file(path: Path) -> None:
+    """fsync a file's data, or a directory's entries (a rename is durable only after its directory's fsync)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -430,12 +431,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = fsync_file
 
 
 BIG_OUTPUT_BYTES = 50e9  # above this (or on the Hub) the card leads with streaming / hsx.load
