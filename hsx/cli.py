@@ -17,6 +17,15 @@ from hsx.run import Stopped
 from hsx.verify import VerifyFailed
 
 HELP = {
+    "revision": "model revision (branch, tag or commit) on the Hub",
+    "tokenizer": "tokenizer folder or Hub id (default: the model's)",
+    "dataset_config": "the dataset's configuration name on the Hub",
+    "split": "input split (default train; slicing like train[:1000] works)",
+    "storage_dtype": "bfloat16 (bit-exact, default), float16, float32 or float8_e4m3 (with per-token scales)",
+    "dtype": "compute dtype of the model: bfloat16, float16 or float32",
+    "attn_implementation": "transformers attention implementation (default sdpa)",
+    "num_proc": "tokenization processes (default: up to 8 for 20k+ rows)",
+    "trust_remote_code": "run the model repo's own code (off unless asked)",
     "model": "local folder or Hub id of the target model",
     "dataset": "Hub id, or a local .jsonl/.json/.parquet/.arrow file or folder",
     "layers": "decoder layers (0-based, negatives from the end), e.g. `1 -1` or `1,-1`, or a preset: "

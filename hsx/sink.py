@@ -552,7 +552,7 @@ tags:
 
 # Hidden states of `{info['model']}`
 
-Extracted with [hsx](https://github.com/) {info['hsx_version']}: layers **{layers}** of {info['num_model_layers']}
+Extracted with hsx {info['hsx_version']}: layers **{layers}** of {info['num_model_layers']}
 (hidden size {hidden}){" and the final-norm output" if info["final_hidden"] else ""}, stored as {dtype};
 {c['rows_written']:,} rows, {c['tokens_written']:,} tokens, about {human_bytes(size)} of states.
 
