@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
+    p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
@@ -218,7 +219,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
-                  sdpa_backend=args.sdpa_backend,
+                  sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
@@ -240,6 +241,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
+        "storage_dtype": args.storage_dtype,
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
