@@ -44,6 +44,8 @@ HELP = {
     "strict": "stop at the first unusable input row instead of skipping and counting it",
     "gpus_per_copy": "GPUs one model copy is spread over (device_map); launch one process per group: "
                      "`accelerate launch --num_processes GPUS/N`",
+    "tp_size": "tensor parallel: shard each model copy over this many processes (one per GPU) with "
+               "transformers' tp_plan; data parallel across the groups",
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
     "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
     "sdpa_backend": "attention kernel for sdpa on CUDA: flash, cudnn, efficient, default",

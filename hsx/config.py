@@ -62,6 +62,7 @@ class ExtractConfig:
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
     gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
+    tp_size: int = 1  # >1: a model copy is sharded over this many processes (transformers' tp_plan="auto")
     token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
     unit_tokens: int | None = None  # tokens per output file (a resumable unit); None: about 2 GiB of states
     compile: str = "auto"  # auto (on for CUDA), on, off
@@ -143,6 +144,10 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
     if cfg.topk_logits < 0:
         raise HsxError(f"--topk-logits must be 0 (off) or positive, got {cfg.topk_logits}")
+    if cfg.tp_size < 1:
+        raise HsxError(f"--tp-size must be at least 1, got {cfg.tp_size}")
+    if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
+        raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
     if cfg.gpus_per_copy < 1:
         raise HsxError(f"--gpus-per-copy must be at least 1, got {cfg.gpus_per_copy}")
     if cfg.token_budget is not None and cfg.token_budget < 1:

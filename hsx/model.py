@@ -98,7 +98,8 @@ def group_device_map(devices: list[torch.device]) -> dict[str, Any]:
     return {"device_map": "auto", "max_memory": {i: int(0.85 * f) for i, f in free.items()}}
 
 
-def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None) -> LoadedModel:
+def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
+               tp_mesh=None) -> LoadedModel:
     import transformers
     from transformers import AutoConfig, AutoModel
 
@@ -126,7 +127,8 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
         base, info = AutoModel.from_pretrained(
             path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
             use_safetensors=True, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
-            **group_device_map(devices or [device]), **kwargs,
+            **({"tp_plan": "auto", "device_mesh": tp_mesh} if tp_mesh is not None
+               else group_device_map(devices or [device])), **kwargs,
         )
     except (OSError, ValueError) as e:
         raise HsxError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
@@ -135,7 +137,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     check_loaded_weights(base, info, cfg.model)
     base._hsx_attn_requested = cfg.attn_implementation
     base = finish_truncation(base, depth, final_hidden)
-    if not devices or len(devices) == 1:
+    if tp_mesh is None and (not devices or len(devices) == 1):
         base = base.to(device)
     head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,

@@ -48,6 +48,34 @@ class Process:
     state: Any = None  # accelerate.PartialState when launched with several processes
     devices: list = None  # the GPUs this process's model copy is spread over (one, unless --gpus-per-copy)
     local_rank: int = 0  # rank within this node
+    tp_size: int = 1  # processes sharing one model copy (tensor parallel)
+    tp_mesh: Any = None  # the "tp" dimension of the (dp, tp) device mesh, when tp_size > 1
+    tp_control: Any = None  # a gloo group of the same ranks, for decisions taken beside the forward's collectives
+
+    @property
+    def dp_rank(self) -> int:  # which model copy this process belongs to
+        return self.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def writes(self) -> bool:  # one process per model copy writes its output
+        return self.rank % self.tp_size == 0
+
+    def agree_max(self, value: int) -> int:
+        """The largest `value` over this model copy's tensor-parallel ranks (they must take the same decisions:
+        batch sizes, when to stop)."""
+        if self.tp_mesh is None:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        # On its own communicator: the producer thread's forwards issue the model's collectives concurrently.
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_control)
+        return int(t.item())
 
     @property
     def is_main(self) -> bool:
@@ -58,7 +86,7 @@ class Process:
             self.state.wait_for_everyone()
 
 
-def current_process(gpus_per_copy: int = 1) -> Process:
+def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
     comes from accelerate. hsx needs it only for barriers around tokenization, so it is always gloo on the CPU
     (accelerate's cpu=True state): that also works on machines without CUDA (where accelerate's default state
@@ -75,12 +103,31 @@ def current_process(gpus_per_copy: int = 1) -> Process:
         from accelerate import PartialState
 
         # Ranks meet only around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
-        state = PartialState(cpu=True, timeout=timedelta(hours=6))
+        # Tensor parallelism needs the GPUs' own backend (NCCL), one process per GPU.
+        state = PartialState(cpu=not (cuda and tp_size > 1), timeout=timedelta(hours=6))
         rank, world = state.process_index, state.num_processes
         local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
+    if tp_size > 1 and tp_size != world:
+        # Measured on transformers 5.24 (CPU, gloo): with a (dp, tp) mesh, its tensor-parallel forward still
+        # communicates across copies ("collective mismatch"), so only one sharded copy per job works for now.
+        raise HsxError(f"--tp-size {tp_size} with {world} processes: tensor parallelism runs one model copy "
+                       "sharded over every process of the job, so launch exactly --tp-size processes (or use "
+                       "--gpus-per-copy for several copies)")
+    tp_mesh = tp_control = None
+    if tp_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import torch.distributed as dist
+
+        tp_mesh = init_device_mesh("cuda" if cuda else "cpu", (world // tp_size, tp_size),
+                                   mesh_dim_names=("dp", "tp"))["tp"]
+        groups = [dist.new_group(list(range(g * tp_size, (g + 1) * tp_size)), backend="gloo")
+                  for g in range(world // tp_size)]  # every rank creates every group, in the same order
+        tp_control = groups[rank // tp_size]
     if not cuda:
         return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
-                       devices=[torch.device("cpu")], local_rank=local)
+                       devices=[torch.device("cpu")], local_rank=local, tp_size=tp_size, tp_mesh=tp_mesh,
+                       tp_control=tp_control)
     count = torch.cuda.device_count()
     first = local * gpus_per_copy
     if first + gpus_per_copy > count:
@@ -89,7 +136,8 @@ def current_process(gpus_per_copy: int = 1) -> Process:
                        f"{count // gpus_per_copy} process(es) per node")
     devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
     torch.cuda.set_device(devices[0])
-    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local)
+    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local,
+                   tp_size=tp_size, tp_mesh=tp_mesh, tp_control=tp_control)
 
 
 @contextmanager
@@ -139,7 +187,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
-    proc = current_process(cfg.gpus_per_copy)
+    proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
     try:
@@ -231,7 +279,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     done = out.done_units()
     proc.barrier()  # every rank read the same manifest before any rank commits a new unit
     pending = [u for u in units if u.name not in done]
-    mine = assign_units(pending, proc.rank, proc.world_size)
+    mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
     ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask", "num_tokens"])
 
     stats: dict[str, Any] = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0}
@@ -344,7 +392,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
 
     device = proc.device
     cuda = device.type == "cuda"
-    loaded = loaded or load_model(cfg, device, proc.devices)
+    loaded = loaded or load_model(cfg, device, proc.devices, proc.tp_mesh)
     kernels = kernel_report(loaded.base)
     if kernels.get("linear_attention") == "torch fallback":
         log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
@@ -359,8 +407,11 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         budget = auto_token_budget(loaded.text_config, width, torch.cuda.mem_get_info(device)[0], cfg.max_length)
     else:
         budget = CPU_TOKEN_BUDGET
+    # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).
+    budget = -proc.agree_max(-budget)
     # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
-    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1)
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
+                                          and cfg.tp_size == 1)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
                           nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits)
     feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype,
@@ -389,8 +440,13 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     t0 = time.perf_counter()
     try:
         for u in pending:
-            if stop.is_set():
+            if proc.agree_max(int(stop.is_set())):
                 break
+            if not proc.writes:  # a tensor-parallel follower: the same forwards as its group's writer, no output
+                for table in unit_rows(u).iter(u.batch_size(budget)):
+                    pipeline(table)
+                pipeline.release()
+                continue
             nonfinite_key = "skipped_nonfinite" if cfg.nonfinite == "skip" else "nonfinite_kept"
             counts = {"rows": 0, "tokens": 0, "skipped_oom": 0, nonfinite_key: 0}
 

@@ -104,7 +104,9 @@ class OutputDir:
             os.close(fd)
 
     def check_not_foreign(self) -> None:
-        if self.root.is_dir() and not self.state.is_dir() and any(self.root.iterdir()):
+        # One listing, not an exists() check then a listing: another rank of this job may create .hsx/ between.
+        entries = [p.name for p in self.root.iterdir()] if self.root.is_dir() else []
+        if entries and ".hsx" not in entries:
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
         if self.root.exists() and not self.root.is_dir():
             raise HsxError(f"{self.root} is a file, not a folder; choose another --output-dir")
