@@ -251,9 +251,16 @@ def activation_bytes_per_token(c, stored_values_per_token: int, dtype_bytes: int
     return int(1.5 * dtype_bytes * (transient + 2 * stored_values_per_token))
 
 
-def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_length: int) -> int:
-    """The smaller of the fastest measured budget and what free memory allows (never below one full row)."""
-    fits = int(0.8 * free_bytes) // activation_bytes_per_token(c, stored_values_per_token)
+def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_length: int,
+                      eager_attention: bool = False) -> int:
+    """The smaller of the fastest measured budget and what free memory allows (never below one full row).
+
+    Eager attention (GPT-OSS has no SDPA path) materializes the scores: heads × L float32 per token of a row
+    of length L, counted at max_length (flash/SDPA kernels keep them on chip)."""
+    per_token = activation_bytes_per_token(c, stored_values_per_token)
+    if eager_attention:
+        per_token += 4 * int(c.num_attention_heads) * max_length
+    fits = int(0.8 * free_bytes) // per_token
     budget = min(DEFAULT_BUDGET_CAP, fits)
     return max(budget, max_length)
 
