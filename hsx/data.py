@@ -365,6 +365,7 @@ def usable_rows(tokenized) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str
     """(sample_ids, num_tokens) of usable rows, the row positions, skip counts by reason, and the truncated count.
 
     Reads only the small columns, through Arrow, so it costs no Python per row."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     table = tokenized.data.table if tokenized._indices is None else tokenized.flatten_indices().data.table
@@ -375,16 +376,10 @@ def usable_rows(tokenized) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str
     num_tokens = table.column("num_tokens").to_numpy()[positions].astype(np.int64)
     skipped: dict[str, int] = {}
     if not ok.all():
-        for item in pc.value_counts(pc.filter(reasons, pc.invert(pa_bool(ok)))).to_pylist():
+        for item in pc.value_counts(pc.filter(reasons, pc.invert(pa.array(ok, type=pa.bool_())))).to_pylist():
             skipped[item["values"]] = int(item["counts"])
     truncated = int(pc.sum(table.column("truncated")).as_py() or 0)
     return sample_ids, num_tokens, positions, dict(sorted(skipped.items())), truncated
-
-
-def pa_bool(a: np.ndarray):
-    import pyarrow as pa
-
-    return pa.array(a, type=pa.bool_())
 
 
 def first_skipped(tokenized) -> tuple[int, str] | None:

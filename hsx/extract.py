@@ -225,11 +225,10 @@ class Extractor:
 
     def to_table(self, table: pa.Table, result: Result) -> pa.Table:
         """The map function's output: the input's columns plus the states, wrapping the slot without a copy.
+        The caller has waited for the slot's copy (`Pipeline.__call__`).
 
         Rows dropped by an OOM have no states in the slot; rows with NaN/Inf states are dropped (a copy of the
         remaining states, only for such a batch) or kept with `has_nonfinite` set, as configured."""
-        if result.slot.done is not None:
-            result.slot.done.synchronize()
         nonfinite = result.slot.nonfinite[: len(result.kept)].numpy()[result.kept] > 0
         if not result.kept.all():
             table = table.filter(pa.array(result.kept))

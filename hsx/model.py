@@ -224,24 +224,6 @@ def check_loaded_weights(base: torch.nn.Module, info: dict, model: str) -> None:
                        f"{', ...' if len(what) > 3 else ''}); refusing to extract from randomly initialized weights")
 
 
-def build_random_model(text_config, layers: list[int], final_hidden: bool, device: torch.device,
-                       dtype: torch.dtype, attn_implementation: str = "sdpa") -> LoadedModel:
-    """A random-weight truncated model from a config, built directly on `device` (benchmarks and tests)."""
-    from transformers import AutoModel
-
-    n = int(text_config.num_hidden_layers)
-    depth = n if final_hidden else max(layers) + 1
-    tcfg = truncated_config(text_config, depth)
-    attn_implementation = supported_attn_implementation(tcfg, attn_implementation)
-    tcfg._attn_implementation = attn_implementation
-    with torch.device(device):
-        base = AutoModel.from_config(tcfg, dtype=dtype, attn_implementation=attn_implementation)
-    base = finish_truncation(base, depth, final_hidden)
-    return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
-                       hidden_size=int(text_config.hidden_size), model_path="", revision=None, text_config=tcfg)
-
-
-
 def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], final_hidden: bool) -> LoadedModel:
     """A truncated decoder that shares the weights of an already built CausalLM (benchmarks: one copy of the
     weights serves the naive runs and hsx's)."""

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hsx.config import LAYER_CONVENTION, HsxError
+from hsx.config import HsxError
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -280,9 +280,10 @@ class OutputDir:
             features = features if features is not None else info_features(info)
             if features is not None:
                 self.write_empty_data_file(features)
+        # Every rank is done: no partial unit is left. Before hsx.json, so a kill after it leaves nothing behind.
+        shutil.rmtree(self.state / "tmp", ignore_errors=True)
         atomic_write(self.root / "README.md", card)
         atomic_write(self.root / "hsx.json", json.dumps(info, indent=2) + "\n")
-        shutil.rmtree(self.state / "tmp", ignore_errors=True)  # every rank is done: no partial unit is left
 
     def write_empty_data_file(self, features) -> Path:
         """data/train-000-00000.arrow with zero rows and the given schema, written under a temp name and renamed."""

@@ -349,13 +349,19 @@ def nan_marker(fault_reference):
     return marker_token(output_table(fault_reference.out))
 
 
-def test_nan_rows_skipped_by_default(tmp_path, monkeypatch, fault_reference, nan_marker):
-    ref = fault_reference
+def extract_poisoned(monkeypatch, ref, nan_marker, out, *flags):
+    """Run the reference job with NaN states injected into the marked rows; returns (stdout, marked rows)."""
     token, marked = nan_marker
     poison_rows_with(monkeypatch, token)
-    out = tmp_path / "out"
-    rc, stdout, stderr = hsx_main(ref.argv(out))
+    rc, stdout, stderr = hsx_main(ref.argv(out, *flags))
     assert rc == 0, stderr
+    return stdout, marked
+
+
+def test_nan_rows_skipped_by_default(tmp_path, monkeypatch, fault_reference, nan_marker):
+    ref = fault_reference
+    out = tmp_path / "out"
+    stdout, marked = extract_poisoned(monkeypatch, ref, nan_marker, out)
     info = json.loads((out / "hsx.json").read_text())
     c, rc_ = info["counts"], ref.info["counts"]
     k = len(marked)
@@ -371,11 +377,8 @@ def test_nan_rows_skipped_by_default(tmp_path, monkeypatch, fault_reference, nan
 
 def test_nan_rows_kept_and_flagged(tmp_path, monkeypatch, fault_reference, nan_marker):
     ref = fault_reference
-    token, marked = nan_marker
-    poison_rows_with(monkeypatch, token)
     out = tmp_path / "out"
-    rc, stdout, stderr = hsx_main(ref.argv(out, "--nonfinite", "keep"))
-    assert rc == 0, stderr
+    stdout, marked = extract_poisoned(monkeypatch, ref, nan_marker, out, "--nonfinite", "keep")
     info = json.loads((out / "hsx.json").read_text())
     c, rc_ = info["counts"], ref.info["counts"]
     assert c["skipped"] == rc_["skipped"] and "nonfinite" not in c["skipped"]
@@ -400,11 +403,9 @@ def test_verify_accepts_flagged_rows_the_model_really_produces(tmp_path, monkeyp
     import transformers
 
     ref = fault_reference
-    token, marked = nan_marker
-    poison_rows_with(monkeypatch, token)
     out = tmp_path / "out"
-    rc, stdout, stderr = hsx_main(ref.argv(out, "--nonfinite", "keep"))
-    assert rc == 0, stderr
+    token = nan_marker[0]
+    stdout, marked = extract_poisoned(monkeypatch, ref, nan_marker, out, "--nonfinite", "keep")
     real = transformers.AutoModel.from_pretrained
 
     def from_pretrained(*a, **k):  # the reference forward of verify produces the same NaN for the same rows
