@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
+    p.add_argument("--packing", default="none", choices=["none", "varlen", "flex"],
+                   help="(c): right-padded batches, or each batch as one packed sequence")
     p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
@@ -219,7 +221,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
-                  sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype,
+                  sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
@@ -241,7 +243,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
-        "storage_dtype": args.storage_dtype,
+        "storage_dtype": args.storage_dtype, "packing": args.packing,
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
@@ -254,7 +256,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
     if args.profile:
         results["c"]["profile"] = args.profile
-        profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend)
+        profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
+                        args.packing)
     log(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -266,7 +269,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
 
 
 def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str,
-                    backend: str) -> None:
+                    backend: str, packing: str = "none") -> None:
     """Kernel time of (c)'s GPU work on a dozen budget-sized batches spread over the length distribution."""
     import pyarrow as pa
     import torch
@@ -285,7 +288,8 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     batches.append(cur)
     pick = [batches[k] for k in np.linspace(0, len(batches) - 1, 12).astype(int)]
     device = next(loaded.base.parameters()).device
-    ex = Extractor(loaded, device, budget, compile_model=getattr(loaded.base, "_hsx_compiled", False))
+    ex = Extractor(loaded, device, budget, compile_model=getattr(loaded.base, "_hsx_compiled", False),
+                   packing=packing)
     ex._ensure_slots(budget + 4096)
     tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
                         "input_ids": pa.array([rows[i].tolist() for i in b], pa.list_(pa.int32()))}) for b in pick]
@@ -341,6 +345,7 @@ def format_table(r: dict[str, Any]) -> str:
     c = r["c"]
     lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}), sdpa {c['sdpa_backend']}, "
+                 f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
     return "\n".join(lines)

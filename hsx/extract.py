@@ -28,7 +28,7 @@ import torch
 
 from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
-from hsx.model import LoadedModel, compile_layers
+from hsx.model import LoadedModel, compile_layers, use_packing
 
 PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
 
@@ -38,7 +38,9 @@ class Slot:
     """Pinned host memory for one batch in flight: the states out, the padded ids and gather index in."""
     states: torch.Tensor  # uint8, flat: each launched segment holds its columns' bytes one after the other
     ids: torch.Tensor  # int64, flat
-    index: torch.Tensor  # int64, flat
+    index: torch.Tensor  # int64, flat: where each real token sits in the padded batch (packed: its row)
+    positions: torch.Tensor  # int64, flat: packed batches' position ids (each row counts from 0)
+    row_bounds: torch.Tensor  # int32: packed batches' row offsets (cu_seqlens)
     nonfinite: torch.Tensor  # int32 per row: tokens with a NaN/Inf anywhere in their states
     done: torch.cuda.Event | None = None
 
@@ -61,8 +63,9 @@ class Extractor:
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, compile_model: bool,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
-                 storage_dtype: str = "bfloat16", topk_logits: int = 0):
+                 storage_dtype: str = "bfloat16", topk_logits: int = 0, packing: str = "none"):
         self.loaded, self.device = loaded, device
+        self.packing = packing  # "none": right-padded rows; "varlen"/"flex": one packed sequence per forward
         self.layers, self.final = loaded.layers, loaded.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
@@ -75,6 +78,7 @@ class Extractor:
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        use_packing(loaded.base, packing)
         if compile_model:
             compile_layers(loaded.base)
         self.capacity = 0
@@ -86,10 +90,20 @@ class Extractor:
 
     # ---- GPU side ----
 
-    def _forward(self, ids: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
-        """(n, layers*hidden) states of the real tokens, and (n, hidden) final-norm states when asked."""
-        out = self.loaded.base(input_ids=ids, use_cache=False)
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor, packed: dict | None = None) -> list[torch.Tensor]:
+        """(n, layers*hidden) states of the real tokens, and (n, hidden) final-norm states when asked.
+
+        Packed batches (`packed` holds the forward's position ids and row bounds) put the n real tokens first:
+        the states are a slice, no gather."""
         h = self.hidden
+        if packed is not None:
+            n = index.shape[0]
+            out = self.loaded.base(input_ids=ids, use_cache=False, **packed)
+            states = [torch.cat([self.store[i].reshape(-1, h)[:n] for i in self.layers], dim=1)]
+            if self.final:
+                states.append(out.last_hidden_state.reshape(-1, h)[:n])
+            return states
+        out = self.loaded.base(input_ids=ids, use_cache=False)
         # With a copy spread over several GPUs, layers live on different devices: gather where each layer is, then
         # bring the real tokens (not the padded batch) to the first device.
         parts = [self.store[i].reshape(-1, h).index_select(0, index.to(self.store[i].device, non_blocking=True))
@@ -125,6 +139,8 @@ class Extractor:
                 states=torch.empty(self.capacity * self.per_token, dtype=torch.uint8, pin_memory=self.cuda),
                 ids=torch.empty(self.capacity + PAD_MULTIPLE * 64, dtype=torch.int64, pin_memory=self.cuda),
                 index=torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.cuda),
+                positions=torch.empty(self.capacity + PAD_MULTIPLE, dtype=torch.int64, pin_memory=self.cuda),
+                row_bounds=torch.empty(self.capacity + 2, dtype=torch.int32, pin_memory=self.cuda),
                 nonfinite=torch.zeros(self.capacity, dtype=torch.int32, pin_memory=self.cuda),
             ))
 
@@ -145,15 +161,19 @@ class Extractor:
         while pending:
             a, z = pending.pop(0)
             sub_len = lengths[a:z]
-            padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
-            if (z - a) * padded > self.token_cap and z - a > 1:  # over the (possibly shrunk) cap: split first
+            if self.packing == "none":
+                padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+                cost = (z - a) * padded  # tokens computed, padding included
+            else:  # one sequence: the rows back to back, then padding up to a multiple of 8
+                padded = cost = int(-(-int(sub_len.sum()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+            if cost > self.token_cap and z - a > 1:  # over the (possibly shrunk) cap: split first
                 mid = a + (z - a) // 2
                 pending[:0] = [(a, mid), (mid, z)]
                 continue
             try:
                 self._launch(values[offsets[a]:offsets[z]], sub_len, padded, slot, written, a, result)
                 written += int(sub_len.sum())
-                result.padded_tokens += (z - a) * padded
+                result.padded_tokens += cost
             except torch.OutOfMemoryError:
                 self.store.clear()
                 if self.cuda:
@@ -161,7 +181,7 @@ class Extractor:
                 if z - a == 1:
                     kept[a] = False
                     continue
-                self.token_cap = max(padded, ((z - a) * padded) // 2)
+                self.token_cap = max(padded if self.packing == "none" else PAD_MULTIPLE, cost // 2)
                 mid = a + (z - a) // 2
                 pending[:0] = [(a, mid), (mid, z)]
         result.tokens = written
@@ -177,20 +197,42 @@ class Extractor:
             torch.cuda.current_stream(self.device).synchronize()  # the staging buffers are in use (rare: a split)
         row = np.repeat(np.arange(b, dtype=np.int64), lengths)
         col = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        ids_host = slot.ids[: b * padded]
-        ids_np = ids_host.numpy().reshape(b, padded)
-        ids_np.fill(0)  # pad id: any id works, pad positions never influence real ones (causal, right-padded)
-        ids_np[row, col] = values
         index_host = slot.index[at:at + n]
-        np.multiply(row, padded, out=index_host.numpy())
-        index_host.numpy()[:] += col
-        ids = ids_host.to(self.device, non_blocking=True).view(b, padded)
+        packed = None
+        if self.packing == "none":
+            ids_host = slot.ids[: b * padded]
+            ids_np = ids_host.numpy().reshape(b, padded)
+            ids_np.fill(0)  # pad id: any id works, pad positions never influence real ones (causal, right-padded)
+            ids_np[row, col] = values
+            np.multiply(row, padded, out=index_host.numpy())
+            index_host.numpy()[:] += col
+            ids = ids_host.to(self.device, non_blocking=True).view(b, padded)
+        else:
+            # Rows back to back; the tail padding is a sequence of its own (positions 0..), so nothing attends to it.
+            tail = padded - n
+            ids_np = slot.ids[:padded].numpy()
+            ids_np[:n] = values
+            ids_np[n:] = 0
+            pos_np = slot.positions[:padded].numpy()
+            pos_np[:n] = col
+            pos_np[n:] = np.arange(tail)
+            index_host.numpy()[:] = row  # packed: the row of each token (for the NaN/Inf count)
+            ids = slot.ids[:padded].to(self.device, non_blocking=True).view(1, padded)
+            packed = {"position_ids": slot.positions[:padded].to(self.device, non_blocking=True).view(1, padded)}
+            if self.packing == "varlen":
+                bounds = slot.row_bounds[:b + 1 + (tail > 0)].numpy()
+                bounds[0] = 0
+                np.cumsum(lengths, out=bounds[1:b + 1])
+                bounds[b + 1:] = padded
+                cu = slot.row_bounds[:len(bounds)].to(self.device, non_blocking=True)
+                longest = max(int(lengths.max()), tail)
+                packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         index = index_host.to(self.device, non_blocking=True)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        states = self._forward(ids, index)
+        states = self._forward(ids, index, packed)
         result.segment_tokens.append(n)
         self.store.clear()
         # NaN/Inf per row, on the device (one read of the output, ~0.1% of the batch's time): tokens → rows.
@@ -200,8 +242,9 @@ class Extractor:
         if self.storage_dtype == "float16":  # past fp16's range the stored value would be inf
             for x in states:
                 bad_tokens |= (x.abs() > torch.finfo(torch.float16).max).any(1)
+        token_rows = torch.div(index, padded, rounding_mode="floor") if packed is None else index
         bad_rows = torch.zeros(b, dtype=torch.int32, device=bad_tokens.device).index_add_(
-            0, torch.div(index, padded, rounding_mode="floor"), bad_tokens.int())
+            0, token_rows, bad_tokens.int())
         out = encode(states, len(self.layers), self.storage_dtype)
         if self.topk:
             out = torch.cat([out, *self._topk(states[1])])

@@ -265,7 +265,7 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     path (None without experts). linear_attention / causal_conv1d: for hybrid models with Gated DeltaNet layers
     (Qwen3.5/3.6, Qwen3-Next), "fla" / "causal_conv1d" when those packages' kernels are used, "torch fallback"
     for transformers' reference PyTorch code (correct for hsx's right-padded batches, much slower); None without
-    such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart; hsx never packs."""
+    such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart (`--packing`)."""
     config = base.config
     modules = list(base.modules())
     has_experts = any(type(m).__name__.endswith("Experts") for m in modules)
@@ -335,3 +335,103 @@ def _importable(module: str, name: str) -> bool:
         return getattr(importlib.import_module(module), name, None) is not None
     except Exception:  # noqa: BLE001 - a broken optional kernel package is the same as none
         return False
+
+
+# ---- packed (padding-free) batches ---------------------------------------------------------------------------------
+
+PACKINGS = ("none", "varlen", "flex")
+VARLEN_ATTENTION = "hsx_varlen"  # our attention function's name in transformers' AttentionInterface
+
+
+def use_packing(base: torch.nn.Module, packing: str) -> None:
+    """Switch the model's attention to run a batch as one packed sequence of rows (`Extractor` passes per-row
+    `position_ids`, and for varlen the row boundaries as `cu_seq_lens_q`).
+
+    varlen: torch's flash-attention varlen kernel, registered as a transformers attention function; no mask is
+    built (transformers skips mask creation for an attention name it has no mask function for). flex:
+    transformers' flex_attention, which finds the rows from the position ids and builds a block mask."""
+    if packing == "none":
+        return
+    report = kernel_report(base)
+    safe, why = report["packing_safe"], report["packing_note"]
+    if report["linear_attention"] is not None:
+        safe, why = False, "hybrid linear-attention layers would need fla's cu_seqlens and causal-conv1d's seq_idx"
+    if packing == "varlen" and any(hasattr(m, "sinks") for m in base.modules()):
+        safe, why = False, "attention sinks (GPT-OSS) have no varlen kernel"
+    if not safe:
+        raise HsxError(f"--packing {packing}: {why}; use --packing none (right-padded batches, exact here)")
+    if packing == "varlen":
+        from transformers import AttentionInterface
+
+        global _VARLEN_PARAMS
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            raise HsxError(f"--packing varlen needs torch >= 2.9 (this is {torch.__version__})") from None
+        _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    name = VARLEN_ATTENTION if packing == "varlen" else "flex_attention"
+    # Modules read `config._attn_implementation` at every forward; a truncated view's layers keep the full
+    # model's config object, so set it on every config in the model.
+    for config in {id(c): c for c in (getattr(m, "config", None) for m in base.modules()) if c is not None}.values():
+        config._attn_implementation = name
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                     max_length_q: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers attention function for one packed sequence: q, k, v are (1, heads, T, dim); the rows are
+    delimited by `cu_seq_lens_q` (int32, rows + 1 offsets) and each attends causally to itself only.
+
+    On CUDA this is one flash-attention varlen call per layer (torch.nn.attention.varlen); on CPU (tests) it runs
+    SDPA per row, which is exact and slow."""
+    if softcap is not None:
+        raise HsxError("--packing varlen: this model's attention uses a logit softcap; use --packing none")
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise HsxError("--packing varlen: the forward was called without row boundaries (cu_seq_lens_q)")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, dim)
+    dim_v = v.shape[-1]
+    if q.is_cuda:
+        if dim_v != q.shape[-1]:  # MLA (DeepSeek): the kernel wants one head dim; pad values, slice the output
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - dim_v))
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window)[..., :dim_v]
+    else:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        bounds = cu_seq_lens_q.tolist()
+        out = torch.cat([_causal_sdpa(q[a:z], k[a:z], v[a:z], scaling, sliding_window)
+                         for a, z in zip(bounds[:-1], bounds[1:])])
+    return out.unsqueeze(0), None  # (1, T, heads, dim): what transformers' attention functions return
+
+
+def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, sliding_window: int | None):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _VARLEN_PARAMS  # read once in use_packing: inspect inside a compiled layer would break the graph
+    kwargs: dict[str, Any] = {"scale": scale}
+    if "window_size" in params:  # torch ≥ 2.10: (left, right); right 0 is causal; a sliding window keeps W-1 back
+        kwargs["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    else:  # torch 2.9
+        if sliding_window:
+            raise HsxError("--packing varlen: sliding-window attention needs torch >= 2.10; use --packing none")
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params and k.shape[1] != q.shape[1]:  # earlier versions pass fewer k/v heads through
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+_VARLEN_PARAMS: frozenset[str] = frozenset()  # varlen_attn's keyword names in this torch (they changed in 2.10, 2.12)
+
+
+def _causal_sdpa(q, k, v, scale, sliding_window):
+    """One row's causal attention, (T, heads, dim) in and out."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if sliding_window:
+        t = q.shape[1]
+        i = torch.arange(t)
+        mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(0, 1)

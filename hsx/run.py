@@ -25,7 +25,7 @@ from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
 from hsx.extract import output_columns
-from hsx.sink import (Committer, OutputDir, complete_info, dataset_card, features, info_features,
+from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
 
 CPU_TOKEN_BUDGET = 4096
@@ -307,7 +307,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     # out when ranks finish far apart): whichever process sees every unit committed finalizes.
     done = out.done_units()
     missing = [u.name for u in units if u.name not in done]
-    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size) if proc.world_size > 1 else True
+    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
     if missing:
         if not all_ranks_done:
             log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
@@ -317,6 +317,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     with out.finalizing() as already:
         if already:
             return out.read_info()
+        if proc.world_size > 1 and all_ranks_done:  # the job's numbers: every rank's, and their sum
+            stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
         info = complete_info(summary, done, proc.world_size, stats)
         out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
     if cfg.push_to_hub:
@@ -414,7 +416,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
                                           and cfg.tp_size == 1)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
-                          nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits)
+                          nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
+                          packing=cfg.packing)
     feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype,
                      cfg.topk_logits)
     peak_tflops = measure_matmul_tflops(device) if cuda else None
@@ -433,7 +436,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                dynamic_ncols=True)
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device),
-             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "kernels": kernels}
+             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "packing": cfg.packing, "kernels": kernels}
     pipeline = Pipeline(extractor, batches(), max_batch)
     committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()

@@ -166,12 +166,24 @@ class OutputDir:
         finally:
             os.close(fd)
 
-    def mark_rank_done(self, run_id: str, rank: int, world_size: int) -> bool:
-        """Record that `rank` finished its share of run `run_id`; True once every rank of the run has."""
+    def mark_rank_done(self, run_id: str, rank: int, world_size: int, stats: dict[str, Any] | None = None) -> bool:
+        """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once every
+        rank of the run has."""
         folder = self.state / "ranks" / run_id
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(folder / f"{rank:05d}.done", "")
+        record = {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool))}
+        atomic_write(folder / f"{rank:05d}.done", json.dumps({"rank": rank, **record}) + "\n")
         return len(list(folder.glob("*.done"))) >= world_size
+
+    def rank_stats(self, run_id: str) -> list[dict[str, Any]]:
+        """What each rank of run `run_id` recorded when it finished, in rank order."""
+        stats = []
+        for f in sorted((self.state / "ranks" / run_id).glob("*.done")):
+            try:
+                stats.append(json.loads(f.read_text() or "{}"))
+            except json.JSONDecodeError:
+                continue
+        return stats
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.state / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
@@ -352,6 +364,29 @@ def uploaded_matches(uploaded: dict[str, Any] | None, rec: dict[str, Any]) -> bo
     """Whether an upload record is of this manifest record's file: same size, and same CRC-32 where both say."""
     return (uploaded is not None and uploaded.get("bytes") == rec["bytes"]
             and (uploaded.get("crc32") is None or rec.get("crc32") is None or uploaded["crc32"] == rec["crc32"]))
+
+
+def combine_rank_stats(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One job's throughput from its ranks' own numbers: tokens add up, the job took as long as its slowest rank,
+    MFU is against the sum of the ranks' measured matmul rates. Each rank's numbers stay under `ranks`."""
+    working = [r for r in ranks if r.get("seconds")]
+    if not working:
+        return {"ranks": ranks}
+    seconds = max(r["seconds"] for r in working)
+    run = {"tokens": sum(r.get("tokens", 0) for r in working),
+           "padded_tokens": sum(r.get("padded_tokens", 0) for r in working),
+           "gpu_seconds": sum(r.get("gpu_seconds", 0.0) for r in working), "seconds": seconds,
+           "slowest_over_mean_seconds": seconds / (sum(r["seconds"] for r in working) / len(working))}
+    run["tok_per_s"] = run["tokens"] / seconds
+    peaks = [r["matmul_tflops"] for r in working if "matmul_tflops" in r and "flops" in r]
+    if len(peaks) == len(working):
+        run["flops"] = sum(r["flops"] for r in working)
+        run["mfu"] = run["flops"] / seconds / (sum(peaks) * 1e12)
+    for key in ("token_budget", "compile", "sdpa_backend", "packing", "device"):
+        if key in working[0]:
+            run[key] = working[0][key]
+    run["ranks"] = ranks
+    return run
 
 
 def complete_info(summary: dict[str, Any], done: dict[str, dict[str, Any]], world_size: int,

@@ -9,7 +9,7 @@ for the final norm. float32: within 1e-5 before bf16 storage (and the stored bit
 bf16: ||hsx - ref|| / ||ref|| < 1e-2 per layer, against the bf16 reference.
 
 Traps (../shared/notes/transformers5.md) tested here: vision-language checkpoints (Qwen3.5 and Gemma 3) load only
-the text model, from the right weights; Gated DeltaNet hybrids stay exact under right padding (hsx never packs);
+the text model, from the right weights; Gated DeltaNet hybrids stay exact under right padding (and refuse packing);
 GPT-OSS has no SDPA path and ignores a lowered num_hidden_layers; layer_types are cut with the layers; MoE models
 keep their experts implementation; `kernel_report` says which kernels run.
 """
@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from conftest import bf16_ulps, rel_err, write_jsonl
-from hsx.config import ExtractConfig
+from hsx.config import ExtractConfig, HsxError
 from hsx.extract import Extractor, Pipeline
 from hsx.model import kernel_report, load_model, text_weights_prefix, truncated_view
 
@@ -219,19 +219,19 @@ class HsxRun:
     padded: list[tuple[int, int]]  # (rows, padded length) of each forward
 
 
-def run_hsx(fam: Family, layers, final_hidden: bool, dtype: str = "float32") -> HsxRun:
-    """load_model → Extractor + Pipeline over two right-padded batches; records each forward's hooked layer outputs
-    and final-norm output (the compute dtype, before the bf16 conversion for storage)."""
+def run_hsx(fam: Family, layers, final_hidden: bool, dtype: str = "float32", packing: str = "none") -> HsxRun:
+    """load_model → Extractor + Pipeline over two right-padded (or packed) batches; records each forward's hooked
+    layer outputs and final-norm output (the compute dtype, before the bf16 conversion for storage)."""
     loaded = load_model(make_cfg(fam, layers, final_hidden, dtype), CPU)
-    ex = Extractor(loaded, CPU, token_budget=1 << 16, compile_model=False)
+    ex = Extractor(loaded, CPU, token_budget=1 << 16, compile_model=False, packing=packing)
     calls: list[tuple] = []
     final: dict[str, torch.Tensor] = {}
     if final_hidden:
         loaded.base.norm.register_forward_hook(lambda m, a, o: final.__setitem__("out", o.detach().clone()))
     forward = ex._forward
 
-    def recording_forward(ids, index):
-        out = forward(ids, index)
+    def recording_forward(ids, index, packed=None):
+        out = forward(ids, index, packed)
         calls.append((tuple(ids.shape), {i: t.detach().clone() for i, t in ex.store.items()}, final.get("out")))
         return out
 
@@ -246,12 +246,15 @@ def run_hsx(fam: Family, layers, final_hidden: bool, dtype: str = "float32") -> 
     states = []
     for (shape, store, fin), (a, z) in zip(calls, BATCHES):
         assert sorted(store) == sorted(loaded.layers)
+        at = 0  # packed: rows back to back in one sequence
         for r, ids in enumerate(fam.ids[a:z]):
             t = len(ids)
-            s = {i: store[i][r, :t] for i in loaded.layers}
+            where = (0, slice(at, at + t)) if packing != "none" else (r, slice(0, t))
+            s = {i: store[i][where] for i in loaded.layers}
             if final_hidden:
-                s["final"] = fin[r, :t]
+                s["final"] = fin[where]
             states.append(s)
+            at += t
     return HsxRun(loaded=loaded, states=states, tables=tables, padded=[c[0] for c in calls])
 
 
@@ -290,6 +293,26 @@ def test_float32_matches_reference(family, final_hidden):
     if final_hidden:
         for got, ref, row in zip(run.states, refs, stored_rows(run, h, "final_hidden_state")):
             assert int(bf16_ulps(row, ref["final"]).max()) <= 1
+
+
+PACKING_REFUSED = {"gpt_oss", *HYBRID}  # sinks / a mask without position ids; Gated DeltaNet without fla kernels
+
+
+def test_packed_varlen_matches_reference(family):
+    """--packing varlen (each batch one sequence, rows split by cu_seqlens; the per-row SDPA branch on CPU):
+    equal to the unpadded one-sample reference within 1e-5, sliding windows and MLA included; refused with one
+    line where rows would leak into each other."""
+    if family.name in PACKING_REFUSED:
+        with pytest.raises(HsxError, match="--packing varlen: .*use --packing none"):
+            run_hsx(family, family.layers, True, packing="varlen")
+        return
+    run = run_hsx(family, family.layers, True, packing="varlen")
+    assert all(rows == 1 and length == -(-sum(LENGTHS[a:z]) // 8) * 8
+               for (rows, length), (a, z) in zip(run.padded, BATCHES))  # one packed sequence per batch
+    for k, (got, ref) in enumerate(zip(run.states, family.reference(torch.float32))):
+        for key in list(family.layers) + ["final"]:
+            torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, key=key, k=k: f"{family.name} sample {k} layer {key}: {m}")
 
 
 def test_bfloat16_matches_reference(family):

@@ -77,6 +77,12 @@ def test_two_processes_equal_one(tmp_path, fault_reference, launcher):
     assert_equals_reference(out, ref, world_size=2)
     assert_two_ranks_shared_the_work(out)
     assert child.stdout.count("hsx: wrote 96 rows") == 1  # exactly one process finalized
+    # hsx.json's throughput is the job's: both ranks' tokens over the slowest rank's time, each rank kept apart
+    run = json.loads((out / "hsx.json").read_text())["run"]
+    assert [r["rank"] for r in run["ranks"]] == [0, 1]
+    per_rank = [sum(r["tokens"] for r in recs) for recs in rank_manifests(out).values()]
+    assert [r["tokens"] for r in run["ranks"]] == per_rank and run["tokens"] == sum(per_rank)
+    assert run["seconds"] == max(r["seconds"] for r in run["ranks"])
     # the second rank read rank 0's tokenized cache: one cache file
     assert [p.name for p in (out / ".hsx" / "tokenized").glob("*.arrow")] == ["tokens.arrow"]
 

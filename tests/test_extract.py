@@ -59,10 +59,10 @@ class Recorder:
         ex._forward = self
         ex.forward = self  # older code paths call self.forward
 
-    def __call__(self, ids, index):
+    def __call__(self, ids, index, packed=None):
         if self.fail is not None and self.fail(ids):
             raise torch.OutOfMemoryError("simulated")
-        out = self.orig(ids, index)
+        out = self.orig(ids, index, packed)
         self.calls.append({
             "ids": ids.detach().clone(), "index": index.detach().clone(),
             "layers": {i: t.detach().clone() for i, t in self.ex.store.items()},
@@ -251,3 +251,75 @@ def test_capture_hooks_removed(model8):
             raise RuntimeError("boom")
     assert all(len(layer._forward_hooks) == 0 for layer in layers)
     assert store == {}
+
+
+# ---- packed batches (--packing) ------------------------------------------------------------------------------------
+
+def run_packed(loaded, batches, token_budget, packing, fail=None):
+    ex = Extractor(loaded, CPU, token_budget, compile_model=False, packing=packing)
+    rec = Recorder(ex, fail)
+    pipe = Pipeline(ex, iter(batches), max(sum(t.column("num_tokens").to_pylist()) + 8 for t in batches))
+    try:
+        tables = [pipe(t) for t in batches]
+    finally:
+        pipe.close()
+    return ex, rec, tables
+
+
+@pytest.mark.parametrize("packing", ["varlen", "flex"])
+def test_packed_batches_match_reference(model8, ids_lists, packing):
+    """Each batch runs as ONE sequence (rows back to back, padding to a multiple of 8 as a sequence of its own);
+    stored rows equal the one-sample reference, as with right padding."""
+    layers = [1, 4, 7]
+    loaded = load_model(make_cfg(model8, layers, True), CPU)
+    batches = [as_table(ids_lists[:4]), as_table(ids_lists[4:], first_id=4)]
+    ex, rec, tables = run_packed(loaded, batches, 1 << 16, packing)
+    for batch, call in zip(batches, rec.calls):
+        n = sum(batch.column("num_tokens").to_pylist())
+        assert call["ids"].shape == (1, -(-n // 8) * 8)
+        assert call["ids"][0, :n].tolist() == [t for ids in batch.column("input_ids").to_pylist() for t in ids]
+    for table in tables:
+        check_table_against_reference(model8, table, layers, final=True)
+
+
+def test_packed_split_and_oom(model8, ids_lists):
+    """Packed batches over the token cap split by tokens; an OOM splits further and drops a row only alone."""
+    layers = [2, 7]
+    loaded = load_model(make_cfg(model8, layers, True), CPU)
+    batch = as_table(ids_lists[:5])
+    lengths = batch.column("num_tokens").to_pylist()
+    ex, rec, (table,) = run_packed(loaded, [batch], sum(lengths) // 2, "varlen")
+    assert len(rec.calls) > 1 and all(c["ids"].shape[0] == 1 for c in rec.calls)
+    check_table_against_reference(model8, table, layers, final=True)
+    victim = max(range(5), key=lambda r: lengths[r])
+    victim_len = -(-lengths[victim] // 8) * 8
+
+    def fail(ids):  # anything longer than the longest row alone fails, and that row alone too
+        return ids.shape[1] >= victim_len
+
+    ex, rec, (table,) = run_packed(loaded, [batch], 1 << 16, "varlen", fail=fail)
+    assert table.column("sample_id").to_pylist() == [r for r in range(5) if r != victim]
+    check_table_against_reference(model8, table, layers, final=True)
+
+
+def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
+    """NaN in one row's tokens of a packed sequence: that row (and only it) is skipped."""
+    from hsx.model import decoder_layers
+
+    layers = [1, 3]
+    loaded = load_model(make_cfg(model8, layers, False), CPU)
+    batch = as_table(ids_lists[:4])
+    lengths = batch.column("num_tokens").to_pylist()
+    a, z = sum(lengths[:2]), sum(lengths[:3])  # row 2's tokens in the packed sequence
+
+    def poison(module, args, output):
+        output[0, a:z] = float("nan")
+        return output
+
+    handle = decoder_layers(loaded.base)[0].register_forward_hook(poison)
+    try:
+        ex, rec, (table,) = run_packed(loaded, [batch], 1 << 16, "varlen")
+    finally:
+        handle.remove()
+    assert table.column("sample_id").to_pylist() == [0, 1, 3]
+    check_table_against_reference(model8, table, layers, final=False)

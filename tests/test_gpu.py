@@ -1,4 +1,5 @@
-"""GPU checks (skipped without CUDA): compiled equals eager, and the real path on CUDA equals the reference."""
+"""GPU checks (skipped without CUDA): compiled equals eager, the real path on CUDA equals the reference, and packed
+batches equal right-padded ones."""
 
 import numpy as np
 import pyarrow as pa
@@ -14,10 +15,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def _states(causal, layers, compile_model, rows):
+def _states(causal, layers, compile_model, rows, packing="none"):
     device = torch.device("cuda")
     loaded: LoadedModel = truncated_view(causal, causal.config, layers, final_hidden=True)
-    ex = Extractor(loaded, device, token_budget=1024, compile_model=compile_model)
+    ex = Extractor(loaded, device, token_budget=1024, compile_model=compile_model, packing=packing)
     lengths = np.array([len(r) for r in rows])
     table = pa.table({
         "sample_id": pa.array(np.arange(len(rows)), pa.int64()),
@@ -60,3 +61,19 @@ def test_compiled_equals_eager_and_reference_on_cuda():
     fin = torch.cat(finals).cpu().reshape(-1)
     assert ((eager[0].float() - ref.float()).norm() / ref.float().norm()) < 1e-2
     assert ((eager[1].float() - fin.float()).norm() / fin.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("packing", ["varlen", "flex"])
+def test_packed_equals_padded_on_cuda(packing):
+    """--packing on CUDA (flash varlen kernel / flex block mask, eager and compiled) equals right-padded batches."""
+    tok = build_tokenizer()
+    causal = build_model(tok, num_layers=8, dtype=torch.bfloat16).cuda()
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 64, 5, 130, 3)]
+    layers = [1, 4, 7]
+    padded = _states(causal, layers, False, rows)
+    for compile_model in (False, True):
+        packed = _states(causal, layers, compile_model, rows, packing=packing)
+        for p, q in zip(padded, packed):
+            rel = (p.float() - q.float()).norm() / p.float().norm()
+            assert rel < 1e-2, (packing, compile_model, rel)
