@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
+    p.add_argument("--gpus-per-copy", type=int, default=1,
+                   help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
     p.add_argument("--packing", default="none", choices=["none", "varlen", "flex"],
                    help="(c): right-padded batches, or each batch as one packed sequence")
     p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
@@ -128,7 +130,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from hsx.plan import flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
 
-    device = current_process().device
+    proc = current_process(args.gpus_per_copy)
+    device = proc.device
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.model:
@@ -148,7 +151,10 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     # One set of weights for every run: (a) uses the CausalLM, (b) its base model, (c) a truncated view of it.
     t0 = time.perf_counter()
     if args.model:
-        causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True).to(device)
+        causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True,
+                                                      **hsx_model.group_device_map(proc.devices))
+    elif len(proc.devices) > 1:
+        causal = random_model_over(full_config, dtype, proc.devices)
     else:
         with torch.device(device):
             causal = AutoModelForCausalLM.from_config(
@@ -222,6 +228,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
                   sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
+                  gpus_per_copy=args.gpus_per_copy,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
@@ -243,6 +250,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
+        "gpus_per_copy": args.gpus_per_copy,
         "storage_dtype": args.storage_dtype, "packing": args.packing,
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
@@ -306,6 +314,40 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
                 ex.run_batch(t, slot)
             torch.cuda.synchronize()
     Path(path).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
+def random_model_over(config, dtype, devices):
+    """A random-weight CausalLM spread layer by layer over `devices`, as `from_pretrained(device_map="auto")` would
+    place a checkpoint (hsx.model.group_device_map's memory limits), with each weight created on its own GPU: a
+    70B shape never exists whole in host memory. Init: normal(0, initializer_range), norms 1."""
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoModelForCausalLM
+
+    from hsx.model import group_device_map, supported_attn_implementation, text_config_of
+
+    with init_empty_weights():  # parameters on the meta device, buffers (rotary frequencies) real
+        causal = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=supported_attn_implementation(text_config_of(config), "sdpa"))
+    causal.tie_weights()  # before placement: tied weights must land on one device
+    limits = group_device_map(devices)["max_memory"]
+    device_map = infer_auto_device_map(causal, max_memory=limits, dtype=dtype,
+                                       no_split_module_classes=causal._no_split_modules)
+    std = float(getattr(text_config_of(config), "initializer_range", 0.02))
+    gen = torch.Generator(devices[0]).manual_seed(0)
+    for name, param in list(causal.named_parameters()):
+        where = max((k for k in device_map if name == k or name.startswith(k + ".") or not k), key=len)
+        target = torch.device("cuda", device_map[where]) if isinstance(device_map[where], int) else device_map[where]
+        value = torch.empty(param.shape, dtype=dtype, device=target)
+        if name.endswith("bias"):
+            value.zero_()
+        elif param.dim() == 1:
+            value.fill_(1.0)
+        else:
+            value.normal_(0.0, std, generator=gen if target == devices[0] else None)
+        set_module_tensor_to_device(causal, name, target, value=value)
+    return dispatch_model(causal, device_map=device_map)
 
 
 def _free(device) -> None:

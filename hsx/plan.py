@@ -376,7 +376,7 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def launch_commands(config_path: str | None, overrides: dict[str, Any], output_dir: str, gpus: int,
-                    node_gpus: int = NODE_GPUS) -> tuple[str, str | None]:
+                    node_gpus: int = NODE_GPUS, recipe_keys=()) -> tuple[str, str | None]:
     """The command that runs the planned job (one copy), and the one that fills a node with copies (None when a
     copy already takes the node). Accelerate configs are the shipped recipes/accelerate/{1,8}gpu.yaml."""
     args = ["extract"] + (["--config", config_path] if config_path else [])
@@ -394,6 +394,8 @@ def launch_commands(config_path: str | None, overrides: dict[str, Any], output_d
             args += [flag, json.dumps(value)]
         else:
             args += [flag, str(value)]
+    if gpus > 1 and not {"gpus_per_copy", "tp_size"} & {*overrides, *recipe_keys}:
+        args += ["--gpus-per-copy", str(gpus)]  # each process takes this many GPUs of its node
     args += ["--output-dir", output_dir]
     tail = " ".join(shlex.quote(a) for a in args)
     node = f"accelerate launch --config_file recipes/accelerate/{node_gpus}gpu.yaml"
@@ -436,7 +438,8 @@ def plan_command(args) -> dict[str, Any]:
             p["rows"] = rows
     if not args.shape and p["gpus_per_copy"]:  # a named shape has no weights to run
         output_dir = cfg.output_dir if cfg.output_dir != PLACEHOLDER else default_output_dir(args.config, cfg.model)
-        p["launch"], node = launch_commands(args.config, overrides, output_dir, p["gpus_per_copy"])
+        p["launch"], node = launch_commands(args.config, overrides, output_dir, p["gpus_per_copy"],
+                                            recipe_keys=recipe)
         if node:
             p["launch_node"] = node
     print(json.dumps(p, indent=2) if args.json else format_plan(p))

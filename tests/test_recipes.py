@@ -128,6 +128,9 @@ def test_plan_gpus_per_copy_follows_gpu_memory(capsys, monkeypatch):
     p80 = plan_json([*base, "--gpu-memory-gib", "80"], capsys, monkeypatch)
     assert (p80["gpus_per_copy"], p80["copies_per_node"]) == (8, 1) and "launch_node" not in p80
     assert "--num_processes 1" in p80["launch"]
+    # without a recipe that says so, the command itself gives each process its GPUs
+    flags = plan_json(["--model", "Qwen/Qwen3-235B-A22B", "--layers", "eagle3"], capsys, monkeypatch)
+    assert "--num_processes 2 -m hsx extract" in flags["launch"] and "--gpus-per-copy 4" in flags["launch"]
     p40 = plan_json([*base, "--gpu-memory-gib", "40"], capsys, monkeypatch)
     assert p40["gpus_per_copy"] is None and not p40["fits"] and "launch" not in p40
     small = plan_json(["--config", "recipes/eagle3-qwen3-8b.yaml"], capsys, monkeypatch)
