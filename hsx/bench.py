@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
     p.add_argument("--gpus-per-copy", type=int, default=1,
                    help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
-    p.add_argument("--packing", default="none", choices=["none", "varlen", "flex"],
-                   help="(c): right-padded batches, or each batch as one packed sequence")
+    p.add_argument("--packing", default="auto", choices=["auto", "varlen", "none"],
+                   help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
     p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
@@ -251,7 +251,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
         "gpus_per_copy": args.gpus_per_copy,
-        "storage_dtype": args.storage_dtype, "packing": args.packing,
+        "storage_dtype": args.storage_dtype, "packing": run.get("packing"),
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
@@ -265,7 +265,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     if args.profile:
         results["c"]["profile"] = args.profile
         profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
-                        args.packing)
+                        run.get("packing", "none"))
     log(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -49,8 +49,8 @@ HELP = {
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
     "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
     "sdpa_backend": "attention kernel for sdpa on CUDA: flash, cudnn, efficient, default",
-    "packing": "none (right-padded batches), varlen (torch flash varlen) or flex (flex_attention): "
-               "run each batch as one packed sequence",
+    "packing": "varlen: each batch as one packed sequence (torch's flash varlen attention); none: right-padded "
+               "batches; auto (default): varlen on one GPU per copy where the model allows it, else none",
     "compile": "torch.compile the model: auto (on for CUDA), on, off",
     "chat_template_kwargs": "JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
     "limit": "only the first N input rows",

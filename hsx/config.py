@@ -61,7 +61,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
-    packing: str = "none"  # none: right-padded rows; varlen / flex: each batch as one packed sequence (README)
+    packing: str = "auto"  # varlen: each batch as one packed sequence; none: right-padded rows; auto (README)
     gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
     tp_size: int = 1  # >1: a model copy is sharded over this many processes (transformers' tp_plan="auto")
     token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
@@ -141,8 +141,8 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError(f"--nonfinite must be skip or keep, got {cfg.nonfinite!r}")
     if cfg.sdpa_backend not in ("flash", "cudnn", "efficient", "default"):
         raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
-    if cfg.packing not in ("none", "varlen", "flex"):
-        raise HsxError(f"--packing must be none, varlen or flex, got {cfg.packing!r}")
+    if cfg.packing not in ("auto", "varlen", "none"):
+        raise HsxError(f"--packing must be auto, varlen or none, got {cfg.packing!r}")
     if cfg.compile not in ("auto", "on", "off"):
         raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
     if cfg.topk_logits < 0:

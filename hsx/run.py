@@ -389,7 +389,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     from tqdm.auto import tqdm
 
     from hsx.extract import Extractor, Pipeline
-    from hsx.model import kernel_report, load_model
+    from hsx.model import kernel_report, load_model, resolve_packing
     from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
@@ -402,6 +402,10 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
         log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
             f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")
+    packing, why_not = resolve_packing(loaded.base, cfg.packing, cuda, cfg.gpus_per_copy == 1 and cfg.tp_size == 1,
+                                       cfg.attn_implementation)
+    if why_not:
+        log(f"hsx: batches run right-padded, not packed: {why_not}")
     width = len(layers) * hidden + (hidden if final_hidden else 0)  # values per token, for memory and Arrow limits
     if cfg.token_budget:
         budget = cfg.token_budget
@@ -417,7 +421,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                                           and cfg.tp_size == 1)
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
                           nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
-                          packing=cfg.packing)
+                          packing=packing)
     feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype,
                      cfg.topk_logits)
     peak_tflops = measure_matmul_tflops(device) if cuda else None
@@ -436,7 +440,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                dynamic_ncols=True)
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device),
-             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "packing": cfg.packing, "kernels": kernels}
+             "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "packing": packing, "kernels": kernels}
     pipeline = Pipeline(extractor, batches(), max_batch)
     committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()

@@ -30,7 +30,8 @@ import transformers
 from conftest import bf16_ulps, rel_err, write_jsonl
 from hsx.config import ExtractConfig, HsxError
 from hsx.extract import Extractor, Pipeline
-from hsx.model import kernel_report, load_model, text_weights_prefix, truncated_view
+from hsx.model import (kernel_report, load_model, packing_blocker, resolve_packing, text_weights_prefix,
+                       truncated_view)
 
 CPU = torch.device("cpu")
 VOCAB = 512  # >= hsx.demo.build_tokenizer()'s vocabulary, for the end-to-end runs
@@ -298,11 +299,19 @@ def test_float32_matches_reference(family, final_hidden):
 PACKING_REFUSED = {"gpt_oss", *HYBRID}  # sinks / a mask without position ids; Gated DeltaNet without fla kernels
 
 
+def get_loaded(fam: Family):
+    return load_model(make_cfg(fam, fam.layers, True), CPU).base
+
+
 def test_packed_varlen_matches_reference(family):
     """--packing varlen (each batch one sequence, rows split by cu_seqlens; the per-row SDPA branch on CPU):
     equal to the unpadded one-sample reference within 1e-5, sliding windows and MLA included; refused with one
     line where rows would leak into each other."""
+    blocker = packing_blocker(get_loaded(family))
+    assert resolve_packing(get_loaded(family), "auto", True, True, "sdpa")[0] == ("none" if blocker else "varlen")
+    assert resolve_packing(get_loaded(family), "auto", False, True, "sdpa")[0] == "none"  # CPU: padding is faster
     if family.name in PACKING_REFUSED:
+        assert blocker
         with pytest.raises(HsxError, match="--packing varlen: .*use --packing none"):
             run_hsx(family, family.layers, True, packing="varlen")
         return
