@@ -99,7 +99,8 @@ def group_device_map(devices: list[torch.device]) -> dict[str, Any]:
 
 
 def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
-               tp_mesh=None) -> LoadedModel:
+               distributed_config=None) -> LoadedModel:
+    """`distributed_config` (transformers' DistributedConfig, from hsx.run) shards the copy over processes."""
     import transformers
     from transformers import AutoConfig, AutoModel
 
@@ -127,7 +128,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
         base, info = AutoModel.from_pretrained(
             path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
             use_safetensors=True, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
-            **({"tp_plan": "auto", "device_mesh": tp_mesh} if tp_mesh is not None
+            **({"distributed_config": distributed_config} if distributed_config is not None
                else group_device_map(devices or [device])), **kwargs,
         )
     except (OSError, ValueError) as e:
@@ -137,7 +138,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     check_loaded_weights(base, info, cfg.model)
     base._hsx_attn_requested = cfg.attn_implementation
     base = finish_truncation(base, depth, final_hidden)
-    if tp_mesh is None and (not devices or len(devices) == 1):
+    if distributed_config is None and (not devices or len(devices) == 1):
         base = base.to(device)
     head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,

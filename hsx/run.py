@@ -45,12 +45,13 @@ class Process:
     rank: int
     world_size: int
     device: Any  # torch.device
-    state: Any = None  # accelerate.PartialState when launched with several processes
+    state: Any = None  # accelerate.PartialState when launched with several processes (and tp_size 1)
     devices: list = None  # the GPUs this process's model copy is spread over (one, unless --gpus-per-copy)
     local_rank: int = 0  # rank within this node
-    tp_size: int = 1  # processes sharing one model copy (tensor parallel)
-    tp_mesh: Any = None  # the "tp" dimension of the (dp, tp) device mesh, when tp_size > 1
-    tp_control: Any = None  # a gloo group of the same ranks, for decisions taken beside the forward's collectives
+    tp_size: int = 1  # processes sharing one model copy (tensor parallel); copy k is ranks [k·tp, (k+1)·tp)
+    tp_control: Any = None  # a gloo group of this copy's ranks, for decisions taken beside the forward's collectives
+    store: Any = None  # the launcher's rendezvous store, for the job's barriers when each copy is its own world
+    barriers: int = 0  # barriers passed, naming the next one's keys in `store`
 
     @property
     def dp_rank(self) -> int:  # which model copy this process belongs to
@@ -64,15 +65,23 @@ class Process:
     def writes(self) -> bool:  # one process per model copy writes its output
         return self.rank % self.tp_size == 0
 
+    def distributed_config(self):
+        """from_pretrained's `distributed_config` for a sharded copy (None for a whole one): tensor parallel over
+        the copy's own torch.distributed world (`_copy_world`)."""
+        if self.tp_size == 1:
+            return None
+        from transformers import DistributedConfig
+
+        return DistributedConfig(tp_plan="auto", tp_size=self.tp_size)
+
     def agree_max(self, value: int) -> int:
         """The largest `value` over this model copy's tensor-parallel ranks (they must take the same decisions:
         batch sizes, when to stop)."""
-        if self.tp_mesh is None:
+        if self.tp_control is None:
             return value
         import torch
         import torch.distributed as dist
 
-        # On its own communicator: the producer thread's forwards issue the model's collectives concurrently.
         t = torch.tensor([value])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_control)
         return int(t.item())
@@ -84,6 +93,12 @@ class Process:
     def barrier(self) -> None:
         if self.state is not None:
             self.state.wait_for_everyone()
+        elif self.store is not None:  # every rank of the job, across copies: count in, wait for the last
+            self.barriers += 1
+            key = f"hsx/barrier/{self.barriers}"
+            if self.store.add(key, 1) == self.world_size:
+                self.store.set(key + "/open", "1")
+            self.store.wait([key + "/open"])
 
 
 def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
@@ -91,43 +106,36 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     comes from accelerate. hsx needs it only for barriers around tokenization, so it is always gloo on the CPU
     (accelerate's cpu=True state): that also works on machines without CUDA (where accelerate's default state
     is single-process in every rank, so each would process every row) and with several GPUs per process (NCCL
-    refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy."""
+    refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
+    With --tp-size > 1 each model copy is its own world instead (`_copy_world`)."""
+    from datetime import timedelta
+
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % tp_size:
+        raise HsxError(f"--tp-size {tp_size} with {world} processes: each model copy is sharded over --tp-size "
+                       "processes, so launch a multiple of --tp-size processes")
     cuda = torch.cuda.is_available()
-    state, rank, local = None, 0, 0
-    if world > 1:
-        from datetime import timedelta
-
+    # Ranks meet around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
+    timeout = timedelta(hours=6)
+    state = store = tp_control = None
+    rank = local = 0
+    if world > 1 and tp_size > 1:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local)  # before NCCL meets this rank (--gpus-per-copy is 1 with --tp-size)
+        store, tp_control = _copy_world(rank, tp_size, world, "nccl" if cuda else "gloo", timeout)
+    elif world > 1:
         from accelerate import PartialState
 
-        # Ranks meet only around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
-        # Tensor parallelism needs the GPUs' own backend (NCCL), one process per GPU.
-        state = PartialState(cpu=not (cuda and tp_size > 1), timeout=timedelta(hours=6))
+        state = PartialState(cpu=True, timeout=timeout)
         rank, world = state.process_index, state.num_processes
         local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
-    if tp_size > 1 and tp_size != world:
-        # Measured on transformers 5.24 (CPU, gloo): with a (dp, tp) mesh, its tensor-parallel forward still
-        # communicates across copies ("collective mismatch"), so only one sharded copy per job works for now.
-        raise HsxError(f"--tp-size {tp_size} with {world} processes: tensor parallelism runs one model copy "
-                       "sharded over every process of the job, so launch exactly --tp-size processes (or use "
-                       "--gpus-per-copy for several copies)")
-    tp_mesh = tp_control = None
-    if tp_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        import torch.distributed as dist
-
-        tp_mesh = init_device_mesh("cuda" if cuda else "cpu", (world // tp_size, tp_size),
-                                   mesh_dim_names=("dp", "tp"))["tp"]
-        groups = [dist.new_group(list(range(g * tp_size, (g + 1) * tp_size)), backend="gloo")
-                  for g in range(world // tp_size)]  # every rank creates every group, in the same order
-        tp_control = groups[rank // tp_size]
     if not cuda:
         return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
-                       devices=[torch.device("cpu")], local_rank=local, tp_size=tp_size, tp_mesh=tp_mesh,
-                       tp_control=tp_control)
+                       devices=[torch.device("cpu")], local_rank=local, tp_size=tp_size,
+                       tp_control=tp_control, store=store)
     count = torch.cuda.device_count()
     first = local * gpus_per_copy
     if first + gpus_per_copy > count:
@@ -137,7 +145,29 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
     torch.cuda.set_device(devices[0])
     return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local,
-                   tp_size=tp_size, tp_mesh=tp_mesh, tp_control=tp_control)
+                   tp_size=tp_size, tp_control=tp_control, store=store)
+
+
+def _copy_world(rank: int, tp_size: int, world: int, backend: str, timeout):
+    """Make this process's model copy (ranks [k·tp, (k+1)·tp)) its own torch.distributed world; returns the
+    launcher's store (the job's barriers go through it) and a gloo group of the copy (for `agree_max`).
+
+    Why a world per copy: transformers 5.24 shards a model over the whole world whatever mesh it is given.
+    `from_pretrained` drops a `device_mesh` passed with `tp_plan` (modeling_utils.py: it builds
+    DistributedConfig(tp_plan=...), whose tp_size defaults to WORLD_SIZE, and replaces device_mesh with
+    initialize_distributed_mesh's mesh of the world), so 4 ranks with tp 2 held one model sharded 4 ways and the two
+    "copies" fed different batches into the same collectives ("collective mismatch"). Its one way to declare
+    copies, DistributedConfig(dp_replicate_size=...), wraps the model in FSDP2, whose forward fails under
+    torch.inference_mode ("Inference tensors do not track version counter") and copies every weight per forward.
+    With a world per copy, transformers runs its supported case (tp_size = world) and copies share no collective.
+    """
+    import torch.distributed as dist
+
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    copy_store = dist.PrefixStore(f"hsx/copy-{rank // tp_size}", store)
+    dist.init_process_group(backend, store=copy_store, rank=rank % tp_size, world_size=tp_size, timeout=timeout)
+    # On its own communicator: the producer thread's forwards issue the model's collectives concurrently.
+    return store, dist.new_group(backend="gloo")
 
 
 @contextmanager
@@ -394,7 +424,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
 
     device = proc.device
     cuda = device.type == "cuda"
-    loaded = loaded or load_model(cfg, device, proc.devices, proc.tp_mesh)
+    loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
     kernels = kernel_report(loaded.base)
     if kernels.get("linear_attention") == "torch fallback":
         log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
@@ -439,9 +469,17 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extracting", disable=not proc.is_main,
                dynamic_ncols=True)
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
-             "token_budget": budget, "compile": use_compile, "device": str(device),
+             "token_budget": budget, "compile": use_compile, "device": str(device), "tp_size": proc.tp_size,
+             "model_copies": proc.dp_size, "writes": proc.writes,
              "sdpa_backend": cfg.sdpa_backend if cuda else "n/a", "packing": packing, "kernels": kernels}
     pipeline = Pipeline(extractor, batches(), max_batch)
+
+    def tally(result_table, r):  # followers count too: whichever rank finalizes reports its totals in hsx.json
+        stats["tokens"] += r.tokens
+        stats["padded_tokens"] += r.padded_tokens
+        stats["gpu_seconds"] += extractor.gpu_seconds(r)
+        stats["flops"] += flops(loaded.text_config, loaded.depth, result_table.column("num_tokens").to_numpy(),
+                                per_layer)
     committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
@@ -452,7 +490,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 break
             if not proc.writes:  # a tensor-parallel follower: the same forwards as its group's writer, no output
                 for table in unit_rows(u).iter(u.batch_size(budget)):
-                    pipeline(table)
+                    tally(pipeline(table), pipeline.last)
                 pipeline.release()
                 continue
             nonfinite_key = "skipped_nonfinite" if cfg.nonfinite == "skip" else "nonfinite_kept"
@@ -465,11 +503,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 _counts["tokens"] += int(result_table.column("num_tokens").to_numpy().sum())
                 _counts["skipped_oom"] += int((~r.kept).sum())
                 _counts[nonfinite_key] += r.nonfinite_rows
-                stats["tokens"] += r.tokens
-                stats["padded_tokens"] += r.padded_tokens
-                stats["gpu_seconds"] += extractor.gpu_seconds(r)
-                stats["flops"] += flops(loaded.text_config, loaded.depth,
-                                        result_table.column("num_tokens").to_numpy(), per_layer)
+                tally(result_table, r)
                 bar.update(int(table.column("num_tokens").to_numpy().sum()))
                 elapsed = time.perf_counter() - t0
                 mfu = f", MFU {stats['flops'] / elapsed / (peak_tflops * 1e12):.0%}" if peak_tflops else ""

@@ -372,17 +372,18 @@ def combine_rank_stats(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     working = [r for r in ranks if r.get("seconds")]
     if not working:
         return {"ranks": ranks}
+    writers = [r for r in working if r.get("writes", True)]  # tensor-parallel followers ran the same batches
     seconds = max(r["seconds"] for r in working)
-    run = {"tokens": sum(r.get("tokens", 0) for r in working),
-           "padded_tokens": sum(r.get("padded_tokens", 0) for r in working),
+    run = {"tokens": sum(r.get("tokens", 0) for r in writers),
+           "padded_tokens": sum(r.get("padded_tokens", 0) for r in writers),
            "gpu_seconds": sum(r.get("gpu_seconds", 0.0) for r in working), "seconds": seconds,
            "slowest_over_mean_seconds": seconds / (sum(r["seconds"] for r in working) / len(working))}
     run["tok_per_s"] = run["tokens"] / seconds
-    peaks = [r["matmul_tflops"] for r in working if "matmul_tflops" in r and "flops" in r]
-    if len(peaks) == len(working):
-        run["flops"] = sum(r["flops"] for r in working)
+    peaks = [r["matmul_tflops"] for r in working if "matmul_tflops" in r]
+    if len(peaks) == len(working) and all("flops" in r for r in writers):
+        run["flops"] = sum(r["flops"] for r in writers)
         run["mfu"] = run["flops"] / seconds / (sum(peaks) * 1e12)
-    for key in ("token_budget", "compile", "sdpa_backend", "packing", "device"):
+    for key in ("token_budget", "compile", "sdpa_backend", "packing", "device", "tp_size", "model_copies"):
         if key in working[0]:
             run[key] = working[0][key]
     run["ranks"] = ranks

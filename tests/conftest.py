@@ -313,6 +313,8 @@ def child_env(**extra: str) -> dict[str, str]:
         env.pop(k, None)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
                 "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
+    # This checkout's hsx, not the one installed (editable from another worktree, say): children run elsewhere.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env
 
