@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -142,6 +143,10 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     n = int(text.num_hidden_layers)
     layers, final_hidden = resolve_layers(parse_layer_spec(args.layers), n, args.final_hidden)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if proc.world_size > 1:  # `accelerate launch -m hsx bench`: (c) data parallel over the processes
+        skip |= {"a", "b"}
+        if not proc.is_main:
+            log = lambda *a, **k: None  # noqa: E731
 
     log(f"hsx bench: {args.model or args.shape} ({n} layers × {text.hidden_size}), layers {layers}"
         f"{' + final' if final_hidden else ''}, {args.count} rows, device {device}")
@@ -149,6 +154,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     log(f"  measured matmul rate: {peak_tflops:.1f} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'})")
 
     # One set of weights for every run: (a) uses the CausalLM, (b) its base model, (c) a truncated view of it.
+    # Seeded: every process of a data-parallel run builds the same weights, so its output equals one process's.
+    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     if args.model:
         causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True,
@@ -222,18 +229,24 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     loaded = hsx_model.truncated_view(causal, text, layers, final_hidden)
     if not final_hidden:
         del causal.lm_head  # (c) never needs it; free its memory (and the full model is not used again)
-    work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
+    if proc.world_size > 1:  # one input and one output for every process of the launch
+        work = Path(tempfile.gettempdir()) / f"hsx-bench-{os.environ.get('MASTER_PORT', 'dp')}"
+    else:
+        work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
     out_dir = Path(args.output_dir) if args.output_dir else work / "out"
-    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
+    warm_idx = np.argsort(lengths)[:: max(1, args.count // 96)]
+    if proc.is_main:
+        work.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
+        # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
+        datasets.Dataset.from_dict({"input_ids": [rows[i] for i in warm_idx]}).save_to_disk(str(work / "warm"))
+    proc.barrier()
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
                   sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
                   gpus_per_copy=args.gpus_per_copy,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
-    # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
-    warm_idx = np.argsort(lengths)[:: max(1, args.count // 96)]
-    datasets.Dataset.from_dict({"input_ids": [rows[i] for i in warm_idx]}).save_to_disk(str(work / "warm"))
     t0 = time.perf_counter()
     extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
             log=quiet, model=loaded)
@@ -241,6 +254,10 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
+    if proc.world_size > 1:  # the job's numbers, every rank's combined, from whichever process finalized
+        proc.barrier()
+        info = json.loads((out_dir / "hsx.json").read_text())
+        results["processes"] = proc.world_size
     run = info["run"]
     out_bytes = sum(f.stat().st_size for f in (out_dir / "data").glob("*.arrow"))
     results["c"] = {
@@ -262,6 +279,13 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     for other in ("a", "b"):
         if other in results and "tok_per_s" in results[other]:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
+    if proc.world_size > 1:  # MFU against every process's GPU; idle is the GPUs' average
+        results["c"]["ranks"] = run.get("ranks", [])
+        results["c"]["gpu_idle"] = 1 - run["gpu_seconds"] / (run["seconds"] * proc.world_size)
+        if "mfu" in run:
+            results["c"]["mfu"] = run["mfu"]
+        if not proc.is_main:
+            return results
     if args.profile:
         results["c"]["profile"] = args.profile
         profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
