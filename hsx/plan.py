@@ -354,8 +354,8 @@ def format_plan(p: dict[str, Any]) -> str:
         if g == 1:
             lines.append(f"GPUs: 1 × {size} per model copy → {node}")
         elif g:
-            lines.append(f"GPUs: {g} × {size} per model copy, its layers spread over the group (device_map / "
-                         f"tensor parallel) → {node}")
+            lines.append(f"GPUs: {g} × {size} per model copy, its layers spread over the group with device_map "
+                         f"(--gpus-per-copy {g}; --tp-size {g} shards it instead) → {node}")
         else:
             lines.append(f"GPUs: a model copy needs more than {p['node_gpus']} GPUs of {size}")
     if "launch" in p:
@@ -367,7 +367,8 @@ def format_plan(p: dict[str, Any]) -> str:
         if p.get("copies_per_node", 1) > 1:
             when += f", {format_duration(p['expected_seconds_node'])} on a node of {p['node_gpus']} GPUs"
         lines.append(f"{p['tokens']:,} tokens ({p.get('tokens_source', 'given')}) → "
-                     f"{format_bytes(p['total_bytes'])} on disk; at {p['rate_tokens_per_s']:,.0f} tok/s per copy ({p['rate_source']}) ≈ {when}")
+                     f"{format_bytes(p['total_bytes'])} on disk; at {p['rate_tokens_per_s']:,.0f} tok/s per copy "
+                     f"({p['rate_source']}) ≈ {when}")
         node = f", {format_bytes(p['write_bytes_per_s_node'])}/s per node" if p.get("copies_per_node", 1) > 1 else ""
         lines.append(f"disk writes: {format_bytes(p['write_bytes_per_s'])}/s per copy{node}")
     else:

@@ -526,8 +526,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         if progress_was_on:
             datasets.enable_progress_bars()
     stats["seconds"] = time.perf_counter() - t0
-    stats.update(gpu_waited_for_writer_seconds=pipeline.wait_seconds, map_waited_for_gpu_seconds=pipeline.map_wait_seconds,
-                 write_seconds=pipeline.write_seconds)
+    stats.update(gpu_waited_for_writer_seconds=pipeline.wait_seconds,
+                 map_waited_for_gpu_seconds=pipeline.map_wait_seconds, write_seconds=pipeline.write_seconds)
     if peak_tflops:
         stats["matmul_tflops"] = peak_tflops
         stats["mfu"] = stats["flops"] / stats["seconds"] / (peak_tflops * 1e12)

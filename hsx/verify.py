@@ -74,7 +74,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
         lengths = pc.list_value_length(ds.data.column(col)).to_numpy(zero_copy_only=False)
         if not np.array_equal(lengths, num_tokens):
-            problems.append(f"column {col}: lengths differ from num_tokens in {int((lengths != num_tokens).sum())} rows")
+            differ = int((lengths != num_tokens).sum())
+            problems.append(f"column {col}: lengths differ from num_tokens in {differ} rows")
 
     errors: dict[str, float] = {}
     if samples and len(ds):

@@ -1,12 +1,27 @@
 """`hsx bench` smoke test on CPU (not a timing test): every run reports, and (c) writes real, loadable output."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
 
 import hsx
 from hsx.cli import main
 
 
-def test_bench_tiny_reports_all_runs_and_keeps_output(tmp_path, capsys):
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_bench_tiny_reports_all_runs_and_keeps_output(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # --keep keeps its inputs too: not in the real /tmp
     report, out = tmp_path / "bench.json", tmp_path / "out"
     rc = main(["bench", "--shape", "tiny", "--count", "40", "--max-length", "256", "--subset-a", "6",
                "--subset-b", "40", "--json", str(report), "--output-dir", str(out), "--keep"])
@@ -30,3 +45,22 @@ def test_bench_deletes_its_temp_output_unless_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["bench", "--shape", "tiny", "--count", "20", "--max-length", "128", "--skip", "a,b"]) == 0
     assert not any(p.name.startswith("hsx-bench-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_bench_data_parallel_reports_the_job(tmp_path):
+    """`torchrun --nproc_per_node 2 -m hsx bench`: (c) runs over both processes (same seeded weights, one input),
+    and the report is the job's: every row once, both ranks' tokens, each rank's numbers."""
+    report = tmp_path / "bench.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "hsx", "bench", "--shape", "tiny", "--count", "60", "--max-length", "256", "--json", str(report),
+           "--output-dir", str(tmp_path / "out"), "--keep"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["processes"] == 2 and "a" not in result and "b" not in result
+    ranks = result["c"]["ranks"]
+    assert [x["rank"] for x in ranks] == [0, 1] and all(x["tokens"] > 0 for x in ranks)
+    assert sum(x["tokens"] for x in ranks) == result["c"]["tokens"] == result["tokens"]
+    assert result["c"]["rows"] == 60 and len(hsx.load(str(tmp_path / "out"))) == 60

@@ -170,14 +170,14 @@ def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypat
     calls = {"oom": 0, "forward": 0}
     real_forward = Extractor._forward
 
-    def forward(self, ids, index):
+    def forward(self, ids, index, packed=None):
         has_victim = victim is not None and ids.shape[1] >= len(victim) and bool(
             (ids[:, :len(victim)] == victim).all(1).any())
         if ids.numel() > limit or (ids.shape[0] > 1 and ids.numel() > multi_row_limit) or has_victim:
             calls["oom"] += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (fake)")
         calls["forward"] += 1
-        return real_forward(self, ids, index)
+        return real_forward(self, ids, index, packed)
 
     monkeypatch.setattr(Extractor, "_forward", forward)
     out = tmp_path / "out"

@@ -16,7 +16,8 @@ def test_topk_logits_match_the_causal_lm(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "topk"
-    assert main(["extract", "--config", str(DEMO), "--output-dir", str(out), "--topk-logits", "5", "--limit", "30"]) == 0
+    argv = ["extract", "--config", str(DEMO), "--output-dir", str(out), "--topk-logits", "5", "--limit", "30"]
+    assert main(argv) == 0
     ds = hsx.load(str(out)).with_format("arrow")
     assert ds.features["topk_ids"].feature.length == 5
     causal = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).eval()
