@@ -29,6 +29,7 @@ from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, d
                       job_fingerprint)
 
 CPU_TOKEN_BUDGET = 4096
+RANK_STATS_WAIT_SECONDS = 60.0
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
 
 
@@ -344,10 +345,16 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
                 "node wrote its own dir, `hsx merge OUT NODE_DIRS...`)")
             return {"complete": False, "rank": proc.rank, "run": stats}
         raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
+    if not all_ranks_done:
+        # Every unit is committed, so the other ranks are past their last commit and about to say they are done:
+        # wait briefly for their numbers (not for a rank that died after its last commit).
+        deadline = time.monotonic() + RANK_STATS_WAIT_SECONDS
+        while len(out.rank_stats(run_id)) < proc.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
     with out.finalizing() as already:
         if already:
             return out.read_info()
-        if proc.world_size > 1 and all_ranks_done:  # the job's numbers: every rank's, and their sum
+        if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
         info = complete_info(summary, done, proc.world_size, stats)
         out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
