@@ -134,6 +134,9 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
         rank, world = state.process_index, state.num_processes
         local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
     if not cuda:
+        if gpus_per_copy > 1:
+            raise HsxError(f"--gpus-per-copy {gpus_per_copy} spreads a model copy over GPUs, and this machine has "
+                           "no CUDA GPU")
         return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
                        devices=[torch.device("cpu")], local_rank=local, tp_size=tp_size,
                        tp_control=tp_control, store=store)
@@ -368,9 +371,10 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     if stats["tokens"]:
         pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
         mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
+        busy = stats["gpu_seconds"] / max(stats["seconds"] * stats.get("processes", 1), 1e-9)  # per device
         log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s{mfu} over {stats['seconds']:.1f} s "
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
-            f"GPU busy {stats['gpu_seconds'] / max(stats['seconds'], 1e-9):.0%}")
+            f"{'GPU' if str(stats.get('device', '')).startswith('cuda') else 'CPU'} busy {busy:.0%}")
     return info
 
 

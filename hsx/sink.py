@@ -377,6 +377,7 @@ def combine_rank_stats(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     run = {"tokens": sum(r.get("tokens", 0) for r in writers),
            "padded_tokens": sum(r.get("padded_tokens", 0) for r in writers),
            "gpu_seconds": sum(r.get("gpu_seconds", 0.0) for r in working), "seconds": seconds,
+           "processes": len(working),
            "slowest_over_mean_seconds": seconds / (sum(r["seconds"] for r in working) / len(working))}
     run["tok_per_s"] = run["tokens"] / seconds
     peaks = [r["matmul_tflops"] for r in working if "matmul_tflops" in r]

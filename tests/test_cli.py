@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hsx
 from conftest import REPO, write_jsonl
@@ -204,6 +205,13 @@ def test_strict_names_the_first_bad_row(tmp_path, capsys, model4, small_chat_pat
     assert "strict" in line
     assert not (out / "hsx.json").exists()
     assert not list(out.glob("data/*.arrow"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpus_per_copy_without_gpus_is_one_line(tmp_path, capsys, model4, small_chat_path):
+    rc = main(base_args(model4, small_chat_path, tmp_path / "out") + ["--gpus-per-copy", "2"])
+    assert_one_line_error(rc, capsys.readouterr().err, "--gpus-per-copy 2", "no CUDA GPU")
+    assert rc == 2
 
 
 @pytest.mark.parametrize("case", ["empty_conversation", "null_content", "missing_value",
