@@ -57,7 +57,8 @@ class ExtractConfig:
     hub_revision: str | None = None  # branch to push to (created if missing)
     nonfinite: str = "skip"  # rows whose states hold NaN/Inf: "skip" (counted) or "keep" (flagged in has_nonfinite)
     overwrite: bool = False
-    # How fast; none of these change the output.
+    # How fast. None changes which rows, tokens or masks are written; packing and tensor parallelism change the
+    # states only within bf16 rounding (dtype, part of the job's fingerprint, by its own precision).
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers

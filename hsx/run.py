@@ -264,25 +264,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "hsx_version": ".".join(__version__.split(".")[:2]),
     })
 
-    # Rank 0 claims the dir and tokenizes; then each node's first process (which finds the cache there if the
-    # dir is shared, and tokenizes for its node if each node writes its own dir); then everyone else.
-    tokenized, state, error = None, None, None
-    cache = str(out.state / "tokenized" / "tokens.arrow")
-    fingerprint = f"hsx-tok-{job['fingerprint'][:24]}"
-    my_turn = 0 if proc.is_main else (1 if proc.local_rank == 0 else 2)
-    for turn in range(3 if proc.world_size > 1 else 1):
-        if turn == my_turn:
-            try:
-                state = out.claim(job, cfg.overwrite and proc.is_main)
-                if state != "complete":
-                    out.clear_tmp()
-                    tokenized = data.tokenize(raw, tokenizer, cfg, cache, fingerprint=fingerprint,
-                                              vocab_size=int(text.vocab_size))
-            except HsxError as e:
-                error = e  # raised after the barrier, so no rank waits forever for this one
-        proc.barrier()
-    if error is not None:
-        raise error
+    tokenized, state = _claim_and_tokenize(cfg, proc, out, job, raw, tokenizer, int(text.vocab_size))
     run_id = _shared_run_id(out, proc)
     if state == "complete":
         info = out.read_info()
@@ -337,8 +319,42 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         raise Stopped(f"stopped cleanly after {len(out.done_units())} of {len(units)} units; run the same "
                       "command to continue", 128 + stop.signum)
 
-    # Completion is tracked by the manifests each rank appends to (no collective at the end, which could time
-    # out when ranks finish far apart): whichever process sees every unit committed finalizes.
+    return _finish(cfg, proc, out, units, summary, run_id, stats, t_start, log)
+
+
+def _claim_and_tokenize(cfg: ExtractConfig, proc: Process, out: OutputDir, job: dict, raw, tokenizer,
+                        vocab_size: int):
+    """Claim the output dir and tokenize once: rank 0 first; then each node's first process (which finds the
+    cache there if the dir is shared, and tokenizes for its node if each node writes its own dir); then everyone
+    else. Returns (tokenized rows, the dir's state: new, resume or complete)."""
+    from hsx import data
+
+    tokenized, state, error = None, None, None
+    cache = str(out.state / "tokenized" / "tokens.arrow")
+    fingerprint = f"hsx-tok-{job['fingerprint'][:24]}"
+    my_turn = 0 if proc.is_main else (1 if proc.local_rank == 0 else 2)
+    for turn in range(3 if proc.world_size > 1 else 1):
+        if turn == my_turn:
+            try:
+                state = out.claim(job, cfg.overwrite and proc.is_main)
+                if state != "complete":
+                    out.clear_tmp()
+                    tokenized = data.tokenize(raw, tokenizer, cfg, cache, fingerprint=fingerprint,
+                                              vocab_size=vocab_size)
+            except HsxError as e:
+                error = e  # raised after the barrier, so no rank waits forever for this one
+        proc.barrier()
+    if error is not None:
+        raise error
+    return tokenized, state
+
+
+def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summary: dict, run_id: str,
+            stats: dict[str, Any], t_start: float, log) -> dict[str, Any]:
+    """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is.
+
+    Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
+    when ranks finish far apart): whichever process sees every unit committed finalizes."""
     done = out.done_units()
     missing = [u.name for u in units if u.name not in done]
     all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
