@@ -117,6 +117,10 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     if world % tp_size:
         raise HsxError(f"--tp-size {tp_size} with {world} processes: each model copy is sharded over --tp-size "
                        "processes, so launch a multiple of --tp-size processes")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if tp_size > 1 and per_node % tp_size:  # copies are consecutive ranks: one would straddle two machines
+        raise HsxError(f"--tp-size {tp_size} with {per_node} processes per machine: a model copy would span two "
+                       "machines (its every layer waiting on the network); launch a multiple of --tp-size per machine")
     cuda = torch.cuda.is_available()
     # Ranks meet around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
     timeout = timedelta(hours=6)

@@ -114,3 +114,14 @@ def test_tp_size_must_divide_the_processes(tmp_path):
     r = run(["extract", "--config", str(DEMO), "--output-dir", str(tmp_path / "x"), "--tp-size", "2"], 1)
     assert r.returncode == 2 and "--tp-size 2 with 1 processes" in r.stderr and "Traceback" not in r.stderr
     assert "launch a multiple of --tp-size processes" in r.stderr
+
+
+def test_a_copy_may_not_span_machines(monkeypatch):
+    """Copies are consecutive ranks: 2 processes per machine with --tp-size 4 would put a copy on two machines."""
+    from hsx.config import HsxError
+    from hsx.run import current_process
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(HsxError, match="--tp-size 4 with 2 processes per machine: a model copy would span two"):
+        current_process(tp_size=4)
