@@ -218,15 +218,14 @@ class Extractor:
             pos_np[n:] = np.arange(tail)
             index_host.numpy()[:] = row  # packed: the row of each token (for the NaN/Inf count)
             ids = slot.ids[:padded].to(self.device, non_blocking=True).view(1, padded)
-            packed = {"position_ids": slot.positions[:padded].to(self.device, non_blocking=True).view(1, padded)}
-            if self.packing == "varlen":
-                bounds = slot.row_bounds[:b + 1 + (tail > 0)].numpy()
-                bounds[0] = 0
-                np.cumsum(lengths, out=bounds[1:b + 1])
-                bounds[b + 1:] = padded
-                cu = slot.row_bounds[:len(bounds)].to(self.device, non_blocking=True)
-                longest = max(int(lengths.max()), tail)
-                packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            bounds = slot.row_bounds[:b + 1 + (tail > 0)].numpy()  # cu_seqlens: row starts, the tail, the end
+            bounds[0] = 0
+            np.cumsum(lengths, out=bounds[1:b + 1])
+            bounds[b + 1:] = padded
+            cu = slot.row_bounds[:len(bounds)].to(self.device, non_blocking=True)
+            longest = max(int(lengths.max()), tail)
+            packed = {"position_ids": slot.positions[:padded].to(self.device, non_blocking=True).view(1, padded),
+                      "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
         index = index_host.to(self.device, non_blocking=True)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

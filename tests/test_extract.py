@@ -80,9 +80,10 @@ class Recorder:
         return states, final, torch.from_numpy(rows * padded + cols)
 
 
-def run_pipeline(loaded, batches, token_budget, fail=None):
-    ex = Extractor(loaded, CPU, token_budget, compile_model=False)
+def run_pipeline(loaded, batches, token_budget, fail=None, packing="none"):
+    ex = Extractor(loaded, CPU, token_budget, compile_model=False, packing=packing)
     rec = Recorder(ex, fail)
+    # rows × their padded length: also bounds a packed batch (its tokens rounded up to a multiple of 8)
     max_tokens = max(t.num_rows * (-(-max(t.column("num_tokens").to_pylist()) // 8) * 8) for t in batches)
     pipe = Pipeline(ex, iter(batches), max_tokens)
     try:
@@ -255,24 +256,13 @@ def test_capture_hooks_removed(model8):
 
 # ---- packed batches (--packing) ------------------------------------------------------------------------------------
 
-def run_packed(loaded, batches, token_budget, packing, fail=None):
-    ex = Extractor(loaded, CPU, token_budget, compile_model=False, packing=packing)
-    rec = Recorder(ex, fail)
-    pipe = Pipeline(ex, iter(batches), max(sum(t.column("num_tokens").to_pylist()) + 8 for t in batches))
-    try:
-        tables = [pipe(t) for t in batches]
-    finally:
-        pipe.close()
-    return ex, rec, tables
-
-
-def test_packed_batches_match_reference(model8, ids_lists, packing="varlen"):
+def test_packed_batches_match_reference(model8, ids_lists):
     """Each batch runs as ONE sequence (rows back to back, padding to a multiple of 8 as a sequence of its own);
     stored rows equal the one-sample reference, as with right padding."""
     layers = [1, 4, 7]
     loaded = load_model(make_cfg(model8, layers, True), CPU)
     batches = [as_table(ids_lists[:4]), as_table(ids_lists[4:], first_id=4)]
-    ex, rec, tables = run_packed(loaded, batches, 1 << 16, packing)
+    ex, rec, tables = run_pipeline(loaded, batches, 1 << 16, packing="varlen")
     for batch, call in zip(batches, rec.calls):
         n = sum(batch.column("num_tokens").to_pylist())
         assert call["ids"].shape == (1, -(-n // 8) * 8)
@@ -287,7 +277,7 @@ def test_packed_split_and_oom(model8, ids_lists):
     loaded = load_model(make_cfg(model8, layers, True), CPU)
     batch = as_table(ids_lists[:5])
     lengths = batch.column("num_tokens").to_pylist()
-    ex, rec, (table,) = run_packed(loaded, [batch], sum(lengths) // 2, "varlen")
+    ex, rec, (table,) = run_pipeline(loaded, [batch], sum(lengths) // 2, packing="varlen")
     assert len(rec.calls) > 1 and all(c["ids"].shape[0] == 1 for c in rec.calls)
     check_table_against_reference(model8, table, layers, final=True)
     victim = max(range(5), key=lambda r: lengths[r])
@@ -296,7 +286,7 @@ def test_packed_split_and_oom(model8, ids_lists):
     def fail(ids):  # anything longer than the longest row alone fails, and that row alone too
         return ids.shape[1] >= victim_len
 
-    ex, rec, (table,) = run_packed(loaded, [batch], 1 << 16, "varlen", fail=fail)
+    ex, rec, (table,) = run_pipeline(loaded, [batch], 1 << 16, fail=fail, packing="varlen")
     assert table.column("sample_id").to_pylist() == [r for r in range(5) if r != victim]
     check_table_against_reference(model8, table, layers, final=True)
 
@@ -317,7 +307,7 @@ def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
 
     handle = decoder_layers(loaded.base)[0].register_forward_hook(poison)
     try:
-        ex, rec, (table,) = run_packed(loaded, [batch], 1 << 16, "varlen")
+        ex, rec, (table,) = run_pipeline(loaded, [batch], 1 << 16, packing="varlen")
     finally:
         handle.remove()
     assert table.column("sample_id").to_pylist() == [0, 1, 3]

@@ -440,14 +440,8 @@ def test_unparseable_line_in_the_middle_then_fixed(tmp_path, fault_reference):
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(good[:40] + ['{"messages": [{"role": "us'] + good[40:]) + "\n")
     out = tmp_path / "out"
-    argv = ref.argv(out)
-    argv[argv.index("--dataset") + 1] = str(path)
-    rc, stdout, stderr = hsx_main(argv)
-    assert rc != 0 and "Traceback" not in stderr
-    hsx_lines = [line for line in message_lines(stderr) if line.startswith("hsx:")]
-    assert len(hsx_lines) == 1 and hsx_lines[0].startswith("hsx: error: cannot read dataset"), hsx_lines
-    assert str(path) in hsx_lines[0]
-    assert not (out / "hsx.json").exists() and not list(out.glob("data/*"))
+    argv = argv_on(ref, path, out)
+    assert_cannot_read(hsx_main(argv), path, out)
     path.write_text("\n".join(good) + "\n")
     rc, stdout, stderr = hsx_main(argv)
     assert rc == 0, stderr
@@ -460,11 +454,27 @@ def test_unparseable_file_is_exactly_one_line_without_progress_bars(tmp_path, fa
     path = tmp_path / "chat.jsonl"
     good = ref.dataset.read_text().splitlines()[:10]
     path.write_text("\n".join(good[:5] + ['{"messages": [{"role": "us'] + good[5:]) + "\n")
-    argv = ref.argv(tmp_path / "out")
-    argv[argv.index("--dataset") + 1] = str(path)
-    child = hsx_child(argv, tmp_path / "run")  # child_env() sets HF_DATASETS_DISABLE_PROGRESS_BARS=1
+    # child_env() sets HF_DATASETS_DISABLE_PROGRESS_BARS=1
+    child = hsx_child(argv_on(ref, path, tmp_path / "out"), tmp_path / "run")
     rc = child.wait()
     assert_one_error_line(rc, child.stderr, "cannot read dataset", str(path))
+
+
+def argv_on(ref, path, out) -> list[str]:
+    """The reference job's command with another input file."""
+    argv = ref.argv(out)
+    argv[argv.index("--dataset") + 1] = str(path)
+    return argv
+
+
+def assert_cannot_read(result, path, out) -> None:
+    """One `hsx: error: cannot read dataset ...` line naming the file, no traceback, nothing written."""
+    rc, stdout, stderr = result
+    assert rc != 0 and "Traceback" not in stderr
+    hsx_lines = [line for line in message_lines(stderr) if line.startswith("hsx:")]
+    assert len(hsx_lines) == 1 and hsx_lines[0].startswith("hsx: error: cannot read dataset"), hsx_lines
+    assert str(path) in hsx_lines[0]
+    assert not (out / "hsx.json").exists() and not list(out.glob("data/*"))
 
 
 @pytest.mark.parametrize("case", ["truncated_parquet", "invalid_utf8_jsonl"])
@@ -483,13 +493,7 @@ def test_unreadable_input_file(tmp_path, fault_reference, case):
         path = tmp_path / "chat.jsonl"
         path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows[:10]) + b"\xff\xfe{}\n")
     out = tmp_path / "out"
-    argv = ref.argv(out)
-    argv[argv.index("--dataset") + 1] = str(path)
-    rc, stdout, stderr = hsx_main(argv)
-    assert rc != 0 and "Traceback" not in stderr
-    hsx_lines = [line for line in message_lines(stderr) if line.startswith("hsx:")]
-    assert len(hsx_lines) == 1 and hsx_lines[0].startswith("hsx: error: cannot read dataset"), hsx_lines
-    assert not (out / "hsx.json").exists() and not list(out.glob("data/*"))
+    assert_cannot_read(hsx_main(argv_on(ref, path, out)), path, out)
 
 
 # ---- hsx verify ------------------------------------------------------------------------------------------------
