@@ -37,6 +37,11 @@ def run(args, nproc):
                           timeout=600)
 
 
+def failure(r) -> str:
+    """Every rank's hsx lines (the launcher's traceback would push them out of a plain tail), then the tail."""
+    return "\n".join([line for line in r.stderr.splitlines() if "hsx:" in line] + [r.stderr[-1500:]])
+
+
 def states(out):
     col = hsx.load(str(out)).data.table.column("hidden_states").combine_chunks().flatten().flatten()
     return torch.from_numpy(col.to_numpy().copy()).view(torch.bfloat16).float()
@@ -58,14 +63,14 @@ def writers(out: Path) -> list[str]:
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tp-ref") / "one"
     r = run(COMMON + ["--output-dir", str(out)], 1)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, failure(r)
     return out
 
 
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_equal_one_process(tmp_path, reference):
     r = run(COMMON + ["--output-dir", str(tmp_path / "tp"), "--tp-size", "2"], 2)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, failure(r)
     info = json.loads((tmp_path / "tp" / "hsx.json").read_text())
     assert (info["world_size"], info["config"]["tp_size"], info["run"]["model_copies"]) == (2, 2, 1)
     assert writers(tmp_path / "tp") == ["manifest-00000.jsonl"]
@@ -76,7 +81,7 @@ def test_two_tensor_parallel_ranks_equal_one_process(tmp_path, reference):
 def test_two_copies_of_two_tensor_parallel_ranks_equal_one_process(tmp_path, reference):
     """4 processes, --tp-size 2: copies {0,1} and {2,3} split the units; ranks 0 and 2 write."""
     r = run(COMMON + ["--output-dir", str(tmp_path / "dptp"), "--tp-size", "2"], 4)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, failure(r)
     info = json.loads((tmp_path / "dptp" / "hsx.json").read_text())
     assert (info["world_size"], info["config"]["tp_size"]) == (4, 2)
     assert (info["run"]["tp_size"], info["run"]["model_copies"]) == (2, 2)
@@ -102,7 +107,7 @@ def test_a_killed_dp_tp_run_resumes_with_one_copy(tmp_path, reference):
     assert 2 <= done < units and not is_complete(out), (done, units)
 
     r = run(argv, 2)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, failure(r)
     assert "continuing the job" in r.stdout
     info = json.loads((out / "hsx.json").read_text())
     assert info["complete"] and info["world_size"] == 2 and info["units"] == units
