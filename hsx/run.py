@@ -359,9 +359,11 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
 
     Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
     when ranks finish far apart): whichever process sees every unit committed finalizes."""
+    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
+    # Read the manifests only after marking this rank done: read before, a rank that committed and marked in
+    # between made this one see every rank done but that rank's last unit missing ("1 unit(s) were not written").
     done = out.done_units()
     missing = [u.name for u in units if u.name not in done]
-    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
     if missing:
         if not all_ranks_done:
             log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
