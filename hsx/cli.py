@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
-import typing
 
-from hsx.config import FIELDS, ExtractConfig, HsxError, load_config
+from hsx.config import CHOICES, FIELD_KINDS, FIELDS, HsxError, load_config
 from hsx.run import Stopped
 from hsx.verify import VerifyFailed
 
@@ -60,20 +58,16 @@ HELP = {
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML recipe; flags override its keys")
-    hints = typing.get_type_hints(ExtractConfig)
-    for name, f in FIELDS.items():
+    for name, (kind, _) in FIELD_KINDS.items():  # types and choices from hsx.config; ranges checked there too
         flag = "--" + name.replace("_", "-")
-        hint = hints[name]
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) else ()
-        kind = next((a for a in args if a is not type(None)), hint)
-        if name == "layers":
+        if kind == "layers":
             p.add_argument(flag, nargs="+", default=None, help=HELP[name])
-        elif kind is bool:
+        elif kind == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP.get(name))
-        elif kind is int:
+        elif kind == "int":
             p.add_argument(flag, type=int, default=None, help=HELP.get(name))
-        else:
-            p.add_argument(flag, type=str, default=None, help=HELP.get(name))
+        else:  # str, or a mapping given as a JSON object
+            p.add_argument(flag, type=str, default=None, choices=CHOICES.get(name), help=HELP.get(name))
 
 
 def config_overrides(args: argparse.Namespace) -> dict:
@@ -115,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--tolerance", type=float, default=2e-2,
                     help="worst allowed relative error (Frobenius, per layer) against the reference")
     ve.add_argument("--seed", type=int, default=0)
+    ve.add_argument("--model", help="the reference model (local folder or Hub id; default: the folder hsx.json "
+                    "records, run without its own code)")
+    ve.add_argument("--trust-remote-code", action="store_true",
+                    help="let the --model's own code run (never taken from hsx.json)")
     return parser
 
 
@@ -153,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "verify":
             from hsx.verify import verify
 
-            verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed)
+            verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed,
+                   model=args.model, trust_remote_code=args.trust_remote_code)
         elif args.command == "plan":
             from hsx.plan import plan_command
 

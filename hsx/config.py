@@ -1,7 +1,10 @@
 """What a job is: one dataclass, read from a YAML recipe and overridden by command-line flags.
 
-Every field is a YAML key (snake_case) and a flag (kebab-case); an unknown key is an error, not a warning, so a
-typo in a recipe never silently runs the wrong job. Layers are resolved against the model's depth here too:
+Every field is a YAML key (snake_case), a flag (kebab-case) and a keyword of `config_from`; an unknown key is an
+error, not a warning, so a typo in a recipe never silently runs the wrong job. Each key's type is its annotation
+(FIELD_KINDS) and every value is parsed to it without coercion: booleans are YAML 1.2's unquoted true/false only
+(a quoted "false" is a non-empty string, which Python would take as True), integers are integers, choices and
+least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Layers are resolved against the model's depth here too:
 integers (negatives count from the end) or one preset name (`eagle3`, `dflash`, `dflash-K`), giving sorted,
 distinct, non-negative decoder-layer indices.
 """
@@ -12,6 +15,9 @@ import dataclasses
 import json
 import os
 import re
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,27 +84,200 @@ class ExtractConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+# The keys whose value is one of a few names (flags get them as argparse `choices`).
+CHOICES = {
+    "storage_dtype": STORAGE_DTYPES,
+    "dtype": COMPUTE_DTYPES,
+    "push_mode": ("end", "stream"),
+    "nonfinite": ("skip", "keep"),
+    "sdpa_backend": ("flash", "cudnn", "efficient", "default"),
+    "packing": ("auto", "varlen", "none"),
+    "compile": ("auto", "on", "off"),
+}
+# Integer keys and their least value (None is allowed where the field's type says `| None`).
+MINIMUM = {"limit": 1, "max_length": 1, "topk_logits": 0, "gpus_per_copy": 1, "tp_size": 1, "token_budget": 1,
+           "unit_tokens": 1, "num_proc": 1}
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; anything near this is not one
+
+
+def _field_kinds() -> dict[str, tuple[str, bool]]:
+    """Each key's kind (bool, int, str, layers, mapping) and whether null is allowed, from the annotations: the
+    one place a key's type is declared (flags are built from it too, in hsx.cli)."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(ExtractConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        nullable = type(None) in args
+        args = tuple(a for a in args if a is not type(None))
+        if name == "layers":
+            kind = "layers"
+        elif args == (bool,):
+            kind = "bool"
+        elif args == (int,):
+            kind = "int"
+        elif args == (str,):
+            kind = "str"
+        elif typing.get_origin(args[0]) is dict:
+            kind = "mapping"
+        else:  # a new field of a new type: decide here how it is parsed
+            raise TypeError(f"ExtractConfig.{name}: no parser for {hint}")
+        kinds[name] = (kind, nullable)
+    return kinds
+
+
+FIELD_KINDS = _field_kinds()
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(value).__name__})"
+
+
+def parse_value(name: str, value: Any) -> Any:
+    """`value` as key `name`'s declared type, or HsxError naming the key. No coercion: a YAML `"512"` is a string,
+    not 512, and `"false"`/`no`/`0` are not booleans (the false that `trust_remote_code: "false"` would be in
+    Python is True)."""
+    kind, nullable = FIELD_KINDS[name]
+    if value is None:
+        if nullable:
+            return None
+        raise HsxError(f"{name} must not be null")
+    if kind == "bool":
+        if type(value) is not bool:
+            raise HsxError(f"{name} must be true or false (unquoted), got {_shown(value)}")
+        return value
+    if kind == "int":
+        if type(value) is not int:
+            raise HsxError(f"{name} must be an integer, got {_shown(value)}")
+        if name in MINIMUM and value < MINIMUM[name]:
+            raise HsxError(f"{name} must be at least {MINIMUM[name]}" + (" (or null)" if nullable else "")
+                           + f", got {value}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise HsxError(f"{name} must be a string, got {_shown(value)}")
+        if "\x00" in value:
+            raise HsxError(f"{name} must not contain a NUL character")
+        if name in CHOICES and value not in CHOICES[name]:
+            raise HsxError(f"{name} must be one of {', '.join(CHOICES[name])}, got {value!r}")
+        return value
+    if kind == "layers":
+        layers = parse_layer_spec(value)
+        if layers in ([], ""):
+            raise HsxError("--layers is required: integers (negatives count from the end) or a preset "
+                           "(eagle3, dflash, dflash-K)")
+        return layers
+    # mapping: a YAML mapping, or a JSON object (how a flag gives it)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise HsxError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise HsxError(f"{name} must be a mapping with string keys, got {_shown(value)}")
+    return value
+
+
+def config_from(options: Mapping[str, Any]) -> ExtractConfig:
+    """An ExtractConfig from keyword options (Python's `hsx.extract(**options)`, or a recipe merged with flags):
+    unknown keys, wrong types and out-of-range values are HsxError, one line naming the key."""
+    unknown = sorted(str(k) for k in options if k not in FIELDS)
+    if unknown:
+        raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    cfg = ExtractConfig(**{k: parse_value(k, v) for k, v in options.items()})
+    check_config(cfg)
+    return cfg
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
-    """Read a YAML recipe (optional), apply flag overrides (already typed), and check the result."""
+    """Read a YAML recipe (optional), apply flag overrides (None: not given), and check the result."""
     values: dict[str, Any] = {}
     if path:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise HsxError(f"cannot read config {path}: {e}") from None
-        if not isinstance(raw, dict):
-            raise HsxError(f"config {path}: expected a mapping of keys to values, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(FIELDS))
-        if unknown:
-            raise HsxError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
-        values.update(raw)
-        values = _resolve_recipe_paths(values, Path(path).parent)
+        values = _resolve_recipe_paths(read_recipe(path), Path(path).parent)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = ExtractConfig(**values)
-    check_config(cfg)
-    return cfg
+    return config_from(values)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core booleans and integers: only true/false are booleans (YAML 1.1's
+    yes/no/on/off/y/n stay strings, and so get refused for a boolean key), `1:30` is not sexagesimal 90, and
+    dates stay strings. Duplicate keys and anchors/aliases (exponential expansions) are refused."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a recipe",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:int",
+                                    re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                    list("-+0123456789"))
+
+
+def _yaml_int(loader, node):
+    text = loader.construct_scalar(node)
+    return int(text[2:], 8) if text.startswith("0o") else int(text, 0) if text.startswith("0x") else int(text)
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    """A YAML recipe's keys, each parsed to its declared type; HsxError (one line, naming the file) for a file
+    that is not UTF-8 YAML, not a mapping, or has an unknown key or a wrong value."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise HsxError(f"cannot read config {path}: {e.strerror or e}") from None
+    if len(blob) > MAX_RECIPE_BYTES:
+        raise HsxError(f"config {path}: over {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a small YAML file")
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HsxError(f"config {path}: not UTF-8 text (byte {e.start}); a recipe is a YAML file") from None
+    if "\x00" in text:
+        raise HsxError(f"config {path}: holds NUL bytes; a recipe is a YAML file")
+    try:
+        raw = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise HsxError(f"config {path}: not valid YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise HsxError(f"config {path}: nested too deeply to be a recipe") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise HsxError(f"config {path}: expected a mapping of keys to values, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in FIELDS)
+    if unknown:
+        raise HsxError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    try:
+        return {k: parse_value(k, v) for k, v in raw.items()}
+    except HsxError as e:
+        raise HsxError(f"config {path}: {e}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+        mark = e.problem_mark
+        return f"{e.problem}" + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+    return " ".join(str(e).split())
 
 
 def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
@@ -107,26 +286,25 @@ def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str,
     path that exists here, an absolute path, a Hub id) is left as written."""
     for key in ("model", "tokenizer", "dataset"):
         v = values.get(key)
-        if (isinstance(v, str) and v and not os.path.isabs(v) and not Path(v).exists()
-                and (recipe_dir / v).exists()):
+        if isinstance(v, str) and v and not os.path.isabs(v) and not _exists(v) and _exists(recipe_dir / v):
             values[key] = os.path.normpath(recipe_dir / v)
     return values
 
 
+def _exists(path: str | Path) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long for the filesystem is no file
+        return False
+
+
 def check_config(cfg: ExtractConfig) -> None:
+    """Every key's type and range (as `parse_value`), then what keys require of each other."""
+    for name in FIELDS:
+        setattr(cfg, name, parse_value(name, getattr(cfg, name)))
     for name in ("model", "dataset", "output_dir"):
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")
-    if cfg.layers in ([], "", None):
-        raise HsxError("--layers is required: integers (negatives count from the end) or a preset "
-                       "(eagle3, dflash, dflash-K)")
-    cfg.layers = parse_layer_spec(cfg.layers)
-    if cfg.max_length < 1:
-        raise HsxError(f"--max-length must be positive, got {cfg.max_length}")
-    if cfg.storage_dtype not in STORAGE_DTYPES:
-        raise HsxError(f"--storage-dtype {cfg.storage_dtype!r} is not supported; choose from {STORAGE_DTYPES}")
-    if cfg.dtype not in COMPUTE_DTYPES:
-        raise HsxError(f"--dtype {cfg.dtype!r} is not supported; choose from {COMPUTE_DTYPES}")
     if cfg.push_to_hub:
         from huggingface_hub.utils import validate_repo_id
 
@@ -134,68 +312,58 @@ def check_config(cfg: ExtractConfig) -> None:
             validate_repo_id(cfg.push_to_hub)
         except ValueError as e:
             raise HsxError(f"--push-to-hub {cfg.push_to_hub!r}: {e}") from None
-    if cfg.push_mode not in ("end", "stream"):
-        raise HsxError(f"--push-mode must be end or stream, got {cfg.push_mode!r}")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
-    if cfg.nonfinite not in ("skip", "keep"):
-        raise HsxError(f"--nonfinite must be skip or keep, got {cfg.nonfinite!r}")
-    if cfg.sdpa_backend not in ("flash", "cudnn", "efficient", "default"):
-        raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
-    if cfg.packing not in ("auto", "varlen", "none"):
-        raise HsxError(f"--packing must be auto, varlen or none, got {cfg.packing!r}")
-    if cfg.compile not in ("auto", "on", "off"):
-        raise HsxError(f"--compile must be auto, on or off, got {cfg.compile!r}")
-    if cfg.topk_logits < 0:
-        raise HsxError(f"--topk-logits must be 0 (off) or positive, got {cfg.topk_logits}")
-    if cfg.tp_size < 1:
-        raise HsxError(f"--tp-size must be at least 1, got {cfg.tp_size}")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
-    if cfg.gpus_per_copy < 1:
-        raise HsxError(f"--gpus-per-copy must be at least 1, got {cfg.gpus_per_copy}")
-    if cfg.token_budget is not None and cfg.token_budget < 1:
-        raise HsxError(f"--token-budget must be positive, got {cfg.token_budget}")
-    if isinstance(cfg.chat_template_kwargs, str):
-        try:
-            cfg.chat_template_kwargs = json.loads(cfg.chat_template_kwargs)
-        except json.JSONDecodeError as e:
-            raise HsxError(f"--chat-template-kwargs must be a JSON object: {e}") from None
-    if not isinstance(cfg.chat_template_kwargs, dict):
-        raise HsxError("chat_template_kwargs must be a mapping")
+
+
+def check_topk_logits(topk_logits: int, vocab_size: int) -> None:
+    """Top-k of a vocabulary of V needs k <= V (known once the model's config is read)."""
+    if topk_logits > vocab_size:
+        raise HsxError(f"--topk-logits {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
 
 
 # ---- layers -------------------------------------------------------------------------------------------------
 
-PRESET_RE = re.compile(r"^(eagle3|dflash(?:-(\d+))?)$")
+PRESET_RE = re.compile(r"(eagle3|dflash(?:-([0-9]{1,6}))?)")  # fullmatch; K of 7+ digits is no model's depth
+LAYERS_HELP = "expected integers (negatives count from the end) or one preset (eagle3, dflash, dflash-K)"
 
 
 def parse_layer_spec(spec: list | str | int) -> list[int] | str:
-    """Normalise `1,-1`, `[1, -1]`, `"1 -1"` to [1, -1]; leave a preset name as a string (it needs N)."""
-    if isinstance(spec, int):
+    """Normalise `1,-1`, `[1, -1]`, `"1 -1"`, `["1", "-1"]` to [1, -1]; leave a preset name as a string (it needs
+    N). Booleans, floats, nested lists and anything else are refused (HsxError), never converted."""
+    if type(spec) is int:
         return [spec]
-    if isinstance(spec, (list, tuple)):
-        if len(spec) == 1 and isinstance(spec[0], str):
-            return parse_layer_spec(spec[0])
-        items = [str(x) for x in spec]
-        if len(items) == 1 and PRESET_RE.match(items[0].strip()):
-            return items[0].strip()
-        tokens = [t for item in items for t in re.split(r"[,\s]+", item.strip()) if t]
-    else:
-        s = str(spec).strip()
-        if PRESET_RE.match(s):
+    if isinstance(spec, str):
+        s = spec.strip()
+        if PRESET_RE.fullmatch(s):
             return s
         tokens = [t for t in re.split(r"[,\s]+", s) if t]
-    try:
-        return [int(t) for t in tokens]
-    except ValueError:
-        raise HsxError(f"--layers {spec!r}: expected integers or one preset (eagle3, dflash, dflash-K)") from None
+    elif isinstance(spec, (list, tuple)):
+        if len(spec) == 1 and isinstance(spec[0], str):
+            return parse_layer_spec(spec[0])
+        tokens = []
+        for item in spec:
+            if type(item) is int:
+                tokens.append(str(item))
+            elif isinstance(item, str):
+                tokens += [t for t in re.split(r"[,\s]+", item.strip()) if t]
+            else:
+                raise HsxError(f"--layers: {_shown(item)} is not a layer; {LAYERS_HELP}")
+    else:
+        raise HsxError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
+    if not all(re.fullmatch(r"[-+]?[0-9]+", t) for t in tokens):
+        raise HsxError(f"--layers {spec!r}: {LAYERS_HELP}")
+    if any(len(t) > 12 for t in tokens):  # (Python refuses to parse ints of over 4300 digits)
+        raise HsxError(f"--layers {spec!r}: layer index out of range")
+    return [int(t) for t in tokens]
 
 
 def preset_layers(name: str, num_layers: int) -> tuple[list[int], bool]:
     """Layers and whether the final-norm state is included, for a preset on a model of `num_layers` layers."""
     n = num_layers
-    m = PRESET_RE.match(name)
+    m = PRESET_RE.fullmatch(name)
     if not m:
         raise HsxError(f"unknown layer preset {name!r}; known: eagle3, dflash, dflash-K")
     if name == "eagle3":
@@ -205,6 +373,9 @@ def preset_layers(name: str, num_layers: int) -> tuple[list[int], bool]:
         raise HsxError(f"layer preset {name!r}: K must be at least 1")
     if k == 1:
         return [n // 2], False
+    if k > n - 3:  # K layers spread over 1..N-3: more than N-3 of them must repeat (checked before building any)
+        raise HsxError(f"layer preset {name!r}: {k} layers spread over 1..{n - 3} of a model with {n} layers "
+                       f"would be duplicates; K can be at most {max(1, n - 3)} here")
     return [round(1 + j * (n - 4) / (k - 1)) for j in range(k)], False
 
 

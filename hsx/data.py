@@ -142,6 +142,7 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
     import datasets
 
     fmt = row_format(ds.column_names)
+    check_columns(ds, fmt, cfg.dataset)
     if fmt in ("messages", "conversations") and not chat_template_text(tokenizer):
         raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
                        f"{fmt!r} rows; give --tokenizer one that has, or pre-tokenized input_ids")
@@ -170,6 +171,32 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
     )
 
 
+def check_columns(ds, fmt: str, name: str) -> None:
+    """What no row of `ds` can get past, checked on the Arrow columns before any row is read (one HsxError line
+    instead of a UnicodeDecodeError from inside `map`): text that is not UTF-8 (Arrow's full validation, ~3 GB/s),
+    and pre-tokenized columns of floats. Arrow's JSON reader makes a whole column float when one row holds a
+    float, so the integer rows can no longer be told from the float ones: no row is skipped, the input is refused."""
+    import pyarrow as pa
+
+    for column in ds.column_names:
+        try:
+            ds.data.column(column).validate(full=True)
+        except pa.ArrowInvalid as e:
+            where = re.search(r"chunk (\d+).*Invalid UTF8 sequence at string index (\d+)", str(e))
+            row = (sum(len(c) for c in ds.data.column(column).chunks[:int(where[1])]) + int(where[2])
+                   if where and pa.types.is_string(ds.data.column(column).type) else None)
+            raise HsxError(f"dataset {name}: column {column!r} holds text that is not UTF-8"
+                           + (f" (row {row})" if row is not None else "") + "; re-encode the input as UTF-8") from None
+    if fmt != "input_ids":
+        return
+    for column, what in (("input_ids", "integer token ids"), ("loss_mask", "0/1 integers")):
+        inner = getattr(ds.features.get(column), "feature", None)
+        dtype = str(getattr(inner, "dtype", ""))
+        if dtype.startswith(("float", "double", "halffloat")):
+            raise HsxError(f"dataset {name}: column {column!r} holds {dtype} values, not {what}; write them "
+                           "as integers (no decimal point)")
+
+
 def _cpu_count() -> int:
     import os
 
@@ -184,15 +211,10 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
     reasons = [""] * n
     if fmt == "input_ids":
         for r, (row_ids, row_mask) in enumerate(zip(batch["input_ids"], batch.get("loss_mask", [None] * n))):
-            if row_ids is None:
-                reasons[r] = "missing_value"
-            elif len(row_ids) == 0:
-                reasons[r] = "empty_input"
-            elif row_mask is not None and len(row_mask) != len(row_ids):
-                reasons[r] = "loss_mask_length_mismatch"
-            else:
+            reasons[r] = pretokenized_problem(row_ids, row_mask)
+            if not reasons[r]:
                 ids[r] = list(row_ids)
-                masks[r] = [1 if m else 0 for m in row_mask] if row_mask is not None else [1] * len(row_ids)
+                masks[r] = list(row_mask) if row_mask is not None else [1] * len(row_ids)
     elif fmt == "text":
         good = [r for r, t in enumerate(batch["text"]) if isinstance(t, str) and t.strip()]
         for r, t in enumerate(batch["text"]):
@@ -237,6 +259,29 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
         "truncated": truncated,
         "skip_reason": reasons,
     }
+
+
+INT32_MAX = 2**31 - 1  # input_ids are stored as int32
+
+
+def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
+    """The skip reason of a pre-tokenized row ("" when usable). `input_ids` must be a list of integers in int32
+    range and `loss_mask` (optional) a list of as many 0s and 1s. Nothing is converted: a float id (1.0 or 0.2), a
+    string, a boolean, a nested list or a null is `bad_input_ids` / `bad_loss_mask`, never silently an id or a
+    supervised token (a mask of strings, each truthy, would otherwise supervise every token)."""
+    if row_ids is None:
+        return "missing_value"
+    if not isinstance(row_ids, list) or not all(type(t) is int and -INT32_MAX <= t <= INT32_MAX for t in row_ids):
+        return "bad_input_ids"  # (ids outside the vocabulary are token_id_out_of_range, where it is known)
+    if not row_ids:
+        return "empty_input"
+    if row_mask is None:
+        return ""
+    if not isinstance(row_mask, list) or not all(type(m) is int and m in (0, 1) for m in row_mask):
+        return "bad_loss_mask"
+    if len(row_mask) != len(row_ids):
+        return "loss_mask_length_mismatch"
+    return ""
 
 
 def normalize_conversation(raw: Any, sharegpt: bool) -> tuple[list[dict[str, str]], str]:

@@ -39,7 +39,6 @@ How:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import queue
 import random
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.sink import OutputDir, fsync_dir, human_bytes, uploaded_matches
+from hsx.sink import OutputDir, fsync_dir, human_bytes, manifest_problem, read_jsonl, uploaded_matches
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -541,13 +540,8 @@ class StreamUploader:
         manifest = self.out.state / f"manifest-{self.out.rank:05d}.jsonl"
         if not manifest.exists():
             return
-        uploaded, mine = self.out.uploaded(), {}
-        for line in manifest.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            mine[rec["unit"]] = rec
+        uploaded = self.out.uploaded()
+        mine = {rec["unit"]: rec for rec in read_jsonl(manifest, manifest_problem)}
         for unit, rec in sorted(mine.items()):
             f = self.out.data / rec["file"]
             if (f.exists() and f.stat().st_size == rec["bytes"]

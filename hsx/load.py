@@ -27,7 +27,6 @@ drafter's training; export it to SpecForge's offline layout.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -108,15 +107,19 @@ def _warn_if_partial(root: Path) -> None:
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:
-    """hsx.json of a local output dir."""
-    return json.loads((Path(path) / "hsx.json").read_text())
+    """hsx.json of a local output dir (HsxError, one line, when it is missing or damaged)."""
+    from hsx.sink import info_problem, read_json
+
+    return read_json(Path(path) / "hsx.json", info_problem)
 
 
 def hub_info(repo_id: str, revision: str | None = None) -> dict[str, Any]:
     """hsx.json of a Hub repo (one small download, cached by huggingface_hub)."""
     from huggingface_hub import hf_hub_download
 
-    return json.loads(Path(hf_hub_download(repo_id, "hsx.json", repo_type="dataset", revision=revision)).read_text())
+    from hsx.sink import info_problem, read_json
+
+    return read_json(Path(hf_hub_download(repo_id, "hsx.json", repo_type="dataset", revision=revision)), info_problem)
 
 
 # ---- decoding rows ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 from hsx import __version__
 from hsx.buckets import plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, resolve_layers
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, check_config, check_topk_logits, resolve_layers
 from hsx.extract import output_columns
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
@@ -225,6 +225,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
+    check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
     proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
@@ -252,6 +253,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
     if cfg.topk_logits and not final_hidden:
         raise HsxError("--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 preset)")
+    check_topk_logits(cfg.topk_logits, int(text.vocab_size))
     raw = data.load_input(cfg)
     tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
     hidden = int(text.hidden_size)

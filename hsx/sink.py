@@ -21,16 +21,149 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hsx.config import HsxError
+from hsx.config import COMPUTE_DTYPES, STORAGE_DTYPES, HsxError
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
+
+
+# ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
+
+def read_json(path: Path, problem=None) -> dict[str, Any]:
+    """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json), checked by `problem(obj)` (a
+    sentence, or None when it is fine). Unreadable, not UTF-8 JSON, not an object, or a key missing or of the
+    wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
+    try:
+        obj = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
+    why = ("not a JSON object" if not isinstance(obj, dict) else problem(obj) if problem is not None else None)
+    if why:
+        raise HsxError(f"{path} is damaged: {why}")
+    return obj
+
+
+def read_jsonl(path: Path, problem) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl). A line
+    that is not JSON is a torn append from a kill (its unit is redone) and is passed over; a whole JSON line that
+    is not a valid record (`problem`) was damaged or written by something else: HsxError naming file and line."""
+    try:
+        blob = Path(path).read_bytes()
+    except OSError as e:
+        raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    for number, raw in enumerate(blob.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            continue
+        why = "not a JSON object" if not isinstance(rec, dict) else problem(rec)
+        if why:
+            raise HsxError(f"{path}: line {number} is damaged: {why}")
+        yield rec
+
+
+def _is_int(v: Any, least: int = 0) -> bool:
+    return type(v) is int and v >= least
+
+
+def _first_problem(obj: dict[str, Any], checks: dict[str, tuple[Any, str]]) -> str | None:
+    """`checks`: key -> (predicate of its value, what it must be). The first key missing or failing."""
+    for key, (ok, must) in checks.items():
+        if key not in obj:
+            return f"key {key!r} is missing"
+        if not ok(obj[key]):
+            return f"{key} must be {must}, got {str(obj[key])[:60]!r}"
+    return None
+
+
+def _layers_ok(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
+
+
+_OUTPUT_CHECKS = {
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "layers": (_layers_ok, "a list of distinct non-negative integers"),
+    "hidden_size": (lambda v: _is_int(v, 1), "a positive integer"),
+    "num_model_layers": (lambda v: _is_int(v, 1), "a positive integer"),
+    "final_hidden": (lambda v: type(v) is bool, "true or false"),
+    "storage_dtype": (lambda v: v in STORAGE_DTYPES, f"one of {', '.join(STORAGE_DTYPES)}"),
+    "max_length": (lambda v: _is_int(v, 1), "a positive integer"),
+    "counts": (lambda v: isinstance(v, dict), "an object"),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+}
+_CONFIG_CHECKS = {  # what readers take from the recorded config (hsx.json's and summary.json's "config")
+    "nonfinite": (lambda v: v in ("skip", "keep"), "skip or keep"),
+    "topk_logits": (lambda v: _is_int(v), "a non-negative integer"),
+    "dtype": (lambda v: v in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}"),
+}
+
+
+def _output_problem(obj: dict[str, Any], checks: dict[str, tuple[Any, str]], counts: tuple[str, ...]) -> str | None:
+    why = _first_problem(obj, {**_OUTPUT_CHECKS, **checks})
+    if why:
+        return why
+    if max(obj["layers"]) >= obj["num_model_layers"]:
+        return f"layers {obj['layers']} do not fit a model of {obj['num_model_layers']} layers"
+    config = {k: v for k, v in obj["config"].items() if k in _CONFIG_CHECKS}
+    why = _first_problem(config, {k: c for k, c in _CONFIG_CHECKS.items() if k in config})
+    if why:
+        return "config." + why
+    for key in counts:
+        if not _is_int(obj["counts"].get(key)):
+            return f"counts.{key} must be a non-negative integer, got {obj['counts'].get(key)!r}"
+    if not isinstance(obj["counts"].get("skipped"), dict):
+        return "counts.skipped must be an object"
+    return None
+
+
+def info_problem(info: dict[str, Any]) -> str | None:
+    """What is wrong with an hsx.json (None: every key its readers use is there, of the right type)."""
+    return _output_problem(info, {"complete": (lambda v: type(v) is bool, "true or false")},
+                           ("rows_in", "rows_written", "tokens_written", "truncated"))
+
+
+def summary_problem(summary: dict[str, Any]) -> str | None:
+    """What is wrong with a .hsx/summary.json (what `hsx merge` and finalization build hsx.json from)."""
+    return _output_problem(summary, {
+        "unit_names": (lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v), "a list of strings"),
+        "command": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated"))
+
+
+def job_problem(job: dict[str, Any]) -> str | None:
+    return _first_problem(job, {"fingerprint": (lambda v: isinstance(v, str) and bool(v), "a string"),
+                                "inputs": (lambda v: isinstance(v, dict), "an object")})
+
+
+UNIT_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]*")  # a file name under data/, never a path
+
+
+def manifest_problem(rec: dict[str, Any]) -> str | None:
+    why = _first_problem(rec, {
+        "unit": (lambda v: isinstance(v, str) and UNIT_NAME.fullmatch(v) is not None, "a unit name"),
+        "file": (lambda v: v == f"train-{rec.get('unit')}.arrow", f"train-{rec.get('unit')}.arrow"),
+        "bytes": (_is_int, "a non-negative integer"),
+        "rows": (_is_int, "a non-negative integer"),
+        "tokens": (_is_int, "a non-negative integer"),
+    })
+    if why is None and not isinstance(rec.get("crc32", ""), str):
+        why = "crc32 must be a string"
+    return why
+
+
+def uploaded_problem(rec: dict[str, Any]) -> str | None:
+    return _first_problem(rec, {"file": (lambda v: isinstance(v, str), "a path in the repo"),
+                                "bytes": (_is_int, "a non-negative integer")})
 
 
 def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False,
@@ -81,7 +214,7 @@ class OutputDir:
 
     def manifest_lines(self) -> Iterator[str]:
         for manifest in sorted(self.state.glob(MANIFESTS)):
-            yield from manifest.read_text().splitlines()
+            yield from manifest.read_text(errors="replace").splitlines()
 
     # ---- claiming a dir for a job ----
 
@@ -128,7 +261,7 @@ class OutputDir:
                 p.name not in (".hsx",) for p in self.root.iterdir()):
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
         if job_file.exists():
-            old = json.loads(job_file.read_text())
+            old = read_json(job_file, job_problem)
             if old.get("fingerprint") == job["fingerprint"]:
                 info = self.read_info()
                 return "complete" if info.get("complete") else "resume"
@@ -180,9 +313,11 @@ class OutputDir:
         stats = []
         for f in sorted((self.state / "ranks" / run_id).glob("*.done")):
             try:
-                stats.append(json.loads(f.read_text() or "{}"))
-            except json.JSONDecodeError:
+                record = json.loads(f.read_text() or "{}")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
                 continue
+            if isinstance(record, dict):
+                stats.append(record)
         return stats
 
     def write_summary(self, summary: dict[str, Any]) -> None:
@@ -190,11 +325,12 @@ class OutputDir:
 
     def read_summary(self) -> dict[str, Any]:
         f = self.state / "summary.json"
-        return json.loads(f.read_text()) if f.exists() else {}
+        return read_json(f, summary_problem) if f.exists() else {}
 
     def read_info(self) -> dict[str, Any]:
+        """hsx.json ({} when there is none yet); HsxError when it is damaged (see `read_json`)."""
         f = self.root / "hsx.json"
-        return json.loads(f.read_text()) if f.exists() else {}
+        return read_json(f, info_problem) if f.exists() else {}
 
     # ---- units ----
 
@@ -202,12 +338,9 @@ class OutputDir:
         """Every committed unit's manifest record (every rank's), by unit name; whether its file is still here
         or not."""
         records = {}
-        for line in self.manifest_lines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a kill mid-append: that unit is redone
-            records[rec["unit"]] = rec
+        for manifest in sorted(self.state.glob(MANIFESTS)):
+            for rec in read_jsonl(manifest, manifest_problem):  # a torn line from a kill: that unit is redone
+                records[rec["unit"]] = rec
         return records
 
     def done_units(self) -> dict[str, dict[str, Any]]:
@@ -231,11 +364,7 @@ class OutputDir:
         record of each path over every .hsx/uploaded-*.jsonl (one per rank, and one for `hsx push`)."""
         records: dict[str, dict[str, Any]] = {}
         for ledger in sorted(self.state.glob(UPLOADED)):
-            for line in ledger.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line: that file is uploaded again (a no-op on the Hub)
+            for rec in read_jsonl(ledger, uploaded_problem):  # a torn line: uploaded again (a no-op on the Hub)
                 records[rec["file"]] = rec
         return records
 
@@ -624,7 +753,7 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
         f = src.state / "job.json"
         if not f.exists():
             raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
-        jobs.append(json.loads(f.read_text()))
+        jobs.append(read_json(f, job_problem))
     if len({j["fingerprint"] for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
     summary = next((s for s in (src.read_summary() for src in sources) if s), None)

@@ -6,6 +6,11 @@ repeats; every row's columns have `num_tokens` entries; and K random rows recomp
 full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for layer i < N-1, a hook for the pre-norm
 output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree within a relative error (Frobenius,
 per layer). Any mismatch is a non-zero exit.
+
+Trust comes from the command line only: OUT is data, and its hsx.json may name any folder and say
+`trust_remote_code: true`. The reference is `--model PATH` when given, else the folder hsx.json records, and its
+own code runs only with `--trust-remote-code`, which needs `--model` (the model whose code runs is the one the
+user named, never one the output dir names). A job that ran remote code cannot be recomputed without both.
 """
 
 from __future__ import annotations
@@ -20,21 +25,32 @@ class VerifyFailed(Exception):
     pass
 
 
-def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print) -> dict[str, Any]:
+def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print,
+           model: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """`model` / `trust_remote_code`: the reference model and whether its own code may run (from the command
+    line; see the module docstring)."""
     import pyarrow.compute as pc
 
+    from hsx.config import HsxError
     from hsx.load import load, torch_view
     from hsx.sink import OutputDir, features, file_crc32, uploaded_matches
 
+    if trust_remote_code and not model:
+        raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
+                       "command line, never from the one OUT's hsx.json names")
     out = OutputDir(out_dir)
     problems: list[str] = []
-    info = out.read_info()
+    try:
+        info = out.read_info()
+        records = out.manifest_records()
+        uploaded = out.uploaded()
+    except HsxError as e:
+        raise VerifyFailed(str(e)) from None
     if not info.get("complete"):
         raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
     layers, hidden, final = info["layers"], info["hidden_size"], info["final_hidden"]
     keep_flag = info.get("config", {}).get("nonfinite") == "keep"
     # Files against the manifest first (size, CRC-32): a damaged file is named here, before anything parses it.
-    records = out.manifest_records()
     files = out.data_files()
     for f in files:
         rec = next((r for r in records.values() if r["file"] == f.name), None)
@@ -47,7 +63,6 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             problems.append(f"{f.name}: {f.stat().st_size} bytes, manifest says {rec['bytes']}")
         elif "crc32" in rec and file_crc32(f) != rec["crc32"]:
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
-    uploaded = out.uploaded()
     missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
     problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
@@ -79,10 +94,14 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
 
     errors: dict[str, float] = {}
     if samples and len(ds):
-        if not info.get("model_path") or not Path(info["model_path"]).exists():
-            problems.append(f"cannot recompute rows: model folder {info.get('model_path')!r} is not here")
+        recorded = info.get("model_path")
+        if not model and info["config"].get("trust_remote_code") is not False:
+            problems.append("cannot recompute rows: the job ran the model's own code (trust_remote_code), and "
+                            "verify takes no trust from hsx.json: pass --model PATH --trust-remote-code")
+        elif not model and not (isinstance(recorded, str) and recorded and Path(recorded).is_dir()):
+            problems.append(f"cannot recompute rows: model folder {recorded!r} is not here; pass --model PATH")
         else:
-            errors = _recompute(info, torch_view(out_dir), samples, seed)
+            errors = _recompute(info, torch_view(out_dir), samples, seed, model or recorded, trust_remote_code)
             for name, err in errors.items():
                 if not err <= tolerance:
                     problems.append(f"{name}: relative error {err:.3g} > {tolerance:g}")
@@ -97,7 +116,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     return report
 
 
-def _recompute(info: dict[str, Any], rows, samples: int, seed: int) -> dict[str, float]:
+def _recompute(info: dict[str, Any], rows, samples: int, seed: int, model_path: str,
+               trust_remote_code: bool) -> dict[str, float]:
     import torch
     from transformers import AutoModel
 
@@ -105,10 +125,17 @@ def _recompute(info: dict[str, Any], rows, samples: int, seed: int) -> dict[str,
 
     cfg = info["config"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModel.from_pretrained(info["model_path"], dtype=TORCH_DTYPES[cfg.get("dtype", "bfloat16")],
-                                      use_safetensors=True, trust_remote_code=cfg.get("trust_remote_code", False))
+    try:
+        model = AutoModel.from_pretrained(model_path, dtype=TORCH_DTYPES[cfg.get("dtype", "bfloat16")],
+                                          use_safetensors=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise VerifyFailed(f"cannot load the reference model {model_path}: {str(e).strip().splitlines()[0]}"
+                           if str(e).strip() else f"cannot load the reference model {model_path}") from None
     model = model.to(device).eval()
     n = info["num_model_layers"]
+    if len(decoder_layers(model)) != n:
+        raise VerifyFailed(f"the reference model {model_path} has {len(decoder_layers(model))} layers; the output "
+                           f"was extracted from one with {n}")
     last = {}
     hook = decoder_layers(model)[n - 1].register_forward_hook(
         lambda m, a, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
@@ -134,6 +161,9 @@ def _recompute(info: dict[str, Any], rows, samples: int, seed: int) -> dict[str,
 
 def _worst(worst: dict[str, float], name: str, got, ref) -> None:
     got, ref = got.float().cpu(), ref.float().cpu()
+    if got.shape != ref.shape:  # a --model of another hidden size
+        worst[name] = float("inf")
+        return
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
     if not np.isfinite(err):
         err = float("inf")
