@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if not (Path(args.output_dir) / "hsx.json").is_file():
                 raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
-            with OutputDir(args.output_dir).locked():
+            out = OutputDir(args.output_dir)
+            out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
+            with out.locked():
                 push_output(args.output_dir, args.repo_id, private=not args.public, revision=args.revision)
         elif args.command == "export-specforge":
             from hsx.load import export_specforge

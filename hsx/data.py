@@ -174,8 +174,10 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
 def check_columns(ds, fmt: str, name: str) -> None:
     """What no row of `ds` can get past, checked on the Arrow columns before any row is read (one HsxError line
     instead of a UnicodeDecodeError from inside `map`): text that is not UTF-8 (Arrow's full validation, ~3 GB/s),
-    and pre-tokenized columns of floats. Arrow's JSON reader makes a whole column float when one row holds a
-    float, so the integer rows can no longer be told from the float ones: no row is skipped, the input is refused."""
+    and pre-tokenized columns of floats or of mixed types. Arrow's JSON reader makes a whole column float when one
+    row holds a float, and datasets' makes a column of mixed types JSON, decoding a string "1" as 1: the good rows
+    can no longer be told from the bad ones, so no row is skipped, the input is refused. (A column whose rows all
+    hold strings, booleans or nulls keeps them: those rows are skipped as bad_input_ids / bad_loss_mask.)"""
     import pyarrow as pa
 
     for column in ds.column_names:
@@ -190,11 +192,16 @@ def check_columns(ds, fmt: str, name: str) -> None:
     if fmt != "input_ids":
         return
     for column, what in (("input_ids", "integer token ids"), ("loss_mask", "0/1 integers")):
-        inner = getattr(ds.features.get(column), "feature", None)
+        feature = ds.features.get(column)
+        inner = getattr(feature, "feature", None)
         dtype = str(getattr(inner, "dtype", ""))
         if dtype.startswith(("float", "double", "halffloat")):
             raise HsxError(f"dataset {name}: column {column!r} holds {dtype} values, not {what}; write them "
                            "as integers (no decimal point)")
+        if "Json" in (type(feature).__name__, type(inner).__name__):
+            raise HsxError(f"dataset {name}: column {column!r} mixes value types across rows (strings, lists or "
+                           f"booleans among integers), which the JSON reader does not keep apart (\"1\" reads as "
+                           f"1); make every row a list of {what}")
 
 
 def _cpu_count() -> int:

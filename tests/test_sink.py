@@ -13,7 +13,9 @@ from hsx.config import HsxError
 from hsx.sink import OutputDir, features, info_features, job_fingerprint
 
 CARD = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.arrow\n---\n"
-INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True}
+INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True, "model": "m",
+        "num_model_layers": 4, "storage_dtype": "bfloat16", "max_length": 16, "config": {},
+        "counts": {"rows_in": 0, "rows_written": 0, "tokens_written": 0, "truncated": 0, "skipped": {}}}
 
 
 def job(**inputs):
@@ -58,17 +60,12 @@ def test_locked_refuses_a_file(tmp_path):
 
 # ---- claim --------------------------------------------------------------------------------------------------
 
-FINISHED_INFO = {"complete": True, "model": "m", "layers": [1], "hidden_size": 8, "num_model_layers": 2,
-                 "final_hidden": False, "storage_dtype": "bfloat16", "max_length": 16, "config": {},
-                 "counts": {"rows_in": 1, "rows_written": 1, "tokens_written": 4, "truncated": 0, "skipped": {}}}
-
-
 def test_same_job_resumes_or_is_complete(tmp_path):
     out = OutputDir(tmp_path / "out")
     with out.locked():
         assert out.claim(job(), False) == "new"
         assert out.claim(job(), False) == "resume"
-        (out.root / "hsx.json").write_text(json.dumps(FINISHED_INFO))
+        (out.root / "hsx.json").write_text(json.dumps(INFO))
         assert out.claim(job(), False) == "complete"
 
 
