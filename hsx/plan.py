@@ -448,16 +448,15 @@ def plan_command(args) -> dict[str, Any]:
 
 
 def _recipe_keys(path: str | None) -> dict[str, Any]:
-    """The recipe's raw keys (unchecked: load_config reports any problem with the file)."""
+    """The recipe's keys, typed ({} for a recipe that load_config will refuse, in one line, right after)."""
     if not path:
         return {}
-    import yaml
+    from hsx.config import HsxError, read_recipe
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        return read_recipe(path)
+    except HsxError:
         return {}
-    return raw if isinstance(raw, dict) else {}
 
 
 def default_output_dir(config_path: str | None, model: str) -> str:

@@ -250,3 +250,142 @@ def test_demo_recipe_paths(monkeypatch, tmp_path):
 def test_to_dict_round_trips():
     cfg = ExtractConfig(model="m", dataset="d", layers=[1], output_dir="o")
     assert ExtractConfig(**cfg.to_dict()) == cfg
+
+
+# ---- typed values: every key parsed to its declared type, no coercion (recipes, flags, keyword options) --------
+
+from hsx.config import CHOICES, FIELD_KINDS, check_config, check_topk_logits, config_from, read_recipe  # noqa: E402
+
+BOOL_KEYS = [k for k, (kind, _) in FIELD_KINDS.items() if kind == "bool"]
+REQUIRED = {"model": "m", "dataset": "d", "layers": [1], "output_dir": "o"}
+
+
+def test_every_boolean_key_is_known():
+    assert {"trust_remote_code", "overwrite", "final_hidden", "strict", "hub_private",
+            "delete_after_upload"} <= set(BOOL_KEYS)
+
+
+@pytest.mark.parametrize("key", BOOL_KEYS)
+@pytest.mark.parametrize("text", ['"false"', "'true'", "no", "yes", "on", "off", "y", "n", "0", "1", "NO", "Off",
+                                  "~", "[]"])
+def test_a_boolean_is_only_an_unquoted_true_or_false(tmp_path, key, text):
+    """`trust_remote_code: "false"` once ran the model's code, `overwrite: "false"` deleted a finished output and
+    `final_hidden: "no"` wrote the final column: each is a string (truthy), a YAML 1.1 boolean or a number."""
+    with pytest.raises(HsxError, match=f"config .*recipe.yaml: {key} must") as e:
+        load_config(write(tmp_path, BASE + f"layers: [1]\n{key}: {text}\n"), {})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("text", "value"), [("true", True), ("false", False), ("True", True), ("FALSE", False)])
+def test_yaml_booleans(tmp_path, text, value):
+    cfg = load_config(write(tmp_path, BASE + f"layers: [1]\nfinal_hidden: {text}\nstrict: {text}\n"), {})
+    assert cfg.final_hidden is value and cfg.strict is value
+
+
+@pytest.mark.parametrize(("line", "key"), [
+    ('max_length: "512"', "max_length"), ("max_length: 512.0", "max_length"), ("max_length: true", "max_length"),
+    ("max_length: 0", "max_length"), ("max_length: null", "max_length"), ("limit: -1", "limit"),
+    ("limit: 0", "limit"), ("limit: '10'", "limit"), ("token_budget: 1k", "token_budget"),
+    ("topk_logits: -1", "topk_logits"), ("tp_size: 0", "tp_size"), ("num_proc: 0", "num_proc"),
+    ("unit_tokens: 1:30", "unit_tokens"),  # YAML 1.1 would read sexagesimal 90
+    ("model: [1, 2]", "model"), ("model: 123", "model"), ("split: true", "split"), ("model: null", "model"),
+    ("revision: 2024-01-01", None),  # a date stays a string: accepted
+    ("dtype: int8", "dtype"), ("storage_dtype: bf16", "storage_dtype"), ("compile: yes", "compile"),
+    ("packing: [varlen]", "packing"), ("chat_template_kwargs: [1]", "chat_template_kwargs"),
+    ("chat_template_kwargs: '{not json'", "chat_template_kwargs"),
+    ('dataset: "a\\0b"', "dataset"),
+])
+def test_wrong_types_and_ranges_name_the_key(tmp_path, line, key):
+    path = write(tmp_path, BASE.replace(f"{line.split(':')[0]}:", "#") + f"layers: [1]\n{line}\n")
+    if key is None:
+        assert load_config(path, {}).revision == "2024-01-01"
+        return
+    with pytest.raises(HsxError, match=key) as e:
+        load_config(path, {})
+    assert "\n" not in str(e.value)
+
+
+def test_null_is_allowed_where_the_type_says_so(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + "layers: [1]\nlimit: null\ntoken_budget: ~\nrevision:\n"), {})
+    assert (cfg.limit, cfg.token_budget, cfg.revision) == (None, None, None)
+
+
+@pytest.mark.parametrize("layers", ["[1, true]", "[1.5]", "[[1]]", "{a: 1}", "true", "1.0", "[]", "''", "dflash-1234567"])
+def test_bad_yaml_layers_are_one_line(tmp_path, layers):
+    with pytest.raises(HsxError, match="layers") as e:
+        load_config(write(tmp_path, BASE + f"layers: {layers}\n"), {})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01\x02\xff\xfe binary", b"model: \xff\xfe\n", b"- 1\n- 2\n", b"just a string\n",
+                                     b"model: m\nmodel: n\n", b"a: &x [1]\nb: *x\n", b"[" * 5000 + b"]" * 5000,
+                                     b"model: m\n---\nmodel: n\n", b"model: [unclosed\n", b"\tmodel: m\n"])
+def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(content)
+    with pytest.raises(HsxError, match="recipe.yaml") as e:
+        read_recipe(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_a_huge_recipe_is_refused_unread(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(b"# " + b"x" * (2 << 20) + b"\n")
+    with pytest.raises(HsxError, match="MiB"):
+        read_recipe(str(path))
+
+
+def test_yaml_integers_of_other_bases_and_strings_that_look_like_ints(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + "layers: [1]\nmax_length: 0x200\nsplit: '123'\n"), {})
+    assert (cfg.max_length, cfg.split) == (512, "123")
+
+
+def test_config_from_keyword_options_is_typed_like_a_recipe():
+    cfg = config_from({**REQUIRED, "final_hidden": True, "limit": 5, "layers": "dflash"})
+    assert (cfg.final_hidden, cfg.limit, cfg.layers) == (True, 5, "dflash")
+    for bad in ({"trust_remote_code": "false"}, {"overwrite": 0}, {"max_length": "512"}, {"max_length": 512.0},
+                {"layers": [1, True]}, {"model": ["m"]}, {"limit": -1}, {"storage_dtype": "int4"}, {"laers": [1]}):
+        with pytest.raises(HsxError, match=next(iter(bad))):
+            config_from({**REQUIRED, **bad})
+
+
+def test_check_config_types_a_dataclass_built_in_python():
+    """hsx.run.extract checks an ExtractConfig built directly, as Python code may."""
+    with pytest.raises(HsxError, match="overwrite"):
+        check_config(ExtractConfig(**REQUIRED, overwrite="false"))
+    cfg = ExtractConfig(**{**REQUIRED, "layers": "1,-1"})
+    check_config(cfg)
+    assert cfg.layers == [1, -1]
+
+
+def test_topk_logits_is_bounded_by_the_vocabulary():
+    check_topk_logits(100, 100)
+    with pytest.raises(HsxError, match="vocabulary"):
+        check_topk_logits(101, 100)
+
+
+def test_flags_take_their_types_and_choices_from_the_config():
+    from hsx.cli import build_parser
+
+    parser = build_parser()
+    base = ["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir", "o"]
+    for flag, value in (("--max-length", "512.5"), ("--limit", "ten"), ("--storage-dtype", "bf16"),
+                        ("--compile", "yes"), ("--nonfinite", "drop")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, flag, value])
+    args = parser.parse_args([*base, "--storage-dtype", "float8_e4m3", "--no-hub-private", "--limit", "3"])
+    assert (args.storage_dtype, args.hub_private, args.limit) == ("float8_e4m3", False, 3)
+    assert set(CHOICES) <= {k for k, (kind, _) in FIELD_KINDS.items() if kind == "str"}
+
+
+@pytest.mark.parametrize("argv_tail", [["--limit", "-1"], ["--limit", "0"], ["--layers", ""],
+                                       ["--layers", "dflash-999999999"], ["--chat-template-kwargs", "[1]"],
+                                       ["--token-budget", "0"]])
+def test_bad_flag_values_are_one_line(capsys, argv_tail):
+    from hsx.cli import main
+
+    argv = ["extract", "--model", "m", "--dataset", "d", "--output-dir", "o", "--layers", "1", *argv_tail]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("hsx: error: "), err
