@@ -137,7 +137,9 @@ def summary_problem(summary: dict[str, Any]) -> str | None:
     """What is wrong with a .hsx/summary.json (what `hsx merge` and finalization build hsx.json from)."""
     return _output_problem(summary, {
         "unit_names": (lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v), "a list of strings"),
-        "command": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated"))
+        "command": (lambda v: isinstance(v, str), "a string"),
+        "hsx_version": (lambda v: isinstance(v, str), "a string"),
+        "layer_convention": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated"))
 
 
 def job_problem(job: dict[str, Any]) -> str | None:
@@ -158,6 +160,9 @@ def manifest_problem(rec: dict[str, Any]) -> str | None:
     })
     if why is None and not isinstance(rec.get("crc32", ""), str):
         why = "crc32 must be a string"
+    for key in ("skipped_oom", "skipped_nonfinite", "nonfinite_kept"):  # summed into hsx.json's counts
+        if why is None and not _is_int(rec.get(key, 0)):
+            why = f"{key} must be a non-negative integer"
     return why
 
 
