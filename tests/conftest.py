@@ -305,6 +305,18 @@ def message_lines(err: str) -> list[str]:
     return [line for line in _re.split(r"[\r\n]+", err) if line.strip() and not _PROGRESS.search(line)]
 
 
+def assert_one_error_line(rc: int, err: str, *needles: str, prefix: str = "hsx: error: ") -> str:
+    """A failed command's stderr is one line (progress bars aside), starting with `prefix`, holding `needles`."""
+    assert rc != 0
+    assert "Traceback" not in err, err
+    lines = message_lines(err)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(prefix), lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment of an hsx subprocess: offline, one thread per process, no leftover launcher variables."""
     env = dict(os.environ)

@@ -23,6 +23,7 @@ import torch
 
 from conftest import (
     assert_equals_reference,
+    assert_one_error_line,
     assert_same_output,
     assert_units_intact,
     committed_units,
@@ -34,17 +35,6 @@ from conftest import (
     output_table,
     torn_manifest_copy,
 )
-
-
-def assert_one_error_line(rc: int, err: str, *needles: str, prefix: str = "hsx: error: ") -> str:
-    assert rc != 0
-    assert "Traceback" not in err, err
-    lines = message_lines(err)
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(prefix), lines[0]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def unit_crcs(out: Path) -> dict[str, str]:

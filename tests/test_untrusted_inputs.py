@@ -18,21 +18,10 @@ from pathlib import Path
 import pytest
 
 import hsx
-from conftest import fault_argv, hsx_main, message_lines, write_jsonl
+from conftest import assert_one_error_line, fault_argv, hsx_main, write_jsonl
 from hsx import data
 from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
 from hsx.load import info as output_info
-
-
-def one_error_line(rc: int, err: str, *needles: str, prefix: str = "hsx: ") -> str:
-    assert rc != 0
-    assert "Traceback" not in err, err
-    lines = message_lines(err)
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(prefix), lines[0]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,7 @@ def test_verify_never_runs_code_an_output_dir_names(copy, evil_model, trust):
     rc, _, err = hsx_main(["verify", str(out), "--samples", "2"])
     assert not marker.exists(), "verify ran code from a model folder that hsx.json named"
     if trust is not False:
-        one_error_line(rc, err, "--trust-remote-code", prefix="hsx: verify failed: ")
+        assert_one_error_line(rc, err, "--trust-remote-code", prefix="hsx: verify failed: ")
     else:  # recomputed with the recorded folder, its code not run (transformers' own Qwen3 class)
         assert rc == 0, err
 
@@ -97,7 +86,7 @@ def test_verify_trust_remote_code_needs_a_model_named_on_the_command_line(copy, 
     folder, marker = evil_model
     _point_at(out, folder, True)
     rc, _, err = hsx_main(["verify", str(out), "--samples", "2", "--trust-remote-code"])
-    one_error_line(rc, err, "--model", prefix="hsx: error: ")
+    assert_one_error_line(rc, err, "--model", prefix="hsx: error: ")
     assert not marker.exists()
 
 
@@ -114,7 +103,7 @@ def test_verify_with_model_flag_recomputes_against_it(copy, evil_model, model4):
 def test_verify_with_a_model_of_another_depth_is_one_line(copy, model8):
     out, _ = copy
     rc, _, err = hsx_main(["verify", str(out), "--samples", "2", "--model", str(model8.path)])
-    one_error_line(rc, err, "8 layers", prefix="hsx: verify failed: ")
+    assert_one_error_line(rc, err, "8 layers", prefix="hsx: verify failed: ")
 
 
 # ---- 2. layer bounds come before any allocation ---------------------------------------------------------------
@@ -137,14 +126,14 @@ def test_layers_flag_with_a_huge_preset_or_nothing_is_one_line(tmp_path, model4,
         argv = ["extract", "--model", str(model4.path), "--dataset", str(small_chat_path), "--output-dir",
                 str(tmp_path / "o"), "--layers", *layers]
         rc, _, err = hsx_main(argv)
-        one_error_line(rc, err, "layers", prefix="hsx: error: ")
+        assert_one_error_line(rc, err, "layers", prefix="hsx: error: ")
         assert time.perf_counter() - t < 5
 
 
 def test_topk_logits_above_the_vocabulary_is_one_line(tmp_path, model4, small_chat_path):
     argv = fault_argv(model4.path, small_chat_path, tmp_path / "o", "--topk-logits", "1000000")
     rc, _, err = hsx_main(argv)
-    one_error_line(rc, err, "--topk-logits 1000000", "vocabulary", prefix="hsx: error: ")
+    assert_one_error_line(rc, err, "--topk-logits 1000000", "vocabulary", prefix="hsx: error: ")
     assert not (tmp_path / "o" / "hsx.json").exists()
 
 
@@ -231,7 +220,7 @@ def test_non_utf8_jsonl_through_the_cli_is_one_line(tmp_path, model4):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"text": "caf\xe9 au lait"}\n')
     rc, _, err = hsx_main(fault_argv(model4.path, path, tmp_path / "o"))
-    one_error_line(rc, err, "not UTF-8", "row 0", prefix="hsx: error: ")
+    assert_one_error_line(rc, err, "not UTF-8", "row 0", prefix="hsx: error: ")
 
 
 def test_a_string_loss_mask_supervises_nothing_end_to_end(tmp_path, model4):
@@ -286,7 +275,7 @@ def test_a_damaged_hsx_json_is_one_line_for_every_command(copy, tmp_path, how):
     _damage_info(out, how)
     for name, command in _commands(out, argv, tmp_path).items():
         rc, _, err = hsx_main(command)
-        one_error_line(rc, err, "hsx.json", prefix="hsx: ")
+        assert_one_error_line(rc, err, "hsx.json", prefix="hsx: ")
     for read in (lambda: hsx.load(str(out), layers=[1]), lambda: hsx.torch_view(str(out)),
                  lambda: output_info(str(out))):
         with pytest.raises(HsxError, match="hsx.json is damaged"):
@@ -317,7 +306,7 @@ def test_a_damaged_manifest_line_is_one_line_for_every_command(copy, tmp_path, h
         if name == "extract":
             (out / "hsx.json").unlink()
         rc, _, err = hsx_main(command)
-        line = one_error_line(rc, err, manifest.name, "line 2", prefix="hsx: ")
+        line = assert_one_error_line(rc, err, manifest.name, "line 2", prefix="hsx: ")
         assert "damaged" in line, (name, line)
 
 
@@ -342,4 +331,4 @@ def test_damaged_run_state_is_one_line(copy, tmp_path, name, content):
         commands["extract"] = argv
     for command in commands.values():
         rc, _, err = hsx_main(command)
-        one_error_line(rc, err, name, "damaged", prefix="hsx: error: ")
+        assert_one_error_line(rc, err, name, "damaged", prefix="hsx: error: ")
