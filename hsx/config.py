@@ -4,9 +4,10 @@ Every field is a YAML key (snake_case), a flag (kebab-case) and a keyword of `co
 error, not a warning, so a typo in a recipe never silently runs the wrong job. Each key's type is its annotation
 (FIELD_KINDS) and every value is parsed to it without coercion: booleans are YAML 1.2's unquoted true/false only
 (a quoted "false" is a non-empty string, which Python would take as True), integers are integers, choices and
-least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Layers are resolved against the model's depth here too:
-integers (negatives count from the end) or one preset name (`eagle3`, `dflash`, `dflash-K`), giving sorted,
-distinct, non-negative decoder-layer indices.
+least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Layers are
+resolved against the model's depth here too: integers (negatives count from the end) or one preset name
+(`eagle3`, `dflash`, `dflash-K`), giving sorted, distinct, non-negative decoder-layer indices; a preset's K is
+bounded by the depth before any list is built (`dflash-999999` once built a million-entry list first).
 """
 
 from __future__ import annotations
@@ -354,9 +355,9 @@ def parse_layer_spec(spec: list | str | int) -> list[int] | str:
     else:
         raise HsxError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
     if not all(re.fullmatch(r"[-+]?[0-9]+", t) for t in tokens):
-        raise HsxError(f"--layers {spec!r}: {LAYERS_HELP}")
+        raise HsxError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
     if any(len(t) > 12 for t in tokens):  # (Python refuses to parse ints of over 4300 digits)
-        raise HsxError(f"--layers {spec!r}: layer index out of range")
+        raise HsxError(f"--layers {_shown(spec)}: layer index out of range")
     return [int(t) for t in tokens]
 
 

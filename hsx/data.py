@@ -276,15 +276,18 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     range and `loss_mask` (optional) a list of as many 0s and 1s. Nothing is converted: a float id (1.0 or 0.2), a
     string, a boolean, a nested list or a null is `bad_input_ids` / `bad_loss_mask`, never silently an id or a
     supervised token (a mask of strings, each truthy, would otherwise supervise every token)."""
+    # set(map(type, ...)), min, max: C loops, half the time of a Python check per element (168 vs 344 ns here)
     if row_ids is None:
         return "missing_value"
-    if not isinstance(row_ids, list) or not all(type(t) is int and -INT32_MAX <= t <= INT32_MAX for t in row_ids):
-        return "bad_input_ids"  # (ids outside the vocabulary are token_id_out_of_range, where it is known)
+    if not isinstance(row_ids, list):
+        return "bad_input_ids"
     if not row_ids:
         return "empty_input"
+    if not (set(map(type, row_ids)) <= {int} and -INT32_MAX <= min(row_ids) and max(row_ids) <= INT32_MAX):
+        return "bad_input_ids"  # (ids outside the vocabulary are token_id_out_of_range, where it is known)
     if row_mask is None:
         return ""
-    if not isinstance(row_mask, list) or not all(type(m) is int and m in (0, 1) for m in row_mask):
+    if not (isinstance(row_mask, list) and set(map(type, row_mask)) <= {int} and set(row_mask) <= {0, 1}):
         return "bad_loss_mask"
     if len(row_mask) != len(row_ids):
         return "loss_mask_length_mismatch"

@@ -310,16 +310,17 @@ def test_null_is_allowed_where_the_type_says_so(tmp_path):
     assert (cfg.limit, cfg.token_budget, cfg.revision) == (None, None, None)
 
 
-@pytest.mark.parametrize("layers", ["[1, true]", "[1.5]", "[[1]]", "{a: 1}", "true", "1.0", "[]", "''", "dflash-1234567"])
+@pytest.mark.parametrize("layers", ["[1, true]", "[1.5]", "[[1]]", "{a: 1}", "true", "1.0", "[]", "''",
+                                    "dflash-1234567"])
 def test_bad_yaml_layers_are_one_line(tmp_path, layers):
     with pytest.raises(HsxError, match="layers") as e:
         load_config(write(tmp_path, BASE + f"layers: {layers}\n"), {})
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("content", [b"\x00\x01\x02\xff\xfe binary", b"model: \xff\xfe\n", b"- 1\n- 2\n", b"just a string\n",
-                                     b"model: m\nmodel: n\n", b"a: &x [1]\nb: *x\n", b"[" * 5000 + b"]" * 5000,
-                                     b"model: m\n---\nmodel: n\n", b"model: [unclosed\n", b"\tmodel: m\n"])
+@pytest.mark.parametrize("content", [b"\x00\x01\x02\xff\xfe binary", b"model: \xff\xfe\n", b"- 1\n- 2\n",
+                                     b"just a string\n", b"model: m\nmodel: n\n", b"a: &x [1]\nb: *x\n",
+                                     b"[" * 5000 + b"]" * 5000, b"model: m\n---\nmodel: n\n", b"model: [unclosed\n", b"\tmodel: m\n"])
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content):
     path = tmp_path / "recipe.yaml"
     path.write_bytes(content)
