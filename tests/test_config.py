@@ -320,7 +320,8 @@ def test_bad_yaml_layers_are_one_line(tmp_path, layers):
 
 @pytest.mark.parametrize("content", [b"\x00\x01\x02\xff\xfe binary", b"model: \xff\xfe\n", b"- 1\n- 2\n",
                                      b"just a string\n", b"model: m\nmodel: n\n", b"a: &x [1]\nb: *x\n",
-                                     b"[" * 5000 + b"]" * 5000, b"model: m\n---\nmodel: n\n", b"model: [unclosed\n", b"\tmodel: m\n"])
+                                     b"[" * 5000 + b"]" * 5000, b"model: m\n---\nmodel: n\n", b"model: [unclosed\n",
+                                     b"\tmodel: m\n"])
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content):
     path = tmp_path / "recipe.yaml"
     path.write_bytes(content)
