@@ -134,8 +134,8 @@ def test_qwen3_agent_turns_keep_reasoning_until_a_later_query():
     full = tok.apply_chat_template(later, tokenize=False)
     assert not full.startswith(tok.apply_chat_template(later[:3], tokenize=False))  # history was rewritten
     assert masked_runs(tok, later) == [
-        '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>', "It is sunny.<|im_end|>",
-        "<think>\nfine\n</think>\n\nbye<|im_end|>"]
+        '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is sunny.<|im_end|>", "<think>\nfine\n</think>\n\nbye<|im_end|>"]
 
 
 def test_token_that_straddles_header_and_answer_is_supervised():
@@ -164,6 +164,28 @@ def test_derived_equals_generation_markers_on_the_demo(tokenizer, tokenizer_no_g
     assert gen["skip_reason"] == derived["skip_reason"] == [""] * 3
     assert (derived["input_ids"], derived["loss_mask"]) == (gen["input_ids"], gen["loss_mask"])
     assert runs(tokenizer, gen["input_ids"][1], gen["loss_mask"][1]) == ["assistant<|im_end|>"]
+
+
+def test_demo_rows_keep_their_marker_masks(tokenizer, tokenizer_no_generation):
+    """The shipped demo (recipes/demo.yaml: its template has markers) still gets the markers' masks, row for row,
+    and the derivation on the same template without markers gives the same rows."""
+    from conftest import REPO
+
+    rows = [json.loads(line) for line in (REPO / "hsx" / "demo" / "chat.jsonl").read_text().splitlines()]
+    convs = [r["messages"] for r in rows]
+    assert data.mask_method(["messages"], tokenizer) == {"method": "markers", "version": masks.MASK_VERSION}
+    got = tokenize(tokenizer, convs)
+    derived = tokenize(tokenizer_no_generation, convs)
+    checked = 0
+    for r, conv in enumerate(convs):
+        if got["skip_reason"][r]:
+            assert derived["skip_reason"][r] == got["skip_reason"][r]
+            continue
+        enc = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert (got["input_ids"][r], got["loss_mask"][r]) == (list(enc["input_ids"]), list(enc["assistant_masks"]))
+        assert (derived["input_ids"][r], derived["loss_mask"][r]) == (got["input_ids"][r], got["loss_mask"][r])
+        checked += 1
+    assert checked == 96
 
 
 def test_template_with_markers_uses_the_markers():
