@@ -229,7 +229,7 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
                 conv, reason = normalize_conversation(batch[fmt][r])
             else:
                 prompt, answer = fmt.split("+")
-                conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r])
+                conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r], answer)
             if reason:
                 reasons[r] = reason
             else:
@@ -300,11 +300,12 @@ def normalize_conversation(raw: Any, sharegpt: bool = False) -> tuple[list[dict[
     return conv, ""
 
 
-def prompt_completion_conversation(prompt: Any, completion: Any) -> tuple[list[dict[str, Any]], str]:
+def prompt_completion_conversation(prompt: Any, completion: Any,
+                                   answer_column: str = "completion") -> tuple[list[dict[str, Any]], str]:
     """`prompt`/`completion` (or `prompt`/`response`) as chat turns: strings become one user and one assistant
     message; lists of messages (TRL's conversational form) are taken as they are."""
     if prompt is None or completion is None:
-        return [], "missing_prompt" if prompt is None else "missing_completion"
+        return [], "missing_prompt" if prompt is None else f"missing_{answer_column}"
     head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     if not isinstance(head, list) or not isinstance(tail, list):

@@ -245,9 +245,9 @@ def test_conversation_formats_are_the_same_rows(tokenizer):
     for answer in ("completion", "response"):
         fmt = f"prompt+{answer}"
         assert data.row_format(["prompt", answer, "id"]) == fmt
-        out = data.tokenize_batch({"prompt": ["hi", None, [U("hi")]], answer: ["hello", "x", [A("hello")]]},
-                                  [0, 1, 2], tokenizer, fmt, 4096, {})
-        assert out["skip_reason"] == ["", "missing_prompt", ""]
+        out = data.tokenize_batch({"prompt": ["hi", None, [U("hi")], "hi"], answer: ["hello", "x", [A("hello")], None]},
+                                  [0, 1, 2, 3], tokenizer, fmt, 4096, {})
+        assert out["skip_reason"] == ["", "missing_prompt", "", f"missing_{answer}"]
         assert out["input_ids"][0] == out["input_ids"][2] == ref["input_ids"][0]
         assert out["loss_mask"][0] == ref["loss_mask"][0]
 
@@ -340,3 +340,22 @@ def test_strict_stops_on_mask_template_error(tmp_path, model4):
     assert info["counts"]["skipped"] == {"mask_template_error": 1} and info["counts"]["rows_written"] == 1
     rc, _, err = hsx_main(argv + ["--output-dir", str(tmp_path / "strict"), "--strict"])
     assert rc != 0 and "mask_template_error" in err
+
+
+def test_rows_read_through_datasets_equal_the_rows_as_written(tmp_path):
+    """Rows whose messages have different keys (tool calls, null content, reasoning in some rows only) render as
+    written after datasets read them (an Arrow struct of the union of keys would give nulls; they are dropped)."""
+    from hsx.config import ExtractConfig
+
+    tok = cf.family("qwen3")
+    rows = [{"messages": [U("weather?"), A(None, tool_calls=CALL), TOOL, A("It is sunny.")]},
+            {"messages": [U("hi"), A("hi", reasoning_content="think"), U("user"), A("end", reasoning_content="x")]},
+            {"messages": [{"from": "human", "value": "hi", "role": None}, {"from": "gpt", "value": "hello"}]}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    raw = data.load_input(cfg)
+    tokenized = data.tokenize(raw, tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-masks-union")
+    direct = tokenize(tok, [r["messages"] for r in rows])
+    assert tokenized["skip_reason"] == direct["skip_reason"] == ["", "", ""]
+    assert tokenized["input_ids"] == direct["input_ids"] and tokenized["loss_mask"] == direct["loss_mask"]
+    assert runs(tok, direct["input_ids"][0], direct["loss_mask"][0])[0].startswith("<tool_call>")
