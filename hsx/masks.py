@@ -15,7 +15,8 @@ masks of two versions):
   every token after the turn's header (its generation prompt, or the part of it the template rendered for this
   turn) through the last end-of-turn token of that message's rendering: a reasoning block the template adds or
   keeps, tool calls, GPT-OSS's analysis and final channels (one turn: it ends at the last `<|end|>`/`<|return|>`/
-  `<|call|>`), and not the text after the end token (`\\n` after `<|im_end|>`). Masks are token masks over the
+  `<|call|>`), and not the text after the end token (`\\n` after `<|im_end|>`); a last turn the template leaves
+  open for continuation (no end token) ends with the render. Masks are token masks over the
   tokenizer's encoding of the whole render: a token counts when any of its characters is generated, so a token
   that merges the header's last character with the answer's first (`\\n` + `\\nhi` -> `\\n\\n`) is supervised,
   as transformers does for generation markers.
@@ -95,8 +96,14 @@ def _first_special_after(tokenizer, text: str, pos: int, special: set[int]) -> s
     return None
 
 
+def _shared_head(tokenizer, a: str, b: str) -> str:
+    """The part of render `a` that render `b` starts with, ending on a token boundary of `a` (Phi-3.5 ends a
+    render without the generation prompt with eos: what the two share stops before it)."""
+    return a if b.startswith(a) else _common_token_prefix(tokenizer, a, b)
+
+
 def _common_token_prefix(tokenizer, a: str, b: str) -> str:
-    """The longest common prefix of `a` and `b` that ends on a token boundary of `a`'s encoding."""
+    """The longest common prefix of `a` and `b` that ends where a token of `a`'s encoding ends."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -129,9 +136,11 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
             forms.append((_render(tokenizer, conv, None, False, template_kwargs), payload))
         except Exception:  # noqa: BLE001
             pass
-    if not prompt.startswith(head):
+    shared = _shared_head(tokenizer, head, prompt)
+    if _USER not in shared:  # they differ before the user turn ends
         raise HsxError(f"{problem}: the render with add_generation_prompt does not extend the one without, so no "
                        f"assistant header can be derived{_FIX}")
+    head = shared
     if not (last.startswith(head) and _ANSWER in last[len(head):]):
         raise HsxError(f"{problem}: the assistant message is not rendered after the user turn, so no assistant "
                        f"header can be derived{_FIX}")
@@ -141,9 +150,9 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
     if not agp:  # add_generation_prompt adds nothing (Llama 2, Mistral): the header is what precedes the answer
         gen = turns[0][:turns[0].index(_ANSWER)]
     header = gen
-    for t in turns:
-        header = _common_token_prefix(tokenizer, header, t)
-    if not header and agp:
+    for t in turns:  # cut where a turn's own tokens start to differ (DeepSeek V3.1: '<think>' / '</think>')
+        header = _common_token_prefix(tokenizer, t, header)
+    if agp and not header.strip():
         raise HsxError(f"{problem}: no assistant turn starts with the generation prompt {gen!r}, so no "
                        f"assistant header can be derived{_FIX}")
     special = _special_ids(tokenizer)
@@ -190,25 +199,32 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        start = _content_start(text, i, prefix, swapped, fmt)
+        start = _content_start(tokenizer, text, i, prefix, swapped, fmt)
         if start is None:
             return ids, [0] * len(ids), "mask_template_error"
-        stop = _region_stop(text, conv, i, start, prefix, swapped, fmt)
-        inside = np.flatnonzero(is_eot & (offsets[:, 0] >= start) & (offsets[:, 1] <= stop))
-        if stop is None or len(inside) == 0:
+        stop = _region_stop(text, conv, i, start, prefix, swapped, fmt, offsets[:, 0])
+        if stop is None:
             return ids, [0] * len(ids), "mask_template_error"
-        spans.append((start, int(offsets[inside[-1], 1])))
+        inside = np.flatnonzero(is_eot & (offsets[:, 0] >= start) & (offsets[:, 1] <= stop))
+        if len(inside):
+            spans.append((start, int(offsets[inside[-1], 1])))
+        elif i == len(conv) - 1 and len(text.rstrip()) > start:  # the render ends with this turn, left open for
+            spans.append((start, len(text.rstrip())))  # continuation without its end token (Apertus)
+        else:
+            return ids, [0] * len(ids), "mask_template_error"
     mask = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
         mask |= (offsets[:, 1] > s) & (offsets[:, 0] < e) & (offsets[:, 1] > offsets[:, 0])
     return ids, mask.astype(np.int8).tolist(), ""
 
 
-def _content_start(text: str, i: int, prefix, swapped, fmt: ChatFormat) -> int | None:
+def _content_start(tokenizer, text: str, i: int, prefix, swapped, fmt: ChatFormat) -> int | None:
     """Where turn i's generated text starts in `text` (just after its header), or None."""
     before, prompt = prefix(i, False), prefix(i, True)
-    if before is not None and prompt is not None and text.startswith(before) and prompt.startswith(before):
-        at, gen = len(before), prompt[len(before):]
+    shared = _shared_head(tokenizer, before, prompt) if before is not None and prompt is not None else None
+    if (shared is not None and text.startswith(shared)  # ... and only end-of-render text (eos) was left out:
+            and not any(t in before[len(shared):] for t in fmt.eot_tokens)):
+        at, gen = len(shared), prompt[len(shared):]
         if not gen and not fmt.agp_adds_header:
             gen = fmt.gen_header
         headers = [gen, fmt.min_header if gen.startswith(fmt.min_header) else _common_prefix(gen, fmt.min_header)]
@@ -225,15 +241,18 @@ def _content_start(text: str, i: int, prefix, swapped, fmt: ChatFormat) -> int |
     return None
 
 
-def _region_stop(text: str, conv: list[dict], i: int, start: int, prefix, swapped, fmt: ChatFormat) -> int | None:
+def _region_stop(text: str, conv: list[dict], i: int, start: int, prefix, swapped, fmt: ChatFormat,
+                 token_starts: np.ndarray) -> int | None:
     """An end bound for turn i's rendering in `text`: the start of the next message's rendering (or a point past
     turn i's last end-of-turn token and before the next message's first one), or None."""
     if i == len(conv) - 1:
         return len(text)
     through = prefix(i + 1, False)
-    if through is not None and text.startswith(through) and any(t in text[start:len(through)]
-                                                                    for t in fmt.eot_tokens):
-        return len(through)
+    if through is not None:
+        shared = len(through) if text.startswith(through) else _token_boundary(text, through, token_starts)
+        if (any(t in text[start:shared] for t in fmt.eot_tokens)  # turn i ends inside what they share, and
+                and not any(t in through[shared:] for t in fmt.eot_tokens)):  # none of its end tokens is left out
+            return shared
     nxt = conv[i + 1]
     other = swapped(i + 1, {**nxt, "content": _USER2 if nxt["role"] != "assistant" else _ANSWER})
     marker = _USER2 if nxt["role"] != "assistant" else _ANSWER
@@ -245,6 +264,13 @@ def _region_stop(text: str, conv: list[dict], i: int, start: int, prefix, swappe
     if end < 0 or text[:end] != other[:end]:
         return None
     return end
+
+
+def _token_boundary(text: str, other: str, token_starts: np.ndarray) -> int:
+    """The length of the common prefix of `text` and `other`, backed off to where a token of `text` starts."""
+    n = len(_common_prefix(text, other))
+    k = int(np.searchsorted(token_starts, n, side="right"))
+    return int(token_starts[k - 1]) if k and n < len(text) else n
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -214,6 +214,20 @@ def test_header_not_where_the_turn_starts_is_a_template_error():
     assert out["input_ids"][1] == [] and out["num_tokens"][1] == 0
 
 
+def test_last_turn_left_open_ends_with_the_render():
+    """A template that leaves the final assistant turn open (no end token, for continuation; Apertus does):
+    that turn is supervised through the end of the render, the earlier ones through their end token."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] -}}"
+        "{%- if not (loop.last and m['role'] == 'assistant') -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    out = tokenize(tok, [[U("hi"), A("user"), U("again"), A("assistant")]])
+    assert out["skip_reason"] == [""]
+    assert runs(tok, out["input_ids"][0], out["loss_mask"][0]) == ["user<|im_end|>", "assistant"]
+
+
 @pytest.mark.parametrize("template, problem", [
     ("{%- for m in messages -%}{{- m['content'] + '\\n' -}}{%- endfor -%}", "no special token ends"),
     ("{%- for m in messages if m['role'] == 'user' -%}{{- '<|im_start|>user\\n' + m['content'] + '<|im_end|>' -}}"
