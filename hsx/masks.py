@@ -16,10 +16,11 @@ masks of two versions):
   turn) through the last end-of-turn token of that message's rendering: a reasoning block the template adds or
   keeps, tool calls, GPT-OSS's analysis and final channels (one turn: it ends at the last `<|end|>`/`<|return|>`/
   `<|call|>`), and not the text after the end token (`\\n` after `<|im_end|>`); a last turn the template leaves
-  open for continuation (no end token) ends with the render. Masks are token masks over the
-  tokenizer's encoding of the whole render: a token counts when any of its characters is generated, so a token
-  that merges the header's last character with the answer's first (`\\n` + `\\nhi` -> `\\n\\n`) is supervised,
-  as transformers does for generation markers.
+  open for continuation (no end token) ends with the render. Masks are token masks over the tokenizer's encoding
+  of the whole render: a token counts when any of its characters is generated, so a token that merges the
+  header's last character with the answer's first (Llama 2's header ' ' and answer 'hi' -> ' hi') is supervised,
+  as transformers does for generation markers. Cost: about 3 renders per assistant turn (measured on one CPU
+  core: ~180 rows/s with a Qwen3-style template at 1.6 turns per row; generation markers: ~1,000 rows/s).
 - `given`: pre-tokenized rows bring their own `loss_mask` (`all_tokens` for `text` rows and `input_ids` without
   one).
 
