@@ -1,10 +1,11 @@
 """Input rows → token ids and loss masks, once, as a batched `datasets.map` cached under the output dir.
 
-Rows are chat (`messages` of {role, content}, or ShareGPT `conversations` of {from, value}), plain `text`, or
-pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template; the loss
-mask marks exactly the assistant tokens, including each turn's end-of-turn token. It comes from the template's
-`{% generation %}` markers when it has them (`return_assistant_tokens_mask`), otherwise from character offsets
-of each assistant message in the rendered text. `text` rows are supervised on every token. Rows longer than
+Rows are chat (`messages` or `conversations`, each message {role, content} or ShareGPT {from, value}, plus any
+keys the template reads, and an optional `tools` column; or `prompt` with `completion`/`response`), plain `text`,
+or pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template, one row
+per conversation; the loss mask is what the model generates in each assistant turn, end-of-turn token included
+(hsx.masks: from `{% generation %}` markers, or derived from the template). `text` rows are supervised on every
+token. Rows longer than
 `max_length` are truncated (and counted); rows that cannot be used get a `skip_reason` instead of being dropped,
 so every input row is accounted for. `sample_id` is the row's index in the input (after concatenating files).
 """
@@ -13,19 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hsx import masks as loss_masks
 from hsx.config import ExtractConfig, HsxError
 
 TOKENIZED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens", "truncated", "skip_reason")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
-GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+                  "tool": "tool", "observation": "tool"}
+CHAT_FORMATS = ("messages", "conversations", "prompt+completion", "prompt+response")
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
@@ -114,11 +116,20 @@ def input_fingerprint(cfg: ExtractConfig, ds) -> dict[str, Any]:
 # ---- tokenize -----------------------------------------------------------------------------------------------
 
 def row_format(column_names: list[str]) -> str:
-    for fmt in ("input_ids", "messages", "conversations", "text"):
-        if fmt in column_names:
+    """The row format a dataset's columns say (the first of input_ids, messages, conversations, text,
+    prompt+completion, prompt+response that it has)."""
+    for fmt in ("input_ids", "messages", "conversations", "text", "prompt+completion", "prompt+response"):
+        if all(c in column_names for c in fmt.split("+")):
             return fmt
-    raise HsxError(f"dataset has none of the columns messages, conversations, text, input_ids "
-                   f"(it has: {', '.join(column_names)})")
+    raise HsxError(f"dataset has none of the columns messages, conversations, text, input_ids, prompt+completion, "
+                   f"prompt+response (it has: {', '.join(column_names)})")
+
+
+def mask_method(column_names: list[str], tokenizer) -> dict[str, Any]:
+    """How this job's loss masks are made ({"method": markers | derived | given | all_tokens, "version"}): part
+    of the job fingerprint (so of the tokenization cache key) and of hsx.json."""
+    fmt = row_format(column_names)
+    return {"method": loss_masks.mask_method(fmt, tokenizer, column_names), "version": loss_masks.MASK_VERSION}
 
 
 def chat_template_text(tokenizer) -> str | None:
@@ -143,9 +154,14 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
 
     fmt = row_format(ds.column_names)
     check_columns(ds, fmt, cfg.dataset)
-    if fmt in ("messages", "conversations") and not chat_template_text(tokenizer):
-        raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
-                       f"{fmt!r} rows; give --tokenizer one that has, or pre-tokenized input_ids")
+    chat_format = None
+    if fmt in CHAT_FORMATS:
+        if not chat_template_text(tokenizer):
+            raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
+                           f"{fmt!r} rows; give --tokenizer one that has, or pre-tokenized input_ids")
+        if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be derived
+            chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),
+                                                   name=cfg.tokenizer or cfg.model)
     features = datasets.Features({
         "sample_id": datasets.Value("int64"),
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -163,7 +179,8 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         remove_columns=ds.column_names,
         features=features,
         fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_length": cfg.max_length,
-                   "template_kwargs": dict(cfg.chat_template_kwargs), "vocab_size": vocab_size},
+                   "template_kwargs": dict(cfg.chat_template_kwargs), "vocab_size": vocab_size,
+                   "chat_format": chat_format},
         num_proc=num_proc,
         cache_file_name=cache_file,
         new_fingerprint=fingerprint,
@@ -211,7 +228,8 @@ def _cpu_count() -> int:
 
 
 def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: str, max_length: int,
-                   template_kwargs: dict[str, Any], vocab_size: int | None = None) -> dict[str, list]:
+                   template_kwargs: dict[str, Any], vocab_size: int | None = None,
+                   chat_format: loss_masks.ChatFormat | None = None) -> dict[str, list]:
     n = len(indices)
     ids: list[list[int]] = [[] for _ in range(n)]
     masks: list[list[int]] = [[] for _ in range(n)]
@@ -232,17 +250,24 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
             for r, row_ids in zip(good, enc):
                 ids[r], masks[r] = list(row_ids), [1] * len(row_ids)
     else:
-        convs: list[list[dict[str, str]]] = []
+        convs: list[list[dict[str, Any]]] = []
+        tools: list[list | None] = []
         good = []
-        for r, raw in enumerate(batch[fmt]):
-            conv, reason = normalize_conversation(raw, sharegpt=(fmt == "conversations"))
+        for r in range(n):
+            if fmt in ("messages", "conversations"):
+                conv, reason = normalize_conversation(batch[fmt][r])
+            else:
+                prompt, answer = fmt.split("+")
+                conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r], answer)
             if reason:
                 reasons[r] = reason
             else:
                 good.append(r)
                 convs.append(conv)
+                tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
         if good:
-            for r, (row_ids, row_mask, reason) in zip(good, chat_tokenize(tokenizer, convs, template_kwargs)):
+            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format)
+            for r, (row_ids, row_mask, reason) in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row_ids, row_mask, reason
     truncated = [False] * n
     for r in range(n):
@@ -294,124 +319,127 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     return ""
 
 
-def normalize_conversation(raw: Any, sharegpt: bool) -> tuple[list[dict[str, str]], str]:
-    """A clean [{role, content}] list, or a skip reason."""
+def normalize_conversation(raw: Any, sharegpt: bool = False) -> tuple[list[dict[str, Any]], str]:
+    """A list of messages the template can take ({role, content} plus every other key a message has:
+    reasoning_content, thinking, tool_calls, name, tool_call_id, ...), or a skip reason that says what is wrong.
+
+    Each message may be {role, content} or ShareGPT {from, value} (either spelling in either column). Keys whose
+    value is null are dropped (datasets gives every message every key any row has; templates test `'tool_calls'
+    in message`), except `content`: an assistant message with `tool_calls` and null content is valid."""
     if raw is None:
         return [], "missing_value"
     if not isinstance(raw, list) or len(raw) == 0:
         return [], "empty_conversation"
-    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     conv = []
     for m in raw:
-        if not isinstance(m, dict) or m.get(role_key) is None:
-            return [], "missing_value"
-        if m.get(content_key) is None:
+        if not isinstance(m, dict):
+            return [], "message_not_a_mapping"
+        role = m.get("role") if m.get("role") is not None else m.get("from")
+        if role is None:
+            return [], "missing_role"
+        content_key = "content" if "content" in m and (m["content"] is not None or m.get("value") is None) else "value"
+        if content_key not in m:
+            return [], "missing_content"
+        msg = {k: v for k, v in m.items() if v is not None and k not in ("role", "from", "content", "value")}
+        for key in ("tool_calls",):
+            if isinstance(msg.get(key), list):
+                msg[key] = [{k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c
+                            for c in msg[key]]
+        role = SHAREGPT_ROLES.get(str(role).lower(), str(role))
+        content = m[content_key]
+        if content is None and not (role == "assistant" and msg.get("tool_calls")):
             return [], "null_content"
-        role = str(m[role_key])
-        if sharegpt:
-            role = SHAREGPT_ROLES.get(role.lower(), role)
-        conv.append({"role": role, "content": m[content_key]})
+        conv.append({"role": role, "content": content, **msg})
     if not any(m["role"] == "assistant" for m in conv):
         return [], "no_assistant_turn"
     return conv, ""
 
 
-def chat_tokenize(tokenizer, convs: list[list[dict[str, str]]],
-                  template_kwargs: dict[str, Any]) -> list[tuple[list[int], list[int], str]]:
-    """(input_ids, loss_mask, skip_reason) per conversation. A conversation the template refuses (a role it
+def prompt_completion_conversation(prompt: Any, completion: Any,
+                                   answer_column: str = "completion") -> tuple[list[dict[str, Any]], str]:
+    """`prompt`/`completion` (or `prompt`/`response`) as chat turns: strings become one user and one assistant
+    message; lists of messages (TRL's conversational form) are taken as they are."""
+    if prompt is None or completion is None:
+        return [], "missing_prompt" if prompt is None else f"missing_{answer_column}"
+    head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    if not isinstance(head, list) or not isinstance(tail, list):
+        return [], "empty_conversation"
+    return normalize_conversation(head + tail)
+
+
+def row_tools(raw: Any) -> list | None:
+    """A row's `tools` column for the template: a list of tool schemas (a JSON string of one is parsed)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+    return raw if isinstance(raw, list) and raw else None
+
+
+def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs: dict[str, Any],
+                  tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None) -> list[loss_masks.Row]:
+    """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
+    them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
     rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`."""
-    if GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
-        try:
-            return _generation_mask_tokenize(tokenizer, convs, template_kwargs)
-        except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
-            results = []
-            for conv in convs:
-                try:
-                    results += _generation_mask_tokenize(tokenizer, [conv], template_kwargs)
-                except Exception:  # noqa: BLE001
-                    results.append(([], [], "chat_template_error"))
-            return results
+    tools = tools or [None] * len(convs)
+    if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
+        if not any(tools):
+            try:
+                return _generation_mask_tokenize(tokenizer, convs, template_kwargs, None)
+            except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
+                pass
+
+        def one(conv, row_tools):
+            return _generation_mask_tokenize(tokenizer, [conv], template_kwargs, row_tools)[0]
+    else:
+        fmt = chat_format or loss_masks.derive_chat_format(tokenizer, template_kwargs)
+
+        def one(conv, row_tools):
+            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt)
     results = []
-    for conv in convs:
-        try:
-            results.append(offset_mask_tokenize(tokenizer, conv, template_kwargs))
-        except Exception:  # noqa: BLE001
+    for conv, row_tools in zip(convs, tools):
+        for variant in _render_variants(conv):
+            try:
+                results.append(one(variant, row_tools))
+                break
+            except Exception:  # noqa: BLE001
+                continue
+        else:
             results.append(([], [], "chat_template_error"))
     return results
 
 
-def _generation_mask_tokenize(tokenizer, convs, template_kwargs) -> list[tuple[list[int], list[int], str]]:
-    enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
+def _render_variants(conv: list[dict[str, Any]]):
+    """The conversation, then (only if the template refused it) the same with null content as '' and with
+    tool-call arguments given as a JSON string parsed into a mapping: templates differ in what they accept
+    (Qwen3's cannot render null content, Qwen3.5's iterates over the arguments)."""
+    yield conv
+    blank = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in conv]
+    if blank != conv:
+        yield blank
+    parsed = [{**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+              for m in blank]
+    if parsed != blank:
+        yield parsed
+
+
+def _parsed_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
+def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools) -> list[loss_masks.Row]:
+    enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True, **template_kwargs)
     return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]
-
-
-def offset_mask_tokenize(tokenizer, conv: list[dict[str, str]],
-                         template_kwargs: dict[str, Any]) -> tuple[list[int], list[int], str]:
-    """Fallback for templates without generation markers: find each assistant message in the rendered text and
-    mark the tokens that overlap it, plus the end-of-turn token that directly follows it.
-
-    Assistant message i is looked for where the template puts it: after the rendering of the messages before it
-    with the generation prompt (`conv[:i]`, add_generation_prompt=True), when the full text starts with that.
-    Templates that rewrite history (drop earlier reasoning, ...) break that; then the search is sequential, past
-    the content of every earlier message (of any role), so text repeated from an earlier turn is not marked."""
-    text = tokenizer.apply_chat_template(conv, tokenize=False, **template_kwargs)
-    eos = tokenizer.eos_token or ""
-    spans, pos = [], 0
-    for i, m in enumerate(conv):
-        content = m["content"] if isinstance(m["content"], str) else str(m["content"])
-        if m["role"] != "assistant":
-            found = _find_content(text, content, pos)
-            if found is not None:
-                pos = found[1]
-            continue
-        prefix = _rendered_prefix(tokenizer, conv[:i], template_kwargs)
-        if prefix is not None and text.startswith(prefix):
-            found = _find_content(text, content, len(prefix), anchored=True)
-        else:
-            found = _find_content(text, content, pos)
-        if found is None:
-            continue
-        start, end = found
-        if eos and text.startswith(eos, end):
-            end += len(eos)
-        spans.append((start, end))
-        pos = end
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    if not spans:
-        return ids, [0] * len(ids), "assistant_not_found_in_template"
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(ids), dtype=bool)
-    for s, e in spans:
-        mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
-    return ids, mask.astype(np.int8).tolist(), ""
-
-
-def _rendered_prefix(tokenizer, head: list[dict[str, str]], template_kwargs: dict[str, Any]) -> str | None:
-    """The text the template renders before an assistant turn that follows `head`, or None if it will not."""
-    try:
-        prefix = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    except Exception:  # noqa: BLE001  (e.g. a template that refuses an empty list or a trailing system turn)
-        return None
-    return prefix if isinstance(prefix, str) else None
-
-
-def _find_content(text: str, content: str, pos: int, anchored: bool = False) -> tuple[int, int] | None:
-    """[start, end) of `content` in `text` at or after `pos`. Templates may strip whitespace or an earlier turn's
-    reasoning; those forms are tried in turn. `anchored`: the content is expected at `pos` (after whitespace)
-    and is taken from there when it is; otherwise the first occurrence after `pos` counts."""
-    needles = [n for n in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())) if n]
-    if anchored:
-        at = len(text) - len(text[pos:].lstrip())
-        for needle in needles:
-            if text.startswith(needle, at):
-                return at, at + len(needle)
-    for needle in needles:
-        start = text.find(needle, pos)
-        if start >= 0:
-            return start, start + len(needle)
-    return None
 
 
 # ---- accounting ---------------------------------------------------------------------------------------------

@@ -261,13 +261,14 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
                                                             cfg.topk_logits))
     unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
     template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
+    mask = data.mask_method(raw.column_names, tokenizer)  # {"method", "version"}: a new version re-tokenizes
     job = job_fingerprint({
         "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
         "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
         "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite, "topk_logits": cfg.topk_logits,
-        "hsx_version": ".".join(__version__.split(".")[:2]),
+        "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
     })
 
     tokenized, state = _claim_and_tokenize(cfg, proc, out, job, raw, tokenizer, int(text.vocab_size))
@@ -291,7 +292,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "tokenizer": cfg.tokenizer or cfg.model, "layers": layers, "final_hidden": final_hidden,
         "layer_convention": LAYER_CONVENTION, "hidden_size": hidden, "num_model_layers": num_layers,
         "storage_dtype": cfg.storage_dtype, "max_length": cfg.max_length, "chat_template_sha256": template_sha,
-        "counts": {"rows_in": len(raw), "truncated": truncated, "skipped": skipped},
+        "loss_mask": mask, "counts": {"rows_in": len(raw), "truncated": truncated, "skipped": skipped},
         "unit_names": [u.name for u in units], "hsx_version": __version__,
         "config": {**cfg.to_dict(), "layers": layers, "final_hidden": final_hidden, "unit_tokens": unit_tokens},
         "fingerprint": job["fingerprint"], "command": command_line(),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
-from hsx import data
+from hsx import data, masks
 from hsx.config import ExtractConfig, HsxError
 
 EXPECTED_HAND_TEXT = (
@@ -76,8 +76,8 @@ def conversations():
 
 def test_fallback_mask_equals_generation_mask(tokenizer, tokenizer_no_generation):
     convs = conversations()
-    assert not data.GENERATION_TAG.search(tokenizer_no_generation.chat_template)
-    assert data.GENERATION_TAG.search(tokenizer.chat_template)
+    assert not masks.GENERATION_TAG.search(tokenizer_no_generation.chat_template)
+    assert masks.GENERATION_TAG.search(tokenizer.chat_template)
     gen = tok_batch(tokenizer, "messages", convs)
     fb = tok_batch(tokenizer_no_generation, "messages", convs)
     assert gen["skip_reason"] == fb["skip_reason"] == [""] * len(convs)
@@ -106,39 +106,29 @@ def test_fallback_mask_when_content_repeats_earlier(tokenizer, tokenizer_no_gene
     assert fb["loss_mask"] == gen["loss_mask"]
 
 
-# ChatML with a header that counts the messages: the rendering of conv[:i] is never a prefix of the full text
-# (the way templates that rewrite history behave), so the fallback has to search sequentially.
+# ChatML with a header that counts the messages: no render of a shorter conversation is a prefix of a longer one,
+# so where an assistant turn starts cannot be derived from the template: the job stops (one line), no guess.
 _COUNTING_TEMPLATE = (
     "{{- '<|im_start|>system\nTurns: ' + (messages|length|string) + '<|im_end|>\n' -}}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\n' -}}@GEN@{{- message['content'] + '<|im_end|>' -}}@ENDGEN@{{- '\n' -}}"
-    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
-    "{%- endif -%}{%- endfor -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
 
-@pytest.mark.parametrize("conv", [
-    [{"role": "user", "content": "Please say: yes."}, {"role": "assistant", "content": "yes."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say ok, then ok."},
-     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}],
-    HAND_CONVERSATION,
-], ids=["content-in-user-turn", "repeated-in-every-turn", "hand"])
-def test_fallback_mask_when_template_rewrites_history(conv):
+def test_template_whose_turns_cannot_be_derived_stops(tmp_path, chat_data):
     from hsx.demo import build_tokenizer
 
-    with_gen = build_tokenizer(_COUNTING_TEMPLATE.replace("@GEN@", "{%- generation -%}")
-                               .replace("@ENDGEN@", "{%- endgeneration -%}"))
-    without = build_tokenizer(_COUNTING_TEMPLATE.replace("@GEN@", "").replace("@ENDGEN@", ""))
-    full = without.apply_chat_template(conv, tokenize=False)
-    last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
-    assert not full.startswith(without.apply_chat_template(conv[:last], tokenize=False, add_generation_prompt=True))
-    gen = tok_batch(with_gen, "messages", [conv])
-    fb = tok_batch(without, "messages", [conv])
-    assert gen["skip_reason"] == fb["skip_reason"] == [""]
-    assert fb["input_ids"] == gen["input_ids"]
-    assert fb["loss_mask"] == gen["loss_mask"]
+    counting = build_tokenizer(_COUNTING_TEMPLATE)
+    with pytest.raises(HsxError, match=r"no assistant header can be derived; add \{% generation %\} markers .* "
+                                       r"loss_mask") as e:
+        tok_batch(counting, "messages", [HAND_CONVERSATION])
+    assert "\n" not in str(e.value)
+    raw = data.load_input(cfg_for(chat_data.path))
+    with pytest.raises(HsxError, match="no assistant header"):  # before any row is tokenized
+        data.tokenize(raw, counting, cfg_for(chat_data.path), str(tmp_path / "t.arrow"), fingerprint="test-tok-count")
+    assert not (tmp_path / "t.arrow").exists()
 
 
 @pytest.mark.parametrize("fixture", ["tokenizer", "tokenizer_no_generation"])
@@ -174,7 +164,7 @@ def test_sharegpt_bad_rows(tokenizer):
             [{"value": "hi"}, {"from": "gpt", "value": "x"}]]
     out = tok_batch(tokenizer, "conversations", rows)
     assert out["skip_reason"] == ["empty_conversation", "missing_value", "no_assistant_turn", "null_content",
-                                  "missing_value"]
+                                  "missing_role"]
     assert out["input_ids"] == [[]] * 5 and out["num_tokens"] == [0] * 5
 
 
@@ -187,7 +177,7 @@ def test_chat_bad_rows(tokenizer):
             HAND_CONVERSATION]
     out = tok_batch(tokenizer, "messages", rows)
     assert out["skip_reason"] == ["empty_conversation", "missing_value", "no_assistant_turn", "null_content",
-                                  "null_content", "missing_value", ""]
+                                  "null_content", "missing_role", ""]
     assert out["num_tokens"][-1] > 0 and out["num_tokens"][:-1] == [0] * 6
 
 

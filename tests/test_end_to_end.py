@@ -26,8 +26,8 @@ from hsx.run import extract
 
 MAX_LENGTH = 160
 INFO_KEYS = {"model", "model_path", "revision", "tokenizer", "layers", "final_hidden", "layer_convention",
-             "hidden_size", "num_model_layers", "storage_dtype", "max_length", "chat_template_sha256", "counts",
-             "hsx_version", "config", "complete"}
+             "hidden_size", "num_model_layers", "storage_dtype", "max_length", "chat_template_sha256", "loss_mask",
+             "counts", "hsx_version", "config", "complete"}
 
 
 @dataclass
@@ -101,6 +101,7 @@ def test_hsx_json(main_run, model8, chat_data, expected):
     assert info["max_length"] == MAX_LENGTH
     assert info["chat_template_sha256"] == hashlib.sha256(model8.tokenizer.chat_template.encode()).hexdigest()
     assert info["hsx_version"] == hsx.__version__
+    assert info["loss_mask"] == {"method": "markers", "version": 2}  # the demo template has generation markers
     assert info["complete"] is True
     c = info["counts"]
     assert set(c) == {"rows_in", "rows_written", "tokens_written", "truncated", "skipped", "nonfinite"}
@@ -359,6 +360,7 @@ def test_text_rows_end_to_end(tmp_path, model4, tokenizer):
     expect = {i: (tokenizer(t)["input_ids"], [1] * len(tokenizer(t)["input_ids"])) for i, t in enumerate(texts[:3])}
     _check_rows(run.out, model4, [3], expect)
     assert run.info["counts"]["skipped"] == {"empty_text": 1}
+    assert run.info["loss_mask"]["method"] == "all_tokens"
 
 
 def test_input_ids_rows_end_to_end(tmp_path, model4):
@@ -375,6 +377,7 @@ def test_input_ids_rows_end_to_end(tmp_path, model4):
     path2 = write_jsonl(tmp_path / "ids2.jsonl", [{"input_ids": r["input_ids"]} for r in rows[:2]])
     run2 = run_extract(tmp_path / "out2", model=str(model4.path), dataset=str(path2), layers=["1"])
     assert [r["loss_mask"] for r in hsx.load(str(run2.out))] == [[1] * 6, [1] * 12]
+    assert (run.info["loss_mask"]["method"], run2.info["loss_mask"]["method"]) == ("given", "all_tokens")
 
 
 def test_sharegpt_rows_end_to_end(tmp_path, model4, tokenizer):
