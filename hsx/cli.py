@@ -2,7 +2,8 @@
 `accelerate launch -m hsx extract ...`).
 
 Every ExtractConfig field is a flag; flags override the YAML. Problems the user can fix print as one line
-(`hsx: error: ...`) with a non-zero exit and no traceback.
+(`hsx: error: ...`) with no traceback and exit 2 for a usage error (a flag, recipe or argument that is wrong by
+itself, found before anything is read), 1 for a runtime error (the data, model or output dir; a failed verify).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import types
 import typing
 
-from hsx.config import FIELDS, ExtractConfig, HsxError, load_config
+from hsx.config import FIELDS, ExtractConfig, HsxError, UsageError, load_config
 from hsx.run import Stopped
 from hsx.verify import VerifyFailed
 
@@ -41,6 +42,8 @@ HELP = {
     "hub_private": "create the repo private (default) or public (--no-hub-private)",
     "hub_revision": "branch to push to",
     "nonfinite": "rows whose states hold NaN/Inf: skip (and count) them, or keep them with has_nonfinite set",
+    "allow_empty": "a job that writes no row (every input row skipped) succeeds with an empty dataset instead of "
+                   "failing",
     "strict": "stop at the first unusable input row instead of skipping and counting it",
     "gpus_per_copy": "GPUs one model copy is spread over (device_map); launch one process per group: "
                      "`accelerate launch --num_processes GPUS/N`",
@@ -74,6 +77,16 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=int, default=None, help=HELP.get(name))
         else:
             p.add_argument(flag, type=str, default=None, help=HELP.get(name))
+
+
+def parse_config(args: argparse.Namespace) -> ExtractConfig:
+    """The job's config from --config and the flags; any problem with them is a usage error."""
+    try:
+        return load_config(args.config, config_overrides(args))
+    except UsageError:
+        raise
+    except HsxError as e:
+        raise UsageError(str(e)) from None
 
 
 def config_overrides(args: argparse.Namespace) -> dict:
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "extract":
             from hsx.run import extract
 
-            extract(load_config(args.config, config_overrides(args)))
+            extract(parse_config(args))
         elif args.command == "bench":
             from hsx.bench import bench
 
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             plan_command(args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, UsageError) else 1
     except VerifyFailed as e:
         print(f"hsx: verify failed: {e}", file=sys.stderr)
         return 1

@@ -142,6 +142,15 @@ class OutputDir:
         atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
         return "new"
 
+    def remove_if_unused(self, keep_root: bool = False) -> None:
+        """Remove .hsx/ (and the dir, unless `keep_root` or something else is in it) when no job committed
+        anything here."""
+        if self.has_output() or not self.root.is_dir():
+            return
+        shutil.rmtree(self.state, ignore_errors=True)
+        if not keep_root and not any(self.root.iterdir()):
+            self.root.rmdir()
+
     def clear(self) -> None:
         """Delete only what hsx writes here (never the lock, which this process holds)."""
         for name in ("hsx.json", "README.md"):
