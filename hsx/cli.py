@@ -22,7 +22,8 @@ HELP = {
     "tokenizer": "tokenizer folder or Hub id (default: the model's)",
     "dataset_config": "the dataset's configuration name on the Hub",
     "split": "input split (default train; slicing like train[:1000] works)",
-    "storage_dtype": "bfloat16 (bit-exact, default), float16, float32 or float8_e4m3 (with per-token scales)",
+    "storage_dtype": "bfloat16 (bit-exact for bf16 compute, default), float16, float32 or float8_e4m3 (lossy, "
+                     "with per-token scales; read back as bfloat16)",
     "dtype": "compute dtype of the model: bfloat16, float16 or float32",
     "attn_implementation": "transformers attention implementation (default sdpa)",
     "num_proc": "tokenization processes (default: up to 8 for 20k+ rows)",
