@@ -80,14 +80,31 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=str, default=None, help=HELP.get(name))
 
 
-def parse_config(args: argparse.Namespace) -> ExtractConfig:
-    """The job's config from --config and the flags; any problem with them is a usage error."""
+def parse_config(args: argparse.Namespace, overrides: dict | None = None) -> ExtractConfig:
+    """The job's config from --config and the flags (or `overrides`); any problem with them is a usage error."""
     try:
-        return load_config(args.config, config_overrides(args))
+        return load_config(args.config, config_overrides(args) if overrides is None else overrides)
     except UsageError:
         raise
     except HsxError as e:
         raise UsageError(str(e)) from None
+
+
+def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """`--json` for plan and bench alike: alone or `--json -` prints JSON to stdout, `--json PATH` writes a file."""
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help=f"{what} as JSON: `--json` or `--json -` prints to stdout, `--json PATH` writes the file")
+
+
+def write_json(dest: str, obj) -> None:
+    import json
+    from pathlib import Path
+
+    text = json.dumps(obj, indent=2) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+    else:
+        Path(dest).write_text(text)
 
 
 def config_overrides(args: argparse.Namespace) -> dict:
@@ -107,28 +124,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(pl)
     pl.add_argument("--shape", help="a named model shape instead of --model (see hsx.plan.SHAPES)")
     pl.add_argument("--tokens", type=int, help="total tokens (default: tokenize the dataset and count)")
-    pl.add_argument("--rate", type=float, help="tokens/s to time the job at (default: 70%% of an H200's "
-                    "measured 790 TFLOP/s)")
-    pl.add_argument("--gpu-memory-gib", type=float, default=139.0)
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from hsx.plan import DEFAULT_GPU, GPUS
+
+    pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
+                    help="the GPU to plan for (the machine planning needs none): its memory and matmul rate")
+    pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: 70%% of "
+                    "--gpu's measured bf16 matmul rate over the model's FLOPs per token)")
+    pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
+    add_json_flag(pl, "the plan")
     me = sub.add_parser("merge", help="join the dirs the nodes of one job wrote into one output (metadata only)")
-    me.add_argument("output_dir")
+    me.add_argument("output_dir", help="the merged output dir to write (created if missing)")
     me.add_argument("dirs", nargs="+", help="the nodes' output dirs (output_dir may be one of them)")
     pu = sub.add_parser("push", help="upload a complete output dir to a Hub dataset repo (resumable)")
-    pu.add_argument("output_dir")
-    pu.add_argument("repo_id")
-    pu.add_argument("--revision", help="branch to push to (created if missing)")
-    pu.add_argument("--public", action="store_true", help="create the repo public (default: private)")
+    pu.add_argument("output_dir", help="a finished hsx output dir (one with hsx.json)")
+    pu.add_argument("repo_id", help="the Hub dataset repo, e.g. me/qwen3-8b-eagle3 (created if missing)")
+    # the same flags, spelled the same, as `extract --push-to-hub`
+    pu.add_argument("--hub-revision", help=HELP["hub_revision"] + " (created if missing)")
+    pu.add_argument("--hub-private", action=argparse.BooleanOptionalAction, default=True, help=HELP["hub_private"])
     sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 files")
-    sf.add_argument("output_dir")
-    sf.add_argument("dest")
-    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use (default: all 3)")
+    sf.add_argument("output_dir", help="a finished hsx output dir with 3 or more layers and --final-hidden")
+    sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
+    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use, e.g. --layers 1 17 32 "
+                    "(default: the output's, when it stores exactly 3)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
-    ve.add_argument("output_dir")
+    ve.add_argument("output_dir", help="the hsx output dir to check")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
     ve.add_argument("--tolerance", type=float, default=2e-2,
                     help="worst allowed relative error (Frobenius, per layer) against the reference")
-    ve.add_argument("--seed", type=int, default=0)
+    ve.add_argument("--seed", type=int, default=0, help="picks which rows are recomputed (the same seed, the same "
+                    "rows)")
     return parser
 
 
@@ -156,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (Path(args.output_dir) / "hsx.json").is_file():
                 raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
             with OutputDir(args.output_dir).locked():
-                push_output(args.output_dir, args.repo_id, private=not args.public, revision=args.revision)
+                push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
         elif args.command == "export-specforge":
             from hsx.load import export_specforge
 

@@ -450,8 +450,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                          "extract with --final-hidden (the eagle3 preset includes it)")
     chosen = list(layers) if layers is not None else list(meta["layers"])
     if len(chosen) != 3:
+        example = " ".join(str(i) for i in meta["layers"][:3])
         raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta['layers']}: "
-                         "pick 3 with layers=[...]")
+                         f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
     positions = layer_positions(meta["layers"], chosen, meta.get("num_model_layers"))
     order = np.argsort(positions, kind="stable")  # aux layers in increasing layer order, as SpecForge captures
     view = torch_view(out_dir, layers=[chosen[k] for k in order], meta=meta)

@@ -286,7 +286,10 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
-        "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite, "topk_logits": cfg.topk_logits,
+        # unit_tokens as given: the derived default follows from layers, dtype and model, already in here (so
+        # changing only --layers reports `differs in: layers`, not unit_tokens too)
+        "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
+        "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]),
     })
 
@@ -544,7 +547,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     max_batch = max(u.batch_size(budget) * u.upper_bound for u in pending)
     total_tokens = sum(u.tokens for u in pending)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extracting", disable=not proc.is_main,
-               dynamic_ncols=True)
+               dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, now "
+               "{rate_fmt}{postfix}]")
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device), "tp_size": proc.tp_size,
              "model_copies": proc.dp_size, "writes": proc.writes,
@@ -584,7 +588,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 bar.update(int(table.column("num_tokens").to_numpy().sum()))
                 elapsed = time.perf_counter() - t0
                 mfu = f", MFU {stats['flops'] / elapsed / (peak_tflops * 1e12):.0%}" if peak_tflops else ""
-                bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
+                # tqdm's own rate (left of the comma) is the recent one; this is the mean since the start
+                bar.set_postfix_str(f"mean {stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
                 return result_table
 
             committer.check()

@@ -488,3 +488,59 @@ def test_exit_codes_usage_2_runtime_1(tmp_path, capsys, model4, small_chat_path,
     assert main(base_args(model4, broken_jsonl, tmp_path / "d")) == 1  # the data's fault
     assert main(base_args(model4, small_chat_path, tmp_path / "e", "99")) == 1  # fine for a deeper model
     capsys.readouterr()
+
+
+def _subcommands():
+    from hsx.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_flag_and_positional_has_help(command):
+    missing = [a.dest for a in _subcommands()[command]._actions if a.dest != "help" and not a.help]
+    assert not missing, f"hsx {command}: no help for {missing}"
+
+
+def test_hub_visibility_is_spelled_the_same_for_extract_and_push():
+    def flags(command):
+        return {s for a in _subcommands()[command]._actions for s in a.option_strings if "hub-" in s}
+
+    assert {"--hub-private", "--no-hub-private", "--hub-revision"} <= flags("push") & flags("extract")
+    assert not [s for a in _subcommands()["push"]._actions for s in a.option_strings if s == "--public"]
+
+
+def test_plan_json_to_stdout_or_a_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    base = ["plan", "--config", "recipes/demo.yaml", "--tokens", "1000"]
+    for argv in (base + ["--json"], base + ["--json", "-"]):
+        assert main(argv) == 0
+        p = json.loads(capsys.readouterr().out)  # stdout is the JSON and nothing else
+        assert p["bytes_per_token"] == 768 and "H200" in p["rate_source"]
+    assert main(base + ["--json", str(tmp_path / "plan.json")]) == 0
+    assert "bytes per token" in capsys.readouterr().out  # the plan as text, the JSON in the file
+    assert json.loads((tmp_path / "plan.json").read_text())["bytes_per_token"] == 768
+    assert main(base) == 0 and "70% of an H200's 790 TFLOP/s" in capsys.readouterr().out
+
+
+def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_chat_path):
+    out = tmp_path / "out"
+    assert main(base_args(model4, small_chat_path, out, "1")) == 0
+    capsys.readouterr()
+    line = assert_one_line_error(main(base_args(model4, small_chat_path, out, "2")), capsys.readouterr().err,
+                                 "different job")
+    assert "(differs in: layers)" in line
+
+
+def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_run):
+    out = cli_run["out"]  # layers 1 and 3 of 4, no final norm state: refused before any file is written
+    rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
+    assert_one_line_error(rc, capsys.readouterr().err, "--final-hidden")
+    meta = json.loads((out / "hsx.json").read_text())
+    monkeypatch.setattr(sys.modules["hsx.load"], "info", lambda path: {**meta, "final_hidden": True})
+    rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
+    line = assert_one_line_error(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
+    assert "layers=[" not in line.split("(in Python")[0]
+    assert not (tmp_path / "sf").exists()
