@@ -148,6 +148,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from hsx.plan import flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
 
+    if args.json == "-":  # stdout is the JSON (as `hsx plan --json`): the lines and the table go to stderr
+        log = _stderr
     proc = current_process(args.gpus_per_copy)
     device = proc.device
     cuda = device.type == "cuda"
@@ -309,8 +311,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
                         run.get("packing", "none"))
     from hsx.cli import write_json
 
-    # with --json on stdout the table goes to stderr, so stdout parses as JSON (as `hsx plan --json`)
-    (log if args.json != "-" else _stderr)(format_table(results))
+    log(format_table(results))
     if args.json:
         write_json(args.json, results)
     if not args.keep:
