@@ -87,14 +87,17 @@ def local_splits(path: Path) -> dict[str, list[Path]]:
         if path.suffix not in LOCAL_BUILDERS:
             raise HsxError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(LOCAL_BUILDERS)}")
         return {"train": [path]}
+    import os
+
     from datasets.data_files import DataFilesDict, get_data_patterns
 
+    root = path.resolve()  # (datasets gives resolved paths)
     try:
-        found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+        found = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
     except Exception:  # noqa: BLE001  (datasets raises EmptyDatasetError for a folder with no data files)
         found = {}
     splits = {str(k): sorted(Path(f) for f in v if Path(f).suffix in LOCAL_BUILDERS and not any(
-        part.startswith(".") for part in Path(f).relative_to(path).parts)) for k, v in found.items()}
+        part.startswith(".") for part in Path(os.path.relpath(f, root)).parts)) for k, v in found.items()}
     splits = {k: v for k, v in splits.items() if v}
     if not splits:
         raise HsxError(f"{path}: no {', '.join(LOCAL_BUILDERS)} files in this folder")

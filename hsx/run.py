@@ -161,8 +161,8 @@ def cpu_threads(local_processes: int, cpu_device: bool, environ=os.environ) -> i
     """torch's CPU threads for one of `local_processes` processes on this machine: OMP_NUM_THREADS when set,
     else this process's cores divided among them, as `accelerate launch` does; on a CPU device one core fewer,
     left to the map thread, which writes while the producer thread computes. torch's default (every core, in
-    every process) oversubscribes: the README demo on this 2-core machine, busy with other jobs, took 20-43 s of
-    extraction with 2 threads and 4.9 s with 1."""
+    every process) oversubscribes: the README demo on a 2-core machine busy with other jobs (load 7-9) took
+    120-185 s of extraction with 2 threads and 19-23 s with 1; idle, 4.8 s and 5.3 s."""
     if (env := environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) > 0:
         return int(env)
     from hsx.data import cpu_count

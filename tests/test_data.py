@@ -352,7 +352,7 @@ def test_load_input_errors(tmp_path, broken_jsonl):
 
 
 @pytest.mark.parametrize("layout", ["folders", "hub"])
-def test_load_input_splits_like_load_dataset(tmp_path, layout):
+def test_load_input_splits_like_load_dataset(tmp_path, monkeypatch, layout):
     """A folder with train and test files is two splits, as `load_dataset(DIR)` reads it, never one merged."""
     import datasets
 
@@ -370,6 +370,8 @@ def test_load_input_splits_like_load_dataset(tmp_path, layout):
     assert data.load_input(cfg_for(root, split="test[:1]"))["text"] == ["test 0"]
     with pytest.raises(HsxError, match="validation"):
         data.load_input(cfg_for(root, split="validation"))
+    monkeypatch.chdir(tmp_path)  # a relative path, as typed
+    assert data.load_input(cfg_for("d", split="test"))["text"] == reference["test"]["text"]
 
 
 def test_load_input_csv(tmp_path):
