@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,28 +31,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.plan.SHAPES)")
     p.add_argument("--model", help="a local model folder instead of --shape (its weights are used)")
     p.add_argument("--layers", nargs="+", default=["dflash"], help="as for extract (default: dflash)")
-    p.add_argument("--final-hidden", action="store_true")
+    p.add_argument("--final-hidden", action="store_true", help="also capture the final-norm state, as extract's")
     p.add_argument("--count", type=int, default=2000, help="rows")
     p.add_argument("--mean", type=float, default=344.0, help="mean length of the lognormal body, tokens")
     p.add_argument("--spread", type=float, default=0.8, help="sigma of the lognormal body")
     p.add_argument("--tail", type=float, default=0.01, help="fraction of rows uniform in [max/2, max]")
-    p.add_argument("--min-length", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--token-budget", type=int)
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
+    p.add_argument("--min-length", type=int, default=16, help="shortest row drawn, tokens")
+    p.add_argument("--max-length", type=int, default=4096, help="longest row drawn (and extract's --max-length)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, token ids and (a)'s subset")
+    p.add_argument("--token-budget", type=int, help="(c)'s tokens per batch, as extract's (default: picked)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="as extract's --compile")
+    p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"],
+                   help="as extract's --sdpa-backend")
     p.add_argument("--gpus-per-copy", type=int, default=1,
                    help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
     p.add_argument("--packing", default="auto", choices=["auto", "varlen", "none"],
                    help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
-    p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
+    p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"],
+                   help="(c)'s output dtype, as extract's --storage-dtype")
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
     p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
-    p.add_argument("--keep", action="store_true")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--keep", action="store_true", help="keep (c)'s output and the drawn input")
+    from hsx.cli import add_json_flag
+
+    add_json_flag(p, "the results")
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
 
 
@@ -74,7 +79,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_naive(causal, rows: list[np.ndarray], layers: list[int], device) -> tuple[float, int]:
+def _progress(rows: list[np.ndarray], desc: str | None):
+    """A tqdm bar over the rows' tokens (None: no bar, for warm-ups): (a) and (b) take minutes on a CPU."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=int(sum(len(r) for r in rows)), unit="tok", unit_scale=True, desc=desc, disable=desc is None,
+                dynamic_ncols=True, leave=False)
+
+
+def run_naive(causal, rows: list[np.ndarray], layers: list[int], device, desc: str | None = None
+              ) -> tuple[float, int]:
     """(a): one sample at a time through the full CausalLM, output_hidden_states, blocking copies."""
     import torch
 
@@ -82,7 +96,7 @@ def run_naive(causal, rows: list[np.ndarray], layers: list[int], device) -> tupl
     tokens = 0
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _progress(rows, desc) as bar:
         for ids in rows:
             out = causal(input_ids=torch.from_numpy(ids)[None].to(device), output_hidden_states=True,
                          use_cache=False)
@@ -90,11 +104,13 @@ def run_naive(causal, rows: list[np.ndarray], layers: list[int], device) -> tupl
             states = torch.cat([out.hidden_states[min(i + 1, n_layers)][0] for i in layers], dim=-1)
             states.cpu()
             tokens += len(ids)
+            bar.update(len(ids))
     _sync(device)
     return tokens, time.perf_counter() - t0
 
 
-def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: int = 32) -> tuple[int, int, float]:
+def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: int = 32, desc: str | None = None
+               ) -> tuple[int, int, float]:
     """(b): dataset order, padded batches of 32, full depth, attention mask, blocking copy per batch."""
     import torch
 
@@ -102,7 +118,7 @@ def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: i
     tokens = padded = 0
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _progress(rows, desc) as bar:
         for k in range(0, len(rows), batch):
             chunk = rows[k:k + batch]
             t = max(len(r) for r in chunk)
@@ -117,6 +133,7 @@ def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: i
             states[m.bool()].cpu()
             tokens += int(mask.sum())
             padded += ids.size
+            bar.update(int(mask.sum()))
     _sync(device)
     return tokens, padded, time.perf_counter() - t0
 
@@ -131,6 +148,8 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from hsx.plan import flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
 
+    if args.json == "-":  # stdout is the JSON (as `hsx plan --json`): the lines and the table go to stderr
+        log = _stderr
     proc = current_process(args.gpus_per_copy)
     device = proc.device
     cuda = device.type == "cuda"
@@ -198,7 +217,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
                                                                    replace=False))
         try:
             run_naive(causal, [rows[i] for i in idx[:3]], layers, device)  # warm-up
-            tok, sec = run_naive(causal, [rows[i] for i in idx], layers, device)
+            tok, sec = run_naive(causal, [rows[i] for i in idx], layers, device, desc="(a) batch 1")
             results["a"] = {**rate(tok, sec, lengths[idx], n), "rows": len(idx), "padding": 0.0}
             log(f"  (a) naive: {results['a']['tok_per_s']:,.0f} tok/s, MFU {results['a']['mfu']:.1%} ({len(idx)} rows)")
         except torch.OutOfMemoryError as e:
@@ -212,7 +231,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
             run_padded(base, rows[:32], layers, device)  # warm-up
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            tok, pad, sec = run_padded(base, rows[:k], layers, device)
+            tok, pad, sec = run_padded(base, rows[:k], layers, device, desc="(b) padded 32")
             results["b"] = {**rate(tok, sec, lengths[:k], n), "rows": k, "padding": 1 - tok / pad}
             if cuda:
                 results["b"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -290,9 +309,11 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         results["c"]["profile"] = args.profile
         profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
                         run.get("packing", "none"))
+    from hsx.cli import write_json
+
     log(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
         if args.output_dir:
@@ -395,6 +416,10 @@ def _versions() -> dict[str, str]:
             "datasets": datasets.__version__}
 
 
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def format_table(r: dict[str, Any]) -> str:
     lines = ["| run | rows | tok/s | MFU | padding | peak GiB | vs (c) |", "|---|---|---|---|---|---|---|"]
     for key, name in (("a", "(a) batch 1, output_hidden_states"), ("b", "(b) padded 32, dataset order"),
@@ -406,8 +431,9 @@ def format_table(r: dict[str, Any]) -> str:
             lines.append(f"| {name} | {x['rows']:,} | out of memory | | | | |")
             continue
         ratio = f"{r['c_over_' + key]:.1f}×" if key != "c" and f"c_over_{key}" in r else ""
+        peak = f"{x['peak_gpu_gib']:.1f}" if "peak_gpu_gib" in x else "n/a"  # (no GPU: a CPU run)
         lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
-                     f"{x.get('peak_gpu_gib', float('nan')):.1f} | {ratio} |")
+                     f"{peak} | {ratio} |")
     c = r["c"]
     lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}), sdpa {c['sdpa_backend']}, "

@@ -2,7 +2,8 @@
 `accelerate launch -m hsx extract ...`).
 
 Every ExtractConfig field is a flag; flags override the YAML. Problems the user can fix print as one line
-(`hsx: error: ...`) with a non-zero exit and no traceback.
+(`hsx: error: ...`) with no traceback and exit 2 for a usage error (a flag, recipe or argument that is wrong by
+itself, found before anything is read), 1 for a runtime error (the data, model or output dir; a failed verify).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hsx.config import CHOICES, FIELD_KINDS, FIELDS, HsxError, load_config
+from hsx.config import CHOICES, FIELD_KINDS, FIELDS, ExtractConfig, HsxError, UsageError, load_config
 from hsx.run import Stopped
 from hsx.verify import VerifyFailed
 
@@ -19,7 +20,8 @@ HELP = {
     "tokenizer": "tokenizer folder or Hub id (default: the model's)",
     "dataset_config": "the dataset's configuration name on the Hub",
     "split": "input split (default train; slicing like train[:1000] works)",
-    "storage_dtype": "bfloat16 (bit-exact, default), float16, float32 or float8_e4m3 (with per-token scales)",
+    "storage_dtype": "bfloat16 (bit-exact for bf16 compute, default), float16, float32 or float8_e4m3 (lossy, "
+                     "with per-token scales; read back as bfloat16)",
     "dtype": "compute dtype of the model: bfloat16, float16 or float32",
     "attn_implementation": "transformers attention implementation (default sdpa)",
     "num_proc": "tokenization processes (default: up to 8 for 20k+ rows)",
@@ -39,6 +41,8 @@ HELP = {
     "hub_private": "create the repo private (default) or public (--no-hub-private)",
     "hub_revision": "branch to push to",
     "nonfinite": "rows whose states hold NaN/Inf: skip (and count) them, or keep them with has_nonfinite set",
+    "allow_empty": "a job that writes no row (every input row skipped) succeeds with an empty dataset instead of "
+                   "failing",
     "strict": "stop at the first unusable input row instead of skipping and counting it",
     "gpus_per_copy": "GPUs one model copy is spread over (device_map); launch one process per group: "
                      "`accelerate launch --num_processes GPUS/N`",
@@ -70,6 +74,33 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=str, default=None, choices=CHOICES.get(name), help=HELP.get(name))
 
 
+def parse_config(args: argparse.Namespace, overrides: dict | None = None) -> ExtractConfig:
+    """The job's config from --config and the flags (or `overrides`); any problem with them is a usage error."""
+    try:
+        return load_config(args.config, config_overrides(args) if overrides is None else overrides)
+    except UsageError:
+        raise
+    except HsxError as e:
+        raise UsageError(str(e)) from None
+
+
+def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """`--json` for plan and bench alike: alone or `--json -` prints JSON to stdout, `--json PATH` writes a file."""
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help=f"{what} as JSON: `--json` or `--json -` prints to stdout, `--json PATH` writes the file")
+
+
+def write_json(dest: str, obj) -> None:
+    import json
+    from pathlib import Path
+
+    text = json.dumps(obj, indent=2) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+    else:
+        Path(dest).write_text(text)
+
+
 def config_overrides(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
 
@@ -87,28 +118,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(pl)
     pl.add_argument("--shape", help="a named model shape instead of --model (see hsx.plan.SHAPES)")
     pl.add_argument("--tokens", type=int, help="total tokens (default: tokenize the dataset and count)")
-    pl.add_argument("--rate", type=float, help="tokens/s to time the job at (default: 70%% of an H200's "
-                    "measured 790 TFLOP/s)")
-    pl.add_argument("--gpu-memory-gib", type=float, default=139.0)
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from hsx.plan import DEFAULT_GPU, GPUS
+
+    pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
+                    help="the GPU to plan for (the machine planning needs none): its memory and matmul rate")
+    pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: 70%% of "
+                    "--gpu's measured bf16 matmul rate over the model's FLOPs per token)")
+    pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
+    add_json_flag(pl, "the plan")
     me = sub.add_parser("merge", help="join the dirs the nodes of one job wrote into one output (metadata only)")
-    me.add_argument("output_dir")
+    me.add_argument("output_dir", help="the merged output dir to write (created if missing)")
     me.add_argument("dirs", nargs="+", help="the nodes' output dirs (output_dir may be one of them)")
     pu = sub.add_parser("push", help="upload a complete output dir to a Hub dataset repo (resumable)")
-    pu.add_argument("output_dir")
-    pu.add_argument("repo_id")
-    pu.add_argument("--revision", help="branch to push to (created if missing)")
-    pu.add_argument("--public", action="store_true", help="create the repo public (default: private)")
+    pu.add_argument("output_dir", help="a finished hsx output dir (one with hsx.json)")
+    pu.add_argument("repo_id", help="the Hub dataset repo, e.g. me/qwen3-8b-eagle3 (created if missing)")
+    # the same flags, spelled the same, as `extract --push-to-hub`
+    pu.add_argument("--hub-revision", help=HELP["hub_revision"] + " (created if missing)")
+    pu.add_argument("--hub-private", action=argparse.BooleanOptionalAction, default=True, help=HELP["hub_private"])
     sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 files")
-    sf.add_argument("output_dir")
-    sf.add_argument("dest")
-    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use (default: all 3)")
+    sf.add_argument("output_dir", help="a finished hsx output dir with 3 or more layers and --final-hidden")
+    sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
+    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use, e.g. --layers 1 17 32 "
+                    "(default: the output's, when it stores exactly 3)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
-    ve.add_argument("output_dir")
+    ve.add_argument("output_dir", help="the hsx output dir to check")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
     ve.add_argument("--tolerance", type=float, default=2e-2,
                     help="worst allowed relative error (Frobenius, per layer) against the reference")
-    ve.add_argument("--seed", type=int, default=0)
+    ve.add_argument("--seed", type=int, default=0, help="picks which rows are recomputed (the same seed, the same "
+                    "rows)")
     ve.add_argument("--model", help="the reference model (local folder or Hub id; default: the folder hsx.json "
                     "records, run without its own code)")
     ve.add_argument("--trust-remote-code", action="store_true",
@@ -122,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "extract":
             from hsx.run import extract
 
-            extract(load_config(args.config, config_overrides(args)))
+            extract(parse_config(args))
         elif args.command == "bench":
             from hsx.bench import bench
 
@@ -142,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             out = OutputDir(args.output_dir)
             out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
             with out.locked():
-                push_output(args.output_dir, args.repo_id, private=not args.public, revision=args.revision)
+                push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
         elif args.command == "export-specforge":
             from hsx.load import export_specforge
 
@@ -161,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             plan_command(args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, UsageError) else 1
     except VerifyFailed as e:
         print(f"hsx: verify failed: {e}", file=sys.stderr)
         return 1

@@ -33,7 +33,11 @@ LAYER_CONVENTION = (
 
 
 class HsxError(Exception):
-    """A problem the user can fix; the CLI prints it as one line and exits non-zero, without a traceback."""
+    """A problem the user can fix; the CLI prints it as one line and exits 1, without a traceback."""
+
+
+class UsageError(HsxError):
+    """A flag, recipe key or argument wrong by itself (before the model or data is read): exit 2, as argparse."""
 
 
 @dataclass
@@ -56,6 +60,7 @@ class ExtractConfig:
     output_dir: str = ""
     storage_dtype: str = "bfloat16"
     strict: bool = False
+    allow_empty: bool = False  # a job whose every row is skipped succeeds (an empty dataset) instead of failing
     # Publishing (token from HF_TOKEN / `hf auth login`, never recorded).
     push_to_hub: str | None = None  # a Hub dataset repo id
     push_mode: str = "end"  # end: upload once complete; stream: upload units as they are committed

@@ -23,7 +23,7 @@ from hsx import masks as loss_masks
 from hsx.config import ExtractConfig, HsxError
 
 TOKENIZED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens", "truncated", "skip_reason")
-LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
                   "tool": "tool", "observation": "tool"}
@@ -45,9 +45,11 @@ def load_input(cfg: ExtractConfig):
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[cfg.split]
         elif path.exists():
-            files = _local_files(path)
+            splits = local_splits(path)
+            files = [f for fs in splits.values() for f in fs]
             builder = LOCAL_BUILDERS[files[0].suffix]
-            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=cfg.split)
+            ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
+                                       split=cfg.split)
         else:
             ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
     except HsxError:
@@ -79,19 +81,32 @@ def _json_line(path: Path, e: BaseException) -> str:
     return ""
 
 
-def _local_files(path: Path) -> list[Path]:
+def local_splits(path: Path) -> dict[str, list[Path]]:
+    """The files of each split of a local file or folder, as `load_dataset(DIR)` infers them: `train/` and
+    `test/` folders, the Hub layout `data/train-*.jsonl` + `data/test-*.jsonl`, split names in file names
+    (`dev.jsonl`, ...); files that name no split are all `train`. One file is the `train` split."""
     if path.is_file():
         if path.suffix not in LOCAL_BUILDERS:
             raise HsxError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(LOCAL_BUILDERS)}")
-        return [path]
-    files = sorted(f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS and not any(
-        part.startswith(".") for part in f.relative_to(path).parts))
-    if not files:
+        return {"train": [path]}
+    import os
+
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    root = path.resolve()  # (datasets gives resolved paths)
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
+    except Exception:  # noqa: BLE001  (datasets raises EmptyDatasetError for a folder with no data files)
+        found = {}
+    splits = {str(k): sorted(Path(f) for f in v if Path(f).suffix in LOCAL_BUILDERS and not any(
+        part.startswith(".") for part in Path(os.path.relpath(f, root)).parts)) for k, v in found.items()}
+    splits = {k: v for k, v in splits.items() if v}
+    if not splits:
         raise HsxError(f"{path}: no {', '.join(LOCAL_BUILDERS)} files in this folder")
-    kinds = {LOCAL_BUILDERS[f.suffix] for f in files}
+    kinds = {LOCAL_BUILDERS[f.suffix] for fs in splits.values() for f in fs}
     if len(kinds) > 1:
         raise HsxError(f"{path}: mixed file types ({', '.join(sorted(kinds))}); keep one type per folder")
-    return files
+    return splits
 
 
 def _innermost(e: BaseException) -> str:
@@ -170,7 +185,7 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         "truncated": datasets.Value("bool"),
         "skip_reason": datasets.Value("string"),
     })
-    num_proc = cfg.num_proc if cfg.num_proc is not None else (min(8, _cpu_count()) if len(ds) >= 20_000 else None)
+    num_proc = cfg.num_proc if cfg.num_proc is not None else (min(8, cpu_count()) if len(ds) >= 20_000 else None)
     return ds.map(
         tokenize_batch,
         batched=True,
@@ -221,7 +236,7 @@ def check_columns(ds, fmt: str, name: str) -> None:
                            f"1); make every row a list of {what}")
 
 
-def _cpu_count() -> int:
+def cpu_count() -> int:
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,25 +1,27 @@
 """Consumer side: read an hsx output, local or on the Hub, as torch tensors without copying; batch it for a
 drafter's training; export it to SpecForge's offline layout.
 
-- `load(path_or_repo, split="train", layers=None, streaming=None, revision=None)`
-  * a local output dir: one `datasets.Dataset` memory-mapped from data/<split>-*.arrow in place
-    (`Dataset.from_file`, 0.008 s for 472 MB). `datasets.load_dataset(DIR)` would first copy everything into the
-    HF cache (472 MB -> a 472 MB cache file, so a second terabyte for a terabyte output; ../shared/notes/
-    datasets-arrow.md §4), and datasets 5.2 keys that cache by the folder's name and the card's configs, not by the
-    files (hsx puts the job fingerprint in the card's config to keep two jobs apart).
-  * a Hub repo id: `load_dataset(repo, split=..., streaming=True)`, an `IterableDataset` that downloads as it
-    goes and caches nothing; `streaming=False` downloads the whole repo into the cache first.
-  * `layers=[...]` (model layer indices as in hsx.json; negatives count from the model's end): rows as torch
-    tensors holding only those of the stored layers: a `torch_view` (map-style, len + index) for a local dir or a
-    non-streaming load, a `torch_stream` (iterable) when streaming. Cost: locally, evenly spaced layers are a
+- `load(path_or_repo, split="train", layers=None, streaming=False, revision=None)`: one type per call form
+  (`load(p)` a `datasets.Dataset`, `streaming=True` a `datasets.IterableDataset`, `layers=[...]` a `torch_view`,
+  both a `torch_stream`), local dir or Hub repo alike.
+  * a local output dir: memory-mapped from data/<split>-*.arrow in place (`Dataset.from_file`, 0.008 s for
+    472 MB). `datasets.load_dataset(DIR)` would first copy everything into the HF cache (472 MB -> a 472 MB
+    cache file, so a second terabyte for a terabyte output; ../shared/notes/datasets-arrow.md §4), and datasets
+    5.2 keys that cache by the folder's name and the card's configs, not by the files (hsx puts the job
+    fingerprint in the card's config to keep two jobs apart).
+  * a Hub repo id: `load_dataset(repo, split=...)`, downloaded into the HF cache first, as `load_dataset` does;
+    with `streaming=True` it downloads as it goes and caches nothing (the way to read a terabyte output).
+  * `layers=[...]` (model layer indices as in hsx.json; negatives count from the model's end): torch rows
+    holding only those of the stored layers. Cost: locally, evenly spaced layers are a
     strided view of the memory-mapped file and others are gathered by `index_select` (a copy of the selected
     layers only); pages of the other layers are not read unless they share a 4 KiB page (a layer row is
     hidden x 2 bytes: 8 KiB at hidden 4096). Streaming, every row arrives whole: the download and the Arrow
     parsing cost all stored layers, and `layers=` only saves memory downstream.
-- `torch_view` / `torch_stream`: rows with `torch.bfloat16` states (float16 / float32 as stored; fp8 as
-  `torch.float8_e4m3fn` with its `*_scale` column), views of the Arrow buffers, no copy. Arrow has no bfloat16:
-  bf16 is stored bit-exact as int16, and datasets' torch/numpy formatters would widen it to int64 unless told
-  `dtype=None`.
+- `torch_view` / `torch_stream`: rows with every stored column as torch tensors (top-k logits and ids,
+  has_nonfinite included); bf16 / float16 / float32 states as stored, views of the Arrow buffers, no copy;
+  fp8 states dequantized to bfloat16 (`dequantize=False`: raw `torch.float8_e4m3fn` with the `*_scale`
+  columns). Arrow has no bfloat16: bf16 is stored bit-exact as int16, and datasets' torch/numpy formatters would
+  widen it to int64 unless told `dtype=None`.
 - `collate(rows, pad_token_id=0, pad_to_multiple_of=None)`: right-padded batches for a DataLoader.
 - `export_specforge(out_dir, dest)`: one `torch.save` file per sample in the layout SpecForge's offline EAGLE-3
   trainer reads.
@@ -42,28 +44,35 @@ IGNORE_INDEX = -100  # `labels` outside the loss (transformers' and torch's Cros
 # ---- opening ----------------------------------------------------------------------------------------------------
 
 def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int] | None = None,
-         streaming: bool | None = None, revision: str | None = None):
-    """An hsx output as a dataset: a local dir memory-mapped (`datasets.Dataset`, no copy), a Hub repo streamed
-    (`datasets.IterableDataset`; `streaming=False` downloads it into the HF cache first). With `layers`, rows
-    as torch tensors of only those layers instead (`torch_view` / `torch_stream`; see the module docstring)."""
+         streaming: bool = False, revision: str | None = None, dequantize: bool = True):
+    """An hsx output, local dir or Hub repo alike; the type depends only on the call form:
+
+    - `load(p)`: a `datasets.Dataset` (a local dir memory-mapped in place, no copy; a Hub repo downloaded into
+      the HF cache first, as `load_dataset` does)
+    - `load(p, streaming=True)`: a `datasets.IterableDataset` (a Hub repo downloads as it goes, caches nothing)
+    - `load(p, layers=[...])`: a `torch_view` (map-style torch rows of only those stored layers)
+    - `load(p, layers=[...], streaming=True)`: a `torch_stream` (iterable torch rows)
+
+    `dequantize` (fp8 outputs, torch rows): see `torch_view`."""
     local = _local_dir(path_or_repo)
     if local is not None:
         if revision is not None:
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
         if not streaming:
             ds = _load_local(local, split)
-            return ds if layers is None else torch_view(ds, layers=layers, meta=info(local))
+            return ds if layers is None else torch_view(ds, layers=layers, meta=info(local), dequantize=dequantize)
     from datasets import load_dataset
 
     if local is not None:
         ds = load_dataset(str(local), split=split, streaming=True)
     else:
-        streaming = True if streaming is None else streaming
         ds = load_dataset(str(path_or_repo), split=split, streaming=streaming, revision=revision)
     if layers is None:
         return ds
     meta = info(local) if local is not None else hub_info(str(path_or_repo), revision)
-    return torch_stream(ds, layers=layers, meta=meta) if streaming else torch_view(ds, layers=layers, meta=meta)
+    if streaming:
+        return torch_stream(ds, layers=layers, meta=meta, dequantize=dequantize)
+    return torch_view(ds, layers=layers, meta=meta, dequantize=dequantize)
 
 
 def _local_dir(path_or_repo: str | os.PathLike) -> Path | None:
@@ -132,28 +141,39 @@ class _Layout:
     num_layers: int  # stored in hidden_states
     dtype: str  # storage dtype
     positions: list[int] | None  # indices into the stored layers, or None for all
+    dequantize: bool = True  # fp8: hand out bfloat16 x = q * scale (no *_scale columns); False: q and scales
 
     def row(self, t) -> dict[str, Any]:
-        """One row (a one-row pyarrow Table sliced from the mapped file) as torch views."""
+        """One row (a one-row pyarrow Table sliced from the mapped file) as torch tensors: every stored column,
+        states decoded (see torch_view)."""
         ids = _tensor(_values(t, "input_ids"))
         n = ids.shape[0]
-        names = set(t.column_names)
-        row: dict[str, Any] = {
-            "sample_id": int(t.column("sample_id")[0].as_py()),
-            "input_ids": ids,
-            "loss_mask": _tensor(_values(t, "loss_mask")),
-            "hidden_states": _select(self._states(t, "hidden_states").view(n, self.num_layers, self.hidden),
-                                     self.positions),
-        }
-        if "hidden_states_scale" in names:
-            row["hidden_states_scale"] = _select(_tensor(_values(t, "hidden_states_scale", nested=True))
-                                                 .view(n, self.num_layers), self.positions)
-        if "final_hidden_state" in names:
-            row["final_hidden_state"] = self._states(t, "final_hidden_state").view(n, -1)
-        if "final_hidden_state_scale" in names:
-            row["final_hidden_state_scale"] = _tensor(_values(t, "final_hidden_state_scale", nested=True)).view(n, 1)
-        if "has_nonfinite" in names:
-            row["has_nonfinite"] = bool(t.column("has_nonfinite")[0].as_py())
+        row: dict[str, Any] = {}
+        for name in t.column_names:
+            if name == "input_ids":
+                row[name] = ids
+            elif name == "hidden_states":
+                row[name] = _select(self._states(t, name).view(n, self.num_layers, self.hidden), self.positions)
+            elif name == "final_hidden_state":
+                row[name] = self._states(t, name).view(n, -1)
+            elif name == "hidden_states_scale":
+                row[name] = _select(_tensor(_values(t, name, nested=True)).view(n, self.num_layers), self.positions)
+            elif name == "final_hidden_state_scale":
+                row[name] = _tensor(_values(t, name, nested=True)).view(n, 1)
+            elif name == "topk_logits":  # bf16 bits as int16, like bf16 states, whatever the storage dtype
+                import torch
+
+                row[name] = _tensor(_values(t, name, nested=True)).view(torch.bfloat16).view(n, -1)
+            elif name == "topk_ids":
+                row[name] = _tensor(_values(t, name, nested=True)).view(n, -1)
+            elif isinstance(t.schema.field(name).type, pa_list_types()):
+                row[name] = _tensor(_values(t, name))  # a per-token column (loss_mask, ...)
+            else:
+                row[name] = t.column(name)[0].as_py()  # sample_id, num_tokens, has_nonfinite, ...
+        if self.dtype == "float8_e4m3" and self.dequantize:
+            for name in ("hidden_states", "final_hidden_state"):
+                if name in row:
+                    row[name] = _dequantize(row[name], row.pop(f"{name}_scale"))
         return row
 
     def _states(self, t, name: str):
@@ -171,6 +191,19 @@ class _Layout:
         return x
 
 
+def _dequantize(q, scale):
+    """bfloat16 x = q * scale of fp8 states q (..., hidden) with one float32 scale per token and layer."""
+    import torch
+
+    return (q.float() * scale.reshape(*q.shape[:-1], 1)).to(torch.bfloat16)
+
+
+def pa_list_types():
+    import pyarrow as pa
+
+    return (pa.ListType, pa.LargeListType, pa.FixedSizeListType)
+
+
 def _storage_dtype(meta: dict | None, features) -> str:
     if meta and meta.get("storage_dtype"):
         return meta["storage_dtype"]
@@ -183,7 +216,8 @@ def _storage_dtype(meta: dict | None, features) -> str:
     return value.dtype if value.dtype in ("float16", "float32") else "bfloat16"
 
 
-def _layout(meta: dict | None, features, hidden_size: int | None, layers: list[int] | None) -> _Layout:
+def _layout(meta: dict | None, features, hidden_size: int | None, layers: list[int] | None,
+            dequantize: bool = True) -> _Layout:
     width = None
     try:
         width = features["hidden_states"].feature.length
@@ -204,7 +238,7 @@ def _layout(meta: dict | None, features, hidden_size: int | None, layers: list[i
                              "a dict>")
         positions = layer_positions(meta["layers"], list(layers), meta.get("num_model_layers"))
     return _Layout(hidden=hidden, num_layers=width // hidden, dtype=_storage_dtype(meta, features),
-                   positions=positions)
+                   positions=positions, dequantize=dequantize)
 
 
 def layer_positions(stored: list[int], wanted: list[int], num_model_layers: int | None = None) -> list[int]:
@@ -236,19 +270,23 @@ def _select(x, positions: list[int] | None):
 
 
 class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
-    """Rows of an hsx output as torch tensors; `hidden_states` is a (T, layers, hidden) view of the mapped file
-    (torch.bfloat16 for bf16 outputs), no copy. A map-style dataset: `len(view)`, `view[i]`; give it to a
-    `torch.utils.data.DataLoader` with `collate_fn=hsx.collate`.
+    """Rows of an hsx output as torch tensors, every stored column: `sample_id`, `num_tokens` (ints),
+    `input_ids`, `loss_mask` (T,), `hidden_states` (T, layers, hidden), `final_hidden_state` (T, hidden),
+    `topk_logits` (T, K) bfloat16 and `topk_ids` (T, K) int32 with --topk-logits K, `has_nonfinite` (bool) with
+    --nonfinite keep. States keep their storage dtype as views of the mapped file, no copy (torch.bfloat16 for
+    bf16 outputs); fp8 outputs are dequantized to bfloat16 (x = q * scale, a copy of the selected layers), or
+    with `dequantize=False` come raw as torch.float8_e4m3fn with their `*_scale` columns. A map-style dataset:
+    `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with `collate_fn=hsx.collate`.
 
     `source`: an output dir, or a `datasets.Dataset` of one (from `load`) with `meta` (its hsx.json) or
     `hidden_size`. `layers`: only these of the stored layers, by model layer index (needs the dir or `meta`)."""
 
     def __init__(self, source, hidden_size: int | None = None, layers: list[int] | None = None,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, dequantize: bool = True):
         if isinstance(source, (str, Path)):
             meta = meta or info(source)
             source = load(str(source))
-        self.layout = _layout(meta, source.features, hidden_size, layers)
+        self.layout = _layout(meta, source.features, hidden_size, layers, dequantize)
         self.ds = source.with_format("arrow")
         self.hidden = self.layout.hidden
         self.width = self.layout.num_layers * self.layout.hidden
@@ -264,7 +302,7 @@ _STREAM_CLASS = None
 
 
 def torch_stream(source, layers: list[int] | None = None, meta: dict[str, Any] | None = None,
-                 hidden_size: int | None = None):
+                 hidden_size: int | None = None, dequantize: bool = True):
     """Rows of a streamed hsx output (`datasets.IterableDataset`) as torch tensors, like `torch_view`'s rows.
 
     A `torch.utils.data.IterableDataset`: in a DataLoader with workers, datasets hands each worker its own
@@ -285,7 +323,7 @@ def torch_stream(source, layers: list[int] | None = None, meta: dict[str, Any] |
                     yield self.layout.row(t)
 
         _STREAM_CLASS = TorchStream
-    return _STREAM_CLASS(source, _layout(meta, getattr(source, "features", None), hidden_size, layers))
+    return _STREAM_CLASS(source, _layout(meta, getattr(source, "features", None), hidden_size, layers, dequantize))
 
 
 def _tensor(a: np.ndarray):
@@ -309,7 +347,7 @@ def _values(t, name: str, nested: bool = False) -> np.ndarray:
 
 # ---- batching ---------------------------------------------------------------------------------------------------
 
-STATE_KEYS = ("hidden_states", "hidden_states_scale", "final_hidden_state", "final_hidden_state_scale")
+BATCH_SCALARS = ("sample_id", "num_tokens", "has_nonfinite")
 
 
 def collate(rows: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_of: int | None = None
@@ -323,8 +361,9 @@ def collate(rows: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_o
       token t+1) uses `loss_mask[:, 1:]` against `logits[:, :-1]`.
     - `labels` (B, N) long: `input_ids` where loss_mask is 1, else -100; unshifted, the convention of
       transformers' causal-LM loss (it shifts internally).
-    - the states: `hidden_states` (B, N, layers, hidden) and `final_hidden_state` (B, N, hidden) in their stored
-      dtype (bfloat16), zero on padding; fp8 outputs also give their `*_scale` columns
+    - every other per-token column of the rows, (B, N, ...) in its dtype, zero on padding: `hidden_states`
+      (B, N, layers, hidden) and `final_hidden_state` (B, N, hidden) bfloat16 (as the rows give them: fp8 ones
+      dequantized, or raw with their `*_scale` columns), `topk_logits` / `topk_ids` (B, N, K)
     - `sample_id` (B,) and `num_tokens` (B,) long; `has_nonfinite` (B,) bool where stored
 
     The states are copied into the batch (one copy, the padded tensor the model takes)."""
@@ -345,7 +384,8 @@ def collate(rows: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_o
         "sample_id": torch.tensor([int(r["sample_id"]) for r in rows], dtype=torch.long),
         "num_tokens": torch.tensor(lengths, dtype=torch.long),
     }
-    keys = [k for k in STATE_KEYS if k in rows[0]]
+    keys = [k for k, v in rows[0].items() if k not in batch and k not in BATCH_SCALARS
+            and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == lengths[0]]
     for key in keys:
         batch[key] = _zeros((b, n, *rows[0][key].shape[1:]), rows[0][key].dtype)
     for j, (r, t) in enumerate(zip(rows, lengths)):
@@ -413,8 +453,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                          "extract with --final-hidden (the eagle3 preset includes it)")
     chosen = list(layers) if layers is not None else list(meta["layers"])
     if len(chosen) != 3:
+        example = " ".join(str(i) for i in meta["layers"][:3])
         raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta['layers']}: "
-                         "pick 3 with layers=[...]")
+                         f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
     positions = layer_positions(meta["layers"], chosen, meta.get("num_model_layers"))
     order = np.argsort(positions, kind="stable")  # aux layers in increasing layer order, as SpecForge captures
     view = torch_view(out_dir, layers=[chosen[k] for k in order], meta=meta)
@@ -431,10 +472,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
             kept += 1
             continue
         n = row["input_ids"].shape[0]
-        aux, final = row["hidden_states"], row["final_hidden_state"]
-        if "hidden_states_scale" in row:  # fp8: x = q * scale
-            aux = (aux.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)
-            final = (final.float() * row["final_hidden_state_scale"]).to(torch.bfloat16)
+        aux, final = row["hidden_states"], row["final_hidden_state"]  # (fp8: dequantized by torch_view)
         sample = {
             "input_ids": row["input_ids"].to(torch.long),
             "loss_mask": row["loss_mask"].to(torch.long),

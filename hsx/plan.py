@@ -27,6 +27,11 @@ BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
+# GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
+# rate measured on one (torch, 8192³: 790-810 TFLOP/s on the H200s of ../shared/notes/h200-*.md) and the memory
+# torch sees (139 GiB of an H200's 141 GB).
+GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
+DEFAULT_GPU = "h200"
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the H200 probes' chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -287,8 +292,10 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
-         matmul_tflops: float = 790.0, mfu: float = 0.70, storage_dtype: str = "bfloat16",
-         token_budget: int | None = None, node_gpus: int = NODE_GPUS) -> dict[str, Any]:
+         matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float = 0.70,
+         storage_dtype: str = "bfloat16",
+         token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
+         ) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
 
     Memory: a copy that needs g > 1 GPUs is planned as its decoder layers spread evenly over the group
@@ -325,9 +332,10 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         mean_len = min(tokens / rows if rows else float(DEFAULT_MEAN_TOKENS), float(max_length))
         per_token = 2.0 * depth * layer_params(c, depth) + attention_flops(c, depth, np.array([mean_len])) / mean_len
         rate = rate_tokens_per_s or (mfu * matmul_tflops * 1e12 / per_token)
+        whose = f"an {gpu_name}'s " if gpu_name else ""
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
                     "rate_tokens_per_s": rate,
-                    "rate_source": "given" if rate_tokens_per_s else f"{mfu:.0%} of {matmul_tflops:.0f} TFLOP/s",
+                    "rate_source": "given" if rate_tokens_per_s else f"{mfu:.0%} of {whose}{matmul_tflops:.0f} TFLOP/s",
                     "expected_seconds": tokens / rate, "write_bytes_per_s": rate * bpt})
         if out.get("copies_per_node"):
             out["expected_seconds_node"] = tokens / rate / out["copies_per_node"]
@@ -414,10 +422,8 @@ def plan_command(args) -> dict[str, Any]:
     Tokens come from `--tokens`; else from `DATASET_SIZES` for a known Hub dataset; else, for a local dataset,
     from tokenizing it (a sample of SAMPLE_ROWS rows when larger; rows × DEFAULT_MEAN_TOKENS without a tokenizer
     offline); else there is no disk or time line. Neither the dataset nor the weights are downloaded."""
-    import json
-
-    from hsx.cli import config_overrides
-    from hsx.config import load_config, resolve_layers
+    from hsx.cli import config_overrides, parse_config
+    from hsx.config import resolve_layers
 
     overrides = config_overrides(args)
     if args.shape:
@@ -425,13 +431,15 @@ def plan_command(args) -> dict[str, Any]:
     recipe = _recipe_keys(args.config)
     # output_dir and dataset are required by an extract job, not by a plan: fill in only what neither gives
     placeholders = {k: PLACEHOLDER for k in ("output_dir", "dataset") if not overrides.get(k) and not recipe.get(k)}
-    cfg = load_config(args.config, {**overrides, **placeholders})
+    cfg = parse_config(args, {**overrides, **placeholders})
+    gpu = GPUS[args.gpu]
+    gpu_gib = args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu["memory_gib"]
     text = model_text_config(cfg, args.shape)
     layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
     tokens, rows, source = planned_tokens(cfg, args.tokens)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=args.rate,
-             gpu_bytes=int(args.gpu_memory_gib * 1024**3), storage_dtype=cfg.storage_dtype,
-             token_budget=cfg.token_budget)
+             gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype,
+             token_budget=cfg.token_budget, matmul_tflops=gpu["matmul_tflops"], gpu_name=args.gpu.upper())
     if tokens is not None:
         p["tokens_source"] = source
         p["tokens_estimated"] = source.startswith("estimate")
@@ -443,7 +451,12 @@ def plan_command(args) -> dict[str, Any]:
                                             recipe_keys=recipe)
         if node:
             p["launch_node"] = node
-    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+    from hsx.cli import write_json
+
+    if args.json != "-":
+        print(format_plan(p))
+    if args.json:
+        write_json(args.json, p)
     return p
 
 

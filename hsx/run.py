@@ -23,7 +23,8 @@ from typing import Any
 
 from hsx import __version__
 from hsx.buckets import plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, check_config, check_topk_logits, resolve_layers
+from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
+                        resolve_layers)
 from hsx.extract import output_columns
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
@@ -122,6 +123,7 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
         raise HsxError(f"--tp-size {tp_size} with {per_node} processes per machine: a model copy would span two "
                        "machines (its every layer waiting on the network); launch a multiple of --tp-size per machine")
     cuda = torch.cuda.is_available()
+    torch.set_num_threads(cpu_threads(per_node, cpu_device=not cuda))
     # Ranks meet around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
     timeout = timedelta(hours=6)
     state = store = tp_control = None
@@ -154,6 +156,20 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     torch.cuda.set_device(devices[0])
     return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local,
                    tp_size=tp_size, tp_control=tp_control, store=store)
+
+
+def cpu_threads(local_processes: int, cpu_device: bool, environ=os.environ) -> int:
+    """torch's CPU threads for one of `local_processes` processes on this machine: OMP_NUM_THREADS when set,
+    else this process's cores divided among them, as `accelerate launch` does; on a CPU device one core fewer,
+    left to the map thread, which writes while the producer thread computes. torch's default (every core, in
+    every process) oversubscribes: the README demo on a 2-core machine busy with other jobs (load 7-9) took
+    120-185 s of extraction with 2 threads and 19-23 s with 1; idle, 4.8 s and 5.3 s."""
+    if (env := environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) > 0:
+        return int(env)
+    from hsx.data import cpu_count
+
+    share = cpu_count() // max(1, local_processes)
+    return max(1, share - 1 if cpu_device else share)
 
 
 def _copy_world(rank: int, tp_size: int, world: int, backend: str, timeout):
@@ -229,9 +245,15 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
+    existed = out.root.exists()
+    fresh = not existed or (out.root.is_dir() and not any(out.root.iterdir()))
     try:
         with out.locked(), stop_on_signal(say) as stop:
             return _extract(cfg, proc, out, stop, say, log, model)
+    except HsxError:
+        if fresh and proc.world_size == 1:  # (several ranks share the dir: one cannot tell the others' state)
+            out.remove_if_unused(keep_root=existed)  # a job refused before writing anything leaves no dir behind
+        raise
     except OSError as e:
         if e.errno == errno.ENOSPC or "No space left" in str(e):
             done = len(out.done_units())
@@ -252,7 +274,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         model_path, revision, text = model.model_path, model.revision, model.text_config
         num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
     if cfg.topk_logits and not final_hidden:
-        raise HsxError("--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 preset)")
+        raise UsageError("--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 "
+                         "preset)")
     check_topk_logits(cfg.topk_logits, int(text.vocab_size))
     raw = data.load_input(cfg)
     tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
@@ -267,7 +290,10 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
-        "limit": cfg.limit, "unit_tokens": unit_tokens, "nonfinite": cfg.nonfinite, "topk_logits": cfg.topk_logits,
+        # unit_tokens as given: the derived default follows from layers, dtype and model, already in here (so
+        # changing only --layers reports `differs in: layers`, not unit_tokens too)
+        "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
+        "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
     })
 
@@ -276,6 +302,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     if state == "complete":
         info = out.read_info()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
+        refuse_empty(cfg, info["counts"], written=True)
         if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo
             _push(cfg, log)
         return info
@@ -286,6 +313,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     if stop.is_set():
         raise Stopped("stopped after tokenizing; run the same command to continue", 128 + stop.signum)
     sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
+    if len(sample_ids) == 0:
+        refuse_empty(cfg, {"rows_in": len(raw), "skipped": skipped}, written=False)
     order, units = plan_units(sample_ids, num_tokens, cfg.max_length, unit_tokens)
     summary = {  # what hsx.json says that does not depend on the run: written now, so `hsx merge` can finish
         "model": cfg.model, "model_path": model_path, "revision": revision,
@@ -393,6 +422,7 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
     log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
         f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}; rows with "
         f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
+    refuse_empty(cfg, c, written=True)
     if stats["tokens"]:
         pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
         mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
@@ -401,6 +431,24 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
             f"{'GPU' if str(stats.get('device', '')).startswith('cuda') else 'CPU'} busy {busy:.0%}")
     return info
+
+
+def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> None:
+    """A job that writes no row fails (unless --allow-empty), naming why every row was skipped: an empty
+    training set is almost always a format the input was not in, and exit 0 would hide it until training."""
+    if counts.get("rows_written", 0):
+        return
+    if cfg.allow_empty:
+        if written:
+            print(f"hsx: {cfg.output_dir} holds 0 rows (--allow-empty): hsx.load and load_dataset(..., "
+                  "streaming=True) read it as empty; a plain load_dataset refuses an empty split ('corresponds to "
+                  "no data')", file=sys.stderr)
+        return
+    where = (f"{cfg.output_dir} holds an empty dataset" if written else
+             f"nothing was written (so {cfg.output_dir} holds no dataset)")
+    raise HsxError(f"no usable rows: all {counts['rows_in']:,} input rows of {cfg.dataset} were skipped "
+                   f"{json.dumps(counts['skipped'])}; {where}. Fix the input (`--strict` stops at the first bad "
+                   "row), or pass --allow-empty if an empty output is expected")
 
 
 def _shared_run_id(out: OutputDir, proc: Process) -> str:
@@ -503,7 +551,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     max_batch = max(u.batch_size(budget) * u.upper_bound for u in pending)
     total_tokens = sum(u.tokens for u in pending)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extracting", disable=not proc.is_main,
-               dynamic_ncols=True)
+               dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, now "
+               "{rate_fmt}{postfix}]")
     stats = {"seconds": 0.0, "gpu_seconds": 0.0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
              "token_budget": budget, "compile": use_compile, "device": str(device), "tp_size": proc.tp_size,
              "model_copies": proc.dp_size, "writes": proc.writes,
@@ -543,7 +592,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 bar.update(int(table.column("num_tokens").to_numpy().sum()))
                 elapsed = time.perf_counter() - t0
                 mfu = f", MFU {stats['flops'] / elapsed / (peak_tflops * 1e12):.0%}" if peak_tflops else ""
-                bar.set_postfix_str(f"{stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
+                # tqdm's own rate (left of the comma) is the recent one; this is the mean since the start
+                bar.set_postfix_str(f"mean {stats['tokens'] / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
                 return result_table
 
             committer.check()

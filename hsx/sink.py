@@ -280,6 +280,15 @@ class OutputDir:
         atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
         return "new"
 
+    def remove_if_unused(self, keep_root: bool = False) -> None:
+        """Remove .hsx/ (and the dir, unless `keep_root` or something else is in it) when no job committed
+        anything here."""
+        if self.has_output() or not self.root.is_dir():
+            return
+        shutil.rmtree(self.state, ignore_errors=True)
+        if not keep_root and not any(self.root.iterdir()):
+            self.root.rmdir()
+
     def clear(self) -> None:
         """Delete only what hsx writes here (never the lock, which this process holds)."""
         for name in ("hsx.json", "README.md"):
@@ -640,6 +649,15 @@ def _decode_lines(dtype: str, num_layers: int, hidden: int) -> str:
     return f'states = row["hidden_states"].reshape({shape})  # {dtype}'
 
 
+STORAGE_EXACTNESS = {  # what the card says of the stored states, per --storage-dtype
+    "bfloat16": "stored bit-exact as the int16 bits of bfloat16 (Arrow has no bfloat16)",
+    "float16": "converted to float16 (exact for bfloat16 values with |x| in ~[6e-5, 65504]; outside it, not)",
+    "float32": "stored as float32 (exact for bfloat16 and float16 compute)",
+    "float8_e4m3": "quantized to float8_e4m3fn, stored as its uint8 bits with a float32 scale per token and layer "
+                   "(x ≈ q * scale, lossy: a 3-bit mantissa)",
+}
+
+
 def dataset_card(info: dict[str, Any], command: str) -> str:
     """README.md for the output dir (and its Hub repo): YAML `configs` for load_dataset, the job fingerprint, what
     the columns are, how to decode the states, and how to load them without copying.
@@ -664,6 +682,9 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
     command = re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", command)  # never a token in a card
     stored = {"bfloat16": "int16 bits of bfloat16", "float16": "float16", "float32": "float32",
               "float8_e4m3": "uint8 bits of float8_e4m3fn (x = q * scale)"}.get(dtype, dtype)
+    exactness = STORAGE_EXACTNESS.get(dtype, f"stored as {dtype}")
+    stream_arg = ", streaming=True" if repo else ""
+    view_note = "bfloat16, dequantized" if dtype == "float8_e4m3" else "a view"
     scale_cols = ("\n- `hidden_states_scale`: (T, {n}) float32, one scale per token and layer (fp8: absmax / 448)"
                   .format(n=num_layers) if dtype == "float8_e4m3" else "")
     final_col = (f"\n- `final_hidden_state`: (T, {hidden}) {stored}, the output of the final norm (transformers' "
@@ -676,15 +697,15 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
     hsx_load = f'''```python
 import hsx
 # {"streamed from the Hub" if repo else "memory-mapped in place"}: torch rows, (T, 1, {hidden}) states of layer {first}
-rows = hsx.load("{where}", layers=[{first}])
-ds = hsx.load("{where}")  # {"a datasets.IterableDataset (streaming)" if repo else "a datasets.Dataset, no copy"}
+rows = hsx.load("{where}", layers=[{first}]{stream_arg})
+ds = hsx.load("{where}"{stream_arg})  # {"a datasets.IterableDataset" if repo else "a datasets.Dataset, no copy"}
 ```'''
     plain = f'''```python
 import torch
 from datasets import load_dataset
 ds = load_dataset("{where}", split="train", streaming=True).with_format("torch")
 row = next(iter(ds))
-{_decode_lines(dtype, num_layers, hidden)}  # (T, layers, hidden), bit-exact
+{_decode_lines(dtype, num_layers, hidden)}  # (T, layers, hidden){", bit-exact" if dtype == "bfloat16" else ""}
 ```'''
     if big:
         loading = f"""## Loading
@@ -693,18 +714,18 @@ it into the HF cache; stream it instead, or read it with hsx:
 
 {hsx_load}
 
-With plain `datasets`, streaming (Arrow has no bfloat16: the states are stored bit-exact as {stored}):
+With plain `datasets`, streaming (the states are {exactness}):
 
 {plain}
 """
     else:
         loading = f"""## Loading
-Arrow has no bfloat16: the states are stored bit-exact as {stored}. Local outputs, memory-mapped, no copy:
+The states are {exactness}. Local outputs, memory-mapped, no copy:
 
 ```python
 import hsx
 ds = hsx.load("{where}")           # datasets.Dataset over the Arrow files, memory-mapped
-rows = hsx.torch_view("{where}")   # rows[i]["hidden_states"]: torch tensor (T, layers, hidden), a view
+rows = hsx.torch_view("{where}")   # rows[i]["hidden_states"]: torch tensor (T, layers, hidden), {view_note}
 ```
 
 With plain `datasets` (`load_dataset` on a local dir copies it into the cache; `streaming=True` does not):

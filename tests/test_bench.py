@@ -64,3 +64,17 @@ def test_bench_data_parallel_reports_the_job(tmp_path):
     assert [x["rank"] for x in ranks] == [0, 1] and all(x["tokens"] > 0 for x in ranks)
     assert sum(x["tokens"] for x in ranks) == result["c"]["tokens"] == result["tokens"]
     assert result["c"]["rows"] == 60 and len(hsx.load(str(tmp_path / "out"))) == 60
+
+
+def test_bench_json_on_stdout_progress_and_no_nan_on_cpu(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["bench", "--shape", "tiny", "--count", "20", "--max-length", "128", "--subset-a", "4",
+                 "--subset-b", "20", "--json"]) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)  # `--json` alone: the JSON is stdout, as `hsx plan --json`
+    assert r["c"]["rows"] == 20
+    assert "(a) batch 1" in captured.err and "(b) padded 32" in captured.err  # the slow baselines show progress
+    table = captured.err[captured.err.index("| run |"):]
+    assert "nan" not in table.lower() and "| n/a |" in table  # no GPU memory to report on a CPU

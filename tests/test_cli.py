@@ -211,7 +211,7 @@ def test_strict_names_the_first_bad_row(tmp_path, capsys, model4, small_chat_pat
 def test_gpus_per_copy_without_gpus_is_one_line(tmp_path, capsys, model4, small_chat_path):
     rc = main(base_args(model4, small_chat_path, tmp_path / "out") + ["--gpus-per-copy", "2"])
     assert_one_line_error(rc, capsys.readouterr().err, "--gpus-per-copy 2", "no CUDA GPU")
-    assert rc == 2
+    assert rc == 1  # the machine's, not the flag's: a runtime error
 
 
 @pytest.mark.parametrize("case", ["empty_conversation", "null_content", "missing_value",
@@ -300,10 +300,80 @@ def test_dataset_without_known_columns(tmp_path, capsys, model4):
 
 
 def test_unsupported_dataset_file(tmp_path, capsys, model4):
-    path = tmp_path / "d.csv"
-    path.write_text("text\nhello\n")
+    path = tmp_path / "d.xml"
+    path.write_text("<text>hello</text>\n")
     rc = main(base_args(model4, path, tmp_path / "out"))
-    assert_one_line_error(rc, capsys.readouterr().err, ".csv")
+    assert_one_line_error(rc, capsys.readouterr().err, ".xml")
+
+
+def test_csv_input(tmp_path, model4):
+    path = tmp_path / "d.csv"
+    path.write_text('text\nhello there\n"second row, with a comma"\n')
+    rc, _, err = run_main(base_args(model4, path, tmp_path / "out"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "out" / "hsx.json").read_text())["counts"]["rows_written"] == 2
+
+
+@pytest.fixture
+def split_folder(tmp_path):
+    """train/ (3 rows) and test/ (2 rows), chat rows, as a user's own dataset folder."""
+    def row(text):
+        return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text + " ok"}]}
+
+    write_jsonl(tmp_path / "d" / "train" / "0.jsonl", [row(f"train {i}") for i in range(3)])
+    write_jsonl(tmp_path / "d" / "test" / "0.jsonl", [row(f"test {i}") for i in range(2)])
+    return tmp_path / "d"
+
+
+@pytest.mark.parametrize(("split", "rows"), [(None, 3), ("test", 2)])
+def test_extract_reads_one_split_of_a_folder(tmp_path, model4, split_folder, split, rows):
+    """Only the split asked for (default train) is written, never train and test merged; the output's own split is
+    train whatever was read, as load_dataset gives it."""
+    import datasets
+
+    from hsx.data import tokenize_batch
+
+    out = tmp_path / "out"
+    rc, _, err = run_main(base_args(model4, split_folder, out) + (["--split", split] if split else []))
+    assert rc == 0, err
+    written = datasets.load_dataset(str(out))
+    assert list(written) == ["train"]
+    want = datasets.load_dataset(str(split_folder))[split or "train"]
+    assert sorted(written["train"]["sample_id"]) == list(range(rows)) == list(range(len(want)))
+    expected = tokenize_batch({"messages": want["messages"]}, list(range(rows)), model4.tokenizer, "messages",
+                              4096, {})
+    by_id = {r["sample_id"]: r["input_ids"] for r in written["train"]}
+    assert [by_id[i] for i in range(rows)] == expected["input_ids"]
+
+
+def test_all_rows_skipped_is_an_error_naming_the_reasons(tmp_path, capsys, model4):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": []}, {"messages": [{"role": "user", "content": "x"}]}])
+    out = tmp_path / "out"
+    rc = main(base_args(model4, path, out))
+    line = assert_one_line_error(rc, capsys.readouterr().err, "no usable rows", "empty_conversation",
+                                 "no_assistant_turn", "--allow-empty")
+    assert rc == 1 and "2 input rows" in line
+    assert not out.exists()  # no dir that load_dataset cannot read
+    rc, _, err = run_main(base_args(model4, path, out) + ["--allow-empty"])
+    assert rc == 0, err
+    assert "0 rows (--allow-empty)" in err and "corresponds to no data" in err  # datasets' own limit, said
+    import datasets
+
+    assert len(hsx.load(str(out))) == 0
+    assert list(datasets.load_dataset(str(out), split="train", streaming=True)) == []
+    assert json.loads((out / "hsx.json").read_text())["counts"]["skipped"] == {"empty_conversation": 1,
+                                                                             "no_assistant_turn": 1}
+
+
+def test_failed_validation_leaves_no_dir(tmp_path, capsys, model4, small_chat_path):
+    out = tmp_path / "out"
+    assert_one_line_error(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
+                          "out of range")
+    assert not out.exists()
+    out.mkdir()  # a dir the user made stays, without .hsx/
+    assert_one_line_error(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
+                          "out of range")
+    assert out.is_dir() and not any(out.iterdir())
 
 
 # ---- real processes -------------------------------------------------------------------------------------------
@@ -372,13 +442,12 @@ def test_fix_the_row_after_strict_and_rerun(tmp_path, capsys, model4):
     out = tmp_path / "out"
     argv = base_args(model4, path, out) + ["--strict"]
     assert_one_line_error(main(argv), capsys.readouterr().err, "row 1")
-    old_job = json.loads((out / ".hsx" / "job.json").read_text())["fingerprint"]
+    assert not out.exists()  # the refused job leaves nothing behind
     write_jsonl(path, [good, good])  # the user fixes row 1
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 0, err
     assert json.loads((out / "hsx.json").read_text())["counts"]["rows_written"] == 2
-    assert json.loads((out / ".hsx" / "job.json").read_text())["fingerprint"] != old_job
     assert len(hsx.load(str(out))) == 2
 
 
@@ -388,7 +457,7 @@ def test_fix_the_tokenizer_after_missing_template_and_rerun(tmp_path, capsys, mo
     argv = base_args(model4, small_chat_path, out)
     assert_one_line_error(main(argv + ["--tokenizer", str(no_template_tokenizer_dir)]), capsys.readouterr().err,
                           "chat template")
-    assert (out / ".hsx" / "job.json").exists() and not (out / "hsx.json").exists()
+    assert not out.exists()
     rc = main(argv)  # the model's own tokenizer, which has one
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -405,3 +474,74 @@ def test_a_dir_with_output_of_another_job_is_still_refused_after_a_failure(tmp_p
     rc = main(base_args(model4, small_chat_path, out, "2"))
     assert_one_line_error(rc, capsys.readouterr().err, "different job")
     assert sorted(p.name for p in (out / "data").iterdir()) == before
+
+
+def test_exit_codes_usage_2_runtime_1(tmp_path, capsys, model4, small_chat_path, broken_jsonl):
+    usage = [["extract", "--dataset", str(small_chat_path), "--layers", "1", "--output-dir", str(tmp_path / "b")],
+             base_args(model4, small_chat_path, tmp_path / "c") + ["--topk-logits", "2"]]
+    for argv in usage:
+        assert main(argv) == 2, argv
+    for argv in (["extract", "--no-such-flag"],  # argparse's own usage errors (a choice flag's too)
+                 base_args(model4, small_chat_path, tmp_path / "a") + ["--storage-dtype", "int4"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+    assert main(base_args(model4, broken_jsonl, tmp_path / "d")) == 1  # the data's fault
+    assert main(base_args(model4, small_chat_path, tmp_path / "e", "99")) == 1  # fine for a deeper model
+    capsys.readouterr()
+
+
+def _subcommands():
+    from hsx.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_flag_and_positional_has_help(command):
+    missing = [a.dest for a in _subcommands()[command]._actions if a.dest != "help" and not a.help]
+    assert not missing, f"hsx {command}: no help for {missing}"
+
+
+def test_hub_visibility_is_spelled_the_same_for_extract_and_push():
+    def flags(command):
+        return {s for a in _subcommands()[command]._actions for s in a.option_strings if "hub-" in s}
+
+    assert {"--hub-private", "--no-hub-private", "--hub-revision"} <= flags("push") & flags("extract")
+    assert not [s for a in _subcommands()["push"]._actions for s in a.option_strings if s == "--public"]
+
+
+def test_plan_json_to_stdout_or_a_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    base = ["plan", "--config", "recipes/demo.yaml", "--tokens", "1000"]
+    for argv in (base + ["--json"], base + ["--json", "-"]):
+        assert main(argv) == 0
+        p = json.loads(capsys.readouterr().out)  # stdout is the JSON and nothing else
+        assert p["bytes_per_token"] == 768 and "H200" in p["rate_source"]
+    assert main(base + ["--json", str(tmp_path / "plan.json")]) == 0
+    assert "bytes per token" in capsys.readouterr().out  # the plan as text, the JSON in the file
+    assert json.loads((tmp_path / "plan.json").read_text())["bytes_per_token"] == 768
+    assert main(base) == 0 and "70% of an H200's 790 TFLOP/s" in capsys.readouterr().out
+
+
+def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_chat_path):
+    out = tmp_path / "out"
+    assert main(base_args(model4, small_chat_path, out, "1")) == 0
+    capsys.readouterr()
+    line = assert_one_line_error(main(base_args(model4, small_chat_path, out, "2")), capsys.readouterr().err,
+                                 "different job")
+    assert "(differs in: layers)" in line
+
+
+def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_run):
+    out = cli_run["out"]  # layers 1 and 3 of 4, no final norm state: refused before any file is written
+    rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
+    assert_one_line_error(rc, capsys.readouterr().err, "--final-hidden")
+    meta = json.loads((out / "hsx.json").read_text())
+    monkeypatch.setattr(sys.modules["hsx.load"], "info", lambda path: {**meta, "final_hidden": True})
+    rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
+    line = assert_one_line_error(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
+    assert "layers=[" not in line.split("(in Python")[0]
+    assert not (tmp_path / "sf").exists()

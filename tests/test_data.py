@@ -333,9 +333,39 @@ def test_load_input_folder_and_limit(tmp_path):
 def test_load_input_errors(tmp_path, broken_jsonl):
     with pytest.raises(HsxError, match="cannot read dataset"):
         data.load_input(cfg_for(broken_jsonl))
-    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "x.xml").write_text("<a/>")
     with pytest.raises(HsxError, match="unsupported"):
-        data.load_input(cfg_for(tmp_path / "x.csv"))
+        data.load_input(cfg_for(tmp_path / "x.xml"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(HsxError):
         data.load_input(cfg_for(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("layout", ["folders", "hub"])
+def test_load_input_splits_like_load_dataset(tmp_path, monkeypatch, layout):
+    """A folder with train and test files is two splits, as `load_dataset(DIR)` reads it, never one merged."""
+    import datasets
+
+    train, test = [{"text": f"train {i}"} for i in range(3)], [{"text": f"test {i}"} for i in range(2)]
+    root = tmp_path / "d"
+    if layout == "folders":
+        write_jsonl(root / "train" / "part-0.jsonl", train)
+        write_jsonl(root / "test" / "part-0.jsonl", test)
+    else:  # what `push_to_hub` writes and `snapshot_download` brings back
+        write_jsonl(root / "data" / "train-00000-of-00001.jsonl", train)
+        write_jsonl(root / "data" / "test-00000-of-00001.jsonl", test)
+    reference = datasets.load_dataset(str(root))
+    assert data.load_input(cfg_for(root))["text"] == reference["train"]["text"] == [r["text"] for r in train]
+    assert data.load_input(cfg_for(root, split="test"))["text"] == reference["test"]["text"]
+    assert data.load_input(cfg_for(root, split="test[:1]"))["text"] == ["test 0"]
+    with pytest.raises(HsxError, match="validation"):
+        data.load_input(cfg_for(root, split="validation"))
+    monkeypatch.chdir(tmp_path)  # a relative path, as typed
+    assert data.load_input(cfg_for("d", split="test"))["text"] == reference["test"]["text"]
+
+
+def test_load_input_csv(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "rows.csv").write_text('text\nhello\n"two, with a comma"\n')
+    assert data.load_input(cfg_for(tmp_path / "d" / "rows.csv"))["text"] == ["hello", "two, with a comma"]
+    assert data.load_input(cfg_for(tmp_path / "d"))["text"] == ["hello", "two, with a comma"]

@@ -285,7 +285,7 @@ def test_resume_with_another_token_budget(tmp_path, monkeypatch, fault_reference
     out = tmp_path / "out"
     argv = ref.argv(out)
     rc, stdout, stderr = hsx_main(argv)
-    assert rc == 2 and len(assert_units_intact(out)) == 20, stderr
+    assert rc == 1 and len(assert_units_intact(out)) == 20, stderr
     state["on"] = False
     argv[argv.index("--token-budget") + 1] = "333"
     rc, stdout, stderr = hsx_main(argv)

@@ -133,8 +133,9 @@ def test_local_streaming(out, table):
         assert torch.equal(bits(got[i]["final_hidden_state"]), stored(table, i, "final_hidden_state"))
 
 
-def test_hub_repo_streams_by_default(out, meta, monkeypatch):
-    """A repo id goes to load_dataset(streaming=True) and hsx.json comes from the repo (both stubbed: no network)."""
+def test_hub_repo_one_type_per_call_form(out, meta, monkeypatch):
+    """A repo id goes to load_dataset and hsx.json comes from the repo (both stubbed: no network); the type
+    depends only on the call form, as for a local dir: Dataset, IterableDataset, torch_view, torch_stream."""
     import datasets
 
     L = sys.modules["hsx.load"]  # (the attribute hsx.load is the function)
@@ -148,14 +149,18 @@ def test_hub_repo_streams_by_default(out, meta, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setattr(L, "hub_info", lambda repo, revision=None: calls.append(("hsx.json", repo, revision)) or meta)
-    ds = hsx.load("someone/hidden-states")
-    assert isinstance(ds, datasets.IterableDataset)
+    for source in ("someone/hidden-states", str(out)):
+        assert type(hsx.load(source)) is datasets.Dataset
+        assert isinstance(hsx.load(source, streaming=True), datasets.IterableDataset)
+        assert isinstance(hsx.load(source, layers=[1]), torch_view)
+        assert isinstance(hsx.load(source, layers=[1], streaming=True), torch.utils.data.IterableDataset)
+    ds = hsx.load("someone/hidden-states", streaming=True)
     assert calls[-1] == {"path": "someone/hidden-states", "split": "train", "streaming": True, "revision": None}
-    rows = hsx.load("someone/hidden-states", layers=[1], revision="v2")
+    rows = hsx.load("someone/hidden-states", layers=[1], revision="v2", streaming=True)
     assert calls[-2]["revision"] == "v2" and calls[-1] == ("hsx.json", "someone/hidden-states", "v2")
     first = next(iter(rows))
     assert first["hidden_states"].shape[1:] == (1, 64)
-    mapped = hsx.load("someone/hidden-states", streaming=False, layers=[1])
+    mapped = hsx.load("someone/hidden-states", layers=[1])
     assert calls[-2]["streaming"] is False and isinstance(mapped, torch_view)
     assert torch.equal(bits(mapped[0]["hidden_states"]), bits(first["hidden_states"]))
 
@@ -361,20 +366,32 @@ def test_other_storage_dtypes_decode(dtype_outputs, tmp_path):
     ref = torch_view(str(dtype_outputs["bfloat16"]))
     f16 = torch_view(str(dtype_outputs["float16"]), layers=[1, 3])
     fp8 = torch_view(str(dtype_outputs["float8_e4m3"]), layers=[1, 3])
+    raw = hsx.load(str(dtype_outputs["float8_e4m3"]), layers=[1, 3], dequantize=False)
     assert len(ref) == len(f16) == len(fp8) > 2
     for i in range(len(ref)):
         want = ref[i]["hidden_states"][:, 1:].float()
         a, q = f16[i], fp8[i]
         assert a["hidden_states"].dtype == torch.float16 and a["hidden_states"].shape == want.shape
         assert torch.allclose(a["hidden_states"].float(), want, rtol=1e-2, atol=1e-3)
-        assert q["hidden_states"].dtype == torch.float8_e4m3fn and q["hidden_states_scale"].shape == want.shape[:2]
-        x = q["hidden_states"].float() * q["hidden_states_scale"][..., None]
+        # by default fp8 comes back dequantized to bfloat16 (x = q * scale), the scales already applied
+        assert q["hidden_states"].dtype == q["final_hidden_state"].dtype == torch.bfloat16
+        assert "hidden_states_scale" not in q and "final_hidden_state_scale" not in q
+        x = q["hidden_states"].float()
         assert float((x - want).norm() / want.norm()) < 0.06  # e4m3: 3 mantissa bits, per-token absmax scales
+        f = q["final_hidden_state"].float()
+        assert float((f - ref[i]["final_hidden_state"].float()).norm() / f.norm()) < 0.06
+        r = raw[i]  # raw values and scales on request
+        assert r["hidden_states"].dtype == torch.float8_e4m3fn and r["hidden_states_scale"].shape == want.shape[:2]
+        assert torch.equal((r["hidden_states"].float() * r["hidden_states_scale"][..., None]).to(torch.bfloat16),
+                           q["hidden_states"])
     batch = collate([fp8[0], fp8[1]])
     n = int(batch["num_tokens"].max())
+    assert batch["hidden_states"].dtype == torch.bfloat16 and "hidden_states_scale" not in batch
+    assert torch.equal(batch["hidden_states"][0, : fp8[0]["input_ids"].shape[0]], fp8[0]["hidden_states"])
+    batch = collate([raw[0], raw[1]])
     assert batch["hidden_states"].dtype == torch.float8_e4m3fn and batch["hidden_states_scale"].shape == (2, n, 2)
-    assert torch.equal(batch["hidden_states"][0, : fp8[0]["input_ids"].shape[0]].view(torch.uint8),
-                       fp8[0]["hidden_states"].view(torch.uint8))
+    assert torch.equal(batch["hidden_states"][0, : raw[0]["input_ids"].shape[0]].view(torch.uint8),
+                       raw[0]["hidden_states"].view(torch.uint8))
     export_specforge(str(dtype_outputs["float8_e4m3"]), tmp_path / "sf", log=lambda *a: None)
     f = next((tmp_path / "sf").rglob("*.ckpt"))
     data = torch.load(f, weights_only=True)
@@ -388,8 +405,36 @@ def test_card_decode_snippet_runs_for_other_dtypes(dtype_outputs, dtype):
     block = next(b for b in text.split("```python\n")[1:] if "from datasets import load_dataset" in b)
     scope: dict = {}
     exec(block.split("```")[0].replace("path/to/this/dir", str(root)), scope)  # noqa: S102
-    row = torch_view(str(root))[0]
-    want = row["hidden_states"].float()
-    if "hidden_states_scale" in row:
-        want = (want * row["hidden_states_scale"][..., None]).to(torch.bfloat16).float()
-    assert torch.equal(scope["states"].float(), want)
+    row = torch_view(str(root))[0]  # (fp8: dequantized as the snippet does)
+    assert torch.equal(scope["states"].float(), row["hidden_states"].float())
+    card = text.replace("\n", " ")
+    assert "bit-exact" not in card  # only bfloat16 storage is
+    assert ("lossy" in card) == (dtype == "float8_e4m3")
+
+
+def test_every_stored_column_comes_back(tmp_path, model4, small_chat_path):
+    """torch_view, torch_stream and collate hand out every column the output stores: top-k logits and ids,
+    has_nonfinite and num_tokens too, each equal to what Arrow holds."""
+    root = tmp_path / "topk"
+    run_extract(root, model=str(model4.path), dataset=str(small_chat_path), layers=["1"], final_hidden=True,
+                topk_logits=3, nonfinite="keep")
+    table = hsx.load(str(root)).data.table
+    assert {"topk_logits", "topk_ids", "has_nonfinite"} <= set(table.column_names)
+    view, stream = torch_view(str(root)), list(hsx.load(str(root), layers=[1], streaming=True))
+    for i in range(len(view)):
+        row = view[i]
+        assert set(table.column_names) <= set(row), set(table.column_names) - set(row)
+        n = int(table.column("num_tokens")[i].as_py())
+        assert row["num_tokens"] == n and row["has_nonfinite"] is False
+        want_ids = np.asarray(table.column("topk_ids")[i].as_py(), dtype=np.int32)
+        assert torch.equal(row["topk_ids"], torch.from_numpy(want_ids)) and row["topk_ids"].shape == (n, 3)
+        want_logits = torch.from_numpy(np.asarray(table.column("topk_logits")[i].as_py(), dtype=np.int16))
+        assert row["topk_logits"].dtype == torch.bfloat16 and torch.equal(bits(row["topk_logits"]), want_logits)
+        assert (row["topk_logits"][:, :-1] >= row["topk_logits"][:, 1:]).all()  # sorted, so really logits
+        assert set(table.column_names) <= set(stream[i])
+        assert torch.equal(stream[i]["topk_ids"], row["topk_ids"])
+    batch = collate([view[0], view[1]], pad_to_multiple_of=8)
+    n0, width = int(view[0]["num_tokens"]), batch["input_ids"].shape[1]
+    assert batch["topk_ids"].shape == (2, width, 3) and batch["topk_logits"].dtype == torch.bfloat16
+    assert torch.equal(batch["topk_ids"][0, :n0], view[0]["topk_ids"]) and not batch["topk_ids"][0, n0:].any()
+    assert batch["has_nonfinite"].tolist() == [False, False]

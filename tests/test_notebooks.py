@@ -52,4 +52,6 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(figures) >= 4, f"expected a figure per plot (norms, cosines, lengths, bytes), got {len(figures)}"
-    assert list(tmp_path.glob("hsx-explore-*/data/train-*.arrow")), "the demo job wrote nothing"
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "wrote 96 rows" in printed, "the demo job wrote nothing"
+    assert not list(tmp_path.glob("hsx-explore-*")), "the notebook left its demo output behind"
