@@ -5,9 +5,9 @@ keys the template reads, and an optional `tools` column; or `prompt` with `compl
 or pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template, one row
 per conversation; the loss mask is what the model generates in each assistant turn, end-of-turn token included
 (hsx.masks: from `{% generation %}` markers, or derived from the template). `text` rows are supervised on every
-token. Rows longer than
-`max_length` are truncated (and counted); rows that cannot be used get a `skip_reason` instead of being dropped,
-so every input row is accounted for. `sample_id` is the row's index in the input (after concatenating files).
+token. Rows longer than `max_length` are truncated (and counted); rows that cannot be used get a `skip_reason`
+instead of being dropped, so every input row is accounted for. `sample_id` is the row's index in the input
+(after concatenating files).
 """
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         if not chat_template_text(tokenizer):
             raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
                            f"{fmt!r} rows; give --tokenizer one that has, or pre-tokenized input_ids")
-        if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be derived
-            chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),
-                                                   name=cfg.tokenizer or cfg.model)
+        if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be
+            chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
+                                                        name=cfg.tokenizer or cfg.model)
     features = datasets.Features({
         "sample_id": datasets.Value("int64"),
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -334,13 +334,13 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     return ""
 
 
-def normalize_conversation(raw: Any, sharegpt: bool = False) -> tuple[list[dict[str, Any]], str]:
+def normalize_conversation(raw: Any) -> tuple[list[dict[str, Any]], str]:
     """A list of messages the template can take ({role, content} plus every other key a message has:
     reasoning_content, thinking, tool_calls, name, tool_call_id, ...), or a skip reason that says what is wrong.
 
     Each message may be {role, content} or ShareGPT {from, value} (either spelling in either column). Keys whose
-    value is null are dropped (datasets gives every message every key any row has; templates test `'tool_calls'
-    in message`), except `content`: an assistant message with `tool_calls` and null content is valid."""
+    value is null are dropped (an Arrow struct gives every message every key any row has; templates test
+    `'tool_calls' in message`), except `content`: an assistant message with `tool_calls` and null content is valid."""
     if raw is None:
         return [], "missing_value"
     if not isinstance(raw, list) or len(raw) == 0:
