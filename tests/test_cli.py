@@ -545,3 +545,9 @@ def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_
     line = assert_one_line_error(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
     assert "layers=[" not in line.split("(in Python")[0]
     assert not (tmp_path / "sf").exists()
+
+
+def test_progress_bar_labels_its_two_rates(cli_run):
+    bars = [line for line in re.split(r"[\r\n]+", cli_run["stderr"]) if line.startswith("extracting:")]
+    assert bars and all(", now " in line for line in bars)  # tqdm's recent rate
+    assert any("mean " in line and " tok/s" in line for line in bars)  # ours, since the start

@@ -400,7 +400,9 @@ def test_output_with_no_usable_rows_loads(tmp_path, model4):
 
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": []}, {"messages": [{"role": "user", "content": "hi"}]}])
     # (a name of its own: datasets' cache keys local dirs by folder name and card, not by path or content)
-    run = run_extract(tmp_path / "no-usable-rows", model=str(model4.path), dataset=str(path), layers=["1"])
+    # an empty output on purpose (without --allow-empty the job fails: tests/test_cli.py)
+    run = run_extract(tmp_path / "no-usable-rows", model=str(model4.path), dataset=str(path), layers=["1"],
+                      allow_empty=True)
     assert run.info["complete"] is True and run.info["counts"]["rows_written"] == 0
     assert run.info["counts"]["skipped"] == {"empty_conversation": 1, "no_assistant_turn": 1}
     assert sorted(p.name for p in (run.out / "data").iterdir()) == ["train-000-00000.arrow"]
@@ -411,9 +413,9 @@ def test_output_with_no_usable_rows_loads(tmp_path, model4):
     assert list(streamed) == [] and streamed.features == features(64, 64, False)
     # a rerun is a no-op, and another job does not take the dir over (it holds a finished output)
     assert "already complete" in " ".join(run_extract(run.out, model=str(model4.path), dataset=str(path),
-                                                      layers=["1"]).log)
+                                                      layers=["1"], allow_empty=True).log)
     with pytest.raises(HsxError, match="different job"):
-        run_extract(run.out, model=str(model4.path), dataset=str(path), layers=["2"])
+        run_extract(run.out, model=str(model4.path), dataset=str(path), layers=["2"], allow_empty=True)
 
 
 @pytest.mark.xfail(strict=False, reason="datasets (5.2) refuses to build a split with 0 rows: 'Instruction \"train\" "
@@ -422,5 +424,6 @@ def test_output_with_no_usable_rows_load_dataset_non_streaming(tmp_path, model4)
     from datasets import load_dataset
 
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": []}])
-    run = run_extract(tmp_path / "no-usable-rows-2", model=str(model4.path), dataset=str(path), layers=["1"])
+    run = run_extract(tmp_path / "no-usable-rows-2", model=str(model4.path), dataset=str(path), layers=["1"],
+                      allow_empty=True)
     assert load_dataset(str(run.out), split="train").num_rows == 0
