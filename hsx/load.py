@@ -133,9 +133,10 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
                       f"{', '.join(repos) or 'the Hub'}; this dir holds only part of the output: load the repo "
                       "instead", stacklevel=3)
     if bad or what == "committed":
-        warnings.warn(f"{root}: reading {len(entries) - len(bad) - len(uploaded)} {what} file(s) only"
-                      + (f"; {len(bad)} are missing or damaged" if bad else "; the job is not finished"),
-                      stacklevel=3)
+        why = (["the job is not finished"] if what == "committed" else []) + (
+            [f"{len(bad)} are missing or damaged"] if bad else [])
+        warnings.warn(f"{root}: reading {len(entries) - len(bad) - len(uploaded)} of the {len(entries)} files "
+                      f"{what} ({'; '.join(why)})", stacklevel=3)
     files = [root / "data" / n for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")
