@@ -173,7 +173,14 @@ class OutputDir:
             self.clear()  # a job that failed before committing anything: drop its job.json, tokenized cache, tmp
         self.state.mkdir(parents=True, exist_ok=True)
         atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
+        if check:
+            self.write_unfinished_card()
         return "new"
+
+    def write_unfinished_card(self) -> None:
+        """Until finalize writes the real card, README.md points `load_dataset(OUT)` at a file that does not
+        exist and says so, so reading a running or interrupted job fails instead of returning part of it."""
+        atomic_write(self.root / "README.md", UNFINISHED_CARD)
 
     def _resume_state(self, check_crc: bool, log, check: bool) -> str:
         """'complete' or 'resume'. `check`: this process checks the units (one per dir: the other ranks of the
@@ -190,9 +197,10 @@ class OutputDir:
             log(f"hsx: {self.root}: {len(damaged)} damaged and {len(missing) - len(damaged)} missing unit(s) "
                 f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); they are redone"
                 + (" (damaged ones moved to .hsx/damaged/)" if damaged else ""))
-        if info.get("complete"):  # no longer finished: a reader must not take it for a whole output
-            if check:
-                atomic_write(self.root / "hsx.json", json.dumps({**info, "complete": False}, indent=2) + "\n")
+        if check and info.get("complete"):  # no longer finished: a reader must not take it for a whole output
+            atomic_write(self.root / "hsx.json", json.dumps({**info, "complete": False}, indent=2) + "\n")
+        if check and (info.get("complete") or not (self.root / "README.md").exists()):
+            self.write_unfinished_card()
         return "resume"
 
     def check_units(self, all_crc: bool = False) -> list[str]:
@@ -664,6 +672,22 @@ def _decode_lines(dtype: str, num_layers: int, hidden: int) -> str:
         return (f'q = row["hidden_states"].to(torch.uint8).view(torch.float8_e4m3fn).reshape({shape})\n'
                 'states = (q.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)  # x = q * scale')
     return f'states = row["hidden_states"].reshape({shape})  # {dtype}'
+
+
+UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"
+UNFINISHED_CARD = f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: {UNFINISHED}
+---
+
+# An unfinished hsx job
+
+This dir holds part of an hsx output: the job is running, or was interrupted. Run the same `hsx extract` command
+to finish it (`hsx.load(OUT, allow_incomplete=True)` reads the units committed so far).
+"""
 
 
 def card_paths(info: dict[str, Any]) -> str:

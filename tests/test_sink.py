@@ -81,7 +81,7 @@ def test_a_dir_without_output_is_reclaimed_by_another_job(tmp_path):
         new = job(input="b")
         assert out.claim(new, False) == "new"
         assert json.loads((out.state / "job.json").read_text())["fingerprint"] == new["fingerprint"]
-        assert tree(out.root) == [".hsx", ".hsx/busy", ".hsx/job.json", ".hsx/lock"]
+        assert tree(out.root) == [".hsx", ".hsx/busy", ".hsx/job.json", ".hsx/lock", "README.md"]
         assert out.claim(new, False) == "resume"
 
 

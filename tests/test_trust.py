@@ -346,6 +346,19 @@ def test_load_dataset_on_a_dir_with_a_unit_gone_fails_instead_of_fewer_rows(fini
     assert "train-*.arrow" not in card.split("---")[1]
 
 
+def test_load_dataset_on_an_unfinished_dir_fails_instead_of_part_of_it(finished, tmp_path):
+    from datasets import load_dataset
+
+    out = tmp_path / "trust-unfinished"  # a folder name of its own (datasets' cache key)
+    with OutputDir(out).locked():
+        assert OutputDir(out).claim({"fingerprint": "a", "inputs": {}}, False) == "new"
+    shutil.copytree(finished / "data", out / "data")  # units committed so far
+    with pytest.raises(FileNotFoundError, match="NOT-FINISHED-run-the-same-hsx-extract-command"):
+        load_dataset(str(out), split="train", streaming=True)
+    with pytest.raises(FileNotFoundError, match="NOT-FINISHED"):
+        load_dataset(str(out), split="train")
+
+
 def info_rows(out: Path) -> int:
     return json.loads((out / "hsx.json").read_text())["counts"]["rows_written"]
 
@@ -440,6 +453,7 @@ def test_a_merged_output_pushes_its_linked_units(finished, tmp_path):
     merge(str(nodes[0]), [str(n) for n in nodes], log=lambda *a: None)
     api = FakeHfApi()
     push_output(nodes[0], "someone/states", api=api, log=lambda *a: None)
-    assert {k for k in api.files() if k.startswith("data/")} == {f"data/{p.name}" for p in (finished / "data").iterdir()}
+    pushed = {k for k in api.files() if k.startswith("data/")}
+    assert pushed == {f"data/{p.name}" for p in (finished / "data").iterdir()}
     for p in (finished / "data").iterdir():
         assert api.files()[f"data/{p.name}"] == p.read_bytes()
