@@ -299,7 +299,8 @@ class OutputDir:
             f = self.data / rec["file"]
             if f.exists() and f.stat().st_size == rec["bytes"]:
                 done[unit] = rec
-            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec):
+            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec) and not (
+                    self.state / "damaged" / rec["file"]).exists():  # (gone after its upload, not moved aside)
                 done[unit] = rec
         return done
 
@@ -569,31 +570,27 @@ def _flock(path: Path, how: int, busy: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def append_synced(path: Path, text: str) -> None:
-    fd = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+def _write_synced(path: Path, text: str, flags: int) -> None:
+    """Write `text` to `path` (never to a link's target) and fsync it."""
+    fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | flags)
     try:
-        _write_all(fd, text.encode())
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def append_synced(path: Path, text: str) -> None:
+    _write_synced(path, text, os.O_APPEND)
 
 
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     if tmp.is_symlink():
         tmp.unlink()  # (the link, never its target)
-    fd = _open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        _write_all(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(tmp, text, os.O_TRUNC)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

@@ -228,20 +228,9 @@ def copy_of(finished: Path, dest: Path) -> Path:
 
 
 def split_nodes(src: Path, root: Path) -> list[Path]:
-    recs = sorted(manifest_records(src), key=lambda r: r["unit"])
-    dirs = []
-    for node in range(2):
-        d = root / f"node{node}"
-        (d / "data").mkdir(parents=True)
-        (d / ".hsx").mkdir()
-        for name in ("job.json", "summary.json"):
-            shutil.copy(src / ".hsx" / name, d / ".hsx" / name)
-        mine = recs[node::2]
-        for r in mine:
-            shutil.copy(src / "data" / r["file"], d / "data" / r["file"])
-        (d / ".hsx" / f"manifest-{node:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
-        dirs.append(d)
-    return dirs
+    from test_merge import split_like_two_nodes
+
+    return split_like_two_nodes(src, root)
 
 
 def test_merge_refuses_a_foreign_dir_and_keeps_its_files(finished, tmp_path):
