@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.sink import OutputDir, file_crc32, fsync_dir, human_bytes, uploaded_matches
+from hsx.sink import OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, uploaded_matches
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -375,8 +375,9 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
 def output_records(out: OutputDir, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The files of the output, by name, with size and CRC-32: hsx.json's list (an older hsx's output: the
     manifests, and the empty data file of a job without rows)."""
-    if isinstance(info.get("files"), list):
-        return {e["file"]: e for e in info["files"]}
+    files = listed_files(info)
+    if files is not None:
+        return {e["file"]: e for e in files}
     by_file = {rec["file"]: rec for rec in out.manifest_records().values()}
     if not by_file:
         by_file = {p.name: {"file": p.name, "bytes": p.stat().st_size} for p in out.data_files()
@@ -387,7 +388,6 @@ def output_records(out: OutputDir, info: dict[str, Any]) -> dict[str, dict[str, 
 def check_before_upload(out: OutputDir, path: Path, record: dict[str, Any] | None) -> None:
     """A file goes up only as the output lists it: same size and CRC-32 (read whole, in threads). A link (what
     `hsx merge` makes) is followed only to a file that is that unit, byte for byte; anything else is refused."""
-
     if record is None or "bytes" not in record:
         raise HsxError(f"{path} is not a file of this output (not in hsx.json); hsx pushes only what it wrote")
     if path.stat().st_size != record["bytes"] or (

@@ -97,12 +97,13 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     with `verify`); of an unfinished one (allow_incomplete), its committed units; of a dir with neither hsx.json
     nor .hsx/ (written by hand, or an older hsx), data/<split>-*.arrow."""
     from hsx.config import HsxError
-    from hsx.sink import OutputDir
+    from hsx.sink import OutputDir, listed_files
 
     out = OutputDir(root)
     meta = _read_info(root)
-    if meta.get("complete") and isinstance(meta.get("files"), list):
-        entries = [e for e in meta["files"] if isinstance(e, dict) and str(e.get("file", "")).startswith(f"{split}-")]
+    listed = listed_files(meta) if meta.get("complete") else None
+    if listed is not None:
+        entries = [e for e in listed if e["file"].startswith(f"{split}-")]
         what = "listed in its hsx.json"
     elif out.state.is_dir() and not meta.get("complete"):
         entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]

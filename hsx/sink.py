@@ -105,9 +105,9 @@ class OutputDir:
         self.check_no_links()
         self.state.mkdir(parents=True, exist_ok=True)
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
-        with _flock(self.state / name, fcntl.LOCK_EX, f"{self.root} is in use by another hsx job (lock held on "
-                    ".hsx/lock)"), _flock(self.state / "busy", fcntl.LOCK_SH, f"{self.root} is being merged "
-                                          "(`hsx merge` holds .hsx/busy)"):
+        in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
+        merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
+        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging):
             yield
 
     @contextmanager
@@ -117,9 +117,8 @@ class OutputDir:
         self.check_not_foreign()
         self.check_no_links()
         self.state.mkdir(parents=True, exist_ok=True)
-        with _flock(self.state / "lock", fcntl.LOCK_EX, f"{self.root} is in use by a running hsx job; {what} "
-                    "once it has finished"), _flock(self.state / "busy", fcntl.LOCK_EX, f"{self.root} is in use "
-                                                    f"by a running hsx job; {what} once it has finished"):
+        running = f"{self.root} is in use by a running hsx job; {what} once it has finished"
+        with _flock(self.state / "lock", fcntl.LOCK_EX, running), _flock(self.state / "busy", fcntl.LOCK_EX, running):
             yield
 
     def check_no_links(self) -> None:
@@ -187,7 +186,8 @@ class OutputDir:
         job come after it and only count them)."""
         info = self.read_info()
         damaged = self.check_units(check_crc) if check else []
-        expected = self.read_summary().get("unit_names") or [r["unit"] for r in info.get("files", []) if r.get("unit")]
+        expected = (self.read_summary().get("unit_names")
+                    or [r["unit"] for r in listed_files(info) or [] if r.get("unit")])
         done = self.done_units()
         missing = [u for u in expected if u not in done]
         if info.get("complete") and not (damaged or missing):
@@ -508,6 +508,21 @@ def complete_info(summary: dict[str, Any], done: dict[str, dict[str, Any]], worl
     info.update(units=len(summary["unit_names"]), world_size=world_size, run=run or {}, complete=True,
                 files=[unit_entry(done[u]) for u in summary["unit_names"] if u in done])
     return info
+
+
+def listed_files(info: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """hsx.json's `files` (None for an older hsx's hsx.json, which has none); a damaged list is one HsxError."""
+    files = info.get("files")
+    if files is None:
+        return None
+    def ok(e) -> bool:  # a plain name inside data/ (never a path out of it), a size, a CRC-32
+        name = e.get("file") if isinstance(e, dict) else None
+        return (isinstance(name, str) and "/" not in name and name[:1] not in ("", ".")
+                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), (str, type(None))))
+
+    if not isinstance(files, list) or not all(ok(e) for e in files):
+        raise HsxError("hsx.json's `files` is damaged (each entry needs a file name in data/, bytes and crc32)")
+    return files
 
 
 def unit_entry(rec: dict[str, Any]) -> dict[str, Any]:

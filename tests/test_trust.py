@@ -446,3 +446,20 @@ def test_a_merged_output_pushes_its_linked_units(finished, tmp_path):
     assert pushed == {f"data/{p.name}" for p in (finished / "data").iterdir()}
     for p in (finished / "data").iterdir():
         assert api.files()[f"data/{p.name}"] == p.read_bytes()
+
+
+def test_a_files_list_that_points_out_of_data_is_refused(finished, tmp_path):
+    from test_hub import FakeHfApi
+
+    from hsx.hub import push_output
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    out = copy_of(finished, tmp_path / "out")
+    info = json.loads((out / "hsx.json").read_text())
+    info["files"].append({"file": "../../secret.txt", "bytes": secret.stat().st_size, "crc32": None, "rows": 0})
+    (out / "hsx.json").write_text(json.dumps(info))
+    with pytest.raises(HsxError, match="`files` is damaged"):
+        push_output(out, "someone/states", api=FakeHfApi(), log=lambda *a: None)
+    with pytest.raises(HsxError, match="`files` is damaged"):
+        hsx.load(str(out))
