@@ -57,6 +57,8 @@ HELP = {
     "chat_template_kwargs": "JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
     "limit": "only the first N input rows",
     "overwrite": "delete what hsx wrote in --output-dir and start over",
+    "check_crc": "on resume or rerun, check the CRC-32 of every unit kept (default: sizes of all, CRC-32 of the "
+                 "units of the interrupted run)",
 }
 
 

@@ -117,15 +117,15 @@ def _innermost(e: BaseException) -> str:
 
 
 def input_fingerprint(cfg: ExtractConfig, ds) -> dict[str, Any]:
-    """What identifies the input data: datasets' fingerprint, plus name/size/mtime of local files."""
-    fp: dict[str, Any] = {"dataset": cfg.dataset, "split": cfg.split, "fingerprint": ds._fingerprint}
+    """What identifies the input data: a local file or folder by its files' names, sizes and sha256 (content,
+    not how its path is spelled: hsx.fingerprint); a Hub dataset by its name and datasets' fingerprint."""
+    from hsx.fingerprint import files_identity
+
     path = Path(cfg.dataset)
-    if path.exists():
+    if path.exists():  # (datasets' fingerprint of a local file includes temp paths)
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-        fp["files"] = [[str(f.relative_to(path) if f != path else f.name), f.stat().st_size,
-                        int(f.stat().st_mtime)] for f in files]
-        fp.pop("fingerprint")  # local: the file list is the identity (datasets' one includes temp paths)
-    return fp
+        return {"split": cfg.split, **files_identity(path, files)}
+    return {"dataset": cfg.dataset, "split": cfg.split, "fingerprint": ds._fingerprint}
 
 
 # ---- tokenize -----------------------------------------------------------------------------------------------

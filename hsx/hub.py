@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.sink import OutputDir, fsync_dir, human_bytes, manifest_problem, read_jsonl, uploaded_matches
+from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, manifest_problem, read_jsonl,
+                      uploaded_matches)
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -262,9 +263,13 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     if not info.get("complete"):
         raise HsxError(f"{out_dir} is not a complete hsx output (hsx.json missing or not complete): run the same "
                        "`hsx extract` command to finish it, or push units as they are written with --push-mode stream")
+    for name in TOP_FILES:
+        if (out.root / name).is_symlink():
+            raise HsxError(f"{out.root / name} is a symbolic link; hsx pushes only the files it wrote, never a "
+                           "link's target")
+    by_file = output_records(out, info)
     hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
     hub.ensure_repo(private)
-    by_file = {rec["file"]: rec for rec in out.manifest_records().values()}
     summary = {"uploaded": [], "skipped": [], "deleted": [], "commits": 0, "bytes": 0}
 
     for round_ in range(3):  # a unit may vanish under us (another rank deleting it after its upload): re-plan
@@ -285,7 +290,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         break
 
     remote = hub.remote_files()
-    output_files = {f"data/{p.name}" for p in out.data_files()} | {f"data/{name}" for name in by_file}
+    output_files = {f"data/{name}" for name in by_file}
     stale = sorted(p for p in remote if prune and p.startswith("data/") and Path(p).match(DATA_GLOB)
                    and p.count("/") == 1 and p not in output_files)
     tops = [(name, out.root / name) for name in TOP_FILES
@@ -313,7 +318,7 @@ def _plan_data(out: OutputDir, hub: _Hub, remote: dict[str, RemoteFile], uploade
                by_file: dict[str, dict]) -> tuple[list[Path], list[str], list[dict]]:
     """Local data files to upload; files the Hub has already; records for files found identical without one."""
     todo, skipped, new_records = [], [], []
-    local = {p.name: p for p in out.data_files() if p.exists()}  # (not a dangling link of `hsx merge`)
+    local = {name: out.data / name for name in by_file if (out.data / name).exists()}
     for name, path in sorted(local.items()):
         pir, size = f"data/{name}", path.stat().st_size
         r = remote.get(pir)
@@ -352,6 +357,7 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
         for p in batch:
             if not p.exists():
                 raise HsxError(f"{p} vanished")
+            check_before_upload(out, p, by_file.get(p.name))
         batch_sizes = [p.stat().st_size for p in batch]
         oid = hub.commit([(f"data/{p.name}", p) for p in batch], [],
                          f"hsx: add {len(batch)} unit(s) ({_gb(sum(batch_sizes))})")
@@ -365,6 +371,30 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
 
 
 # ---- while the job runs -----------------------------------------------------------------------------------------
+
+def output_records(out: OutputDir, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The files of the output, by name, with size and CRC-32: hsx.json's list (an older hsx's output: the
+    manifests, and the empty data file of a job without rows)."""
+    files = listed_files(info)
+    if files is not None:
+        return {e["file"]: e for e in files}
+    by_file = {rec["file"]: rec for rec in out.manifest_records().values()}
+    if not by_file:
+        by_file = {p.name: {"file": p.name, "bytes": p.stat().st_size} for p in out.data_files()
+                   if not p.is_symlink()}
+    return by_file
+
+
+def check_before_upload(out: OutputDir, path: Path, record: dict[str, Any] | None) -> None:
+    """A file goes up only as the output lists it: same size and CRC-32 (read whole, in threads). A link (what
+    `hsx merge` makes) is followed only to a file that is that unit, byte for byte; anything else is refused."""
+    if record is None or "bytes" not in record:
+        raise HsxError(f"{path} is not a file of this output (not in hsx.json); hsx pushes only what it wrote")
+    if path.stat().st_size != record["bytes"] or (
+            (record.get("crc32") or path.is_symlink()) and file_crc32(path) != record.get("crc32")):
+        raise HsxError(f"{path} does not match hsx.json (size or CRC-32): the file is damaged or was replaced; "
+                       "run the same `hsx extract` command to redo it, then push")
+
 
 @dataclass
 class _Unit:
@@ -544,6 +574,6 @@ class StreamUploader:
         mine = {rec["unit"]: rec for rec in read_jsonl(manifest, manifest_problem)}
         for unit, rec in sorted(mine.items()):
             f = self.out.data / rec["file"]
-            if (f.exists() and f.stat().st_size == rec["bytes"]
+            if (f.exists() and not f.is_symlink() and f.stat().st_size == rec["bytes"]
                     and not _recorded_here(uploaded.get(f"data/{rec['file']}"), self.hub, rec["bytes"], rec)):
                 self._queue.put(_Unit(unit, f, rec["bytes"]))

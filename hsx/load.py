@@ -44,7 +44,8 @@ IGNORE_INDEX = -100  # `labels` outside the loss (transformers' and torch's Cros
 # ---- opening ----------------------------------------------------------------------------------------------------
 
 def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int] | None = None,
-         streaming: bool = False, revision: str | None = None, dequantize: bool = True):
+         streaming: bool = False, revision: str | None = None, dequantize: bool = True, verify: bool = False,
+         allow_incomplete: bool = False):
     """An hsx output, local dir or Hub repo alike; the type depends only on the call form:
 
     - `load(p)`: a `datasets.Dataset` (a local dir memory-mapped in place, no copy; a Hub repo downloaded into
@@ -53,18 +54,23 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     - `load(p, layers=[...])`: a `torch_view` (map-style torch rows of only those stored layers)
     - `load(p, layers=[...], streaming=True)`: a `torch_stream` (iterable torch rows)
 
-    `dequantize` (fp8 outputs, torch rows): see `torch_view`."""
+    `dequantize` (fp8 outputs, torch rows): see `torch_view`.
+
+    A local dir is checked against the files its hsx.json lists (names and sizes; with `verify`, CRC-32 too,
+    which reads every byte): an incomplete dir (a job running or interrupted) or a damaged one is refused with
+    one line (HsxError); `allow_incomplete=True` reads the committed, intact units instead (with a warning)."""
     local = _local_dir(path_or_repo)
     if local is not None:
         if revision is not None:
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
+        files = _local_files(local, split, verify, allow_incomplete)
         if not streaming:
-            ds = _load_local(local, split)
+            ds = _load_local(files)
             return ds if layers is None else torch_view(ds, layers=layers, meta=info(local), dequantize=dequantize)
     from datasets import load_dataset
 
     if local is not None:
-        ds = load_dataset(str(local), split=split, streaming=True)
+        ds = load_dataset("arrow", data_files={split: [str(f) for f in files]}, split=split, streaming=True)
     else:
         ds = load_dataset(str(path_or_repo), split=split, streaming=streaming, revision=revision)
     if layers is None:
@@ -88,31 +94,70 @@ def _local_dir(path_or_repo: str | os.PathLike) -> Path | None:
     return None
 
 
-def _load_local(root: Path, split: str):
+def _load_local(files: list[Path]):
     from datasets import Dataset, concatenate_datasets
 
-    files = sorted((root / "data").glob(f"{split}-*.arrow"))
-    if not files:
-        have = sorted({f.name.split("-")[0] for f in (root / "data").glob("*-*.arrow")})
-        raise FileNotFoundError(f"{root}: no data/{split}-*.arrow files" +
-                                (f" (splits here: {', '.join(have)})" if have else " (not an hsx output dir?)"))
-    _warn_if_partial(root)
     return concatenate_datasets([Dataset.from_file(str(f)) for f in files])
 
 
-def _warn_if_partial(root: Path) -> None:
-    """A dir whose units were deleted after their upload (--delete-after-upload) holds only part of the output."""
-    if not any((root / ".hsx").glob("uploaded-*.jsonl")):
-        return
-    from hsx.sink import OutputDir
+def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -> list[Path]:
+    """The files of `split` to read: those the finished output's hsx.json lists, each checked (sizes; CRC-32
+    with `verify`); of an unfinished one (allow_incomplete), its committed units; of a dir with neither hsx.json
+    nor .hsx/ (written by hand, or an older hsx), data/<split>-*.arrow."""
+    from hsx.config import HsxError
+    from hsx.sink import OutputDir, listed_files
 
     out = OutputDir(root)
-    gone = [r for r in out.manifest_records().values() if not (out.data / r["file"]).exists()]
-    if gone:
+    meta = _read_info(root)
+    listed = listed_files(meta) if meta.get("complete") else None
+    if listed is not None:
+        entries = [e for e in listed if e["file"].startswith(f"{split}-")]
+        what = "listed in its hsx.json"
+    elif out.state.is_dir() and not meta.get("complete"):
+        entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]
+        total = len(out.read_summary().get("unit_names") or []) or "?"
+        if not allow_incomplete:
+            raise HsxError(f"{root} is not a finished hsx output ({len(out.done_units())} of {total} units "
+                           "committed: a job is running or was interrupted); run the same `hsx extract` command "
+                           "to finish it, or load(..., allow_incomplete=True) to read the committed units")
+        what = "committed"
+    else:  # no list to check against
+        entries = [{"file": f.name} for f in sorted((root / "data").glob(f"{split}-*.arrow"))]
+        what = None
+    if not entries:
+        have = sorted({f.name.split("-")[0] for f in (root / "data").glob("*-*.arrow")})
+        raise FileNotFoundError(f"{root}: no data/{split}-*.arrow files" +
+                                (f" (splits here: {', '.join(have)})" if have else " (not an hsx output dir?)"))
+    problems = {e["file"]: out.file_problem(e, verify) if what else None for e in entries}
+    uploaded = [n for n, p in problems.items() if p == "uploaded"]
+    bad = {n: p for n, p in problems.items() if p and p != "uploaded"}
+    if bad and not allow_incomplete:
+        name, why = next(iter(bad.items()))
+        raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "
+                       f"(data/{name}: {why}); run the same `hsx extract` command to redo them, or "
+                       "load(..., allow_incomplete=True) to read the intact ones")
+    if uploaded:
         repos = sorted({f"{u.get('repo')}" for u in out.uploaded().values() if u.get("repo")})
-        warnings.warn(f"{root}: {len(gone)} unit(s) were deleted after their upload to "
+        warnings.warn(f"{root}: {len(uploaded)} unit(s) were deleted after their upload to "
                       f"{', '.join(repos) or 'the Hub'}; this dir holds only part of the output: load the repo "
                       "instead", stacklevel=3)
+    if bad or what == "committed":
+        why = (["the job is not finished"] if what == "committed" else []) + (
+            [f"{len(bad)} are missing or damaged"] if bad else [])
+        warnings.warn(f"{root}: reading {len(entries) - len(bad) - len(uploaded)} of the {len(entries)} files "
+                      f"{what} ({'; '.join(why)})", stacklevel=3)
+    files = [root / "data" / n for n, p in problems.items() if p is None]
+    if not files:
+        raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")
+    return files
+
+
+def _read_info(root: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((root / "hsx.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:

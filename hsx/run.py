@@ -26,6 +26,7 @@ from hsx.buckets import plan_units
 from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
                         resolve_layers)
 from hsx.extract import output_columns
+from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
 
@@ -285,8 +286,9 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
     template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
     mask = data.mask_method(raw.column_names, tokenizer)  # {"method", "version"}: a new version re-tokenizes
-    job = job_fingerprint({
-        "model": cfg.model, "revision": revision, "tokenizer": cfg.tokenizer, "layers": layers,
+    job = _in_turns(proc, lambda: job_fingerprint({  # local inputs by content: rank 0 hashes, the rest hit its cache
+        "model": model_identity(cfg.model, model_path, cfg.trust_remote_code), "revision": revision,
+        "tokenizer": tokenizer_identity(cfg.tokenizer, cfg.trust_remote_code), "layers": layers,
         "final_hidden": final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
@@ -295,9 +297,9 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
         "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
-    })
+    }, given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset}))
 
-    tokenized, state = _claim_and_tokenize(cfg, proc, out, job, raw, tokenizer, int(text.vocab_size))
+    tokenized, state = _claim_and_tokenize(cfg, proc, out, job, raw, tokenizer, int(text.vocab_size), say)
     run_id = _shared_run_id(out, proc)
     if state == "complete":
         info = out.read_info()
@@ -359,30 +361,43 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
 
 
 def _claim_and_tokenize(cfg: ExtractConfig, proc: Process, out: OutputDir, job: dict, raw, tokenizer,
-                        vocab_size: int):
+                        vocab_size: int, say=print):
     """Claim the output dir and tokenize once: rank 0 first; then each node's first process (which finds the
     cache there if the dir is shared, and tokenizes for its node if each node writes its own dir); then everyone
     else. Returns (tokenized rows, the dir's state: new, resume or complete)."""
     from hsx import data
 
-    tokenized, state, error = None, None, None
     cache = str(out.state / "tokenized" / "tokens.arrow")
     fingerprint = f"hsx-tok-{job['fingerprint'][:24]}"
+
+    def claim_and_tokenize():
+        state = out.claim(job, cfg.overwrite and proc.is_main, check_crc=cfg.check_crc, log=say,
+                          check=proc.local_rank == 0)
+        if state == "complete":
+            return None, state
+        out.clear_tmp()
+        return data.tokenize(raw, tokenizer, cfg, cache, fingerprint=fingerprint, vocab_size=vocab_size), state
+
+    tokenized, state = _in_turns(proc, claim_and_tokenize)
+    return tokenized, state
+
+
+def _in_turns(proc: Process, fn):
+    """fn() on rank 0 first; then on each node's first process (which finds rank 0's work there if the dir or
+    cache is shared, and does it for its node if not); then on everyone else. An HsxError is raised on every rank
+    that hit it after the last barrier, so no rank waits forever for another."""
+    result, error = None, None
     my_turn = 0 if proc.is_main else (1 if proc.local_rank == 0 else 2)
     for turn in range(3 if proc.world_size > 1 else 1):
         if turn == my_turn:
             try:
-                state = out.claim(job, cfg.overwrite and proc.is_main)
-                if state != "complete":
-                    out.clear_tmp()
-                    tokenized = data.tokenize(raw, tokenizer, cfg, cache, fingerprint=fingerprint,
-                                              vocab_size=vocab_size)
+                result = fn()
             except HsxError as e:
-                error = e  # raised after the barrier, so no rank waits forever for this one
+                error = e
         proc.barrier()
     if error is not None:
         raise error
-    return tokenized, state
+    return result
 
 
 def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summary: dict, run_id: str,
@@ -414,7 +429,7 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
         info = complete_info(summary, done, proc.world_size, stats)
-        out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
+        out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
     if cfg.push_to_hub:
         _push(cfg, log)
     wall = time.perf_counter() - t_start

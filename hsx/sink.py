@@ -9,6 +9,14 @@
                                             (one file per rank; datasets ignores dot-folders)
     OUT/.hsx/uploaded-<rank>.jsonl          one line per file a Hub push committed (hsx.hub); a unit deleted
                                             after upload (--delete-after-upload) still counts as done
+    OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
+
+hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
+the Hub, where .hsx/ does not, so a reader (hsx.load, hsx push) checks what it reads against it.
+
+hsx never writes or deletes through a symbolic link in the dir (.hsx/, data/, hsx.json, README.md and anything
+under .hsx/ must be what they seem: a link there is refused in one line). Units under data/ may be links only as
+`hsx merge` makes them; deleting one removes the link, never its target.
 
 A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
 its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
@@ -23,12 +31,14 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hsx.config import COMPUTE_DTYPES, STORAGE_DTYPES, HsxError
+from hsx.fingerprint import differing_files
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -216,6 +226,7 @@ class OutputDir:
         self.data = self.root / "data"
         self.state = self.root / ".hsx"
         self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
+        self.session = uuid.uuid4().hex[:12]  # in this process's manifest lines: which run committed a unit
 
     def manifest_lines(self) -> Iterator[str]:
         for manifest in sorted(self.state.glob(MANIFESTS)):
@@ -229,17 +240,36 @@ class OutputDir:
 
         A non-empty dir that hsx did not write is refused here, before anything (.hsx/) is created in it."""
         self.check_not_foreign()
+        self.check_no_links()
         self.state.mkdir(parents=True, exist_ok=True)
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
-        fd = os.open(self.state / name, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise HsxError(f"{self.root} is in use by another hsx job (lock held on .hsx/lock)") from None
+        in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
+        merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
+        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging):
             yield
-        finally:
-            os.close(fd)
+
+    @contextmanager
+    def locked_whole(self, what: str = "hsx merge") -> Iterator[None]:
+        """The whole dir for one process (`hsx merge`): every rank of a running job holds .hsx/busy shared, so
+        this exclusive lock is refused while any of them runs (and no job starts while it is held)."""
+        self.check_not_foreign()
+        self.check_no_links()
+        self.state.mkdir(parents=True, exist_ok=True)
+        running = f"{self.root} is in use by a running hsx job; {what} once it has finished"
+        with _flock(self.state / "lock", fcntl.LOCK_EX, running), _flock(self.state / "busy", fcntl.LOCK_EX, running):
+            yield
+
+    def check_no_links(self) -> None:
+        """Refuse a dir where .hsx/, data/, hsx.json, README.md or anything under .hsx/ is a symbolic link: hsx
+        writes and deletes there, and must never do it in the link's target."""
+        links = [p for p in (self.state, self.data, self.root / "hsx.json", self.root / "README.md")
+                 if p.is_symlink()]
+        if self.state.is_dir() and not links:
+            for folder, dirs, files in os.walk(self.state):  # (os.walk does not follow links)
+                links += [Path(folder) / n for n in dirs + files if (Path(folder) / n).is_symlink()]
+        if links:
+            raise HsxError(f"{self.root}: {links[0].relative_to(self.root)} is a symbolic link; hsx never writes "
+                           "or deletes through links in its output dir: remove the link or choose another dir")
 
     def check_not_foreign(self) -> None:
         # One listing, not an exists() check then a listing: another rank of this job may create .hsx/ between.
@@ -254,11 +284,16 @@ class OutputDir:
         return (any(line.strip() for line in self.manifest_lines()) or any(self.data_files())
                 or (self.root / "hsx.json").exists())
 
-    def claim(self, job: dict[str, Any], overwrite: bool) -> str:
+    def claim(self, job: dict[str, Any], overwrite: bool, check_crc: bool = False, log=print,
+              check: bool = True) -> str:
         """Record the job's fingerprint, or check it against the one there. Returns 'new', 'resume' or 'complete'.
 
         A dir whose job failed before committing anything (a --strict error, a missing chat template, ...) holds
-        no output, so it is re-claimed for whatever job comes next instead of refused as a different job."""
+        no output, so it is re-claimed for whatever job comes next instead of refused as a different job.
+
+        The same job: the units it keeps are checked (check_units): the size of every one, the CRC-32 of the
+        units of the run that wrote last (all of them with `check_crc`). A finished dir with a damaged or missing
+        unit is not 'complete': it is marked unfinished and resumed, redoing those units."""
         job_file = self.state / "job.json"
         if overwrite:
             self.clear()
@@ -268,16 +303,15 @@ class OutputDir:
         if job_file.exists():
             old = read_json(job_file, job_problem)
             if old.get("fingerprint") == job["fingerprint"]:
-                info = self.read_info()
-                return "complete" if info.get("complete") else "resume"
+                return self._resume_state(check_crc, log, check)
             if self.has_output():
-                diff = sorted(k for k in set(old.get("inputs", {})) | set(job["inputs"])
-                              if old.get("inputs", {}).get(k) != job["inputs"].get(k))
-                raise HsxError(f"{self.root} holds a different job (differs in: {', '.join(diff) or 'version'}); "
+                raise HsxError(f"{self.root} holds a different job (differs in: {describe_difference(old, job)}); "
                                "use another --output-dir, or --overwrite to delete it and start over")
             self.clear()  # a job that failed before committing anything: drop its job.json, tokenized cache, tmp
         self.state.mkdir(parents=True, exist_ok=True)
         atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
+        if check:
+            self.write_unfinished_card()
         return "new"
 
     def remove_if_unused(self, keep_root: bool = False) -> None:
@@ -289,8 +323,60 @@ class OutputDir:
         if not keep_root and not any(self.root.iterdir()):
             self.root.rmdir()
 
+    def write_unfinished_card(self) -> None:
+        """Until finalize writes the real card, README.md points `load_dataset(OUT)` at a file that does not
+        exist and says so, so reading a running or interrupted job fails instead of returning part of it."""
+        atomic_write(self.root / "README.md", UNFINISHED_CARD)
+
+    def _resume_state(self, check_crc: bool, log, check: bool) -> str:
+        """'complete' or 'resume'. `check`: this process checks the units (one per dir: the other ranks of the
+        job come after it and only count them)."""
+        info = self.read_info()
+        damaged = self.check_units(check_crc) if check else []
+        expected = (self.read_summary().get("unit_names")
+                    or [r["unit"] for r in listed_files(info) or [] if r.get("unit")])
+        done = self.done_units()
+        missing = [u for u in expected if u not in done]
+        if info.get("complete") and not (damaged or missing):
+            return "complete"
+        if damaged or missing:
+            names = damaged or [f"train-{u}.arrow" for u in missing]
+            log(f"hsx: {self.root}: {len(damaged)} damaged and {len(missing) - len(damaged)} missing unit(s) "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); they are redone"
+                + (" (damaged ones moved to .hsx/damaged/)" if damaged else ""))
+        if check and info.get("complete"):  # no longer finished: a reader must not take it for a whole output
+            atomic_write(self.root / "hsx.json", json.dumps({**info, "complete": False}, indent=2) + "\n")
+        if check and (info.get("complete") or not (self.root / "README.md").exists()):
+            self.write_unfinished_card()
+        return "resume"
+
+    def check_units(self, all_crc: bool = False) -> list[str]:
+        """Check the committed units on disk against their manifest records: the size of every one, and the
+        CRC-32 of those the last run of each rank wrote (every unit's with `all_crc`). A unit whose bytes differ
+        is moved to .hsx/damaged/ (not deleted), so it is redone; a unit of the wrong size is not counted as done
+        (done_units) and is redone. Returns the names of the files moved aside."""
+        check = set()
+        for manifest in sorted(self.state.glob(MANIFESTS)):
+            recs = list(read_jsonl(manifest, manifest_problem))
+            last = recs[-1].get("session") if recs else None
+            check |= {r["unit"] for r in recs if all_crc or (last is not None and r.get("session") == last)}
+        damaged = []
+        for unit, rec in self.manifest_records().items():
+            f = self.data / rec["file"]
+            if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
+                continue
+            if file_crc32(f) != rec["crc32"]:
+                (self.state / "damaged").mkdir(exist_ok=True)
+                os.replace(f, self.state / "damaged" / f.name)
+                damaged.append(f.name)
+        if damaged:
+            fsync_dir(self.data)
+        return damaged
+
     def clear(self) -> None:
-        """Delete only what hsx writes here (never the lock, which this process holds)."""
+        """Delete only what hsx writes here (never the lock, which this process holds), and never through a
+        link: a unit that is a link (`hsx merge`) loses the link, its target stays."""
+        self.check_no_links()
         for name in ("hsx.json", "README.md"):
             (self.root / name).unlink(missing_ok=True)
         if self.data.exists():
@@ -300,7 +386,7 @@ class OutputDir:
                 self.data.rmdir()
         if self.state.exists():
             for p in self.state.iterdir():
-                if not p.name.startswith("lock"):
+                if not p.name.startswith("lock") and p.name != "busy":
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     @contextmanager
@@ -367,7 +453,8 @@ class OutputDir:
             f = self.data / rec["file"]
             if f.exists() and f.stat().st_size == rec["bytes"]:
                 done[unit] = rec
-            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec):
+            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec) and not (
+                    self.state / "damaged" / rec["file"]).exists():  # (gone after its upload, not moved aside)
                 done[unit] = rec
         return done
 
@@ -389,10 +476,8 @@ class OutputDir:
             return
         self.state.mkdir(parents=True, exist_ok=True)
         name = name or f"{self.rank:05d}"
-        with open(self.state / f"uploaded-{name}.jsonl", "a") as f:
-            f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+        append_synced(self.state / f"uploaded-{name}.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n"
+                                                                      for r in records))
 
     def clear_tmp(self) -> None:
         """Partial units a killed run of this rank left behind (never committed, so never counted)."""
@@ -411,22 +496,34 @@ class OutputDir:
         crc = file_crc32(tmp)
         os.replace(tmp, final)
         fsync_dir(self.data)
-        record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc, **record}
+        record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc,
+                  "session": self.session, **record}
         manifest = self.state / f"manifest-{self.rank:05d}.jsonl"
         torn = manifest.exists() and manifest.stat().st_size > 0 and not manifest.read_bytes().endswith(b"\n")
-        with open(manifest, "a") as f:
-            # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
-            f.write(("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
+        append_synced(manifest, ("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
 
     def data_files(self) -> list[Path]:
         return sorted(self.data.glob("train-*.arrow"))
 
+    def file_problem(self, entry: dict[str, Any], crc: bool = False) -> str | None:
+        """What is wrong with one file hsx.json (or a manifest) lists, None if nothing: 'uploaded' for a unit
+        deleted after its upload (--delete-after-upload), else a few words. `crc`: read it whole and compare its
+        CRC-32 too."""
+        f = self.data / entry["file"]
+        if not f.exists():
+            return "uploaded" if uploaded_matches(self.uploaded().get(f"data/{entry['file']}"), entry) else "missing"
+        if f.stat().st_size != entry["bytes"]:
+            return f"{f.stat().st_size} bytes, not {entry['bytes']}"
+        if crc and entry.get("crc32") and file_crc32(f) != entry["crc32"]:
+            return "its bytes do not match its CRC-32"
+        return None
+
     # ---- finalizing ----
 
-    def finalize(self, info: dict[str, Any], card: str, features=None) -> None:
-        """Write the card and hsx.json (last: `complete` is the commit point of the whole job).
+    def finalize(self, info: dict[str, Any], card, features=None) -> None:
+        """Write the card and hsx.json (last: `complete` is the commit point of the whole job). `card`: its text,
+        or a function of the final `info` (the card's configs list exactly the files hsx.json lists).
 
         A job with no usable rows committed no unit; it gets one empty data file with the output schema
         (`features`, a datasets.Features; by default the one `info` describes), so `load_dataset(OUT)` and
@@ -434,7 +531,11 @@ class OutputDir:
         if not self.data_files() and not self.done_units():  # (units uploaded and deleted are not "no unit")
             features = features if features is not None else info_features(info)
             if features is not None:
-                self.write_empty_data_file(features)
+                f = self.write_empty_data_file(features)
+                if "files" in info:
+                    info["files"] = [unit_entry({"file": f.name, "bytes": f.stat().st_size,
+                                                 "crc32": file_crc32(f)})]
+        card = card(info) if callable(card) else card
         # Every rank is done: no partial unit is left. Before hsx.json, so a kill after it leaves nothing behind.
         shutil.rmtree(self.state / "tmp", ignore_errors=True)
         atomic_write(self.root / "README.md", card)
@@ -554,21 +655,95 @@ def complete_info(summary: dict[str, Any], done: dict[str, dict[str, Any]], worl
         "nonfinite": {"mode": summary["config"].get("nonfinite", "skip"),
                       "rows": sum(r.get("skipped_nonfinite", 0) + r.get("nonfinite_kept", 0) for r in done.values())},
     }
-    info.update(units=len(summary["unit_names"]), world_size=world_size, run=run or {}, complete=True)
+    info.update(units=len(summary["unit_names"]), world_size=world_size, run=run or {}, complete=True,
+                files=[unit_entry(done[u]) for u in summary["unit_names"] if u in done])
     return info
 
 
-def job_fingerprint(inputs: dict[str, Any]) -> dict[str, Any]:
+def listed_files(info: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """hsx.json's `files` (None for an older hsx's hsx.json, which has none); a damaged list is one HsxError."""
+    files = info.get("files")
+    if files is None:
+        return None
+    def ok(e) -> bool:  # a plain name inside data/ (never a path out of it), a size, a CRC-32
+        name = e.get("file") if isinstance(e, dict) else None
+        return (isinstance(name, str) and "/" not in name and name[:1] not in ("", ".")
+                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), (str, type(None))))
+
+    if not isinstance(files, list) or not all(ok(e) for e in files):
+        raise HsxError("hsx.json's `files` is damaged (each entry needs a file name in data/, bytes and crc32)")
+    return files
+
+
+def unit_entry(rec: dict[str, Any]) -> dict[str, Any]:
+    """What hsx.json says of one file of the output: readers check names and sizes (and CRCs) against it."""
+    return {"file": rec["file"], "unit": rec.get("unit"), "rows": rec.get("rows", 0), "bytes": rec["bytes"],
+            "crc32": rec.get("crc32")}
+
+
+def job_fingerprint(inputs: dict[str, Any], given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job's identity: a hash of `inputs` (local files by content: hsx.fingerprint). `given` (how the inputs
+    were named on the command line) is kept beside it for messages, outside the hash."""
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
-    return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs}
+    return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs, "given": given or {}}
+
+
+def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two jobs' inputs, naming the files whose bytes differ for local inputs."""
+    a, b = old.get("inputs", {}), new.get("inputs", {})
+    parts = []
+    for key in sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            sub = sorted(k for k in set(x) | set(y) if k != "files" and x.get(k) != y.get(k))
+            files = differing_files(x, y)
+            what = sub + ([f"file{'s' if len(files) > 1 else ''} {', '.join(files[:3])}"
+                           + (", ..." if len(files) > 3 else "")] if files else [])
+            parts.append(f"{key}: {'; '.join(what)}")
+        else:
+            parts.append(key)
+    return ", ".join(parts) or "version"
+
+
+def _open_no_follow(path: Path, flags: int) -> int:
+    """os.open that never opens a link's target: a link at `path` fails (ELOOP) instead of being written through."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+@contextmanager
+def _flock(path: Path, how: int, busy: str) -> Iterator[None]:
+    fd = _open_no_follow(path, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HsxError(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str, flags: int) -> None:
+    """Write `text` to `path` (never to a link's target) and fsync it."""
+    fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | flags)
+    try:
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_synced(path: Path, text: str) -> None:
+    _write_synced(path, text, os.O_APPEND)
 
 
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    if tmp.is_symlink():
+        tmp.unlink()  # (the link, never its target)
+    _write_synced(tmp, text, os.O_TRUNC)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -658,6 +833,31 @@ STORAGE_EXACTNESS = {  # what the card says of the stored states, per --storage-
 }
 
 
+UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"
+UNFINISHED_CARD = f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: {UNFINISHED}
+---
+
+# An unfinished hsx job
+
+This dir holds part of an hsx output: the job is running, or was interrupted. Run the same `hsx extract` command
+to finish it (`hsx.load(OUT, allow_incomplete=True)` reads the units committed so far).
+"""
+
+
+def card_paths(info: dict[str, Any]) -> str:
+    """The card's data_files: exactly the files hsx.json lists, so `load_dataset` reads the committed units only
+    and fails on a missing one instead of returning fewer rows (a glob, without hsx.json's list)."""
+    files = [f["file"] for f in info.get("files") or []]
+    if not files:
+        return " data/train-*.arrow"
+    return "".join(f"\n    - data/{name}" for name in files)
+
+
 def dataset_card(info: dict[str, Any], command: str) -> str:
     """README.md for the output dir (and its Hub repo): YAML `configs` for load_dataset, the job fingerprint, what
     the columns are, how to decode the states, and how to load them without copying.
@@ -738,7 +938,7 @@ configs:
   description: hsx job {fingerprint}
   data_files:
   - split: train
-    path: data/train-*.arrow
+    path:{card_paths(info)}
 hsx_fingerprint: {fingerprint or "null"}
 tags:
 - hsx
@@ -772,8 +972,25 @@ Job fingerprint: `{fingerprint}` (hsx.json holds the whole job).
 def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
     """`hsx merge OUT DIR...`: join the dirs that the nodes of one job wrote (each its own, when there is no
     shared filesystem) into OUT. Only metadata is written: OUT/data/ gets relative symlinks to the other dirs'
-    unit files (OUT may be one of the dirs), a manifest, hsx.json and the card. No hidden-state byte is copied."""
+    unit files (OUT may be one of the dirs), a manifest, hsx.json and the card. No hidden-state byte is copied.
+
+    Like extract, it holds every dir whole while it works (refused while a job runs in any of them), refuses an
+    OUT that hsx did not write or that holds another job, and never deletes or replaces a file in OUT/data/
+    (only links an earlier merge made): OUT's own unit of a name is the one kept."""
+    from contextlib import ExitStack
+
+    out = OutputDir(out_dir)
     sources = [OutputDir(d) for d in dirs]
+    with ExitStack() as stack:
+        seen = set()
+        for d in [out, *sources]:
+            if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
+                seen.add(d.root.resolve())
+                stack.enter_context(d.locked_whole())
+        return _merge(out, sources, dirs, log)
+
+
+def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> dict[str, Any]:
     jobs = []
     for src in sources:
         f = src.state / "job.json"
@@ -782,28 +999,36 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
         jobs.append(read_json(f, job_problem))
     if len({j["fingerprint"] for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
+    own = out.state / "job.json"
+    if own.exists() and json.loads(own.read_text()).get("fingerprint") != jobs[0]["fingerprint"] \
+            and out.has_output():
+        raise HsxError(f"{out.root} holds another job's output; merge into a new dir or one of the job's dirs")
     summary = next((s for s in (src.read_summary() for src in sources) if s), None)
     if summary is None:
         raise HsxError("no dir has a planning summary (.hsx/summary.json): did the job get past tokenization?")
     done: dict[str, tuple[OutputDir, dict[str, Any]]] = {}
+    if own.exists():
+        done = {u: (out, rec) for u, rec in out.done_units().items() if (out.data / rec["file"]).exists()
+                and not (out.data / rec["file"]).is_symlink()}  # OUT's own files are kept, never replaced
     for src in sources:
         for unit, rec in src.done_units().items():
-            done.setdefault(unit, (src, rec))
+            if (src.data / rec["file"]).exists():
+                done.setdefault(unit, (src, rec))
     missing = [u for u in summary["unit_names"] if u not in done]
     if missing:
         raise HsxError(f"{len(missing)} of {len(summary['unit_names'])} units are in none of the dirs "
                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); run the job again to "
                        "write them, then merge")
-    out = OutputDir(out_dir)
     out.data.mkdir(parents=True, exist_ok=True)
-    out.state.mkdir(parents=True, exist_ok=True)
     lines = []
     for unit in summary["unit_names"]:
         src, rec = done[unit]
         target, link = src.data / rec["file"], out.data / rec["file"]
-        if target.resolve() != link.resolve():
-            if link.is_symlink() or link.exists():
-                link.unlink()
+        if src is not out and target.resolve() != link.resolve():
+            if link.exists() and not link.is_symlink():
+                raise HsxError(f"{link} is not a unit of this job's dirs; move it away, then merge")
+            if link.is_symlink():
+                link.unlink()  # a link of an earlier merge (the link only)
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
         lines.append(json.dumps(rec, sort_keys=True))
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
@@ -811,7 +1036,7 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
     out.write_summary(summary)
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
-    out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
-    log(f"hsx merge: {out_dir}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
+    out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
+    log(f"hsx merge: {out.root}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
         f"{len(dirs)} dirs (symlinked, nothing copied)")
     return info

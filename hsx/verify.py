@@ -32,7 +32,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     import pyarrow.compute as pc
 
     from hsx.config import HsxError
-    from hsx.load import load, torch_view
+    from hsx.load import _load_local, torch_view
     from hsx.sink import OutputDir, features, file_crc32, uploaded_matches
 
     if trust_remote_code and not model:
@@ -70,7 +70,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
 
     try:
-        ds = load(out_dir)
+        ds = _load_local(files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
     except Exception as e:  # noqa: BLE001  (any unreadable file is a failed verification, in one line)
         raise VerifyFailed(f"cannot read the data files: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"),

@@ -141,7 +141,9 @@ def test_dataset_card(main_run):
     assert text.startswith("---\n")
     meta = yaml.safe_load(text.split("---\n")[1])
     configs = meta["configs"]
-    assert {"split": "train", "path": "data/train-*.arrow"} in configs[0]["data_files"]
+    listed = [f"data/{f['file']}" for f in json.loads((main_run.out / "hsx.json").read_text())["files"]]
+    assert configs[0]["data_files"] == [{"split": "train", "path": listed}]
+    assert sorted(listed) == sorted(f"data/{p.name}" for p in (main_run.out / "data").glob("train-*.arrow"))
     assert "bfloat16" in text and "view(torch.bfloat16)" in text
 
 

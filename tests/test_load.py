@@ -274,7 +274,10 @@ def test_card_yaml_fingerprint_and_decode(out, meta):
     text = (out / "README.md").read_text()
     card = yaml.safe_load(text.split("---\n")[1])
     assert card["configs"][0]["config_name"] == "default"
-    assert card["configs"][0]["data_files"] == [{"split": "train", "path": "data/train-*.arrow"}]
+    # exactly the committed units hsx.json lists (no glob: a unit gone is an error, not fewer rows)
+    listed = [f"data/{f['file']}" for f in meta["files"]]
+    assert card["configs"][0]["data_files"] == [{"split": "train", "path": listed}]
+    assert sorted(meta["files"], key=lambda f: f["file"]) == meta["files"] and len(meta["files"]) == meta["units"]
     assert card["configs"][0]["description"] == f"hsx job {meta['fingerprint']}"
     assert card["hsx_fingerprint"] == meta["fingerprint"]
     assert 'to(torch.int16).view(torch.bfloat16).reshape(row["num_tokens"], 3, 64)' in text

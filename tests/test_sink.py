@@ -83,7 +83,7 @@ def test_a_dir_without_output_is_reclaimed_by_another_job(tmp_path):
         new = job(input="b")
         assert out.claim(new, False) == "new"
         assert json.loads((out.state / "job.json").read_text())["fingerprint"] == new["fingerprint"]
-        assert tree(out.root) == [".hsx", ".hsx/job.json", ".hsx/lock"]
+        assert tree(out.root) == [".hsx", ".hsx/busy", ".hsx/job.json", ".hsx/lock", "README.md"]
         assert out.claim(new, False) == "resume"
 
 
@@ -118,7 +118,7 @@ def test_finalize_without_units_writes_an_empty_data_file(tmp_path):
         out.unit_tmp("000-00000")  # finalize also clears .hsx/tmp
         out.finalize(INFO, CARD, features=feats)
     assert [p.name for p in out.data_files()] == ["train-000-00000.arrow"]
-    assert tree(out.root) == [".hsx", ".hsx/job.json", ".hsx/lock", "README.md", "data",
+    assert tree(out.root) == [".hsx", ".hsx/busy", ".hsx/job.json", ".hsx/lock", "README.md", "data",
                               "data/train-000-00000.arrow", "hsx.json"]
     ds = Dataset.from_file(str(out.data_files()[0]))
     assert ds.num_rows == 0 and ds.features == feats
