@@ -153,11 +153,10 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
 
 
 def _read_info(root: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((root / "hsx.json").read_text())
-    except (OSError, ValueError):
+    """hsx.json, or {} where a job has not written it yet; a damaged one is HsxError (one line)."""
+    if not (root / "hsx.json").exists():
         return {}
-    return meta if isinstance(meta, dict) else {}
+    return info(root)
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:
