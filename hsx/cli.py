@@ -105,10 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("repo_id")
     pu.add_argument("--revision", help="branch to push to (created if missing)")
     pu.add_argument("--public", action="store_true", help="create the repo public (default: private)")
-    sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 files")
+    sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 or DFlash files")
     sf.add_argument("output_dir")
     sf.add_argument("dest")
-    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use (default: all 3)")
+    sf.add_argument("--layout", choices=["eagle3", "dflash"], default="eagle3",
+                    help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash: hidden_states "
+                         "(every chosen layer)")
+    sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use (default: all; eagle3 takes 3)")
+    sp = sub.add_parser("export-speculators", help="write an output as speculators' offline training dir")
+    sp.add_argument("output_dir")
+    sp.add_argument("dest")
+    sp.add_argument("--layers", nargs="+", type=int,
+                    help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
+    sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
+                    "vocabulary")
+    vo = sub.add_parser("vocab", help="the d2t/t2d draft-vocabulary mapping (SpecForge and speculators files)")
+    vo.add_argument("output_dir")
+    vo.add_argument("--draft-vocab-size", type=int, required=True, help="tokens in the draft vocabulary")
+    vo.add_argument("--dest", help="folder for the mapping files (default: the output dir)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
     ve.add_argument("output_dir")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
@@ -143,13 +157,22 @@ def main(argv: list[str] | None = None) -> int:
                 raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
             with OutputDir(args.output_dir).locked():
                 push_output(args.output_dir, args.repo_id, private=not args.public, revision=args.revision)
-        elif args.command == "export-specforge":
-            from hsx.load import export_specforge
+        elif args.command in ("export-specforge", "export-speculators", "vocab"):
+            from hsx.export import export_specforge, export_speculators
+            from hsx.vocab import write_draft_vocab
 
             try:
-                export_specforge(args.output_dir, args.dest, layers=args.layers)
-            except (ValueError, FileNotFoundError) as e:
+                if args.command == "export-specforge":
+                    export_specforge(args.output_dir, args.dest, layers=args.layers, layout=args.layout)
+                elif args.command == "export-speculators":
+                    export_speculators(args.output_dir, args.dest, layers=args.layers,
+                                       draft_vocab_size=args.draft_vocab_size)
+                else:
+                    write_draft_vocab(args.output_dir, args.draft_vocab_size, args.dest)
+            except (ValueError, OSError) as e:
                 raise HsxError(str(e)) from None
+            except KeyError as e:
+                raise HsxError(f"{args.output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
         elif args.command == "verify":
             from hsx.verify import verify
 

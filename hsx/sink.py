@@ -144,8 +144,11 @@ class OutputDir:
 
     def clear(self) -> None:
         """Delete only what hsx writes here (never the lock, which this process holds)."""
-        for name in ("hsx.json", "README.md"):
+        for name in ("hsx.json", "README.md", "token_frequencies.npy"):
             (self.root / name).unlink(missing_ok=True)
+        for pattern in ("vocab_mapping-*.pt", "d2t-*.npy", "t2d-*.npy"):  # `hsx vocab OUT` writes these here
+            for f in self.root.glob(pattern):
+                f.unlink()
         if self.data.exists():
             for f in self.data.glob("train-*.arrow"):
                 f.unlink()
@@ -656,6 +659,9 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
     out.write_summary(summary)
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
+    from hsx.vocab import write_token_frequencies
+
+    info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
     out.finalize(info, dataset_card(info, summary["command"]), features=info_features(info))
     log(f"hsx merge: {out_dir}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
         f"{len(dirs)} dirs (symlinked, nothing copied)")
