@@ -52,8 +52,7 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
 
     if not vocab_size:
         return None
-    records = out.done_units()
-    files = [out.data / r["file"] for r in records.values()]
+    files = [out.data / r["file"] for r in out.manifest_records().values()]  # every committed unit
     if all(f.exists() for f in files):
         source, tables = "output", (Dataset.from_file(str(f)).data.table for f in files)
     else:  # units deleted after their upload: the tokenized rows that were planned (skip_reason "")
