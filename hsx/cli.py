@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash: hidden_states "
                          "(every chosen layer)")
     sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use (default: all; eagle3 takes 3)")
+    sf.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
     sp = sub.add_parser("export-speculators", help="write an output as speculators' offline training dir")
     sp.add_argument("output_dir")
     sp.add_argument("dest")
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
     sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
                     "vocabulary")
+    sp.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
     vo = sub.add_parser("vocab", help="the d2t/t2d draft-vocabulary mapping (SpecForge and speculators files)")
     vo.add_argument("output_dir")
     vo.add_argument("--draft-vocab-size", type=int, required=True, help="tokens in the draft vocabulary")
@@ -163,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 if args.command == "export-specforge":
-                    export_specforge(args.output_dir, args.dest, layers=args.layers, layout=args.layout)
+                    export_specforge(args.output_dir, args.dest, layers=args.layers, layout=args.layout,
+                                     overwrite=args.overwrite)
                 elif args.command == "export-speculators":
                     export_speculators(args.output_dir, args.dest, layers=args.layers,
-                                       draft_vocab_size=args.draft_vocab_size)
+                                       draft_vocab_size=args.draft_vocab_size, overwrite=args.overwrite)
                 else:
                     write_draft_vocab(args.output_dir, args.draft_vocab_size, args.dest)
             except (ValueError, OSError) as e:

@@ -23,7 +23,8 @@ normalize_offline_sample, speculators 0.9.0's ArrowDataset).
 
 States keep the stored dtype; fp8 outputs are dequantized to bfloat16. Every file is written under a temporary
 name and renamed, so an interrupted export leaves whole files only; existing sample files are kept unless
-`overwrite` (an export resumes)."""
+`overwrite` (an export resumes); DEST/hsx-export.json records what was exported, and an export of another output
+or other layers into the same DEST is refused (without `overwrite`)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,26 @@ def _states(row: dict, key: str):
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _claim(out_dir, meta: dict, dest: Path, what: dict[str, Any], overwrite: bool) -> None:
+    """DEST/hsx-export.json names the output and options an export came from, so that running it again resumes
+    it, and a different export into the same DEST is refused instead of mixing files of two jobs."""
+    import json
+
+    if dest.resolve() == Path(out_dir).resolve() or Path(out_dir).resolve() in dest.resolve().parents:
+        raise ValueError(f"{dest}: export into a folder outside the output dir {out_dir}")
+    mine = {"fingerprint": meta.get("fingerprint"), **what}
+    marker = dest / "hsx-export.json"
+    if marker.exists() and not overwrite:
+        try:
+            theirs = json.loads(marker.read_text())
+        except ValueError:
+            theirs = None
+        if theirs != mine:
+            raise ValueError(f"{dest} holds another export ({marker.name} differs: another output, layers or "
+                             "layout); choose another folder, or overwrite to rewrite its files")
+    _save(marker, lambda tmp: tmp.write_text(json.dumps(mine, indent=2) + "\n"))
+
+
 def _save(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -88,6 +109,8 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     view = _rows(out_dir, meta, chosen)
     rows_in = int(meta.get("counts", {}).get("rows_in") or 0)
     dest = Path(dest)
+    _claim(out_dir, meta, dest, {"trainer": "specforge", "layout": layout, "layers": sorted(chosen),
+                                 "group_size": group_size}, overwrite)
     written = kept = skipped = 0
     for i in range(len(view)):
         row = view[i]
@@ -98,6 +121,8 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
         mask = row["loss_mask"].to(torch.long)
         if layout == "dflash" and not bool((mask[1:] * mask[:-1]).any()):
             skipped += 1  # SpecForge's has_consecutive_supervised_tokens
+            if overwrite:
+                path.unlink(missing_ok=True)  # this sample's file from an earlier export
             continue
         if path.exists() and not overwrite:
             kept += 1
@@ -146,6 +171,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
                          f"{last} is the verifier state and always comes last)")
     view = torch_view(out_dir, layers=[*aux, last], meta=meta)
     dest = Path(dest)
+    _claim(out_dir, meta, dest, {"trainer": "speculators", "layers": [*aux, last]}, overwrite)
     states_dir = dest / "hidden_states"
     ds = load(out_dir)
     table = ds.data.table.select(["sample_id", "input_ids", "loss_mask", "num_tokens"])

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_jsonl
+from conftest import hsx_main, message_lines, write_jsonl
 from hsx.config import load_config
 from hsx.export import export_specforge, export_speculators
 from hsx.load import torch_view
@@ -263,3 +263,39 @@ def test_speculators_export_needs_the_last_layer(out, tmp_path, model4, small_ch
         export_speculators(str(root), tmp_path / "x", log=quiet)
     with pytest.raises(ValueError, match="auxiliary"):
         export_speculators(str(out), tmp_path / "y", layers=[3], log=quiet)
+
+
+def test_an_export_resumes_but_never_mixes_two(out, tmp_path):
+    dest = tmp_path / "sf"
+    export_specforge(str(out), dest, layers=EAGLE3_AUX, log=quiet)
+    assert export_specforge(str(out), dest, layers=[2, 0, 1], log=quiet)["written"] == 0  # the same export
+    with pytest.raises(ValueError, match="holds another export"):
+        export_specforge(str(out), dest, layout="dflash", log=quiet)
+    code, _, err = hsx_main(["export-specforge", str(out), str(dest), "--layout", "dflash"])
+    assert code == 2 and len(message_lines(err)) == 1 and "holds another export" in err
+    res = export_specforge(str(out), dest, layout="dflash", overwrite=True, log=quiet)
+    assert res["written"] == len(list(dest.rglob("*.ckpt"))) and res["kept"] == 0
+    assert all("hidden_states" in torch.load(f, weights_only=True) for f in dest.rglob("*.ckpt"))
+    with pytest.raises(ValueError, match="outside the output dir"):
+        export_speculators(str(out), out / "speculators", log=quiet)
+
+
+def test_speculators_export_of_fp8_is_dequantized(speculators, model4, small_chat_path, tmp_path):
+    from speculators.train.data import ArrowDataset
+
+    root = tmp_path / "fp8"
+    extract(load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                               "dataset": str(small_chat_path), "layers": ["1", "3"],
+                               "storage_dtype": "float8_e4m3"}), log=quiet)
+    export_speculators(str(root), tmp_path / "sp", log=quiet)
+    ds = ArrowDataset(max_len=MAX_LEN, datapath=str(tmp_path / "sp"), on_missing="raise")
+    view = torch_view(str(root))
+    by_sid = sorted(range(len(view)), key=lambda i: view[i]["sample_id"])
+    for i, pos in enumerate(by_sid):
+        row = view[pos]
+        states = row["hidden_states"]
+        if "hidden_states_scale" in row:  # stored as e4m3 with a float32 scale per token and layer
+            states = (states.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)
+        assert ds[i]["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(bits(ds[i]["hidden_states"]), bits(states[:, 0]))
+        assert torch.equal(bits(ds[i]["verifier_last_hidden_states"]), bits(states[:, 1]))
