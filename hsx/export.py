@@ -109,7 +109,8 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     view = _rows(out_dir, meta, chosen)
     rows_in = int(meta.get("counts", {}).get("rows_in") or 0)
     dest = Path(dest)
-    _claim(out_dir, meta, dest, {"trainer": "specforge", "layout": layout, "layers": sorted(chosen),
+    resolved = sorted(x + (meta.get("num_model_layers") or 0) if x < 0 else x for x in chosen)
+    _claim(out_dir, meta, dest, {"trainer": "specforge", "layout": layout, "layers": resolved,
                                  "group_size": group_size}, overwrite)
     written = kept = skipped = 0
     for i in range(len(view)):
