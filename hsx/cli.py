@@ -137,11 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     # the same flags, spelled the same, as `extract --push-to-hub`
     pu.add_argument("--hub-revision", help=HELP["hub_revision"] + " (created if missing)")
     pu.add_argument("--hub-private", action=argparse.BooleanOptionalAction, default=True, help=HELP["hub_private"])
-    sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 files")
-    sf.add_argument("output_dir", help="a finished hsx output dir with 3 or more layers and --final-hidden")
+    sf = sub.add_parser("export-specforge", help="write an output as SpecForge's offline EAGLE-3 or DFlash files")
+    sf.add_argument("output_dir", help="a finished hsx output dir (eagle3: 3 or more layers and --final-hidden)")
     sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
-    sf.add_argument("--layers", nargs="+", type=int, help="the 3 stored layers to use, e.g. --layers 1 17 32 "
-                    "(default: the output's, when it stores exactly 3)")
+    sf.add_argument("--layout", choices=["eagle3", "dflash"], default="eagle3",
+                    help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash: hidden_states "
+                         "(every chosen layer)")
+    sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use, e.g. --layers 1 17 32 (default: "
+                    "all; eagle3 takes 3)")
+    sf.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
+    sp = sub.add_parser("export-speculators", help="write an output as speculators' offline training dir")
+    sp.add_argument("output_dir", help="a finished hsx output dir")
+    sp.add_argument("dest", help="the folder to write speculators' dataset, hidden_states/ and config into")
+    sp.add_argument("--layers", nargs="+", type=int,
+                    help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
+    sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
+                    "vocabulary")
+    sp.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
+    vo = sub.add_parser("vocab", help="the d2t/t2d draft-vocabulary mapping (SpecForge and speculators files)")
+    vo.add_argument("output_dir", help="a finished hsx output dir (it holds token_frequencies.npy)")
+    vo.add_argument("--draft-vocab-size", type=int, required=True, help="tokens in the draft vocabulary")
+    vo.add_argument("--dest", help="folder for the mapping files (default: the output dir)")
     ve = sub.add_parser("verify", help="re-read an output dir, check it, and recompute rows with the reference")
     ve.add_argument("output_dir", help="the hsx output dir to check")
     ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
@@ -183,13 +199,23 @@ def main(argv: list[str] | None = None) -> int:
             out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
             with out.locked():
                 push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
-        elif args.command == "export-specforge":
-            from hsx.load import export_specforge
+        elif args.command in ("export-specforge", "export-speculators", "vocab"):
+            from hsx.export import export_specforge, export_speculators
+            from hsx.vocab import write_draft_vocab
 
             try:
-                export_specforge(args.output_dir, args.dest, layers=args.layers)
-            except (ValueError, FileNotFoundError) as e:
+                if args.command == "export-specforge":
+                    export_specforge(args.output_dir, args.dest, layers=args.layers, layout=args.layout,
+                                     overwrite=args.overwrite)
+                elif args.command == "export-speculators":
+                    export_speculators(args.output_dir, args.dest, layers=args.layers,
+                                       draft_vocab_size=args.draft_vocab_size, overwrite=args.overwrite)
+                else:
+                    write_draft_vocab(args.output_dir, args.draft_vocab_size, args.dest)
+            except (ValueError, OSError) as e:
                 raise HsxError(str(e)) from None
+            except KeyError as e:
+                raise HsxError(f"{args.output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
         elif args.command == "verify":
             from hsx.verify import verify
 

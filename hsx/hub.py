@@ -3,7 +3,8 @@ unit by unit while the job runs (`StreamUploader`, --push-mode stream), optional
 the Hub has it (--delete-after-upload), so a job can produce more than the local disk holds (peers report 1.2 TB
 for ShareGPT-68k on an 8B model and 35 TB projected for a 120B one).
 
-What goes up: data/train-*.arrow, README.md and hsx.json, as they are; never .hsx/ (run state, the tokenized cache).
+What goes up: data/train-*.arrow, README.md, token_frequencies.npy and hsx.json, as they are; never .hsx/ (run
+state, the tokenized cache).
 The Arrow units are already Hub-ready shards: the card's `configs` make `load_dataset(REPO)` read them. datasets'
 own `push_to_hub` would rewrite everything as Parquet, which for nested int16 writes at 62-131 MB/s against Arrow
 IPC's ~4 GB/s and saves only 20-30% (../shared/notes/datasets-arrow.md §4), and it needs the whole dataset present.
@@ -63,7 +64,7 @@ BACKOFF_SECONDS = 2.0
 BACKOFF_CAP_SECONDS = 300.0
 RETRY_STATUS = {408, 409, 412, 423, 425, 429}  # and every 5xx
 DATA_GLOB = "train-*.arrow"
-TOP_FILES = ("README.md", "hsx.json")  # uploaded last: hsx.json's `complete` is the commit point
+TOP_FILES = ("README.md", "token_frequencies.npy", "hsx.json")  # last: hsx.json's `complete` is the commit point
 PUSH_LEDGER = "push"  # .hsx/uploaded-push.jsonl
 
 

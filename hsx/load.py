@@ -1,5 +1,5 @@
 """Consumer side: read an hsx output, local or on the Hub, as torch tensors without copying; batch it for a
-drafter's training; export it to SpecForge's offline layout.
+drafter's training (exports to trainers' own layouts: hsx.export).
 
 - `load(path_or_repo, split="train", layers=None, streaming=False, revision=None)`: one type per call form
   (`load(p)` a `datasets.Dataset`, `streaming=True` a `datasets.IterableDataset`, `layers=[...]` a `torch_view`,
@@ -23,8 +23,6 @@ drafter's training; export it to SpecForge's offline layout.
   columns). Arrow has no bfloat16: bf16 is stored bit-exact as int16, and datasets' torch/numpy formatters would
   widen it to int64 unless told `dtype=None`.
 - `collate(rows, pad_token_id=0, pad_to_multiple_of=None)`: right-padded batches for a DataLoader.
-- `export_specforge(out_dir, dest)`: one `torch.save` file per sample in the layout SpecForge's offline EAGLE-3
-  trainer reads.
 """
 
 from __future__ import annotations
@@ -464,71 +462,3 @@ def _copy_into(dst, src) -> None:
         dst.view(bits).copy_(src.view(bits))
     else:
         dst.copy_(src)
-
-
-# ---- SpecForge's offline layout ---------------------------------------------------------------------------------
-
-SPECFORGE_GROUP_SIZE = 2000
-
-
-def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers: list[int] | None = None,
-                     group_size: int = SPECFORGE_GROUP_SIZE, overwrite: bool = False, log=print) -> dict[str, Any]:
-    """Write an output as the per-sample files SpecForge's offline EAGLE-3 trainer reads.
-
-    Layout (sgl-project/SpecForge scripts/prepare_hidden_states.py with group_size 2000, read back by
-    specforge/data/preprocessing.py `OfflineEagle3Dataset`, which walks `dest` for *.ckpt and `torch.load`s each):
-
-        dest/rows_{k}-{end}/data_{i}.ckpt     k = i // 2000 * 2000, end = min(k + 2000, input rows)
-        {"input_ids": (T,) int64, "loss_mask": (T,) int64 (1 on assistant tokens, unshifted),
-         "hidden_state": (1, T, H) the final-norm output (SpecForge stores it post-norm),
-         "aux_hidden_state": (1, T, 3H) the 3 auxiliary layers concatenated in increasing layer order}
-
-    `i` is the row's `sample_id` (its index in the input dataset, as SpecForge numbers rows; skipped rows leave
-    gaps). Needs an output with `final_hidden_state` (--final-hidden; the eagle3 preset has it) and 3 layers
-    (`layers` picks 3 of more; the eagle3 preset stores SpecForge's default [1, N/2-1, N-4]). States keep the
-    stored dtype (bfloat16); fp8 outputs are dequantized to bfloat16. Each file is written under a temporary
-    name and renamed, so an interrupted export leaves whole files only; existing files are kept unless
-    `overwrite` (an export can be resumed). Returns {"written": n, "kept": n, "dest": path}."""
-    import torch
-
-    meta = info(out_dir)
-    if not meta.get("final_hidden"):
-        raise ValueError(f"{out_dir}: SpecForge's EAGLE-3 trainer needs hidden_state, the final-norm output: "
-                         "extract with --final-hidden (the eagle3 preset includes it)")
-    chosen = list(layers) if layers is not None else list(meta["layers"])
-    if len(chosen) != 3:
-        example = " ".join(str(i) for i in meta["layers"][:3])
-        raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta['layers']}: "
-                         f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
-    positions = layer_positions(meta["layers"], chosen, meta.get("num_model_layers"))
-    order = np.argsort(positions, kind="stable")  # aux layers in increasing layer order, as SpecForge captures
-    view = torch_view(out_dir, layers=[chosen[k] for k in order], meta=meta)
-    rows_in = int(meta.get("counts", {}).get("rows_in") or 0)
-    dest = Path(dest)
-    written = kept = 0
-    for i in range(len(view)):
-        row = view[i]
-        sid = row["sample_id"]
-        k = sid // group_size * group_size
-        end = min(k + group_size, rows_in) if rows_in > sid else k + group_size
-        path = dest / f"rows_{k}-{end}" / f"data_{sid}.ckpt"
-        if path.exists() and not overwrite:
-            kept += 1
-            continue
-        n = row["input_ids"].shape[0]
-        aux, final = row["hidden_states"], row["final_hidden_state"]  # (fp8: dequantized by torch_view)
-        sample = {
-            "input_ids": row["input_ids"].to(torch.long),
-            "loss_mask": row["loss_mask"].to(torch.long),
-            # clone: a view would save the whole mapped buffer it points into
-            "hidden_state": final.clone(memory_format=torch.contiguous_format).unsqueeze(0),
-            "aux_hidden_state": aux.clone(memory_format=torch.contiguous_format).reshape(1, n, -1),
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(sample, tmp)
-        os.replace(tmp, path)
-        written += 1
-    log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline EAGLE-3 layout"
-        + (f" ({kept} already there)" if kept else ""))
-    return {"written": written, "kept": kept, "dest": str(dest)}

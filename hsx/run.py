@@ -29,6 +29,7 @@ from hsx.extract import output_columns
 from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
+from hsx.vocab import write_token_frequencies
 
 CPU_TOKEN_BUDGET = 4096
 RANK_STATS_WAIT_SECONDS = 60.0
@@ -322,6 +323,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
         "model": cfg.model, "model_path": model_path, "revision": revision,
         "tokenizer": cfg.tokenizer or cfg.model, "layers": layers, "final_hidden": final_hidden,
         "layer_convention": LAYER_CONVENTION, "hidden_size": hidden, "num_model_layers": num_layers,
+        "vocab_size": int(text.vocab_size),
         "storage_dtype": cfg.storage_dtype, "max_length": cfg.max_length, "chat_template_sha256": template_sha,
         "loss_mask": mask, "counts": {"rows_in": len(raw), "truncated": truncated, "skipped": skipped},
         "unit_names": [u.name for u in units], "hsx_version": __version__,
@@ -429,6 +431,7 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
         info = complete_info(summary, done, proc.world_size, stats)
+        info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
         out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
     if cfg.push_to_hub:
         _push(cfg, log)

@@ -377,8 +377,11 @@ class OutputDir:
         """Delete only what hsx writes here (never the lock, which this process holds), and never through a
         link: a unit that is a link (`hsx merge`) loses the link, its target stays."""
         self.check_no_links()
-        for name in ("hsx.json", "README.md"):
+        for name in ("hsx.json", "README.md", "token_frequencies.npy"):
             (self.root / name).unlink(missing_ok=True)
+        for pattern in ("vocab_mapping-*.pt", "d2t-*.npy", "t2d-*.npy"):  # `hsx vocab OUT` writes these here
+            for f in self.root.glob(pattern):
+                f.unlink()
         if self.data.exists():
             for f in self.data.glob("train-*.arrow"):
                 f.unlink()
@@ -1036,6 +1039,9 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
     out.write_summary(summary)
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
+    from hsx.vocab import write_token_frequencies
+
+    info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
     out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
     log(f"hsx merge: {out.root}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
         f"{len(dirs)} dirs (symlinked, nothing copied)")

@@ -132,8 +132,9 @@ def test_output_files(main_run, main_ds):
         part = Dataset.from_file(str(data_dir / name))
         b = set(bucket_of(np.asarray(part["num_tokens"]), MAX_LENGTH).tolist())
         assert len(b) == 1, (name, b)
-    # top level: the card, hsx.json, data/ and the dot-folder only
-    assert {p.name for p in main_run.out.iterdir()} <= {"README.md", "hsx.json", "data", ".hsx"}
+    # top level: the card, hsx.json, the supervised-token counts, data/ and the dot-folder only
+    assert {p.name for p in main_run.out.iterdir()} <= {"README.md", "hsx.json", "token_frequencies.npy", "data",
+                                                        ".hsx"}
 
 
 def test_dataset_card(main_run):

@@ -21,6 +21,8 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from hsx.config import HsxError, load_config
 from hsx.hub import StreamUploader, is_transient, push_output
+
+TOP_FILES = ["README.md", "token_frequencies.npy", "hsx.json"]  # what the last commit adds, in order
 from hsx.run import extract
 from hsx.sink import Committer, OutputDir
 
@@ -136,8 +138,7 @@ def data_files(root: Path) -> dict[str, bytes]:
 
 
 def expected_repo(root: Path) -> dict[str, bytes]:
-    return {**data_files(root), "README.md": (root / "README.md").read_bytes(),
-            "hsx.json": (root / "hsx.json").read_bytes()}
+    return {**data_files(root), **{name: (root / name).read_bytes() for name in TOP_FILES}}
 
 
 def quiet(*a, **k):
@@ -156,13 +157,13 @@ def test_push_uploads_exactly_the_output(out):
     want = expected_repo(out)
     assert len(want) > 5
     summary = push_output(out, REPO, api=api, log=quiet, max_files_per_commit=3)
-    assert api.files() == want  # data/*.arrow, README.md, hsx.json; no .hsx/, nothing else
+    assert api.files() == want  # data/*.arrow and TOP_FILES; no .hsx/, nothing else
     assert not any(p.startswith(".hsx") for c in api.commits for p in c["added"])
     assert api.calls[0] == ("create_repo", {"repo_type": "dataset", "exist_ok": True, "private": True})
     assert not [c for c in api.calls if c[0] == "create_branch"]
     # batches of at most 3 data files, README.md and hsx.json last, in one commit
     assert all(len(c["added"]) <= 3 for c in api.commits)
-    assert api.commits[-1]["added"] == ["README.md", "hsx.json"]
+    assert api.commits[-1]["added"] == TOP_FILES
     assert all(p.startswith("data/") for c in api.commits[:-1] for p in c["added"])
     assert summary["commits"] == len(api.commits) == -(-len(data_files(out)) // 3) + 1
     # every file is recorded, and a second push only checks
@@ -327,8 +328,8 @@ def test_stream_failure_deletes_only_what_was_uploaded_then_resumes(out):
     assert set(api.files()) == {f"data/train-{u}.arrow" for u in names}
     # the end: README.md and hsx.json, the repo is complete
     summary = StreamUploader(out, REPO, api=api, log=quiet).finish()
-    assert summary["uploaded"] == ["README.md", "hsx.json"]
-    assert set(api.files()) == {f"data/train-{u}.arrow" for u in names} | {"README.md", "hsx.json"}
+    assert summary["uploaded"] == TOP_FILES
+    assert set(api.files()) == {f"data/train-{u}.arrow" for u in names} | set(TOP_FILES)
 
 
 def test_stream_to_another_repo_after_deleting_is_refused(out):
@@ -340,7 +341,7 @@ def test_stream_to_another_repo_after_deleting_is_refused(out):
         StreamUploader(out, "someone/other", api=api, log=quiet)
     with pytest.raises(HsxError, match="does not have it"):
         push_output(out, "someone/other", api=api, log=quiet)
-    assert push_output(out, REPO, api=api, log=quiet)["uploaded"] == ["README.md", "hsx.json"]
+    assert push_output(out, REPO, api=api, log=quiet)["uploaded"] == TOP_FILES
 
 
 def test_committer_hands_committed_units_to_the_uploader(tmp_path):
@@ -398,7 +399,7 @@ def test_token_is_never_written_or_printed(out, monkeypatch):
                         min_seconds_between_commits=0, log=log.append)
     up.finish()
     assert api.files() == {**{k: v for k, v in api.files().items() if k.startswith("data/")},
-                           "README.md": (out / "README.md").read_bytes(), "hsx.json": (out / "hsx.json").read_bytes()}
+                           **{name: (out / name).read_bytes() for name in TOP_FILES}}
     texts = [str(err.value), *log]
     texts += [p.read_bytes().decode("utf-8", "replace") for p in out.rglob("*") if p.is_file()]
     texts += [v.decode("utf-8", "replace") for v in api.files().values()]
@@ -464,10 +465,10 @@ def test_extract_pushes(tmp_path, model4, chat_data, monkeypatch, mode):
               "unit_tokens": 300, "push_to_hub": REPO, "push_mode": mode, "delete_after_upload": mode == "stream"}
     info = extract(load_config(None, values), log=quiet)
     names = info["unit_names"] if "unit_names" in info else OutputDir(root).manifest_records()
-    want = {f"data/train-{u}.arrow" for u in names} | {"README.md", "hsx.json"}
+    want = {f"data/train-{u}.arrow" for u in names} | set(TOP_FILES)
     assert set(api.files()) == want
     assert api.files()["hsx.json"] == (root / "hsx.json").read_bytes()
-    assert api.commits[-1]["added"] == ["README.md", "hsx.json"]
+    assert api.commits[-1]["added"] == TOP_FILES
     assert api.repos[REPO]["private"] is True
     if mode == "stream":
         assert not list((root / "data").glob("*.arrow"))  # all uploaded, then deleted

@@ -1,0 +1,137 @@
+"""Draft vocabulary: how often each token is a training target, and the d2t/t2d mapping EAGLE-3 drafters use to
+predict over the K most frequent target tokens instead of the whole vocabulary.
+
+- `OUT/token_frequencies.npy`: int64 (vocab_size,), how many times each token id is supervised (loss_mask 1) in
+  the output. Written once by the job's finalizer (`write_token_frequencies`): a `np.bincount` over the
+  input_ids / loss_mask Arrow buffers of the data files, no Python per token, and only those two columns are
+  read (≈5 bytes/token of pages, against 32+ KiB/token of states at hidden 4096). hsx.json's
+  `token_frequencies` says what was counted. When units were deleted after their upload the count runs over
+  the tokenized rows instead (so it also holds rows skipped later as `oom` / `nonfinite`; hsx.json says so).
+- `draft_vocab(freqs, K)`: the K most frequent ids (ties: the lower id; fewer than K seen: the lowest unseen
+  ids fill in), as both trainers build it (SpecForge `process_token_dict_to_mappings`, speculators
+  `build_vocab_mappings_from_distribution`): `d2t[i] = draft_ids[i] - i` (int64 offsets: target id =
+  i + d2t[i]) and `t2d` (bool, vocab_size) marking the draft tokens.
+- `write_draft_vocab(out, K, dest)`: `vocab_mapping-K.pt` (SpecForge: torch.save({"d2t", "t2d"}), its
+  `--vocab-mapping`) and `d2t-K.npy` / `t2d-K.npy` (speculators: np.save, found in its --data-path by size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+FREQUENCIES_FILE = "token_frequencies.npy"
+SPECULATORS_FREQUENCIES_FILE = "token_freq.pt"  # speculators' name and format: torch.save({token_id: count})
+
+
+def count_supervised(tables: Iterable, vocab_size: int) -> np.ndarray:
+    """Per-token counts of the supervised tokens (loss_mask 1) of Arrow tables with `input_ids` and `loss_mask`
+    list columns: int64 (vocab_size,)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for table in tables:
+        for batch in table.select(["input_ids", "loss_mask"]).to_batches():
+            ids = batch.column(0).flatten().to_numpy(zero_copy_only=False)  # flatten: honours slice offsets
+            mask = batch.column(1).flatten().to_numpy(zero_copy_only=False)
+            if len(ids) != len(mask):
+                raise ValueError("input_ids and loss_mask differ in length")
+            chosen = ids[mask != 0]
+            if len(chosen) and (int(chosen.min()) < 0 or int(chosen.max()) >= vocab_size):
+                raise ValueError(f"token id outside the vocabulary [0, {vocab_size})")
+            counts += np.bincount(chosen, minlength=vocab_size)
+    return counts
+
+
+def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | None:
+    """Count the finished output's supervised tokens into OUT/token_frequencies.npy (atomically) and return
+    hsx.json's `token_frequencies` entry; None when the vocabulary size is unknown. `out`: an OutputDir."""
+    from datasets import Dataset
+
+    if not vocab_size:
+        return None
+    files = [out.data / r["file"] for r in out.manifest_records().values()]  # every committed unit
+    if all(f.exists() for f in files):
+        source, tables = "output", (Dataset.from_file(str(f)).data.table for f in files)
+    else:  # units deleted after their upload: the tokenized rows that were planned (skip_reason "")
+        import pyarrow.compute as pc
+
+        cache_file = out.state / "tokenized" / "tokens.arrow"
+        if not cache_file.exists():  # (a merged dir has no tokenized cache)
+            return None
+        cache = Dataset.from_file(str(cache_file)).data.table
+        source, tables = "tokenized", [cache.filter(pc.equal(cache.column("skip_reason"), ""))]
+    counts = count_supervised(tables, int(vocab_size))
+    _atomic(out.root / FREQUENCIES_FILE, lambda f: np.save(f, counts))
+    return {"file": FREQUENCIES_FILE, "vocab_size": int(vocab_size), "supervised_tokens": int(counts.sum()),
+            "distinct_tokens": int(np.count_nonzero(counts)), "counted_over": source}
+
+
+def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
+    """OUT/token_frequencies.npy as int64 (vocab_size,), checked against hsx.json."""
+    root = Path(out_dir)
+    meta = json.loads((root / "hsx.json").read_text()).get("token_frequencies")
+    path = root / FREQUENCIES_FILE
+    if not meta or not path.is_file():
+        raise FileNotFoundError(f"{out_dir} has no {FREQUENCIES_FILE} (written by hsx extract when a job "
+                                "finishes; outputs of older versions lack it)")
+    counts = np.load(path, allow_pickle=False)
+    if counts.ndim != 1 or counts.dtype != np.int64 or len(counts) != meta["vocab_size"] \
+            or int(counts.sum()) != meta["supervised_tokens"]:
+        raise ValueError(f"{path} does not match hsx.json's token_frequencies (damaged or replaced?)")
+    return counts
+
+
+def draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t, t2d) for the `draft_vocab_size` most frequent tokens: d2t int64 offsets (target id = i + d2t[i]),
+    t2d bool over the target vocabulary."""
+    vocab = len(counts)
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(f"--draft-vocab-size must be in [1, {vocab}] (the target's vocabulary), "
+                         f"not {draft_vocab_size}")
+    by_frequency = np.lexsort((np.arange(vocab), -counts))  # most frequent first; ties: lower id first
+    chosen = np.sort(by_frequency[:draft_vocab_size])
+    t2d = np.zeros(vocab, dtype=bool)
+    t2d[chosen] = True
+    return (chosen - np.arange(draft_vocab_size)).astype(np.int64), t2d
+
+
+def write_draft_vocab(out_dir: str | os.PathLike, draft_vocab_size: int, dest: str | os.PathLike | None = None,
+                      log=print) -> dict[str, Any]:
+    """`hsx vocab OUT --draft-vocab-size K`: the mapping files both trainers load, into `dest` (default OUT)."""
+    import torch
+
+    counts = read_token_frequencies(out_dir)
+    d2t, t2d = draft_vocab(counts, draft_vocab_size)
+    dest = Path(dest) if dest is not None else Path(out_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    k = draft_vocab_size
+    paths = {"specforge": dest / f"vocab_mapping-{k}.pt", "d2t": dest / f"d2t-{k}.npy", "t2d": dest / f"t2d-{k}.npy"}
+    _atomic(paths["specforge"], lambda f: torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
+                                                     f))
+    _atomic(paths["d2t"], lambda f: np.save(f, d2t))
+    _atomic(paths["t2d"], lambda f: np.save(f, t2d))
+    covered = float(counts[t2d].sum() / max(1, counts.sum()))
+    log(f"hsx: draft vocabulary of {k:,} of {len(counts):,} tokens covers {covered:.2%} of the "
+        f"{int(counts.sum()):,} supervised tokens: {paths['specforge']} (SpecForge --vocab-mapping), "
+        f"{paths['d2t'].name} + {paths['t2d'].name} (speculators, found in its --data-path)")
+    return {"coverage": covered, **{name: str(p) for name, p in paths.items()}}
+
+
+def write_speculators_frequencies(counts: np.ndarray, path: Path) -> None:
+    """speculators' token_freq.pt: torch.save of {token_id: count} over the tokens seen."""
+    import torch
+
+    seen = np.flatnonzero(counts)
+    _atomic(path, lambda f: torch.save(dict(zip(seen.tolist(), counts[seen].tolist())), f))
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,301 @@
+"""The exports read by the trainers' OWN code, from their released packages: specforge 0.2.0 (OfflineManifestReader
+lists the files, load_feature_file loads them, the eagle3 / dflash strategy's normalize_offline_sample shapes them)
+and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config parsing).
+
+Their pins conflict with ours (specforge: torch 2.11, transformers 5.8.1, sglang; speculators: datasets <= 5.1,
+transformers <= 5.19), so each is installed with `pip install --no-deps --target` into the pytest cache, plus only
+the few packages their reading code imports; a test skips, saying why, where that cannot be done (no network).
+The tensors must equal hsx.torch_view's rows for the same sample up to the trainer's documented renaming,
+reshaping and (SpecForge EAGLE-3) zeroed last loss-mask position."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hsx_main, message_lines, write_jsonl
+from hsx.config import load_config
+from hsx.export import export_specforge, export_speculators
+from hsx.load import torch_view
+from hsx.run import extract
+from hsx.vocab import draft_vocab, read_token_frequencies, write_draft_vocab
+
+LAYERS = [0, 1, 2, 3]  # every layer of model4: layer 3 (N-1) is speculators' verifier state
+EAGLE3_AUX = [0, 1, 2]
+MAX_LEN = 4096
+SPECFORGE = ["specforge==0.2.0"]
+# speculators' ArrowDataset imports openai (its on_missing="generate" client) and hs_connectors (FileTransfer);
+# its config resolution needs pydantic-settings.
+SPECULATORS = ["speculators==0.9.0", "hs-connectors==0.9.0", "openai==3.57.0", "sniffio==1.3.1",
+               "pydantic-settings==2.16.3", "python-dotenv==1.2.4"]
+PYDANTIC = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5"]
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+def _site(request, requirements: list[str]) -> Path:
+    """A --target dir holding `requirements` (installed once, cached under .pytest_cache), on sys.path."""
+    key = hashlib.sha256(" ".join(requirements).encode()).hexdigest()[:12]
+    root = Path(request.config.cache.mkdir(f"hsx-trainers-{key}"))
+    site, done = root / "site", root / "installed"
+    if not done.exists():
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--upgrade", "--target", str(site), *requirements]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"pip install {' '.join(requirements)} took over 10 minutes (no network?)")
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            pytest.skip(f"cannot pip install {' '.join(requirements)} here (no network?): {last}")
+        done.write_text(" ".join(requirements) + "\n")
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    return site
+
+
+def _import(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.skip(f"{package}'s reading code imports {e.name!r}, which is not installable here: {e}")
+
+
+@pytest.fixture(scope="session")
+def specforge(request):
+    _site(request, SPECFORGE)
+    _import("specforge.runtime.data_plane.offline_reader", "specforge 0.2.0")
+    return _import("specforge.algorithms.builtin", "specforge 0.2.0").builtin_algorithm_registry()
+
+
+@pytest.fixture(scope="session")
+def speculators(request):
+    extra = PYDANTIC if importlib.util.find_spec("pydantic") is None else []
+    _site(request, SPECULATORS + extra)
+    return _import("speculators.train.data", "speculators 0.9.0")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, model4, chat_data) -> Path:
+    root = tmp_path_factory.mktemp("trainers") / "out"
+    cfg = load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                             "dataset": str(chat_data.path), "layers": [str(i) for i in LAYERS],
+                             "final_hidden": True, "max_length": 160, "token_budget": 640})
+    extract(cfg, log=quiet)
+    return root
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+def sample_of(path: str) -> int:
+    return int(Path(path).name.removesuffix(".ckpt").split("_")[1])
+
+
+# ---- SpecForge ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["eagle3", "dflash"])
+def test_specforge_reads_every_exported_file(specforge, out, tmp_path, monkeypatch, layout):
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    # The reader's eager pass (off by default): it loads every file and checks the strategy's keys are tensors.
+    monkeypatch.setenv("SPECFORGE_VALIDATE_OFFLINE_FEATURES", "1")
+    layers = EAGLE3_AUX if layout == "eagle3" else LAYERS
+    dest = tmp_path / layout
+    res = export_specforge(str(out), dest, layers=layers, layout=layout, log=quiet)
+    provider = specforge.resolve(layout).providers.offline[0]  # the strategy's own reader and normalizer
+    refs = list(provider.build_reader(str(dest), run_id="hsx", ttt_length=7, max_len=MAX_LEN))
+    files = sorted(str(p.resolve()) for p in dest.rglob("*.ckpt"))
+    assert len(files) == res["written"] > 10 and res["skipped"] == 0
+    assert sorted(r.feature_store_uri.removeprefix("file://") for r in refs) == files  # every file, listed once
+    normalize = provider.build_normalizer(MAX_LEN)
+
+    view = torch_view(str(out), layers=layers)
+    position = {view[i]["sample_id"]: i for i in range(len(view))}
+    assert sorted(position) == sorted(sample_of(f) for f in files)
+    for ref in refs:
+        path = ref.feature_store_uri.removeprefix("file://")
+        raw = load_feature_file(path)
+        sample = normalize({key: raw[key] for key in ref.feature_keys})
+        row = view[position[sample_of(path)]]
+        n = row["input_ids"].shape[0]
+        assert ref.num_tokens == n
+        assert torch.equal(sample["input_ids"], row["input_ids"].long()[None])
+        states = row["hidden_states"].reshape(1, n, -1)  # the layers side by side, increasing layer order
+        if layout == "eagle3":
+            mask = row["loss_mask"].long().clone()
+            mask[-1] = 0  # SpecForge's EAGLE-3 zeroes the last position (nothing follows it)
+            assert set(sample) == {"input_ids", "loss_mask", "attention_mask", "hidden_state", "target"}
+            assert torch.equal(sample["loss_mask"], mask[None])
+            assert torch.equal(sample["attention_mask"], torch.ones(1, n, dtype=torch.long))
+            assert sample["hidden_state"].shape == (1, n, 3 * 64) and sample["target"].shape == (1, n, 64)
+            assert torch.equal(bits(sample["hidden_state"]), bits(states))
+            assert torch.equal(bits(sample["target"]), bits(row["final_hidden_state"][None]))  # final norm
+        else:
+            assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+            assert torch.equal(sample["loss_mask"], row["loss_mask"].long()[None])
+            assert sample["hidden_states"].shape == (1, n, len(LAYERS) * 64)
+            assert torch.equal(bits(sample["hidden_states"]), bits(states))
+
+
+def test_specforge_dflash_leaves_out_rows_its_normalizer_rejects(specforge, model4, tmp_path):
+    """SpecForge's DFlash needs two consecutive supervised tokens; a row without them is left out and counted
+    (its normalizer raises on it), the others are exported."""
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 1, 0]},
+            {"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 1, 0, 1]},
+            {"input_ids": [11, 12, 13, 14], "loss_mask": [0, 0, 1, 1]}]
+    root = tmp_path / "out"
+    extract(load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                               "dataset": str(write_jsonl(tmp_path / "ids.jsonl", rows)), "layers": ["1", "3"]}),
+            log=quiet)
+    res = export_specforge(str(root), tmp_path / "sf", layout="dflash", log=quiet)
+    assert res["written"] == 2 and res["skipped"] == 1
+    assert sorted(sample_of(str(p)) for p in (tmp_path / "sf").rglob("*.ckpt")) == [0, 2]
+    normalize = specforge.resolve("dflash").providers.offline[0].build_normalizer(MAX_LEN)
+    view = torch_view(str(root))
+    row = next(view[i] for i in range(len(view)) if view[i]["sample_id"] == 1)
+    with pytest.raises(ValueError, match="consecutive"):
+        normalize({"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].long(),
+                   "hidden_states": row["hidden_states"].reshape(6, -1)})
+
+
+def test_specforge_counts_the_same_vocabulary(specforge, out, tmp_path):
+    """SpecForge's own count over the exported files equals hsx's token_frequencies.npy, its mapping builder
+    gives hsx's d2t/t2d, and the mapping file passes its consistency check."""
+    from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    dest = tmp_path / "sf"
+    export_specforge(str(out), dest, layers=EAGLE3_AUX, log=quiet)
+    counts = read_token_frequencies(out)
+    theirs = count_effective_feature_tokens(str(dest), target_vocab_size=len(counts))
+    assert theirs == Counter({i: int(c) for i, c in enumerate(counts) if c})
+    distinct = int(np.count_nonzero(counts))
+    for k in (distinct // 2, distinct + 7):  # fewer tokens than seen, and more (the lowest unseen ids fill in)
+        in_id_order = Counter({i: int(counts[i]) for i in range(len(counts)) if counts[i]})  # ties: lower id
+        d2t, t2d = process_token_dict_to_mappings(in_id_order, k, len(counts))
+        ours = draft_vocab(counts, k)
+        assert np.array_equal(ours[0], d2t.numpy()) and np.array_equal(ours[1], t2d.numpy())
+        files = write_draft_vocab(str(out), k, tmp_path / "vocab", log=quiet)
+        mapping = torch.load(files["specforge"], weights_only=True)  # what its load_vocab_mapping reads
+        assert mapping["d2t"].dtype == torch.int64 and mapping["t2d"].dtype == torch.bool
+        validate_vocab_mapping_consistency(mapping["t2d"], mapping["d2t"])
+        assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+
+
+# ---- speculators ----------------------------------------------------------------------------------------------
+
+def test_speculators_arrow_dataset_reads_the_export(speculators, out, tmp_path):
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.recovery import SampleUnavailable
+
+    dest = tmp_path / "sp"
+    res = export_speculators(str(out), dest, log=quiet)
+    assert res["target_layer_ids"] == [1, 2, 3]  # hsx layers 0, 1, 2 in vLLM's numbering (embeddings = 0)
+    ds = ArrowDataset(max_len=MAX_LEN, datapath=str(dest), on_missing="raise")
+    view = torch_view(str(out), layers=LAYERS)
+    by_sid = sorted(range(len(view)), key=lambda i: view[i]["sample_id"])  # export order: by sample_id
+    assert len(ds) == len(view) == res["rows"] == res["written"] > 10
+    assert ds.approx_lengths == [int(view[i]["input_ids"].shape[0]) for i in by_sid]
+    for i, pos in enumerate(by_sid):
+        sample, row = ds[i], view[pos]
+        assert not isinstance(sample, SampleUnavailable)
+        n = row["input_ids"].shape[0]
+        assert torch.equal(sample["input_ids"], row["input_ids"].long())
+        assert torch.equal(sample["loss_mask"], row["loss_mask"].long())
+        assert torch.equal(bits(sample["hidden_states"]), bits(row["hidden_states"][:, :3].reshape(n, -1)))
+        # the last decoder layer, before the final norm (speculators applies its frozen verifier_norm)
+        assert torch.equal(bits(sample["verifier_last_hidden_states"]), bits(row["hidden_states"][:, 3]))
+        assert sample["lengths"].tolist() == [n] and torch.equal(sample["position_ids"], torch.arange(n))
+    batch = CollateFn(max_len=512, hidden_size=64, num_target_layers=3)([ds[0], ds[1]])
+    assert batch["hidden_states"].shape == (1, 512, 3 * 64) and batch["error_records"] == 0
+    # its train/validation split is positional over the same files
+    val = ArrowDataset(max_len=MAX_LEN, datapath=str(dest), on_missing="raise", train_ratio=0.5, split="val")
+    assert torch.equal(val[0]["input_ids"], ds[len(ds) // 2]["input_ids"])
+    (dest / "hidden_states" / "hs_0.safetensors").unlink()  # on_missing="raise": a missing file is an error
+    with pytest.raises(RuntimeError, match="Failed to load hidden states"):
+        ds[0]
+    res = export_speculators(str(out), dest, log=quiet)  # resumes: writes only the missing file
+    assert res["written"] == 1 and res["kept"] == len(ds) - 1 and torch.equal(ds[0]["input_ids"],
+                                                                                 view[by_sid[0]]["input_ids"].long())
+
+
+def test_speculators_vocab_and_config(speculators, out, tmp_path):
+    """token_freq.pt through speculators' own mapping builder gives the d2t/t2d files its trainer finds in
+    --data-path; speculators.yaml parses with its own config resolution."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    dest, k = tmp_path / "sp", 40
+    export_speculators(str(out), dest, draft_vocab_size=k, log=quiet)
+    freq = torch.load(dest / "token_freq.pt", weights_only=True)
+    counts = read_token_frequencies(out)
+    assert freq == {i: int(c) for i, c in enumerate(counts) if c}
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, k, len(counts))
+    assert torch.equal(torch.from_numpy(np.load(dest / f"d2t-{k}.npy")), d2t)  # how its trainer loads them
+    assert torch.equal(torch.from_numpy(np.load(dest / f"t2d-{k}.npy")), t2d)
+
+    config = _import("speculators.train.config", "speculators 0.9.0 (config)")
+    resolution = _import("speculators.train.config.resolution", "speculators 0.9.0 (config)")
+    cfg = resolution.resolve(config.TrainConfig, ["--config", str(dest / "speculators.yaml")])
+    assert cfg.data.data_path == str(dest.resolve()) and cfg.generation.on_missing == "raise"
+    assert cfg.draft.target_layer_ids == [1, 2, 3] and cfg.draft.draft_vocab_size == k
+
+
+def test_speculators_export_needs_the_last_layer(out, tmp_path, model4, small_chat_path):
+    root = tmp_path / "no-last"
+    extract(load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                               "dataset": str(small_chat_path), "layers": ["0", "1"], "limit": 3}), log=quiet)
+    with pytest.raises(ValueError, match="last decoder layer"):
+        export_speculators(str(root), tmp_path / "x", log=quiet)
+    with pytest.raises(ValueError, match="auxiliary"):
+        export_speculators(str(out), tmp_path / "y", layers=[3], log=quiet)
+
+
+def test_an_export_resumes_but_never_mixes_two(out, tmp_path):
+    dest = tmp_path / "sf"
+    export_specforge(str(out), dest, layers=EAGLE3_AUX, log=quiet)
+    assert export_specforge(str(out), dest, layers=[2, 0, 1], log=quiet)["written"] == 0  # the same export
+    with pytest.raises(ValueError, match="holds another export"):
+        export_specforge(str(out), dest, layout="dflash", log=quiet)
+    code, _, err = hsx_main(["export-specforge", str(out), str(dest), "--layout", "dflash"])
+    assert code == 2 and len(message_lines(err)) == 1 and "holds another export" in err
+    res = export_specforge(str(out), dest, layout="dflash", overwrite=True, log=quiet)
+    assert res["written"] == len(list(dest.rglob("*.ckpt"))) and res["kept"] == 0
+    assert all("hidden_states" in torch.load(f, weights_only=True) for f in dest.rglob("*.ckpt"))
+    with pytest.raises(ValueError, match="outside the output dir"):
+        export_speculators(str(out), out / "speculators", log=quiet)
+
+
+def test_speculators_export_of_fp8_is_dequantized(speculators, model4, small_chat_path, tmp_path):
+    from speculators.train.data import ArrowDataset
+
+    root = tmp_path / "fp8"
+    extract(load_config(None, {"output_dir": str(root), "compile": "off", "model": str(model4.path),
+                               "dataset": str(small_chat_path), "layers": ["1", "3"],
+                               "storage_dtype": "float8_e4m3"}), log=quiet)
+    export_speculators(str(root), tmp_path / "sp", log=quiet)
+    ds = ArrowDataset(max_len=MAX_LEN, datapath=str(tmp_path / "sp"), on_missing="raise")
+    view = torch_view(str(root))
+    by_sid = sorted(range(len(view)), key=lambda i: view[i]["sample_id"])
+    for i, pos in enumerate(by_sid):
+        row = view[pos]
+        states = row["hidden_states"]
+        if "hidden_states_scale" in row:  # stored as e4m3 with a float32 scale per token and layer
+            states = (states.float() * row["hidden_states_scale"][..., None]).to(torch.bfloat16)
+        assert ds[i]["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(bits(ds[i]["hidden_states"]), bits(states[:, 0]))
+        assert torch.equal(bits(ds[i]["verifier_last_hidden_states"]), bits(states[:, 1]))
