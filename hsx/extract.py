@@ -84,6 +84,8 @@ class Extractor:
         # Gated DeltaNet layers on fla's kernels where it can (CUDA, fla installed); packed rows need it.
         self.linear_attention = gdn.install(loaded.base) if self.cuda else False
         self.compiler = compile_layers(loaded.base) if compile_model else None
+        # Triton specializes fla's kernels on whether the length is a multiple of 16: one variant, not two.
+        self.pack_multiple = 2 * PAD_MULTIPLE if self.linear_attention else PAD_MULTIPLE
         self.capacity = 0
         self.free: queue.Queue[Slot | None] = queue.Queue()
         self.num_slots = slots
@@ -142,7 +144,7 @@ class Extractor:
                 states=torch.empty(self.capacity * self.per_token, dtype=torch.uint8, pin_memory=self.cuda),
                 ids=torch.empty(self.capacity + PAD_MULTIPLE * 64, dtype=torch.int64, pin_memory=self.cuda),
                 index=torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.cuda),
-                positions=torch.empty(self.capacity + PAD_MULTIPLE, dtype=torch.int64, pin_memory=self.cuda),
+                positions=torch.empty(self.capacity + 2 * PAD_MULTIPLE, dtype=torch.int64, pin_memory=self.cuda),
                 row_bounds=torch.empty(self.capacity + 2, dtype=torch.int32, pin_memory=self.cuda),
                 chunks=torch.empty(2 * (self.capacity + self.capacity // gdn.FLA_CHUNK + 2), dtype=torch.int32,
                                    pin_memory=self.cuda),
@@ -169,8 +171,8 @@ class Extractor:
             if self.packing == "none":
                 padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
                 cost = (z - a) * padded  # tokens computed, padding included
-            else:  # one sequence: the rows back to back, then padding up to a multiple of 8
-                padded = cost = int(-(-int(sub_len.sum()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+            else:  # one sequence: the rows back to back, then padding up to a multiple of 8 (16: fla's kernels)
+                padded = cost = int(-(-int(sub_len.sum()) // self.pack_multiple) * self.pack_multiple)
             if cost > self.token_cap and z - a > 1:  # over the (possibly shrunk) cap: split first
                 mid = a + (z - a) // 2
                 pending[:0] = [(a, mid), (mid, z)]

@@ -4,8 +4,8 @@ transformers' own GatedDeltaNet forward runs its short convolution as `F.conv1d`
 fallback: measured on an H200, the 27B shape ran at 35.5% MFU), its gated RMSNorm and gating as separate elementwise
 ops, and it ignores sequence boundaries: in a packed batch every row's recurrent state and convolution window leak
 into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the forward
-of each such layer with `fla_forward`: fla's Triton causal_conv1d, chunk_gated_delta_rule with the gate, beta sigmoid
-and q/k l2norm fused in, and its fused gated RMSNorm. For a packed batch (`packed_rows`, set by hsx.extract around
+of each such layer with `fla_forward`: fla's Triton causal_conv1d, chunk_gated_delta_rule with the gate and beta
+sigmoid fused in, and its fused gated RMSNorm. For a packed batch (`packed_rows`, set by hsx.extract around
 each forward) the row boundaries go to both the convolution and the delta rule, so each row starts from a zero state
 and a zero convolution window: the packed forward equals one forward per row. Right-padded batches need no
 boundaries (causal: padding sits after every real token).
@@ -160,10 +160,27 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     k = k.reshape(batch, seq, -1, self.head_k_dim)
     v = v.reshape(batch, seq, -1, self.head_v_dim)
     # g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b), as transformers computes them, inside the kernel.
-    out, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+    # q/k l2norm in torch, as transformers' reference does: fla's l2norm kernel recompiles (and autotunes) for every
+    # new value of its NB = ceil(rows / 65536), which stalled a run for ~10 s at each new batch size.
+    out, _ = chunk_gated_delta_rule(_l2norm(q), _l2norm(k), v, g=a, beta=b, use_gate_in_kernel=True,
                                     A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                                     **varlen)
     eps = getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6))
-    out = rms_norm_gated(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, None,
-                         activation="swish", eps=eps)
+    out = _gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, eps)
     return self.out_proj(out.reshape(batch, seq, -1))
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+NORM_ROWS = 65536  # fla's fused norm kernels compile one variant per ceil(rows / 65536): feed them one block size
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · rmsnorm(x) · silu(gate) per head (rows of head_v_dim), fla's fused kernel on blocks of NORM_ROWS."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return torch.cat([rms_norm_gated(x[a:a + NORM_ROWS], gate[a:a + NORM_ROWS], weight, None, activation="swish",
+                                     eps=eps) for a in range(0, x.shape[0], NORM_ROWS)])
