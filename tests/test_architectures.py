@@ -440,8 +440,8 @@ def test_missing_weights_are_refused(tmp_path_factory, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(HYBRID))
 def test_hybrid_right_padding_is_exact(name, tmp_path_factory):
-    """Gated DeltaNet layers (torch fallback here: no fla/causal-conv1d) leak across packed sequences, so hsx
-    never packs; right padding keeps every real token exact, even for a row padded by 26 tokens, and the report
+    """On transformers' forward (CPU: no fla) Gated DeltaNet layers leak across packed sequences, so hsx runs them
+    right-padded; right padding keeps every real token exact, even for a row padded by 26 tokens, and the report
     says packing would not be safe."""
     fam = get_family(name, tmp_path_factory)
     loaded = load_model(make_cfg(fam, [0, fam.num_layers - 1], False), CPU)
