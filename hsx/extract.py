@@ -84,7 +84,7 @@ class Extractor:
         # Gated DeltaNet layers on fla's kernels where it can (CUDA, fla installed); packed rows need it.
         self.linear_attention = gdn.install(loaded.base) if self.cuda else False
         self.compiler = compile_layers(loaded.base) if compile_model else None
-        # Triton specializes fla's kernels on whether the length is a multiple of 16: one variant, not two.
+        # Triton specializes kernels on whether an int argument is a multiple of 16: one alignment for fla's.
         self.pack_multiple = 2 * PAD_MULTIPLE if self.linear_attention else PAD_MULTIPLE
         self.capacity = 0
         self.free: queue.Queue[Slot | None] = queue.Queue()
