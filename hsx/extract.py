@@ -28,6 +28,7 @@ import torch
 
 from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
+from hsx import gdn
 from hsx.model import LoadedModel, compile_layers, use_packing
 
 PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
@@ -41,6 +42,7 @@ class Slot:
     index: torch.Tensor  # int64, flat: where each real token sits in the padded batch (packed: its row)
     positions: torch.Tensor  # int64, flat: packed batches' position ids (each row counts from 0)
     row_bounds: torch.Tensor  # int32: packed batches' row offsets (cu_seqlens)
+    chunks: torch.Tensor  # int32: packed batches' fla chunk indices (Gated DeltaNet layers)
     nonfinite: torch.Tensor  # int32 per row: tokens with a NaN/Inf anywhere in their states
     done: torch.cuda.Event | None = None
 
@@ -79,8 +81,11 @@ class Extractor:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         use_packing(loaded.base, packing)
-        if compile_model:
-            compile_layers(loaded.base)
+        # Gated DeltaNet layers on fla's kernels where it can (CUDA, fla installed); packed rows need it.
+        self.linear_attention = gdn.install(loaded.base) if self.cuda else False
+        self.compiler = compile_layers(loaded.base) if compile_model else None
+        # Triton specializes kernels on whether an int argument is a multiple of 16: one alignment for fla's.
+        self.pack_multiple = 2 * PAD_MULTIPLE if self.linear_attention else PAD_MULTIPLE
         self.capacity = 0
         self.free: queue.Queue[Slot | None] = queue.Queue()
         self.num_slots = slots
@@ -93,8 +98,8 @@ class Extractor:
     def _forward(self, ids: torch.Tensor, index: torch.Tensor, packed: dict | None = None) -> list[torch.Tensor]:
         """(n, layers*hidden) states of the real tokens, and (n, hidden) final-norm states when asked.
 
-        Packed batches (`packed` holds the forward's position ids and row bounds) put the n real tokens first:
-        the states are a slice, no gather."""
+        Packed batches (`packed` holds the forward's position ids and row bounds; Gated DeltaNet layers read theirs
+        from `gdn.packed_rows`, set by `_launch`) put the n real tokens first: the states are a slice, no gather."""
         h = self.hidden
         if packed is not None:
             n = index.shape[0]
@@ -139,8 +144,10 @@ class Extractor:
                 states=torch.empty(self.capacity * self.per_token, dtype=torch.uint8, pin_memory=self.cuda),
                 ids=torch.empty(self.capacity + PAD_MULTIPLE * 64, dtype=torch.int64, pin_memory=self.cuda),
                 index=torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.cuda),
-                positions=torch.empty(self.capacity + PAD_MULTIPLE, dtype=torch.int64, pin_memory=self.cuda),
+                positions=torch.empty(self.capacity + 2 * PAD_MULTIPLE, dtype=torch.int64, pin_memory=self.cuda),
                 row_bounds=torch.empty(self.capacity + 2, dtype=torch.int32, pin_memory=self.cuda),
+                chunks=torch.empty(2 * (self.capacity + self.capacity // gdn.FLA_CHUNK + 2), dtype=torch.int32,
+                                   pin_memory=self.cuda),
                 nonfinite=torch.zeros(self.capacity, dtype=torch.int32, pin_memory=self.cuda),
             ))
 
@@ -164,8 +171,8 @@ class Extractor:
             if self.packing == "none":
                 padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
                 cost = (z - a) * padded  # tokens computed, padding included
-            else:  # one sequence: the rows back to back, then padding up to a multiple of 8
-                padded = cost = int(-(-int(sub_len.sum()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+            else:  # one sequence: the rows back to back, then padding up to a multiple of 8 (16: fla's kernels)
+                padded = cost = int(-(-int(sub_len.sum()) // self.pack_multiple) * self.pack_multiple)
             if cost > self.token_cap and z - a > 1:  # over the (possibly shrunk) cap: split first
                 mid = a + (z - a) // 2
                 pending[:0] = [(a, mid), (mid, z)]
@@ -198,7 +205,7 @@ class Extractor:
         row = np.repeat(np.arange(b, dtype=np.int64), lengths)
         col = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         index_host = slot.index[at:at + n]
-        packed = None
+        packed = gdn_rows = None
         if self.packing == "none":
             ids_host = slot.ids[: b * padded]
             ids_np = ids_host.numpy().reshape(b, padded)
@@ -226,12 +233,20 @@ class Extractor:
             longest = max(int(lengths.max()), tail)
             packed = {"position_ids": slot.positions[:padded].to(self.device, non_blocking=True).view(1, padded),
                       "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+            if self.linear_attention:  # fla's chunk indices, built here: fla would copy them with a host sync
+                chunks = gdn.chunk_indices(bounds, slot.chunks.numpy())
+                gdn_rows = gdn.PackedRows(cu_seqlens=cu, cu_seqlens_cpu=torch.from_numpy(bounds.astype(np.int64)),
+                                          chunk_indices=slot.chunks[:chunks.size].to(self.device, non_blocking=True)
+                                          .view(-1, 2))
         index = index_host.to(self.device, non_blocking=True)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
-        states = self._forward(ids, index, packed)
+        with gdn.packed_rows(gdn_rows):
+            states = self._forward(ids, index, packed)
+        if self.compiler is not None:
+            self.compiler.start(self.device)  # the first forward recorded each layer kind's inputs
         result.segment_tokens.append(n)
         self.store.clear()
         # NaN/Inf per row, on the device (one read of the output, ~0.1% of the batch's time): tokens → rows.

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hsx import gdn
 from hsx.config import ExtractConfig, HsxError, resolve_layers
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -240,16 +241,125 @@ def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], fina
                        text_config=view.config)
 
 
-def compile_layers(base: torch.nn.Module) -> None:
-    """Regional compilation: torch.compile each decoder layer's forward, in place, once per model.
+def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "CompileAhead | None":
+    """Regional compilation: torch.compile each decoder layer's forward, once per model.
 
-    Layers of one class share one graph (compiled once, ~1 graph per layer type plus one for batch size 1), and
-    the capture hooks stay outside the compiled code, so adding or removing them never recompiles."""
-    if getattr(base, "_hsx_compiled", False):
-        return
-    for layer in decoder_layers(base):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-    base._hsx_compiled = True
+    Layers of one class share one graph (compiled once, ~1 graph per layer type), and the capture hooks stay
+    outside the compiled code, so adding or removing them never recompiles. Blocks that do not compile well run
+    eager inside the compiled layers (`torch.compiler.disable`): the Gated DeltaNet mixers (fla's Triton kernels
+    are fused already; traced with dynamic shapes, Inductor spent minutes in sympy on the 27B shape without
+    finishing). With `ahead` (the default) no forward ever waits for Inductor: layers run eager until a worker
+    thread has compiled every layer kind on the first batch's inputs, then run only cached graphs (a shape whose
+    guards fail runs eager, never recompiles on the extraction thread). Returns the CompileAhead (None when
+    `ahead` is off: then the first forwards compile in place)."""
+    state = getattr(base, "_hsx_compiled", None)
+    if state is not None:
+        return state or None
+    for m in gdn.linear_attention_modules(base):
+        m.forward = torch.compiler.disable(m.forward)
+    layers = decoder_layers(base)
+    if not ahead:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        base._hsx_compiled = False
+        return None
+    ahead_state = CompileAhead(log=log)
+    for layer in layers:
+        layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer))
+    base._hsx_compiled = ahead_state
+    return ahead_state
+
+
+def _layer_kind(layer: torch.nn.Module) -> tuple:
+    """Layers of one kind share a compiled graph (their class and the attributes its forward branches on)."""
+    return (type(layer).__name__,) + tuple(str(getattr(layer, a, "")) for a in ("block_type", "layer_type",
+                                                                               "attention_type"))
+
+
+class CompileAhead:
+    """Compiles the decoder layers in a worker thread while extraction runs eager (`compile_layers`).
+
+    The first forward records each layer kind's inputs (with the thread's context variables, e.g. packed rows);
+    `start` then compiles and runs each kind once, on the worker, in inference mode. `ready` is set when every kind
+    compiled; `wait` gives up after a deadline with one line (extraction keeps running eager)."""
+
+    def __init__(self, log=print):
+        import threading
+
+        self.log = log
+        self.samples: dict[tuple, tuple] = {}  # kind -> (args, kwargs, context) of its first call
+        self.layers: list[tuple] = []  # (kind, compiled forward) of every layer
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.thread: threading.Thread | None = None
+        self.seconds: float | None = None  # compile time, once done
+
+    def record(self, kind, args, kwargs) -> None:
+        import contextvars
+
+        if kind in self.samples or self.thread is not None:
+            return
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        self.samples[kind] = (args, dict(kwargs), contextvars.copy_context())
+
+    def start(self, device: torch.device) -> None:
+        """After the first forward: compile every recorded kind in the background (once)."""
+        import threading
+
+        if self.thread is not None or not self.samples:
+            return
+        self.thread = threading.Thread(target=self._compile, args=(device,), name="hsx-compile", daemon=True)
+        self.thread.start()
+
+    def _compile(self, device: torch.device) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.inference_mode():
+                for kind, compiled in self.layers:  # every layer: one compile per kind, then guard checks
+                    if kind in self.samples:
+                        args, kwargs, context = self.samples[kind]
+                        context.run(compiled, *args, **kwargs)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the model eager, as it was
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.log(f"hsx: torch.compile failed ({self.failed[:200]}); the layers keep running eager")
+            return
+        finally:
+            self.samples.clear()  # free the recorded inputs
+        self.seconds = time.perf_counter() - t0
+        self.ready.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until compiled (True) or `timeout` seconds (False, with one line); for benchmarks' warm-up."""
+        if self.thread is None or self.failed:
+            return False
+        if not self.ready.wait(timeout):
+            self.log(f"hsx: torch.compile not done after {timeout:.0f} s; extraction goes on eager meanwhile")
+            return False
+        return True
+
+
+class _AheadLayer:
+    """A decoder layer's forward: eager until its CompileAhead is ready, then the cached compiled graphs only."""
+
+    def __init__(self, forward, state: CompileAhead, kind: tuple):
+        self.eager = forward
+        self.compiled = torch.compile(forward, dynamic=True)
+        self.cached_only = torch._dynamo.run(self.compiled)  # never compiles: a cache miss runs eager
+        self.state, self.kind = state, kind
+        state.layers.append((kind, self.compiled))
+
+    def __call__(self, *args, **kwargs):
+        if self.state.ready.is_set():
+            return self.cached_only(*args, **kwargs)
+        if self.state.thread is None and not torch.compiler.is_compiling():
+            self.state.record(self.kind, args, kwargs)
+        return self.eager(*args, **kwargs)
 
 
 # ---- which kernels run ---------------------------------------------------------------------------------------------
@@ -263,46 +373,48 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
 
     attn_implementation: transformers' attention path (and attn_implementation_requested, what the job asked for;
     they differ when the model has no SDPA path, e.g. GPT-OSS runs eager). experts_implementation: the MoE experts'
-    path (None without experts). linear_attention / causal_conv1d: for hybrid models with Gated DeltaNet layers
-    (Qwen3.5/3.6, Qwen3-Next), "fla" / "causal_conv1d" when those packages' kernels are used, "torch fallback"
-    for transformers' reference PyTorch code (correct for hsx's right-padded batches, much slower); None without
-    such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart (`--packing`)."""
+    path (None without experts). For hybrid models with Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next):
+    linear_attention_forward is "hsx fla" when hsx.gdn runs them on fla's kernels (CUDA with flash-linear-attention;
+    linear_attention and causal_conv1d are then both "fla"), else "transformers", with linear_attention_note saying
+    why and linear_attention / causal_conv1d naming what transformers' own forward binds: "fla" / "causal_conv1d"
+    for those packages' kernels, "torch fallback" for its reference PyTorch code (correct for right-padded batches,
+    much slower). All three are None without such layers. packing_safe: whether packed (padding-free) batches would
+    keep sequences apart (`--packing`)."""
     config = base.config
     modules = list(base.modules())
     has_experts = any(type(m).__name__.endswith("Experts") for m in modules)
-    linear = [m for m in modules if _is_linear_attention(m)]
+    linear = gdn.linear_attention_modules(base)
     report: dict[str, Any] = {
         "attn_implementation": getattr(config, "_attn_implementation", None),
         "attn_implementation_requested": getattr(base, "_hsx_attn_requested", None),
         "experts_implementation": getattr(config, "_experts_implementation", None) if has_experts else None,
         "linear_attention": None,
         "causal_conv1d": None,
+        "linear_attention_forward": None,
     }
     if linear:
-        kernels = _fallback_kernels(linear)
-        report["linear_attention"] = "fla" if kernels.get(LINEAR_ATTENTION_KERNEL, _importable(
-            "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")) else "torch fallback"
-        report["causal_conv1d"] = "causal_conv1d" if kernels.get(CONV_KERNEL, _importable(
-            "causal_conv1d", "causal_conv1d_fn")) else "torch fallback"
+        blocker = None if gdn.installed(base) else gdn.fla_blocker(linear)
+        if blocker is None:
+            report.update(linear_attention="fla", causal_conv1d="fla", linear_attention_forward="hsx fla")
+        else:
+            kernels = _fallback_kernels(linear)
+            report["linear_attention"] = "fla" if kernels.get(LINEAR_ATTENTION_KERNEL, _importable(
+                "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")) else "torch fallback"
+            report["causal_conv1d"] = "causal_conv1d" if kernels.get(CONV_KERNEL, _importable(
+                "causal_conv1d", "causal_conv1d_fn")) else "torch fallback"
+            report.update(linear_attention_forward="transformers", linear_attention_note=blocker)
     report["packing_safe"], report["packing_note"] = _packing(report, config)
     return report
 
 
 def _packing(report: dict[str, Any], config) -> tuple[bool, str]:
-    if report["linear_attention"] is not None and (report["linear_attention"] != "fla"
-                                                   or report["causal_conv1d"] != "causal_conv1d"):
-        return False, ("Gated DeltaNet layers without both fla and causal-conv1d ignore sequence boundaries: "
-                       "packed sequences would leak into each other")
+    if report["linear_attention_forward"] == "transformers":
+        return False, ("Gated DeltaNet layers on transformers' forward ignore sequence boundaries "
+                       f"({report['linear_attention_note']}): packed sequences would leak into each other")
     if getattr(config, "model_type", None) == "gpt_oss" and report["attn_implementation"] in ("eager", "sdpa",
                                                                                                "flex_attention"):
         return False, "GPT-OSS builds its mask without position_ids: packed sequences leak on this attention path"
     return True, ""
-
-
-def _is_linear_attention(module: torch.nn.Module) -> bool:
-    name = type(module).__name__
-    return name.endswith("GatedDeltaNet") or (getattr(module, "layer_type", None) == "linear_attention"
-                                              and not name.endswith("DecoderLayer"))
 
 
 def _fallback_kernels(modules: list[torch.nn.Module]) -> dict[str, bool]:
@@ -347,8 +459,8 @@ _VARLEN_PARAMS: frozenset[str] = frozenset()  # varlen_attn's keyword names in t
 def packing_blocker(base: torch.nn.Module) -> str | None:
     """Why this model cannot run packed batches exactly (None when it can)."""
     report = kernel_report(base)
-    if report["linear_attention"] is not None:
-        return "hybrid linear-attention layers would need fla's cu_seqlens and causal-conv1d's seq_idx"
+    if report["linear_attention_forward"] == "transformers":
+        return f"its Gated DeltaNet layers run right-padded only: {report['linear_attention_note']}"
     if any(hasattr(m, "sinks") for m in base.modules()):
         return "attention sinks (GPT-OSS) have no varlen kernel"
     if getattr(base.config, "attn_logit_softcapping", None):
@@ -366,7 +478,8 @@ def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_p
                     attn_implementation: str | None) -> tuple[str, str | None]:
     """The packing to run, and why auto chose none. auto = varlen on one CUDA device with the default attention,
     where it is exact: measured on an H200 (qwen3-8b shape, 721k tokens) it cut GPU time 4.7% against
-    right-padded batches (padding 3.1% → 0.03%). On CPU the varlen path runs SDPA per row: slower than padding."""
+    right-padded batches (padding 3.1% → 0.03%). Hybrid Gated DeltaNet models pack only on hsx's fla forward
+    (hsx.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than padding."""
     if requested != "auto":  # asked for: `use_packing` refuses varlen where it would not be exact
         return requested, None
     if not cuda:
@@ -390,6 +503,7 @@ def use_packing(base: torch.nn.Module, packing: str) -> None:
     from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
 
+    gdn.install(base)  # Gated DeltaNet layers: the row bounds reach fla's convolution and delta rule
     global _VARLEN_PARAMS
     _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)

@@ -78,6 +78,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False),
 }
 
+# End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
+# Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.66}
+
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-8B": "qwen3-8b",
@@ -437,9 +441,11 @@ def plan_command(args) -> dict[str, Any]:
     text = model_text_config(cfg, args.shape)
     layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
     tokens, rows, source = planned_tokens(cfg, args.tokens)
+    shape = args.shape or HUB_SHAPES.get(cfg.model)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=args.rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype,
-             token_budget=cfg.token_budget, matmul_tflops=gpu["matmul_tflops"], gpu_name=args.gpu.upper())
+             token_budget=cfg.token_budget, matmul_tflops=gpu["matmul_tflops"], gpu_name=args.gpu.upper(),
+             **({"mfu": MEASURED_MFU[shape]} if shape in MEASURED_MFU else {}))
     if tokens is not None:
         p["tokens_source"] = source
         p["tokens_estimated"] = source.startswith("estimate")

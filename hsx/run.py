@@ -528,9 +528,10 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     cuda = device.type == "cuda"
     loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
     kernels = kernel_report(loaded.base)
-    if kernels.get("linear_attention") == "torch fallback":
-        log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
-            "slower; install flash-linear-attention and causal-conv1d")
+    if kernels.get("linear_attention_forward") == "transformers":
+        log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
+            f"({kernels.get('linear_attention_note')}; kernels: {kernels.get('linear_attention')}, conv "
+            f"{kernels.get('causal_conv1d')})")
     if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
         log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
             f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")

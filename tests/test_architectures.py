@@ -440,8 +440,8 @@ def test_missing_weights_are_refused(tmp_path_factory, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(HYBRID))
 def test_hybrid_right_padding_is_exact(name, tmp_path_factory):
-    """Gated DeltaNet layers (torch fallback here: no fla/causal-conv1d) leak across packed sequences, so hsx
-    never packs; right padding keeps every real token exact, even for a row padded by 26 tokens, and the report
+    """On transformers' forward (CPU: no fla) Gated DeltaNet layers leak across packed sequences, so hsx runs them
+    right-padded; right padding keeps every real token exact, even for a row padded by 26 tokens, and the report
     says packing would not be safe."""
     fam = get_family(name, tmp_path_factory)
     loaded = load_model(make_cfg(fam, [0, fam.num_layers - 1], False), CPU)
@@ -527,7 +527,7 @@ def test_kernel_report_plain_models(tmp_path_factory):
     report = kernel_report(load_model(make_cfg(fam, [0], False), CPU).base)
     assert report == {"attn_implementation": "sdpa", "attn_implementation_requested": "sdpa",
                       "experts_implementation": None, "linear_attention": None, "causal_conv1d": None,
-                      "packing_safe": True, "packing_note": ""}
+                      "linear_attention_forward": None, "packing_safe": True, "packing_note": ""}
 
 
 def _fake_kernel_package(name: str, monkeypatch) -> None:
@@ -591,6 +591,27 @@ def test_kernel_report_hybrid_without_kernels(tmp_path_factory):
     if importlib.util.find_spec("causal_conv1d") is None:
         assert report["causal_conv1d"] == "torch fallback"
     assert report["experts_implementation"] is None and report["attn_implementation"] == "sdpa"
+
+
+def test_hybrid_packing_resolution_without_fla_or_cuda(tmp_path_factory, monkeypatch):
+    """Gated DeltaNet layers pack only on hsx's fla forward: on CPU, or without flash-linear-attention, auto picks
+    right-padded batches and says why in one line; an explicit --packing varlen is refused with the reason."""
+    from hsx import gdn
+    from hsx.model import use_packing
+
+    fam = get_family("qwen3_5", tmp_path_factory)
+    for fla_present, why in ((False, "flash-linear-attention is not installed"), (True, "need CUDA")):
+        monkeypatch.setattr(gdn, "fla_importable", lambda present=fla_present: present)
+        base = load_model(make_cfg(fam, [0, 3], False), CPU).base
+        report = kernel_report(base)
+        assert report["linear_attention_forward"] == "transformers" and why in report["linear_attention_note"]
+        assert report["packing_safe"] is False
+        assert resolve_packing(base, "auto", False, True, "sdpa") == ("none", None)  # CPU: padded, nothing to say
+        packing, reason = resolve_packing(base, "auto", True, True, "sdpa")
+        assert packing == "none" and why in reason and "\n" not in reason
+        with pytest.raises(HsxError, match=f"--packing varlen: .*{why}.*use --packing none"):
+            use_packing(base, "varlen")
+        assert not gdn.install(base) and not gdn.installed(base)  # modules keep transformers' forward
 
 
 # ---- end to end through hsx.run.extract -----------------------------------------------------------------------------
