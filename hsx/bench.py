@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx.config import EXPERTS_CHOICES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.plan.SHAPES)")
@@ -43,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"])
     p.add_argument("--gpus-per-copy", type=int, default=1,
                    help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
+    p.add_argument("--experts-implementation", default="auto", choices=EXPERTS_CHOICES,
+                   help="(c): MoE experts implementation, as for extract")
     p.add_argument("--packing", default="auto", choices=["auto", "varlen", "none"],
                    help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
     p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"])
@@ -244,7 +248,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
                   sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
-                  gpus_per_copy=args.gpus_per_copy,
+                  experts_implementation=args.experts_implementation, gpus_per_copy=args.gpus_per_copy,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     t0 = time.perf_counter()
@@ -268,7 +272,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
         "gpus_per_copy": args.gpus_per_copy,
-        "storage_dtype": args.storage_dtype, "packing": run.get("packing"),
+        "storage_dtype": args.storage_dtype, "packing": run.get("packing"), "kernels": run.get("kernels"),
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},

@@ -48,6 +48,9 @@ HELP = {
                "transformers' tp_plan; data parallel across the groups",
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
     "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
+    "experts_implementation": "MoE experts: hsx_grouped (two grouped GEMMs, hsx.moe), grouped_mm (transformers'), "
+                              "eager (a loop over experts); auto (default): hsx_grouped on CUDA, transformers' "
+                              "choice on CPU",
     "sdpa_backend": "attention kernel for sdpa on CUDA: flash, cudnn, efficient, default",
     "packing": "varlen: each batch as one packed sequence (torch's flash varlen attention); none: right-padded "
                "batches; auto (default): varlen on one GPU per copy where the model allows it, else none",

@@ -62,6 +62,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
+    experts_implementation: str = "auto"  # MoE experts: auto (hsx_grouped on CUDA), hsx_grouped, grouped_mm, eager
     packing: str = "auto"  # varlen: each batch as one packed sequence; none: right-padded rows; auto (README)
     gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
     tp_size: int = 1  # >1: a model copy is sharded over this many processes (transformers' tp_plan="auto")
@@ -78,6 +79,7 @@ class ExtractConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
@@ -140,6 +142,9 @@ def check_config(cfg: ExtractConfig) -> None:
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.nonfinite not in ("skip", "keep"):
         raise HsxError(f"--nonfinite must be skip or keep, got {cfg.nonfinite!r}")
+    if cfg.experts_implementation not in EXPERTS_CHOICES:
+        raise HsxError(f"--experts-implementation must be one of {', '.join(EXPERTS_CHOICES)}, "
+                       f"got {cfg.experts_implementation!r}")
     if cfg.sdpa_backend not in ("flash", "cudnn", "efficient", "default"):
         raise HsxError(f"--sdpa-backend must be flash, cudnn, efficient or default, got {cfg.sdpa_backend!r}")
     if cfg.packing not in ("auto", "varlen", "none"):

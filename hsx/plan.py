@@ -25,6 +25,7 @@ import numpy as np
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
 BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
+MOE_TOKENS_PER_EXPERT = 2048  # rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets aim at
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the H200 probes' chat-like mean
@@ -65,6 +66,24 @@ SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
                                              mrope_section=[11, 11, 10], mrope_interleaved=True),
                         tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 routed per token, every layer (3.3B of 30.5B parameters active).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False),
+    # GPT-OSS-20B: 32 experts of width 2880 (with biases, clamped SwiGLU), 4 per token; attention with sinks and
+    # biases, sliding window 128 on even layers, full on odd ones; YaRN rope. The checkpoint stores the experts in
+    # MXFP4; this shape (and hsx's forward) runs them in bf16.
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                        layer_types=[("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(24)],
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+                        tie_word_embeddings=False),
     "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                             num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
@@ -79,7 +98,10 @@ HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-32B": "qwen3-32b",
     "Qwen/Qwen3.5-27B": "qwen3.6-27b",
     "Qwen/Qwen3.6-27B": "qwen3.6-27b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "meta-llama/Meta-Llama-3-70B": "llama-3-70b",
@@ -261,8 +283,18 @@ def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_leng
     if eager_attention:
         per_token += 4 * int(c.num_attention_heads) * max_length
     fits = int(0.8 * free_bytes) // per_token
-    budget = min(DEFAULT_BUDGET_CAP, fits)
+    budget = min(budget_cap(c), fits)
     return max(budget, max_length)
+
+
+def budget_cap(c) -> int:
+    """The fastest budget: DEFAULT_BUDGET_CAP, or for a mixture of experts the batch that gives each expert
+    MOE_TOKENS_PER_EXPERT rows on average (tokens × k / experts): an expert's GEMM is only as large as its share of
+    the batch (Qwen3-30B-A3B, 8 of 128 experts: 1,024 rows at 16k tokens; 2,048 at 32k)."""
+    routed = [i for i in range(int(c.num_hidden_layers)) if _is_moe_layer(c, i)]
+    if not routed:
+        return DEFAULT_BUDGET_CAP
+    return max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * _num_experts(c) // int(c.num_experts_per_tok))
 
 
 def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:

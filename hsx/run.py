@@ -453,11 +453,13 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
 
     from hsx.extract import Extractor, Pipeline
     from hsx.model import kernel_report, load_model, resolve_packing
+    from hsx.moe import resolve_experts, use_experts
     from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
     cuda = device.type == "cuda"
     loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
+    use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
     kernels = kernel_report(loaded.base)
     if kernels.get("linear_attention") == "torch fallback":
         log("hsx: the hybrid linear-attention layers run on transformers' PyTorch fallback: correct but >10x "
