@@ -476,7 +476,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         budget = cfg.token_budget
     elif cuda:
         budget = auto_token_budget(loaded.text_config, width, torch.cuda.mem_get_info(device)[0], cfg.max_length,
-                                   eager_attention=kernels.get("attn_implementation") == "eager")
+                                   eager_attention=packing == "none" and kernels.get("attn_implementation") == "eager")
     else:
         budget = CPU_TOKEN_BUDGET
     # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).
