@@ -31,6 +31,8 @@ DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 
 MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
+PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
+PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 39.9%, gpt-oss-20b 45.4% (README)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the H200 probes' chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -322,13 +324,14 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
-         matmul_tflops: float = 790.0, mfu: float = 0.70, storage_dtype: str = "bfloat16",
+         matmul_tflops: float = 790.0, mfu: float | None = None, storage_dtype: str = "bfloat16",
          token_budget: int | None = None, node_gpus: int = NODE_GPUS) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
 
     Memory: a copy that needs g > 1 GPUs is planned as its decoder layers spread evenly over the group
     (device_map-style), each GPU holding weights/g plus a whole batch's activations. Time: the rate is one GPU's
-    (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token); a copy on g GPUs
+    (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token, by default the rate
+    measured for its kind: `plan_mfu`); a copy on g GPUs
     runs its layers one GPU at a time, so it goes at about that rate too, and a node runs node_gpus // g copies."""
     n = int(c.num_hidden_layers)
     depth = n if final_hidden else max(layers) + 1
@@ -359,6 +362,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     if tokens is not None:
         mean_len = min(tokens / rows if rows else float(DEFAULT_MEAN_TOKENS), float(max_length))
         per_token = 2.0 * depth * layer_params(c, depth) + attention_flops(c, depth, np.array([mean_len])) / mean_len
+        mfu = mfu if mfu is not None else plan_mfu(c)
         rate = rate_tokens_per_s or (mfu * matmul_tflops * 1e12 / per_token)
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
                     "rate_tokens_per_s": rate,
@@ -368,6 +372,12 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
             out["expected_seconds_node"] = tokens / rate / out["copies_per_node"]
             out["write_bytes_per_s_node"] = rate * bpt * out["copies_per_node"]
     return out
+
+
+def plan_mfu(c) -> float:
+    """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
+    the active parameters), PLAN_MFU otherwise."""
+    return PLAN_MFU_MOE if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))) else PLAN_MFU
 
 
 def format_plan(p: dict[str, Any]) -> str:

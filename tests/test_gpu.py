@@ -133,9 +133,13 @@ def test_grouped_experts_equal_eager_in_bf16_on_cuda(family):
         assert rel < 1e-2, rel
 
 
-def test_gpt_oss_packed_equals_padded_on_cuda():
+def test_gpt_oss_packed_is_as_exact_as_padded_on_cuda():
     """GPT-OSS packed (flash varlen, sinks through its log-sum-exp, sliding window on even layers), eager and
-    compiled, against right-padded batches through its own eager attention."""
+    compiled, against a float32 one-row-at-a-time reference: at least as close to it as right-padded batches
+    through the model's own eager attention (whose softmax runs in bf16: measured on an H200, 7.4% from the
+    reference against 4.2% packed, on this model with large sinks)."""
+    import copy
+
     import transformers
 
     config = transformers.GptOssConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -147,11 +151,26 @@ def test_gpt_oss_packed_equals_padded_on_cuda():
     with torch.no_grad():
         for layer in causal.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that take a real share of each softmax
+    reference = copy.deepcopy(causal).float()
     rng = np.random.default_rng(2)
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 64, 5, 130, 3)]
-    padded = _states(causal, [0, 1, 3], False, rows)
+    caps = {}
+    hook = reference.model.layers[3].register_forward_hook(
+        lambda m, a, o: caps.__setitem__(3, o[0] if isinstance(o, tuple) else o))
+    truth = []
+    with torch.inference_mode():
+        for r in rows:
+            o = reference.model(input_ids=torch.from_numpy(r.astype(np.int64))[None].cuda(),
+                                output_hidden_states=True, use_cache=False)
+            truth.append(torch.cat([o.hidden_states[1][0], o.hidden_states[2][0], caps[3][0]], dim=-1))
+    hook.remove()
+    truth = torch.cat(truth).cpu().reshape(-1)
+
+    def rel(x):
+        return float((x.float() - truth).norm() / truth.norm())
+
+    padded = rel(_states(causal, [0, 1, 3], False, rows)[0])
+    assert padded < 0.15
     for compile_model in (False, True):
-        packed = _states(causal, [0, 1, 3], compile_model, rows, packing="varlen")
-        for p, q in zip(padded, packed):
-            rel = (p.float() - q.float()).norm() / p.float().norm()
-            assert rel < 1e-2, (compile_model, rel)
+        packed = rel(_states(causal, [0, 1, 3], compile_model, rows, packing="varlen")[0])
+        assert packed <= padded + 1e-3, (compile_model, packed, padded)
