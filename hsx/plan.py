@@ -27,7 +27,7 @@ BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
 # Rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets give at least. H200, Qwen3-30B-A3B layer,
 # grouped GEMMs (gate/up, down): 658/572 TFLOP/s at 1,024 rows, 691/567 at 2,048, 667/633 at 4,096: past 1k the
-# GEMMs gain under 5%, and larger batches slowed the writer (32k-token batches: GPU idle 17% vs 6%).
+# GEMMs gain under 5%, and 32k-token batches slowed the writer (1.2 GB/s against 1.8-2.0 with 16k; GPU idle 17%).
 MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
