@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx.config import EXPERTS_CHOICES
+
 
 WARMUP_COMPILE_WAIT_S = 90.0  # the longest the warm-up waits for the background compile before timing eager
 
@@ -48,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="as extract's --sdpa-backend")
     p.add_argument("--gpus-per-copy", type=int, default=1,
                    help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
+    p.add_argument("--experts-implementation", default="auto", choices=EXPERTS_CHOICES,
+                   help="(c): MoE experts implementation, as for extract")
     p.add_argument("--packing", default="auto", choices=["auto", "varlen", "none"],
                    help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
     p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"],
@@ -266,7 +270,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
                   sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
-                  gpus_per_copy=args.gpus_per_copy,
+                  experts_implementation=args.experts_implementation, gpus_per_copy=args.gpus_per_copy,
                   overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     t0 = time.perf_counter()
@@ -295,7 +299,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         "compiled": bool(compiler and compiler.ready.is_set()),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
         "gpus_per_copy": args.gpus_per_copy,
-        "storage_dtype": args.storage_dtype, "packing": run.get("packing"),
+        "storage_dtype": args.storage_dtype, "packing": run.get("packing"), "kernels": run.get("kernels"),
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},

@@ -50,6 +50,9 @@ HELP = {
                "transformers' tp_plan; data parallel across the groups",
     "token_budget": "tokens per batch, padding included (default: 16384 on GPU, 4096 on CPU)",
     "unit_tokens": "tokens per output file, the grain of commit and resume (default: ~2 GiB of states)",
+    "experts_implementation": "MoE experts: hsx_grouped (two grouped GEMMs, hsx.moe), grouped_mm (transformers'), "
+                              "eager (a loop over experts); auto (default): hsx_grouped on CUDA, transformers' "
+                              "choice on CPU",
     "sdpa_backend": "attention kernel for sdpa on CUDA: flash, cudnn, efficient, default",
     "packing": "varlen: each batch as one packed sequence (torch's flash varlen attention); none: right-padded "
                "batches; auto (default): varlen on one GPU per copy where the model allows it, else none",
@@ -124,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
                     help="the GPU to plan for (the machine planning needs none): its memory and matmul rate")
-    pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: 70%% of "
-                    "--gpu's measured bf16 matmul rate over the model's FLOPs per token)")
+    pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: the MFU measured for "
+                    "the model's kind, dense 70%%, mixture of experts hsx.plan.PLAN_MFU_MOE, of --gpu's measured "
+                    "bf16 matmul rate over the model's FLOPs per token)")
     pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
     add_json_flag(pl, "the plan")
     me = sub.add_parser("merge", help="join the dirs the nodes of one job wrote into one output (metadata only)")

@@ -77,6 +77,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
+    experts_implementation: str = "auto"  # MoE experts: auto (hsx_grouped on CUDA), hsx_grouped, grouped_mm, eager
     packing: str = "auto"  # varlen: each batch as one packed sequence; none: right-padded rows; auto (README)
     gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
     tp_size: int = 1  # >1: a model copy is sharded over this many processes (transformers' tp_plan="auto")
@@ -93,6 +94,7 @@ class ExtractConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 # The keys whose value is one of a few names (flags get them as argparse `choices`).
 CHOICES = {
     "storage_dtype": STORAGE_DTYPES,
@@ -102,6 +104,7 @@ CHOICES = {
     "sdpa_backend": ("flash", "cudnn", "efficient", "default"),
     "packing": ("auto", "varlen", "none"),
     "compile": ("auto", "on", "off"),
+    "experts_implementation": EXPERTS_CHOICES,
 }
 # Integer keys and their least value (None is allowed where the field's type says `| None`).
 MINIMUM = {"limit": 1, "max_length": 1, "topk_logits": 0, "gpus_per_copy": 1, "tp_size": 1, "token_budget": 1,

@@ -411,9 +411,6 @@ def _packing(report: dict[str, Any], config) -> tuple[bool, str]:
     if report["linear_attention_forward"] == "transformers":
         return False, ("Gated DeltaNet layers on transformers' forward ignore sequence boundaries "
                        f"({report['linear_attention_note']}): packed sequences would leak into each other")
-    if getattr(config, "model_type", None) == "gpt_oss" and report["attn_implementation"] in ("eager", "sdpa",
-                                                                                               "flex_attention"):
-        return False, "GPT-OSS builds its mask without position_ids: packed sequences leak on this attention path"
     return True, ""
 
 
@@ -461,8 +458,8 @@ def packing_blocker(base: torch.nn.Module) -> str | None:
     report = kernel_report(base)
     if report["linear_attention_forward"] == "transformers":
         return f"its Gated DeltaNet layers run right-padded only: {report['linear_attention_note']}"
-    if any(hasattr(m, "sinks") for m in base.modules()):
-        return "attention sinks (GPT-OSS) have no varlen kernel"
+    if any(hasattr(m, "sinks") for m in base.modules()) and not _varlen_returns_lse():
+        return f"attention sinks (GPT-OSS) need varlen attention's log-sum-exp (return_aux), not in torch {torch.__version__}"
     if getattr(base.config, "attn_logit_softcapping", None):
         return "attention logit softcapping has no varlen kernel"
     if not report["packing_safe"]:
@@ -472,6 +469,14 @@ def packing_blocker(base: torch.nn.Module) -> str | None:
     except ImportError:
         return f"torch {torch.__version__} has no varlen attention (2.9+)"
     return None
+
+
+def _varlen_returns_lse() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "return_aux" in inspect.signature(varlen_attn).parameters
 
 
 def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_per_copy: bool,
@@ -516,12 +521,15 @@ def use_packing(base: torch.nn.Module, packing: str) -> None:
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                     max_length_q: int | None = None, softcap: float | None = None, **kwargs):
+                     max_length_q: int | None = None, softcap: float | None = None,
+                     s_aux: torch.Tensor | None = None, **kwargs):
     """transformers attention function for one packed sequence: q, k, v are (1, heads, T, dim); the rows are
     delimited by `cu_seq_lens_q` (int32, rows + 1 offsets) and each attends causally to itself only.
 
     On CUDA this is one flash-attention varlen call per layer (torch.nn.attention.varlen); on CPU (tests) it runs
-    SDPA per row, which is exact and slow."""
+    SDPA per row, which is exact and slow. Attention sinks (`s_aux`, GPT-OSS: one extra logit per head in every
+    softmax's denominator) rescale the kernel's output: softmax over scores + sink = softmax over scores ×
+    sigmoid(lse - sink), lse the log-sum-exp of the row's scores that flash attention returns."""
     if softcap is not None:
         raise HsxError("--packing varlen: this model's attention uses a logit softcap; use --packing none")
     if cu_seq_lens_q is None or max_length_q is None:
@@ -531,21 +539,30 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if q.is_cuda:
         if dim_v != q.shape[-1]:  # MLA (DeepSeek): the kernel wants one head dim; pad values, slice the output
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - dim_v))
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window)[..., :dim_v]
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window, s_aux is not None)
+        if s_aux is not None:
+            out, lse = out  # lse: (heads, T) float32
+            out = (out.float() * torch.sigmoid(lse.transpose(0, 1) - s_aux.float()).unsqueeze(-1)).to(q.dtype)
+        out = out[..., :dim_v]
     else:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         bounds = cu_seq_lens_q.tolist()
-        out = torch.cat([_causal_sdpa(q[a:z], k[a:z], v[a:z], scaling, sliding_window)
+        out = torch.cat([_causal_sdpa(q[a:z], k[a:z], v[a:z], scaling, sliding_window, s_aux)
                          for a, z in zip(bounds[:-1], bounds[1:])])
     return out.unsqueeze(0), None  # (1, T, heads, dim): what transformers' attention functions return
 
 
-def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, sliding_window: int | None):
+def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, sliding_window: int | None,
+                  lse: bool = False):
     from torch.nn.attention.varlen import varlen_attn
 
     params = _VARLEN_PARAMS  # read once in use_packing: inspect inside a compiled layer would break the graph
     kwargs: dict[str, Any] = {"scale": scale}
+    if lse:  # packing_blocker refused sinks where varlen_attn has no return_aux
+        from torch.nn.attention.varlen import AuxRequest
+
+        kwargs["return_aux"] = AuxRequest(lse=True)
     if "window_size" in params:  # torch ≥ 2.10: (left, right); right 0 is causal; a sliding window keeps W-1 back
         kwargs["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
     else:  # torch 2.9
@@ -557,9 +574,19 @@ def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, 
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-def _causal_sdpa(q, k, v, scale, sliding_window):
-    """One row's causal attention, (T, heads, dim) in and out."""
+def _causal_sdpa(q, k, v, scale, sliding_window, sinks=None):
+    """One row's causal attention, (T, heads, dim) in and out; with `sinks`, softmax over the scores and one
+    sink logit per head (GPT-OSS's eager attention, written out)."""
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if sinks is not None:
+        t = q.shape[1]
+        i = torch.arange(t)
+        keep = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < sliding_window) if sliding_window else True)
+        scores = (q @ k.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, t, 1).to(scores.dtype)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return (probs.to(v.dtype) @ v).transpose(0, 1)
     if sliding_window:
         t = q.shape[1]
         i = torch.arange(t)

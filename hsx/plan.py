@@ -25,6 +25,10 @@ import numpy as np
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
 BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
+# Rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets give at least. H200, Qwen3-30B-A3B layer,
+# grouped GEMMs (gate/up, down): 658/572 TFLOP/s at 1,024 rows, 691/567 at 2,048, 667/633 at 4,096: past 1k the
+# GEMMs gain under 5%, and 32k-token batches slowed the writer (1.2 GB/s against 1.8-2.0 with 16k; GPU idle 17%).
+MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
@@ -32,6 +36,8 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # torch sees (139 GiB of an H200's 141 GB).
 GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
 DEFAULT_GPU = "h200"
+PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
+PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 39.9%, gpt-oss-20b 45.4% (README)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the H200 probes' chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -70,6 +76,24 @@ SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
                                              mrope_section=[11, 11, 10], mrope_interleaved=True),
                         tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 routed per token, every layer (3.3B of 30.5B parameters active).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False),
+    # GPT-OSS-20B: 32 experts of width 2880 (with biases, clamped SwiGLU), 4 per token; attention with sinks and
+    # biases, sliding window 128 on even layers, full on odd ones; YaRN rope. The checkpoint stores the experts in
+    # MXFP4; this shape (and hsx's forward) runs them in bf16.
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                        layer_types=[("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(24)],
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+                        tie_word_embeddings=False),
     "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                             num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
@@ -80,7 +104,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
 # Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
-MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.66}
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.66, "qwen3-30b-a3b": 0.40, "gpt-oss-20b": 0.45}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
@@ -88,7 +112,10 @@ HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-32B": "qwen3-32b",
     "Qwen/Qwen3.5-27B": "qwen3.6-27b",
     "Qwen/Qwen3.6-27B": "qwen3.6-27b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "meta-llama/Meta-Llama-3-70B": "llama-3-70b",
@@ -270,8 +297,18 @@ def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_leng
     if eager_attention:
         per_token += 4 * int(c.num_attention_heads) * max_length
     fits = int(0.8 * free_bytes) // per_token
-    budget = min(DEFAULT_BUDGET_CAP, fits)
+    budget = min(budget_cap(c), fits)
     return max(budget, max_length)
+
+
+def budget_cap(c) -> int:
+    """The fastest budget: DEFAULT_BUDGET_CAP, or for a mixture of experts the batch that gives each expert
+    MOE_TOKENS_PER_EXPERT rows on average (tokens × k / experts): an expert's GEMM is only as large as its share of
+    the batch (Qwen3-30B-A3B, 8 of 128 experts: 1,024 rows at 16k tokens; 2,048 at 32k)."""
+    routed = [i for i in range(int(c.num_hidden_layers)) if _is_moe_layer(c, i)]
+    if not routed:
+        return DEFAULT_BUDGET_CAP
+    return max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * _num_experts(c) // int(c.num_experts_per_tok))
 
 
 def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
@@ -296,7 +333,7 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
-         matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float = 0.70,
+         matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float | None = None,
          storage_dtype: str = "bfloat16",
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
@@ -304,7 +341,8 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
 
     Memory: a copy that needs g > 1 GPUs is planned as its decoder layers spread evenly over the group
     (device_map-style), each GPU holding weights/g plus a whole batch's activations. Time: the rate is one GPU's
-    (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token); a copy on g GPUs
+    (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token, by default the rate
+    measured for its kind: `plan_mfu`); a copy on g GPUs
     runs its layers one GPU at a time, so it goes at about that rate too, and a node runs node_gpus // g copies."""
     n = int(c.num_hidden_layers)
     depth = n if final_hidden else max(layers) + 1
@@ -335,6 +373,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     if tokens is not None:
         mean_len = min(tokens / rows if rows else float(DEFAULT_MEAN_TOKENS), float(max_length))
         per_token = 2.0 * depth * layer_params(c, depth) + attention_flops(c, depth, np.array([mean_len])) / mean_len
+        mfu = mfu if mfu is not None else plan_mfu(c)
         rate = rate_tokens_per_s or (mfu * matmul_tflops * 1e12 / per_token)
         whose = f"an {gpu_name}'s " if gpu_name else ""
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
@@ -345,6 +384,12 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
             out["expected_seconds_node"] = tokens / rate / out["copies_per_node"]
             out["write_bytes_per_s_node"] = rate * bpt * out["copies_per_node"]
     return out
+
+
+def plan_mfu(c) -> float:
+    """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
+    the active parameters), PLAN_MFU otherwise."""
+    return PLAN_MFU_MOE if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))) else PLAN_MFU
 
 
 def format_plan(p: dict[str, Any]) -> str:

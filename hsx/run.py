@@ -522,11 +522,13 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
 
     from hsx.extract import Extractor, Pipeline
     from hsx.model import kernel_report, load_model, resolve_packing
+    from hsx.moe import resolve_experts, use_experts
     from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
     cuda = device.type == "cuda"
     loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
+    use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
     kernels = kernel_report(loaded.base)
     if kernels.get("linear_attention_forward") == "transformers":
         log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
@@ -544,7 +546,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
         budget = cfg.token_budget
     elif cuda:
         budget = auto_token_budget(loaded.text_config, width, torch.cuda.mem_get_info(device)[0], cfg.max_length,
-                                   eager_attention=kernels.get("attn_implementation") == "eager")
+                                   eager_attention=packing == "none" and kernels.get("attn_implementation") == "eager")
     else:
         budget = CPU_TOKEN_BUDGET
     # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).

@@ -1,0 +1,122 @@
+"""hsx's grouped-GEMM experts (hsx.moe) against transformers' eager experts, the MoE shapes and their budgets."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hsx.cli import main
+from hsx.config import HsxError, load_config
+from hsx.moe import EXPERTS_IMPLEMENTATION, has_experts, resolve_experts, use_experts
+from hsx.plan import (DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE, auto_token_budget,
+                      budget_cap, plan_mfu, shape_config)
+
+T = transformers
+COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+CONFIGS = {
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                                          moe_intermediate_size=32, intermediate_size=48, mlp_only_layers=[1]),
+    "gpt_oss": lambda: T.GptOssConfig(**COMMON, num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
+                                      num_experts_per_tok=2, sliding_window=4),
+    "qwen3_next": lambda: T.Qwen3NextConfig(
+        **COMMON, num_hidden_layers=2, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, layer_types=["linear_attention",
+                                                                                  "full_attention"]),
+    "deepseek_v3": lambda: T.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4, "head_dim": 8}, num_hidden_layers=2, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        moe_intermediate_size=32),
+}
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(CONFIGS[name](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms and biases away from their 1/0 init: GPT-OSS's expert biases count
+                p.normal_(0.5 if p.abs().max() == 1 else 0.0, 0.2)
+    return model
+
+
+def _states(model, ids, impl):
+    use_experts(model, impl)
+    with torch.no_grad():
+        return torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_grouped_experts_equal_eager_in_float32(name):
+    model = _model(name)
+    assert has_experts(model)
+    ids = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(1))
+    eager = _states(model, ids, "eager")
+    ours = _states(model, ids, EXPERTS_IMPLEMENTATION)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    assert all(m.config._experts_implementation == EXPERTS_IMPLEMENTATION
+               for m in model.modules() if type(m).__name__.endswith("Experts"))
+    assert eager.abs().max() > 0.1 and not torch.equal(eager[1:], eager[:-1])
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_with_unused_experts_and_one_token():
+    """Experts that get no token (empty groups) and a single-token batch."""
+    model = _model("gpt_oss")
+    router = model.layers[0].mlp.router
+    with torch.no_grad():
+        router.bias[:4] = -100.0  # experts 0-3 never chosen
+    for ids in (torch.randint(0, 256, (2, 9)), torch.tensor([[7]])):
+        torch.testing.assert_close(_states(model, ids, EXPERTS_IMPLEMENTATION), _states(model, ids, "eager"),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_dense_model_is_left_alone(model4):
+    use_experts(model4.model, EXPERTS_IMPLEMENTATION)
+    assert not has_experts(model4.model)
+    assert getattr(model4.model.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION
+
+
+def test_resolve_experts():
+    assert resolve_experts("auto", cuda=True) == EXPERTS_IMPLEMENTATION
+    assert resolve_experts("auto", cuda=False) is None  # transformers' own choice on CPU
+    assert resolve_experts("eager", cuda=True) == "eager"
+
+
+def test_unknown_experts_implementation_is_refused(tmp_path):
+    with pytest.raises(HsxError, match="experts-implementation"):
+        load_config(None, {"model": "m", "dataset": "d", "output_dir": str(tmp_path), "layers": [1],
+                           "experts_implementation": "fast"})
+
+
+def test_moe_shapes_by_hub_id():
+    """Sizes: tests/test_recipes.py; here what sets the two apart from a dense shape."""
+    q = shape_config("Qwen/Qwen3-30B-A3B")
+    assert q.to_dict() == shape_config("qwen3-30b-a3b").to_dict() and type(q).__name__ == "Qwen3MoeConfig"
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size) == (128, 8, 768)
+    o = shape_config("openai/gpt-oss-20b")
+    assert type(o).__name__ == "GptOssConfig" and o.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert o.sliding_window == 128 and o.rope_parameters["rope_type"] == "yarn"
+    assert (o.num_local_experts, o.num_experts_per_tok) == (32, 4)
+    assert plan_mfu(q) == plan_mfu(o) == PLAN_MFU_MOE and plan_mfu(shape_config("qwen3-8b")) == PLAN_MFU
+
+
+def test_moe_budget_gives_each_expert_its_rows():
+    q, o = shape_config("qwen3-30b-a3b"), shape_config("gpt-oss-20b")
+    assert budget_cap(shape_config("qwen3-8b")) == DEFAULT_BUDGET_CAP
+    assert budget_cap(q) == max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * 128 // 8)
+    assert budget_cap(o) == max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * 32 // 4)
+    stored = 5 * q.hidden_size
+    assert auto_token_budget(q, stored, 80 << 30, 4096) == budget_cap(q)  # room for it on an H200
+    assert 4096 <= auto_token_budget(q, stored, 4 << 30, 4096) < budget_cap(q)  # memory still bounds it
+
+
+def test_plan_moe_shape_offline(capsys):
+    main(["plan", "--shape", "qwen3-30b-a3b", "--layers", "dflash", "--tokens", "1000000", "--json"])
+    p = json.loads(capsys.readouterr().out)
+    q = shape_config("qwen3-30b-a3b")
+    assert p["token_budget"] == budget_cap(q) and p["gpus_per_copy"] == 1
+    assert p["rate_source"] == f"{PLAN_MFU_MOE:.0%} of 790 TFLOP/s"
+    assert p["layers_run"] == 46 and 53 < p["weight_bytes"] / 2**30 < 55  # every expert of 46 layers + embeddings
