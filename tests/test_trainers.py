@@ -47,7 +47,9 @@ def quiet(*_a, **_k):
 def _site(request, requirements: list[str]) -> Path:
     """A --target dir holding `requirements` (installed once, cached under .pytest_cache), on sys.path."""
     key = hashlib.sha256(" ".join(requirements).encode()).hexdigest()[:12]
-    root = Path(request.config.cache.mkdir(f"hsx-trainers-{key}"))
+    cache = getattr(request.config, "cache", None)  # None under `-p no:cacheprovider`: install per session
+    root = (Path(cache.mkdir(f"hsx-trainers-{key}")) if cache is not None
+            else request.getfixturevalue("tmp_path_factory").mktemp(f"hsx-trainers-{key}"))
     site, done = root / "site", root / "installed"
     if not done.exists():
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
