@@ -319,6 +319,11 @@ class OutputDir:
         anything here."""
         if self.has_output() or not self.root.is_dir():
             return
+        card = self.root / "README.md"  # the placeholder card a claim writes (write_unfinished_card), nothing else
+        if card.is_file() and not card.is_symlink() and card.read_text(errors="replace") == UNFINISHED_CARD:
+            card.unlink()
+        if self.data.is_dir() and not self.data.is_symlink() and not any(self.data.iterdir()):
+            self.data.rmdir()
         shutil.rmtree(self.state, ignore_errors=True)
         if not keep_root and not any(self.root.iterdir()):
             self.root.rmdir()

@@ -86,7 +86,7 @@ def test_resolve_experts():
 
 
 def test_unknown_experts_implementation_is_refused(tmp_path):
-    with pytest.raises(HsxError, match="experts-implementation"):
+    with pytest.raises(HsxError, match="experts.implementation"):
         load_config(None, {"model": "m", "dataset": "d", "output_dir": str(tmp_path), "layers": [1],
                            "experts_implementation": "fast"})
 
@@ -118,5 +118,5 @@ def test_plan_moe_shape_offline(capsys):
     p = json.loads(capsys.readouterr().out)
     q = shape_config("qwen3-30b-a3b")
     assert p["token_budget"] == budget_cap(q) and p["gpus_per_copy"] == 1
-    assert p["rate_source"] == f"{PLAN_MFU_MOE:.0%} of 790 TFLOP/s"
+    assert p["rate_source"] == f"{PLAN_MFU_MOE:.0%} of an H200's 790 TFLOP/s"
     assert p["layers_run"] == 46 and 53 < p["weight_bytes"] / 2**30 < 55  # every expert of 46 layers + embeddings

@@ -274,7 +274,7 @@ def test_an_export_resumes_but_never_mixes_two(out, tmp_path):
     with pytest.raises(ValueError, match="holds another export"):
         export_specforge(str(out), dest, layout="dflash", log=quiet)
     code, _, err = hsx_main(["export-specforge", str(out), str(dest), "--layout", "dflash"])
-    assert code == 2 and len(message_lines(err)) == 1 and "holds another export" in err
+    assert code == 1 and len(message_lines(err)) == 1 and "holds another export" in err
     res = export_specforge(str(out), dest, layout="dflash", overwrite=True, log=quiet)
     assert res["written"] == len(list(dest.rglob("*.ckpt"))) and res["kept"] == 0
     assert all("hidden_states" in torch.load(f, weights_only=True) for f in dest.rglob("*.ckpt"))

@@ -95,13 +95,13 @@ def test_damaged_or_missing_frequencies_are_one_line(out, tmp_path):
     shutil.copytree(out, copy)
     np.save(copy / FREQUENCIES_FILE, np.zeros(3, dtype=np.int64))
     code, _, err = hsx_main(["vocab", str(copy), "--draft-vocab-size", "4"])
-    assert code == 2 and len(message_lines(err)) == 1 and "does not match hsx.json" in err
+    assert code == 1 and len(message_lines(err)) == 1 and "does not match hsx.json" in err
     (copy / FREQUENCIES_FILE).write_bytes(b"\x93NUMPY garbage")
     code, _, err = hsx_main(["vocab", str(copy), "--draft-vocab-size", "4"])
-    assert code == 2 and len(message_lines(err)) == 1
+    assert code == 1 and len(message_lines(err)) == 1
     (copy / FREQUENCIES_FILE).unlink()
     code, _, err = hsx_main(["vocab", str(copy), "--draft-vocab-size", "4"])
-    assert code == 2 and "no token_frequencies.npy" in err and "Traceback" not in err
+    assert code == 1 and "no token_frequencies.npy" in err and "Traceback" not in err
 
 
 def test_overwrite_removes_frequencies_and_mappings(out, tmp_path):
