@@ -29,16 +29,18 @@ def extract(config: str | os.PathLike | None = None, **options: Any):
     returns: memory-mapped, no copy).
 
     `hsx.extract(model="Qwen/Qwen3-8B", dataset="chats.jsonl", layers="eagle3", output_dir="out/q")`, or
-    `hsx.extract(config="recipes/eagle3-qwen3-8b.yaml", limit=1000)`. Calling it again with the same options
-    continues the job where it stopped, and is a no-op once it is complete; progress and the summary line are
-    printed as by the CLI."""
+    `hsx.extract(config="recipes/eagle3-qwen3-8b.yaml", output_dir="out/q", limit=1000)`. Calling it again with
+    the same options continues the job where it stopped, and is a no-op once it is complete; progress and the
+    summary line are printed as by the CLI. Under `accelerate launch` (several processes, one job), a process whose units are
+    written while others still run returns None: the last one to finish writes hsx.json and returns the rows."""
     from hsx.config import load_config
     from hsx.load import load
     from hsx.run import extract as run_extract
 
     config, options = _paths_as_text(config, options)
     cfg = load_config(config, options)
-    run_extract(cfg)
+    if run_extract(cfg).get("complete") is False:  # this rank's part is done; another rank finalizes
+        return None
     return load(cfg.output_dir)
 
 

@@ -1,9 +1,10 @@
 """What a job costs before it runs: weights, activation memory per token, token budget, GPUs, FLOPs, disk, time.
 
 `hsx plan` prints it and `hsx.plan()` returns it (both through `job_plan`); `hsx extract` uses the same numbers
-for its token budget and the MFU in its progress bar, and `hsx bench` for MFU. Model shapes that benchmarks and offline planning need ship here (facts from the
-models' config.json files, `SHAPES`, reachable by Hub id through `HUB_SHAPES`), so planning a recipe never needs
-the Hub; nor does it need the data (`DATASET_SIZES`, or `--tokens`).
+for its token budget and the MFU in its progress bar, and `hsx bench` for MFU. Model shapes that benchmarks and
+offline planning need ship here (facts from the models' config.json files, `SHAPES`, reachable by Hub id through
+`HUB_SHAPES`), so planning a recipe never needs the Hub; nor does it need the data (`DATASET_SIZES`, or
+`--tokens`).
 
 FLOPs count real tokens only: 2 × (matmul parameters of the decoder layers run) per token, with mixture-of-experts
 layers counting the router and the ACTIVE experts only, plus causal attention, 2·L²·d_attn per full-attention
