@@ -33,7 +33,7 @@ WARMUP_COMPILE_WAIT_S = 90.0  # the longest the warm-up waits for the background
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.plan.SHAPES)")
+    p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.cost.SHAPES)")
     p.add_argument("--model", help="a local model folder instead of --shape (its weights are used)")
     p.add_argument("--layers", nargs="+", default=["dflash"], help="as for extract (default: dflash)")
     p.add_argument("--final-hidden", action="store_true", help="also capture the final-norm state, as extract's")
@@ -152,7 +152,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
 
     from hsx import model as hsx_model
     from hsx.config import ExtractConfig, parse_layer_spec, resolve_layers
-    from hsx.plan import flops, layer_params, measure_matmul_tflops, shape_config
+    from hsx.cost import flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
 
     if args.json == "-":  # stdout is the JSON (as `hsx plan --json`): the lines and the table go to stderr
@@ -340,7 +340,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hsx.extract import Extractor, sdpa_backend
+    from hsx.engine import Extractor, sdpa_backend
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0

@@ -79,14 +79,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=str, default=None, choices=CHOICES.get(name), help=HELP.get(name))
 
 
-def parse_config(args: argparse.Namespace, overrides: dict | None = None) -> ExtractConfig:
-    """The job's config from --config and the flags (or `overrides`); any problem with them is a usage error."""
-    try:
-        return load_config(args.config, config_overrides(args) if overrides is None else overrides)
-    except UsageError:
-        raise
-    except HsxError as e:
-        raise UsageError(str(e)) from None
+def parse_config(args: argparse.Namespace) -> ExtractConfig:
+    """The job's config from --config and the flags; any problem with them is a usage error (hsx.config)."""
+    return load_config(args.config, config_overrides(args))
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:
@@ -121,14 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(sub.add_parser("bench", help="measure hsx against batch-1 and padded extraction"))
     pl = sub.add_parser("plan", help="weights, memory, token budget, disk and time of a job, before running it")
     _add_config_flags(pl)
-    pl.add_argument("--shape", help="a named model shape instead of --model (see hsx.plan.SHAPES)")
+    pl.add_argument("--shape", help="a named model shape instead of --model (see hsx.cost.SHAPES)")
     pl.add_argument("--tokens", type=int, help="total tokens (default: tokenize the dataset and count)")
-    from hsx.plan import DEFAULT_GPU, GPUS
+    from hsx.cost import DEFAULT_GPU, GPUS
 
     pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
                     help="the GPU to plan for (the machine planning needs none): its memory and matmul rate")
     pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: the MFU measured for "
-                    "the model's kind, dense 70%%, mixture of experts hsx.plan.PLAN_MFU_MOE, of --gpu's measured "
+                    "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's measured "
                     "bf16 matmul rate over the model's FLOPs per token)")
     pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
     add_json_flag(pl, "the plan")
@@ -226,9 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed,
                    model=args.model, trust_remote_code=args.trust_remote_code)
         elif args.command == "plan":
-            from hsx.plan import plan_command
+            from hsx.cost import format_plan, job_plan
 
-            plan_command(args)
+            p = job_plan(args.config, config_overrides(args), shape=args.shape, tokens=args.tokens, gpu=args.gpu,
+                         gpu_memory_gib=args.gpu_memory_gib, rate=args.rate)
+            if args.json != "-":
+                print(format_plan(p))
+            if args.json:
+                write_json(args.json, p)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1

@@ -201,12 +201,19 @@ def config_from(options: Mapping[str, Any]) -> ExtractConfig:
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
-    """Read a YAML recipe (optional), apply flag overrides (None: not given), and check the result."""
+    """Read a YAML recipe (optional), apply flag overrides (None: not given), and check the result. Every problem
+    is a UsageError: a recipe or option wrong by itself, found before anything is read (`hsx extract` and
+    `hsx plan` exit 2, as `hsx.extract()` and `hsx.plan()` raise it)."""
     values: dict[str, Any] = {}
-    if path:
-        values = _resolve_recipe_paths(read_recipe(path), Path(path).parent)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return config_from(values)
+    try:
+        if path:
+            values = _resolve_recipe_paths(read_recipe(path), Path(path).parent)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return config_from(values)
+    except UsageError:
+        raise
+    except HsxError as e:
+        raise UsageError(str(e)) from None
 
 
 class _RecipeLoader(yaml.SafeLoader):

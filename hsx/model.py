@@ -95,7 +95,7 @@ def group_device_map(devices: list[torch.device]) -> dict[str, Any]:
     if len(devices) == 1:
         return {"device_map": {"": devices[0]}} if devices[0].type != "cpu" else {}
     free = {d.index: torch.cuda.mem_get_info(d)[0] for d in devices}
-    # Leave room on each GPU for a batch's activations and the captured states (plan.py sizes them).
+    # Leave room on each GPU for a batch's activations and the captured states (cost.py sizes them).
     return {"device_map": "auto", "max_memory": {i: int(0.85 * f) for i, f in free.items()}}
 
 

@@ -1,4 +1,4 @@
-"""`hsx extract`: wires config → data → buckets → model → capture → extract → sink. The one module that knows
+"""`hsx extract`: wires config → data → buckets → model → capture → engine → sink. The one module that knows
 about processes and ranks.
 
 A job tokenizes once (cached under .hsx/), plans units (bucket, then sample_id order), skips units the manifest
@@ -25,7 +25,7 @@ from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
                         resolve_layers)
-from hsx.extract import output_columns
+from hsx.engine import output_columns
 from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
@@ -520,10 +520,10 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     import torch
     from tqdm.auto import tqdm
 
-    from hsx.extract import Extractor, Pipeline
+    from hsx.engine import Extractor, Pipeline
     from hsx.model import kernel_report, load_model, resolve_packing
     from hsx.moe import resolve_experts, use_experts
-    from hsx.plan import auto_token_budget, flops, layer_params, measure_matmul_tflops
+    from hsx.cost import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
     cuda = device.type == "cuda"

@@ -29,7 +29,7 @@ import transformers
 
 from conftest import bf16_ulps, rel_err, write_jsonl
 from hsx.config import ExtractConfig, HsxError
-from hsx.extract import Extractor, Pipeline
+from hsx.engine import Extractor, Pipeline
 from hsx.model import (kernel_report, load_model, packing_blocker, resolve_packing, text_weights_prefix,
                        truncated_view)
 

@@ -15,7 +15,7 @@ import torch
 from conftest import bf16_ulps
 from hsx.capture import capture
 from hsx.config import ExtractConfig
-from hsx.extract import Extractor, Pipeline
+from hsx.engine import Extractor, Pipeline
 from hsx.model import load_model
 
 CPU = torch.device("cpu")

@@ -135,7 +135,7 @@ def padded(n: int) -> int:
 
 @pytest.mark.parametrize("case", ["batches_over_a_size", "one_row_never_fits", "longest_rows_never_fit"])
 def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypatch, fault_reference, case):
-    from hsx.extract import Extractor
+    from hsx.engine import Extractor
 
     ref = fault_reference
     table = output_table(ref.out)

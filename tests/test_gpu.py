@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hsx.demo import build_model, build_tokenizer
-from hsx.extract import Extractor, Pipeline
+from hsx.engine import Extractor, Pipeline
 from hsx.model import LoadedModel, truncated_view
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ import transformers
 from hsx.cli import main
 from hsx.config import HsxError, load_config
 from hsx.moe import EXPERTS_IMPLEMENTATION, has_experts, resolve_experts, use_experts
-from hsx.plan import (DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE, auto_token_budget,
+from hsx.cost import (DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE, auto_token_budget,
                       budget_cap, plan_mfu, shape_config)
 
 T = transformers

@@ -1,6 +1,6 @@
 """The automatic token budget: capped at the measured-fastest 16k, limited by memory, never below one row."""
 
-from hsx.plan import DEFAULT_BUDGET_CAP, auto_token_budget, shape_config
+from hsx.cost import DEFAULT_BUDGET_CAP, auto_token_budget, shape_config
 
 
 def test_budget_is_capped_limited_by_memory_and_holds_a_row():

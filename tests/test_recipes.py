@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO
 from hsx.cli import build_parser, main
 from hsx.config import load_config, resolve_layers
-from hsx.plan import (HUB_SHAPES, decoder_layer_params, format_bytes, format_duration, layer_params, shape_config,
+from hsx.cost import (HUB_SHAPES, decoder_layer_params, format_bytes, format_duration, layer_params, shape_config,
                       weight_bytes)
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

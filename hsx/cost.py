@@ -1,9 +1,10 @@
 """What a job costs before it runs: weights, activation memory per token, token budget, GPUs, FLOPs, disk, time.
 
-`hsx plan` prints it; `hsx extract` uses the same numbers for its token budget and the MFU in its progress bar,
-and `hsx bench` for MFU. Model shapes that benchmarks and offline planning need ship here (facts from the
-models' config.json files, `SHAPES`, reachable by Hub id through `HUB_SHAPES`), so planning a recipe never needs
-the Hub; nor does it need the data (`DATASET_SIZES`, or `--tokens`).
+`hsx plan` prints it and `hsx.plan()` returns it (both through `job_plan`); `hsx extract` uses the same numbers
+for its token budget and the MFU in its progress bar, and `hsx bench` for MFU. Model shapes that benchmarks and
+offline planning need ship here (facts from the models' config.json files, `SHAPES`, reachable by Hub id through
+`HUB_SHAPES`), so planning a recipe never needs the Hub; nor does it need the data (`DATASET_SIZES`, or
+`--tokens`).
 
 FLOPs count real tokens only: 2 × (matmul parameters of the decoder layers run) per token, with mixture-of-experts
 layers counting the router and the ACTIVE experts only, plus causal attention, 2·L²·d_attn per full-attention
@@ -465,49 +466,44 @@ def launch_commands(config_path: str | None, overrides: dict[str, Any], output_d
 PLACEHOLDER = "(plan)"
 
 
-def plan_command(args) -> dict[str, Any]:
-    """`hsx plan`: the job's costs from its recipe/flags, offline for local models and shipped shapes.
+def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = None, tokens: int | None = None,
+             gpu: str = DEFAULT_GPU, gpu_memory_gib: float | None = None, rate: float | None = None) -> dict[str, Any]:
+    """A job's costs from its recipe and overrides (`hsx plan` prints them, `hsx.plan()` returns them), offline
+    for local models and shipped shapes.
 
-    Tokens come from `--tokens`; else from `DATASET_SIZES` for a known Hub dataset; else, for a local dataset,
+    Tokens come from `tokens`; else from `DATASET_SIZES` for a known Hub dataset; else, for a local dataset,
     from tokenizing it (a sample of SAMPLE_ROWS rows when larger; rows × DEFAULT_MEAN_TOKENS without a tokenizer
     offline); else there is no disk or time line. Neither the dataset nor the weights are downloaded."""
-    from hsx.cli import config_overrides, parse_config
-    from hsx.config import resolve_layers
+    from hsx.config import UsageError, load_config, resolve_layers
 
-    overrides = config_overrides(args)
-    if args.shape:
-        overrides["model"] = overrides.get("model") or f"shape:{args.shape}"
-    recipe = _recipe_keys(args.config)
+    if gpu not in GPUS:
+        raise UsageError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(GPUS))}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if shape:
+        overrides["model"] = overrides.get("model") or f"shape:{shape}"
+    recipe = _recipe_keys(config)
     # output_dir and dataset are required by an extract job, not by a plan: fill in only what neither gives
     placeholders = {k: PLACEHOLDER for k in ("output_dir", "dataset") if not overrides.get(k) and not recipe.get(k)}
-    cfg = parse_config(args, {**overrides, **placeholders})
-    gpu = GPUS[args.gpu]
-    gpu_gib = args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu["memory_gib"]
-    text = model_text_config(cfg, args.shape)
+    cfg = load_config(config, {**overrides, **placeholders})  # a wrong recipe or option: UsageError
+    gpu_gib = gpu_memory_gib if gpu_memory_gib is not None else GPUS[gpu]["memory_gib"]
+    text = model_text_config(cfg, shape)
     layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
-    tokens, rows, source = planned_tokens(cfg, args.tokens)
-    shape = args.shape or HUB_SHAPES.get(cfg.model)
-    p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=args.rate,
+    tokens, rows, source = planned_tokens(cfg, tokens)
+    known_shape = shape or HUB_SHAPES.get(cfg.model)
+    p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype,
-             token_budget=cfg.token_budget, matmul_tflops=gpu["matmul_tflops"], gpu_name=args.gpu.upper(),
-             **({"mfu": MEASURED_MFU[shape]} if shape in MEASURED_MFU else {}))
+             token_budget=cfg.token_budget, matmul_tflops=GPUS[gpu]["matmul_tflops"], gpu_name=gpu.upper(),
+             **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
     if tokens is not None:
         p["tokens_source"] = source
         p["tokens_estimated"] = source.startswith("estimate")
         if rows is not None:
             p["rows"] = rows
-    if not args.shape and p["gpus_per_copy"]:  # a named shape has no weights to run
-        output_dir = cfg.output_dir if cfg.output_dir != PLACEHOLDER else default_output_dir(args.config, cfg.model)
-        p["launch"], node = launch_commands(args.config, overrides, output_dir, p["gpus_per_copy"],
-                                            recipe_keys=recipe)
+    if not shape and p["gpus_per_copy"]:  # a named shape has no weights to run
+        output_dir = cfg.output_dir if cfg.output_dir != PLACEHOLDER else default_output_dir(config, cfg.model)
+        p["launch"], node = launch_commands(config, overrides, output_dir, p["gpus_per_copy"], recipe_keys=recipe)
         if node:
             p["launch_node"] = node
-    from hsx.cli import write_json
-
-    if args.json != "-":
-        print(format_plan(p))
-    if args.json:
-        write_json(args.json, p)
     return p
 
 
