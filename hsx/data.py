@@ -389,7 +389,7 @@ def row_tools(raw: Any) -> list | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (a string nested 100k deep: RecursionError)
             return None
     return raw if isinstance(raw, list) and raw else None
 
@@ -435,8 +435,8 @@ def _render_variants(conv: list[dict[str, Any]]):
     blank = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in conv]
     if blank != conv:
         yield blank
-    parsed = [{**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
-              for m in blank]
+    parsed = [{**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list)
+              else m for m in blank]
     if parsed != blank:
         yield parsed
 
@@ -447,7 +447,7 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 

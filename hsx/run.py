@@ -251,11 +251,15 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     fresh = not existed or (out.root.is_dir() and not any(out.root.iterdir()))
     try:
         with out.locked(), stop_on_signal(say) as stop:
-            return _extract(cfg, proc, out, stop, say, log, model)
-    except HsxError:
-        if fresh and proc.world_size == 1:  # (several ranks share the dir: one cannot tell the others' state)
-            out.remove_if_unused(keep_root=existed)  # a job refused before writing anything leaves no dir behind
-        raise
+            try:
+                return _extract(cfg, proc, out, stop, say, log, model)
+            except HsxError:
+                # A job refused before writing anything leaves no dir behind: only while this job holds the
+                # lock (a job refused the lock must not remove a running job's .hsx/), and only with one process
+                # (several ranks share the dir: one cannot tell the others' state).
+                if fresh and proc.world_size == 1:
+                    out.remove_if_unused(keep_root=existed)
+                raise
     except OSError as e:
         if e.errno == errno.ENOSPC or "No space left" in str(e):
             done = len(out.done_units())

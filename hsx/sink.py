@@ -149,7 +149,10 @@ def summary_problem(summary: dict[str, Any]) -> str | None:
         "unit_names": (lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v), "a list of strings"),
         "command": (lambda v: isinstance(v, str), "a string"),
         "hsx_version": (lambda v: isinstance(v, str), "a string"),
-        "layer_convention": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated"))
+        "layer_convention": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated")) or (
+        None if summary.get("vocab_size") is None or (_is_int(summary["vocab_size"], 1)
+                                                      and summary["vocab_size"] <= 2**31)
+        else "vocab_size must be a positive integer (input_ids are int32)")
 
 
 def job_problem(job: dict[str, Any]) -> str | None:
@@ -676,7 +679,8 @@ def listed_files(info: dict[str, Any]) -> list[dict[str, Any]] | None:
     def ok(e) -> bool:  # a plain name inside data/ (never a path out of it), a size, a CRC-32
         name = e.get("file") if isinstance(e, dict) else None
         return (isinstance(name, str) and "/" not in name and name[:1] not in ("", ".")
-                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), (str, type(None))))
+                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), (str, type(None)))
+                and (e.get("unit") is None or (isinstance(e["unit"], str) and UNIT_NAME.fullmatch(e["unit"]))))
 
     if not isinstance(files, list) or not all(ok(e) for e in files):
         raise HsxError("hsx.json's `files` is damaged (each entry needs a file name in data/, bytes and crc32)")
@@ -1008,7 +1012,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
     if len({j["fingerprint"] for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
     own = out.state / "job.json"
-    if own.exists() and json.loads(own.read_text()).get("fingerprint") != jobs[0]["fingerprint"] \
+    if own.exists() and read_json(own, job_problem)["fingerprint"] != jobs[0]["fingerprint"] \
             and out.has_output():
         raise HsxError(f"{out.root} holds another job's output; merge into a new dir or one of the job's dirs")
     summary = next((s for s in (src.read_summary() for src in sources) if s), None)

@@ -17,7 +17,6 @@ predict over the K most frequent target tokens instead of the whole vocabulary.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -72,8 +71,14 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
 def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
     """OUT/token_frequencies.npy as int64 (vocab_size,), checked against hsx.json."""
     root = Path(out_dir)
-    meta = json.loads((root / "hsx.json").read_text()).get("token_frequencies")
+    from hsx.sink import OutputDir
+
+    meta = OutputDir(root).read_info().get("token_frequencies")
     path = root / FREQUENCIES_FILE
+    if meta and not (isinstance(meta, dict) and all(type(meta.get(k)) is int and meta[k] >= 0
+                                                    for k in ("vocab_size", "supervised_tokens"))):
+        raise ValueError(f"{root / 'hsx.json'}: token_frequencies is damaged (needs integer vocab_size and "
+                         "supervised_tokens)")
     if not meta or not path.is_file():
         raise FileNotFoundError(f"{out_dir} has no {FREQUENCIES_FILE} (written by hsx extract when a job "
                                 "finishes; outputs of older versions lack it)")

@@ -332,3 +332,64 @@ def test_damaged_run_state_is_one_line(copy, tmp_path, name, content):
     for command in commands.values():
         rc, _, err = hsx_main(command)
         assert_one_error_line(rc, err, name, "damaged", prefix="hsx: error: ")
+
+
+# ---- found in review: more damaged state and hostile rows ---------------------------------------------------------
+
+@pytest.mark.parametrize(("where", "damage", "needle"), [
+    ("merge-target job.json", b"\xff\xfe", "job.json"),
+    ("summary vocab_size", "x", "vocab_size"),
+    ("summary vocab_size", 10**12, "vocab_size"),
+])
+def test_more_damaged_state_is_one_line(copy, tmp_path, where, damage, needle):
+    out, argv = copy
+    if where == "merge-target job.json":
+        target = tmp_path / "merged"
+        (target / ".hsx").mkdir(parents=True)
+        (target / ".hsx" / "job.json").write_bytes(damage)
+        command = ["merge", str(target), str(out)]
+    elif where == "summary vocab_size":
+        f = out / ".hsx" / "summary.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), "vocab_size": damage}))
+        command = ["merge", str(tmp_path / "merged"), str(out)]
+    rc, _, err = hsx_main(command)
+    assert_one_error_line(rc, err, needle, prefix="hsx: error: ")
+
+
+@pytest.mark.parametrize("unit", [["a"], "../x", 7])
+def test_a_listed_file_whose_unit_is_not_a_name_is_one_error(copy, unit):
+    out, _ = copy
+    f = out / "hsx.json"
+    meta = json.loads(f.read_text())
+    meta["files"][0]["unit"] = unit
+    f.write_text(json.dumps(meta))
+    with pytest.raises(HsxError, match="files` is damaged"):
+        hsx.load(str(out))
+
+
+@pytest.mark.parametrize("entry", [5, [1, 2], {"vocab_size": "8", "supervised_tokens": 1}])
+def test_damaged_token_frequencies_entry_is_one_line(copy, entry):
+    out, _ = copy
+    f = out / "hsx.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "token_frequencies": entry}))
+    rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4"])
+    assert_one_error_line(rc, err, "token_frequencies", prefix="hsx: error: ")
+
+
+def test_hostile_tools_and_tool_calls_are_no_traceback(tmp_path, model4):
+    """A `tools` or tool-call `arguments` string nested 100k deep (json.loads: RecursionError) and a `tool_calls`
+    that is not a list: each row is rendered without them or skipped with a reason, never a traceback."""
+    deep = "[" * 100_000
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+             "tools": deep},
+            {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": None,
+                           "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": deep}}]}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo",
+                                                              "tool_calls": 7}]}]
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(path), "--layers", "1",
+                           "--output-dir", str(tmp_path / "out"), "--allow-empty"])
+    assert "Traceback" not in err and "RecursionError" not in err, err
+    assert rc == 0, err
