@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.config import EXPERTS_CHOICES
+from hsx.config import CHOICES
 
 
 WARMUP_COMPILE_WAIT_S = 90.0  # the longest the warm-up waits for the background compile before timing eager
@@ -45,16 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=4096, help="longest row drawn (and extract's --max-length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, token ids and (a)'s subset")
     p.add_argument("--token-budget", type=int, help="(c)'s tokens per batch, as extract's (default: picked)")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="as extract's --compile")
-    p.add_argument("--sdpa-backend", default="flash", choices=["flash", "cudnn", "efficient", "default"],
+    p.add_argument("--compile", default="auto", choices=CHOICES["compile"], help="as extract's --compile")
+    p.add_argument("--sdpa-backend", default="flash", choices=CHOICES["sdpa_backend"],
                    help="as extract's --sdpa-backend")
     p.add_argument("--gpus-per-copy", type=int, default=1,
                    help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
-    p.add_argument("--experts-implementation", default="auto", choices=EXPERTS_CHOICES,
+    p.add_argument("--experts-implementation", default="auto", choices=CHOICES["experts_implementation"],
                    help="(c): MoE experts implementation, as for extract")
-    p.add_argument("--packing", default="auto", choices=["auto", "varlen", "none"],
+    p.add_argument("--packing", default="auto", choices=CHOICES["packing"],
                    help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
-    p.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8_e4m3"],
+    p.add_argument("--storage-dtype", default="bfloat16", choices=CHOICES["storage_dtype"],
                    help="(c)'s output dtype, as extract's --storage-dtype")
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")

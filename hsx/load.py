@@ -152,9 +152,9 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
 
 def _read_info(root: Path) -> dict[str, Any]:
     """hsx.json, or {} where a job has not written it yet; a damaged one is HsxError (one line)."""
-    if not (root / "hsx.json").exists():
-        return {}
-    return info(root)
+    from hsx.sink import OutputDir
+
+    return OutputDir(root).read_info()
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:
