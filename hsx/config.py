@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from hsx.schema import COMPUTE_DTYPES, STORAGE_DTYPES
+
 LAYER_CONVENTION = (
     "layer i is the output of decoder layer i (0-based), before the final norm: transformers' "
     "output_hidden_states[i+1] for i < N-1 and a forward hook for i = N-1; final_hidden_state is the output of "
@@ -92,8 +94,6 @@ class ExtractConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 # The keys whose value is one of a few names (flags get them as argparse `choices`).
 CHOICES = {

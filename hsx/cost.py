@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from hsx.schema import SCALED_DTYPE, OutputFormat
+
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
-BYTES_PER_VALUE = {"bfloat16": 2}
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
 # Rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets give at least. H200, Qwen3-30B-A3B layer,
 # grouped GEMMs (gate/up, down): 658/572 TFLOP/s at 1,024 rows, 691/567 at 2,048, 667/633 at 4,096: past 1k the
@@ -33,7 +34,7 @@ MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
-# rate measured on one (torch, 8192³: 790-810 TFLOP/s on the H200s of ../shared/notes/h200-*.md) and the memory
+# rate measured on one (torch, 8192³: 790-810 TFLOP/s measured on H200s) and the memory
 # torch sees (139 GiB of an H200's 141 GB).
 GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
 DEFAULT_GPU = "h200"
@@ -335,7 +336,7 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
          matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float | None = None,
-         storage_dtype: str = "bfloat16",
+         storage_dtype: str = "bfloat16", topk_logits: int = 0,
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
@@ -348,8 +349,11 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     n = int(c.num_hidden_layers)
     depth = n if final_hidden else max(layers) + 1
     h = int(c.hidden_size)
-    values = len(layers) * h + (h if final_hidden else 0)
-    bpt = values * BYTES_PER_VALUE[storage_dtype]
+    fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits)
+    if fmt.problem():
+        raise ValueError(fmt.problem())
+    values = fmt.values_per_token
+    bpt = fmt.bytes_per_token  # the state columns as written (hsx.schema); + token_bytes for input_ids, loss_mask
     weights = weight_bytes(c, depth)
     act = activation_bytes_per_token(c, values)
     min_batch = max(max_length, DEFAULT_BUDGET_CAP // 4)  # one full row, and enough tokens to keep a GPU busy
@@ -359,7 +363,8 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         c, values, (gpu_bytes - per_gpu_weights) if gpu_bytes else 1 << 62, max_length)
     out: dict[str, Any] = {
         "num_model_layers": n, "layers": layers, "final_hidden": final_hidden, "layers_run": depth,
-        "hidden_size": h, "values_per_token": values, "bytes_per_token": bpt,
+        "hidden_size": h, "values_per_token": values, "storage_dtype": storage_dtype, "topk_logits": topk_logits,
+        "bytes_per_token": bpt, "token_bytes": fmt.token_bytes, "bytes_per_row": fmt.bytes_per_row,
         "weight_bytes": weights, "activation_bytes_per_token": act, "token_budget": budget,
         "peak_gpu_bytes_estimate": int(per_gpu_weights + act * budget),  # per GPU of a copy
         "max_length": max_length,
@@ -401,7 +406,10 @@ def format_plan(p: dict[str, Any]) -> str:
         f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
         f"activation memory per token: {p['activation_bytes_per_token'] / 1024:.0f} KiB; token budget "
         f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB per GPU)",
-        f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} bf16 values)",
+        f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} {p['storage_dtype']} values"
+        + (", fp8 scales" if p["storage_dtype"] == SCALED_DTYPE else "")
+        + (f", top-k {p['topk_logits']} logits and ids" if p["topk_logits"] else "")
+        + f"; input_ids and loss_mask add {p['token_bytes']})",
         f"Arrow limit: a {p['max_length']:,}-token row holds {p['arrow_values_per_max_length_row']:,} values "
         f"({'ok' if p['arrow_limit_ok'] else 'OVER 2^31: lower --max-length or store fewer layers'}); at most "
         f"{p['max_tokens_per_record_batch']:,} tokens per record batch",
@@ -488,10 +496,13 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     gpu_gib = gpu_memory_gib if gpu_memory_gib is not None else GPUS[gpu]["memory_gib"]
     text = model_text_config(cfg, shape)
     layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
+    why = OutputFormat(len(layers), int(text.hidden_size), final_hidden, cfg.storage_dtype, cfg.topk_logits).problem()
+    if why:
+        raise UsageError(why)
     tokens, rows, source = planned_tokens(cfg, tokens)
     known_shape = shape or HUB_SHAPES.get(cfg.model)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
-             gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype,
+             gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
              token_budget=cfg.token_budget, matmul_tflops=GPUS[gpu]["matmul_tflops"], gpu_name=gpu.upper(),
              **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
     if tokens is not None:

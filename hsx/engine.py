@@ -30,6 +30,7 @@ from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
 from hsx import gdn
 from hsx.model import LoadedModel, compile_layers, use_packing
+from hsx.schema import Column, OutputFormat, encode
 
 PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
 
@@ -75,7 +76,8 @@ class Extractor:
         self.topk = topk_logits
         if self.topk and (not self.final or loaded.lm_head is None):
             raise ValueError("top-k logits need the final-norm state and the lm_head weight")
-        self.columns = output_columns(len(self.layers), self.hidden, self.final, storage_dtype, topk_logits)
+        self.columns = OutputFormat(len(self.layers), self.hidden, self.final, storage_dtype,
+                                    topk_logits).state_columns()
         self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
@@ -313,13 +315,13 @@ class Extractor:
         return sum(s.elapsed_time(e) for s, e in result.gpu_events) / 1000.0
 
 
-def _nested(values: np.ndarray, offsets: pa.Array, column: "Column") -> pa.Array:
+def _nested(values: np.ndarray, offsets: pa.Array, column: Column) -> pa.Array:
     """list<fixed_size_list<type, width>> over `values` (bytes of the column), without copying them."""
     flat = pa.Array.from_buffers(column.arrow_type, len(values) // column.itemsize, [None, pa.py_buffer(values)])
     return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, column.width))
 
 
-def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list["Column"]) -> list[np.ndarray]:
+def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list[Column]) -> list[np.ndarray]:
     """Each launched segment holds its tokens' bytes column after column; return each column's bytes.
 
     The common case is one segment per batch: zero-copy views. Split batches (after an OOM) are rare and take
@@ -335,63 +337,6 @@ def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list["C
             pieces[k].append(flat[at:at + t * c.nbytes])
             at += t * c.nbytes
     return [np.concatenate(p) for p in pieces]
-
-
-@dataclass(frozen=True)
-class Column:
-    """One stored column of per-token values: its name, width (values per token) and storage type."""
-    name: str
-    width: int
-    dtype: str  # bfloat16 (stored as int16 bits), float16, float32, float8_e4m3 (stored as uint8 bits)
-
-    @property
-    def itemsize(self) -> int:
-        return {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1, "int32": 4}[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.width * self.itemsize
-
-    @property
-    def arrow_type(self) -> pa.DataType:
-        return {"bfloat16": pa.int16(), "float16": pa.float16(), "float32": pa.float32(),
-                "float8_e4m3": pa.uint8(), "int32": pa.int32()}[self.dtype]
-
-
-def output_columns(num_layers: int, hidden: int, final: bool, storage_dtype: str, topk: int = 0) -> list[Column]:
-    """The state columns, in the order `encode` lays them out. fp8 adds one float32 scale per token and layer;
-    top-k target logits add their bf16 values and int32 token ids last."""
-    cols = [Column("hidden_states", num_layers * hidden, storage_dtype)]
-    if final:
-        cols.append(Column("final_hidden_state", hidden, storage_dtype))
-    if storage_dtype == "float8_e4m3":
-        cols.append(Column("hidden_states_scale", num_layers, "float32"))
-        if final:
-            cols.append(Column("final_hidden_state_scale", 1, "float32"))
-    if topk:
-        cols += [Column("topk_logits", topk, "bfloat16"), Column("topk_ids", topk, "int32")]
-    return cols
-
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def encode(states: list[torch.Tensor], num_layers: int, storage_dtype: str) -> torch.Tensor:
-    """The batch's state columns as one flat uint8 tensor, in `output_columns` order, on the device.
-
-    fp8 (e4m3) scales each token's vector of each layer by its absolute maximum / 448, so every layer keeps
-    its own range (residual-stream magnitudes grow by orders of magnitude with depth)."""
-    if storage_dtype in ("bfloat16", "float16", "float32"):
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[storage_dtype]
-        return torch.cat([x.to(dtype).reshape(-1).view(torch.uint8) for x in states])
-    quantized, scales = [], []
-    for x, groups in zip(states, (num_layers, 1)):
-        n = x.shape[0]
-        xf = x.float().view(n, groups, -1)
-        scale = xf.abs().amax(-1).clamp_min(1e-30) / FP8_MAX
-        quantized.append((xf / scale[..., None]).to(torch.float8_e4m3fn).reshape(-1).view(torch.uint8))
-        scales.append(scale.reshape(-1).view(torch.uint8))
-    return torch.cat(quantized + scales)
 
 
 def sdpa_backend(name: str, cuda: bool):

@@ -34,15 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from hsx.load import info, layer_positions, torch_view
+from hsx.load import layer_positions, read_info, torch_view
+from hsx.schema import Info, dequantize
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
 
 
-def _rows(out_dir, meta: dict, layers: list[int]):
+def _rows(out_dir, meta: Info, layers: list[int]):
     """A torch_view of `layers` (model indices) sorted by layer: SpecForge and vLLM capture in increasing order."""
-    positions = layer_positions(meta["layers"], layers, meta.get("num_model_layers"))
+    positions = layer_positions(meta.layers, layers, meta.num_model_layers)
     order = np.argsort(positions, kind="stable")
     return torch_view(out_dir, layers=[layers[k] for k in order], meta=meta)
 
@@ -55,18 +56,18 @@ def _states(row: dict, key: str):
     x = row[key]
     scale = row.get(f"{key}_scale")
     if scale is not None:
-        x = (x.float() * (scale[..., None] if key == "hidden_states" else scale)).to(torch.bfloat16)
+        x = dequantize(x, scale)
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _claim(out_dir, meta: dict, dest: Path, what: dict[str, Any], overwrite: bool) -> None:
+def _claim(out_dir, meta: Info, dest: Path, what: dict[str, Any], overwrite: bool) -> None:
     """DEST/hsx-export.json names the output and options an export came from, so that running it again resumes
     it, and a different export into the same DEST is refused instead of mixing files of two jobs."""
     import json
 
     if dest.resolve() == Path(out_dir).resolve() or Path(out_dir).resolve() in dest.resolve().parents:
         raise ValueError(f"{dest}: export into a folder outside the output dir {out_dir}")
-    mine = {"fingerprint": meta.get("fingerprint"), **what}
+    mine = {"fingerprint": meta.fingerprint, **what}
     marker = dest / "hsx-export.json"
     if marker.exists() and not overwrite:
         try:
@@ -97,20 +98,20 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
 
     if layout not in SPECFORGE_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(SPECFORGE_LAYOUTS)}, not {layout!r}")
-    meta = info(out_dir)
-    chosen = list(layers) if layers is not None else list(meta["layers"])
+    meta = read_info(out_dir)
+    chosen = list(layers) if layers is not None else list(meta.layers)
     if layout == "eagle3":
-        if not meta.get("final_hidden"):
+        if not meta.final_hidden:
             raise ValueError(f"{out_dir}: SpecForge's EAGLE-3 trainer needs hidden_state, the final-norm output: "
                              "extract with --final-hidden (the eagle3 preset includes it)")
         if len(chosen) != 3:
-            example = " ".join(str(i) for i in meta["layers"][:3])
-            raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta['layers']}: "
+            example = " ".join(str(i) for i in meta.layers[:3])
+            raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta.layers}: "
                              f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
     view = _rows(out_dir, meta, chosen)
-    rows_in = int(meta.get("counts", {}).get("rows_in") or 0)
+    rows_in = meta.counts.rows_in
     dest = Path(dest)
-    resolved = sorted(x + (meta.get("num_model_layers") or 0) if x < 0 else x for x in chosen)
+    resolved = sorted(x + meta.num_model_layers if x < 0 else x for x in chosen)
     _claim(out_dir, meta, dest, {"trainer": "specforge", "layout": layout, "layers": resolved,
                                  "group_size": group_size}, overwrite)
     written = kept = skipped = 0
@@ -160,16 +161,16 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     from hsx.load import load
     from hsx.vocab import SPECULATORS_FREQUENCIES_FILE, count_supervised, draft_vocab, write_speculators_frequencies
 
-    meta = info(out_dir)
-    last = meta["num_model_layers"] - 1
-    if last not in meta["layers"]:
+    meta = read_info(out_dir)
+    last = meta.num_model_layers - 1
+    if last not in meta.layers:
         raise ValueError(f"{out_dir}: speculators' trainer takes the last decoder layer's output before the final "
                          f"norm (layer {last}) as the verifier state, and this output stores layers "
-                         f"{meta['layers']}: extract with that layer too (e.g. --layers 1 17 32 -1)")
-    aux = list(layers) if layers is not None else [x for x in meta["layers"] if x != last]
-    aux = sorted(x + meta["num_model_layers"] if x < 0 else x for x in aux)
+                         f"{meta.layers}: extract with that layer too (e.g. --layers 1 17 32 -1)")
+    aux = list(layers) if layers is not None else [x for x in meta.layers if x != last]
+    aux = sorted(x + meta.num_model_layers if x < 0 else x for x in aux)
     if not aux or last in aux:
-        raise ValueError(f"pick the auxiliary layers among {[x for x in meta['layers'] if x != last]} (layer "
+        raise ValueError(f"pick the auxiliary layers among {[x for x in meta.layers if x != last]} (layer "
                          f"{last} is the verifier state and always comes last)")
     view = torch_view(out_dir, layers=[*aux, last], meta=meta)
     dest = Path(dest)
@@ -197,7 +198,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
         _save(path, lambda tmp, s=sample: save_file(s, str(tmp)))
         written += 1
 
-    vocab_size = meta.get("vocab_size") or (meta.get("token_frequencies") or {}).get("vocab_size")
+    vocab_size = meta.vocab_size or (meta.token_frequencies or {}).get("vocab_size")
     ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
     counts = count_supervised([table], int(vocab_size or (int(ids.max()) + 1 if len(ids) else 1)))
     write_speculators_frequencies(counts, dest / SPECULATORS_FREQUENCIES_FILE)
@@ -210,7 +211,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
         np.save(dest / f"t2d-{draft_vocab_size}.npy", t2d)
     target_layer_ids = [x + 1 for x in aux]  # speculators / vLLM count the embedding output as layer 0
     config = {"train": {  # its stage-shaped config file: the trainer's keys under `train:`
-        "verifier": {"verifier_name_or_path": meta.get("model")},
+        "verifier": {"verifier_name_or_path": meta.model},
         "draft": {"target_layer_ids": target_layer_ids,
                   **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
         "data": {"data_path": str(dest.resolve())}, "generation": {"on_missing": "raise"}}}

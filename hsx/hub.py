@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, manifest_problem, read_jsonl,
+from hsx.schema import Info, ManifestRecord
+from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, read_jsonl,
                       uploaded_matches)
 
 REPO_TYPE = "dataset"
@@ -261,7 +262,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     Returns {"uploaded": files, "skipped": files, "deleted": remote files, "commits": n, "bytes": uploaded bytes}."""
     out = OutputDir(out_dir)
     info = out.read_info()
-    if not info.get("complete"):
+    if info is None or not info.complete:
         raise HsxError(f"{out_dir} is not a complete hsx output (hsx.json missing or not complete): run the same "
                        "`hsx extract` command to finish it, or push units as they are written with --push-mode stream")
     for name in TOP_FILES:
@@ -301,7 +302,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
             log(f"hsx: push: deleting {len(stale)} file(s) of {hub.where} that are not part of this output "
                 f"({stale[0]}, ...)")
         oid = hub.commit(tops, stale, f"hsx: {', '.join(n for n, _ in tops) or 'prune'} "
-                                      f"(job {info.get('fingerprint', '?')[:12]})")
+                                      f"(job {(info.fingerprint or '?')[:12]})")
         summary["commits"] += 1
         summary["uploaded"] += [n for n, _ in tops]
         summary["deleted"] = stale
@@ -373,7 +374,7 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
 
 # ---- while the job runs -----------------------------------------------------------------------------------------
 
-def output_records(out: OutputDir, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def output_records(out: OutputDir, info: Info) -> dict[str, dict[str, Any]]:
     """The files of the output, by name, with size and CRC-32: hsx.json's list (an older hsx's output: the
     manifests, and the empty data file of a job without rows)."""
     files = listed_files(info)
@@ -572,7 +573,7 @@ class StreamUploader:
         if not manifest.exists():
             return
         uploaded = self.out.uploaded()
-        mine = {rec["unit"]: rec for rec in read_jsonl(manifest, manifest_problem)}
+        mine = {rec["unit"]: rec for rec in read_jsonl(manifest, ManifestRecord)}
         for unit, rec in sorted(mine.items()):
             f = self.out.data / rec["file"]
             if (f.exists() and not f.is_symlink() and f.stat().st_size == rec["bytes"]

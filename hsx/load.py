@@ -6,7 +6,7 @@ drafter's training (exports to trainers' own layouts: hsx.export).
   both a `torch_stream`), local dir or Hub repo alike.
   * a local output dir: memory-mapped from data/<split>-*.arrow in place (`Dataset.from_file`, 0.008 s for
     472 MB). `datasets.load_dataset(DIR)` would first copy everything into the HF cache (472 MB -> a 472 MB
-    cache file, so a second terabyte for a terabyte output; ../shared/notes/datasets-arrow.md §4), and datasets
+    cache file, so a second terabyte for a terabyte output), and datasets
     5.2 keys that cache by the folder's name and the card's configs, not by the files (hsx puts the job
     fingerprint in the card's config to keep two jobs apart).
   * a Hub repo id: `load_dataset(repo, split=...)`, downloaded into the HF cache first, as `load_dataset` does;
@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-STORAGE_NUMPY = {"bfloat16": "int16", "float16": "float16", "float32": "float32", "float8_e4m3": "uint8"}
+from hsx.schema import DTYPES, Damaged, Info, bits_dtype, decode, dequantize, storage_dtype_of
+
 IGNORE_INDEX = -100  # `labels` outside the loss (transformers' and torch's CrossEntropyLoss default)
 
 
@@ -64,7 +65,8 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
         files = _local_files(local, split, verify, allow_incomplete)
         if not streaming:
             ds = _load_local(files)
-            return ds if layers is None else torch_view(ds, layers=layers, meta=info(local), dequantize=dequantize)
+            return ds if layers is None else torch_view(ds, layers=layers, meta=read_info(local),
+                                                        dequantize=dequantize)
     from datasets import load_dataset
 
     if local is not None:
@@ -73,7 +75,7 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
         ds = load_dataset(str(path_or_repo), split=split, streaming=streaming, revision=revision)
     if layers is None:
         return ds
-    meta = info(local) if local is not None else hub_info(str(path_or_repo), revision)
+    meta = read_info(local) if local is not None else hub_info(str(path_or_repo), revision)
     if streaming:
         return torch_stream(ds, layers=layers, meta=meta, dequantize=dequantize)
     return torch_view(ds, layers=layers, meta=meta, dequantize=dequantize)
@@ -106,14 +108,16 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     from hsx.sink import OutputDir, listed_files
 
     out = OutputDir(root)
-    meta = _read_info(root)
-    listed = listed_files(meta) if meta.get("complete") else None
+    meta = out.read_info()
+    complete = meta is not None and meta.complete
+    listed = listed_files(meta) if complete else None
     if listed is not None:
         entries = [e for e in listed if e["file"].startswith(f"{split}-")]
         what = "listed in its hsx.json"
-    elif out.state.is_dir() and not meta.get("complete"):
+    elif out.state.is_dir() and not complete:
         entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]
-        total = len(out.read_summary().get("unit_names") or []) or "?"
+        summary = out.read_summary()
+        total = len(summary.unit_names if summary else []) or "?"
         if not allow_incomplete:
             raise HsxError(f"{root} is not a finished hsx output ({len(out.done_units())} of {total} units "
                            "committed: a job is running or was interrupted); run the same `hsx extract` command "
@@ -150,27 +154,36 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     return files
 
 
-def _read_info(root: Path) -> dict[str, Any]:
-    """hsx.json, or {} where a job has not written it yet; a damaged one is HsxError (one line)."""
-    from hsx.sink import OutputDir
-
-    return OutputDir(root).read_info()
-
-
 def info(path: str | os.PathLike) -> dict[str, Any]:
-    """hsx.json of a local output dir (HsxError, one line, when it is missing or damaged)."""
-    from hsx.sink import info_problem, read_json
+    """hsx.json of a local output dir as a dict, checked (HsxError, one line, when it is missing or damaged);
+    `read_info` gives it as a typed record."""
+    return read_info(path).to_dict()
 
-    return read_json(Path(path) / "hsx.json", info_problem)
+
+def read_info(path: str | os.PathLike) -> Info:
+    """hsx.json of a local output dir as an `hsx.schema.Info` (HsxError, one line, when missing or damaged)."""
+    from hsx.sink import read_json
+
+    return read_json(Path(path) / "hsx.json", Info)
 
 
-def hub_info(repo_id: str, revision: str | None = None) -> dict[str, Any]:
+def hub_info(repo_id: str, revision: str | None = None) -> Info:
     """hsx.json of a Hub repo (one small download, cached by huggingface_hub)."""
     from huggingface_hub import hf_hub_download
 
-    from hsx.sink import info_problem, read_json
+    from hsx.sink import read_json
 
-    return read_json(Path(hf_hub_download(repo_id, "hsx.json", repo_type="dataset", revision=revision)), info_problem)
+    return read_json(Path(hf_hub_download(repo_id, "hsx.json", repo_type="dataset", revision=revision)), Info)
+
+
+def _as_info(meta: Info | dict[str, Any] | None) -> Info | None:
+    """`meta=` as given to torch_view / torch_stream: an Info, or hsx.json as a dict (checked)."""
+    if meta is None or isinstance(meta, Info):
+        return meta
+    try:
+        return Info.from_dict(meta)
+    except Damaged as e:
+        raise ValueError(f"meta= is not an hsx.json: {e}") from None
 
 
 # ---- decoding rows ----------------------------------------------------------------------------------------------
@@ -203,9 +216,7 @@ class _Layout:
             elif name == "final_hidden_state_scale":
                 row[name] = _tensor(_values(t, name, nested=True)).view(n, 1)
             elif name == "topk_logits":  # bf16 bits as int16, like bf16 states, whatever the storage dtype
-                import torch
-
-                row[name] = _tensor(_values(t, name, nested=True)).view(torch.bfloat16).view(n, -1)
+                row[name] = decode(_tensor(_values(t, name, nested=True)), "bfloat16").view(n, -1)
             elif name == "topk_ids":
                 row[name] = _tensor(_values(t, name, nested=True)).view(n, -1)
             elif isinstance(t.schema.field(name).type, pa_list_types()):
@@ -215,29 +226,16 @@ class _Layout:
         if self.dtype == "float8_e4m3" and self.dequantize:
             for name in ("hidden_states", "final_hidden_state"):
                 if name in row:
-                    row[name] = _dequantize(row[name], row.pop(f"{name}_scale"))
+                    row[name] = dequantize(row[name], row.pop(f"{name}_scale"))
         return row
 
     def _states(self, t, name: str):
-        import torch
-
         a = _values(t, name, nested=True)
-        if a.dtype != np.dtype(STORAGE_NUMPY[self.dtype]):
-            raise TypeError(f"{name} holds {a.dtype} values, not the {STORAGE_NUMPY[self.dtype]} bits of "
+        bits = DTYPES[self.dtype].bits
+        if a.dtype != np.dtype(bits):
+            raise TypeError(f"{name} holds {a.dtype} values, not the {bits} bits of "
                             f"{self.dtype} an hsx output stores (rows re-encoded by a Python-level map?)")
-        x = _tensor(a)
-        if self.dtype == "bfloat16":
-            return x.view(torch.bfloat16)
-        if self.dtype == "float8_e4m3":
-            return x.view(torch.float8_e4m3fn)
-        return x
-
-
-def _dequantize(q, scale):
-    """bfloat16 x = q * scale of fp8 states q (..., hidden) with one float32 scale per token and layer."""
-    import torch
-
-    return (q.float() * scale.reshape(*q.shape[:-1], 1)).to(torch.bfloat16)
+        return decode(_tensor(a), self.dtype)
 
 
 def pa_list_types():
@@ -246,40 +244,30 @@ def pa_list_types():
     return (pa.ListType, pa.LargeListType, pa.FixedSizeListType)
 
 
-def _storage_dtype(meta: dict | None, features) -> str:
-    if meta and meta.get("storage_dtype"):
-        return meta["storage_dtype"]
-    try:
-        value = features["hidden_states"].feature.feature
-    except (KeyError, TypeError, AttributeError):
-        return "bfloat16"
-    if getattr(value, "id", None) == "float8_e4m3fn" or value.dtype == "uint8":
-        return "float8_e4m3"
-    return value.dtype if value.dtype in ("float16", "float32") else "bfloat16"
-
-
-def _layout(meta: dict | None, features, hidden_size: int | None, layers: list[int] | None,
+def _layout(meta: Info | dict | None, features, hidden_size: int | None, layers: list[int] | None,
             dequantize: bool = True) -> _Layout:
+    meta = _as_info(meta)
     width = None
     try:
         width = features["hidden_states"].feature.length
     except (KeyError, TypeError, AttributeError):
         pass
-    hidden = hidden_size or (meta or {}).get("hidden_size")
+    hidden = hidden_size or (meta.hidden_size if meta else None)
     if hidden is None and features is not None and "final_hidden_state" in features:
         hidden = features["final_hidden_state"].feature.length
     if width is None and meta:
-        width = len(meta["layers"]) * meta["hidden_size"]
+        width = len(meta.layers) * meta.hidden_size
     if width is None:
         raise ValueError("cannot tell the row layout: pass the output dir, or meta=<its hsx.json as a dict>")
     hidden = hidden or width  # unknown: one row of all layers side by side
     positions = None
     if layers is not None:
-        if not meta or "layers" not in meta:
+        if not meta:
             raise ValueError("layers= selects by model layer index: pass the output dir, or meta=<its hsx.json as "
                              "a dict>")
-        positions = layer_positions(meta["layers"], list(layers), meta.get("num_model_layers"))
-    return _Layout(hidden=hidden, num_layers=width // hidden, dtype=_storage_dtype(meta, features),
+        positions = layer_positions(meta.layers, list(layers), meta.num_model_layers)
+    return _Layout(hidden=hidden, num_layers=width // hidden,
+                   dtype=meta.storage_dtype if meta else storage_dtype_of(features),
                    positions=positions, dequantize=dequantize)
 
 
@@ -306,7 +294,7 @@ def _select(x, positions: list[int] | None):
         return x[:, positions[0]:positions[-1] + 1:step]
     import torch
 
-    bits = _bits_dtype(x.dtype)  # (index_select through the integer bits: bit-exact, any CPU)
+    bits = bits_dtype(x.dtype)  # (index_select through the integer bits: bit-exact, any CPU)
     index = torch.tensor(positions)
     return x.view(bits).index_select(1, index).view(x.dtype) if bits is not None else x.index_select(1, index)
 
@@ -326,7 +314,7 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
     def __init__(self, source, hidden_size: int | None = None, layers: list[int] | None = None,
                  meta: dict[str, Any] | None = None, dequantize: bool = True):
         if isinstance(source, (str, Path)):
-            meta = meta or info(source)
+            meta = meta or read_info(source)
             source = load(str(source))
         self.layout = _layout(meta, source.features, hidden_size, layers, dequantize)
         self.ds = source.with_format("arrow")
@@ -442,22 +430,16 @@ def collate(rows: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_o
     return batch
 
 
-def _bits_dtype(dtype):
-    import torch
-
-    return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype)
-
-
 def _zeros(shape, dtype):
     import torch
 
-    bits = _bits_dtype(dtype)
+    bits = bits_dtype(dtype)
     return torch.zeros(shape, dtype=bits).view(dtype) if bits is not None else torch.zeros(shape, dtype=dtype)
 
 
 def _copy_into(dst, src) -> None:
     """Bit-exact copy (through the integer bits for bf16 / fp8, which CPU kernels may not copy natively)."""
-    bits = _bits_dtype(src.dtype)
+    bits = bits_dtype(src.dtype)
     if bits is not None:
         dst.view(bits).copy_(src.view(bits))
     else:

@@ -25,9 +25,9 @@ from hsx import __version__
 from hsx.buckets import plan_units
 from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
                         resolve_layers)
-from hsx.engine import output_columns
+from hsx.schema import OutputFormat
 from hsx.fingerprint import model_identity, tokenizer_identity
-from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
+from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, info_features,
                       job_fingerprint)
 from hsx.vocab import write_token_frequencies
 
@@ -279,15 +279,14 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     else:
         model_path, revision, text = model.model_path, model.revision, model.text_config
         num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
-    if cfg.topk_logits and not final_hidden:
-        raise UsageError("--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 "
-                         "preset)")
+    hidden = int(text.hidden_size)
+    output_format = OutputFormat(len(layers), hidden, final_hidden, cfg.storage_dtype, cfg.topk_logits)
+    if output_format.problem():
+        raise UsageError(output_format.problem())
     check_topk_logits(cfg.topk_logits, int(text.vocab_size))
     raw = data.load_input(cfg)
     tokenizer = _tokenizer(cfg, model_path) if data.row_format(raw.column_names) != "input_ids" else None
-    hidden = int(text.hidden_size)
-    bytes_per_token = sum(c.nbytes for c in output_columns(len(layers), hidden, final_hidden, cfg.storage_dtype,
-                                                            cfg.topk_logits))
+    bytes_per_token = sum(c.nbytes for c in output_format.state_columns())
     unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
     template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
     mask = data.mask_method(raw.column_names, tokenizer)  # {"method", "version"}: a new version re-tokenizes
@@ -307,7 +306,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: threading.
     tokenized, state = _claim_and_tokenize(cfg, proc, out, job, raw, tokenizer, int(text.vocab_size), say)
     run_id = _shared_run_id(out, proc)
     if state == "complete":
-        info = out.read_info()
+        info = out.read_info().to_dict()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
         refuse_empty(cfg, info["counts"], written=True)
         if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo
@@ -431,7 +430,7 @@ def _finish(cfg: ExtractConfig, proc: Process, out: OutputDir, units: list, summ
             time.sleep(0.2)
     with out.finalizing() as already:
         if already:
-            return out.read_info()
+            return out.read_info().to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
         info = complete_info(summary, done, proc.world_size, stats)
@@ -561,8 +560,8 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
                           nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
                           packing=packing)
-    feats = features(len(layers) * hidden, hidden, final_hidden, cfg.nonfinite == "keep", cfg.storage_dtype,
-                     cfg.topk_logits)
+    feats = OutputFormat(len(layers), hidden, final_hidden, cfg.storage_dtype, cfg.topk_logits,
+                         cfg.nonfinite == "keep").features()
     peak_tflops = measure_matmul_tflops(device) if cuda else None
     per_layer = layer_params(loaded.text_config)
 

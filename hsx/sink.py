@@ -37,8 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hsx.config import COMPUTE_DTYPES, STORAGE_DTYPES, HsxError
+from hsx.config import HsxError
 from hsx.fingerprint import differing_files
+from hsx.schema import Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary, UploadRecord
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -46,26 +47,29 @@ UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
 
-def read_json(path: Path, problem=None) -> dict[str, Any]:
-    """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json), checked by `problem(obj)` (a
-    sentence, or None when it is fine). Unreadable, not UTF-8 JSON, not an object, or a key missing or of the
-    wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
+def read_json(path: Path, record=None):
+    """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json) as its typed record
+    (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, not UTF-8 JSON, not an object, or
+    a key missing or of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
     try:
         obj = json.loads(Path(path).read_bytes().decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
-    why = ("not a JSON object" if not isinstance(obj, dict) else problem(obj) if problem is not None else None)
-    if why:
-        raise HsxError(f"{path} is damaged: {why}")
-    return obj
+    try:
+        if not isinstance(obj, dict):
+            raise Damaged("not a JSON object")
+        return record.from_dict(obj) if record is not None else obj
+    except Damaged as e:
+        raise HsxError(f"{path} is damaged: {e}") from None
 
 
-def read_jsonl(path: Path, problem) -> Iterator[dict[str, Any]]:
-    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl). A line
-    that is not JSON is a torn append from a kill (its unit is redone) and is passed over; a whole JSON line that
-    is not a valid record (`problem`) was damaged or written by something else: HsxError naming file and line."""
+def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl), as the
+    dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not JSON is a torn append from
+    a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
+    written by something else: HsxError naming file and line."""
     try:
         blob = Path(path).read_bytes()
     except OSError as e:
@@ -77,149 +81,22 @@ def read_jsonl(path: Path, problem) -> Iterator[dict[str, Any]]:
             rec = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             continue
-        why = "not a JSON object" if not isinstance(rec, dict) else problem(rec)
-        if why:
-            raise HsxError(f"{path}: line {number} is damaged: {why}")
+        try:
+            if not isinstance(rec, dict):
+                raise Damaged("not a JSON object")
+            if record is not None:
+                record.from_dict(rec)
+        except Damaged as e:
+            raise HsxError(f"{path}: line {number} is damaged: {e}") from None
         yield rec
 
 
-def _is_int(v: Any, least: int = 0) -> bool:
-    return type(v) is int and v >= least
-
-
-def _first_problem(obj: dict[str, Any], checks: dict[str, tuple[Any, str]]) -> str | None:
-    """`checks`: key -> (predicate of its value, what it must be). The first key missing or failing."""
-    for key, (ok, must) in checks.items():
-        if key not in obj:
-            return f"key {key!r} is missing"
-        if not ok(obj[key]):
-            return f"{key} must be {must}, got {str(obj[key])[:60]!r}"
-    return None
-
-
-def _layers_ok(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
-
-
-_OUTPUT_CHECKS = {
-    "model": (lambda v: isinstance(v, str), "a string"),
-    "layers": (_layers_ok, "a list of distinct non-negative integers"),
-    "hidden_size": (lambda v: _is_int(v, 1), "a positive integer"),
-    "num_model_layers": (lambda v: _is_int(v, 1), "a positive integer"),
-    "final_hidden": (lambda v: type(v) is bool, "true or false"),
-    "storage_dtype": (lambda v: v in STORAGE_DTYPES, f"one of {', '.join(STORAGE_DTYPES)}"),
-    "max_length": (lambda v: _is_int(v, 1), "a positive integer"),
-    "counts": (lambda v: isinstance(v, dict), "an object"),
-    "config": (lambda v: isinstance(v, dict), "an object"),
-}
-_CONFIG_CHECKS = {  # what readers take from the recorded config (hsx.json's and summary.json's "config")
-    "nonfinite": (lambda v: v in ("skip", "keep"), "skip or keep"),
-    "topk_logits": (lambda v: _is_int(v), "a non-negative integer"),
-    "dtype": (lambda v: v in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}"),
-}
-
-
-def _output_problem(obj: dict[str, Any], checks: dict[str, tuple[Any, str]], counts: tuple[str, ...]) -> str | None:
-    why = _first_problem(obj, {**_OUTPUT_CHECKS, **checks})
-    if why:
-        return why
-    if max(obj["layers"]) >= obj["num_model_layers"]:
-        return f"layers {obj['layers']} do not fit a model of {obj['num_model_layers']} layers"
-    config = {k: v for k, v in obj["config"].items() if k in _CONFIG_CHECKS}
-    why = _first_problem(config, {k: c for k, c in _CONFIG_CHECKS.items() if k in config})
-    if why:
-        return "config." + why
-    for key in counts:
-        if not _is_int(obj["counts"].get(key)):
-            return f"counts.{key} must be a non-negative integer, got {obj['counts'].get(key)!r}"
-    if not isinstance(obj["counts"].get("skipped"), dict):
-        return "counts.skipped must be an object"
-    return None
-
-
-def info_problem(info: dict[str, Any]) -> str | None:
-    """What is wrong with an hsx.json (None: every key its readers use is there, of the right type)."""
-    return _output_problem(info, {"complete": (lambda v: type(v) is bool, "true or false")},
-                           ("rows_in", "rows_written", "tokens_written", "truncated"))
-
-
-def summary_problem(summary: dict[str, Any]) -> str | None:
-    """What is wrong with a .hsx/summary.json (what `hsx merge` and finalization build hsx.json from)."""
-    return _output_problem(summary, {
-        "unit_names": (lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v), "a list of strings"),
-        "command": (lambda v: isinstance(v, str), "a string"),
-        "hsx_version": (lambda v: isinstance(v, str), "a string"),
-        "layer_convention": (lambda v: isinstance(v, str), "a string")}, ("rows_in", "truncated")) or (
-        None if summary.get("vocab_size") is None or (_is_int(summary["vocab_size"], 1)
-                                                      and summary["vocab_size"] <= 2**31)
-        else "vocab_size must be a positive integer (input_ids are int32)")
-
-
-def job_problem(job: dict[str, Any]) -> str | None:
-    return _first_problem(job, {"fingerprint": (lambda v: isinstance(v, str) and bool(v), "a string"),
-                                "inputs": (lambda v: isinstance(v, dict), "an object")})
-
-
-UNIT_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]*")  # a file name under data/, never a path
-
-
-def manifest_problem(rec: dict[str, Any]) -> str | None:
-    why = _first_problem(rec, {
-        "unit": (lambda v: isinstance(v, str) and UNIT_NAME.fullmatch(v) is not None, "a unit name"),
-        "file": (lambda v: v == f"train-{rec.get('unit')}.arrow", f"train-{rec.get('unit')}.arrow"),
-        "bytes": (_is_int, "a non-negative integer"),
-        "rows": (_is_int, "a non-negative integer"),
-        "tokens": (_is_int, "a non-negative integer"),
-    })
-    if why is None and not isinstance(rec.get("crc32", ""), str):
-        why = "crc32 must be a string"
-    for key in ("skipped_oom", "skipped_nonfinite", "nonfinite_kept"):  # summed into hsx.json's counts
-        if why is None and not _is_int(rec.get(key, 0)):
-            why = f"{key} must be a non-negative integer"
-    return why
-
-
-def uploaded_problem(rec: dict[str, Any]) -> str | None:
-    return _first_problem(rec, {"file": (lambda v: isinstance(v, str), "a path in the repo"),
-                                "bytes": (_is_int, "a non-negative integer")})
-
-
-def features(width: int, hidden: int, final_hidden: bool, flag_nonfinite: bool = False,
-             storage_dtype: str = "bfloat16", topk_logits: int = 0):
-    """The output schema. Arrow has no bfloat16: bf16 is stored bit-exact as int16 (marked id="bfloat16"), fp8
-    as uint8 bits (id="float8_e4m3fn") with float32 scales per token and layer in `*_scale` columns."""
-    from datasets import Features, List, Value
-
-    value = {"bfloat16": Value("int16", id="bfloat16"), "float16": Value("float16"),
-             "float32": Value("float32"), "float8_e4m3": Value("uint8", id="float8_e4m3fn")}[storage_dtype]
-    f = {
-        "sample_id": Value("int64"),
-        "input_ids": List(Value("int32")),
-        "loss_mask": List(Value("int8")),
-        "num_tokens": Value("int32"),
-        "hidden_states": List(List(value, length=width)),
-    }
-    if final_hidden:
-        f["final_hidden_state"] = List(List(value, length=hidden))
-    if storage_dtype == "float8_e4m3":
-        f["hidden_states_scale"] = List(List(Value("float32"), length=width // hidden))
-        if final_hidden:
-            f["final_hidden_state_scale"] = List(List(Value("float32"), length=1))
-    if topk_logits:
-        f["topk_logits"] = List(List(Value("int16", id="bfloat16"), length=topk_logits))
-        f["topk_ids"] = List(List(Value("int32"), length=topk_logits))
-    if flag_nonfinite:
-        f["has_nonfinite"] = Value("bool")  # with --nonfinite keep: rows whose states hold NaN/Inf
-    return Features(f)
-
-
 def info_features(info: dict[str, Any]):
-    """The output schema an hsx.json describes (None if it does not say enough)."""
-    if not {"layers", "hidden_size", "final_hidden"} <= set(info):
+    """The output schema a (complete_info-built) hsx.json describes (None if it does not say enough)."""
+    try:
+        return Info.from_dict(info).format.features()
+    except Damaged:
         return None
-    cfg = info.get("config", {})
-    return features(len(info["layers"]) * info["hidden_size"], info["hidden_size"], bool(info["final_hidden"]),
-                    cfg.get("nonfinite") == "keep", info.get("storage_dtype", "bfloat16"), cfg.get("topk_logits", 0))
 
 
 class OutputDir:
@@ -230,10 +107,6 @@ class OutputDir:
         self.state = self.root / ".hsx"
         self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
         self.session = uuid.uuid4().hex[:12]  # in this process's manifest lines: which run committed a unit
-
-    def manifest_lines(self) -> Iterator[str]:
-        for manifest in sorted(self.state.glob(MANIFESTS)):
-            yield from manifest.read_text(errors="replace").splitlines()
 
     # ---- claiming a dir for a job ----
 
@@ -283,9 +156,14 @@ class OutputDir:
             raise HsxError(f"{self.root} is a file, not a folder; choose another --output-dir")
 
     def has_output(self) -> bool:
-        """Whether a job has committed anything here: a manifest line, a data file, or hsx.json."""
-        return (any(line.strip() for line in self.manifest_lines()) or any(self.data_files())
-                or (self.root / "hsx.json").exists())
+        """Whether a job has committed anything here: a manifest record, a data file, or hsx.json. A damaged
+        manifest counts as output (it is never cleared as unused); a torn line alone does not."""
+        if any(self.data_files()) or (self.root / "hsx.json").exists():
+            return True
+        try:
+            return bool(self.manifest_records())
+        except HsxError:
+            return True
 
     def claim(self, job: dict[str, Any], overwrite: bool, check_crc: bool = False, log=print,
               check: bool = True) -> str:
@@ -304,11 +182,11 @@ class OutputDir:
                 p.name not in (".hsx",) for p in self.root.iterdir()):
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
         if job_file.exists():
-            old = read_json(job_file, job_problem)
-            if old.get("fingerprint") == job["fingerprint"]:
+            old = read_json(job_file, Job)
+            if old.fingerprint == job["fingerprint"]:
                 return self._resume_state(check_crc, log, check)
             if self.has_output():
-                raise HsxError(f"{self.root} holds a different job (differs in: {describe_difference(old, job)}); "
+                raise HsxError(f"{self.root} holds a different job (differs in: {describe_difference(old.to_dict(), job)}); "
                                "use another --output-dir, or --overwrite to delete it and start over")
             self.clear()  # a job that failed before committing anything: drop its job.json, tokenized cache, tmp
         self.state.mkdir(parents=True, exist_ok=True)
@@ -340,21 +218,23 @@ class OutputDir:
         """'complete' or 'resume'. `check`: this process checks the units (one per dir: the other ranks of the
         job come after it and only count them)."""
         info = self.read_info()
+        complete = info is not None and info.complete
         damaged = self.check_units(check_crc) if check else []
-        expected = (self.read_summary().get("unit_names")
-                    or [r["unit"] for r in listed_files(info) or [] if r.get("unit")])
+        summary = self.read_summary()
+        expected = ((summary.unit_names if summary else [])
+                    or [e.unit for e in (info.files if info else None) or () if e.unit])
         done = self.done_units()
         missing = [u for u in expected if u not in done]
-        if info.get("complete") and not (damaged or missing):
+        if complete and not (damaged or missing):
             return "complete"
         if damaged or missing:
             names = damaged or [f"train-{u}.arrow" for u in missing]
             log(f"hsx: {self.root}: {len(damaged)} damaged and {len(missing) - len(damaged)} missing unit(s) "
                 f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); they are redone"
                 + (" (damaged ones moved to .hsx/damaged/)" if damaged else ""))
-        if check and info.get("complete"):  # no longer finished: a reader must not take it for a whole output
-            atomic_write(self.root / "hsx.json", json.dumps({**info, "complete": False}, indent=2) + "\n")
-        if check and (info.get("complete") or not (self.root / "README.md").exists()):
+        if check and complete:  # no longer finished: a reader must not take it for a whole output
+            atomic_write(self.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
+        if check and (complete or not (self.root / "README.md").exists()):
             self.write_unfinished_card()
         return "resume"
 
@@ -365,7 +245,7 @@ class OutputDir:
         (done_units) and is redone. Returns the names of the files moved aside."""
         check = set()
         for manifest in sorted(self.state.glob(MANIFESTS)):
-            recs = list(read_jsonl(manifest, manifest_problem))
+            recs = list(read_jsonl(manifest, ManifestRecord))
             last = recs[-1].get("session") if recs else None
             check |= {r["unit"] for r in recs if all_crc or (last is not None and r.get("session") == last)}
         damaged = []
@@ -406,7 +286,8 @@ class OutputDir:
         fd = os.open(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield bool(self.read_info().get("complete"))
+            info = self.read_info()
+            yield info is not None and info.complete
         finally:
             os.close(fd)
 
@@ -434,14 +315,15 @@ class OutputDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.state / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
 
-    def read_summary(self) -> dict[str, Any]:
+    def read_summary(self) -> Summary | None:
+        """.hsx/summary.json (None before planning wrote it); HsxError when it is damaged (see `read_json`)."""
         f = self.state / "summary.json"
-        return read_json(f, summary_problem) if f.exists() else {}
+        return read_json(f, Summary) if f.exists() else None
 
-    def read_info(self) -> dict[str, Any]:
-        """hsx.json ({} when there is none yet); HsxError when it is damaged (see `read_json`)."""
+    def read_info(self) -> Info | None:
+        """hsx.json (None when there is none yet); HsxError when it is damaged (see `read_json`)."""
         f = self.root / "hsx.json"
-        return read_json(f, info_problem) if f.exists() else {}
+        return read_json(f, Info) if f.exists() else None
 
     # ---- units ----
 
@@ -450,7 +332,7 @@ class OutputDir:
         or not."""
         records = {}
         for manifest in sorted(self.state.glob(MANIFESTS)):
-            for rec in read_jsonl(manifest, manifest_problem):  # a torn line from a kill: that unit is redone
+            for rec in read_jsonl(manifest, ManifestRecord):  # a torn line from a kill: that unit is redone
                 records[rec["unit"]] = rec
         return records
 
@@ -476,7 +358,7 @@ class OutputDir:
         record of each path over every .hsx/uploaded-*.jsonl (one per rank, and one for `hsx push`)."""
         records: dict[str, dict[str, Any]] = {}
         for ledger in sorted(self.state.glob(UPLOADED)):
-            for rec in read_jsonl(ledger, uploaded_problem):  # a torn line: uploaded again (a no-op on the Hub)
+            for rec in read_jsonl(ledger, UploadRecord):  # a torn line: uploaded again (a no-op on the Hub)
                 records[rec["file"]] = rec
         return records
 
@@ -671,26 +553,15 @@ def complete_info(summary: dict[str, Any], done: dict[str, dict[str, Any]], worl
     return info
 
 
-def listed_files(info: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """hsx.json's `files` (None for an older hsx's hsx.json, which has none); a damaged list is one HsxError."""
-    files = info.get("files")
-    if files is None:
-        return None
-    def ok(e) -> bool:  # a plain name inside data/ (never a path out of it), a size, a CRC-32
-        name = e.get("file") if isinstance(e, dict) else None
-        return (isinstance(name, str) and "/" not in name and name[:1] not in ("", ".")
-                and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), (str, type(None)))
-                and (e.get("unit") is None or (isinstance(e["unit"], str) and UNIT_NAME.fullmatch(e["unit"]))))
-
-    if not isinstance(files, list) or not all(ok(e) for e in files):
-        raise HsxError("hsx.json's `files` is damaged (each entry needs a file name in data/, bytes and crc32)")
-    return files
+def listed_files(info: Info | None) -> list[dict[str, Any]] | None:
+    """hsx.json's `files` as dicts (None without hsx.json, or for an older hsx's, which lists none); each entry
+    was checked when hsx.json was read (hsx.schema.FileEntry: a plain name inside data/, a size, a CRC-32)."""
+    return None if info is None or info.files is None else [e.to_dict() for e in info.files]
 
 
 def unit_entry(rec: dict[str, Any]) -> dict[str, Any]:
     """What hsx.json says of one file of the output: readers check names and sizes (and CRCs) against it."""
-    return {"file": rec["file"], "unit": rec.get("unit"), "rows": rec.get("rows", 0), "bytes": rec["bytes"],
-            "crc32": rec.get("crc32")}
+    return FileEntry(rec["file"], rec["bytes"], rec.get("crc32"), rec.get("unit"), rec.get("rows", 0)).to_dict()
 
 
 def job_fingerprint(inputs: dict[str, Any], given: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -805,15 +676,13 @@ fsync_dir = fsync_file
 
 
 BIG_OUTPUT_BYTES = 50e9  # above this (or on the Hub) the card leads with streaming / hsx.load
-STORAGE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 
 
 def output_bytes(info: dict[str, Any]) -> int:
-    """The states' size: tokens x stored vectors x hidden x itemsize (+ fp8's float32 scale per vector)."""
-    dtype = info.get("storage_dtype", "bfloat16")
-    vectors = len(info["layers"]) + int(bool(info.get("final_hidden")))
-    per_vector = info["hidden_size"] * STORAGE_ITEMSIZE.get(dtype, 2) + (4 if dtype == "float8_e4m3" else 0)
-    return int(info["counts"]["tokens_written"]) * vectors * per_vector
+    """The states' size: tokens x the state bytes per token (fp8's scales in, top-k columns out; hsx.schema)."""
+    fmt = OutputFormat(len(info["layers"]), info["hidden_size"], bool(info.get("final_hidden")),
+                       info.get("storage_dtype", "bfloat16"))
+    return int(info["counts"]["tokens_written"]) * fmt.bytes_per_token
 
 
 def human_bytes(n: float) -> str:
@@ -1008,16 +877,17 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
         f = src.state / "job.json"
         if not f.exists():
             raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
-        jobs.append(read_json(f, job_problem))
-    if len({j["fingerprint"] for j in jobs}) != 1:
+        jobs.append(read_json(f, Job))
+    if len({j.fingerprint for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
     own = out.state / "job.json"
-    if own.exists() and read_json(own, job_problem)["fingerprint"] != jobs[0]["fingerprint"] \
+    if own.exists() and read_json(own, Job).fingerprint != jobs[0].fingerprint \
             and out.has_output():
         raise HsxError(f"{out.root} holds another job's output; merge into a new dir or one of the job's dirs")
-    summary = next((s for s in (src.read_summary() for src in sources) if s), None)
-    if summary is None:
+    read = next((s for s in (src.read_summary() for src in sources) if s), None)
+    if read is None:
         raise HsxError("no dir has a planning summary (.hsx/summary.json): did the job get past tokenization?")
+    summary = read.to_dict()
     done: dict[str, tuple[OutputDir, dict[str, Any]]] = {}
     if own.exists():
         done = {u: (out, rec) for u, rec in out.done_units().items() if (out.data / rec["file"]).exists()
@@ -1044,7 +914,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
         lines.append(json.dumps(rec, sort_keys=True))
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
-    atomic_write(out.state / "job.json", json.dumps(jobs[0], indent=2, sort_keys=True))
+    atomic_write(out.state / "job.json", json.dumps(jobs[0].to_dict(), indent=2, sort_keys=True))
     out.write_summary(summary)
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": [str(Path(d).resolve()) for d in dirs]})

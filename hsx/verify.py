@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx.schema import Info
+
 
 class VerifyFailed(Exception):
     pass
@@ -33,7 +35,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
 
     from hsx.config import HsxError
     from hsx.load import _load_local, torch_view
-    from hsx.sink import OutputDir, features, file_crc32, uploaded_matches
+    from hsx.sink import OutputDir, file_crc32, uploaded_matches
 
     if trust_remote_code and not model:
         raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
@@ -46,16 +48,15 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         uploaded = out.uploaded()
     except HsxError as e:
         raise VerifyFailed(str(e)) from None
-    if not info.get("complete"):
+    if info is None or not info.complete:
         raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
-    layers, hidden, final = info["layers"], info["hidden_size"], info["final_hidden"]
-    keep_flag = info.get("config", {}).get("nonfinite") == "keep"
+    final = info.final_hidden
     # Files against the manifest first (size, CRC-32): a damaged file is named here, before anything parses it.
     files = out.data_files()
     for f in files:
         rec = next((r for r in records.values() if r["file"] == f.name), None)
         if rec is None:
-            if info["counts"]["rows_written"] == 0 and f.name == "train-000-00000.arrow":
+            if info.counts.rows_written == 0 and f.name == "train-000-00000.arrow":
                 continue  # the empty file of an output with no usable rows
             problems.append(f"{f.name} is not in the manifest")
             continue
@@ -73,19 +74,18 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         ds = _load_local(files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
     except Exception as e:  # noqa: BLE001  (any unreadable file is a failed verification, in one line)
         raise VerifyFailed(f"cannot read the data files: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    expected = features(len(layers) * hidden, hidden, final, keep_flag, info.get("storage_dtype", "bfloat16"),
-                        info.get("config", {}).get("topk_logits", 0))
+    expected = info.format.features()
     if ds.features.arrow_schema != expected.arrow_schema:
         problems.append(f"schema {ds.features} differs from the expected {expected}")
 
     ids = np.asarray(ds.data.column("sample_id").to_numpy())
-    if len(ids) != info["counts"]["rows_written"]:
-        problems.append(f"{len(ids)} rows, hsx.json says {info['counts']['rows_written']}")
+    if len(ids) != info.counts.rows_written:
+        problems.append(f"{len(ids)} rows, hsx.json says {info.counts.rows_written}")
     if len(np.unique(ids)) != len(ids):
         problems.append(f"{len(ids) - len(np.unique(ids))} sample_id(s) repeat")
     num_tokens = ds.data.column("num_tokens").to_numpy()
-    if int(num_tokens.sum()) != info["counts"]["tokens_written"]:
-        problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info['counts']['tokens_written']}")
+    if int(num_tokens.sum()) != info.counts.tokens_written:
+        problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info.counts.tokens_written}")
     for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
         lengths = pc.list_value_length(ds.data.column(col)).to_numpy(zero_copy_only=False)
         if not np.array_equal(lengths, num_tokens):
@@ -94,8 +94,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
 
     errors: dict[str, float] = {}
     if samples and len(ds):
-        recorded = info.get("model_path")
-        if not model and info["config"].get("trust_remote_code") is not False:
+        recorded = info.model_path
+        if not model and info.config.get("trust_remote_code") is not False:
             problems.append("cannot recompute rows: the job ran the model's own code (trust_remote_code), and "
                             "verify takes no trust from hsx.json: pass --model PATH --trust-remote-code")
         elif not model and not (isinstance(recorded, str) and recorded and Path(recorded).is_dir()):
@@ -116,23 +116,22 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     return report
 
 
-def _recompute(info: dict[str, Any], rows, samples: int, seed: int, model_path: str,
+def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,
                trust_remote_code: bool) -> dict[str, float]:
     import torch
     from transformers import AutoModel
 
     from hsx.model import TORCH_DTYPES, decoder_layers
 
-    cfg = info["config"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model = AutoModel.from_pretrained(model_path, dtype=TORCH_DTYPES[cfg.get("dtype", "bfloat16")],
+        model = AutoModel.from_pretrained(model_path, dtype=TORCH_DTYPES[info.config.dtype],
                                           use_safetensors=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise VerifyFailed(f"cannot load the reference model {model_path}: {str(e).strip().splitlines()[0]}"
                            if str(e).strip() else f"cannot load the reference model {model_path}") from None
     model = model.to(device).eval()
-    n = info["num_model_layers"]
+    n = info.num_model_layers
     if len(decoder_layers(model)) != n:
         raise VerifyFailed(f"the reference model {model_path} has {len(decoder_layers(model))} layers; the output "
                            f"was extracted from one with {n}")
@@ -149,7 +148,7 @@ def _recompute(info: dict[str, Any], rows, samples: int, seed: int, model_path: 
                     continue  # kept on purpose (--nonfinite keep): the reference is non-finite there too
                 ids = row["input_ids"].long()[None].to(device)
                 out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-                for j, layer in enumerate(info["layers"]):
+                for j, layer in enumerate(info.layers):
                     ref = out.hidden_states[layer + 1] if layer < n - 1 else last["out"]
                     _worst(worst, f"layer {layer}", row["hidden_states"][:, j], ref[0])
                 if "final_hidden_state" in row:

@@ -73,12 +73,9 @@ def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
     root = Path(out_dir)
     from hsx.sink import OutputDir
 
-    meta = OutputDir(root).read_info().get("token_frequencies")
+    info = OutputDir(root).read_info()  # (its token_frequencies entry checked: hsx.schema.Info)
+    meta = info.token_frequencies if info is not None else None
     path = root / FREQUENCIES_FILE
-    if meta and not (isinstance(meta, dict) and all(type(meta.get(k)) is int and meta[k] >= 0
-                                                    for k in ("vocab_size", "supervised_tokens"))):
-        raise ValueError(f"{root / 'hsx.json'}: token_frequencies is damaged (needs integer vocab_size and "
-                         "supervised_tokens)")
     if not meta or not path.is_file():
         raise FileNotFoundError(f"{out_dir} has no {FREQUENCIES_FILE} (written by hsx extract when a job "
                                 "finishes; outputs of older versions lack it)")

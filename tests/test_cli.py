@@ -540,7 +540,10 @@ def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_
     rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
     assert_one_line_error(rc, capsys.readouterr().err, "--final-hidden")
     meta = json.loads((out / "hsx.json").read_text())
-    monkeypatch.setattr(sys.modules["hsx.export"], "info", lambda path: {**meta, "final_hidden": True})
+    from hsx.schema import Info
+
+    monkeypatch.setattr(sys.modules["hsx.export"], "read_info",
+                        lambda path: Info.from_dict({**meta, "final_hidden": True}))
     rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
     line = assert_one_line_error(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
     assert "layers=[" not in line.split("(in Python")[0]

@@ -399,7 +399,7 @@ def test_sharegpt_rows_end_to_end(tmp_path, model4, tokenizer):
 def test_output_with_no_usable_rows_loads(tmp_path, model4):
     from datasets import load_dataset
 
-    from hsx.sink import features
+    from hsx.schema import OutputFormat
 
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": []}, {"messages": [{"role": "user", "content": "hi"}]}])
     # (a name of its own: datasets' cache keys local dirs by folder name and card, not by path or content)
@@ -410,10 +410,10 @@ def test_output_with_no_usable_rows_loads(tmp_path, model4):
     assert run.info["counts"]["skipped"] == {"empty_conversation": 1, "no_assistant_turn": 1}
     assert sorted(p.name for p in (run.out / "data").iterdir()) == ["train-000-00000.arrow"]
     ds = hsx.load(str(run.out))
-    assert len(ds) == 0 and ds.features == features(64, 64, False)
+    assert len(ds) == 0 and ds.features == OutputFormat(1, 64, False).features()
     assert len(hsx.torch_view(str(run.out))) == 0
     streamed = load_dataset(str(run.out), split="train", streaming=True)
-    assert list(streamed) == [] and streamed.features == features(64, 64, False)
+    assert list(streamed) == [] and streamed.features == OutputFormat(1, 64, False).features()
     # a rerun is a no-op, and another job does not take the dir over (it holds a finished output)
     assert "already complete" in " ".join(run_extract(run.out, model=str(model4.path), dataset=str(path),
                                                       layers=["1"], allow_empty=True).log)

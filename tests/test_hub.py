@@ -362,7 +362,7 @@ def test_finalize_writes_no_empty_file_when_every_unit_was_uploaded_and_deleted(
     api = FakeHfApi()
     StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
     o = OutputDir(out)
-    info = o.read_info()
+    info = o.read_info().to_dict()
     o.finalize(info, (out / "README.md").read_text())
     assert not list((out / "data").glob("*.arrow"))  # no 0-row train-000-00000.arrow over an uploaded unit
 
@@ -418,7 +418,7 @@ def test_loading_a_dir_with_deleted_units_warns(out):
     up.submit(names[0])
     up.close()
     with pytest.warns(UserWarning, match=r"1 unit\(s\) were deleted after their upload to someone/states"):
-        assert len(hsx.load(str(out))) < OutputDir(out).read_info()["counts"]["rows_written"]
+        assert len(hsx.load(str(out))) < OutputDir(out).read_info().counts.rows_written
 
 
 def test_abort_leaves_pending_units_on_disk_for_the_next_run(out):

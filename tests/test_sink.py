@@ -10,7 +10,8 @@ import pytest
 
 import hsx
 from hsx.config import HsxError
-from hsx.sink import OutputDir, features, info_features, job_fingerprint
+from hsx.schema import OutputFormat
+from hsx.sink import OutputDir, info_features, job_fingerprint
 
 CARD = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.arrow\n---\n"
 INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True, "model": "m",
@@ -112,7 +113,7 @@ def test_finalize_without_units_writes_an_empty_data_file(tmp_path):
     from datasets import Dataset, load_dataset
 
     out = OutputDir(tmp_path / "empty-output")  # a name of its own: datasets caches local dirs by folder name
-    feats = features(128, 64, True)
+    feats = OutputFormat(2, 64, True).features()
     with out.locked():
         out.claim(job(), False)
         out.unit_tmp("000-00000")  # finalize also clears .hsx/tmp
@@ -135,7 +136,7 @@ def test_finalize_empty_schema_defaults_to_the_info(tmp_path):
     with out.locked():
         out.claim(job(), False)
         out.finalize({**INFO, "final_hidden": False}, CARD)
-    assert hsx.load(str(out.root)).features == features(128, 64, False)
+    assert hsx.load(str(out.root)).features == OutputFormat(2, 64, False).features()
     assert info_features({"layers": [1]}) is None
 
 
@@ -143,7 +144,7 @@ def test_finalize_with_units_adds_no_empty_file(tmp_path):
     out = OutputDir(tmp_path / "out")
     out.data.mkdir(parents=True)
     (out.data / "train-003-00000.arrow").write_bytes(b"a unit")
-    out.finalize(INFO, CARD, features=features(128, 64, True))
+    out.finalize(INFO, CARD, features=OutputFormat(2, 64, True).features())
     assert [p.name for p in out.data_files()] == ["train-003-00000.arrow"]
 
 

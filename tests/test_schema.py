@@ -1,0 +1,212 @@
+"""hsx.schema: the output format in one place. The plan prices exactly what extraction writes, for every storage
+dtype, with and without top-k logits and the final-norm state; hsx.json as main writes it reads back as a typed
+record, byte for byte; damaged records are one sentence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Features, List, Value
+
+import hsx
+from conftest import assert_one_error_line, hsx_main
+from hsx.config import load_config
+from hsx.run import extract
+from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
+                        decode, dequantize, encode)
+from hsx.sink import OutputDir
+
+MAIN_INFO = Path(__file__).parent / "data" / "hsx-main.json"  # hsx.json as main wrote it (demo, --topk-logits 8)
+
+
+# ---- hsx plan prices every storage dtype and the top-k columns -------------------------------------------------
+
+@pytest.mark.parametrize("dtype, values, itemsize, scales", [
+    ("bfloat16", 128, 2, 0), ("float16", 128, 2, 0), ("float32", 128, 4, 0), ("float8_e4m3", 128, 1, 2 * 4)])
+def test_plan_prices_every_storage_dtype(dtype, values, itemsize, scales):
+    rc, out, err = hsx_main(["plan", "--shape", "tiny", "--layers", "1", "3", "--storage-dtype", dtype, "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["bytes_per_token"] == values * itemsize + scales  # 2 layers x hidden 64
+    assert hsx.plan(shape="tiny", layers=[1, 3], storage_dtype=dtype)["bytes_per_token"] == values * itemsize + scales
+
+
+def test_plan_prices_topk_logits():
+    p = hsx.plan(shape="tiny", layers=[1, 3], final_hidden=True, topk_logits=8)
+    assert p["bytes_per_token"] == 3 * 64 * 2 + 8 * (2 + 4) == 432  # states + top-k bf16 values and int32 ids
+    rc, out, err = hsx_main(["plan", "--shape", "tiny", "--layers", "1", "3", "--final-hidden", "--topk-logits", "8",
+                             "--json"])
+    assert rc == 0 and json.loads(out)["bytes_per_token"] == 432
+
+
+def test_plan_refuses_topk_without_the_final_norm_state_like_extract():
+    rc, _, err = hsx_main(["plan", "--shape", "tiny", "--layers", "1", "3", "--topk-logits", "8"])
+    assert_one_error_line(rc, err, "--topk-logits comes from the final-norm state")
+
+
+# ---- the plan's bytes per token are what the Arrow data holds --------------------------------------------------
+
+CASES = [(d, final, topk) for d in STORAGE_DTYPES for final, topk in ((True, 4), (False, 0))]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, model4, small_chat_path) -> dict:
+    """One tiny extraction per case: (storage dtype, final_hidden, topk_logits) -> output dir."""
+    outs = {}
+    for dtype, final, topk in CASES:
+        out = tmp_path_factory.mktemp("schema") / f"{dtype}-{final}-{topk}"
+        cfg = load_config(None, {"output_dir": str(out), "compile": "off", "model": str(model4.path),
+                                 "dataset": str(small_chat_path), "layers": ["0", "2"], "final_hidden": final,
+                                 "storage_dtype": dtype, "topk_logits": topk})
+        extract(cfg, log=lambda *a: None)
+        outs[dtype, final, topk] = out
+    return outs
+
+
+def _value_bytes(column) -> int:
+    """Bytes of a list column's values as stored (nested lists flattened to their primitive values)."""
+    values = column.combine_chunks()
+    while hasattr(values, "flatten"):
+        values = values.flatten()
+    return len(values) * values.type.bit_width // 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-final{int(c[1])}-topk{c[2]}")
+def test_plan_bytes_per_token_equal_the_written_arrow_data(written, model4, small_chat_path, case):
+    dtype, final, topk = case
+    out = written[case]
+    table = hsx.load(str(out)).data.table
+    tokens = sum(table.column("num_tokens").to_pylist())
+    assert tokens > 0
+    fmt = OutputFormat(2, 64, final, dtype, topk)
+    states = [c.name for c in fmt.state_columns()]
+    assert table.column_names == ["sample_id", "input_ids", "loss_mask", "num_tokens", *states]
+    measured = sum(_value_bytes(table.column(name)) for name in states)
+    p = hsx.plan(model=str(model4.path), dataset=str(small_chat_path), layers=[0, 2], final_hidden=final,
+                 storage_dtype=dtype, topk_logits=topk)
+    assert p["bytes_per_token"] * tokens == measured
+    assert p["token_bytes"] * tokens == _value_bytes(table.column("input_ids")) + _value_bytes(
+        table.column("loss_mask"))
+    info = OutputDir(out).read_info()
+    assert info.format == fmt and info.format.features() == hsx.load(str(out)).features
+    # Every buffer: per-token values, per-row scalars and int32 offsets (+1 per list column and chunk)
+    chunks = max(c.num_chunks for c in table.columns)
+    rows = table.num_rows
+    expected = tokens * (fmt.bytes_per_token + fmt.token_bytes) + rows * fmt.bytes_per_row
+    assert 0 <= table.nbytes - expected <= chunks * 4 * (len(states) + 2) * 2
+
+
+def test_features_as_main_writes_them():
+    b16 = Value("int16", id="bfloat16")
+    assert OutputFormat(2, 64, True, "bfloat16", 8, True).features() == Features({
+        "sample_id": Value("int64"), "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
+        "num_tokens": Value("int32"), "hidden_states": List(List(b16, length=128)),
+        "final_hidden_state": List(List(b16, length=64)), "topk_logits": List(List(b16, length=8)),
+        "topk_ids": List(List(Value("int32"), length=8)), "has_nonfinite": Value("bool")})
+    fp8 = OutputFormat(3, 16, False, "float8_e4m3").features()
+    assert fp8["hidden_states"] == List(List(Value("uint8", id="float8_e4m3fn"), length=48))
+    assert fp8["hidden_states_scale"] == List(List(Value("float32"), length=3))
+    assert "final_hidden_state_scale" not in fp8
+
+
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+def test_encode_then_decode_gives_the_states_back(dtype):
+    torch.manual_seed(0)
+    layers, final = torch.randn(5, 3 * 8) * 10, torch.randn(5, 8)
+    fmt = OutputFormat(3, 8, True, dtype)
+    flat = encode([layers, final], 3, dtype)
+    assert flat.dtype == torch.uint8 and flat.numel() == 5 * fmt.bytes_per_token
+    cols, at = {}, 0
+    for c in fmt.state_columns():
+        cols[c.name] = flat[at:at + 5 * c.nbytes]
+        at += 5 * c.nbytes
+    got = decode(cols["hidden_states"].view(getattr(torch, {"bfloat16": "int16", "float8_e4m3": "uint8"}.get(
+        dtype, dtype))), dtype).view(5, 3, 8)
+    if dtype == "float8_e4m3":
+        got = dequantize(got, cols["hidden_states_scale"].view(torch.float32).view(5, 3))
+        assert torch.allclose(got.float(), layers.view(5, 3, 8), rtol=0.07, atol=1e-3)  # a 3-bit mantissa
+    else:
+        assert torch.equal(got, layers.to(getattr(torch, dtype)).view(5, 3, 8))
+
+
+# ---- hsx.json and the other records ----------------------------------------------------------------------------
+
+def test_hsx_json_as_main_writes_it_reads_back_byte_for_byte():
+    text = MAIN_INFO.read_text()
+    info = Info.from_dict(json.loads(text))
+    assert info.layers == [1, 2, 3, 4, 5] and info.final_hidden and info.complete
+    assert info.config.topk_logits == 8 and info.config.nonfinite == "skip" and info.counts.rows_written == 20
+    assert info.files[0] == FileEntry(**json.loads(text)["files"][0])
+    assert info.format.bytes_per_token == 5 * 64 * 2 + 64 * 2 + 8 * 6
+    assert json.dumps(info.to_dict(), indent=2) + "\n" == text
+    assert json.loads(json.dumps(info.unfinished().to_dict())) == {**json.loads(text), "complete": False}
+
+
+def test_an_output_written_by_main_loads(tmp_path):
+    """hsx.json as main writes it, over data files: OutputDir and hsx.load read it (names and sizes checked)."""
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    meta = json.loads(MAIN_INFO.read_text())
+    OutputFormat.of(Info.from_dict(meta))  # (the format it describes)
+    fmt = Info.from_dict(meta).format
+    from datasets.arrow_writer import ArrowWriter
+
+    path = out / "data" / "train-000-00000.arrow"
+    writer = ArrowWriter(features=fmt.features(), path=str(path))
+    writer.finalize()
+    writer.close()
+    meta["files"] = [{"file": path.name, "unit": "000-00000", "rows": 0, "bytes": path.stat().st_size,
+                      "crc32": None}]
+    (out / "hsx.json").write_text(json.dumps(meta, indent=2) + "\n")
+    assert OutputDir(out).read_info().files[0].file == path.name
+    assert len(hsx.load(str(out))) == 0 and hsx.load(str(out)).features == fmt.features()
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.pop("layers"), "key 'layers' is missing"),
+    (lambda d: d.update(layers=[1, 99]), "do not fit a model of 8 layers"),
+    (lambda d: d.update(storage_dtype="int4"), "storage_dtype must be one of"),
+    (lambda d: d["counts"].pop("tokens_written"), "counts.tokens_written"),
+    (lambda d: d["config"].update(topk_logits="8"), "config.topk_logits"),
+    (lambda d: d["files"][0].update(file="../../secret"), "`files` is damaged"),
+    (lambda d: d["files"][0].update(file=".hsx"), "`files` is damaged"),
+    (lambda d: d["files"][0].update(unit=["a"]), "`files` is damaged"),
+    (lambda d: d.update(token_frequencies=[1, 2]), "token_frequencies is damaged"),
+    (lambda d: d.update(vocab_size=2**40), "vocab_size"),
+])
+def test_a_damaged_hsx_json_is_one_sentence(change, needle):
+    d = json.loads(MAIN_INFO.read_text())
+    change(d)
+    with pytest.raises(Damaged, match=needle.replace("(", r"\(")):
+        Info.from_dict(d)
+
+
+def test_the_other_records_check_what_they_read():
+    rec = {"unit": "000-00000", "file": "train-000-00000.arrow", "bytes": 10, "rows": 1, "tokens": 3,
+           "crc32": "abcd", "session": "s1", "skipped_oom": 1}
+    assert ManifestRecord.from_dict(rec).skipped_oom == 1
+    for bad, needle in (({"unit": "../x", "file": "train-../x.arrow"}, "unit must be a unit name"),
+                        ({"file": "train-other.arrow"}, "file must be"), ({"crc32": 5}, "crc32"),
+                        ({"nonfinite_kept": -1}, "nonfinite_kept")):
+        with pytest.raises(Damaged, match=needle):
+            ManifestRecord.from_dict({**rec, **bad})
+    with pytest.raises(Damaged, match="fingerprint"):
+        Job.from_dict({"inputs": {}})
+    summary = {k: v for k, v in json.loads(MAIN_INFO.read_text()).items() if k != "complete"}
+    with pytest.raises(Damaged, match="unit_names"):
+        Summary.from_dict(summary)
+    s = Summary.from_dict({**summary, "unit_names": ["000-00000"], "command": "hsx extract"})
+    assert s.unit_names == ["000-00000"] and s.format.topk == 8
+
+
+def test_a_manifest_holding_only_a_torn_line_is_no_output(tmp_path):
+    """A kill mid-append leaves a torn line: no unit was committed, so the dir holds no output (one reader of
+    the ledger decides it, the same one that counts units)."""
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    (out.state / "manifest-00000.jsonl").write_bytes(b'{"unit": "000-00000", "file": "train-0')
+    assert out.manifest_records() == {} and not out.has_output()
+    (out.state / "manifest-00001.jsonl").write_text('{"unit": 5}\n')  # a whole line, damaged: kept as output
+    assert out.has_output()
