@@ -148,7 +148,7 @@ def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: i
 def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     import datasets
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from hsx import model as hsx_model
     from hsx.config import ExtractConfig, parse_layer_spec, resolve_layers
@@ -162,7 +162,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.model:
-        full_config = AutoConfig.from_pretrained(args.model)
+        full_config = hsx_model.read_model_config(args.model, args.model, trust_remote_code=False)
     else:
         full_config = shape_config(args.shape)
     text = hsx_model.text_config_of(full_config)

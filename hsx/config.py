@@ -416,3 +416,9 @@ def resolve_layers(spec: list[int] | str, num_layers: int, final_hidden: bool) -
     if len(set(resolved)) != len(resolved):
         raise HsxError(f"{where}: duplicate layers {layers} (resolved: {resolved})")
     return sorted(resolved), final_hidden
+
+
+def layers_run(num_layers: int, layers: list[int], final_hidden: bool) -> int:
+    """How many decoder layers a job runs: up to the deepest stored one, or all of them for the final-norm state
+    (the norm follows the last layer)."""
+    return num_layers if final_hidden else max(layers) + 1

@@ -346,8 +346,10 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     (`rate_tokens_per_s`, or `mfu` of `matmul_tflops` over this model's FLOPs per token, by default the rate
     measured for its kind: `plan_mfu`); a copy on g GPUs
     runs its layers one GPU at a time, so it goes at about that rate too, and a node runs node_gpus // g copies."""
+    from hsx.config import layers_run
+
     n = int(c.num_hidden_layers)
-    depth = n if final_hidden else max(layers) + 1
+    depth = layers_run(n, layers, final_hidden)
     h = int(c.hidden_size)
     fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits)
     if fmt.problem():
@@ -539,26 +541,20 @@ def default_output_dir(config_path: str | None, model: str) -> str:
 def model_text_config(cfg, shape: str | None = None):
     """The decoder's config: a named shape, a local model folder's config.json, a shape shipped for this Hub id,
     or the Hub id's config.json (config only, from the Hugging Face cache when offline)."""
-    from transformers import AutoConfig
-
     from hsx.config import HsxError
-    from hsx.model import text_config_of
+    from hsx.model import read_model_config, text_config_of
 
     if shape:
         return shape_config(shape)
     if Path(cfg.model).is_dir():
-        try:
-            return text_config_of(AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
-        except (OSError, ValueError, KeyError) as e:
-            raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+        return text_config_of(read_model_config(cfg.model, cfg.model, cfg.trust_remote_code))
     if cfg.model in HUB_SHAPES:
         return shape_config(cfg.model)
     try:
-        return text_config_of(AutoConfig.from_pretrained(cfg.model, revision=cfg.revision,
-                                                         trust_remote_code=cfg.trust_remote_code))
-    except (OSError, ValueError, KeyError) as e:
-        raise HsxError(f"cannot get the config of model {cfg.model!r} ({str(e).splitlines()[0]}); shapes that ship "
-                       f"with hsx: {', '.join(HUB_SHAPES)}; or pass --shape (one of {', '.join(SHAPES)})") from None
+        return text_config_of(read_model_config(cfg.model, cfg.model, cfg.trust_remote_code, cfg.revision))
+    except HsxError as e:
+        raise HsxError(f"{e}; shapes that ship with hsx: {', '.join(HUB_SHAPES)}; or pass --shape (one of "
+                       f"{', '.join(SHAPES)})") from None
 
 
 def planned_tokens(cfg, given: int | None) -> tuple[int | None, int | None, str]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hsx import gdn
-from hsx.config import ExtractConfig, HsxError, resolve_layers
+from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
@@ -54,6 +54,18 @@ def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool
         raise HsxError(f"cannot get model {model!r} (revision {revision or 'main'}): {str(e).splitlines()[0]}") \
             from None
     return path, Path(path).name  # snapshots/<commit hash>
+
+
+def read_model_config(source: str, name: str, trust_remote_code: bool, revision: str | None = None):
+    """A model's config (AutoConfig) from a folder, or a Hub id's (from the HF cache when offline); what cannot
+    be read is one HsxError naming the model as the user gave it (`name`)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                          **({"revision": revision} if revision else {}))
+    except (OSError, ValueError, KeyError) as e:
+        raise HsxError(f"cannot read the config of model {name!r}: {str(e).splitlines()[0]}") from None
 
 
 def text_config_of(config):
@@ -103,17 +115,14 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                distributed_config=None) -> LoadedModel:
     """`distributed_config` (transformers' DistributedConfig, from hsx.run) shards the copy over processes."""
     import transformers
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-    try:
-        full = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:
-        raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+    full = read_model_config(path, cfg.model, cfg.trust_remote_code)
     text = text_config_of(full)
     n = int(text.num_hidden_layers)
     layers, final_hidden = resolve_layers(cfg.layers, n, cfg.final_hidden)
-    depth = n if final_hidden else max(layers) + 1
+    depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
     attn = supported_attn_implementation(tcfg, cfg.attn_implementation)
     kwargs: dict[str, Any] = {}
@@ -231,7 +240,7 @@ def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], fina
     weights serves the naive runs and hsx's)."""
     base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
     n = int(text_config.num_hidden_layers)
-    depth = n if final_hidden else max(layers) + 1
+    depth = layers_run(n, layers, final_hidden)
     view = copy.copy(base)  # shallow: same parameters; its own module table, config and hook dicts below
     view._modules, view._parameters, view._buffers = dict(base._modules), dict(base._parameters), dict(base._buffers)
     view.config = truncated_config(base.config, depth)

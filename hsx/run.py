@@ -495,16 +495,10 @@ def _push(cfg: ExtractConfig, log) -> None:
 
 
 def _model_facts(cfg: ExtractConfig):
-    from transformers import AutoConfig
-
-    from hsx.model import resolve_model_path, text_config_of
+    from hsx.model import read_model_config, resolve_model_path, text_config_of
 
     model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-    try:
-        text = text_config_of(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code))
-    except (OSError, ValueError, KeyError) as e:
-        raise HsxError(f"cannot read the config of model {cfg.model!r}: {str(e).splitlines()[0]}") from None
-    return model_path, revision, text
+    return model_path, revision, text_config_of(read_model_config(model_path, cfg.model, cfg.trust_remote_code))
 
 
 def _tokenizer(cfg: ExtractConfig, model_path: str):
