@@ -14,7 +14,6 @@ Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, al
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -154,6 +153,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from hsx.config import ExtractConfig, parse_layer_spec, resolve_layers
     from hsx.cost import flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
+    from hsx.sink import OutputDir
 
     if args.json == "-":  # stdout is the JSON (as `hsx plan --json`): the lines and the table go to stderr
         log = _stderr
@@ -285,7 +285,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
     if proc.world_size > 1:  # the job's numbers, every rank's combined, from whichever process finalized
         proc.barrier()
-        info = json.loads((out_dir / "hsx.json").read_text())
+        info = OutputDir(out_dir).read_info().to_dict()  # (checked: hsx.schema.Info)
         results["processes"] = proc.world_size
     run = info["run"]
     out_bytes = sum(f.stat().st_size for f in (out_dir / "data").glob("*.arrow"))
