@@ -3,7 +3,7 @@ token, encode (GPU states -> stored bytes) and decode (stored bits -> torch), an
 dir (hsx.json, .hsx/summary.json, .hsx/job.json, manifest and upload ledger lines) as typed, checked records.
 
 A row is `sample_id` int64, `input_ids` int32 and `loss_mask` int8 per token, `num_tokens` int32, then the state
-columns, each a list (one entry per token) of fixed-size lists:
+columns, each a list (one entry per token) of fixed-size lists, and a per-row flag:
 
     hidden_states          L x hidden values   of the storage dtype (the stored layers side by side)
     final_hidden_state     hidden values       with final_hidden (the final norm's output)
@@ -16,7 +16,8 @@ columns, each a list (one entry per token) of fixed-size lists:
 Arrow has no bfloat16 or float8: their bits are stored as int16 / uint8, marked by the datasets feature id
 ("bfloat16", "float8_e4m3fn"). Bytes per token are exactly what the Arrow value buffers hold (tiny shape, layers
 1 3 + final, bf16: 2 x 64 x 2 + 64 x 2 = 384 state bytes; top-k 8 adds 8 x (2 + 4) = 48; input_ids and
-loss_mask add 5, and each row 12 + 4 per list column).
+loss_mask add 5, and each row 12 + 4 per list column). `hsx plan`'s bytes_per_token is the state columns' (384,
+or 432 with top-k 8), token_bytes the 5, bytes_per_row the rest.
 
 Imports nothing heavy at module level (hsx.config and the CLI import it): pyarrow, datasets and torch are
 imported by the functions that need them.
