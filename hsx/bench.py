@@ -370,7 +370,8 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
             for t in tables:
                 ex.run_batch(t, slot)
             torch.cuda.synchronize()
-    Path(path).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                                          max_name_column_width=160))
 
 
 def random_model_over(config, dtype, devices):

@@ -30,6 +30,19 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     return mm(x, weight, offs=offsets)
 
 
+@torch.library.custom_op("hsx::gather_rows", mutates_args=())
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along rows, opaque to torch.compile. Inside a compiled decoder layer Inductor fused the pair gather
+    with the residual add and RMSNorm before it, recomputing them for each of a token's k copies: 578 µs per
+    Qwen3-30B-A3B layer at 16k tokens on an H200 against 259 µs for the gather alone."""
+    return x.index_select(0, index)
+
+
+@gather_rows.register_fake
+def _(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((index.shape[0],) + tuple(x.shape[1:]))
+
+
 def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature: (tokens, hidden), (tokens, k) expert ids, (tokens, k) weights."""
@@ -43,9 +56,9 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     dtype = hidden_states.dtype
     # Permutation: pairs sorted by expert (stable: token order kept within an expert), groups' end offsets.
     expert_of_pair, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)
+    bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
-    x = hidden_states.index_select(0, order // k)
+    x = gather_rows(hidden_states, order // k)
     # Up (and gate) projection, activation, routing weight.
     w_in = self.gate_up_proj if self.has_gate else self.up_proj
     y = _grouped_mm(x, w_in if self.is_transposed else w_in.transpose(-2, -1), offsets)
