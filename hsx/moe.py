@@ -10,6 +10,8 @@ traffic around them:
 - the down projection's bias (GPT-OSS) is added once per token as a (tokens × experts) routing matrix times the
   bias table, not gathered per pair;
 - expert boundaries come from `searchsorted` on the sorted expert ids (fixed shapes: no graph break, no sync);
+- the pair gather and the pairs' routing weights are an op Inductor cannot fuse into (`gather_rows`): fused, it
+  recomputed the residual add and RMSNorm before the gather, and the top-k renormalization, for every copy;
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
