@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import types
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 FLA_CHUNK = 64  # fla's chunk size for the delta rule and its convolution: the chunk indices below use it
-_FLA_ATTR = "_hsx_fla"  # set on a module whose forward `install` replaced
+_INSTALLED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # modules whose forward `install` replaced
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,15 @@ def install(base: torch.nn.Module) -> bool:
     if fla_blocker(modules) is not None:
         return False
     for m in modules:
-        if not getattr(m, _FLA_ATTR, False):
-            m._hsx_hf_forward = m.forward  # transformers' forward: cached calls and masks still go there
+        if m not in _INSTALLED:  # the instance's forward, as accelerate's hooks and torch.compile replace it
             m.forward = types.MethodType(fla_forward, m)
-            setattr(m, _FLA_ATTR, True)
+            _INSTALLED.add(m)
     return True
 
 
 def installed(base: torch.nn.Module) -> bool:
     modules = linear_attention_modules(base)
-    return bool(modules) and all(getattr(m, _FLA_ATTR, False) for m in modules)
+    return bool(modules) and all(m in _INSTALLED for m in modules)
 
 
 def fla_importable() -> bool:
@@ -147,7 +147,7 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     if cache is not None or kwargs.get("attention_mask") is not None:
         if rows is not None:
             raise ValueError("hsx: a packed batch reached a Gated DeltaNet layer with a cache or an attention mask")
-        return self._hsx_hf_forward(hidden_states, *args, **kwargs)
+        return type(self).forward(self, hidden_states, *args, **kwargs)  # transformers' own forward
     if rows is None and kwargs.get("cu_seq_lens_q") is not None:
         raise ValueError("hsx: a packed batch reached a Gated DeltaNet layer without its row bounds (packed_rows)")
     batch, seq, _ = hidden_states.shape
