@@ -276,7 +276,7 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     t0 = time.perf_counter()
     extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
             log=quiet, model=loaded)
-    compiler = getattr(loaded.base, "_hsx_compiled", None)
+    compiler = hsx_model.compiled_state(loaded.base)
     if compiler:  # compiled ahead in a worker: the timed run starts on compiled layers (or gives up, one line)
         compiler.wait(WARMUP_COMPILE_WAIT_S)
     warmup_s = time.perf_counter() - t0
@@ -341,6 +341,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     from torch.profiler import ProfilerActivity, profile
 
     from hsx.engine import Extractor, sdpa_backend
+    from hsx.model import compiled_state
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0
@@ -353,7 +354,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     batches.append(cur)
     pick = [batches[k] for k in np.linspace(0, len(batches) - 1, 12).astype(int)]
     device = next(loaded.base.parameters()).device
-    ex = Extractor(loaded, device, budget, compile_model=getattr(loaded.base, "_hsx_compiled", False),
+    ex = Extractor(loaded, device, budget, compile_model=compiled_state(loaded.base) is not None,
                    packing=packing)
     ex._ensure_slots(budget + 4096)
     tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
@@ -370,7 +371,8 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
             for t in tables:
                 ex.run_batch(t, slot)
             torch.cuda.synchronize()
-    Path(path).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                                          max_name_column_width=160))
 
 
 def random_model_over(config, dtype, devices):

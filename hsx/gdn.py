@@ -4,8 +4,8 @@ transformers' own GatedDeltaNet forward runs its short convolution as `F.conv1d`
 fallback: measured on an H200, the 27B shape ran at 35.5% MFU), its gated RMSNorm and gating as separate elementwise
 ops, and it ignores sequence boundaries: in a packed batch every row's recurrent state and convolution window leak
 into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the forward
-of each such layer with `fla_forward`: fla's Triton causal_conv1d, chunk_gated_delta_rule with the gate and beta
-sigmoid fused in, and its fused gated RMSNorm. For a packed batch (`packed_rows`, set by hsx.engine around
+of each such layer with `fla_forward`: fla's Triton causal_conv1d, one Triton kernel for the q/k l2norm,
+chunk_gated_delta_rule with the gate and beta sigmoid fused in, and fla's fused gated RMSNorm. For a packed batch (`packed_rows`, set by hsx.engine around
 each forward) the row boundaries go to both the convolution and the delta rule, so each row starts from a zero state
 and a zero convolution window: the packed forward equals one forward per row. Right-padded batches need no
 boundaries (causal: padding sits after every real token).
@@ -18,7 +18,9 @@ right-padded batches) and packing is refused.
 from __future__ import annotations
 
 import contextvars
+import functools
 import types
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 FLA_CHUNK = 64  # fla's chunk size for the delta rule and its convolution: the chunk indices below use it
-_FLA_ATTR = "_hsx_fla"  # set on a module whose forward `install` replaced
+_INSTALLED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # modules whose forward `install` replaced
 
 
 @dataclass(frozen=True)
@@ -95,16 +97,15 @@ def install(base: torch.nn.Module) -> bool:
     if fla_blocker(modules) is not None:
         return False
     for m in modules:
-        if not getattr(m, _FLA_ATTR, False):
-            m._hsx_hf_forward = m.forward  # transformers' forward: cached calls and masks still go there
+        if m not in _INSTALLED:  # the instance's forward, as accelerate's hooks and torch.compile replace it
             m.forward = types.MethodType(fla_forward, m)
-            setattr(m, _FLA_ATTR, True)
+            _INSTALLED.add(m)
     return True
 
 
 def installed(base: torch.nn.Module) -> bool:
     modules = linear_attention_modules(base)
-    return bool(modules) and all(getattr(m, _FLA_ATTR, False) for m in modules)
+    return bool(modules) and all(m in _INSTALLED for m in modules)
 
 
 def fla_importable() -> bool:
@@ -146,7 +147,7 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     if cache is not None or kwargs.get("attention_mask") is not None:
         if rows is not None:
             raise ValueError("hsx: a packed batch reached a Gated DeltaNet layer with a cache or an attention mask")
-        return self._hsx_hf_forward(hidden_states, *args, **kwargs)
+        return type(self).forward(self, hidden_states, *args, **kwargs)  # transformers' own forward
     if rows is None and kwargs.get("cu_seq_lens_q") is not None:
         raise ValueError("hsx: a packed batch reached a Gated DeltaNet layer without its row bounds (packed_rows)")
     batch, seq, _ = hidden_states.shape
@@ -155,14 +156,10 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     mixed, z, b, a = _projections(self, hidden_states)
     mixed, _ = causal_conv1d(mixed, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias,
                              activation=self.activation, **varlen)
-    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    q = q.reshape(batch, seq, -1, self.head_k_dim)
-    k = k.reshape(batch, seq, -1, self.head_k_dim)
-    v = v.reshape(batch, seq, -1, self.head_v_dim)
+    q, k = qk_l2norm(mixed, self.key_dim, self.head_k_dim)
+    v = mixed[..., 2 * self.key_dim:].reshape(batch, seq, -1, self.head_v_dim)
     # g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b), as transformers computes them, inside the kernel.
-    # q/k l2norm in torch, as transformers' reference does: fla's l2norm kernel recompiles (and autotunes) for every
-    # new value of its NB = ceil(rows / 65536), which stalled a run for ~10 s at each new batch size.
-    out, _ = chunk_gated_delta_rule(_l2norm(q), _l2norm(k), v, g=a, beta=b, use_gate_in_kernel=True,
+    out, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_gate_in_kernel=True,
                                     A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                                     **varlen)
     eps = getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6))
@@ -171,8 +168,60 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' reference l2norm of the last dimension (float32 math)."""
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def qk_l2norm(mixed: torch.Tensor, key_dim: int, head_dim: int, eps: float = 1e-6):
+    """(q, k), each (B, T, key_dim // head_dim, head_dim) and contiguous, l2-normalised per head, from the conv
+    output's first 2·key_dim columns: one Triton kernel reading the strided heads once (float32 math, as `_l2norm`).
+    In torch the same took 7 kernels per tensor (casts, square, sum, rsqrt, products): ~3% of the 27B shape's GPU
+    time. fla's own l2norm is not used: it autotunes anew for each ceil(rows / 65536), ~10 s stalls per batch size.
+    Off CUDA, or for a head size that is not a power of two, the torch reference."""
+    batch, seq, _ = mixed.shape
+    heads = key_dim // head_dim
+    if mixed.device.type != "cuda" or head_dim & (head_dim - 1) or mixed.stride(-1) != 1:
+        q, k = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim]
+        return (_l2norm(q.reshape(batch, seq, heads, head_dim), eps),
+                _l2norm(k.reshape(batch, seq, heads, head_dim), eps))
+    out = torch.empty(2, batch, seq, heads, head_dim, device=mixed.device, dtype=mixed.dtype)
+    rows = batch * seq * 2 * heads
+    if rows:
+        flat = mixed.reshape(batch * seq, mixed.shape[-1])  # a view for the conv's (contiguous) output
+        _qk_l2norm_kernel()[(triton_cdiv(rows, _QK_ROWS),)](
+            flat, out, rows, 2 * heads, flat.stride(0), batch * seq * key_dim, eps, D=head_dim, BR=_QK_ROWS,
+            num_warps=4)
+    return out[0], out[1]
+
+
+_QK_ROWS = 16  # (token, head) rows per program: 16 × 128 values, one tile; no autotuning, so nothing to wait for
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _qk_l2norm_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows", "plane"])
+    def qk_l2norm_kernel(x, y, rows, heads, stride_t, plane, eps, D: tl.constexpr, BR: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        live = r < rows
+        t = r // heads
+        h = r % heads
+        half = heads // 2
+        src = x + t * stride_t + h * D
+        dst = y + (h >= half).to(tl.int64) * plane + t * (half * D) + (h % half) * D
+        d = tl.arange(0, D)
+        v = tl.load(src[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        scale = tl.math.rsqrt(tl.sum(v * v, 1) + eps)
+        tl.store(dst[:, None] + d[None, :], (v * scale[:, None]).to(y.dtype.element_ty), mask=live[:, None])
+
+    return qk_l2norm_kernel
 
 
 NORM_ROWS = 65536  # fla's fused norm kernels compile one variant per ceil(rows / 65536): feed them one block size

@@ -13,6 +13,7 @@ import inspect
 import json
 import re
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,12 @@ def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+# What hsx did to a model it loaded, kept beside the model (weakly: gone with it) instead of as attributes on
+# transformers' objects: the attention implementation the job asked for, and how its layers were compiled.
+_ATTN_REQUESTED: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
 def finish_truncation(base: torch.nn.Module, depth: int, final_hidden: bool) -> torch.nn.Module:
     layers = decoder_layers(base)
     if len(layers) > depth:  # GPT-OSS loops over all of self.layers whatever num_hidden_layers says
@@ -146,8 +153,8 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     finally:
         transformers.logging.set_verbosity(verbosity)
     check_loaded_weights(base, info, cfg.model)
-    base._hsx_attn_requested = cfg.attn_implementation
     base = finish_truncation(base, depth, final_hidden)
+    _ATTN_REQUESTED[base] = cfg.attn_implementation
     if distributed_config is None and (not devices or len(devices) == 1):
         base = base.to(device)
     head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
@@ -261,7 +268,7 @@ def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "Com
     thread has compiled every layer kind on the first batch's inputs, then run only cached graphs (a shape whose
     guards fail runs eager, never recompiles on the extraction thread). Returns the CompileAhead (None when
     `ahead` is off: then the first forwards compile in place)."""
-    state = getattr(base, "_hsx_compiled", None)
+    state = _COMPILED.get(base)
     if state is not None:
         return state or None
     for m in gdn.linear_attention_modules(base):
@@ -270,13 +277,18 @@ def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "Com
     if not ahead:
         for layer in layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
-        base._hsx_compiled = False
+        _COMPILED[base] = False
         return None
     ahead_state = CompileAhead(log=log)
     for layer in layers:
         layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer))
-    base._hsx_compiled = ahead_state
+    _COMPILED[base] = ahead_state
     return ahead_state
+
+
+def compiled_state(base: torch.nn.Module) -> "CompileAhead | bool | None":
+    """How `compile_layers` compiled this model: its CompileAhead, False (compiled in place), None (not)."""
+    return _COMPILED.get(base)
 
 
 def _layer_kind(layer: torch.nn.Module) -> tuple:
@@ -395,7 +407,7 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     linear = gdn.linear_attention_modules(base)
     report: dict[str, Any] = {
         "attn_implementation": getattr(config, "_attn_implementation", None),
-        "attn_implementation_requested": getattr(base, "_hsx_attn_requested", None),
+        "attn_implementation_requested": _ATTN_REQUESTED.get(base),
         "experts_implementation": getattr(config, "_experts_implementation", None) if has_experts else None,
         "linear_attention": None,
         "causal_conv1d": None,
@@ -459,7 +471,17 @@ def _importable(module: str, name: str) -> bool:
 # ---- packed (padding-free) batches ---------------------------------------------------------------------------------
 
 VARLEN_ATTENTION = "hsx_varlen"  # our attention function's name in transformers' AttentionInterface
-_VARLEN_PARAMS: frozenset[str] = frozenset()  # varlen_attn's keyword names in this torch (they changed in 2.10, 2.12)
+def _varlen_signature() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9: no varlen kernel (packing_blocker says so)
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# varlen_attn's keyword names in this torch (they changed in 2.10, 2.12); read here once, since inspecting inside a
+# compiled layer would break its graph.
+_VARLEN_PARAMS: frozenset[str] = _varlen_signature()
 
 
 def packing_blocker(base: torch.nn.Module) -> str | None:
@@ -485,7 +507,7 @@ def _varlen_returns_lse() -> bool:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return False
-    return "return_aux" in inspect.signature(varlen_attn).parameters
+    return "return_aux" in _VARLEN_PARAMS
 
 
 def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_per_copy: bool,
@@ -514,12 +536,9 @@ def use_packing(base: torch.nn.Module, packing: str) -> None:
     blocker = packing_blocker(base)
     if blocker:
         raise HsxError(f"--packing {packing}: {blocker}; use --packing none (right-padded batches, exact here)")
-    from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
 
     gdn.install(base)  # Gated DeltaNet layers: the row bounds reach fla's convolution and delta rule
-    global _VARLEN_PARAMS
-    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
     # Modules read `config._attn_implementation` at every forward; a truncated view's layers keep the full
     # model's config object, so set it on every config in the model.
@@ -566,7 +585,7 @@ def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, 
                   lse: bool = False):
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _VARLEN_PARAMS  # read once in use_packing: inspect inside a compiled layer would break the graph
+    params = _VARLEN_PARAMS
     kwargs: dict[str, Any] = {"scale": scale}
     if lse:  # packing_blocker refused sinks where varlen_attn has no return_aux
         from torch.nn.attention.varlen import AuxRequest

@@ -186,6 +186,24 @@ def test_packed_hybrid_row_ignores_its_neighbours():
         mixer(x, cu_seq_lens_q=cu)
 
 
+def test_qk_l2norm_kernel_equals_the_reference():
+    """The Triton q/k l2norm (one kernel over the conv output's strided heads) rounds as transformers' float32
+    reference does, on a packed-sized batch and on a ragged one (rows not a multiple of its tile)."""
+    pytest.importorskip("triton")
+    from hsx.gdn import _l2norm, qk_l2norm
+
+    for batch, seq, key_dim in ((1, 16384, 2048), (3, 37, 256)):
+        mixed = torch.randn(batch, seq, 2 * key_dim + 3 * key_dim, device="cuda", dtype=torch.bfloat16) * 3
+        q, k = qk_l2norm(mixed, key_dim, 128)
+        heads = key_dim // 128
+        rq = _l2norm(mixed[..., :key_dim].reshape(batch, seq, heads, 128))
+        rk = _l2norm(mixed[..., key_dim:2 * key_dim].reshape(batch, seq, heads, 128))
+        assert q.is_contiguous() and k.is_contiguous() and q.shape == rq.shape
+        # float32 math on both sides; at most a rare one-ulp difference from rsqrt's rounding
+        assert (q.float() - rq.float()).abs().max() <= 2 ** -8 and (k.float() - rk.float()).abs().max() <= 2 ** -8
+        assert (q == rq).float().mean() > 0.99 and (k == rk).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_grouped_experts_equal_eager_in_bf16_on_cuda(family):
     """hsx_grouped (torch grouped GEMMs), eager and compiled, against transformers' eager experts loop."""
