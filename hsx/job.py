@@ -265,6 +265,26 @@ class UnitCounts:
 
 
 @dataclass
+class StreamCounts:
+    """A stream's counts (`hsx.stream(...).counts`), in hsx.json's `counts` terms: the input's (every process reads
+    all of it) once tokenized, then this process's rows and tokens as they are handed out."""
+    input: InputCounts | None = None
+    engine: UnitCounts | None = None  # set with `input`
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.input is None:
+            return {}
+        e = self.engine
+        skipped = dict(self.input.skipped)
+        # rows the engine dropped count as skipped, under hsx.json's reasons
+        for reason, n in (("oom", e.skipped_oom), ("nonfinite", e.nonfinite if e.nonfinite_mode == "skip" else 0)):
+            if n:
+                skipped[reason] = skipped.get(reason, 0) + n
+        return {"rows_in": self.input.rows_in, "rows": e.rows, "tokens": e.tokens, "truncated": self.input.truncated,
+                "skipped": dict(sorted(skipped.items())), "nonfinite": {"mode": e.nonfinite_mode, "rows": e.nonfinite}}
+
+
+@dataclass
 class RunStats:
     """This rank's run: hsx.json's `run` (or, with several ranks, one of its `ranks`). The engine's settings stay
     None on a rank that had no unit to run, and are left out of the record."""
@@ -522,7 +542,7 @@ def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> N
                   "no data')", file=sys.stderr)
         return
     where = (f"{cfg.output_dir} holds an empty dataset" if written else
-             f"nothing was written (so {cfg.output_dir} holds no dataset)")
+             f"nothing was written (so {cfg.output_dir} holds no dataset)" if cfg.output_dir else "nothing to stream")
     raise HsxError(f"no usable rows: all {counts['rows_in']:,} input rows of {cfg.dataset} were skipped "
                    f"{json.dumps(counts['skipped'])}; {where}. Fix the input (`--strict` stops at the first bad "
                    "row), or pass --allow-empty if an empty output is expected")

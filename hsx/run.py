@@ -10,6 +10,7 @@ no-op. `stream` runs the same steps up to the engine and yields this rank's rows
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import threading
@@ -19,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsx.config import ExtractConfig, HsxError, check_config
-from hsx.job import Engine, Job, RunStats, commit_units, finish, push, refuse_empty
+from hsx.config import ExtractConfig, HsxError, UsageError, check_config
+from hsx.job import Engine, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
 from hsx.sink import OutputDir
 
 
@@ -353,3 +354,61 @@ def _shared_run_id(out: OutputDir, proc: Process) -> str:
         atomic_write(f, uuid.uuid4().hex)
     proc.barrier()
     return f.read_text().strip()
+
+
+def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> Iterator[dict[str, Any]]:
+    """This process's share of the job's rows as torch tensors (`hsx.torch_view`'s rows), computed by the steps
+    `extract` runs up to the engine (tokenize → units → engine) and written nowhere; `counts` is filled as it goes.
+    The rules (which options, which rows, cleanup) are `hsx.stream`'s docstring."""
+    import torch
+
+    from hsx.load import table_rows
+
+    check_config(cfg, required=("model", "dataset"))
+    if cfg.tp_size > 1:
+        raise UsageError("hsx.stream runs a whole model copy in each process, next to the training loop: "
+                         "--tp-size is for hsx extract (--gpus-per-copy spreads a copy over this process's GPUs)")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (torch.distributed.is_available()
+                                                          and torch.distributed.is_initialized()):
+        raise UsageError("hsx.stream under a launcher: create your Accelerator (or torch.distributed process group) "
+                         "before reading the stream; its ranks share the work through that group")
+    proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
+    say = log if proc.is_main else (lambda *a, **k: None)
+    job = Job.prepare(cfg, proc, model, say)
+    tokenized = job.tokenize(stream_cache_file(job.fingerprint))
+    job.check_strict(tokenized)
+    units = job.units(tokenized)
+    counts.input, counts.engine = units.counts, UnitCounts(cfg.nonfinite)
+    mine = assign_units(units.all, proc.dp_rank, proc.dp_size)
+    if not mine:
+        return
+    meta = {"layers": job.target.layers, "hidden_size": job.target.hidden_size, "storage_dtype": cfg.storage_dtype,
+            "num_model_layers": job.target.num_layers}
+    engine = Engine(cfg, proc, job.target, units.ordered, mine, model, say, progress=False)
+    counts.engine = engine.start_unit()  # one count over all units
+    try:
+        for u in mine:
+            for table in engine.batches(u):
+                # The batch's table wraps a pinned slot the engine reuses: the rows get their own copies, and the
+                # slot goes back before the first row is handed out, so the GPU runs ahead while the loop trains.
+                rows = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+                        for row in table_rows(engine(table), meta)]
+                engine.release()
+                yield from rows
+        c = counts.as_dict()
+        say(f"hsx: streamed {c['rows']:,} rows, {c['tokens']:,} tokens; skipped {json.dumps(c['skipped'])}; "
+            f"truncated {c['truncated']}")
+    finally:
+        cuda = engine.extractor.cuda
+        engine.close()  # stops and joins the producer thread, even when the loop stopped early
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()  # the model and slots were this generator's alone (unless `model` was given)
+
+
+def stream_cache_file(fingerprint: str) -> str:
+    """Where a stream's tokenized rows are cached (no output dir to hold them): datasets' cache (HF_DATASETS_CACHE),
+    named by the job's fingerprint, so the next epoch's stream tokenizes nothing."""
+    import datasets
+
+    return os.path.join(str(datasets.config.HF_DATASETS_CACHE), "hsx", f"tokens-{fingerprint[:24]}.arrow")
