@@ -88,7 +88,9 @@ def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
 
 
 class Stream(collections.abc.Generator):
-    """`hsx.stream`'s rows: a generator (iterate it, `close()` it, or use it as a context manager) with `counts`."""
+    """`hsx.stream`'s rows: a generator (iterate it, `close()` it, or use it as a context manager) with `counts`.
+    A loop left by `break` drops it, and Python closes the generator inside it then (its `finally` stops the GPU
+    thread)."""
 
     def __init__(self, cfg, log=print, model=None):
         from hsx.job import StreamCounts
@@ -115,10 +117,6 @@ class Stream(collections.abc.Generator):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:  # a loop left by `break` drops the stream: stop its thread then, not at exit
-        if "_rows" in self.__dict__:
-            self._rows.close()
 
 
 def plan(config: str | os.PathLike | None = None, *, shape: str | None = None, tokens: int | None = None,

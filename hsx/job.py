@@ -376,6 +376,7 @@ class Engine:
         self.counts = UnitCounts(cfg.nonfinite)  # the unit in progress (`start_unit`)
         self.pipeline = Pipeline(self.extractor, (t for u in units for t in self.batches(u)), max_batch)
         self.t0 = time.perf_counter()
+        self.closed = False
 
     def rows(self, unit: Unit):
         """The unit's rows, Arrow-formatted (what map and the pipeline read)."""
@@ -423,17 +424,19 @@ class Engine:
 
     def close(self) -> RunStats:
         """Stop the producer thread, free the slots; the run's numbers."""
+        s = self.stats
+        if self.closed:
+            return s
+        self.closed = True
         self.pipeline.close()
         self.bar.close()
-        s = self.stats
-        if s.seconds == 0.0:
-            s.seconds = time.perf_counter() - self.t0
-            s.gpu_waited_for_writer_seconds = self.pipeline.wait_seconds
-            s.map_waited_for_gpu_seconds = self.pipeline.map_wait_seconds
-            s.write_seconds = self.pipeline.write_seconds
-            if self.peak_tflops:
-                s.matmul_tflops = self.peak_tflops
-                s.mfu = s.flops / s.seconds / (self.peak_tflops * 1e12)
+        s.seconds = time.perf_counter() - self.t0
+        s.gpu_waited_for_writer_seconds = self.pipeline.wait_seconds
+        s.map_waited_for_gpu_seconds = self.pipeline.map_wait_seconds
+        s.write_seconds = self.pipeline.write_seconds
+        if self.peak_tflops:
+            s.matmul_tflops = self.peak_tflops
+            s.mfu = s.flops / s.seconds / (self.peak_tflops * 1e12)
         return s
 
     def __enter__(self) -> Engine:

@@ -184,3 +184,17 @@ def test_two_processes_stream_the_output_between_them(tmp_path, fault_reference)
         assert torch.equal(states, bits(row["hidden_states"])) and torch.equal(final, bits(row["final_hidden_state"]))
     assert sum(r["counts"]["rows"] for r in ranks) == ref.info["counts"]["rows_written"]
     assert all(r["counts"]["skipped"] == ref.info["counts"]["skipped"] for r in ranks)  # the whole input's counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_stream_left_early_gives_the_gpu_memory_back(many_units):
+    """On a GPU, the model, the slots and the captured states are the stream's: a `break` frees them."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for row in hsx.stream(**many_units):
+        assert torch.cuda.memory_allocated() > before  # the model is on the GPU while the loop reads
+        assert row["hidden_states"].device.type == "cpu"
+        break
+    assert not gpu_threads()
+    assert torch.cuda.memory_allocated() == before
