@@ -37,8 +37,9 @@ def extract(config: str | os.PathLike | None = None, **options: Any):
     `hsx.extract(model="Qwen/Qwen3-8B", dataset="chats.jsonl", layers="eagle3", output_dir="out/q")`, or
     `hsx.extract(config="recipes/eagle3-qwen3-8b.yaml", output_dir="out/q", limit=1000)`. Calling it again with
     the same options continues the job where it stopped, and is a no-op once it is complete; progress and the
-    summary line are printed as by the CLI. Under `accelerate launch` (several processes, one job), a process whose units are
-    written while others still run returns None: the last one to finish writes hsx.json and returns the rows."""
+    summary line are printed as by the CLI. Under `accelerate launch` (several processes, one job), a process whose
+    units are written while others still run returns None: the last one to finish writes hsx.json and returns the
+    rows. `hsx.stream` runs the same job without writing it."""
     from hsx.config import load_config
     from hsx.load import load
     from hsx.run import extract as run_extract
@@ -71,10 +72,11 @@ def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
       and this process's `rows` and `tokens`); complete once the last row is read.
     - tokenized rows are cached in datasets' cache (HF_DATASETS_CACHE/hsx/), so a second epoch tokenizes nothing.
     - under `accelerate launch`/torchrun, each process streams its share of the units (the split `hsx extract`
-      uses; shares differ by up to one unit's rows, so let the loop handle uneven ends, e.g. stop at the shortest
+      uses; shares differ by up to one unit's tokens, so let the loop handle uneven ends, e.g. stop at the shortest
       rank or accelerate's `join_uneven_inputs`); create your Accelerator before reading the stream.
     - it is a generator: `break`, `close()`, or an exception inside `with hsx.stream(...) as rows:` stops the
-      GPU thread and frees the model and its buffers. Nothing runs until the first row is asked for.
+      GPU thread and drops the model and its buffers (a bare `for` left by an exception holds them until its
+      traceback goes: use `with`). Nothing runs until the first row is asked for.
     """
     from hsx.config import ExtractConfig, UsageError, load_config
 

@@ -430,6 +430,7 @@ class Pipeline:
         self.ex.reserve(max_batch_tokens)
         self.results: queue.Queue = queue.Queue()
         self.returned: Slot | None = None  # the slot whose table map is writing now
+        self.last: Result | None = None  # the Result of the table returned last (its counts)
         self.stop = threading.Event()
         # Where the time goes: the producer blocked on a free slot (the writer is behind), map waiting for the GPU,
         # and the time between map calls (datasets writing the previous table).

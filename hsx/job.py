@@ -120,8 +120,9 @@ class Job:
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         mask = data.mask_method(raw.column_names, tokenizer)
-        identity = proc.in_turns(lambda: job_fingerprint(  # local inputs by content: rank 0 hashes, the rest hit
-            _identity(cfg, target, raw, template_sha, mask),  # its cache
+        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache
+        identity = proc.in_turns(lambda: job_fingerprint(
+            _identity(cfg, target, raw, template_sha, mask),
             given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset}))
         return cls(cfg, proc, target, raw, tokenizer, mask, template_sha, unit_tokens, identity, say)
 
@@ -155,8 +156,8 @@ class Job:
     def _tokenize(self, cache_file: str):
         from hsx import data
 
-        return data.tokenize(self.raw, self.tokenizer, self.cfg, cache_file, fingerprint=f"hsx-tok-{self.fingerprint[:24]}",
-                             vocab_size=self.target.vocab_size)
+        return data.tokenize(self.raw, self.tokenizer, self.cfg, cache_file,
+                             fingerprint=f"hsx-tok-{self.fingerprint[:24]}", vocab_size=self.target.vocab_size)
 
     def check_strict(self, tokenized) -> None:
         from hsx import data
