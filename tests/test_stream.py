@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +108,19 @@ def test_nothing_runs_before_the_first_row(many_units):
     rows = hsx.stream(**many_units)
     assert rows.counts == {} and not gpu_threads()
     rows.close()
+
+
+def test_a_second_epoch_tokenizes_nothing(many_units):
+    import datasets
+
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "hsx"
+    options = {**many_units, "limit": 7}
+    with one_torch_thread():
+        first = [r["sample_id"] for r in hsx.stream(**options)]
+        files = {p: p.stat().st_mtime_ns for p in cache.glob("tokens-*.arrow")}
+        again = [r["sample_id"] for r in hsx.stream(**options)]
+    assert first == again and len(first) == 7
+    assert files and {p: p.stat().st_mtime_ns for p in cache.glob("tokens-*.arrow")} == files
 
 
 def test_output_options_are_refused_as_keywords_and_ignored_in_a_recipe(tmp_path, many_units):
