@@ -2,15 +2,15 @@
 
 The package reads top to bottom as the data flow:
 config → data → buckets → model → capture → engine → sink → load → export / vocab (trainers' layouts, the
-draft vocabulary), with run wiring them together
-(the only module that knows about processes and ranks), cost pricing a job before it runs, and on top cli
-(the command line) and api (`hsx.extract()` and `hsx.plan()`, the same jobs from Python).
+draft vocabulary), with job (the job's steps: claim → tokenize → units → engine → commit → finish) and run
+(running them as one rank of a launch: the only module that knows about processes and ranks), cost pricing a job before it runs, and on top cli
+(the command line) and api (`hsx.extract()`, `hsx.stream()` and `hsx.plan()`, the same jobs from Python).
 """
 
 __version__ = "0.1.0"
 
-from hsx.api import extract, plan  # noqa: E402  (running a job, planning one)
+from hsx.api import extract, plan, stream  # noqa: E402  (running a job, streaming one, planning one)
 from hsx.load import collate, load, torch_stream, torch_view  # noqa: E402  (consumer side)
 from hsx.export import export_specforge, export_speculators  # noqa: E402
 
-__all__ = ["__version__", "extract", "plan", "load", "torch_view", "torch_stream", "collate", "export_specforge", "export_speculators"]
+__all__ = ["__version__", "extract", "stream", "plan", "load", "torch_view", "torch_stream", "collate", "export_specforge", "export_speculators"]

@@ -356,14 +356,11 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     device = next(loaded.base.parameters()).device
     ex = Extractor(loaded, device, budget, compile_model=compiled_state(loaded.base) is not None,
                    packing=packing)
-    ex._ensure_slots(budget + 4096)
+    ex.reserve(budget + 4096)
     tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
                         "input_ids": pa.array([rows[i].tolist() for i in b], pa.list_(pa.int32()))}) for b in pick]
     slot = ex.free.get()
-    from hsx.capture import capture
-
-    with torch.inference_mode(), sdpa_backend(backend, True), capture(loaded.base, loaded.layers) as store:
-        ex.store = store
+    with torch.inference_mode(), sdpa_backend(backend, True), ex.capturing():
         for t in tables[:2]:
             ex.run_batch(t, slot)
         torch.cuda.synchronize()

@@ -109,6 +109,7 @@ CHOICES = {
 # Integer keys and their least value (None is allowed where the field's type says `| None`).
 MINIMUM = {"limit": 1, "max_length": 1, "topk_logits": 0, "gpus_per_copy": 1, "tp_size": 1, "token_budget": 1,
            "unit_tokens": 1, "num_proc": 1}
+REQUIRED = ("model", "dataset", "output_dir")  # the keys a job needs (a stream, hsx.stream, writes nothing)
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; anything near this is not one
 
 
@@ -189,18 +190,18 @@ def parse_value(name: str, value: Any) -> Any:
     return value
 
 
-def config_from(options: Mapping[str, Any]) -> ExtractConfig:
+def config_from(options: Mapping[str, Any], required: tuple[str, ...] = REQUIRED) -> ExtractConfig:
     """An ExtractConfig from keyword options (Python's `hsx.extract(**options)`, or a recipe merged with flags):
     unknown keys, wrong types and out-of-range values are HsxError, one line naming the key."""
     unknown = sorted(str(k) for k in options if k not in FIELDS)
     if unknown:
         raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     cfg = ExtractConfig(**{k: parse_value(k, v) for k, v in options.items()})
-    check_config(cfg)
+    check_config(cfg, required)
     return cfg
 
 
-def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
+def load_config(path: str | None, overrides: dict[str, Any], required: tuple[str, ...] = REQUIRED) -> ExtractConfig:
     """Read a YAML recipe (optional), apply flag overrides (None: not given), and check the result. Every problem
     is a UsageError: a recipe or option wrong by itself, found before anything is read (`hsx extract` and
     `hsx plan` exit 2, as `hsx.extract()` and `hsx.plan()` raise it)."""
@@ -209,7 +210,7 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
         if path:
             values = _resolve_recipe_paths(read_recipe(path), Path(path).parent)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return config_from(values)
+        return config_from(values, required)
     except UsageError:
         raise
     except HsxError as e:
@@ -317,11 +318,11 @@ def _exists(path: str | Path) -> bool:
         return False
 
 
-def check_config(cfg: ExtractConfig) -> None:
+def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED) -> None:
     """Every key's type and range (as `parse_value`), then what keys require of each other."""
     for name in FIELDS:
         setattr(cfg, name, parse_value(name, getattr(cfg, name)))
-    for name in ("model", "dataset", "output_dir"):
+    for name in required:
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")
     if cfg.push_to_hub:

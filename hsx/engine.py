@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,7 +135,19 @@ class Extractor:
         return [torch.cat(values).to(torch.bfloat16).reshape(-1).view(torch.uint8),
                 torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8)]
 
-    def _ensure_slots(self, tokens: int) -> None:
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Forward hooks on the captured layers for the duration (on the thread that runs the forwards): each
+        forward's layer outputs land in `self.store`, which `_forward` reads."""
+        with capture(self.loaded.base, self.layers) as store:
+            self.store = store
+            try:
+                yield
+            finally:
+                self.store = {}
+
+    def reserve(self, tokens: int) -> None:
+        """Pinned slots for batches of up to `tokens` tokens (padding included), before the first batch."""
         if tokens <= self.capacity:
             return
         # Grow all slots together; only happens before the first batch or for a longer-than-budget row.
@@ -359,9 +372,10 @@ class Pipeline:
 
     def __init__(self, extractor: Extractor, batches: Iterator[pa.Table], max_batch_tokens: int):
         self.ex = extractor
-        self.ex._ensure_slots(max_batch_tokens)
+        self.ex.reserve(max_batch_tokens)
         self.results: queue.Queue = queue.Queue()
         self.returned: Slot | None = None  # the slot whose table map is writing now
+        self.last: Result | None = None  # the Result of the table returned last (its counts)
         self.stop = threading.Event()
         # Where the time goes: the producer blocked on a free slot (the writer is behind), map waiting for the GPU,
         # and the time between map calls (datasets writing the previous table).
@@ -379,9 +393,7 @@ class Pipeline:
                 # "the current stream" would be on GPU 0's and the copy out would not wait for the forward
                 # (measured on 2 H200s: rank 1 wrote garbage, 810 of 2,000 rows flagged NaN).
                 torch.cuda.set_device(self.ex.device)
-            with torch.inference_mode(), sdpa_backend(self.ex.sdpa_backend, self.ex.cuda), \
-                    capture(self.ex.loaded.base, self.ex.layers) as store:
-                self.ex.store = store
+            with torch.inference_mode(), sdpa_backend(self.ex.sdpa_backend, self.ex.cuda), self.ex.capturing():
                 for table in batches:
                     t0 = time.perf_counter()
                     slot = self.ex.free.get()

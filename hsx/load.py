@@ -356,6 +356,16 @@ def torch_stream(source, layers: list[int] | None = None, meta: dict[str, Any] |
     return _STREAM_CLASS(source, _layout(meta, getattr(source, "features", None), hidden_size, layers, dequantize))
 
 
+def table_rows(table, num_layers: int, hidden_size: int, storage_dtype: str, dequantize: bool = True):
+    """Rows of a `pyarrow.Table` in an hsx output's layout (an engine batch: what `hsx.stream` hands out) as
+    torch tensors, like `torch_view`'s rows: `num_layers` stored layers of `hidden_size` in `storage_dtype`. The
+    tensors are views of the table's buffers."""
+    layout = _Layout(hidden=hidden_size, num_layers=num_layers, dtype=storage_dtype, positions=None,
+                     dequantize=dequantize)
+    for i in range(table.num_rows):
+        yield layout.row(table.slice(i, 1))
+
+
 def _tensor(a: np.ndarray):
     """`torch.from_numpy` of a read-only view. The views are read-only on purpose (they are the mapped file);
     torch warns about that, so the warning is silenced here, and only here."""

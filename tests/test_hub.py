@@ -441,15 +441,6 @@ def test_abort_leaves_pending_units_on_disk_for_the_next_run(out):
 
 # ---- wired into `hsx extract` (--push-to-hub) ---------------------------------------------------------------------
 
-def _wired() -> bool:
-    import inspect as _inspect
-
-    from hsx import run
-
-    return "on_commit" in _inspect.signature(run._run_units).parameters
-
-
-@pytest.mark.xfail(not _wired(), strict=True, reason="until hsx/run.py wires hsx.hub (the lead's part)")
 @pytest.mark.parametrize("mode", ["stream", "end"])
 def test_extract_pushes(tmp_path, model4, chat_data, monkeypatch, mode):
     import huggingface_hub

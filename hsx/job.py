@@ -1,0 +1,552 @@
+"""The job as named steps: claim → tokenize → units → engine → commit → finish.
+
+`hsx.run.extract` runs them all with an output dir: it claims the dir, tokenizes once into the dir's cache, plans
+units, runs the engine over this rank's units, commits each unit's file as its `datasets.map` returns, and
+finishes with hsx.json and the card. `hsx.run.stream` runs tokenize → units → engine only and hands the rows to a
+training loop. Both compute the same rows in the same order: what tokenization keeps, in units planned the same
+way, through the same Extractor and Pipeline.
+
+Each step takes what the one before returned: `Job.prepare` (the model's facts, the input, the job's fingerprint)
+→ `Job.claim_and_tokenize` or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows, the
+units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
+→ `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsx import __version__
+from hsx.buckets import Unit, plan_units
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_topk_logits, resolve_layers
+from hsx.schema import OutputFormat
+from hsx.fingerprint import model_identity, tokenizer_identity
+from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, info_features,
+                      job_fingerprint)
+from hsx.vocab import write_token_frequencies
+
+CPU_TOKEN_BUDGET = 4096
+RANK_STATS_WAIT_SECONDS = 60.0
+UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
+
+
+# ---- the model's facts and the input: Job.prepare ----------------------------------------------------------------
+
+@dataclass
+class Target:
+    """The model as the job sees it: where it is, its text config, and the layers captured from it."""
+    model_path: str
+    revision: str | None
+    text: Any  # the text model's PretrainedConfig
+    num_layers: int
+    layers: list[int]
+    final_hidden: bool
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text.vocab_size)
+
+
+def read_target(cfg: ExtractConfig, model=None) -> Target:
+    """The model's config (not its weights) and the layers `cfg` asks for; `model` (a LoadedModel) is used as is."""
+    if model is None:
+        model_path, revision, text = _model_facts(cfg)
+        num_layers = int(text.num_hidden_layers)
+        layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
+    else:
+        model_path, revision, text = model.model_path, model.revision, model.text_config
+        num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
+    problem = OutputFormat(len(layers), int(text.hidden_size), final_hidden, cfg.storage_dtype,
+                           cfg.topk_logits).problem()
+    if problem:
+        raise UsageError(problem)
+    check_topk_logits(cfg.topk_logits, int(text.vocab_size))
+    return Target(model_path, revision, text, num_layers, layers, final_hidden)
+
+
+@dataclass
+class InputCounts:
+    """What tokenization did to the input: rows read, rows cut at max_length, rows skipped by reason."""
+    rows_in: int
+    truncated: int
+    skipped: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rows_in": self.rows_in, "truncated": self.truncated, "skipped": self.skipped}
+
+
+@dataclass
+class Units:
+    """The units step's output: the usable rows in output order (bucket, then sample_id), cut into units."""
+    ordered: Any  # datasets.Dataset: sample_id, input_ids, loss_mask, num_tokens
+    all: list[Unit]
+    counts: InputCounts
+
+
+@dataclass
+class Job:
+    """One job's inputs, read once: the target model, the input rows, the tokenizer, and the fingerprint that
+    names the tokenization cache and the output dir's job."""
+    cfg: ExtractConfig
+    proc: Any  # hsx.run.Process
+    target: Target
+    raw: Any  # datasets.Dataset: the input split
+    tokenizer: Any  # None for pre-tokenized input
+    mask: dict[str, Any]  # {"method", "version"}: a new version re-tokenizes
+    template_sha: str | None
+    unit_tokens: int
+    identity: dict[str, Any]  # job_fingerprint's record: {"fingerprint", ...}
+    say: Any = print
+
+    @classmethod
+    def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
+        from hsx import data
+
+        target = read_target(cfg, model)
+        raw = data.load_input(cfg)
+        tokenizer = _tokenizer(cfg, target.model_path) if data.row_format(raw.column_names) != "input_ids" else None
+        bytes_per_token = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden,
+                                       cfg.storage_dtype, cfg.topk_logits).bytes_per_token
+        unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
+        template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
+        mask = data.mask_method(raw.column_names, tokenizer)
+        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache
+        identity = proc.in_turns(lambda: job_fingerprint(
+            _identity(cfg, target, raw, template_sha, mask),
+            given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset}))
+        return cls(cfg, proc, target, raw, tokenizer, mask, template_sha, unit_tokens, identity, say)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.identity["fingerprint"]
+
+    # ---- claim → tokenize ----
+
+    def claim_and_tokenize(self, out: OutputDir):
+        """Claim the output dir and tokenize once into its cache, in turns (`Process.in_turns`: each node's first
+        process finds the cache there if the dir is shared, and tokenizes for its node if each node writes its own
+        dir). Returns (tokenized rows, the dir's state: new, resume or complete; no rows when complete)."""
+        cfg, proc = self.cfg, self.proc
+
+        def claim_and_tokenize():
+            state = out.claim(self.identity, cfg.overwrite and proc.is_main, check_crc=cfg.check_crc, log=self.say,
+                              check=proc.local_rank == 0)
+            if state == "complete":
+                return None, state
+            out.clear_tmp()
+            return self._tokenize(str(out.state / "tokenized" / "tokens.arrow")), state
+
+        return proc.in_turns(claim_and_tokenize)
+
+    def tokenize(self, cache_file: str):
+        """Tokenize into `cache_file` without an output dir (a stream), in turns as `claim_and_tokenize`; a cache
+        file already there for this job's fingerprint is reused."""
+        return self.proc.in_turns(lambda: self._tokenize(cache_file))
+
+    def _tokenize(self, cache_file: str):
+        from hsx import data
+
+        return data.tokenize(self.raw, self.tokenizer, self.cfg, cache_file,
+                             fingerprint=f"hsx-tok-{self.fingerprint[:24]}", vocab_size=self.target.vocab_size)
+
+    def check_strict(self, tokenized) -> None:
+        from hsx import data
+
+        if self.cfg.strict and (bad := data.first_skipped(tokenized)):
+            raise HsxError(f"--strict: input row {bad[0]} of {self.cfg.dataset} cannot be used: {bad[1]}")
+
+    # ---- units ----
+
+    def units(self, tokenized) -> Units:
+        """The usable rows in output order, cut into units of about `unit_tokens` (a job with none is refused)."""
+        from hsx import data
+
+        sample_ids, num_tokens, positions, skipped, truncated = data.usable_rows(tokenized)
+        counts = InputCounts(rows_in=len(self.raw), truncated=truncated, skipped=skipped)
+        if len(sample_ids) == 0:
+            refuse_empty(self.cfg, {"rows_in": counts.rows_in, "skipped": skipped}, written=False)
+        order, units = plan_units(sample_ids, num_tokens, self.cfg.max_length, self.unit_tokens)
+        ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask",
+                                                                     "num_tokens"])
+        return Units(ordered=ordered, all=units, counts=counts)
+
+    def summary(self, units: Units) -> dict[str, Any]:
+        """What hsx.json says that does not depend on the run: written before the engine runs, so `hsx merge` can
+        finish a job whose ranks each wrote their own dir."""
+        cfg, t = self.cfg, self.target
+        return {
+            "model": cfg.model, "model_path": t.model_path, "revision": t.revision,
+            "tokenizer": cfg.tokenizer or cfg.model, "layers": t.layers, "final_hidden": t.final_hidden,
+            "layer_convention": LAYER_CONVENTION, "hidden_size": t.hidden_size, "num_model_layers": t.num_layers,
+            "vocab_size": t.vocab_size,
+            "storage_dtype": cfg.storage_dtype, "max_length": cfg.max_length, "chat_template_sha256": self.template_sha,
+            "loss_mask": self.mask, "counts": units.counts.as_dict(),
+            "unit_names": [u.name for u in units.all], "hsx_version": __version__,
+            "config": {**cfg.to_dict(), "layers": t.layers, "final_hidden": t.final_hidden,
+                       "unit_tokens": self.unit_tokens},
+            "fingerprint": self.fingerprint, "command": command_line(),
+        }
+
+
+def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None, mask: dict) -> dict[str, Any]:
+    """What the job's fingerprint is made of: everything that changes which rows, tokens or states are written."""
+    from hsx import data
+
+    return {
+        "model": model_identity(cfg.model, target.model_path, cfg.trust_remote_code), "revision": target.revision,
+        "tokenizer": tokenizer_identity(cfg.tokenizer, cfg.trust_remote_code), "layers": target.layers,
+        "final_hidden": target.final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
+        "max_length": cfg.max_length, "chat_template_sha256": template_sha,
+        "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
+        # unit_tokens as given: the derived default follows from layers, dtype and model, already in here (so
+        # changing only --layers reports `differs in: layers`, not unit_tokens too)
+        "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
+        "topk_logits": cfg.topk_logits,
+        "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
+    }
+
+
+def command_line() -> str:
+    return "hsx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and sys.argv[0] else "hsx extract"
+
+
+def _model_facts(cfg: ExtractConfig):
+    from hsx.model import read_model_config, resolve_model_path, text_config_of
+
+    model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
+    return model_path, revision, text_config_of(read_model_config(model_path, cfg.model, cfg.trust_remote_code))
+
+
+def _tokenizer(cfg: ExtractConfig, model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.tokenizer or model_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise HsxError(f"cannot load tokenizer {cfg.tokenizer or cfg.model!r}: {str(e).splitlines()[0]}") from None
+
+
+# ---- engine ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class UnitCounts:
+    """What the engine did with one unit's rows (a manifest record's counts)."""
+    nonfinite_mode: str  # "skip" or "keep"
+    rows: int = 0  # rows out
+    tokens: int = 0  # their tokens
+    skipped_oom: int = 0  # rows that did not fit in GPU memory alone
+    nonfinite: int = 0  # rows with NaN/Inf states: dropped (skip) or flagged (keep)
+
+    def add(self, other: UnitCounts) -> None:
+        self.rows += other.rows
+        self.tokens += other.tokens
+        self.skipped_oom += other.skipped_oom
+        self.nonfinite += other.nonfinite
+
+    def as_record(self) -> dict[str, int]:
+        nonfinite_key = "skipped_nonfinite" if self.nonfinite_mode == "skip" else "nonfinite_kept"
+        return {"rows": self.rows, "tokens": self.tokens, "skipped_oom": self.skipped_oom,
+                nonfinite_key: self.nonfinite}
+
+
+@dataclass
+class StreamCounts:
+    """A stream's counts (`hsx.stream(...).counts`), in hsx.json's `counts` terms: the input's (every process reads
+    all of it) once tokenized, then this process's rows and tokens as they are handed out."""
+    input: InputCounts | None = None
+    engine: UnitCounts | None = None  # set with `input`
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.input is None:
+            return {}
+        e = self.engine
+        skipped = dict(self.input.skipped)
+        # rows the engine dropped count as skipped, under hsx.json's reasons
+        for reason, n in (("oom", e.skipped_oom), ("nonfinite", e.nonfinite if e.nonfinite_mode == "skip" else 0)):
+            if n:
+                skipped[reason] = skipped.get(reason, 0) + n
+        return {"rows_in": self.input.rows_in, "rows": e.rows, "tokens": e.tokens, "truncated": self.input.truncated,
+                "skipped": dict(sorted(skipped.items())), "nonfinite": {"mode": e.nonfinite_mode, "rows": e.nonfinite}}
+
+
+@dataclass
+class RunStats:
+    """This rank's run: hsx.json's `run` (or, with several ranks, one of its `ranks`). The engine's settings stay
+    None on a rank that had no unit to run, and are left out of the record."""
+    seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
+    flops: float | None = None
+    token_budget: int | None = None
+    compile: bool | None = None
+    device: str | None = None
+    tp_size: int | None = None
+    model_copies: int | None = None
+    writes: bool | None = None
+    sdpa_backend: str | None = None
+    packing: str | None = None
+    kernels: dict[str, Any] | None = None
+    gpu_waited_for_writer_seconds: float | None = None
+    map_waited_for_gpu_seconds: float | None = None
+    write_seconds: float | None = None
+    matmul_tflops: float | None = None
+    mfu: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Engine:
+    """The engine step: model → Extractor → Pipeline over `units`' batches, in order. Call it on each batch (the
+    function `datasets.map` runs, or a stream's loop), `release()` after each unit, and `close()` (or use it as a
+    context manager) at the end: that stops the producer thread and frees the slots."""
+
+    def __init__(self, cfg: ExtractConfig, proc, target: Target, ordered, units: list[Unit], loaded=None,
+                 log=print, progress: bool = True):
+        import torch
+        from tqdm.auto import tqdm
+
+        from hsx.cost import auto_token_budget, layer_params, measure_matmul_tflops
+        from hsx.engine import Extractor, Pipeline
+        from hsx.model import kernel_report, load_model, resolve_packing
+        from hsx.moe import resolve_experts, use_experts
+
+        self.cfg, self.ordered, self.units = cfg, ordered, units
+        device = proc.device
+        cuda = device.type == "cuda"
+        self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
+        use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
+        kernels = kernel_report(loaded.base)
+        if kernels.get("linear_attention_forward") == "transformers":
+            log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
+                f"({kernels.get('linear_attention_note')}; kernels: {kernels.get('linear_attention')}, conv "
+                f"{kernels.get('causal_conv1d')})")
+        if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
+            log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
+                f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")
+        packing, why_not = resolve_packing(loaded.base, cfg.packing, cuda,
+                                           cfg.gpus_per_copy == 1 and cfg.tp_size == 1, cfg.attn_implementation)
+        if why_not:
+            log(f"hsx: batches run right-padded, not packed: {why_not}")
+        self.width = len(target.layers) * target.hidden_size + (target.hidden_size if target.final_hidden else 0)
+        if cfg.token_budget:
+            budget = cfg.token_budget
+        elif cuda:
+            budget = auto_token_budget(loaded.text_config, self.width, torch.cuda.mem_get_info(device)[0],
+                                       cfg.max_length, eager_attention=packing == "none"
+                                       and kernels.get("attn_implementation") == "eager")
+        else:
+            budget = CPU_TOKEN_BUDGET
+        # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).
+        self.budget = budget = -proc.agree_max(-budget)
+        # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
+        use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
+                                              and cfg.tp_size == 1)
+        self.extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
+                                   nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
+                                   topk_logits=cfg.topk_logits, packing=packing)
+        self.features = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
+                                     cfg.topk_logits, cfg.nonfinite == "keep").features()
+        self.peak_tflops = measure_matmul_tflops(device) if cuda else None
+        self.per_layer = layer_params(loaded.text_config)
+        self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),
+                              tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,
+                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=packing, kernels=kernels)
+        max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)
+        self.bar = tqdm(total=sum(u.tokens for u in units), unit="tok", unit_scale=True, desc="extracting",
+                        disable=not (progress and proc.is_main), dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, now "
+                        "{rate_fmt}{postfix}]")
+        self.counts = UnitCounts(cfg.nonfinite)  # the unit in progress (`start_unit`)
+        self.pipeline = Pipeline(self.extractor, (t for u in units for t in self.batches(u)), max_batch)
+        self.t0 = time.perf_counter()
+        self.closed = False
+
+    def rows(self, unit: Unit):
+        """The unit's rows, Arrow-formatted (what map and the pipeline read)."""
+        return self.ordered.select(range(unit.start, unit.stop)).with_format("arrow")
+
+    def batch_size(self, unit: Unit) -> int:
+        return unit.batch_size(self.budget)
+
+    def batches(self, unit: Unit):
+        return self.rows(unit).iter(self.batch_size(unit))
+
+    def start_unit(self) -> UnitCounts:
+        self.counts = UnitCounts(self.cfg.nonfinite)
+        return self.counts
+
+    def __call__(self, table):
+        """One batch: its output table (the input's columns plus the states, wrapping a pinned slot that is reused
+        at the next call or `release()`), counted in `counts` and `stats`."""
+        from hsx.cost import flops
+
+        result_table = self.pipeline(table)
+        r = self.pipeline.last
+        c, s = self.counts, self.stats
+        c.rows += result_table.num_rows
+        c.tokens += int(result_table.column("num_tokens").to_numpy().sum())
+        c.skipped_oom += int((~r.kept).sum())
+        c.nonfinite += r.nonfinite_rows
+        # followers count too: whichever rank finalizes reports its totals in hsx.json
+        s.tokens += r.tokens
+        s.padded_tokens += r.padded_tokens
+        s.gpu_seconds += self.extractor.gpu_seconds(r)
+        s.flops += flops(self.loaded.text_config, self.loaded.depth, result_table.column("num_tokens").to_numpy(),
+                         self.per_layer)
+        if not self.bar.disable:
+            self.bar.update(int(table.column("num_tokens").to_numpy().sum()))
+            elapsed = time.perf_counter() - self.t0
+            mfu = f", MFU {s.flops / elapsed / (self.peak_tflops * 1e12):.0%}" if self.peak_tflops else ""
+            # tqdm's own rate (left of the comma) is the recent one; this is the mean since the start
+            self.bar.set_postfix_str(f"mean {s.tokens / max(elapsed, 1e-9):,.0f} tok/s{mfu}", refresh=False)
+        return result_table
+
+    def release(self) -> None:
+        """The last table handed out is no longer read (map wrote it, or a stream copied its rows)."""
+        self.pipeline.release()
+
+    def close(self) -> RunStats:
+        """Stop the producer thread, free the slots; the run's numbers."""
+        s = self.stats
+        if self.closed:
+            return s
+        self.closed = True
+        self.pipeline.close()
+        self.bar.close()
+        s.seconds = time.perf_counter() - self.t0
+        s.gpu_waited_for_writer_seconds = self.pipeline.wait_seconds
+        s.map_waited_for_gpu_seconds = self.pipeline.map_wait_seconds
+        s.write_seconds = self.pipeline.write_seconds
+        if self.peak_tflops:
+            s.matmul_tflops = self.peak_tflops
+            s.mfu = s.flops / s.seconds / (self.peak_tflops * 1e12)
+        return s
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- commit ------------------------------------------------------------------------------------------------------
+
+def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, on_commit=None) -> None:
+    """One `datasets.map` per unit into its temporary file, committed (renamed, recorded in the manifest) by the
+    Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set."""
+    import datasets
+
+    unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
+    committer = Committer(out, on_commit=on_commit)
+    progress_was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        for u in units:
+            if proc.agree_max(int(stop.is_set())):
+                break
+            counts = engine.start_unit()
+            if not proc.writes:  # a tensor-parallel follower: the same forwards as its group's writer, no output
+                for table in engine.batches(u):
+                    engine(table)
+                engine.release()
+                continue
+            committer.check()
+            unit_rows(u).map(
+                step, batched=True, batch_size=u.batch_size(budget), features=feats,
+                cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
+                writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
+            )
+            engine.release()
+            committer.submit(u.name, counts.as_record())
+        committer.join()
+    finally:
+        committer.close()
+        if progress_was_on:
+            datasets.enable_progress_bars()
+
+
+# ---- finish ------------------------------------------------------------------------------------------------------
+
+def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, run_id: str,
+           stats: dict[str, Any], t_start: float, log) -> dict[str, Any]:
+    """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is.
+
+    Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
+    when ranks finish far apart): whichever process sees every unit committed finalizes."""
+    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
+    # Read the manifests only after marking this rank done: read before, a rank that committed and marked in
+    # between made this one see every rank done but that rank's last unit missing ("1 unit(s) were not written").
+    done = out.done_units()
+    missing = [u.name for u in units if u.name not in done]
+    if missing:
+        if not all_ranks_done:
+            log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
+                "node wrote its own dir, `hsx merge OUT NODE_DIRS...`)")
+            return {"complete": False, "rank": proc.rank, "run": stats}
+        raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
+    if not all_ranks_done:
+        # Every unit is committed, so the other ranks are past their last commit and about to say they are done:
+        # wait briefly for their numbers (not for a rank that died after its last commit).
+        deadline = time.monotonic() + RANK_STATS_WAIT_SECONDS
+        while len(out.rank_stats(run_id)) < proc.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+    with out.finalizing() as already:
+        if already:
+            return out.read_info().to_dict()
+        if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
+            stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
+        info = complete_info(summary, done, proc.world_size, stats)
+        info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
+        out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
+    if cfg.push_to_hub:
+        push(cfg, log)
+    wall = time.perf_counter() - t_start
+    c = info["counts"]
+    log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
+        f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}; rows with "
+        f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
+    refuse_empty(cfg, c, written=True)
+    if stats["tokens"]:
+        pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])
+        mfu = f", MFU {stats['mfu']:.1%}" if "mfu" in stats else ""
+        busy = stats["gpu_seconds"] / max(stats["seconds"] * stats.get("processes", 1), 1e-9)  # per device
+        log(f"hsx: {stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tok/s{mfu} over {stats['seconds']:.1f} s "
+            f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
+            f"{'GPU' if str(stats.get('device', '')).startswith('cuda') else 'CPU'} busy {busy:.0%}")
+    return info
+
+
+def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> None:
+    """A job that writes no row fails (unless --allow-empty), naming why every row was skipped: an empty
+    training set is almost always a format the input was not in, and exit 0 would hide it until training."""
+    if counts.get("rows_written", 0):
+        return
+    if cfg.allow_empty:
+        if written:
+            print(f"hsx: {cfg.output_dir} holds 0 rows (--allow-empty): hsx.load and load_dataset(..., "
+                  "streaming=True) read it as empty; a plain load_dataset refuses an empty split ('corresponds to "
+                  "no data')", file=sys.stderr)
+        return
+    where = (f"{cfg.output_dir} holds an empty dataset" if written else
+             f"nothing was written (so {cfg.output_dir} holds no dataset)" if cfg.output_dir else "nothing to stream")
+    raise HsxError(f"no usable rows: all {counts['rows_in']:,} input rows of {cfg.dataset} were skipped "
+                   f"{json.dumps(counts['skipped'])}; {where}. Fix the input (`--strict` stops at the first bad "
+                   "row), or pass --allow-empty if an empty output is expected")
+
+
+def push(cfg: ExtractConfig, log) -> None:
+    from hsx.hub import push_output
+
+    push_output(cfg.output_dir, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision, log=log)
