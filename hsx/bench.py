@@ -341,7 +341,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     from torch.profiler import ProfilerActivity, profile
 
     from hsx.engine import Extractor, sdpa_backend
-    from hsx.model import compiled_state
+    from hsx.model import compiled_state, prepare_model
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0
@@ -354,8 +354,8 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     batches.append(cur)
     pick = [batches[k] for k in np.linspace(0, len(batches) - 1, 12).astype(int)]
     device = next(loaded.base.parameters()).device
-    ex = Extractor(loaded, device, budget, compile_model=compiled_state(loaded.base) is not None,
-                   packing=packing)
+    prepared = prepare_model(loaded.base, packing, compile_model=compiled_state(loaded.base) is not None, cuda=True)
+    ex = Extractor(loaded, device, budget, prepared)
     ex.reserve(budget + 4096)
     tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
                         "input_ids": pa.array([rows[i].tolist() for i in b], pa.list_(pa.int32()))}) for b in pick]

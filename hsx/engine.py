@@ -30,7 +30,7 @@ import torch
 from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
 from hsx import gdn
-from hsx.model import LoadedModel, compile_layers, use_packing
+from hsx.model import LoadedModel, PreparedModel
 from hsx.schema import Column, OutputFormat, encode
 
 PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
@@ -65,11 +65,11 @@ class Result:
 class Extractor:
     """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
 
-    def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, compile_model: bool,
+    def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
-                 storage_dtype: str = "bfloat16", topk_logits: int = 0, packing: str = "none"):
+                 storage_dtype: str = "bfloat16", topk_logits: int = 0):
         self.loaded, self.device = loaded, device
-        self.packing = packing  # "none": right-padded rows; "varlen": one packed sequence per forward
+        self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
         self.layers, self.final = loaded.layers, loaded.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
@@ -83,10 +83,8 @@ class Extractor:
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        use_packing(loaded.base, packing)
-        # Gated DeltaNet layers on fla's kernels where it can (CUDA, fla installed); packed rows need it.
-        self.linear_attention = gdn.install(loaded.base) if self.cuda else False
-        self.compiler = compile_layers(loaded.base) if compile_model else None
+        self.linear_attention = prepared.linear_attention  # Gated DeltaNet layers on fla's kernels
+        self.compiler = prepared.compiler
         # Triton specializes kernels on whether an int argument is a multiple of 16: one alignment for fla's.
         self.pack_multiple = 2 * PAD_MULTIPLE if self.linear_attention else PAD_MULTIPLE
         self.capacity = 0

@@ -319,7 +319,7 @@ class Engine:
 
         from hsx.cost import auto_token_budget, layer_params, measure_matmul_tflops
         from hsx.engine import Extractor, Pipeline
-        from hsx.model import kernel_report, load_model, resolve_packing
+        from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
 
         self.cfg, self.ordered, self.units = cfg, ordered, units
@@ -353,9 +353,10 @@ class Engine:
         # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
         use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
                                               and cfg.tp_size == 1)
-        self.extractor = Extractor(loaded, device, budget, compile_model=use_compile, sdpa_backend=cfg.sdpa_backend,
+        prepared = prepare_model(loaded.base, packing, compile_model=use_compile, cuda=cuda, log=log)
+        self.extractor = Extractor(loaded, device, budget, prepared, sdpa_backend=cfg.sdpa_backend,
                                    nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
-                                   topk_logits=cfg.topk_logits, packing=packing)
+                                   topk_logits=cfg.topk_logits)
         self.features = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
                                      cfg.topk_logits, cfg.nonfinite == "keep").features()
         self.peak_tflops = measure_matmul_tflops(device) if cuda else None

@@ -257,6 +257,27 @@ def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], fina
                        text_config=view.config)
 
 
+@dataclass
+class PreparedModel:
+    """How a prepared model runs its batches (`prepare_model`)."""
+
+    packing: str  # "none": right-padded rows; "varlen": one packed sequence per forward
+    linear_attention: bool  # its Gated DeltaNet layers run on fla's kernels
+    compiler: "CompileAhead | None"  # the layers' background compilation (None: eager, or compiled in place)
+
+
+def prepare_model(base: torch.nn.Module, packing: str = "none", compile_model: bool = False, cuda: bool = False,
+                  log=print) -> PreparedModel:
+    """Switch a loaded model, in place, to run as the job asks; each step once per model. Packed batches
+    (`use_packing`: the model's configs name hsx's varlen attention, registered with transformers'
+    AttentionInterface; the one change outside the model, idempotent), Gated DeltaNet layers on fla's kernels
+    (CUDA with fla installed; packed rows need it), compiled layers (`compile_layers`)."""
+    use_packing(base, packing)
+    linear = gdn.install(base) if cuda else False
+    compiler = compile_layers(base, log=log) if compile_model else None
+    return PreparedModel(packing=packing, linear_attention=linear, compiler=compiler)
+
+
 def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "CompileAhead | None":
     """Regional compilation: torch.compile each decoder layer's forward, once per model.
 

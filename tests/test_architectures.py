@@ -30,8 +30,8 @@ import transformers
 from conftest import bf16_ulps, rel_err, write_jsonl
 from hsx.config import ExtractConfig, HsxError
 from hsx.engine import Extractor, Pipeline
-from hsx.model import (kernel_report, load_model, packing_blocker, resolve_packing, text_weights_prefix,
-                       truncated_view)
+from hsx.model import (kernel_report, load_model, packing_blocker, prepare_model, resolve_packing,
+                       text_weights_prefix, truncated_view)
 
 CPU = torch.device("cpu")
 VOCAB = 512  # >= hsx.demo.build_tokenizer()'s vocabulary, for the end-to-end runs
@@ -224,7 +224,7 @@ def run_hsx(fam: Family, layers, final_hidden: bool, dtype: str = "float32", pac
     """load_model → Extractor + Pipeline over two right-padded (or packed) batches; records each forward's hooked
     layer outputs and final-norm output (the compute dtype, before the bf16 conversion for storage)."""
     loaded = load_model(make_cfg(fam, layers, final_hidden, dtype), CPU)
-    ex = Extractor(loaded, CPU, token_budget=1 << 16, compile_model=False, packing=packing)
+    ex = Extractor(loaded, CPU, 1 << 16, prepare_model(loaded.base, packing))
     calls: list[tuple] = []
     final: dict[str, torch.Tensor] = {}
     if final_hidden:

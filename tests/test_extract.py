@@ -16,7 +16,7 @@ from conftest import bf16_ulps
 from hsx.capture import capture
 from hsx.config import ExtractConfig
 from hsx.engine import Extractor, Pipeline
-from hsx.model import load_model
+from hsx.model import load_model, prepare_model
 
 CPU = torch.device("cpu")
 
@@ -81,7 +81,7 @@ class Recorder:
 
 
 def run_pipeline(loaded, batches, token_budget, fail=None, packing="none"):
-    ex = Extractor(loaded, CPU, token_budget, compile_model=False, packing=packing)
+    ex = Extractor(loaded, CPU, token_budget, prepare_model(loaded.base, packing))
     rec = Recorder(ex, fail)
     # rows × their padded length: also bounds a packed batch (its tokens rounded up to a multiple of 8)
     max_tokens = max(t.num_rows * (-(-max(t.column("num_tokens").to_pylist()) // 8) * 8) for t in batches)

@@ -8,7 +8,7 @@ import torch
 
 from hsx.demo import build_model, build_tokenizer
 from hsx.engine import Extractor, Pipeline
-from hsx.model import LoadedModel, truncated_view
+from hsx.model import LoadedModel, prepare_model, truncated_view
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 def _states(causal, layers, compile_model, rows, packing="none", device=torch.device("cuda", 0)):
     loaded: LoadedModel = truncated_view(causal, causal.config, layers, final_hidden=True)
-    ex = Extractor(loaded, device, token_budget=1024, compile_model=compile_model, packing=packing)
+    ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, packing, compile_model, cuda=True))
     lengths = np.array([len(r) for r in rows])
     table = pa.table({
         "sample_id": pa.array(np.arange(len(rows)), pa.int64()),
