@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hsx.config import CHOICES, FIELD_KINDS, FIELDS, ExtractConfig, HsxError, UsageError, load_config
-from hsx.run import Stopped
-from hsx.verify import VerifyFailed
+from hsx.config import CHOICES, FIELD_KINDS, FIELDS, ExtractConfig, load_config
+from hsx.errors import EXIT_INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
 
 HELP = {
     "revision": "model revision (branch, tag or commit) on the Hub",
@@ -105,9 +104,22 @@ def config_overrides(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
 
 
+def package_version() -> str:
+    """The installed distribution's version (what pip reports), else the source tree's hsx.__version__."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hsx")
+    except PackageNotFoundError:
+        from hsx import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of chosen layers of a "
                                      "Hugging Face causal LM into an Arrow dataset.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("extract", help="run (or continue) an extraction job")
     _add_config_flags(ex)
@@ -231,16 +243,16 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(args.json, p)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return exit_status(e)
     except VerifyFailed as e:
         print(f"hsx: verify failed: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     except Stopped as e:
         print(f"hsx: {e}", file=sys.stderr)
-        return e.exit_code
+        return exit_status(e)
     except KeyboardInterrupt:
         print("hsx: interrupted; finished units are kept: run the same command to continue", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -25,19 +25,13 @@ from typing import Any
 
 import yaml
 
+from hsx.errors import HsxError, UsageError  # noqa: F401  (raised here; also imported from here)
+
 LAYER_CONVENTION = (
     "layer i is the output of decoder layer i (0-based), before the final norm: transformers' "
     "output_hidden_states[i+1] for i < N-1 and a forward hook for i = N-1; final_hidden_state is the output of "
     "the final norm (transformers' hidden_states[N]), the input of lm_head"
 )
-
-
-class HsxError(Exception):
-    """A problem the user can fix; the CLI prints it as one line and exits 1, without a traceback."""
-
-
-class UsageError(HsxError):
-    """A flag, recipe key or argument wrong by itself (before the model or data is read): exit 2, as argparse."""
 
 
 @dataclass

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.config import HsxError
+from hsx.errors import HsxError
 from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, manifest_problem, read_jsonl,
                       uploaded_matches)
 

@@ -26,6 +26,7 @@ from hsx.buckets import plan_units
 from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
                         resolve_layers)
 from hsx.engine import output_columns
+from hsx.errors import Stopped
 from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
                       job_fingerprint)
@@ -34,14 +35,6 @@ from hsx.vocab import write_token_frequencies
 CPU_TOKEN_BUDGET = 4096
 RANK_STATS_WAIT_SECONDS = 60.0
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
-
-
-class Stopped(Exception):
-    """SIGINT/SIGTERM: the job stopped cleanly after a unit; the same command continues it."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass

@@ -20,9 +20,7 @@ from typing import Any
 
 import numpy as np
 
-
-class VerifyFailed(Exception):
-    pass
+from hsx.errors import VerifyFailed
 
 
 def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print,

@@ -551,3 +551,27 @@ def test_progress_bar_labels_its_two_rates(cli_run):
     bars = [line for line in re.split(r"[\r\n]+", cli_run["stderr"]) if line.startswith("extracting:")]
     assert bars and all(", now " in line for line in bars)  # tqdm's recent rate
     assert any("mean " in line and " tok/s" in line for line in bars)  # ours, since the start
+
+
+def test_import_cli_loads_no_torch_datasets_or_transformers():
+    """`hsx --help` stays fast: the command line imports the heavy stacks only when a command runs them."""
+    code = ("import sys, hsx.cli; heavy = [m for m in ('torch', 'datasets', 'transformers', 'accelerate') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_version_flag(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hsx {version('hsx')}" == f"hsx {hsx.__version__}"
+
+
+def test_exit_status_of_each_error():
+    from hsx.errors import HsxError, Stopped, UsageError, VerifyFailed, exit_status
+
+    assert [exit_status(e) for e in (UsageError("x"), HsxError("x"), VerifyFailed("x"), Stopped("x", 143))] == [
+        2, 1, 1, 143]
