@@ -23,12 +23,13 @@ from typing import Any
 
 from hsx import __version__
 from hsx.buckets import plan_units
+from hsx.card import dataset_card
 from hsx.config import (LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_config, check_topk_logits,
                         resolve_layers)
 from hsx.engine import output_columns
 from hsx.errors import Stopped
 from hsx.fingerprint import model_identity, tokenizer_identity
-from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, features, info_features,
+from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, features, info_features,
                       job_fingerprint)
 from hsx.vocab import write_token_frequencies
 
