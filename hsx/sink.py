@@ -724,6 +724,12 @@ def _open_no_follow(path: Path, flags: int) -> int:
 
 @contextmanager
 def _flock(path: Path, how: int, busy: str) -> Iterator[None]:
+    """flock(2) `how` (LOCK_EX or LOCK_SH) on `path`, or HsxError(`busy`) at once if another process holds it.
+    The kernel releases it when the process dies; the file stays (empty, never read), so a resume finds no stale
+    lock. Not the `filelock` package: its FileLock is exclusive only, and every rank of a job holds .hsx/busy
+    SHARED while `hsx merge` takes it exclusive; its ReadWriteLock is an SQLite database (journal files beside
+    it); and filelock before 3.20.1 opened the lock file with O_TRUNC and without O_NOFOLLOW, truncating a link's
+    target (CVE-2025-68146), where this opens it with O_NOFOLLOW and never truncates."""
     fd = _open_no_follow(path, os.O_RDWR | os.O_CREAT)
     try:
         try:
