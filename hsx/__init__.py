@@ -2,9 +2,9 @@
 
 The package reads top to bottom as the data flow:
 config → data → buckets → model → capture → engine → sink → load → export / vocab (trainers' layouts, the
-draft vocabulary), with run wiring them together
-(the only module that knows about processes and ranks), cost pricing a job before it runs, and on top cli
-(the command line) and api (`hsx.extract()` and `hsx.plan()`, the same jobs from Python).
+draft vocabulary), with run wiring them together (the only module that knows about processes and ranks), cost
+pricing a job before it runs, card describing the output, errors naming what goes wrong, and on top cli and
+commands (the command line) and api (`hsx.extract()` and `hsx.plan()`, the same jobs from Python).
 """
 
 __version__ = "0.1.0"

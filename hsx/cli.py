@@ -16,6 +16,7 @@ import sys
 from hsx.config import FIELD_KINDS, FIELDS, default_of
 from hsx.errors import EXIT_INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
 
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default after its help, unless the help already says it (a config key's does, from its
     field's metadata: its argparse default is None, so that an unset flag leaves the recipe's key)."""
@@ -27,7 +28,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def _shown(value) -> str:
+def _as_help(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
@@ -41,7 +42,7 @@ def config_flag(p: argparse.ArgumentParser, name: str, prefix: str = "", default
     text = prefix + f.metadata["help"]
     shown = default if default is not None else default_of(name)
     if shown not in (None, "", [], {}):
-        text += f" (default: {_shown(shown)})"
+        text += f" (default: {_as_help(shown)})"
     text = text.replace("%", "%%")
     flag = "--" + name.replace("_", "-")
     if kind == "layers":
