@@ -3,8 +3,9 @@
 The package reads top to bottom as the data flow:
 config → data → buckets → model → capture → engine → sink → load → export / vocab (trainers' layouts, the
 draft vocabulary), with job (the job's steps: claim → tokenize → units → engine → commit → finish) and run
-(running them as one rank of a launch: the only module that knows about processes and ranks), cost pricing a job before it runs, and on top cli
-(the command line) and api (`hsx.extract()`, `hsx.stream()` and `hsx.plan()`, the same jobs from Python).
+(running them as one rank of a launch: the only module that knows about processes and ranks), cost pricing a job
+before it runs, card describing the output, errors naming what goes wrong, and on top cli and commands (the command
+line) and api (`hsx.extract()`, `hsx.stream()` and `hsx.plan()`, the same jobs from Python).
 """
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ OUTPUT_OPTIONS = ("output_dir", "overwrite", "check_crc", "push_to_hub", "push_m
 
 def _paths_as_text(config, options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     """A pathlib.Path (or any os.PathLike) given for the recipe or a key means its path, as on the command line."""
-    from hsx.config import UsageError
+    from hsx.errors import UsageError
 
     if config is not None and not isinstance(config, (str, os.PathLike)):
         raise UsageError(f"config must be the path of a YAML recipe, got {type(config).__name__}")

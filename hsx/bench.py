@@ -13,11 +13,9 @@ Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, al
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,45 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.config import CHOICES
-
-
 WARMUP_COMPILE_WAIT_S = 90.0  # the longest the warm-up waits for the background compile before timing eager
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.cost.SHAPES)")
-    p.add_argument("--model", help="a local model folder instead of --shape (its weights are used)")
-    p.add_argument("--layers", nargs="+", default=["dflash"], help="as for extract (default: dflash)")
-    p.add_argument("--final-hidden", action="store_true", help="also capture the final-norm state, as extract's")
-    p.add_argument("--count", type=int, default=2000, help="rows")
-    p.add_argument("--mean", type=float, default=344.0, help="mean length of the lognormal body, tokens")
-    p.add_argument("--spread", type=float, default=0.8, help="sigma of the lognormal body")
-    p.add_argument("--tail", type=float, default=0.01, help="fraction of rows uniform in [max/2, max]")
-    p.add_argument("--min-length", type=int, default=16, help="shortest row drawn, tokens")
-    p.add_argument("--max-length", type=int, default=4096, help="longest row drawn (and extract's --max-length)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, token ids and (a)'s subset")
-    p.add_argument("--token-budget", type=int, help="(c)'s tokens per batch, as extract's (default: picked)")
-    p.add_argument("--compile", default="auto", choices=CHOICES["compile"], help="as extract's --compile")
-    p.add_argument("--sdpa-backend", default="flash", choices=CHOICES["sdpa_backend"],
-                   help="as extract's --sdpa-backend")
-    p.add_argument("--gpus-per-copy", type=int, default=1,
-                   help="spread the model over this many GPUs (device_map, as extract --gpus-per-copy)")
-    p.add_argument("--experts-implementation", default="auto", choices=CHOICES["experts_implementation"],
-                   help="(c): MoE experts implementation, as for extract")
-    p.add_argument("--packing", default="auto", choices=CHOICES["packing"],
-                   help="(c): each batch as one packed sequence (varlen), right-padded batches (none), or auto")
-    p.add_argument("--storage-dtype", default="bfloat16", choices=CHOICES["storage_dtype"],
-                   help="(c)'s output dtype, as extract's --storage-dtype")
-    p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
-    p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
-    p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
-    p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
-    p.add_argument("--keep", action="store_true", help="keep (c)'s output and the drawn input")
-    from hsx.cli import add_json_flag
-
-    add_json_flag(p, "the results")
-    p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
 
 
 def synthetic_lengths(count: int, mean: float, spread: float, tail: float, min_length: int, max_length: int,
@@ -144,7 +104,9 @@ def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: i
     return tokens, padded, time.perf_counter() - t0
 
 
-def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
+def bench(args, log=print) -> dict[str, Any] | None:
+    """Runs (a), (b) and (c) with `args` (`hsx bench`'s flags, hsx.cli) and returns the results; `log` gets the
+    lines and the table. None on a process other than the main one of a launch (the main one reports)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM
@@ -155,8 +117,6 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
 
-    if args.json == "-":  # stdout is the JSON (as `hsx plan --json`): the lines and the table go to stderr
-        log = _stderr
     proc = current_process(args.gpus_per_copy)
     device = proc.device
     cuda = device.type == "cuda"
@@ -316,16 +276,12 @@ def bench(args: argparse.Namespace, log=print) -> dict[str, Any]:
         if "mfu" in run:
             results["c"]["mfu"] = run["mfu"]
         if not proc.is_main:
-            return results
+            return None
     if args.profile:
         results["c"]["profile"] = args.profile
         profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
                         run.get("packing", "none"))
-    from hsx.cli import write_json
-
     log(format_table(results))
-    if args.json:
-        write_json(args.json, results)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
         if args.output_dir:
@@ -425,10 +381,6 @@ def _versions() -> dict[str, str]:
 
     return {"hsx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "datasets": datasets.__version__}
-
-
-def _stderr(text: str) -> None:
-    print(text, file=sys.stderr)
 
 
 def format_table(r: dict[str, Any]) -> str:

@@ -4,7 +4,10 @@ Every field is a YAML key (snake_case), a flag (kebab-case) and a keyword of `co
 error, not a warning, so a typo in a recipe never silently runs the wrong job. Each key's type is its annotation
 (FIELD_KINDS) and every value is parsed to it without coercion: booleans are YAML 1.2's unquoted true/false only
 (a quoted "false" is a non-empty string, which Python would take as True), integers are integers, choices and
-least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Layers are
+least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Each key's help,
+default, choices and least value are written once, in its field's metadata (HfArgumentParser's convention): the
+flags and `--help` are built from them, but values never go through HfArgumentParser (its parse_dict does not
+type-check). Layers are
 resolved against the model's depth here too: integers (negatives count from the end) or one preset name
 (`eagle3`, `dflash`, `dflash-K`), giving sorted, distinct, non-negative decoder-layer indices; a preset's K is
 bounded by the depth before any list is built (`dflash-999999` once built a million-entry list first).
@@ -25,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from hsx.errors import HsxError, UsageError  # noqa: F401  (raised here; also imported from here)
 from hsx.schema import COMPUTE_DTYPES, STORAGE_DTYPES
 
 LAYER_CONVENTION = (
@@ -34,82 +38,106 @@ LAYER_CONVENTION = (
 )
 
 
-class HsxError(Exception):
-    """A problem the user can fix; the CLI prints it as one line and exits 1, without a traceback."""
+EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 
 
-class UsageError(HsxError):
-    """A flag, recipe key or argument wrong by itself (before the model or data is read): exit 2, as argparse."""
+def _key(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
+         minimum: int | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config key: `field(default=..., metadata={"help": ..., "choices": ..., "minimum": ...})`, the one place
+    of a key's help, default, choices and least value (HfArgumentParser's convention; hsx.cli builds each flag
+    from it, and parse_value checks values against it)."""
+    metadata = {"help": help, **({"choices": choices} if choices else {}),
+                **({"minimum": minimum} if minimum is not None else {})}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass
 class ExtractConfig:
     # What to run and on what.
-    model: str = ""
-    revision: str | None = None
-    tokenizer: str | None = None  # defaults to the model's own
-    dataset: str = ""
-    dataset_config: str | None = None
-    split: str = "train"
-    limit: int | None = None  # only the first N input rows: for trying a recipe out
+    model: str = _key("", help="local folder or Hub id of the target model")
+    revision: str | None = _key(None, help="model revision (branch, tag or commit) on the Hub")
+    tokenizer: str | None = _key(None, help="tokenizer folder or Hub id (default: the model's)")
+    dataset: str = _key("", help="Hub id, or a local .jsonl/.json/.parquet/.arrow file or folder")
+    dataset_config: str | None = _key(None, help="the dataset's configuration name on the Hub")
+    split: str = _key("train", help="input split (slicing like train[:1000] works)")
+    limit: int | None = _key(None, minimum=1, help="only the first N input rows: for trying a recipe out")
     # What to capture.
-    layers: list[int] | str = field(default_factory=list)
-    final_hidden: bool = False
-    topk_logits: int = 0  # >0: store the target's top-k logits (values and token ids) per token, from the final norm
-    max_length: int = 4096
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] | str = _key(default_factory=list, help="decoder layers (0-based, negatives from the end), "
+                                   "e.g. `1 -1` or `1,-1`, or a preset: eagle3, dflash, dflash-K")
+    final_hidden: bool = _key(False, help="also store the final-norm output (transformers' hidden_states[N]) as "
+                              "final_hidden_state")
+    topk_logits: int = _key(0, minimum=0, help="also store the target's top-K logits and token ids per token (from "
+                            "the final-norm state, in chunks; needs --final-hidden or a preset that includes it)")
+    max_length: int = _key(4096, minimum=1, help="longer rows are truncated (and counted)")
+    chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
+                                                "template, e.g. '{\"enable_thinking\": false}'")
     # Where it goes.
-    output_dir: str = ""
-    storage_dtype: str = "bfloat16"
-    strict: bool = False
-    allow_empty: bool = False  # a job whose every row is skipped succeeds (an empty dataset) instead of failing
+    output_dir: str = _key("", help="where the Arrow dataset goes; rerunning the same command there continues "
+                           "the job")
+    storage_dtype: str = _key("bfloat16", choices=STORAGE_DTYPES, help="bfloat16 is bit-exact for bf16 compute; "
+                              "float8_e4m3 is lossy, with per-token scales, read back as bfloat16")
+    strict: bool = _key(False, help="stop at the first unusable input row instead of skipping and counting it")
+    allow_empty: bool = _key(False, help="a job that writes no row (every input row skipped) succeeds with an "
+                             "empty dataset instead of failing")
     # Publishing (token from HF_TOKEN / `hf auth login`, never recorded).
-    push_to_hub: str | None = None  # a Hub dataset repo id
-    push_mode: str = "end"  # end: upload once complete; stream: upload units as they are committed
-    delete_after_upload: bool = False  # stream mode: remove a unit locally once the Hub has it
-    hub_private: bool = True
-    hub_revision: str | None = None  # branch to push to (created if missing)
-    nonfinite: str = "skip"  # rows whose states hold NaN/Inf: "skip" (counted) or "keep" (flagged in has_nonfinite)
-    overwrite: bool = False
-    # on resume, check the CRC-32 of every unit kept, not only the last run's: reads it all, 3.2 min per TB at
-    # the 5.2 GB/s file_crc32 ran on an H200 host's 16 cores (20 min per TB on a 2-core box)
-    check_crc: bool = False
+    push_to_hub: str | None = _key(None, help="a Hub dataset repo to upload the output to (token from HF_TOKEN or "
+                                   "`hf auth login`)")
+    push_mode: str = _key("end", choices=("end", "stream"), help="end: upload once the job is complete; stream: "
+                          "upload units as they are committed")
+    delete_after_upload: bool = _key(False, help="stream mode: delete a unit locally once the Hub has it (outputs "
+                                     "bigger than the disk)")
+    hub_private: bool = _key(True, help="create the repo private, or public (--no-hub-private)")
+    hub_revision: str | None = _key(None, help="branch to push to (created if missing)")
+    nonfinite: str = _key("skip", choices=("skip", "keep"), help="rows whose states hold NaN/Inf: skip (and count) "
+                          "them, or keep them with has_nonfinite set")
+    overwrite: bool = _key(False, help="delete what hsx wrote in --output-dir and start over")
+    # Reading every unit kept costs 3.2 min per TB at the 5.2 GB/s file_crc32 ran on an H200 host's 16 cores (20 min
+    # per TB on a 2-core box).
+    check_crc: bool = _key(False, help="on resume or rerun, check the CRC-32 of every unit kept (off: sizes of "
+                           "all, CRC-32 of the units of the interrupted run)")
     # How fast. None changes which rows, tokens or masks are written; packing and tensor parallelism change the
     # states only within bf16 rounding (dtype, part of the job's fingerprint, by its own precision).
-    dtype: str = "bfloat16"
-    attn_implementation: str = "sdpa"
-    sdpa_backend: str = "flash"  # flash, cudnn, efficient or default (torch's choice); see the README's numbers
-    experts_implementation: str = "auto"  # MoE experts: auto (hsx_grouped on CUDA), hsx_grouped, grouped_mm, eager
-    packing: str = "auto"  # varlen: each batch as one packed sequence; none: right-padded rows; auto (README)
-    gpus_per_copy: int = 1  # >1: each process spreads its model copy over this many GPUs (device_map)
-    tp_size: int = 1  # >1: a model copy is sharded over this many processes (transformers' tp_plan="auto")
-    token_budget: int | None = None  # tokens per batch, padding included; None picks from the device
-    unit_tokens: int | None = None  # tokens per output file (a resumable unit); None: about 2 GiB of states
-    compile: str = "auto"  # auto (on for CUDA), on, off
-    num_proc: int | None = None  # tokenization processes
-    trust_remote_code: bool = False
+    dtype: str = _key("bfloat16", choices=COMPUTE_DTYPES, help="compute dtype of the model")
+    attn_implementation: str = _key("sdpa", help="transformers attention implementation")
+    sdpa_backend: str = _key("flash", choices=("flash", "cudnn", "efficient", "default"),
+                             help="attention kernel for sdpa on CUDA (`default`: torch's own pick); see the "
+                             "README's numbers")
+    experts_implementation: str = _key("auto", choices=EXPERTS_CHOICES, help="MoE experts: hsx_grouped (two "
+                                       "grouped GEMMs, hsx.moe), grouped_mm (transformers'), eager (a loop over "
+                                       "experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
+    packing: str = _key("auto", choices=("auto", "varlen", "none"), help="varlen: each batch as one packed sequence "
+                        "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
+                        "copy where the model allows it, else none")
+    gpus_per_copy: int = _key(1, minimum=1, help="GPUs one model copy is spread over (device_map); launch one "
+                              "process per group: `accelerate launch --num_processes GPUS/N`")
+    tp_size: int = _key(1, minimum=1, help="tensor parallel: shard each model copy over this many processes (one "
+                        "per GPU) with transformers' tp_plan; data parallel across the groups")
+    token_budget: int | None = _key(None, minimum=1, help="tokens per batch, padding included (default: 16384 on "
+                                    "GPU, 4096 on CPU)")
+    unit_tokens: int | None = _key(None, minimum=1, help="tokens per output file, the grain of commit and resume "
+                                   "(default: ~2 GiB of states)")
+    compile: str = _key("auto", choices=("auto", "on", "off"), help="torch.compile the model (auto: on for CUDA)")
+    num_proc: int | None = _key(None, minimum=1, help="tokenization processes (default: up to 8 for 20k+ rows)")
+    trust_remote_code: bool = _key(False, help="run the model repo's own code")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
-EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# The keys whose value is one of a few names (flags get them as argparse `choices`).
-CHOICES = {
-    "storage_dtype": STORAGE_DTYPES,
-    "dtype": COMPUTE_DTYPES,
-    "push_mode": ("end", "stream"),
-    "nonfinite": ("skip", "keep"),
-    "sdpa_backend": ("flash", "cudnn", "efficient", "default"),
-    "packing": ("auto", "varlen", "none"),
-    "compile": ("auto", "on", "off"),
-    "experts_implementation": EXPERTS_CHOICES,
-}
-# Integer keys and their least value (None is allowed where the field's type says `| None`).
-MINIMUM = {"limit": 1, "max_length": 1, "topk_logits": 0, "gpus_per_copy": 1, "tp_size": 1, "token_budget": 1,
-           "unit_tokens": 1, "num_proc": 1}
+# The keys whose value is one of a few names (flags get them as argparse `choices`), and the integer keys' least
+# values (None is allowed where the field's type says `| None`): views of the fields' metadata.
+CHOICES = {name: f.metadata["choices"] for name, f in FIELDS.items() if "choices" in f.metadata}
+MINIMUM = {name: f.metadata["minimum"] for name, f in FIELDS.items() if "minimum" in f.metadata}
 REQUIRED = ("model", "dataset", "output_dir")  # the keys a job needs (a stream, hsx.stream, writes nothing)
+
+
+def default_of(name: str) -> Any:
+    """Key `name`'s default value (a fresh one for a list or a mapping)."""
+    f = FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; anything near this is not one
 
 

@@ -16,7 +16,12 @@ How:
   re-sends ~0 bytes of the chunks the server already holds. `create_commit` rather than `upload_folder`: every
   commit then holds exactly the files listed, so once the Hub confirms it we know which units it holds (the upload
   records and --delete-after-upload depend on that), and no scan or pattern match over thousands of unit files
-  runs per commit (`upload_folder`'s allow_patterns match every file against every pattern).
+  runs per commit (`upload_folder`'s allow_patterns match every file against every pattern). Nor
+  `upload_large_folder` (gone from huggingface_hub 2.x, where `upload_folder` does its resumable multi-commit xet
+  upload): it picks its own batches and order, so hsx.json could land before the units it lists (it must be the
+  last commit: its `complete` is the commit point), no commit is tied to the files it holds (the upload records,
+  --delete-after-upload and a resumed job's done units need that), and it neither checks a file against hsx.json's
+  CRC-32 before sending it nor prunes another job's units in the last commit.
 - Batches: at most 50 files (the Hub recommends < 100 files per commit) and 64 GiB per commit. A stream starts at
   most one commit per `min_seconds_between_commits` (60 s by default: the Hub rate-limits commits; at H200 speed a
   2 GiB unit is committed about every second, so a minute's units go in one commit); `close()` flushes the rest.
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx.config import HsxError
+from hsx.errors import HsxError
 from hsx.schema import Info, ManifestRecord
 from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, read_jsonl,
                       uploaded_matches)

@@ -19,7 +19,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hsx import __version__
@@ -27,7 +27,8 @@ from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_topk_logits, resolve_layers
 from hsx.schema import OutputFormat
 from hsx.fingerprint import model_identity, tokenizer_identity
-from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, dataset_card, info_features,
+from hsx.card import dataset_card
+from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
                       job_fingerprint)
 from hsx.vocab import write_token_frequencies
 

@@ -21,16 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
+from hsx.errors import Stopped
 from hsx.job import Engine, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
 from hsx.sink import OutputDir
-
-
-class Stopped(Exception):
-    """SIGINT/SIGTERM: the job stopped cleanly after a unit; the same command continues it."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass

@@ -20,11 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx.errors import VerifyFailed
 from hsx.schema import Info
-
-
-class VerifyFailed(Exception):
-    pass
 
 
 def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print,

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading as _threading
 
 # Before anything imports huggingface_hub / datasets / transformers: no network, a private datasets cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +28,51 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+# ---- a deadline per test ---------------------------------------------------------------------------------------
+# pytest-timeout's convention (a `timeout(seconds)` marker, the HSX_TEST_TIMEOUT default) without the plugin, which
+# /work/venv lacks; with the plugin installed, it does the job instead. The deadline covers the test's setup
+# (module and session fixtures it is the first to need: a tiny model, a shared extraction), call and teardown.
+# On Unix only (SIGALRM). Measured on the 2-core box at a load average of 4-7: the slowest test outside `slow`
+# takes 8 s (setup and call), the slowest `slow` one 88 s (a notebook).
+TEST_TIMEOUT_S = int(os.environ.get("HSX_TEST_TIMEOUT", "300"))
+SLOW_TEST_TIMEOUT_S = 3 * TEST_TIMEOUT_S  # @pytest.mark.slow: subprocess fleets, notebooks, torchrun
+
+
+def _deadline_of(item) -> int:
+    marker = item.get_closest_marker("timeout")
+    if marker and marker.args:
+        return int(marker.args[0])
+    return SLOW_TEST_TIMEOUT_S if item.get_closest_marker("slow") else TEST_TIMEOUT_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+    import signal
+
+    seconds = _deadline_of(item)
+    if (not hasattr(signal, "SIGALRM") or seconds <= 0 or item.config.pluginmanager.hasplugin("timeout")
+            or _threading.current_thread() is not _threading.main_thread()):
+        yield
+        return
+
+    def expired(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)  # where every thread is (a hang in a worker, a lock)
+        pytest.fail(f"{item.nodeid} ran over its {seconds} s deadline (HSX_TEST_TIMEOUT, or @pytest.mark.timeout)",
+                    pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    # A hang inside one C call never returns to the interpreter to run the handler: a minute later, dump every
+    # thread's stack and end the run (a stuck suite is worse than a stopped one).
+    faulthandler.dump_traceback_later(seconds + 60, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
 
 # A hand-checked multi-turn conversation with a system prompt (see test_data.py for the expected rendering).
 HAND_CONVERSATION = [
@@ -83,6 +129,27 @@ class TinyModel:
         ref[n - 1] = captured["last"][0].float()
         ref["final"] = hs[n][0].float()
         return ref
+
+
+def make_cfg(model, layers, final_hidden: bool, dtype: str = "float32"):
+    """The config of a model (anything with `.path`: a TinyModel, a test family) driven through the engine
+    directly: no dataset or output dir is read."""
+    from hsx.config import ExtractConfig
+
+    return ExtractConfig(model=str(model.path), dataset="unused", final_hidden=final_hidden, output_dir="unused",
+                         layers=layers if isinstance(layers, str) else list(layers), dtype=dtype, compile="off")
+
+
+def as_table(ids_lists: list[list[int]], first_id: int = 0):
+    """A tokenized batch as the engine takes it: sample ids from `first_id`, every token in the loss mask."""
+    import pyarrow as pa
+
+    return pa.table({
+        "sample_id": pa.array(range(first_id, first_id + len(ids_lists)), pa.int64()),
+        "input_ids": pa.array(ids_lists, pa.list_(pa.int32())),
+        "loss_mask": pa.array([[1] * len(i) for i in ids_lists], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(i) for i in ids_lists], pa.int32()),
+    })
 
 
 def _load_full(path: Path, dtype: torch.dtype):

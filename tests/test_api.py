@@ -50,6 +50,7 @@ def test_import_hsx_stays_light():
     assert callable(hsx.extract) and callable(hsx.plan)
 
 
+@pytest.mark.slow
 def test_extract_from_keywords_equals_the_cli(cli_demo, tmp_path, capsys):
     out = tmp_path / "api"
     ds, printed = api_extract(capsys, **DEMO_KEYS, output_dir=str(out), compile="off")
@@ -60,6 +61,7 @@ def test_extract_from_keywords_equals_the_cli(cli_demo, tmp_path, capsys):
         assert (out / "data" / name).read_bytes() == (cli_demo / "data" / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_extract_again_is_a_no_op_returning_the_same_rows(tmp_path, capsys):
     out = tmp_path / "out"
     first, _ = api_extract(capsys, config=str(DEMO), output_dir=str(out), compile="off")
@@ -70,6 +72,7 @@ def test_extract_again_is_a_no_op_returning_the_same_rows(tmp_path, capsys):
     assert_same_rows(again, first)
 
 
+@pytest.mark.slow
 def test_recipe_plus_overrides(tmp_path, capsys):
     out = tmp_path / "out"  # a pathlib.Path for the recipe and the output dir, as a notebook passes them
     ds, printed = api_extract(capsys, config=DEMO, output_dir=out, layers=[1, -1], final_hidden=False, limit=20,

@@ -27,8 +27,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import bf16_ulps, rel_err, write_jsonl
-from hsx.config import ExtractConfig, HsxError
+from conftest import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
+from hsx.config import HsxError
 from hsx.engine import Extractor, Pipeline
 from hsx.model import (kernel_report, load_model, packing_blocker, prepare_model, resolve_packing,
                        text_weights_prefix, truncated_view)
@@ -191,26 +191,15 @@ def get_family(name: str, tmp_path_factory) -> Family:
     return _FAMILY_CACHE[name]
 
 
-@pytest.fixture(params=FAMILIES)
+QUICK_FAMILIES = {"qwen3", "qwen3_moe", "qwen3_5"}  # dense, MoE, hybrid: the others run without -m "not slow"
+
+
+@pytest.fixture(params=[f if f in QUICK_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def family(request, tmp_path_factory) -> Family:
     return get_family(request.param, tmp_path_factory)
 
 
 # ---- hsx's path --------------------------------------------------------------------------------------------------
-
-def make_cfg(fam: Family, layers, final_hidden: bool, dtype: str = "float32") -> ExtractConfig:
-    return ExtractConfig(model=str(fam.path), dataset="unused", layers=list(layers), final_hidden=final_hidden,
-                         output_dir="unused", dtype=dtype, compile="off")
-
-
-def as_table(ids_lists, first_id=0) -> pa.Table:
-    return pa.table({
-        "sample_id": pa.array(range(first_id, first_id + len(ids_lists)), pa.int64()),
-        "input_ids": pa.array(ids_lists, pa.list_(pa.int32())),
-        "loss_mask": pa.array([[1] * len(i) for i in ids_lists], pa.list_(pa.int8())),
-        "num_tokens": pa.array([len(i) for i in ids_lists], pa.int32()),
-    })
-
 
 @dataclass
 class HsxRun:

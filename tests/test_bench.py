@@ -2,22 +2,17 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 import hsx
+from conftest import free_port
 from hsx.cli import main
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_bench_tiny_reports_all_runs_and_keeps_output(tmp_path, capsys, monkeypatch):
     import tempfile
 

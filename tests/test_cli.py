@@ -5,8 +5,6 @@ Problems the user can fix must print one line (`hsx: error: ...`) to stderr, exi
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -19,35 +17,8 @@ import pytest
 import torch
 
 import hsx
-from conftest import REPO, write_jsonl
+from conftest import REPO, assert_one_error_line, hsx_main, message_lines, write_jsonl
 from hsx.cli import main
-
-PROGRESS = re.compile(r"\d+%\|| \d+ examples \[|(it|examples|tok)/s[\],]|^\s*$")
-
-
-def error_lines(err: str) -> list[str]:
-    """stderr without progress bars (datasets/tqdm write those to stderr too)."""
-    return [line for line in re.split(r"[\r\n]+", err) if line.strip() and not PROGRESS.search(line)]
-
-
-def assert_one_line_error(rc: int, err: str, *needles: str) -> str:
-    assert rc != 0
-    assert "Traceback" not in err, err
-    lines = error_lines(err)
-    assert len(lines) == 1, lines
-    line = lines[0]
-    assert line.startswith("hsx: error: "), line
-    for n in needles:
-        assert n in line, (n, line)
-    return line
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
-
 
 def base_args(model, dataset, out, *layers: str) -> list[str]:
     return ["extract", "--model", str(model.path), "--dataset", str(dataset), "--layers", *(layers or ("1",)),
@@ -59,7 +30,7 @@ def cli_run(tmp_path_factory, model4, small_chat_path):
     """`hsx extract --model --dataset --layers 1 -1 --output-dir` and nothing else."""
     out = tmp_path_factory.mktemp("cli") / "out"
     argv = base_args(model4, small_chat_path, out, "1", "-1")
-    rc, stdout, stderr = run_main(argv)
+    rc, stdout, stderr = hsx_main(argv)
     return {"argv": argv, "out": out, "rc": rc, "stdout": stdout, "stderr": stderr}
 
 
@@ -81,7 +52,7 @@ def test_four_flags_are_enough(cli_run):
 
 def test_rerun_is_a_noop_that_says_so(cli_run):
     files = {p: p.stat().st_mtime_ns for p in (cli_run["out"] / "data").iterdir()}
-    rc, out, err = run_main(cli_run["argv"])
+    rc, out, err = hsx_main(cli_run["argv"])
     assert rc == 0 and "Traceback" not in err
     assert "already complete" in out
     assert {p: p.stat().st_mtime_ns for p in (cli_run["out"] / "data").iterdir()} == files
@@ -92,7 +63,7 @@ def test_overwrite_restarts(cli_run):
     before = info_file.stat().st_mtime_ns
     stale = cli_run["out"] / "data" / "train-999-00000.arrow"
     stale.write_bytes(b"not arrow")  # something a previous job left: --overwrite deletes what hsx wrote
-    rc, out, err = run_main(cli_run["argv"] + ["--overwrite"])
+    rc, out, err = hsx_main(cli_run["argv"] + ["--overwrite"])
     assert rc == 0, err
     assert "already complete" not in out and "wrote 6 rows" in out
     assert info_file.stat().st_mtime_ns != before
@@ -103,8 +74,8 @@ def test_overwrite_restarts(cli_run):
 
 def test_different_job_in_the_dir_is_an_error(cli_run, model4, small_chat_path):
     before = (cli_run["out"] / "hsx.json").read_text()
-    rc, out, err = run_main(base_args(model4, small_chat_path, cli_run["out"], "2"))
-    assert_one_line_error(rc, err, "different job")
+    rc, out, err = hsx_main(base_args(model4, small_chat_path, cli_run["out"], "2"))
+    assert_one_error_line(rc, err, "different job")
     assert (cli_run["out"] / "hsx.json").read_text() == before
 
 
@@ -115,13 +86,14 @@ def demo_command() -> list[str]:
     return shlex.split(first[len("# hsx "):])
 
 
+@pytest.mark.slow
 def test_demo_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "demo"
     argv = demo_command()
     assert argv[argv.index("--config") + 1] == "recipes/demo.yaml"
     argv[argv.index("--output-dir") + 1] = str(out)  # the recipe's own command, written elsewhere
-    rc, stdout, stderr = run_main(argv)
+    rc, stdout, stderr = hsx_main(argv)
     assert rc == 0, stderr
     assert "Traceback" not in stderr
     info = json.loads((out / "hsx.json").read_text())
@@ -140,7 +112,7 @@ def test_demo_recipe(tmp_path, monkeypatch):
 def test_demo_recipe_from_another_directory(tmp_path, monkeypatch):
     """`hsx extract --config /abs/path/recipes/demo.yaml` from anywhere: the recipe's paths are its own."""
     monkeypatch.chdir(tmp_path)
-    rc, stdout, stderr = run_main(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", "out",
+    rc, stdout, stderr = hsx_main(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", "out",
                                    "--limit", "10"])
     assert rc == 0, stderr
     info = json.loads((tmp_path / "out" / "hsx.json").read_text())
@@ -186,7 +158,7 @@ def test_unknown_yaml_key(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: m\ndataset: d\nlayers: [1]\noutput_dir: o\nmax_lenght: 5\n")
     rc = main(["extract", "--config", str(recipe)])
-    assert_one_line_error(rc, capsys.readouterr().err, "max_lenght")
+    assert_one_error_line(rc, capsys.readouterr().err, "max_lenght")
 
 
 def test_unknown_flag_is_rejected(capsys):
@@ -201,7 +173,7 @@ def test_unknown_flag_is_rejected(capsys):
 def test_strict_names_the_first_bad_row(tmp_path, capsys, model4, small_chat_path):
     out = tmp_path / "out"
     rc = main(base_args(model4, small_chat_path, out) + ["--strict"])
-    line = assert_one_line_error(rc, capsys.readouterr().err, "row 2", "no_assistant_turn")
+    line = assert_one_error_line(rc, capsys.readouterr().err, "row 2", "no_assistant_turn")
     assert "strict" in line
     assert not (out / "hsx.json").exists()
     assert not list(out.glob("data/*.arrow"))
@@ -210,7 +182,7 @@ def test_strict_names_the_first_bad_row(tmp_path, capsys, model4, small_chat_pat
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpus_per_copy_without_gpus_is_one_line(tmp_path, capsys, model4, small_chat_path):
     rc = main(base_args(model4, small_chat_path, tmp_path / "out") + ["--gpus-per-copy", "2"])
-    assert_one_line_error(rc, capsys.readouterr().err, "--gpus-per-copy 2", "no CUDA GPU")
+    assert_one_error_line(rc, capsys.readouterr().err, "--gpus-per-copy 2", "no CUDA GPU")
     assert rc == 1  # the machine's, not the flag's: a runtime error
 
 
@@ -229,25 +201,25 @@ def test_strict_each_bad_case(tmp_path, capsys, model4, case):
     }[case]
     path = write_jsonl(tmp_path / "d.jsonl", [good, good, good, bad, good])
     # without --strict: skipped and counted by reason
-    rc, out, err = run_main(base_args(model4, path, tmp_path / "lenient") + ["--max-length", "64"])
+    rc, out, err = hsx_main(base_args(model4, path, tmp_path / "lenient") + ["--max-length", "64"])
     assert rc == 0, err
     info = json.loads((tmp_path / "lenient" / "hsx.json").read_text())
     assert info["counts"]["skipped"] == {case: 1}
     assert info["counts"]["rows_written"] == 4
     # with --strict: an error naming row 3
     rc = main(base_args(model4, path, tmp_path / "strict") + ["--max-length", "64", "--strict"])
-    assert_one_line_error(rc, capsys.readouterr().err, "row 3", case)
+    assert_one_error_line(rc, capsys.readouterr().err, "row 3", case)
 
 
 def test_broken_jsonl(tmp_path, capsys, model4, broken_jsonl):
     rc = main(base_args(model4, broken_jsonl, tmp_path / "out"))
-    assert_one_line_error(rc, capsys.readouterr().err, "cannot read dataset", str(broken_jsonl))
+    assert_one_error_line(rc, capsys.readouterr().err, "cannot read dataset", str(broken_jsonl))
 
 
 def test_chat_data_with_tokenizer_without_template(tmp_path, capsys, model4, small_chat_path,
                                                    no_template_tokenizer_dir):
     rc = main(base_args(model4, small_chat_path, tmp_path / "out") + ["--tokenizer", str(no_template_tokenizer_dir)])
-    assert_one_line_error(rc, capsys.readouterr().err, "chat template")
+    assert_one_error_line(rc, capsys.readouterr().err, "chat template")
 
 
 @pytest.mark.parametrize(("layers", "needle"), [(["4"], "out of range"), (["-5"], "out of range"),
@@ -255,7 +227,7 @@ def test_chat_data_with_tokenizer_without_template(tmp_path, capsys, model4, sma
                                                 (["dflash-0"], "dflash")])
 def test_bad_layers(tmp_path, capsys, model4, small_chat_path, layers, needle):
     rc = main(base_args(model4, small_chat_path, tmp_path / "out", *layers))
-    assert_one_line_error(rc, capsys.readouterr().err, needle)
+    assert_one_error_line(rc, capsys.readouterr().err, needle)
 
 
 def test_output_dir_not_written_by_hsx(tmp_path, capsys, model4, small_chat_path):
@@ -263,18 +235,18 @@ def test_output_dir_not_written_by_hsx(tmp_path, capsys, model4, small_chat_path
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     rc = main(base_args(model4, small_chat_path, out))
-    assert_one_line_error(rc, capsys.readouterr().err, str(out), "not written by hsx")
+    assert_one_error_line(rc, capsys.readouterr().err, str(out), "not written by hsx")
     assert (out / "precious.txt").read_text() == "keep me"
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]  # no .hsx/ left behind
     rc = main(base_args(model4, small_chat_path, out))  # so the second try says the same, not something else
-    assert_one_line_error(rc, capsys.readouterr().err, str(out), "not written by hsx")
+    assert_one_error_line(rc, capsys.readouterr().err, str(out), "not written by hsx")
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
 def test_output_dir_that_exists_empty_is_used(tmp_path, model4, small_chat_path):
     out = tmp_path / "out"
     out.mkdir()
-    rc, stdout, err = run_main(base_args(model4, small_chat_path, out))
+    rc, stdout, err = hsx_main(base_args(model4, small_chat_path, out))
     assert rc == 0, err
     assert json.loads((out / "hsx.json").read_text())["counts"]["rows_written"] == 6
 
@@ -284,32 +256,32 @@ def test_missing_required_flag(capsys, missing):
     argv = ["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir", "o"]
     i = argv.index(missing)
     del argv[i:i + 2]
-    assert_one_line_error(main(argv), capsys.readouterr().err, missing)
+    assert_one_error_line(main(argv), capsys.readouterr().err, missing)
 
 
 def test_missing_model(tmp_path, capsys, small_chat_path):
     rc = main(["extract", "--model", str(tmp_path / "no-such-model"), "--dataset", str(small_chat_path),
                "--layers", "1", "--output-dir", str(tmp_path / "out")])
-    assert_one_line_error(rc, capsys.readouterr().err, "no-such-model")
+    assert_one_error_line(rc, capsys.readouterr().err, "no-such-model")
 
 
 def test_dataset_without_known_columns(tmp_path, capsys, model4):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
     rc = main(base_args(model4, path, tmp_path / "out"))
-    assert_one_line_error(rc, capsys.readouterr().err, "messages")
+    assert_one_error_line(rc, capsys.readouterr().err, "messages")
 
 
 def test_unsupported_dataset_file(tmp_path, capsys, model4):
     path = tmp_path / "d.xml"
     path.write_text("<text>hello</text>\n")
     rc = main(base_args(model4, path, tmp_path / "out"))
-    assert_one_line_error(rc, capsys.readouterr().err, ".xml")
+    assert_one_error_line(rc, capsys.readouterr().err, ".xml")
 
 
 def test_csv_input(tmp_path, model4):
     path = tmp_path / "d.csv"
     path.write_text('text\nhello there\n"second row, with a comma"\n')
-    rc, _, err = run_main(base_args(model4, path, tmp_path / "out"))
+    rc, _, err = hsx_main(base_args(model4, path, tmp_path / "out"))
     assert rc == 0, err
     assert json.loads((tmp_path / "out" / "hsx.json").read_text())["counts"]["rows_written"] == 2
 
@@ -334,7 +306,7 @@ def test_extract_reads_one_split_of_a_folder(tmp_path, model4, split_folder, spl
     from hsx.data import tokenize_batch
 
     out = tmp_path / "out"
-    rc, _, err = run_main(base_args(model4, split_folder, out) + (["--split", split] if split else []))
+    rc, _, err = hsx_main(base_args(model4, split_folder, out) + (["--split", split] if split else []))
     assert rc == 0, err
     written = datasets.load_dataset(str(out))
     assert list(written) == ["train"]
@@ -350,11 +322,11 @@ def test_all_rows_skipped_is_an_error_naming_the_reasons(tmp_path, capsys, model
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": []}, {"messages": [{"role": "user", "content": "x"}]}])
     out = tmp_path / "out"
     rc = main(base_args(model4, path, out))
-    line = assert_one_line_error(rc, capsys.readouterr().err, "no usable rows", "empty_conversation",
+    line = assert_one_error_line(rc, capsys.readouterr().err, "no usable rows", "empty_conversation",
                                  "no_assistant_turn", "--allow-empty")
     assert rc == 1 and "2 input rows" in line
     assert not out.exists()  # no dir that load_dataset cannot read
-    rc, _, err = run_main(base_args(model4, path, out) + ["--allow-empty"])
+    rc, _, err = hsx_main(base_args(model4, path, out) + ["--allow-empty"])
     assert rc == 0, err
     assert "0 rows (--allow-empty)" in err and "corresponds to no data" in err  # datasets' own limit, said
     import datasets
@@ -367,11 +339,11 @@ def test_all_rows_skipped_is_an_error_naming_the_reasons(tmp_path, capsys, model
 
 def test_failed_validation_leaves_no_dir(tmp_path, capsys, model4, small_chat_path):
     out = tmp_path / "out"
-    assert_one_line_error(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
+    assert_one_error_line(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
                           "out of range")
     assert not out.exists()
     out.mkdir()  # a dir the user made stays, without .hsx/
-    assert_one_line_error(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
+    assert_one_error_line(main(base_args(model4, small_chat_path, out, "99")), capsys.readouterr().err,
                           "out of range")
     assert out.is_dir() and not any(out.iterdir())
 
@@ -384,11 +356,13 @@ def _subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_subprocess_python_m_hsx_error(tmp_path, model4, broken_jsonl):
     p = _subprocess([sys.executable, "-m", "hsx", *base_args(model4, broken_jsonl, tmp_path / "out")], tmp_path)
-    assert_one_line_error(p.returncode, p.stderr, "cannot read dataset")
+    assert_one_error_line(p.returncode, p.stderr, "cannot read dataset")
 
 
+@pytest.mark.slow
 def test_subprocess_hsx_command_runs(tmp_path, model4, small_chat_path):
     exe = Path(sys.executable).parent / "hsx"
     argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "hsx"]
@@ -423,7 +397,7 @@ def test_row_rejected_by_template_is_skipped(tmp_path, capsys, model4):
     assert [r["sample_id"] for r in hsx.load(str(tmp_path / "out"))] == [0]
     # --strict names it
     rc = main(base_args(model4, path, tmp_path / "strict") + ["--strict"])
-    assert_one_line_error(rc, capsys.readouterr().err, "row 1", "chat_template_error")
+    assert_one_error_line(rc, capsys.readouterr().err, "row 1", "chat_template_error")
 
 
 def test_out_of_vocab_input_ids_is_skipped(tmp_path, capsys, model4):
@@ -441,7 +415,7 @@ def test_fix_the_row_after_strict_and_rerun(tmp_path, capsys, model4):
     path = write_jsonl(tmp_path / "d.jsonl", [good, {"messages": []}])
     out = tmp_path / "out"
     argv = base_args(model4, path, out) + ["--strict"]
-    assert_one_line_error(main(argv), capsys.readouterr().err, "row 1")
+    assert_one_error_line(main(argv), capsys.readouterr().err, "row 1")
     assert not out.exists()  # the refused job leaves nothing behind
     write_jsonl(path, [good, good])  # the user fixes row 1
     rc = main(argv)
@@ -455,7 +429,7 @@ def test_fix_the_tokenizer_after_missing_template_and_rerun(tmp_path, capsys, mo
                                                            no_template_tokenizer_dir):
     out = tmp_path / "out"
     argv = base_args(model4, small_chat_path, out)
-    assert_one_line_error(main(argv + ["--tokenizer", str(no_template_tokenizer_dir)]), capsys.readouterr().err,
+    assert_one_error_line(main(argv + ["--tokenizer", str(no_template_tokenizer_dir)]), capsys.readouterr().err,
                           "chat template")
     assert not out.exists()
     rc = main(argv)  # the model's own tokenizer, which has one
@@ -472,7 +446,7 @@ def test_a_dir_with_output_of_another_job_is_still_refused_after_a_failure(tmp_p
     capsys.readouterr()
     before = sorted(p.name for p in (out / "data").iterdir())
     rc = main(base_args(model4, small_chat_path, out, "2"))
-    assert_one_line_error(rc, capsys.readouterr().err, "different job")
+    assert_one_error_line(rc, capsys.readouterr().err, "different job")
     assert sorted(p.name for p in (out / "data").iterdir()) == before
 
 
@@ -530,7 +504,7 @@ def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_
     out = tmp_path / "out"
     assert main(base_args(model4, small_chat_path, out, "1")) == 0
     capsys.readouterr()
-    line = assert_one_line_error(main(base_args(model4, small_chat_path, out, "2")), capsys.readouterr().err,
+    line = assert_one_error_line(main(base_args(model4, small_chat_path, out, "2")), capsys.readouterr().err,
                                  "different job")
     assert "(differs in: layers)" in line
 
@@ -538,14 +512,14 @@ def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_
 def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_run):
     out = cli_run["out"]  # layers 1 and 3 of 4, no final norm state: refused before any file is written
     rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
-    assert_one_line_error(rc, capsys.readouterr().err, "--final-hidden")
+    assert_one_error_line(rc, capsys.readouterr().err, "--final-hidden")
     meta = json.loads((out / "hsx.json").read_text())
     from hsx.schema import Info
 
     monkeypatch.setattr(sys.modules["hsx.export"], "read_info",
                         lambda path: Info.from_dict({**meta, "final_hidden": True}))
     rc = main(["export-specforge", str(out), str(tmp_path / "sf")])
-    line = assert_one_line_error(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
+    line = assert_one_error_line(rc, capsys.readouterr().err, "3 auxiliary layers", "--layers 1 3")
     assert "layers=[" not in line.split("(in Python")[0]
     assert not (tmp_path / "sf").exists()
 
@@ -554,3 +528,27 @@ def test_progress_bar_labels_its_two_rates(cli_run):
     bars = [line for line in re.split(r"[\r\n]+", cli_run["stderr"]) if line.startswith("extracting:")]
     assert bars and all(", now " in line for line in bars)  # tqdm's recent rate
     assert any("mean " in line and " tok/s" in line for line in bars)  # ours, since the start
+
+
+def test_import_cli_loads_no_torch_datasets_or_transformers():
+    """`hsx --help` stays fast: the command line imports the heavy stacks only when a command runs them."""
+    code = ("import sys, hsx.cli; heavy = [m for m in ('torch', 'datasets', 'transformers', 'accelerate') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_version_flag(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hsx {version('hsx')}" == f"hsx {hsx.__version__}"
+
+
+def test_exit_status_of_each_error():
+    from hsx.errors import HsxError, Stopped, UsageError, VerifyFailed, exit_status
+
+    assert [exit_status(e) for e in (UsageError("x"), HsxError("x"), VerifyFailed("x"), Stopped("x", 143))] == [
+        2, 1, 1, 143]

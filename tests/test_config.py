@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -391,3 +392,58 @@ def test_bad_flag_values_are_one_line(capsys, argv_tail):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("hsx: error: "), err
+
+
+def test_every_config_key_has_help_and_its_metadata_is_what_is_checked():
+    import dataclasses
+
+    from hsx.config import MINIMUM, ExtractConfig, parse_value
+
+    for f in dataclasses.fields(ExtractConfig):
+        assert f.metadata.get("help", "").strip(), f"ExtractConfig.{f.name} has no help"
+        assert set(f.metadata) <= {"help", "choices", "minimum"}, f.name
+    assert CHOICES["storage_dtype"] == ("bfloat16", "float16", "float32", "float8_e4m3")
+    assert MINIMUM["limit"] == 1 and MINIMUM["topk_logits"] == 0
+    for name, choices in CHOICES.items():  # the metadata's choices are the ones a recipe is held to
+        assert parse_value(name, choices[-1]) == choices[-1]
+        with pytest.raises(HsxError, match="must be one of"):
+            parse_value(name, choices[0] + "x")
+
+
+def test_extract_help_shows_each_keys_help_default_and_choices():
+    import dataclasses
+
+    from hsx.cli import build_parser
+    from hsx.config import ExtractConfig, default_of
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["extract"].format_help().split())  # unwrapped
+    for f in dataclasses.fields(ExtractConfig):
+        flag = "--" + f.name.replace("_", "-")
+        start = text.index(f" {flag}", text.index("options:"))
+        entry = text[start:start + len(flag) + 600]
+        assert " ".join(f.metadata["help"].split()) in entry, f.name
+        default = default_of(f.name)
+        if isinstance(default, bool):
+            assert f"(default: {'on' if default else 'off'})" in entry, f.name
+        elif default not in (None, "", [], {}):
+            assert f"(default: {default})" in entry, f.name
+        if "choices" in f.metadata:
+            assert flag + " {" + ",".join(f.metadata["choices"]) + "}" in entry, f.name
+    assert "--storage-dtype {bfloat16,float16,float32,float8_e4m3}" in text  # (the check above can fail)
+
+
+def test_bench_and_push_take_the_config_keys_help_default_and_choices():
+    from hsx.cli import build_parser
+    from hsx.config import FIELDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench = {a.dest: a for a in sub.choices["bench"]._actions}
+    for name in ("compile", "sdpa_backend", "packing", "storage_dtype", "experts_implementation"):
+        assert bench[name].choices == FIELDS[name].metadata["choices"], name
+        assert bench[name].default == FIELDS[name].default, name
+        assert FIELDS[name].metadata["help"] in bench[name].help, name
+    assert bench["layers"].default == ["dflash"]
+    push = {a.dest: a for a in sub.choices["push"]._actions}
+    assert push["hub_private"].default is True and push["hub_revision"].default is None
+    assert FIELDS["hub_private"].metadata["help"] in push["hub_private"].help

@@ -12,18 +12,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from conftest import bf16_ulps
+from conftest import as_table, bf16_ulps, make_cfg
 from hsx.capture import capture
-from hsx.config import ExtractConfig
 from hsx.engine import Extractor, Pipeline
 from hsx.model import load_model, prepare_model
 
 CPU = torch.device("cpu")
-
-
-def make_cfg(model, layers, final_hidden, dtype="float32"):
-    return ExtractConfig(model=str(model.path), dataset="unused", layers=layers, final_hidden=final_hidden,
-                         output_dir="unused", dtype=dtype, compile="off")
 
 
 def sample_ids_lists(tokenizer, n=7, seed=11):
@@ -31,15 +25,6 @@ def sample_ids_lists(tokenizer, n=7, seed=11):
 
     rows = chat_rows(n, seed=seed)[:n]
     return [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"] for r in rows]
-
-
-def as_table(ids_lists, first_id=0):
-    return pa.table({
-        "sample_id": pa.array(range(first_id, first_id + len(ids_lists)), pa.int64()),
-        "input_ids": pa.array(ids_lists, pa.list_(pa.int32())),
-        "loss_mask": pa.array([[1] * len(i) for i in ids_lists], pa.list_(pa.int8())),
-        "num_tokens": pa.array([len(i) for i in ids_lists], pa.int32()),
-    })
 
 
 class Recorder:

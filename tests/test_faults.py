@@ -133,6 +133,7 @@ def padded(n: int) -> int:
     return -(-n // 8) * 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["batches_over_a_size", "one_row_never_fits", "longest_rows_never_fit"])
 def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypatch, fault_reference, case):
     from hsx.engine import Extractor
@@ -199,6 +200,7 @@ def _enospc():
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["unit_write", "commit", "finalize", "tokenize"])
 def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monkeypatch, fault_reference, where):
     """ENOSPC while `datasets` writes a unit's Arrow file, while committing it (fsync), while writing hsx.json, and
@@ -266,6 +268,7 @@ def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monke
     assert all(unit_crcs(out)[u] == crc for u, crc in kept.items())  # units committed before were kept
 
 
+@pytest.mark.slow
 def test_resume_with_another_token_budget(tmp_path, monkeypatch, fault_reference):
     """The token budget does not decide the output, so a resume may change it (other batch shapes): stopped after
     20 units by a full disk, then finished with --token-budget 333 instead of 1024: equal to the reference."""
@@ -348,6 +351,7 @@ def extract_poisoned(monkeypatch, ref, nan_marker, out, *flags):
     return stdout, marked
 
 
+@pytest.mark.slow
 def test_nan_rows_skipped_by_default(tmp_path, monkeypatch, fault_reference, nan_marker):
     ref = fault_reference
     out = tmp_path / "out"
@@ -365,6 +369,7 @@ def test_nan_rows_skipped_by_default(tmp_path, monkeypatch, fault_reference, nan
     assert_same_output(out, ref.out, drop=marked)
 
 
+@pytest.mark.slow
 def test_nan_rows_kept_and_flagged(tmp_path, monkeypatch, fault_reference, nan_marker):
     ref = fault_reference
     out = tmp_path / "out"
@@ -389,6 +394,7 @@ def test_nan_rows_kept_and_flagged(tmp_path, monkeypatch, fault_reference, nan_m
     assert rc == 0, stderr
 
 
+@pytest.mark.slow
 def test_verify_accepts_flagged_rows_the_model_really_produces(tmp_path, monkeypatch, fault_reference, nan_marker):
     import transformers
 
@@ -422,6 +428,7 @@ def test_verify_accepts_flagged_rows_the_model_really_produces(tmp_path, monkeyp
 
 # ---- bad input -------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_unparseable_line_in_the_middle_then_fixed(tmp_path, fault_reference):
     """A line 41 of 81 that is not JSON: one `hsx: error:` line naming the file, nothing written; after the file is
     fixed, the same command runs (the dir holds no output of the failed job, so it is re-claimed)."""

@@ -16,12 +16,12 @@ import torch
 import yaml
 
 import hsx
+from hsx.card import dataset_card
 from hsx.config import load_config
 from hsx.export import export_specforge
 from hsx.load import collate, layer_positions, torch_stream, torch_view
 from hsx.load import load as hsx_load
 from hsx.run import extract
-from hsx.sink import dataset_card
 
 LAYERS = [0, 1, 3]  # of model4's 4 layers
 

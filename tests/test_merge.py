@@ -11,6 +11,7 @@ from hsx.config import HsxError
 from hsx.sink import merge
 
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+pytestmark = pytest.mark.slow  # the module fixture runs the demo job three times (~12 s on 2 loaded cores)
 
 
 @pytest.fixture(scope="module")

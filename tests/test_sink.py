@@ -150,6 +150,7 @@ def test_finalize_with_units_adds_no_empty_file(tmp_path):
 
 # ---- load: the read-only warning is silenced where it happens, not for the whole program -------------------------
 
+@pytest.mark.slow
 def test_load_silences_the_read_only_warning_only_where_it_happens():
     code = (
         "import warnings, numpy as np\nfrom hsx.load import _tensor\n"

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import hsx
@@ -12,6 +13,7 @@ DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 MODEL = Path(__file__).resolve().parents[1] / "hsx" / "demo" / "tiny-qwen3"
 
 
+@pytest.mark.slow
 def test_topk_logits_match_the_causal_lm(tmp_path):
     from transformers import AutoModelForCausalLM
 

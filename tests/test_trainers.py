@@ -38,6 +38,7 @@ SPECFORGE = ["specforge==0.2.0"]
 SPECULATORS = ["speculators==0.9.0", "hs-connectors==0.9.0", "openai==3.57.0", "sniffio==1.3.1",
                "pydantic-settings==2.16.3", "python-dotenv==1.2.4"]
 PYDANTIC = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5"]
+pytestmark = pytest.mark.slow  # each module fixture extracts and exports a whole output (~30 s on 2 loaded cores)
 
 
 def quiet(*_a, **_k):

@@ -1,0 +1,128 @@
+"""What each `hsx` subcommand does with its parsed flags: the glue between the command line and the library.
+
+On top of the package: hsx.cli (the parser and the exit statuses) alone imports this module, and nothing below
+imports either. Each function takes argparse's namespace, calls the library, and prints what the command prints;
+a problem is raised (hsx.errors) for hsx.cli to print as one line. The heavy imports (torch, datasets,
+transformers) happen inside each command, on the call, so `hsx --help` imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hsx.config import FIELDS, ExtractConfig, load_config
+from hsx.errors import HsxError
+
+
+def config_of(args: argparse.Namespace) -> ExtractConfig:
+    """The job's config from --config and the flags; any problem with them is a usage error (hsx.config)."""
+    return load_config(args.config, config_overrides(args))
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The config flags given on the command line (an unset flag is None, and leaves the recipe's key)."""
+    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+
+
+def write_json(dest: str, obj) -> None:
+    """`--json` for plan and bench alike: "-" is stdout, anything else a file path."""
+    text = json.dumps(obj, indent=2) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+    else:
+        Path(dest).write_text(text)
+
+
+def extract(args: argparse.Namespace) -> None:
+    from hsx.run import extract as run_extract
+
+    run_extract(config_of(args))
+
+
+def plan(args: argparse.Namespace) -> None:
+    from hsx.cost import format_plan, job_plan
+
+    p = job_plan(args.config, config_overrides(args), shape=args.shape, tokens=args.tokens, gpu=args.gpu,
+                 gpu_memory_gib=args.gpu_memory_gib, rate=args.rate)
+    if args.json != "-":
+        print(format_plan(p))
+    if args.json:
+        write_json(args.json, p)
+
+
+def bench(args: argparse.Namespace) -> None:
+    from hsx.bench import bench as run_bench
+
+    # `--json` alone: stdout is the JSON (as `hsx plan --json`), so the lines and the table go to stderr
+    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
+    results = run_bench(args, log=log)
+    if results is not None and args.json:  # (None: a process other than the main one of a launch)
+        write_json(args.json, results)
+
+
+def merge(args: argparse.Namespace) -> None:
+    from hsx.sink import merge as merge_dirs
+
+    merge_dirs(args.output_dir, args.dirs)
+
+
+def push(args: argparse.Namespace) -> None:
+    from hsx.hub import push_output
+    from hsx.sink import OutputDir
+
+    if not (Path(args.output_dir) / "hsx.json").is_file():
+        raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
+    out = OutputDir(args.output_dir)
+    out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
+    with out.locked():
+        push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
+
+
+def export_specforge(args: argparse.Namespace) -> None:
+    from hsx.export import export_specforge as run_export
+
+    with _output_errors(args.output_dir):
+        run_export(args.output_dir, args.dest, layers=args.layers, layout=args.layout, overwrite=args.overwrite)
+
+
+def export_speculators(args: argparse.Namespace) -> None:
+    from hsx.export import export_speculators as run_export
+
+    with _output_errors(args.output_dir):
+        run_export(args.output_dir, args.dest, layers=args.layers, draft_vocab_size=args.draft_vocab_size,
+                   overwrite=args.overwrite)
+
+
+def vocab(args: argparse.Namespace) -> None:
+    from hsx.vocab import write_draft_vocab
+
+    with _output_errors(args.output_dir):
+        write_draft_vocab(args.output_dir, args.draft_vocab_size, args.dest)
+
+
+def verify(args: argparse.Namespace) -> None:
+    from hsx.verify import verify as run_verify
+
+    run_verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed, model=args.model,
+               trust_remote_code=args.trust_remote_code)
+
+
+@contextmanager
+def _output_errors(output_dir: str) -> Iterator[None]:
+    """An export's or vocab's ValueError/OSError is the output dir's (or DEST's) problem: one HsxError line."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise HsxError(str(e)) from None
+    except KeyError as e:
+        raise HsxError(f"{output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
+
+
+COMMANDS = {"extract": extract, "plan": plan, "bench": bench, "merge": merge, "push": push,
+            "export-specforge": export_specforge, "export-speculators": export_speculators, "vocab": vocab,
+            "verify": verify}

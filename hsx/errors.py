@@ -1,0 +1,40 @@
+"""The errors hsx raises, and the exit status the command line gives each: one place for both.
+
+Every problem a user can fix is one of these and prints as one line with no traceback (hsx.cli). Light on
+purpose: `import hsx.cli` imports this, not the modules that raise (those import torch).
+"""
+
+from __future__ import annotations
+
+EXIT_RUNTIME = 1  # the data, the model or the output dir cannot be used; a failed verify
+EXIT_USAGE = 2  # a flag, recipe key or argument wrong by itself (argparse's own status for a bad flag)
+EXIT_INTERRUPTED = 130  # Ctrl-C outside a job's clean stop (128 + SIGINT, as a shell reports it)
+
+
+class HsxError(Exception):
+    """A problem the user can fix; the CLI prints it as one line and exits EXIT_RUNTIME, without a traceback."""
+
+
+class UsageError(HsxError):
+    """A flag, recipe key or argument wrong by itself (before the model or data is read): EXIT_USAGE."""
+
+
+class VerifyFailed(Exception):
+    """`hsx verify` found the output wrong (a damaged file, a count, a state off the reference): EXIT_RUNTIME.
+    Not an HsxError: verify turns the HsxErrors of reading OUT into this, so none is caught twice."""
+
+
+class Stopped(Exception):
+    """SIGINT/SIGTERM: the job stopped cleanly after a unit; the same command continues it. Exits with
+    `exit_code` (128 + the signal's number)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def exit_status(error: BaseException) -> int:
+    """The command line's exit status for an error hsx raised."""
+    if isinstance(error, Stopped):
+        return error.exit_code
+    return EXIT_USAGE if isinstance(error, UsageError) else EXIT_RUNTIME
