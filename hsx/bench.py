@@ -104,9 +104,10 @@ def run_padded(base, rows: list[np.ndarray], layers: list[int], device, batch: i
     return tokens, padded, time.perf_counter() - t0
 
 
-def bench(args, log=print) -> dict[str, Any] | None:
+def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     """Runs (a), (b) and (c) with `args` (`hsx bench`'s flags, hsx.cli) and returns the results; `log` gets the
-    lines and the table. None on a process other than the main one of a launch (the main one reports)."""
+    lines and the table, `on_results` the results as soon as they are measured (and again once a profile is
+    written). None on a process other than the main one of a launch (the main one reports)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM
@@ -277,11 +278,15 @@ def bench(args, log=print) -> dict[str, Any] | None:
             results["c"]["mfu"] = run["mfu"]
         if not proc.is_main:
             return None
+    log(format_table(results))
+    if on_results:  # before profiling: a profile that fails or is cut short loses no measurement
+        on_results(results)
     if args.profile:
-        results["c"]["profile"] = args.profile
         profile_batches(loaded, rows, lengths, run.get("token_budget") or 16384, args.profile, args.sdpa_backend,
                         run.get("packing", "none"))
-    log(format_table(results))
+        results["c"]["profile"] = args.profile
+        if on_results:
+            on_results(results)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
         if args.output_dir:

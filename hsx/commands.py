@@ -60,9 +60,8 @@ def bench(args: argparse.Namespace) -> None:
 
     # `--json` alone: stdout is the JSON (as `hsx plan --json`), so the lines and the table go to stderr
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
-    results = run_bench(args, log=log)
-    if results is not None and args.json:  # (None: a process other than the main one of a launch)
-        write_json(args.json, results)
+    # The main process hands its results over once measured, and again with the profile's path when it is written.
+    run_bench(args, log=log, on_results=(lambda results: write_json(args.json, results)) if args.json else None)
 
 
 def merge(args: argparse.Namespace) -> None:
