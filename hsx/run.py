@@ -527,6 +527,7 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
     from hsx.engine import Extractor, Pipeline
     from hsx.model import kernel_report, load_model, resolve_packing
     from hsx.moe import resolve_experts, use_experts
+    from hsx.writer import unit_files
     from hsx.cost import auto_token_budget, flops, layer_params, measure_matmul_tflops
 
     device = proc.device
@@ -622,13 +623,14 @@ def _run_units(cfg: ExtractConfig, proc: Process, out: OutputDir, ordered, pendi
                 return result_table
 
             committer.check()
-            unit_rows(u).map(
-                step, batched=True, batch_size=u.batch_size(budget), features=feats,
-                cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
-                writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
-            )
+            with unit_files(out.tmp) as written:  # hsx.writer: the unit's bytes, checksummed on the way out
+                unit_rows(u).map(
+                    step, batched=True, batch_size=u.batch_size(budget), features=feats,
+                    cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
+                    writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
+                )
             pipeline.release()
-            committer.submit(u.name, counts)
+            committer.submit(u.name, counts, crc32=written.crc32(out.unit_tmp(u.name)))
         committer.join()
     finally:
         committer.close()
