@@ -387,3 +387,51 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto") -> Iterator[Writte
                     f.close()
                 except OSError:
                     pass
+
+
+# ---- what the storage itself takes ------------------------------------------------------------------------------
+
+def measure_storage(folder: str | os.PathLike, nbytes: int, block: int = DIRECT_BLOCK) -> dict:
+    """Sequential write rate of `folder`'s filesystem: `nbytes` in `block`-sized writes, buffered and with
+    O_DIRECT (where files there open with it), each until fsync returns, as a unit's commit waits for it. The
+    file is removed after each. Rates in GB/s (1e9 bytes); O_DIRECT's is None where it does not apply."""
+    import time
+
+    import numpy as np
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    nbytes = max(block, nbytes // block * block)
+    source = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs; random bytes (no zero-page shortcuts)
+    np.frombuffer(source, dtype=np.uint8)[:] = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8)
+    result = {"path": str(folder), "filesystem": filesystem_type(folder), "bytes": nbytes, "block_bytes": block}
+    for mode in ("buffered", "direct"):
+        if mode == "direct" and not supports_direct(folder):
+            result["direct_gb_per_s"] = None
+            continue
+        path = folder / f".hsx-storage-probe-{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if mode == "direct" else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            t0 = time.perf_counter()
+            with memoryview(source) as view:
+                for offset in range(0, nbytes, block):
+                    at = 0
+                    while at < block:
+                        at += os.pwrite(fd, view[at:], offset + at)
+            os.fsync(fd)
+            result[f"{mode}_gb_per_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+    source.close()
+    rates = [r for r in (result["buffered_gb_per_s"], result["direct_gb_per_s"]) if r]
+    result["best_gb_per_s"] = max(rates)
+    return result
+
+
+def storage_probe_bytes(folder: str | os.PathLike, wanted: float) -> int:
+    """`wanted` bytes, or a quarter of the free space of `folder`'s filesystem if that is less."""
+    import shutil
+
+    return int(min(wanted, shutil.disk_usage(folder).free / 4))

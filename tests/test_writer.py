@@ -159,3 +159,33 @@ def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, mon
     assert len(records) > 1 and reads == []
     for r in records:
         assert r["crc32"] == real(out / "data" / r["file"])
+
+
+def test_measure_storage(tmp_path, monkeypatch):
+    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20)
+    assert s["bytes"] == 3 << 20 and s["buffered_gb_per_s"] > 0
+    assert s["best_gb_per_s"] == max(r for r in (s["buffered_gb_per_s"], s["direct_gb_per_s"]) if r)
+    assert (s["direct_gb_per_s"] is None) == (not writer.supports_direct(tmp_path))
+    assert list((tmp_path / "probe").iterdir()) == []  # the probe file is gone
+    monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
+    s = writer.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
+    assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
+    assert writer.storage_probe_bytes(tmp_path, 1e30) < 1e30  # capped by a quarter of the free space
+
+
+def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from hsx.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--count", "20", "--max-length", "128", "--skip", "a,b",
+                 "--storage-gb", "0.01", "--json", str(report), "--output-dir", str(tmp_path / "out")]) == 0
+    r = json.loads(report.read_text())
+    s, c = r["storage"], r["c"]
+    assert s["bytes"] > 0 and s["buffered_gb_per_s"] > 0 and s["hsx_share"] == c["output_gb_per_s"] / s["best_gb_per_s"]
+    assert c["writer_gb_per_s"] >= c["output_gb_per_s"] and s["writer_share"] >= s["hsx_share"]
+    assert c["write_mode"] in ("buffered", "direct")
+    assert "storage (" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # removed as before (no --keep)
