@@ -139,9 +139,11 @@ def test_resolve_mode(tmp_path):
     with pytest.raises(ValueError, match="write mode"):
         resolve_mode(tmp_path, "fast")
     assert resolve_mode(tmp_path, "buffered") == "buffered"
+    memory = writer.filesystem_type(tmp_path) in ("tmpfs", "ramfs")
+    assert resolve_mode(tmp_path) == ("direct" if writer.supports_direct(tmp_path) and not memory else "buffered")
     if writer.filesystem_type("/dev/shm") == "tmpfs":
-        assert resolve_mode("/dev/shm") == "buffered"  # memory: nothing to gain from O_DIRECT
-    assert resolve_mode(tmp_path) in ("buffered", "direct")
+        assert resolve_mode("/dev/shm") == "buffered"  # measured slower with O_DIRECT (resolve_mode)
+    assert not writer.supports_direct(tmp_path / "missing") and not list(tmp_path.iterdir())  # (no probe left)
 
 
 def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, monkeypatch):
