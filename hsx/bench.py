@@ -268,6 +268,14 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     }
     if cuda:
         results["c"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    write_s = run.get("write_seconds")
+    if write_s:  # the writer's busy rate: output bytes over the time map spent writing (between its calls)
+        results["c"]["writer_gb_per_s"] = out_bytes / write_s / 1e9
+    from hsx.writer import resolve_mode
+
+    results["c"]["write_mode"] = resolve_mode(out_dir / ".hsx")  # (what hsx.writer picked for the units there)
+    if proc.is_main and args.storage_gb > 0:  # (after (c): its fsynced output leaves no writeback behind)
+        results["storage"] = storage_report(out_dir, args.storage_gb, results["c"])
     for other in ("a", "b"):
         if other in results and "tok_per_s" in results[other]:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
@@ -292,6 +300,19 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         if args.output_dir:
             shutil.rmtree(out_dir, ignore_errors=True)
     return results
+
+
+def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any]:
+    """The output storage's own sequential write rates (hsx.writer.measure_storage), and (c)'s rates as shares of
+    the better one."""
+    from hsx.writer import measure_storage, storage_probe_bytes
+
+    s = measure_storage(out_dir / ".hsx-storage", storage_probe_bytes(out_dir, gb * 1e9))
+    shutil.rmtree(out_dir / ".hsx-storage", ignore_errors=True)
+    s["hsx_share"] = c["output_gb_per_s"] / s["best_gb_per_s"]
+    if "writer_gb_per_s" in c:
+        s["writer_share"] = c["writer_gb_per_s"] / s["best_gb_per_s"]
+    return s
 
 
 def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str,
@@ -409,4 +430,12 @@ def format_table(r: dict[str, Any]) -> str:
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+    if "storage" in r:
+        s = r["storage"]
+        direct = f"{s['direct_gb_per_s']:.2f} GB/s" if s["direct_gb_per_s"] else "n/a"
+        writer = (f"; the writer, busy {c['writer_gb_per_s']:.2f} GB/s = {s['writer_share']:.0%}"
+                  if "writer_share" in s else "")
+        lines.append(f"storage ({s['filesystem'] or '?'}, {s['bytes'] / 1e9:.1f} GB until fsync): buffered "
+                     f"{s['buffered_gb_per_s']:.2f} GB/s, O_DIRECT {direct}; (c) wrote {c['output_gb_per_s']:.2f} "
+                     f"GB/s = {s['hsx_share']:.0%} of the better{writer} (write mode {c.get('write_mode')})")
     return "\n".join(lines)

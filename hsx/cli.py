@@ -90,6 +90,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
     p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep (c)'s output and the drawn input")
+    p.add_argument("--storage-gb", type=float, default=4.0,
+                   help="after (c), write this many GB to --output-dir's filesystem, buffered and O_DIRECT, and "
+                        "report (c)'s write rate as a share of it (at most a quarter of the free space; 0: skip)")
     add_json_flag(p, "the results")
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
 

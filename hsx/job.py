@@ -450,6 +450,8 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set."""
     import datasets
 
+    from hsx.writer import unit_files
+
     unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
     committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()
@@ -465,13 +467,14 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
                 engine.release()
                 continue
             committer.check()
-            unit_rows(u).map(
-                step, batched=True, batch_size=u.batch_size(budget), features=feats,
-                cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
-                writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
-            )
+            with unit_files(out.tmp) as written:  # hsx.writer: the unit's bytes, checksummed on the way out
+                unit_rows(u).map(
+                    step, batched=True, batch_size=u.batch_size(budget), features=feats,
+                    cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
+                    writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
+                )
             engine.release()
-            committer.submit(u.name, counts.as_record())
+            committer.submit(u.name, counts.as_record(), crc32=written.crc32(out.unit_tmp(u.name)))
         committer.join()
     finally:
         committer.close()

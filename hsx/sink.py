@@ -382,12 +382,14 @@ class OutputDir:
         self.tmp.mkdir(parents=True, exist_ok=True)
         return self.tmp / f"train-{unit}.arrow"
 
-    def commit(self, unit: str, record: dict[str, Any]) -> None:
+    def commit(self, unit: str, record: dict[str, Any], crc32: str | None = None) -> None:
+        """Make a unit written under .hsx/tmp/ durable and count it. `crc32`: its file_crc32 value, when the writer
+        computed it on the way out (hsx.writer); else the file is read back for it."""
         tmp = self.unit_tmp(unit)
         final = self.data / f"train-{unit}.arrow"
         self.data.mkdir(parents=True, exist_ok=True)
         fsync_file(tmp)
-        crc = file_crc32(tmp)
+        crc = crc32 or file_crc32(tmp)
         os.replace(tmp, final)
         fsync_dir(self.data)
         record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc,
@@ -485,9 +487,9 @@ class Committer:
         if self.error is not None:
             raise self.error
 
-    def submit(self, unit: str, record: dict[str, Any]) -> None:
+    def submit(self, unit: str, record: dict[str, Any], crc32: str | None = None) -> None:
         self.check()
-        self.queue.put((unit, record))
+        self.queue.put((unit, record, crc32))
 
     def join(self) -> None:
         self.queue.join()

@@ -1,0 +1,194 @@
+"""hsx.writer: the unit file's bytes are datasets' own, its streamed CRC-32 is file_crc32's, errors surface."""
+
+from __future__ import annotations
+
+import errno
+import json
+import zlib
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from hsx import sink, writer
+from hsx.schema import OutputFormat
+from hsx.sink import file_crc32
+from hsx.writer import UnitFile, crc32_combine, resolve_mode, unit_files
+
+WIDTH, HIDDEN = 3 * 64, 64
+
+
+def test_crc32_combine_is_zlibs():
+    rng = np.random.default_rng(0)
+    for n1, n2 in [(0, 5), (7, 0), (1, 1), (1000, 4097), (3, 1 << 20)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_unit_file_bytes_and_crc_across_chunks(tmp_path, monkeypatch, mode):
+    """Small and big writes, pieces over several CRC chunks: the file holds exactly the bytes, and the streamed
+    CRC-32s are what file_crc32 reads back."""
+    monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    if mode == "direct" and not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    data = np.random.default_rng(1).integers(0, 256, (10 << 20) + 123, dtype=np.uint8)
+    parts = [b"\xff\xff\xff\xff", memoryview(data)[:100], pa.py_buffer(data[100:(7 << 20) + 5]), b"abc" * 999,
+             memoryview(data)[(7 << 20) + 5:]]
+    path = tmp_path / "u.arrow"
+    with UnitFile(path, mode) as f:
+        for p in parts:
+            assert f.write(p) == len(memoryview(p))
+    expected = b"".join(bytes(memoryview(p)) for p in parts)
+    assert path.read_bytes() == expected and f.size == len(expected)
+    assert f.crc32() == file_crc32(path) and f.crc32().count(":") == 3
+
+
+def test_empty_unit_file(tmp_path):
+    with UnitFile(tmp_path / "e", "buffered") as f:
+        pass
+    assert f.crc32() == file_crc32(tmp_path / "e") and (tmp_path / "e").stat().st_size == 0
+
+
+def test_direct_write_error_surfaces(tmp_path, monkeypatch):
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer.os, "pwrite", full)
+    f = UnitFile(tmp_path / "u", "direct")
+    with pytest.raises(OSError, match="No space left"):
+        for _ in range(8):
+            f.write(bytes(1 << 20))
+    with pytest.raises(OSError, match="No space left"):
+        f.close()
+    f.close()  # (closing again is a no-op)
+    assert f.closed
+
+
+def _map(rows: datasets.Dataset, out: str):
+    """A unit's map as run.py calls it: an arrow-formatted batched function returning a table of the output
+    schema, the states wrapping one buffer."""
+    def step(table):
+        n = table.column("num_tokens").to_numpy()
+        states = np.arange(int(n.sum()) * WIDTH, dtype=np.int16) * 7
+        offsets = pa.array(np.r_[0, np.cumsum(n)].astype(np.int32))
+        fsl = pa.FixedSizeListArray.from_arrays(pa.array(states), WIDTH)
+        return pa.table({"sample_id": table.column("sample_id"), "input_ids": table.column("input_ids"),
+                         "loss_mask": table.column("loss_mask"), "num_tokens": table.column("num_tokens"),
+                         "hidden_states": pa.ListArray.from_arrays(offsets, fsl)})
+
+    return rows.with_format("arrow").map(step, batched=True, batch_size=3, features=OutputFormat(WIDTH // HIDDEN, HIDDEN, False).features(),
+                                         cache_file_name=out, new_fingerprint="t", load_from_cache_file=False)
+
+
+@pytest.fixture
+def rows():
+    n = [5, 9, 1, 30, 2, 17, 4]
+    return datasets.Dataset.from_dict({
+        "sample_id": list(range(len(n))), "input_ids": [[3] * k for k in n], "loss_mask": [[1] * k for k in n],
+        "num_tokens": n}, features=datasets.Features({
+            "sample_id": datasets.Value("int64"), "input_ids": datasets.List(datasets.Value("int32")),
+            "loss_mask": datasets.List(datasets.Value("int8")), "num_tokens": datasets.Value("int32")}))
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, rows, mode):
+    if mode == "direct" and not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "unit").mkdir()
+    plain = _map(rows, str(tmp_path / "plain" / "u.arrow"))
+    original = datasets.arrow_dataset.ArrowWriter
+    with unit_files(tmp_path / "unit", mode) as written:
+        ours = _map(rows, str(tmp_path / "unit" / "u.arrow"))
+    assert datasets.arrow_dataset.ArrowWriter is original  # restored
+    assert len(written.files) == 1 and written.files[0].mode == mode
+    a, b = (tmp_path / "plain" / "u.arrow").read_bytes(), (tmp_path / "unit" / "u.arrow").read_bytes()
+    assert a == b  # byte for byte what datasets writes
+    assert written.crc32(tmp_path / "unit" / "u.arrow") == file_crc32(tmp_path / "unit" / "u.arrow")
+    assert ours["num_tokens"] == plain["num_tokens"]
+    back = datasets.Dataset.from_file(str(tmp_path / "unit" / "u.arrow"))
+    assert back.features == OutputFormat(WIDTH // HIDDEN, HIDDEN, False).features() and len(back) == len(rows)
+
+
+def test_unit_files_leaves_other_folders_and_failures_alone(tmp_path, rows):
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "else").mkdir()
+    with unit_files(tmp_path / "unit") as written:
+        _map(rows, str(tmp_path / "else" / "u.arrow"))  # not the unit folder: datasets' own file
+    assert written.files == [] and written.crc32(tmp_path / "else" / "u.arrow") is None
+
+    def boom(table):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with unit_files(tmp_path / "unit") as written:
+            rows.with_format("arrow").map(boom, batched=True, cache_file_name=str(tmp_path / "unit" / "x.arrow"),
+                                          load_from_cache_file=False, new_fingerprint="b")
+    assert datasets.arrow_dataset.ArrowWriter.__name__ == "ArrowWriter"
+    assert all(f.closed for f in written.files) and not (tmp_path / "unit" / "x.arrow").exists()
+
+
+def test_resolve_mode(tmp_path):
+    with pytest.raises(ValueError, match="write mode"):
+        resolve_mode(tmp_path, "fast")
+    assert resolve_mode(tmp_path, "buffered") == "buffered"
+    memory = writer.filesystem_type(tmp_path) in ("tmpfs", "ramfs")
+    assert resolve_mode(tmp_path) == ("direct" if writer.supports_direct(tmp_path) and not memory else "buffered")
+    if writer.filesystem_type("/dev/shm") == "tmpfs":
+        assert resolve_mode("/dev/shm") == "buffered"  # measured slower with O_DIRECT (resolve_mode)
+    assert not writer.supports_direct(tmp_path / "missing") and not list(tmp_path.iterdir())  # (no probe left)
+
+
+def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, monkeypatch):
+    """A job's commits take the CRC-32 the writer streamed (no read-back of the unit) and it is the file's."""
+    from tests.conftest import hsx_main
+
+    reads = []
+    real = sink.file_crc32
+    monkeypatch.setattr(sink, "file_crc32", lambda p: reads.append(p) or real(p))
+    out = tmp_path / "out"
+    rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(small_chat_path), "--layers",
+                           "1", "--output-dir", str(out), "--unit-tokens", "300", "--compile", "off"])
+    assert rc == 0, err
+    records = [json.loads(x) for f in sorted((out / ".hsx").glob("manifest-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
+    assert len(records) > 1 and reads == []
+    for r in records:
+        assert r["crc32"] == real(out / "data" / r["file"])
+
+
+def test_measure_storage(tmp_path, monkeypatch):
+    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20)
+    assert s["bytes"] == 3 << 20 and s["buffered_gb_per_s"] > 0
+    assert s["best_gb_per_s"] == max(r for r in (s["buffered_gb_per_s"], s["direct_gb_per_s"]) if r)
+    assert (s["direct_gb_per_s"] is None) == (not writer.supports_direct(tmp_path))
+    assert list((tmp_path / "probe").iterdir()) == []  # the probe file is gone
+    monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
+    s = writer.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
+    assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
+    assert writer.storage_probe_bytes(tmp_path, 1e30) < 1e30  # capped by a quarter of the free space
+
+
+def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from hsx.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--count", "20", "--max-length", "128", "--skip", "a,b",
+                 "--storage-gb", "0.01", "--json", str(report), "--output-dir", str(tmp_path / "out")]) == 0
+    r = json.loads(report.read_text())
+    s, c = r["storage"], r["c"]
+    assert s["bytes"] > 0 and s["buffered_gb_per_s"] > 0 and s["hsx_share"] == c["output_gb_per_s"] / s["best_gb_per_s"]
+    assert c["writer_gb_per_s"] >= c["output_gb_per_s"] and s["writer_share"] >= s["hsx_share"]
+    assert c["write_mode"] in ("buffered", "direct")
+    assert "storage (" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # removed as before (no --keep)
