@@ -7,7 +7,8 @@
 
 (a) and (b) run on a subset (rows drawn from the same distribution) and are reported as rates; the table says
 how many rows each used. Weights are random, from a named shape or a local model; lengths are drawn from a
-lognormal body with a uniform tail (default: mean ≈ 354 tokens, 1% tail to 4k: the H200 probes' distribution).
+lognormal body with a uniform tail (default: mean ≈ 354 tokens, 1% tail to 4k: the lengths of hsx's first H200
+measurements).
 Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, allocator) that is timed apart.
 """
 

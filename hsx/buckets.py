@@ -1,11 +1,12 @@
 """Length buckets and units: the order rows are computed and written in.
 
 Rows are grouped into narrow length buckets (upper bounds grow by 1/16 and are multiples of 8), so a right-padded
-batch wastes ~3% on padding instead of the ~75% of dataset-order batches (h200-probes.md). Each bucket gets one
-batch size from the token budget, padding counted: `budget // bucket_upper_bound`. Within a bucket rows keep
-`sample_id` order, so the output order — bucket, then sample_id — does not depend on the budget, the device or
-the number of processes. Buckets are cut into units of at most `unit_tokens` tokens: a unit is one output file
-(`data/train-<bucket>-<chunk>.arrow`), the grain of commit and resume, and the grain work is shared across ranks.
+batch wastes ~3% on padding instead of the ~75% of dataset-order batches (measured on an H200, Qwen3-8B shape,
+lognormal lengths around 250 tokens). Each bucket gets one batch size from the token budget, padding counted:
+`budget // bucket_upper_bound`. Within a bucket rows keep `sample_id` order, so the output order — bucket, then
+sample_id — does not depend on the budget, the device or the number of processes. Buckets are cut into units of at
+most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`), the grain of commit and
+resume, and the grain work is shared across ranks.
 """
 
 from __future__ import annotations

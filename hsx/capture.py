@@ -2,8 +2,8 @@
 
 A hook sees the layer's output (a bare tensor in transformers 5; a tuple in older code, hence the unwrap) before
 anything later touches it; no decoder layer in the verified architectures changes the residual stream in place,
-so the stored tensor stays valid for the whole forward (transformers5.md). Hooks give the pre-norm output of the
-last layer too, which `output_hidden_states` cannot (its hidden_states[N] is after the final norm).
+so the stored tensor stays valid for the whole forward (checked in transformers 5). Hooks give the pre-norm output
+of the last layer too, which `output_hidden_states` cannot (its hidden_states[N] is after the final norm).
 """
 
 from __future__ import annotations

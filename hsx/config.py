@@ -21,7 +21,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ def config_from(options: Mapping[str, Any], required: tuple[str, ...] = REQUIRED
     if unknown:
         raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     cfg = ExtractConfig(**{k: parse_value(k, v) for k, v in options.items()})
-    check_config(cfg, required)
+    check_config(cfg, required, parsed=options)
     return cfg
 
 
@@ -346,10 +346,12 @@ def _exists(path: str | Path) -> bool:
         return False
 
 
-def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED) -> None:
-    """Every key's type and range (as `parse_value`), then what keys require of each other."""
+def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parsed: Collection[str] = ()) -> None:
+    """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
+    then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'."""
     for name in FIELDS:
-        setattr(cfg, name, parse_value(name, getattr(cfg, name)))
+        if name not in parsed:
+            setattr(cfg, name, parse_value(name, getattr(cfg, name)))
     for name in required:
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")

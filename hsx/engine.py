@@ -1,14 +1,15 @@
-"""The batched GPU function `datasets.map` calls: right-padded forward → real tokens → one pinned host buffer.
+"""The batched GPU function `datasets.map` calls: forward (padded or packed) → real tokens → one pinned host buffer.
 
-Measured on an H200 (h200-probes.md): a blocking device-to-host copy per batch halves throughput (50% → 26% of
-the bf16 matmul rate), so the GPU work runs one step ahead of `map`. A producer thread walks the same batches
-`map` will ask for, in the same order, and for each one: builds the right-padded ids and the index of real tokens
-on the host (boolean indexing on the GPU would force a sync), runs the truncated model with `attention_mask=None`
-(with causal attention the real tokens are exact and SDPA takes its fastest path), gathers the captured layers'
-real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only
-waits for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and
-returns it; `datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has
-written its table (the call after the one that returned it).
+Measured on an H200 (Qwen3-8B shape, bf16): a blocking device-to-host copy per batch halves throughput (50% → 26% of
+the bf16 matmul rate), so the GPU work runs one step ahead of `map`. A producer thread walks the same batches `map`
+will ask for, in the same order, and for each one: builds the right-padded ids and the index of real tokens on the
+host (boolean indexing on the GPU would force a sync), runs the truncated model with `attention_mask=None` (with
+causal attention the real tokens are exact and SDPA takes its fastest path; with --packing varlen the rows instead
+go back to back in one sequence, with per-row positions and row bounds: hsx.model), gathers the captured layers'
+real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only waits
+for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and returns it;
+`datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has written its
+table (the call after the one that returned it).
 
 A batch that runs out of GPU memory is split in halves and retried, and the token cap for later batches shrinks;
 only a single row that cannot fit alone is dropped, with reason `oom`.

@@ -64,7 +64,7 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
         files = _local_files(local, split, verify, allow_incomplete)
         if not streaming:
-            ds = _load_local(files)
+            ds = open_arrow_files(files)
             return ds if layers is None else torch_view(ds, layers=layers, meta=read_info(local),
                                                         dequantize=dequantize)
     from datasets import load_dataset
@@ -94,7 +94,8 @@ def _local_dir(path_or_repo: str | os.PathLike) -> Path | None:
     return None
 
 
-def _load_local(files: list[Path]):
+def open_arrow_files(files: list[Path]):
+    """One `datasets.Dataset` over these Arrow files, memory-mapped in place (no copy, no HF cache)."""
     from datasets import Dataset, concatenate_datasets
 
     return concatenate_datasets([Dataset.from_file(str(f)) for f in files])

@@ -2,7 +2,7 @@
 
 Only the first `max(layers) + 1` decoder layers are built and read from disk (all of them, plus the final norm,
 when the final-norm state is asked for). Without lm_head and the cache, a Qwen3-8B-shaped batch of 64 fits where
-the full CausalLM ran out of memory on 65 GiB of logits alone (h200-probes.md). Weights are read from
+the full CausalLM ran out of memory on 65 GiB of logits alone (on an H200). Weights are read from
 safetensors only, never unpickled; remote code runs only when asked.
 """
 

@@ -31,7 +31,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     import pyarrow.compute as pc
 
     from hsx.config import HsxError
-    from hsx.load import _load_local, torch_view
+    from hsx.load import open_arrow_files, torch_view
     from hsx.sink import OutputDir, file_crc32, uploaded_matches
 
     if trust_remote_code and not model:
@@ -68,7 +68,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
 
     try:
-        ds = _load_local(files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
+        ds = open_arrow_files(files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
     except Exception as e:  # noqa: BLE001  (any unreadable file is a failed verification, in one line)
         raise VerifyFailed(f"cannot read the data files: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     expected = info.format.features()
