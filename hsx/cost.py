@@ -40,7 +40,7 @@ GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gi
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 39.5-40.4%, gpt-oss-20b 45.4% (README)
-DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: the mean of the chat-like lengths hsx bench draws
+DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
 
