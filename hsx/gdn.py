@@ -7,12 +7,12 @@ into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` repla
 of each such layer with `fla_forward`: fla's Triton causal_conv1d, one Triton kernel for the q/k l2norm,
 chunk_gated_delta_rule with the gate and beta sigmoid fused in, and fla's fused gated RMSNorm. For a packed batch
 (`packed_rows`, set by hsx.engine around each forward) the row boundaries go to both the convolution and the delta
-rule, so each row starts from a zero state and a zero convolution window: the packed forward equals one forward per row. Right-padded batches need no
-boundaries (causal: padding sits after every real token).
+rule, so each row starts from a zero state and a zero convolution window: the packed forward equals one forward
+per row. Right-padded batches need no boundaries (causal: padding sits after every real token).
 
-Nothing is changed at import time or in transformers' classes (installed modules are kept in a weak set); a cached (generation) call or an attention mask falls
-back to transformers' forward. Without fla, or on CPU, the modules keep transformers' forward (exact for hsx's
-right-padded batches) and packing is refused.
+Nothing is changed at import time or in transformers' classes (installed modules are kept in a weak set); a cached
+(generation) call or an attention mask falls back to transformers' forward. Without fla, or on CPU, the modules
+keep transformers' forward (exact for hsx's right-padded batches) and packing is refused.
 """
 
 from __future__ import annotations
