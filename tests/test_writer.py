@@ -149,7 +149,7 @@ def test_resolve_mode(tmp_path):
 
 def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, monkeypatch):
     """A job's commits take the CRC-32 the writer streamed (no read-back of the unit) and it is the file's."""
-    from tests.conftest import hsx_main
+    from conftest import hsx_main
 
     reads = []
     real = sink.file_crc32
