@@ -189,17 +189,13 @@ def qk_l2norm(mixed: torch.Tensor, key_dim: int, head_dim: int, eps: float = 1e-
     rows = batch * seq * 2 * heads
     if rows:
         flat = mixed.reshape(batch * seq, mixed.shape[-1])  # a view for the conv's (contiguous) output
-        _qk_l2norm_kernel()[(triton_cdiv(rows, _QK_ROWS),)](
+        _qk_l2norm_kernel()[(-(-rows // _QK_ROWS),)](
             flat, out, rows, 2 * heads, flat.stride(0), batch * seq * key_dim, eps, D=head_dim, BR=_QK_ROWS,
             num_warps=4)
     return out[0], out[1]
 
 
 _QK_ROWS = 16  # (token, head) rows per program: 16 × 128 values, one tile; no autotuning, so nothing to wait for
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache
