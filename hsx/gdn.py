@@ -10,6 +10,9 @@ chunk_gated_delta_rule with the gate and beta sigmoid fused in, and fla's fused 
 rule, so each row starts from a zero state and a zero convolution window: the packed forward equals one forward
 per row. Right-padded batches need no boundaries (causal: padding sits after every real token).
 
+fla's first forward autotunes its kernels (40 s on a fresh H200 at the 27B shape); `settle_autotuning` hands
+them the configs that run chose, so the first forward compiles one per kernel (6.3 s).
+
 Nothing is changed at import time or in transformers' classes (installed modules are kept in a weak set); a cached
 (generation) call or an attention mask falls back to transformers' forward. Without fla, or on CPU, the modules
 keep transformers' forward (exact for hsx's right-padded batches) and packing is refused.
@@ -19,10 +22,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 import types
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,7 +97,8 @@ def fla_blocker(modules: list[torch.nn.Module]) -> str | None:
 
 
 def install(base: torch.nn.Module) -> bool:
-    """Switch every Gated DeltaNet module of `base` to `fla_forward` (once). False when `fla_blocker` says no."""
+    """Switch every Gated DeltaNet module of `base` to `fla_forward` (once), fla's autotuning settled ahead where
+    hsx has measured it (`settle_autotuning`). False when `fla_blocker` says no."""
     modules = linear_attention_modules(base)
     if fla_blocker(modules) is not None:
         return False
@@ -100,7 +106,112 @@ def install(base: torch.nn.Module) -> bool:
         if m not in _INSTALLED:  # the instance's forward, as accelerate's hooks and torch.compile replace it
             m.forward = types.MethodType(fla_forward, m)
             _INSTALLED.add(m)
+    settle_autotuning(modules[0].conv1d.weight.device)
     return True
+
+
+# ---- fla's autotuning, settled ahead --------------------------------------------------------------------------
+# fla autotunes seven kernels on the first packed forward of a Gated DeltaNet layer: on a fresh H200 that compiled
+# and timed 59 configs in 40.0 s of the 27B shape's warm-up (one compile per kernel: 6.3 s). These are the winners
+# of that run (fla 0.6.0, Triton 3.6, H200, Qwen3.5/3.6 head sizes: keys 128, values 128, conv width 4, packed
+# rows). On the GPUs they were tuned for (compute capability 9.0) `settle_autotuning` narrows each kernel's
+# candidate list to its winner when the key matches, heads and channels aside: still a config fla would time
+# itself (`early_config_prune`, Triton's own hook), so nothing but the choice of tile changes; any other key,
+# kernel or GPU autotunes as before.
+
+@dataclass(frozen=True)
+class TunedConfig:
+    kernel: str  # "module:attribute" of fla's kernel
+    key: tuple[tuple[str, Any], ...]  # its autotune key when tuned
+    counts: tuple[str, ...]  # key entries that may differ (heads, channels, blocks): the rest must be equal
+    kwargs: tuple[tuple[str, int], ...]
+    num_warps: int
+    num_stages: int
+
+
+TUNED_ON = (9, 0)  # compute capability of the GPU they were measured on (an H200; H100s share it)
+_HEADS = ("H", "HV")
+TUNED_CONFIGS: tuple[TunedConfig, ...] = (
+    TunedConfig("fla.modules.causal_conv1d.ops:causal_conv1d_fwd_kernel", (("D", 10240), ("W", 4)), ("D",),
+                (("BD", 32),), 4, 3),
+    TunedConfig("fla.ops.gated_delta_rule.gate:gdn_gate_chunk_cumsum_scalar_kernel",
+                (("H", 48), ("BT", 64), ("IS_VARLEN", True), ("REVERSE", False)), ("H",), (), 4, 3),
+    TunedConfig("fla.ops.gated_delta_rule.chunk_fwd:chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+                (("H", 16), ("HV", 48), ("K", 128), ("BC", 16)), _HEADS, (("BK", 64),), 1, 3),
+    TunedConfig("fla.ops.gated_delta_rule.wy_fast:recompute_w_u_fwd_kernel",
+                (("H", 16), ("HV", 48), ("K", 128), ("V", 128), ("BT", 64), ("BK", 64), ("BV", 64),
+                 ("IS_VARLEN", True)), _HEADS, (), 4, 3),
+    TunedConfig("fla.ops.common.chunk_delta_h:chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                (("H", 16), ("HV", 48), ("K", 128), ("V", 128), ("BT", 64), ("STATE_V_FIRST", False)), _HEADS,
+                (("BV", 64),), 4, 4),
+    TunedConfig("fla.ops.common.chunk_o:chunk_fwd_kernel_o",
+                (("H", 16), ("HV", 48), ("K", 128), ("V", 128), ("BT", 64), ("STATE_V_FIRST", False)), _HEADS,
+                (("BK", 64), ("BV", 64)), 4, 3),
+    TunedConfig("fla.modules.norm.fused_norm_gate:layer_norm_gated_fwd_kernel",
+                (("D", 128), ("NB", 1), ("IS_RMS_NORM", True), ("STORE_RESIDUAL_OUT", False), ("HAS_RESIDUAL", False),
+                 ("HAS_WEIGHT", True)), ("NB",), (("BT", 32),), 8, 3),
+)
+_SETTLED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # fla's autotuners narrowed by `settle_autotuning`
+
+
+def tuned_choice(tuned: list[TunedConfig], keys: list[str], configs: list, args: dict[str, Any]):
+    """The config among `configs` that `tuned` names for the key values in `args` (None: autotune as usual)."""
+    for t in tuned:
+        if [name for name, _ in t.key] != list(keys):  # fla changed the kernel's key: not the kernel tuned
+            continue
+        if any(args.get(name) != value for name, value in t.key if name not in t.counts):
+            continue
+        for c in configs:
+            if c.kwargs == dict(t.kwargs) and c.num_warps == t.num_warps and c.num_stages == t.num_stages:
+                return c
+    return None
+
+
+def autotuning_note(device: torch.device | None = None) -> str:
+    """How fla's kernels choose their tiles on this GPU (for hsx.json's kernels)."""
+    if os.environ.get("FLA_CACHE_MODE") or os.environ.get("FLA_CONFIG_DIR"):
+        return "fla's config cache (FLA_CACHE_MODE/FLA_CONFIG_DIR set)"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != TUNED_ON:
+        return "fla's autotuning"
+    return "hsx's tuned configs (H200), fla's autotuning for other keys"
+
+
+def settle_autotuning(device: torch.device | None = None) -> int:
+    """Narrow fla's autotuned kernels to `TUNED_CONFIGS` (see above); the number of kernels narrowed. Left to fla
+    when the user configured its own config cache (FLA_CACHE_MODE/FLA_CONFIG_DIR) or on another kind of GPU."""
+    if not autotuning_note(device).startswith("hsx"):
+        return 0
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    by_kernel: dict[str, list[TunedConfig]] = {}
+    for t in TUNED_CONFIGS:
+        by_kernel.setdefault(t.kernel, []).append(t)
+    settled = 0
+    for name, tuned in by_kernel.items():
+        module, attribute = name.split(":")
+        try:
+            fn = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError):  # another fla version: that kernel autotunes as fla ships it
+            continue
+        while not isinstance(fn, Autotuner) and hasattr(fn, "fn"):
+            fn = fn.fn
+        if not isinstance(fn, Autotuner):
+            continue
+        if fn not in _SETTLED:
+            fn.early_config_prune = _narrowed(fn, tuned, fn.early_config_prune)
+            _SETTLED.add(fn)
+        settled += 1
+    return settled
+
+
+def _narrowed(autotuner, tuned: list[TunedConfig], prune):
+    def early_config_prune(configs, named_args, **kwargs):
+        configs = prune(configs, named_args, **kwargs) if prune else configs
+        choice = tuned_choice(tuned, list(autotuner.keys), configs, {**named_args, **kwargs})
+        return configs if choice is None else [choice]
+    return early_config_prune
 
 
 def installed(base: torch.nn.Module) -> bool:

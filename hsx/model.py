@@ -420,8 +420,9 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     linear_attention and causal_conv1d are then both "fla"), else "transformers", with linear_attention_note saying
     why and linear_attention / causal_conv1d naming what transformers' own forward binds: "fla" / "causal_conv1d"
     for those packages' kernels, "torch fallback" for its reference PyTorch code (correct for right-padded batches,
-    much slower). All three are None without such layers. packing_safe: whether packed (padding-free) batches would
-    keep sequences apart (`--packing`)."""
+    much slower); on fla's kernels fla_autotune says how their tiles are chosen (`gdn.autotuning_note`). All are
+    None without such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart
+    (`--packing`)."""
     config = base.config
     modules = list(base.modules())
     has_experts = any(type(m).__name__.endswith("Experts") for m in modules)
@@ -437,7 +438,8 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     if linear:
         blocker = None if gdn.installed(base) else gdn.fla_blocker(linear)
         if blocker is None:
-            report.update(linear_attention="fla", causal_conv1d="fla", linear_attention_forward="hsx fla")
+            report.update(linear_attention="fla", causal_conv1d="fla", linear_attention_forward="hsx fla",
+                          fla_autotune=gdn.autotuning_note(linear[0].conv1d.weight.device))
         else:
             kernels = _fallback_kernels(linear)
             report["linear_attention"] = "fla" if kernels.get(LINEAR_ATTENTION_KERNEL, _importable(

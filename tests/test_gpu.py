@@ -100,14 +100,14 @@ def test_second_gpu_equals_first():
 
 # ---- hybrid Gated DeltaNet (Qwen3.5-style) on fla's kernels ---------------------------------------------------------
 
-def _hybrid(num_layers=8, seed=0):
+def _hybrid(num_layers=8, seed=0, linear_head_dim=64):
     """A small random Qwen3.5-style text model on CUDA: 3 Gated DeltaNet layers then 1 gated full attention."""
     import transformers
 
     cfg = transformers.Qwen3_5TextConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+        num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
         layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(num_layers)],
         tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -184,6 +184,36 @@ def test_packed_hybrid_row_ignores_its_neighbours():
     cu = torch.tensor([0, 90, 180], dtype=torch.int32, device="cuda")
     with torch.inference_mode(), pytest.raises(ValueError, match="without its row bounds"):
         mixer(x, cu_seq_lens_q=cu)
+
+
+def test_fla_autotuning_is_settled_ahead():
+    """On the GPUs hsx tuned fla for, a model with Qwen3.5/3.6's head sizes (other head counts) times one config
+    per autotuned fla kernel, the one hsx measured, and its packed states still equal the one-row reference."""
+    pytest.importorskip("fla")
+    from triton.runtime.autotuner import Autotuner
+
+    from hsx import gdn
+    from hsx.model import kernel_report
+
+    if torch.cuda.get_device_capability() != gdn.TUNED_ON:
+        pytest.skip("hsx's fla configs are for compute capability 9.0")
+    causal = _hybrid(num_layers=4, seed=5, linear_head_dim=128)
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
+    ref = _one_row_reference(causal, [0, 2], rows)
+    got = _states(causal, [0, 2], False, rows, packing="varlen")[0]
+    assert _rel(got, ref) < 2e-2, _rel(got, ref)
+    assert kernel_report(causal.model)["fla_autotune"].startswith("hsx")
+    import importlib
+
+    for t in gdn.TUNED_CONFIGS:
+        module, attribute = t.kernel.split(":")
+        fn = getattr(importlib.import_module(module), attribute)
+        while not isinstance(fn, Autotuner):
+            fn = fn.fn
+        timed = list(fn.configs_timings)  # what this head size's first forward timed (its key was new)
+        assert [(c.kwargs, c.num_warps, c.num_stages) for c in timed] == [(dict(t.kwargs), t.num_warps,
+                                                                           t.num_stages)], (t.kernel, timed)
 
 
 def test_qk_l2norm_kernel_equals_the_reference():
