@@ -238,6 +238,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     t0 = time.perf_counter()
     extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
             log=quiet, model=loaded)
+    warm_extract_s = time.perf_counter() - t0
     compiler = hsx_model.compiled_state(loaded.base)
     if compiler:  # compiled ahead in a worker: the timed run starts on compiled layers (or gives up, one line)
         compiler.wait(WARMUP_COMPILE_WAIT_S)
@@ -256,7 +257,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "padding": 1 - run["tokens"] / max(1, run["padded_tokens"]),
         "gpu_idle": 1 - run["gpu_seconds"] / run["seconds"],
         "output_bytes": out_bytes, "output_gb_per_s": out_bytes / run["seconds"] / 1e9,
-        "compile_warmup_seconds": warmup_s, "token_budget": run.get("token_budget"),
+        "compile_warmup_seconds": warmup_s, "warmup_extract_seconds": warm_extract_s,
+        "token_budget": run.get("token_budget"),
         "compile_seconds": getattr(compiler, "seconds", None),
         "compiled": bool(compiler and compiler.ready.is_set()),
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
