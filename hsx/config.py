@@ -374,6 +374,23 @@ def check_topk_logits(topk_logits: int, vocab_size: int) -> None:
         raise HsxError(f"--topk-logits {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
 
 
+def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None
+                  ) -> tuple[list[int], bool]:
+    """The layers and final-norm choice `cfg` asks of a model with this text config (or `resolved`, those of a model
+    loaded already), refused as extract and plan both refuse them: an output format that cannot be written
+    (`schema.OutputFormat.problem`), a top-k larger than the vocabulary."""
+    from hsx.schema import OutputFormat
+
+    layers, final_hidden = resolved or resolve_layers(cfg.layers, int(text_config.num_hidden_layers),
+                                                      cfg.final_hidden)
+    problem = OutputFormat(len(layers), int(text_config.hidden_size), final_hidden, cfg.storage_dtype,
+                           cfg.topk_logits).problem()
+    if problem:
+        raise UsageError(problem)
+    check_topk_logits(cfg.topk_logits, int(text_config.vocab_size))
+    return layers, final_hidden
+
+
 # ---- layers -------------------------------------------------------------------------------------------------
 
 PRESET_RE = re.compile(r"(eagle3|dflash(?:-([0-9]{1,6}))?)")  # fullmatch; K of 7+ digits is no model's depth

@@ -484,7 +484,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     Tokens come from `tokens`; else from `DATASET_SIZES` for a known Hub dataset; else, for a local dataset,
     from tokenizing it (a sample of SAMPLE_ROWS rows when larger; rows × DEFAULT_MEAN_TOKENS without a tokenizer
     offline); else there is no disk or time line. Neither the dataset nor the weights are downloaded."""
-    from hsx.config import UsageError, load_config, resolve_layers
+    from hsx.config import UsageError, load_config, target_layers
 
     if gpu not in GPUS:
         raise UsageError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(GPUS))}")
@@ -497,10 +497,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     cfg = load_config(config, {**overrides, **placeholders})  # a wrong recipe or option: UsageError
     gpu_gib = gpu_memory_gib if gpu_memory_gib is not None else GPUS[gpu]["memory_gib"]
     text = model_text_config(cfg, shape)
-    layers, final_hidden = resolve_layers(cfg.layers, int(text.num_hidden_layers), cfg.final_hidden)
-    why = OutputFormat(len(layers), int(text.hidden_size), final_hidden, cfg.storage_dtype, cfg.topk_logits).problem()
-    if why:
-        raise UsageError(why)
+    layers, final_hidden = target_layers(cfg, text)
     tokens, rows, source = planned_tokens(cfg, tokens)
     known_shape = shape or HUB_SHAPES.get(cfg.model)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,

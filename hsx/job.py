@@ -24,7 +24,7 @@ from typing import Any
 
 from hsx import __version__
 from hsx.buckets import Unit, plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, UsageError, check_topk_logits, resolve_layers
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
 from hsx.schema import OutputFormat
 from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.card import dataset_card
@@ -63,15 +63,11 @@ def read_target(cfg: ExtractConfig, model=None) -> Target:
     if model is None:
         model_path, revision, text = _model_facts(cfg)
         num_layers = int(text.num_hidden_layers)
-        layers, final_hidden = resolve_layers(cfg.layers, num_layers, cfg.final_hidden)
+        layers, final_hidden = target_layers(cfg, text)
     else:
         model_path, revision, text = model.model_path, model.revision, model.text_config
-        num_layers, layers, final_hidden = model.num_model_layers, model.layers, model.final_hidden
-    problem = OutputFormat(len(layers), int(text.hidden_size), final_hidden, cfg.storage_dtype,
-                           cfg.topk_logits).problem()
-    if problem:
-        raise UsageError(problem)
-    check_topk_logits(cfg.topk_logits, int(text.vocab_size))
+        num_layers = model.num_model_layers
+        layers, final_hidden = target_layers(cfg, text, (model.layers, model.final_hidden))
     return Target(model_path, revision, text, num_layers, layers, final_hidden)
 
 

@@ -210,3 +210,11 @@ def test_a_manifest_holding_only_a_torn_line_is_no_output(tmp_path):
     assert out.manifest_records() == {} and not out.has_output()
     (out.state / "manifest-00001.jsonl").write_text('{"unit": 5}\n')  # a whole line, damaged: kept as output
     assert out.has_output()
+
+
+def test_plan_refuses_a_topk_over_the_vocabulary_like_extract():
+    """Both read the same checks (`config.target_layers`): the tiny shape has 512 tokens."""
+    rc, _, err = hsx_main(["plan", "--shape", "tiny", "--layers", "1", "--final-hidden", "--topk-logits", "513"])
+    assert_one_error_line(rc, err, "more than the model's vocabulary (512 tokens)")
+    assert rc == 1  # as extract: the model's facts, not the command line, refuse it
+    assert hsx.plan(shape="tiny", layers=[1], final_hidden=True, topk_logits=512)["bytes_per_token"] > 0
