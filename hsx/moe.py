@@ -10,8 +10,9 @@ traffic around them:
 - the down projection's bias (GPT-OSS) is added once per token as a (tokens × experts) routing matrix times the
   bias table, not gathered per pair;
 - expert boundaries come from `searchsorted` on the sorted expert ids (fixed shapes: no graph break, no sync);
-- the pair gather is an op Inductor cannot fuse into (`gather_rows`): fused, it recomputed the residual add and
-  RMSNorm before the gather for each of a token's k copies;
+- the pair gathers (hidden rows, routing weights) are an op Inductor cannot fuse into (`gather_rows`): fused, it
+  recomputed the residual add and RMSNorm before the row gather for each of a token's k copies, and the router's
+  top-k renormalization for each element of the activation;
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
@@ -67,16 +68,19 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     if self.has_bias:
         y = y + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_pair]
     y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
+    # The pairs' routing weights as a tensor of their own: gathered inside the activation's kernel, Inductor
+    # recomputed the router's top-k renormalization (a sum over the token's k weights) for every element.
+    pair_weight = gather_rows(top_k_weights.reshape(-1, 1), order)
     post_norm = getattr(self, "has_post_expert_norm", False)
     if not post_norm:  # a norm after each expert does not commute with the weight: applied after it instead
-        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        y = y * pair_weight.to(y.dtype)
     # Down projection, back to token order, sum of a token's k outputs.
     w_out = self.down_proj
     z = _grouped_mm(y, w_out if self.is_transposed else w_out.transpose(-2, -1), offsets)
     if post_norm:
         if self.has_bias:
             z = z + self.down_proj_bias[expert_of_pair]
-        z = self.post_expert_norm(z) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(z.dtype)
+        z = self.post_expert_norm(z) * pair_weight.to(z.dtype)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     z = z[inverse].view(tokens, k, hidden)
