@@ -57,8 +57,10 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     k = top_k_index.shape[-1]
     experts = int(self.num_experts)
     dtype = hidden_states.dtype
-    # Permutation: pairs sorted by expert (stable: token order kept within an expert), groups' end offsets.
-    expert_of_pair, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    # Permutation: pairs sorted by expert (stable: token order kept within an expert), groups' end offsets. The
+    # ids come as int64; the radix sort makes one pass per key byte, so they are sorted as int16.
+    key_dtype = torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32
+    expert_of_pair, order = torch.sort(top_k_index.reshape(-1).to(key_dtype), stable=True)
     bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
     x = gather_rows(hidden_states, order // k)
@@ -66,7 +68,7 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     w_in = self.gate_up_proj if self.has_gate else self.up_proj
     y = _grouped_mm(x, w_in if self.is_transposed else w_in.transpose(-2, -1), offsets)
     if self.has_bias:
-        y = y + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_pair]
+        y = y + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_pair.long()]
     y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
     # The pairs' routing weights as a tensor of their own: gathered inside the activation's kernel, Inductor
     # recomputed the router's top-k renormalization (a sum over the token's k weights) for every element.
@@ -79,7 +81,7 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     z = _grouped_mm(y, w_out if self.is_transposed else w_out.transpose(-2, -1), offsets)
     if post_norm:
         if self.has_bias:
-            z = z + self.down_proj_bias[expert_of_pair]
+            z = z + self.down_proj_bias[expert_of_pair.long()]
         z = self.post_expert_norm(z) * pair_weight.to(z.dtype)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
