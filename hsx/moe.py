@@ -35,9 +35,10 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 
 @torch.library.custom_op("hsx::gather_rows", mutates_args=())
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] along rows, opaque to torch.compile. Inside a compiled decoder layer Inductor fused the pair gather
-    with the residual add and RMSNorm before it, recomputing them for each of a token's k copies: 578 µs per
-    Qwen3-30B-A3B layer at 16k tokens on an H200 against 259 µs for the gather alone."""
+    """x[index] along rows, opaque to torch.compile, so that x is computed once rather than once per gathered row.
+    Inside a compiled decoder layer Inductor fused the pair gather with the residual add and RMSNorm before it,
+    recomputing them for each of a token's k copies: 578 µs per Qwen3-30B-A3B layer at 16k tokens on an H200
+    against 259 µs for the gather alone."""
     return x.index_select(0, index)
 
 
