@@ -216,6 +216,23 @@ def test_fla_autotuning_is_settled_ahead():
                                                                            t.num_stages)], (t.kernel, timed)
 
 
+def test_sum_pairs_kernel_equals_the_torch_sum_bit_for_bit():
+    """hsx.moe's un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
+    float32 additions in the same order, one rounding; ragged tiles (tokens, hidden not multiples of the tile),
+    GPT-OSS's width and its bias addend, k of 8 and 4."""
+    pytest.importorskip("triton")
+    from hsx import moe
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for tokens, k, hidden, extra in ((16384, 8, 2048, False), (37, 4, 2880, True), (1, 8, 2048, True)):
+        z = torch.randn(tokens * k, hidden, device="cuda", generator=g).bfloat16()
+        inverse = torch.randperm(tokens * k, device="cuda", generator=g)
+        addend = torch.randn(tokens, hidden, device="cuda", generator=g) if extra else None
+        got = moe.sum_pairs(z, inverse, k, addend)
+        ref = moe.sum_pairs(z.cpu(), inverse.cpu(), k, None if addend is None else addend.cpu())
+        assert torch.equal(got.cpu(), ref), (tokens, k, hidden, extra)
+
+
 def test_qk_l2norm_kernel_equals_the_reference():
     """The Triton q/k l2norm (one kernel over the conv output's strided heads) rounds as transformers' float32
     reference does, on a packed-sized batch and on a ragged one (rows not a multiple of its tile)."""

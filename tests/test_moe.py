@@ -142,3 +142,28 @@ def test_compiled_block_keeps_the_pair_gathers_opaque():
     assert eager.norm() > 0
     assert (out.float() - eager).norm() / eager.norm() < 1e-2
     assert "\n".join(code).count("torch.ops.hsx.gather_rows.default(") == 2
+    assert "\n".join(code).count("torch.ops.hsx.sum_pairs.default(") == 1  # the un-permute and k-sum: one pass
+
+
+def test_sum_pairs_is_each_tokens_ordered_float32_sum():
+    """Token t's output is its k pair rows (at inverse[t·k + j]) added in float32 in order j = 0..k-1, plus the
+    optional float32 addend, rounded once to the rows' dtype; with no pairs, no rows."""
+    from hsx.moe import sum_pairs
+
+    g = torch.Generator().manual_seed(7)
+    tokens, k, hidden = 5, 3, 6
+    z = torch.randn(tokens * k, hidden, generator=g).bfloat16()
+    inverse = torch.randperm(tokens * k, generator=g)
+    extra = torch.randn(tokens, hidden, generator=g)
+    for addend in (None, extra):
+        got = sum_pairs(z, inverse, k, addend)
+        assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+        for t in range(tokens):
+            acc = z[inverse[t * k]].float()
+            for j in range(1, k):
+                acc = acc + z[inverse[t * k + j]].float()
+            if addend is not None:
+                acc = acc + addend[t]
+            assert torch.equal(got[t], acc.bfloat16()), t
+    assert not torch.equal(sum_pairs(z, inverse, k), sum_pairs(z, torch.arange(tokens * k), k))
+    assert sum_pairs(z[:0], inverse[:0], k).shape == (0, hidden)
