@@ -350,6 +350,7 @@ class CompileAhead:
 
         if self.thread is not None or not self.samples:
             return
+        trace_fx_once()
         self.thread = threading.Thread(target=self._compile, args=(device,), name="hsx-compile", daemon=True)
         self.thread.start()
 
@@ -384,6 +385,21 @@ class CompileAhead:
             self.log(f"hsx: torch.compile not done after {timeout:.0f} s; extraction goes on eager meanwhile")
             return False
         return True
+
+
+def trace_fx_once() -> None:
+    """Run, on this thread, the one torch.fx symbolic trace Inductor makes per process. While it traces, torch.fx
+    swaps `nn.Module.__call__` for every thread (Inductor's first lowering traces a dummy graph,
+    `torch._inductor.loop_body.InterpreterShim._dummy_gm`, cached after): made by the compile worker, it broke an
+    eager forward on the extraction thread at the same moment ("NameError: module is not installed as a
+    submodule"; H200, qwen3-8b warm-up). Traced here before the worker starts, the worker reads the cache. The
+    tracers that AOTAutograd uses swap it too, but call the original forward for modules outside their graph."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()
+    except Exception:  # noqa: BLE001 - another torch: nothing of this kind to trace ahead
+        pass
 
 
 class _AheadLayer:

@@ -297,3 +297,28 @@ def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
         handle.remove()
     assert table.column("sample_id").to_pylist() == [0, 1, 3]
     check_table_against_reference(model8, table, layers, final=False)
+
+
+def test_inductors_fx_trace_runs_before_the_compile_worker(monkeypatch):
+    """torch.fx swaps nn.Module.__call__ for every thread while it traces; Inductor's one symbolic trace per process
+    (a dummy graph, cached) made on the compile worker broke an eager forward on the extraction thread. `start`
+    makes it on the calling thread first: the worker's lowering then hits the cache."""
+    import threading
+
+    import torch
+    from torch._inductor.loop_body import InterpreterShim
+
+    from hsx.model import CompileAhead
+
+    InterpreterShim._dummy_gm.cache_clear()
+    traced_on = []
+    real = torch.fx.symbolic_trace
+    monkeypatch.setattr(torch.fx, "symbolic_trace",
+                        lambda root, *a, **k: traced_on.append(threading.current_thread()) or real(root, *a, **k))
+    state = CompileAhead(log=lambda *a: None)
+    state.record(("kind",), (torch.zeros(1),), {})  # one layer kind seen, no compiled layer to run
+    state.start(torch.device("cpu"))
+    state.thread.join(30)
+    InterpreterShim._dummy_gm()  # what the worker's first lowering would call: a cache hit now
+    assert traced_on == [threading.current_thread()]
+    assert state.ready.is_set() and state.failed is None
