@@ -319,6 +319,6 @@ def test_inductors_fx_trace_runs_before_the_compile_worker(monkeypatch):
     state.record(("kind",), (torch.zeros(1),), {})  # one layer kind seen, no compiled layer to run
     state.start(torch.device("cpu"))
     state.thread.join(30)
-    InterpreterShim._dummy_gm()  # what the worker's first lowering would call: a cache hit now
-    assert traced_on == [threading.current_thread()]
-    assert state.ready.is_set() and state.failed is None
+    assert traced_on == [threading.current_thread()] and InterpreterShim._dummy_gm.cache_info().currsize == 1
+    InterpreterShim._dummy_gm()  # what the worker's first lowering calls: a cache hit, no trace
+    assert len(traced_on) == 1 and state.ready.is_set() and state.failed is None
