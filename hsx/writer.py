@@ -227,6 +227,8 @@ class UnitFile:
         view = memoryview(data).cast("B")
         n = len(view)
         if self.mode == "mapped":
+            if self.spare is not None:
+                self.spare.passed = self.size + n
             try:
                 wait_all(self.crc.feed(view, self._put))
             except BaseException as e:
@@ -297,7 +299,7 @@ class UnitFile:
         """Store `piece` at `offset` (a copy into the spare's pages where they are ready, else pwrite); its CRC-32.
         Runs on the checksum threads, several at once on different pieces."""
         spare, n = self.spare, len(piece)
-        if spare is not None and offset + n <= spare.ready:
+        if spare is not None and spare.covers(offset, n):
             ctypes.memmove(spare.addr + offset, _address(piece), n)  # (releases the GIL)
         else:
             _pwrite_all(self.fd, piece, offset)
@@ -394,13 +396,13 @@ def _os_error(what: str) -> OSError:
 class Spare:
     """A file of `size` bytes in a memory filesystem, its pages allocated (fallocate) and mapped writable
     (MADV_POPULATE_WRITE) ahead, SPARE_CHUNK at a time on a pool's threads, so that filling it is a memory copy
-    that several threads do at once. `ready`: how many bytes from the start are prepared (only those are written
-    through the mapping: a page fault there can no longer find the filesystem full, which would be a SIGBUS).
-    Preparation stops where the filesystem would keep less than `reserve` bytes free, or at any error."""
+    that several threads do at once. Only the chunks prepared (`covers`) are written through the mapping: a page fault there can no longer find the filesystem full, which would be a SIGBUS).
+    Preparation stops where the filesystem would keep less than `reserve` bytes free, or at any error, and skips
+    the chunks that the file's writer has passed (`passed`: it wrote them by pwrite, being ahead)."""
 
     def __init__(self, path: str, size: int, pool: ThreadPoolExecutor, reserve: int):
         self.path, self.size, self.reserve, self.pool = path, max(1, size), reserve, pool
-        self.ready = 0
+        self.passed = 0  # the writer's bytes so far (set by UnitFile): chunks before are not worth preparing
         self.stopped = False
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -412,16 +414,14 @@ class Spare:
             os.close(self.fd)
             raise
         self.addr = addr
-        self._lock = threading.Lock()
-        self._done = [False] * -(-self.size // SPARE_CHUNK)
-        self._next = 0  # first chunk not yet prepared
+        self._done = [False] * -(-self.size // SPARE_CHUNK)  # per chunk: prepared
         self.futures = [pool.submit(self._prepare, i) for i in range(len(self._done))]
 
     def _prepare(self, i: int) -> None:
-        if self.stopped:
-            return
         offset = i * SPARE_CHUNK
         n = min(SPARE_CHUNK, self.size - offset)
+        if self.stopped or self.passed >= offset + n:
+            return
         lib = _libc()
         try:
             stat = os.statvfs(os.path.dirname(self.path))
@@ -432,11 +432,12 @@ class Spare:
                 or lib.madvise(self.addr + offset, n, MADV_POPULATE_WRITE) != 0):
             self.stopped = True  # (the rest is written by pwrite, which reports a full filesystem as ENOSPC)
             return
-        with self._lock:
-            self._done[i] = True
-            while self._next < len(self._done) and self._done[self._next]:
-                self._next += 1
-            self.ready = min(self.size, self._next * SPARE_CHUNK)
+        self._done[i] = True
+
+    def covers(self, offset: int, n: int) -> bool:
+        """Whether bytes [offset, offset + n) are prepared (and still mapped)."""
+        return (self.addr is not None and offset + n <= self.size
+                and all(self._done[offset // SPARE_CHUNK:(offset + n - 1) // SPARE_CHUNK + 1]))
 
     def stop(self) -> None:
         """No preparation after this returns."""
@@ -445,12 +446,11 @@ class Spare:
 
     def unmap(self) -> None:
         if self.addr is not None:
-            addr, self.addr, self.ready = self.addr, None, 0
+            addr, self.addr = self.addr, None
             _libc().munmap(addr, self.size)
 
     def release(self) -> None:
         """Unmap on the pool's threads (0.1 s per GB of mapped pages, measured): the file's bytes stay."""
-        self.ready = 0
         try:
             self.pool.submit(self.unmap)
         except RuntimeError:  # (the pool is shut down)

@@ -37,6 +37,13 @@ def shm():
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _wait_prepared(spare, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not spare.covers(0, spare.size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spare.covers(0, spare.size)
+
+
 def _where(mode, tmp_path, shm_folder):
     if mode == "direct" and not writer.supports_direct(tmp_path):
         pytest.skip("this filesystem takes no O_DIRECT")
@@ -76,10 +83,7 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
         size = {"mapped-short": 5 << 20, "mapped-long": 40 << 20, "mapped-none": None}[mode]
         spares = Spares(folder, [size] if size else [])
         if size:
-            deadline = time.monotonic() + 30
-            while spares.next.ready < spares.next.size and time.monotonic() < deadline:
-                time.sleep(0.01)  # (prepared ahead, as while the unit before is written)
-            assert spares.next.ready == spares.next.size
+            _wait_prepared(spares.next)  # (prepared ahead, as while the unit before is written)
     puts = {"copied": 0, "pwritten": 0}
     real_pwrite = writer._pwrite_all
     monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: puts.__setitem__("pwritten", puts["pwritten"] + len(v))
@@ -188,9 +192,7 @@ def test_mapped_copy_error_surfaces(shm, monkeypatch):
     monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     spares = Spares(shm, [2 << 20])
-    deadline = time.monotonic() + 30
-    while spares.next.ready < spares.next.size and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_prepared(spares.next)
     running = []
 
     def full(fd, view, offset):
@@ -221,6 +223,35 @@ def test_mapped_copy_error_surfaces(shm, monkeypatch):
     assert f.closed and (shm / "u").stat().st_size == 0  # the size of what was accepted (nothing)
 
 
+def test_spare_skips_what_the_writer_passed(shm, monkeypatch):
+    """A writer ahead of its spare's preparation writes by pwrite, and the chunks it has passed are not prepared
+    after (no work behind it); the chunks ahead still are, and then take copies. The bytes are all right."""
+    import threading
+
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    gate = threading.Event()
+    spares = Spares(shm, [], threads=1)
+    spares.pool.submit(gate.wait)  # the preparing thread is busy until the gate opens
+    spares.sizes = [8 << 20]
+    spares._start_next()
+    spare = spares.next
+    data = np.random.default_rng(2).integers(0, 256, 10 << 20, dtype=np.uint8)
+    pwritten = []
+    real_pwrite = writer._pwrite_all
+    monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: pwritten.append(len(v)) or real_pwrite(fd, v, o))
+    f = UnitFile(shm / "u", "mapped", spares=spares)
+    f.write(memoryview(data)[:3 << 20])  # nothing prepared yet: pwrite
+    gate.set()
+    spare.futures[-1].result()  # (every chunk's task has run)
+    assert spare._done[:3] == [False] * 3 and all(spare._done[3:])
+    f.write(memoryview(data)[3 << 20:])  # into the prepared chunks: copies
+    f.close()
+    assert sum(pwritten) == 3 << 20
+    spares.close()
+    assert (shm / "u").read_bytes() == data.tobytes() and f.crc32() == file_crc32(shm / "u")
+
+
 def test_spare_keeps_the_reserve_free(shm, monkeypatch):
     """A spare is not prepared into the last `reserve` bytes of free space (the unit being written needs them):
     nothing of it is ready, and the unit goes by pwrite, whole and right."""
@@ -229,7 +260,7 @@ def test_spare_keeps_the_reserve_free(shm, monkeypatch):
     pool = writer.ThreadPoolExecutor(2)
     spare = writer.Spare(str(shm / "s"), 4 << 20, pool, reserve=free)
     spare.stop()
-    assert spare.ready == 0 and spare.stopped
+    assert not spare.covers(0, 1) and spare.stopped
     spare.unmap()
     os.close(spare.fd)
     pool.shutdown()
