@@ -11,7 +11,13 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
 - with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks from
   staging buffers, filled while earlier ones are written. On an H200 VM's local disk hsx wrote 1.05 GB/s
-  through datasets' file and 1.23 GB/s through this one, the disk taking 1.42 GB/s O_DIRECT.
+  through datasets' file and 1.23 GB/s through this one, the disk taking 1.42 GB/s O_DIRECT;
+- in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock (one stream
+  took 1.94-2.11 GB/s on an H200 VM, the storage probe), so `Spares` prepares the next unit's file while the
+  one before is written (fallocate, then MADV_POPULATE_WRITE, on 3 threads) and the checksum threads copy the
+  big buffers into its mapped pages as they checksum them. On the H200 VM (qwen3-8b, bf16, 29.5 GB) the writer
+  was busy at 2.81 GB/s in the run, against 1.61 buffered, and the GPU idle 1.2% of it (was 16.9%); alone,
+  into a prepared spare, 3.1 GB/s on 2 threads, 6.7 on 4 (the default), 10.8 on 8.
 
 The file's bytes are exactly what datasets writes (same writer, same schema metadata; tests/test_writer.py
 compares them), so `load_dataset` and `Dataset.from_file` read a unit as before. `unit_files` puts `UnitFile`
@@ -396,7 +402,8 @@ def _os_error(what: str) -> OSError:
 class Spare:
     """A file of `size` bytes in a memory filesystem, its pages allocated (fallocate) and mapped writable
     (MADV_POPULATE_WRITE) ahead, SPARE_CHUNK at a time on a pool's threads, so that filling it is a memory copy
-    that several threads do at once. Only the chunks prepared (`covers`) are written through the mapping: a page fault there can no longer find the filesystem full, which would be a SIGBUS).
+    that several threads do at once. Only the chunks prepared (`covers`) are written through the mapping (a page
+    fault there can no longer find the filesystem full, which would be a SIGBUS).
     Preparation stops where the filesystem would keep less than `reserve` bytes free, or at any error, and skips
     the chunks that the file's writer has passed (`passed`: it wrote them by pwrite, being ahead)."""
 
@@ -569,10 +576,11 @@ def resolve_mode(folder: str | os.PathLike, mode: str = "auto") -> str:
     until fsync): local ext4 took 0.85 GB/s buffered and 1.42 O_DIRECT, and hsx wrote 1.05 GB/s through datasets'
     file, 1.23 through UnitFile with O_DIRECT; tmpfs took 1.94-2.27 buffered and 2.62-2.92 O_DIRECT, yet hsx wrote
     1.52 GB/s buffered and 1.15 with O_DIRECT (the staging copy costs more than O_DIRECT saves there). In tmpfs a
-    write call pays for allocating each new page under the file's lock (0.68-0.73 s per GB on one core here,
-    2 vCPU EPYC VM; 0.31-0.33 into pages fallocated before): "mapped" moves the allocation (0.36 s/GB) and the
-    page faults (0.43-0.46 s/GB, in parallel) to threads that prepare the next unit's file, leaving a copy
-    (0.125 s/GB per thread) and the CRC-32 (0.37-0.54 s/GB per thread) on the writing side."""
+    write call pays for allocating each new page under the file's lock: per GB on one core of the H200 VM,
+    0.53 s for a fresh write, 0.25 into pages fallocated before. "mapped" moves the allocation (fallocate, 0.17
+    s/GB) and the page faults (MADV_POPULATE_WRITE, 0.30 s/GB, in parallel) to threads that prepare the next
+    unit's file, leaving a copy (0.10 s/GB) and the CRC-32 (0.48 s/GB) on each writing thread; the run: writer
+    busy 2.81 GB/s mapped against 1.61 buffered (hsx.writer's docstring)."""
     if mode not in WRITE_MODES:
         raise ValueError(f"write mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
     if mode == "auto":
