@@ -274,6 +274,10 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     write_s = run.get("write_seconds")
     if write_s:  # the writer's busy rate: output bytes over the time map spent writing (between its calls)
         results["c"]["writer_gb_per_s"] = out_bytes / write_s / 1e9
+        results["c"]["writer_what"] = (
+            "writer_gb_per_s = output_bytes / pipeline.write_seconds: the wall seconds map had writing to do (from "
+            "returning a table to its next call, and from the last one until the unit's file was closed), not a "
+            "sum over the writer's copy, checksum and spare-preparing threads")
     from hsx.writer import resolve_mode
 
     results["c"]["write_mode"] = resolve_mode(out_dir / ".hsx")  # (what hsx.writer picked for the units there)

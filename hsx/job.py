@@ -446,13 +446,18 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set."""
     import datasets
 
-    from hsx.writer import unit_files
+    from hsx.schema import TOKEN_COLUMNS
+    from hsx.writer import spares_for, unit_files
 
     unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
     committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    unit_bytes = engine.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
+    spares = None
     try:
+        # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
+        spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
         for u in units:
             if proc.agree_max(int(stop.is_set())):
                 break
@@ -463,7 +468,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
                 engine.release()
                 continue
             committer.check()
-            with unit_files(out.tmp) as written:  # hsx.writer: the unit's bytes, checksummed on the way out
+            with unit_files(out.tmp, spares=spares) as written:  # hsx.writer: bytes checksummed on the way out
                 unit_rows(u).map(
                     step, batched=True, batch_size=u.batch_size(budget), features=feats,
                     cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
@@ -473,6 +478,8 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
             committer.submit(u.name, counts.as_record(), crc32=written.crc32(out.unit_tmp(u.name)))
         committer.join()
     finally:
+        if spares is not None:
+            spares.close()
         committer.close()
         if progress_was_on:
             datasets.enable_progress_bars()

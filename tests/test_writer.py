@@ -1,10 +1,17 @@
-"""hsx.writer: the unit file's bytes are datasets' own, its streamed CRC-32 is file_crc32's, errors surface."""
+"""hsx.writer: the unit file's bytes are datasets' own, its streamed CRC-32 is file_crc32's, errors surface; in
+memory (tmpfs) the same through spares prepared ahead, and a job killed mid-write resumes to the same output."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
+import shutil
+import signal
+import tempfile
+import time
 import zlib
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -14,9 +21,39 @@ import pytest
 from hsx import sink, writer
 from hsx.schema import OutputFormat
 from hsx.sink import file_crc32
-from hsx.writer import UnitFile, crc32_combine, resolve_mode, unit_files
+from hsx.writer import Spares, UnitFile, crc32_combine, resolve_mode, unit_files
 
 WIDTH, HIDDEN = 3 * 64, 64
+
+
+@pytest.fixture
+def shm():
+    """A folder in a memory filesystem that takes spares ("mapped" mode), removed after."""
+    if not (os.path.isdir("/dev/shm") and writer.filesystem_type("/dev/shm") == "tmpfs"
+            and writer.supports_mapped("/dev/shm")):
+        pytest.skip("no tmpfs with fallocate and MADV_POPULATE_WRITE here")
+    folder = Path(tempfile.mkdtemp(prefix="hsx-test-", dir="/dev/shm"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_prepared(spare, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not spare.covers(0, spare.size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spare.covers(0, spare.size)
+
+
+def _where(mode, tmp_path, shm_folder):
+    if mode == "direct" and not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    return shm_folder if mode == "mapped" else tmp_path
+
+
+@pytest.fixture
+def folder_for(request, tmp_path):
+    """The folder a mode's test writes in: a tmpfs one for "mapped" (requested lazily: it may skip)."""
+    return lambda mode: _where(mode, tmp_path, request.getfixturevalue("shm") if mode == "mapped" else None)
 
 
 def test_crc32_combine_is_zlibs():
@@ -26,25 +63,43 @@ def test_crc32_combine_is_zlibs():
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
 
 
-@pytest.mark.parametrize("mode", ["buffered", "direct"])
-def test_unit_file_bytes_and_crc_across_chunks(tmp_path, monkeypatch, mode):
-    """Small and big writes, pieces over several CRC chunks: the file holds exactly the bytes, and the streamed
-    CRC-32s are what file_crc32 reads back."""
+@pytest.mark.parametrize("mode", ["buffered", "direct", "mapped-short", "mapped-long", "mapped-none"])
+def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
+    """Small and big writes, pieces over several CRC chunks: the file holds exactly the bytes (its size is theirs
+    after close), and the streamed CRC-32s are what file_crc32 reads back. mapped: a spare shorter than the file
+    (the rest by pwrite), longer (cut at close), or none."""
     monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
     monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
-    if mode == "direct" and not writer.supports_direct(tmp_path):
-        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    folder = folder_for(mode.split("-")[0])
     data = np.random.default_rng(1).integers(0, 256, (10 << 20) + 123, dtype=np.uint8)
     parts = [b"\xff\xff\xff\xff", memoryview(data)[:100], pa.py_buffer(data[100:(7 << 20) + 5]), b"abc" * 999,
              memoryview(data)[(7 << 20) + 5:]]
-    path = tmp_path / "u.arrow"
-    with UnitFile(path, mode) as f:
+    expected = b"".join(bytes(memoryview(p)) for p in parts)
+    path = folder / "u.arrow"
+    spares = None
+    if mode.startswith("mapped"):
+        size = {"mapped-short": 5 << 20, "mapped-long": 40 << 20, "mapped-none": None}[mode]
+        spares = Spares(folder, [size] if size else [])
+        if size:
+            _wait_prepared(spares.next)  # (prepared ahead, as while the unit before is written)
+    puts = {"copied": 0, "pwritten": 0}
+    real_pwrite = writer._pwrite_all
+    monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: puts.__setitem__("pwritten", puts["pwritten"] + len(v))
+                        or real_pwrite(fd, v, o))
+    with UnitFile(path, mode.split("-")[0], spares=spares) as f:
         for p in parts:
             assert f.write(p) == len(memoryview(p))
-    expected = b"".join(bytes(memoryview(p)) for p in parts)
-    assert path.read_bytes() == expected and f.size == len(expected)
+    if spares is not None:
+        spares.close()
+    assert path.read_bytes() == expected and f.size == len(expected) == path.stat().st_size
     assert f.crc32() == file_crc32(path) and f.crc32().count(":") == 3
+    if mode == "mapped-long":
+        assert puts["pwritten"] == 0  # every byte copied into the prepared pages
+    if mode in ("mapped-short", "mapped-none"):
+        assert 0 < puts["pwritten"] <= len(expected) and (puts["pwritten"] < len(expected)) == (mode == "mapped-short")
+    assert sorted(p.name for p in folder.iterdir()) == ["u.arrow"]  # no spare left
 
 
 def test_empty_unit_file(tmp_path):
@@ -98,24 +153,141 @@ def rows():
             "loss_mask": datasets.List(datasets.Value("int8")), "num_tokens": datasets.Value("int32")}))
 
 
-@pytest.mark.parametrize("mode", ["buffered", "direct"])
-def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, rows, mode):
-    if mode == "direct" and not writer.supports_direct(tmp_path):
-        pytest.skip("this filesystem takes no O_DIRECT")
+@pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
+def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, folder_for, rows, mode, monkeypatch):
+    """Two units in a row as commit_units writes them (mapped: each into a spare prepared ahead; pieces of 64 KiB
+    so that the copy threads write several at once): byte for byte what datasets writes, CRC-32 right, readable."""
+    folder = folder_for(mode) / "unit"
+    folder.mkdir()
     (tmp_path / "plain").mkdir()
-    (tmp_path / "unit").mkdir()
+    monkeypatch.setattr(writer, "CRC_PIECE", 64 << 10)
+    monkeypatch.setattr(writer, "SMALL", 16 << 10)
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 64 << 10)
     plain = _map(rows, str(tmp_path / "plain" / "u.arrow"))
+    a = (tmp_path / "plain" / "u.arrow").read_bytes()
     original = datasets.arrow_dataset.ArrowWriter
-    with unit_files(tmp_path / "unit", mode) as written:
-        ours = _map(rows, str(tmp_path / "unit" / "u.arrow"))
-    assert datasets.arrow_dataset.ArrowWriter is original  # restored
-    assert len(written.files) == 1 and written.files[0].mode == mode
-    a, b = (tmp_path / "plain" / "u.arrow").read_bytes(), (tmp_path / "unit" / "u.arrow").read_bytes()
-    assert a == b  # byte for byte what datasets writes
-    assert written.crc32(tmp_path / "unit" / "u.arrow") == file_crc32(tmp_path / "unit" / "u.arrow")
-    assert ours["num_tokens"] == plain["num_tokens"]
-    back = datasets.Dataset.from_file(str(tmp_path / "unit" / "u.arrow"))
-    assert back.features == OutputFormat(WIDTH // HIDDEN, HIDDEN, False).features() and len(back) == len(rows)
+    spares = writer.spares_for(folder, [len(a)] * 2, mode)
+    assert (spares is not None) == (mode == "mapped")
+    try:
+        for name in ("u0.arrow", "u1.arrow"):
+            with unit_files(folder, mode, spares=spares) as written:
+                ours = _map(rows, str(folder / name))
+            assert datasets.arrow_dataset.ArrowWriter is original  # restored
+            assert len(written.files) == 1 and written.files[0].mode == mode
+            assert (folder / name).read_bytes() == a  # byte for byte what datasets writes
+            assert written.crc32(folder / name) == file_crc32(folder / name)
+            assert ours["num_tokens"] == plain["num_tokens"]
+            back = datasets.Dataset.from_file(str(folder / name))
+            assert back.features == OutputFormat(WIDTH // HIDDEN, HIDDEN, False).features() and len(back) == len(rows)
+            assert list(back["num_tokens"]) == plain["num_tokens"].to_pylist()
+    finally:
+        if spares is not None:
+            spares.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["u0.arrow", "u1.arrow"]  # the spares are gone
+
+
+def test_mapped_copy_error_surfaces(shm, monkeypatch):
+    """A copy thread's error (here ENOSPC from pwrite past the spare) is raised by that write, by every later
+    one and by close, after every piece handed out has finished (none still reads the caller's memory)."""
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    spares = Spares(shm, [2 << 20])
+    _wait_prepared(spares.next)
+    running = []
+
+    def full(fd, view, offset):
+        running.append(offset)
+        time.sleep(0.05)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_pwrite_all", full)
+    f = UnitFile(shm / "u", "mapped", crc_threads=2, spares=spares)
+    real_wait = writer.wait
+
+    def checked_wait(futures):  # every future is waited for before the error is raised
+        done = real_wait(futures)
+        assert all(x.done() for x in futures)
+        return done
+
+    monkeypatch.setattr(writer, "wait", checked_wait)
+    data = bytes(8 << 20)
+    with pytest.raises(OSError, match="No space left"):
+        f.write(data)  # the first ~2 MiB+ fit the spare, the rest fail
+    assert len(running) >= 2
+    with pytest.raises(OSError, match="No space left"):
+        f.write(b"x")
+    with pytest.raises(OSError, match="No space left"):
+        f.close()
+    f.close()  # (closing again is a no-op)
+    spares.close()
+    assert f.closed and (shm / "u").stat().st_size == 0  # the size of what was accepted (nothing)
+
+
+def test_spare_skips_what_the_writer_passed(shm, monkeypatch):
+    """A writer ahead of its spare's preparation writes by pwrite, and the chunks it has passed are not prepared
+    after (no work behind it); the chunks ahead still are, and then take copies. The bytes are all right."""
+    import threading
+
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    gate = threading.Event()
+    spares = Spares(shm, [], threads=1)
+    spares.pool.submit(gate.wait)  # the preparing thread is busy until the gate opens
+    spares.sizes = [8 << 20]
+    spares._start_next()
+    spare = spares.next
+    data = np.random.default_rng(2).integers(0, 256, 10 << 20, dtype=np.uint8)
+    pwritten = []
+    real_pwrite = writer._pwrite_all
+    monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: pwritten.append(len(v)) or real_pwrite(fd, v, o))
+    f = UnitFile(shm / "u", "mapped", spares=spares)
+    f.write(memoryview(data)[:3 << 20])  # nothing prepared yet: pwrite
+    gate.set()
+    spare.futures[-1].result()  # (every chunk's task has run)
+    assert spare._done[:3] == [False] * 3 and all(spare._done[3:])
+    f.write(memoryview(data)[3 << 20:])  # into the prepared chunks: copies
+    f.close()
+    assert sum(pwritten) == 3 << 20
+    spares.close()
+    assert (shm / "u").read_bytes() == data.tobytes() and f.crc32() == file_crc32(shm / "u")
+
+
+def test_spare_keeps_the_reserve_free(shm, monkeypatch):
+    """A spare is not prepared into the last `reserve` bytes of free space (the unit being written needs them):
+    nothing of it is ready, and the unit goes by pwrite, whole and right."""
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    free = shutil.disk_usage(shm).free
+    pool = writer.ThreadPoolExecutor(2)
+    spare = writer.Spare(str(shm / "s"), 4 << 20, pool, reserve=free)
+    spare.stop()
+    assert not spare.covers(0, 1) and spare.stopped
+    spare.unmap()
+    os.close(spare.fd)
+    pool.shutdown()
+    assert (shm / "s").stat().st_blocks == 0  # nothing allocated
+
+
+@pytest.mark.slow
+def test_sigkill_mid_mapped_write_then_resume(fault_reference, shm):
+    """The fault job with its output in tmpfs ("mapped" units): killed by SIGKILL while a unit is being written
+    into its spare, then run again: the output is the uninterrupted reference (no spare or partial unit left)."""
+    from conftest import assert_equals_reference, assert_units_intact, committed_units, hsx_child, hsx_main
+
+    ref = fault_reference
+    out = shm / "out"
+    argv = ref.argv(out)
+    child = hsx_child(argv, shm / "run0")
+    hit = child.poll_until(lambda: committed_units(out) >= 3)
+    if hit:
+        time.sleep(0.01)
+        child.kill_tree(signal.SIGKILL)
+    rc = child.wait()
+    assert rc == -signal.SIGKILL, child.stderr
+    done = len(assert_units_intact(out))
+    assert 3 <= done < ref.units
+    rc, stdout, stderr = hsx_main(argv)
+    assert rc == 0, stderr
+    assert_equals_reference(out, ref)
 
 
 def test_unit_files_leaves_other_folders_and_failures_alone(tmp_path, rows):
@@ -142,8 +314,9 @@ def test_resolve_mode(tmp_path):
     assert resolve_mode(tmp_path, "buffered") == "buffered"
     memory = writer.filesystem_type(tmp_path) in ("tmpfs", "ramfs")
     assert resolve_mode(tmp_path) == ("direct" if writer.supports_direct(tmp_path) and not memory else "buffered")
-    if writer.filesystem_type("/dev/shm") == "tmpfs":
-        assert resolve_mode("/dev/shm") == "buffered"  # measured slower with O_DIRECT (resolve_mode)
+    if writer.filesystem_type("/dev/shm") == "tmpfs":  # (O_DIRECT measured slower there: resolve_mode)
+        assert resolve_mode("/dev/shm") == ("mapped" if writer.supports_mapped("/dev/shm") else "buffered")
+    assert resolve_mode(tmp_path, "mapped") == "mapped"
     assert not writer.supports_direct(tmp_path / "missing") and not list(tmp_path.iterdir())  # (no probe left)
 
 
@@ -189,6 +362,6 @@ def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):
     s, c = r["storage"], r["c"]
     assert s["bytes"] > 0 and s["buffered_gb_per_s"] > 0 and s["hsx_share"] == c["output_gb_per_s"] / s["best_gb_per_s"]
     assert c["writer_gb_per_s"] >= c["output_gb_per_s"] and s["writer_share"] >= s["hsx_share"]
-    assert c["write_mode"] in ("buffered", "direct")
+    assert c["write_mode"] in ("buffered", "direct", "mapped")
     assert "storage (" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # removed as before (no --keep)
