@@ -167,19 +167,24 @@ def tuned_choice(tuned: list[TunedConfig], keys: list[str], configs: list, args:
     return None
 
 
-def autotuning_note(device: torch.device | None = None) -> str:
-    """How fla's kernels choose their tiles on this GPU (for hsx.json's kernels)."""
+def _left_to_fla(device: torch.device | None) -> str | None:
+    """Why fla's kernels keep fla's own tile choice here (None: `TUNED_CONFIGS` apply)."""
     if os.environ.get("FLA_CACHE_MODE") or os.environ.get("FLA_CONFIG_DIR"):
         return "fla's config cache (FLA_CACHE_MODE/FLA_CONFIG_DIR set)"
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != TUNED_ON:
         return "fla's autotuning"
-    return "hsx's tuned configs (H200), fla's autotuning for other keys"
+    return None
+
+
+def autotuning_note(device: torch.device | None = None) -> str:
+    """How fla's kernels choose their tiles on this GPU (for hsx.json's kernels)."""
+    return _left_to_fla(device) or "hsx's tuned configs (H200), fla's autotuning for other keys"
 
 
 def settle_autotuning(device: torch.device | None = None) -> int:
     """Narrow fla's autotuned kernels to `TUNED_CONFIGS` (see above); the number of kernels narrowed. Left to fla
     when the user configured its own config cache (FLA_CACHE_MODE/FLA_CONFIG_DIR) or on another kind of GPU."""
-    if not autotuning_note(device).startswith("hsx"):
+    if _left_to_fla(device):
         return 0
     import importlib
 
