@@ -13,7 +13,8 @@ traffic around them:
 - the pair gathers (hidden rows, routing weights) are an op Inductor cannot fuse into (`gather_rows`): fused, it
   recomputed the residual add and RMSNorm before the row gather for each of a token's k copies, and the router's
   top-k renormalization for each element of the activation;
-- the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics).
+- the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
+  on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
 
