@@ -195,7 +195,8 @@ class UnitFile:
         self.size = 0  # bytes accepted
         self.error: BaseException | None = None
         self.spare: Spare | None = None
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        # O_NOFOLLOW: a link planted at the unit's path fails instead of truncating its target (as hsx.sink opens)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         if mode == "direct":
             self.fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
             self.stages = [mmap.mmap(-1, DIRECT_BLOCK) for _ in range(DIRECT_STAGES)]  # page-aligned (O_DIRECT)
@@ -411,7 +412,8 @@ class Spare:
         self.path, self.size, self.reserve, self.pool = path, max(1, size), reserve, pool
         self.passed = 0  # the writer's bytes so far (set by UnitFile): chunks before are not worth preparing
         self.stopped = False
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                          0o644)
         try:
             os.ftruncate(self.fd, self.size)
             addr = _libc().mmap(None, self.size, _PROT_RW, _MAP_SHARED, self.fd, 0)
@@ -677,7 +679,7 @@ def measure_storage(folder: str | os.PathLike, nbytes: int, block: int = DIRECT_
             result["direct_gb_per_s"] = None
             continue
         path = folder / f".hsx-storage-probe-{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if mode == "direct" else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | (os.O_DIRECT if mode == "direct" else 0)
         fd = os.open(path, flags, 0o644)
         try:
             t0 = time.perf_counter()

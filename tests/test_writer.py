@@ -108,6 +108,24 @@ def test_empty_unit_file(tmp_path):
     assert f.crc32() == file_crc32(tmp_path / "e") and (tmp_path / "e").stat().st_size == 0
 
 
+@pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
+def test_a_link_at_a_units_path_is_never_written_through(folder_for, mode):
+    """A symbolic link planted where a unit (or a spare) is opened fails to open; its target keeps its bytes."""
+    if mode == "direct" and not writer.supports_direct(folder_for("buffered")):
+        pytest.skip("no O_DIRECT here")
+    folder = folder_for(mode)
+    target = folder / "target"
+    target.write_bytes(b"keep me")
+    (folder / "u.arrow").symlink_to(target)
+    with pytest.raises(OSError):
+        UnitFile(folder / "u.arrow", mode)
+    if mode == "mapped":
+        (folder / writer.SPARE_NAME).symlink_to(target)
+        with Spares(folder, [1 << 20]) as spares:
+            assert spares.next is None  # (no spare: that unit would be written by pwrite, through O_NOFOLLOW too)
+    assert target.read_bytes() == b"keep me"
+
+
 def test_direct_write_error_surfaces(tmp_path, monkeypatch):
     if not writer.supports_direct(tmp_path):
         pytest.skip("this filesystem takes no O_DIRECT")
