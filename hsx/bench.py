@@ -348,14 +348,24 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     ex.reserve(budget + 4096)
     tables = [pa.table({"sample_id": pa.array(b, pa.int64()),
                         "input_ids": pa.array([rows[i].tolist() for i in b], pa.list_(pa.int32()))}) for b in pick]
-    slot = ex.free.get()
+    slots = [ex.free.get() for _ in range(ex.num_slots)]
+
+    def run(batch: int, table) -> None:
+        # A slot's pinned inputs are read by its batch's host-to-device copies when the GPU reaches them: refilled
+        # before that (one slot for every batch, as this did), a batch ran on the next one's row bounds and the
+        # varlen attention read out of bounds (illegal memory access, qwen3-8b with 200 rows on an H200).
+        slot = slots[batch % len(slots)]
+        if slot.done is not None:
+            slot.done.synchronize()
+        ex.run_batch(table, slot)
+
     with torch.inference_mode(), sdpa_backend(backend, True), ex.capturing():
-        for t in tables[:2]:
-            ex.run_batch(t, slot)
+        for i, t in enumerate(tables[:2]):
+            run(i, t)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for t in tables:
-                ex.run_batch(t, slot)
+            for i, t in enumerate(tables):
+                run(i, t)
             torch.cuda.synchronize()
     Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
                                                           max_name_column_width=160))

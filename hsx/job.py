@@ -447,7 +447,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     import datasets
 
     from hsx.schema import TOKEN_COLUMNS
-    from hsx.writer import spares_for, unit_files
+    from hsx.writer import checksum_pool, spares_for, unit_files
 
     unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
     committer = Committer(out, on_commit=on_commit)
@@ -455,6 +455,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     datasets.disable_progress_bars()
     unit_bytes = engine.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
     spares = None
+    crc_pool = checksum_pool()  # the writer's checksum threads, for every unit (hsx.writer)
     try:
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
@@ -468,7 +469,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
                 engine.release()
                 continue
             committer.check()
-            with unit_files(out.tmp, spares=spares) as written:  # hsx.writer: bytes checksummed on the way out
+            with unit_files(out.tmp, spares=spares, pool=crc_pool) as written:  # hsx.writer: bytes checksummed on the way out
                 unit_rows(u).map(
                     step, batched=True, batch_size=u.batch_size(budget), features=feats,
                     cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
@@ -480,6 +481,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     finally:
         if spares is not None:
             spares.close()
+        crc_pool.shutdown(wait=True)
         committer.close()
         if progress_was_on:
             datasets.enable_progress_bars()

@@ -6,7 +6,7 @@ per token, ~0.5 GB batches), 98% of the writing time was the kernel's write call
 ~0 s. The rest was a second pass that read each unit back for its CRC-32 at commit (`sink.file_crc32`: 0.5-1.0 s
 per 1.6 GB there). `UnitFile` takes the same calls and:
 
-- checksums the bytes as they pass, in threads (zlib releases the GIL; pieces joined by `crc32_combine`), in
+- checksums the bytes as they pass, in threads (`sink.crc32` releases the GIL; pieces joined by `crc32_combine`), in
   `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit no longer reads the unit back;
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
 - with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks from
@@ -31,7 +31,6 @@ import mmap
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -87,12 +86,26 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
+CRC_THREADS = 4  # checksum (and, mapped, copy) threads per writing process
+
+
+def checksum_pool(threads: int | None = None) -> ThreadPoolExecutor:
+    """The threads that checksum (and in "mapped" mode store) big pieces, for UnitFiles to share. Per file, a
+    pool of its own cost 28 ms a unit to shut down in the run (its threads' exits wait for the GIL, which the
+    GPU thread and map keep busy: 3.1 s over 110 units of qwen3-8b on the H200 VM, a third of the writer's
+    busy time); one pool for the job does not."""
+    return ThreadPoolExecutor(max_workers=max(1, threads or min(CRC_THREADS, os.cpu_count() or 1)),
+                              thread_name_prefix="hsx-crc")
+
+
 class StreamCrc:
     """`file_crc32`'s CRC-32s (one per 256 MiB chunk) of a byte stream fed in order; big pieces are checksummed
-    by a thread pool while the caller writes them."""
+    by a thread pool (`pool`, shared and left running; else one of `threads` of its own) while the caller writes
+    them."""
 
-    def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hsx-crc")
+    def __init__(self, threads: int | None = None, pool: ThreadPoolExecutor | None = None):
+        self.own_pool = pool is None
+        self.pool = checksum_pool(threads) if pool is None else pool
         self.chunk = sink.CRC_CHUNK  # file_crc32's chunk
         self.pos = 0
         self.chunks: list[list[tuple[int | Future, int]]] = []  # per chunk: (crc or its future, length)
@@ -111,9 +124,9 @@ class StreamCrc:
                 n = min(len(view) - at, self.chunk - inside, CRC_PIECE)
                 piece = view[at:at + n]
                 if n < SMALL:
-                    self.chunks[chunk].append((zlib.crc32(piece) if put is None else put(piece, self.pos), n))
+                    self.chunks[chunk].append((sink.crc32(piece) if put is None else put(piece, self.pos), n))
                 else:
-                    f = self.pool.submit(zlib.crc32, piece) if put is None else self.pool.submit(put, piece, self.pos)
+                    f = self.pool.submit(sink.crc32, piece) if put is None else self.pool.submit(put, piece, self.pos)
                     futures.append(f)
                     self.chunks[chunk].append((f, n))
                 at += n
@@ -133,7 +146,8 @@ class StreamCrc:
         return ":".join(out)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.own_pool:
+            self.pool.shutdown(wait=True)
 
 
 # ---- the file -----------------------------------------------------------------------------------------------------
@@ -186,11 +200,11 @@ class UnitFile:
     exactly as long as what was written."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "buffered", crc_threads: int | None = None,
-                 spares: Spares | None = None):
+                 spares: Spares | None = None, pool: ThreadPoolExecutor | None = None):
         if mode not in ("buffered", "direct", "mapped"):
             raise ValueError(f"UnitFile mode must be buffered, direct or mapped, got {mode!r}")
         self.path, self.mode = str(path), mode
-        self.crc = StreamCrc(crc_threads or min(4, os.cpu_count() or 1))
+        self.crc = StreamCrc(crc_threads, pool)  # (every write waits for its own pieces: a shared pool is safe)
         self.closed = False
         self.size = 0  # bytes accepted
         self.error: BaseException | None = None
@@ -310,7 +324,7 @@ class UnitFile:
             ctypes.memmove(spare.addr + offset, _address(piece), n)  # (releases the GIL)
         else:
             _pwrite_all(self.fd, piece, offset)
-        return zlib.crc32(piece)
+        return sink.crc32(piece)
 
     def _finish_mapped(self) -> None:
         if self.spare is not None:
@@ -612,9 +626,11 @@ class Written:
 
 
 @contextmanager
-def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | None = None) -> Iterator[Written]:
+def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | None = None,
+               pool: ThreadPoolExecutor | None = None) -> Iterator[Written]:
     """Within the block, an ArrowWriter that `datasets.map` opens for a file directly in `folder` writes it
-    through a UnitFile (in "mapped" mode, into the next of `spares`). map builds its writer inside `_map_single`
+    through a UnitFile (in "mapped" mode, into the next of `spares`; checksummed on `pool`, a `checksum_pool`
+    the caller keeps for its units, or on threads of the file's own). map builds its writer inside `_map_single`
     from the module's `ArrowWriter` name, with a path (no way to pass a file), so the name is bound to a subclass
     for the block and restored after; any other path, or a datasets whose writer lacks the attributes used here,
     keeps datasets' own file."""
@@ -633,7 +649,7 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | N
             if (getattr(self, "_closable_stream", False) and isinstance(path, str) and stream is not None
                     and os.path.dirname(os.path.realpath(path)) == folder):
                 stream.close()
-                self.stream = UnitFile(path, resolve_mode(folder, mode), spares=spares)  # (map made the folder)
+                self.stream = UnitFile(path, resolve_mode(folder, mode), spares=spares, pool=pool)  # (map made the folder)
                 written.files.append(self.stream)
 
     arrow_dataset.ArrowWriter = UnitArrowWriter

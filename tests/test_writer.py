@@ -63,6 +63,25 @@ def test_crc32_combine_is_zlibs():
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
 
 
+def test_checksums_are_zlibs_crc32_whichever_library_computes_them(tmp_path, monkeypatch):
+    """sink.crc32 (zlib-ng where installed) gives zlib's values: whole, resumed from a value, over a memoryview;
+    file_crc32 and a UnitFile's streamed CRC are zlib's per chunk, so manifests written with either library
+    verify with the other."""
+    rng = np.random.default_rng(1)
+    data = rng.bytes((5 << 20) + 123)
+    assert sink.crc32(data) == zlib.crc32(data)
+    assert sink.crc32(memoryview(data)[7:], 0x1234) == zlib.crc32(data[7:], 0x1234)
+    monkeypatch.setattr(sink, "CRC_CHUNK", 2 << 20)
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    path = tmp_path / "f.bin"
+    with UnitFile(path) as f:
+        f.write(data)
+    expected = ":".join(f"{zlib.crc32(data[i:i + (2 << 20)]):08x}" for i in range(0, len(data), 2 << 20))
+    assert file_crc32(path) == expected
+    assert f.crc32() == expected
+    assert sink.CRC32_LIBRARY in ("zlib", "zlib-ng")
+
+
 @pytest.mark.parametrize("mode", ["buffered", "direct", "mapped-short", "mapped-long", "mapped-none"])
 def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
     """Small and big writes, pieces over several CRC chunks: the file holds exactly the bytes (its size is theirs
@@ -100,6 +119,36 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
     if mode in ("mapped-short", "mapped-none"):
         assert 0 < puts["pwritten"] <= len(expected) and (puts["pwritten"] < len(expected)) == (mode == "mapped-short")
     assert sorted(p.name for p in folder.iterdir()) == ["u.arrow"]  # no spare left
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
+def test_unit_files_share_one_checksum_pool_and_leave_it_running(folder_for, monkeypatch, mode):
+    """A job's units checksum on one pool (hsx.writer.checksum_pool): each file's bytes and CRC-32s are its own,
+    closing a file leaves the shared pool running (the next unit uses it), and no file starts threads of its own."""
+    monkeypatch.setattr(sink, "CRC_CHUNK", 2 << 20)
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    folder = folder_for(mode)
+    rng = np.random.default_rng(2)
+    blobs = [rng.bytes((3 << 20) + 17), rng.bytes((5 << 20) + 1), rng.bytes(4097)]
+    started = []
+    monkeypatch.setattr(writer, "checksum_pool", lambda threads=None: started.append(threads))  # (none may be made)
+    pool = writer.ThreadPoolExecutor(max_workers=3, thread_name_prefix="hsx-crc")
+    spares = Spares(folder, [len(b) for b in blobs]) if mode == "mapped" else None
+    try:
+        for i, blob in enumerate(blobs):
+            path = folder / f"u{i}.arrow"
+            with UnitFile(path, mode, spares=spares, pool=pool) as f:
+                f.write(blob[:1000])
+                f.write(memoryview(blob)[1000:])
+            assert path.read_bytes() == blob and f.crc32() == file_crc32(path)
+            assert pool.submit(lambda: 7).result() == 7  # still running after the file closed
+    finally:
+        if spares is not None:
+            spares.close()
+        pool.shutdown(wait=True)
+    assert started == []
 
 
 def test_empty_unit_file(tmp_path):
