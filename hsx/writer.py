@@ -19,6 +19,13 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
   was busy at 2.81 GB/s in the run, against 1.61 buffered, and the GPU idle 1.2% of it (was 16.9%); alone,
   into a prepared spare, 3.1 GB/s on 2 threads, 6.7 on 4 (the default), 10.8 on 8.
 
+Where the writing time went (a qwen3-8b bench process, 29.5 GB into tmpfs, H200 VM, the calls timed in place,
+its warm-up included): write calls 5.7 s (the 4 threads' copy + zlib's CRC-32: 0.56 s/GB each), unit closes
+2.7 s, against 8.8 s of writing in the measured run; with zlib-ng's CRC-32 the threads took 0.32 s/GB and the
+write calls 4.2 s, and the closes 4.6 s, 3.1 s of it shutting down each unit's own checksum pool (its threads'
+exits wait for the GIL, which the GPU thread and map keep busy). Hence one `checksum_pool` for a job's units,
+and `sink.crc32`.
+
 The file's bytes are exactly what datasets writes (same writer, same schema metadata; tests/test_writer.py
 compares them), so `load_dataset` and `Dataset.from_file` read a unit as before. `unit_files` puts `UnitFile`
 under the ArrowWriter that one `map` call opens for a file in hsx's unit folder, and nowhere else.
@@ -91,9 +98,9 @@ CRC_THREADS = 4  # checksum (and, mapped, copy) threads per writing process
 
 def checksum_pool(threads: int | None = None) -> ThreadPoolExecutor:
     """The threads that checksum (and in "mapped" mode store) big pieces, for UnitFiles to share. Per file, a
-    pool of its own cost 28 ms a unit to shut down in the run (its threads' exits wait for the GIL, which the
-    GPU thread and map keep busy: 3.1 s over 110 units of qwen3-8b on the H200 VM, a third of the writer's
-    busy time); one pool for the job does not."""
+    pool of its own took 28 ms a unit to shut down in a run (its threads' exits wait for the GIL, which the GPU
+    thread and map keep busy): 3.1 s over the 110 units of a qwen3-8b bench process on the H200 VM (its warm-up
+    included), against 8.7 s of writing in its measured run. One pool for the job's units does not."""
     return ThreadPoolExecutor(max_workers=max(1, threads or min(CRC_THREADS, os.cpu_count() or 1)),
                               thread_name_prefix="hsx-crc")
 
