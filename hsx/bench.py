@@ -14,11 +14,13 @@ Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, al
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +247,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     warmup_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
+    with gpu_clocks(device) if cuda else nullcontext({}) as clocks:
+        info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
     if proc.world_size > 1:  # the job's numbers, every rank's combined, from whichever process finalized
         proc.barrier()
         info = OutputDir(out_dir).read_info().to_dict()  # (checked: hsx.schema.Info)
@@ -271,6 +274,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     }
     if cuda:
         results["c"]["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if clocks:
+        results["c"]["gpu_clocks"] = clocks  # (this process's GPU, during (c))
     write_s = run.get("write_seconds")
     if write_s:  # the writer's busy rate: output bytes over the time map spent writing (between its calls)
         results["c"]["writer_gb_per_s"] = out_bytes / write_s / 1e9
@@ -278,9 +283,11 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
             "writer_gb_per_s = output_bytes / pipeline.write_seconds: the wall seconds map had writing to do (from "
             "returning a table to its next call, and from the last one until the unit's file was closed), not a "
             "sum over the writer's copy, checksum and spare-preparing threads")
+    from hsx.sink import CRC32_LIBRARY
     from hsx.writer import resolve_mode
 
     results["c"]["write_mode"] = resolve_mode(out_dir / ".hsx")  # (what hsx.writer picked for the units there)
+    results["c"]["crc32"] = CRC32_LIBRARY
     if proc.is_main and args.storage_gb > 0:  # (after (c): its fsynced output leaves no writeback behind)
         results["storage"] = storage_report(out_dir, args.storage_gb, results["c"])
     for other in ("a", "b"):
@@ -307,6 +314,72 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         if args.output_dir:
             shutil.rmtree(out_dir, ignore_errors=True)
     return results
+
+
+class _NvmlUtilization(ctypes.Structure):
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
+POWER_CAP_REASONS = 0x4 | 0x80  # NVML clocks event reasons: SW power cap, HW power brake
+
+
+@contextmanager
+def gpu_clocks(device, every: float = 0.25):
+    """Within the block, the GPU's SM clock, power and throttle reasons sampled by NVML (the driver's
+    libnvidia-ml, through ctypes) every `every` s; at exit the dict yielded holds the busy samples' means
+    (utilization ≥ 50%). Why: an H200 busy without a break runs at its 700 W limit, ~1,500-1,600 of its 1,980
+    MHz, while one that waits for its writer clocks higher in its bursts, so GPU-time MFU differs between runs
+    of the same kernels (measured: 76.9% with 43% idle against 73.8-74.2% with 1-2%). Empty where NVML or the
+    GPU's UUID is not to be had."""
+    import threading
+
+    import torch
+
+    stats: dict[str, Any] = {}
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = ctypes.c_void_p()
+        if lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        if lib.nvmlDeviceGetHandleByUUID(("GPU-" + uuid.removeprefix("GPU-")).encode(), ctypes.byref(handle)) != 0:
+            lib.nvmlShutdown()
+            raise OSError("no NVML handle for the device")
+    except (OSError, AttributeError, RuntimeError, ValueError):
+        yield stats
+        return
+    reasons_of = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+        lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+    samples: list[tuple[int, int, int]] = []  # (SM MHz, mW, reasons) of busy samples
+    stop = threading.Event()
+
+    def sample() -> None:
+        clock, power, util, reasons = ctypes.c_uint(), ctypes.c_uint(), _NvmlUtilization(), ctypes.c_ulonglong()
+        while not stop.wait(every):
+            if (lib.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(util)) != 0 or util.gpu < 50
+                    or lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(clock)) != 0  # NVML_CLOCK_SM
+                    or lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(power)) != 0):
+                continue
+            if reasons_of is None or reasons_of(handle, ctypes.byref(reasons)) != 0:
+                reasons.value = 0
+            samples.append((clock.value, power.value, reasons.value))
+
+    thread = threading.Thread(target=sample, name="hsx-bench-nvml", daemon=True)
+    thread.start()
+    try:
+        yield stats
+    finally:
+        stop.set()
+        thread.join()
+        top = ctypes.c_uint()
+        if lib.nvmlDeviceGetMaxClockInfo(handle, 1, ctypes.byref(top)) == 0:
+            stats["max_sm_clock_mhz"] = top.value
+        lib.nvmlShutdown()
+        if samples:
+            stats.update(busy_samples=len(samples),
+                         busy_sm_clock_mhz=sum(c for c, _, _ in samples) / len(samples),
+                         busy_power_w=sum(p for _, p, _ in samples) / len(samples) / 1000,
+                         power_capped_share=sum(bool(r & POWER_CAP_REASONS) for _, _, r in samples) / len(samples))
 
 
 def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any]:
@@ -447,6 +520,11 @@ def format_table(r: dict[str, Any]) -> str:
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+    g = c.get("gpu_clocks") or {}
+    if "busy_sm_clock_mhz" in g:
+        top = f" of {g['max_sm_clock_mhz']}" if "max_sm_clock_mhz" in g else ""
+        lines.append(f"(c) GPU while busy: SM clock {g['busy_sm_clock_mhz']:,.0f}{top} MHz, {g['busy_power_w']:.0f} W, "
+                     f"power-capped in {g['power_capped_share']:.0%} of {g['busy_samples']} samples")
     if "storage" in r:
         s = r["storage"]
         direct = f"{s['direct_gb_per_s']:.2f} GB/s" if s["direct_gb_per_s"] else "n/a"

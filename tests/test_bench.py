@@ -73,3 +73,78 @@ def test_bench_json_on_stdout_progress_and_no_nan_on_cpu(tmp_path, capsys, monke
     assert "(a) batch 1" in captured.err and "(b) padded 32" in captured.err  # the slow baselines show progress
     table = captured.err[captured.err.index("| run |"):]
     assert "nan" not in table.lower() and "| n/a |" in table  # no GPU memory to report on a CPU
+
+
+class _FakeNvml:
+    """libnvidia-ml's calls that hsx.bench.gpu_clocks makes, answering through their ctypes.byref arguments."""
+
+    def __init__(self):
+        self.uuids, self.polls, self.shut = [], 0, False
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByUUID(self, uuid, handle):
+        self.uuids.append(uuid)
+        return 0
+
+    def nvmlDeviceGetUtilizationRates(self, handle, util):
+        self.polls += 1
+        util._obj.gpu = 100 if self.polls % 2 else 10  # every other sample idle: left out
+        return 0
+
+    def nvmlDeviceGetClockInfo(self, handle, kind, clock):
+        clock._obj.value = 1500 if self.polls % 4 == 1 else 1600
+        return 0
+
+    def nvmlDeviceGetPowerUsage(self, handle, power):
+        power._obj.value = 690_000
+        return 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle, reasons):
+        reasons._obj.value = 0x4 if self.polls % 4 == 1 else 0
+        return 0
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, kind, clock):
+        clock._obj.value = 1980
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+
+def test_gpu_clocks_reports_busy_samples_only(monkeypatch):
+    """The clock sampler beside (c): busy samples only (utilization ≥ 50%), their mean SM clock, power and share
+    power-capped; the device found by its UUID; NVML shut down after; nothing at all where NVML is missing."""
+    import time
+    import types
+
+    import torch
+
+    from hsx import bench
+
+    fake = _FakeNvml()
+    monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="ab-12"))
+    with bench.gpu_clocks("cuda:0", every=0.005) as stats:
+        deadline = time.monotonic() + 10
+        while fake.polls < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert fake.uuids == [b"GPU-ab-12"] and fake.shut
+    assert 0 < stats["busy_samples"] < fake.polls  # the idle half left out
+    assert 1500 < stats["busy_sm_clock_mhz"] < 1600 and stats["max_sm_clock_mhz"] == 1980
+    assert stats["busy_power_w"] == 690 and 0 < stats["power_capped_share"] < 1
+    line = bench.format_table({"num_model_layers": 2, "matmul_tflops": 1.0, "c": {
+        "rows": 1, "tok_per_s": 1.0, "mfu": 0.5, "padding": 0.0, "gpu_idle": 0.0, "output_gb_per_s": 1.0,
+        "compile_warmup_seconds": 1.0, "compile": True, "sdpa_backend": "flash", "token_budget": 1,
+        "layers_run": 2, "gpu_clocks": stats}})
+    assert "SM clock" in line and "of 1980 MHz" in line
+
+    def missing(name):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(bench.ctypes, "CDLL", missing)
+    with bench.gpu_clocks("cuda:0") as stats:
+        pass
+    assert stats == {}
