@@ -71,6 +71,7 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
     monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
     monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 3 << 20)  # (extended past the end, then cut at close)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     folder = folder_for(mode.split("-")[0])
     data = np.random.default_rng(1).integers(0, 256, (10 << 20) + 123, dtype=np.uint8)
@@ -124,6 +125,48 @@ def test_a_link_at_a_units_path_is_never_written_through(folder_for, mode):
         with Spares(folder, [1 << 20]) as spares:
             assert spares.next is None  # (no spare: that unit would be written by pwrite, through O_NOFOLLOW too)
     assert target.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("fallocate", ["works", "fails"])
+def test_direct_writes_in_flight_inside_the_extended_file(tmp_path, monkeypatch, fallocate):
+    """O_DIRECT: DIRECT_IN_FLIGHT writes at once, each full block inside the file's length (fallocated ahead, so
+    that ext4 runs them side by side); where fallocate fails the writes extend the file. Either way the file is
+    exactly the bytes written, and its CRC-32 file_crc32's."""
+    import threading
+
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 4 << 20)
+    if fallocate == "fails":
+        monkeypatch.setattr(writer, "_libc", lambda: type("NoFallocate", (), {"fallocate": lambda *a: -1})())
+    real, lock, seen = os.pwrite, threading.Lock(), {"now": 0, "most": 0, "inside": 0, "blocks": 0}
+
+    def pwrite(fd, view, offset):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+            if len(view) == 1 << 20:
+                seen["blocks"] += 1
+                seen["inside"] += offset + len(view) <= os.fstat(fd).st_size
+        time.sleep(0.02)  # (long enough for the other thread to start its own)
+        try:
+            return real(fd, view, offset)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    data = np.random.default_rng(2).integers(0, 256, (9 << 20) + 4321, dtype=np.uint8)
+    path = tmp_path / "u.arrow"
+    with UnitFile(path, "direct") as f:
+        for at in range(0, len(data), 3 << 19):
+            f.write(memoryview(data)[at:at + (3 << 19)])
+    assert path.read_bytes() == data.tobytes() and path.stat().st_size == len(data) == f.size
+    assert f.crc32() == file_crc32(path)
+    assert seen["most"] == writer.DIRECT_IN_FLIGHT >= 2 and seen["blocks"] == 9
+    assert seen["inside"] == (9 if fallocate == "works" else 0)
+    assert f.extended == (12 << 20 if fallocate == "works" else None)
 
 
 def test_direct_write_error_surfaces(tmp_path, monkeypatch):
@@ -356,11 +399,17 @@ def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, mon
 
 
 def test_measure_storage(tmp_path, monkeypatch):
-    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20)
+    ways = ((1 << 20, 1), (1 << 20, 2), (2 << 20, 1))
+    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20, direct_ways=ways)
     assert s["bytes"] == 3 << 20 and s["buffered_gb_per_s"] > 0
-    assert s["best_gb_per_s"] == max(r for r in (s["buffered_gb_per_s"], s["direct_gb_per_s"]) if r)
+    rates = [s["buffered_gb_per_s"]] + [w["gb_per_s"] for w in s["direct"]]
+    assert s["best_gb_per_s"] == max(rates) and all(r > 0 for r in rates)  # the best of every way tried
     assert (s["direct_gb_per_s"] is None) == (not writer.supports_direct(tmp_path))
-    assert list((tmp_path / "probe").iterdir()) == []  # the probe file is gone
+    if s["direct"]:  # every way, in order; the first one's rate is the plain O_DIRECT one
+        assert [(w["block_bytes"], w["in_flight"]) for w in s["direct"]] == list(ways)
+        assert s["direct_gb_per_s"] == s["direct"][0]["gb_per_s"]
+    assert (s["best"] == "buffered") == (s["best_gb_per_s"] == s["buffered_gb_per_s"])
+    assert list((tmp_path / "probe").iterdir()) == []  # the probe files are gone
     monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
     s = writer.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
     assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
