@@ -217,24 +217,30 @@ def rows():
 @pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
 def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, folder_for, rows, mode, monkeypatch):
     """Two units in a row as commit_units writes them (mapped: each into a spare prepared ahead; pieces of 64 KiB
-    so that the copy threads write several at once): byte for byte what datasets writes, CRC-32 right, readable."""
+    so that the copy threads write several at once; direct: both through the same staging buffers, 64 KiB
+    blocks): byte for byte what datasets writes, CRC-32 right, readable."""
     folder = folder_for(mode) / "unit"
     folder.mkdir()
     (tmp_path / "plain").mkdir()
     monkeypatch.setattr(writer, "CRC_PIECE", 64 << 10)
     monkeypatch.setattr(writer, "SMALL", 16 << 10)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 64 << 10)
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 64 << 10)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 128 << 10)
     plain = _map(rows, str(tmp_path / "plain" / "u.arrow"))
     a = (tmp_path / "plain" / "u.arrow").read_bytes()
     original = datasets.arrow_dataset.ArrowWriter
     spares = writer.spares_for(folder, [len(a)] * 2, mode)
-    assert (spares is not None) == (mode == "mapped")
+    assert isinstance(spares, {"mapped": Spares, "direct": writer.DirectStages, "buffered": type(None)}[mode])
+    stages = spares.stages if mode == "direct" else None
     try:
         for name in ("u0.arrow", "u1.arrow"):
             with unit_files(folder, mode, spares=spares) as written:
                 ours = _map(rows, str(folder / name))
             assert datasets.arrow_dataset.ArrowWriter is original  # restored
             assert len(written.files) == 1 and written.files[0].mode == mode
+            if mode == "direct":  # the same buffers, lent to the unit and given back
+                assert written.files[0].stages is stages and spares.stages is stages
             assert (folder / name).read_bytes() == a  # byte for byte what datasets writes
             assert written.crc32(folder / name) == file_crc32(folder / name)
             assert ours["num_tokens"] == plain["num_tokens"]
