@@ -398,12 +398,13 @@ class DirectStages:
     from unit to unit and faulted in on a thread when made: a fresh buffer's first fill pays a page fault per
     4 KiB (64 MiB: 85 ms fresh, 13 ms again, on a Firecracker VM's core), and a unit's first block waits for that
     fill with the disk idle; unmapping them at each close (17 ms per 64 MiB) idled it again. One UnitFile holds
-    them at a time; another one meanwhile makes its own."""
+    them at a time; another one meanwhile makes its own (the first set back is kept, the other freed). `expected`: the largest unit's bytes, as far as the
+    stages are faulted in ahead (a unit smaller than them touches no more)."""
 
-    def __init__(self):
+    def __init__(self, expected: int):
         self.stages: list[mmap.mmap] | None = self.make()
-        self.thread = threading.Thread(target=self._populate, args=(list(self.stages),), name="hsx-stages",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._populate, args=(list(self.stages), expected),
+                                       name="hsx-stages", daemon=True)
         self.thread.start()
 
     @staticmethod
@@ -411,12 +412,16 @@ class DirectStages:
         return [mmap.mmap(-1, DIRECT_BLOCK) for _ in range(DIRECT_STAGES)]  # page-aligned, as O_DIRECT needs
 
     @staticmethod
-    def _populate(stages: list[mmap.mmap]) -> None:
+    def _populate(stages: list[mmap.mmap], expected: int) -> None:
         for stage in stages:
+            n = min(len(stage), -(-expected // mmap.PAGESIZE) * mmap.PAGESIZE)
+            if n <= 0:
+                return
             try:
-                stage.madvise(MADV_POPULATE_WRITE)  # (faults pages in, never changes bytes: a fill may run beside)
+                stage.madvise(MADV_POPULATE_WRITE, 0, n)  # (never changes bytes: a fill may run beside)
             except (OSError, ValueError):  # (Linux < 5.14, or closed: the first fill faults them in instead)
                 return
+            expected -= n
 
     def lend(self) -> list[mmap.mmap]:
         stages, self.stages = self.stages, None
@@ -736,7 +741,8 @@ def spares_for(folder: str | os.PathLike, sizes: list[int], mode: str = "auto") 
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     resolved = resolve_mode(folder, mode)
-    return Spares(folder, sizes) if resolved == "mapped" else DirectStages() if resolved == "direct" else None
+    return (Spares(folder, sizes) if resolved == "mapped" else DirectStages(max(sizes)) if resolved == "direct"
+            else None)
 
 
 # ---- what the storage itself takes ------------------------------------------------------------------------------

@@ -169,6 +169,32 @@ def test_direct_writes_in_flight_inside_the_extended_file(tmp_path, monkeypatch,
     assert f.extended == (12 << 20 if fallocate == "works" else None)
 
 
+def test_direct_stages_are_lent_to_one_unit_at_a_time(tmp_path, monkeypatch):
+    """DirectStages lends its buffers to one UnitFile; a second one open meanwhile writes through its own. The pool
+    keeps the first set to come back, for the next unit, and frees the other. The bytes are right either way."""
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 2 << 20)
+    data = np.random.default_rng(3).integers(0, 256, (3 << 20) + 77, dtype=np.uint8).tobytes()
+    with writer.DirectStages(5 << 20) as pool:
+        lent = pool.stages
+        assert len(lent) == writer.DIRECT_STAGES
+        a, b = UnitFile(tmp_path / "a", "direct", spares=pool), UnitFile(tmp_path / "b", "direct", spares=pool)
+        assert a.stages is lent and b.stages is not lent and pool.stages is None
+        for f in (a, b):
+            f.write(data)
+        b.close()
+        assert pool.stages is b.stages and not any(s.closed for s in b.stages)  # kept for the next unit
+        a.close()
+        assert pool.stages is b.stages and all(s.closed for s in lent)  # one set is enough: a's freed
+        with UnitFile(tmp_path / "c", "direct", spares=pool) as c:
+            c.write(data)
+        assert c.stages is b.stages
+    assert all(s.closed for s in b.stages)  # (the pool's, at its close)
+    assert all((tmp_path / n).read_bytes() == data for n in "abc")
+
+
 def test_direct_write_error_surfaces(tmp_path, monkeypatch):
     if not writer.supports_direct(tmp_path):
         pytest.skip("this filesystem takes no O_DIRECT")
