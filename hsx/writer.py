@@ -398,8 +398,9 @@ class DirectStages:
     from unit to unit and faulted in on a thread when made: a fresh buffer's first fill pays a page fault per
     4 KiB (64 MiB: 85 ms fresh, 13 ms again, on a Firecracker VM's core), and a unit's first block waits for that
     fill with the disk idle; unmapping them at each close (17 ms per 64 MiB) idled it again. One UnitFile holds
-    them at a time; another one meanwhile makes its own (the first set back is kept, the other freed). `expected`: the largest unit's bytes, as far as the
-    stages are faulted in ahead (a unit smaller than them touches no more)."""
+    them at a time; another one meanwhile makes its own (the first set back is kept, the other freed).
+    `expected`: the largest unit's bytes, as far as the stages are faulted in ahead (a smaller unit touches no
+    more)."""
 
     def __init__(self, expected: int):
         self.stages: list[mmap.mmap] | None = self.make()
