@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -193,6 +194,23 @@ def test_direct_stages_are_lent_to_one_unit_at_a_time(tmp_path, monkeypatch):
         assert c.stages is b.stages
     assert all(s.closed for s in b.stages)  # (the pool's, at its close)
     assert all((tmp_path / n).read_bytes() == data for n in "abc")
+
+
+def test_direct_stages_fault_in_as_far_as_the_largest_unit(monkeypatch):
+    """DirectStages faults in its buffers through libc's madvise (off the GIL), as far as `expected` bytes: whole
+    stages, then part of one (in pages), then no more."""
+    calls = []
+
+    class Libc:
+        def madvise(self, addr, n, advice):
+            calls.append((n, advice))
+            return 0
+
+    monkeypatch.setattr(writer, "_libc", lambda: Libc())
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    with writer.DirectStages((2 << 20) + 5) as pool:
+        pool.thread.join()
+    assert calls == [(1 << 20, writer.MADV_POPULATE_WRITE)] * 2 + [(mmap.PAGESIZE, writer.MADV_POPULATE_WRITE)]
 
 
 def test_direct_write_error_surfaces(tmp_path, monkeypatch):
