@@ -10,8 +10,13 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
   `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit no longer reads the unit back;
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
 - with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks from
-  staging buffers, filled while earlier ones are written. On an H200 VM's local disk hsx wrote 1.05 GB/s
-  through datasets' file and 1.23 GB/s through this one, the disk taking 1.42 GB/s O_DIRECT;
+  staging buffers that the units share (`DirectStages`, faulted in ahead), filled while earlier ones are
+  written, DIRECT_IN_FLIGHT (2) writes at once into a file extended ahead of them. On an H200 VM's local disk
+  (qwen3-8b, 29.5 GB in 65 units, one call): one write at a time from fresh buffers per unit wrote 1.19 GB/s,
+  the disk idle 8.9 s of the 24.9 (~0.11 s at each unit's close and start, then fresh buffers filled slower
+  than the disk took them); this way 1.65 GB/s, idle 2.85 s of 17.9 (~40 ms per unit boundary: datasets'
+  map ending and starting a unit, the first block filled); the disk took 2.20 GB/s in 64 MiB writes one at a
+  time, 2.43 in 256 MiB ones;
 - in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock (one stream
   took 1.94-2.11 GB/s on an H200 VM, the storage probe), so `Spares` prepares the next unit's file while the
   one before is written (fallocate, then MADV_POPULATE_WRITE, on 3 threads) and the checksum threads copy the
@@ -180,8 +185,9 @@ class UnitFile:
     """A write-only binary file for pyarrow's stream writer: buffers as they come, checksummed on the way.
 
     mode "buffered": big buffers go to os.write from where they are; "direct": everything passes through
-    DIRECT_STAGES aligned 64 MiB staging buffers written with O_DIRECT by a thread (the last block padded, then
-    the file truncated to its length); "mapped" (memory filesystems): the file is a `Spare` whose pages were
+    DIRECT_STAGES aligned 64 MiB staging buffers (`spares`' DirectStages when given, else its own) written with
+    O_DIRECT by DIRECT_IN_FLIGHT threads, the file extended ahead (the last block padded, then the file truncated
+    to its length); "mapped" (memory filesystems): the file is a `Spare` whose pages were
     allocated and mapped ahead, and big buffers are copied into it by the checksum threads, each copying and
     checksumming its own pieces (bytes past what the spare has ready, or with no spare, go by pwrite). Errors of
     those threads (a full disk) surface at that write, every later write and at close; close leaves the file
@@ -665,7 +671,8 @@ def resolve_mode(folder: str | os.PathLike, mode: str = "auto") -> str:
     """auto: in memory (tmpfs) "mapped" where the kernel takes it, else "buffered"; elsewhere O_DIRECT where files
     in `folder` open with it. Measured on an H200 VM, qwen3-8b `hsx bench` (storage line: 4 GB in 64 MiB writes
     until fsync): local ext4 took 0.85 GB/s buffered and 1.42 O_DIRECT, and hsx wrote 1.05 GB/s through datasets'
-    file, 1.23 through UnitFile with O_DIRECT; tmpfs took 1.94-2.27 buffered and 2.62-2.92 O_DIRECT, yet hsx wrote
+    file, 1.23 through UnitFile with O_DIRECT (on another VM's disk, 1.37 buffered and 2.20-2.43 O_DIRECT: 1.65,
+    hsx.writer's docstring); tmpfs took 1.94-2.27 buffered and 2.62-2.92 O_DIRECT, yet hsx wrote
     1.52 GB/s buffered and 1.15 with O_DIRECT (the staging copy costs more than O_DIRECT saves there). In tmpfs a
     write call pays for allocating each new page under the file's lock: per GB on one core of the H200 VM,
     0.53 s for a fresh write, 0.25 into pages fallocated before. "mapped" moves the allocation (fallocate, 0.17
