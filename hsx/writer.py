@@ -51,6 +51,7 @@ DIRECT_ALIGN = 4096
 DIRECT_IN_FLIGHT = 2  # O_DIRECT writes at once (one per I/O thread): the disk gets the next while one completes
 DIRECT_STAGES = DIRECT_IN_FLIGHT + 4  # staging buffers: in the writes, queued for them, and the one being filled
 DIRECT_EXTEND = 1 << 30  # the file is extended (fallocate) this far ahead of the O_DIRECT writes: see UnitFile
+DIRECT_FIRST = 8 << 20  # a unit's first O_DIRECT write; each next one twice as long, up to DIRECT_BLOCK (see _stage)
 WRITE_MODES = ("auto", "buffered", "direct", "mapped")
 
 
@@ -331,16 +332,21 @@ class UnitFile:
 
     # direct
     def _stage(self, view: memoryview) -> None:
+        """Copy into the staging buffers, handing each full block to the I/O threads. A unit's blocks start at
+        DIRECT_FIRST and double up to DIRECT_BLOCK (offsets stay multiples of DIRECT_FIRST, aligned): the disk
+        starts once 8 MiB are staged, not 64, and each block is staged while the one before is written (at a
+        unit boundary the disk had waited ~19 ms for the first 64 MiB block on an H200 VM)."""
         at = 0
         while at < len(view):
-            n = min(len(view) - at, DIRECT_BLOCK - self.fill)
+            block = min(DIRECT_BLOCK, max(DIRECT_FIRST, self.written))  # (8, 8, 16, 32 MiB, ...: doubling)
+            n = min(len(view) - at, block - self.fill)
             ctypes.memmove(_address(memoryview(self.stage)) + self.fill, _address(view[at:at + n]), n)  # (no GIL)
             self.fill += n
             at += n
-            if self.fill == DIRECT_BLOCK:
-                self._extend(self.written + DIRECT_BLOCK)
-                self.io.put((self.stage, DIRECT_BLOCK, self.written))
-                self.written += DIRECT_BLOCK
+            if self.fill == block:
+                self._extend(self.written + block)
+                self.io.put((self.stage, block, self.written))
+                self.written += block
                 self.stage, self.fill = self._next_stage(), 0
 
     def _extend(self, end: int) -> None:

@@ -170,6 +170,27 @@ def test_direct_writes_in_flight_inside_the_extended_file(tmp_path, monkeypatch,
     assert f.extended == (12 << 20 if fallocate == "works" else None)
 
 
+def test_direct_blocks_start_small_and_double(tmp_path, monkeypatch):
+    """A unit's O_DIRECT writes start at DIRECT_FIRST and double up to DIRECT_BLOCK, at aligned offsets (the disk
+    starts before a whole block is staged); the bytes are exactly the file's."""
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 4 << 20)
+    monkeypatch.setattr(writer, "DIRECT_FIRST", 1 << 20)
+    real, writes = os.pwrite, []
+
+    def pwrite(fd, view, offset):
+        writes.append((offset >> 20, len(view) / (1 << 20)))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    data = np.random.default_rng(4).integers(0, 256, (13 << 20) + 5, dtype=np.uint8).tobytes()
+    with UnitFile(tmp_path / "u", "direct") as f:
+        f.write(data)
+    assert sorted(writes) == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 4), (12, 1 + 4096 / (1 << 20))]  # (last: padded)
+    assert (tmp_path / "u").read_bytes() == data and f.crc32() == file_crc32(tmp_path / "u")
+
+
 def test_direct_stages_are_lent_to_one_unit_at_a_time(tmp_path, monkeypatch):
     """DirectStages lends its buffers to one UnitFile; a second one open meanwhile writes through its own. The pool
     keeps the first set to come back, for the next unit, and frees the other. The bytes are right either way."""
