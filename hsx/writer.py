@@ -9,9 +9,10 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
 - checksums the bytes as they pass, in threads (zlib releases the GIL; pieces joined by `crc32_combine`), in
   `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit no longer reads the unit back;
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
-- with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks from
-  staging buffers that the units share (`DirectStages`, faulted in ahead), filled while earlier ones are
-  written, DIRECT_IN_FLIGHT (2) writes at once into a file extended ahead of them. On an H200 VM's local disk
+- with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks (a
+  unit's first ones smaller: `UnitFile._stage`) from staging buffers that the units share (`DirectStages`,
+  faulted in ahead), filled while earlier ones are written, DIRECT_IN_FLIGHT (2) writes at once into a file
+  extended ahead of them. On an H200 VM's local disk
   (qwen3-8b, 29.5 GB in 65 units, one call): one write at a time from fresh buffers per unit wrote 1.19 GB/s,
   the disk idle 8.9 s of the 24.9 (~0.11 s at each unit's close and start, then fresh buffers filled slower
   than the disk took them); this way 1.65 GB/s, idle 2.85 s of 17.9 (~40 ms per unit boundary: datasets'
