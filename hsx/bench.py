@@ -527,10 +527,12 @@ def format_table(r: dict[str, Any]) -> str:
                      f"power-capped in {g['power_capped_share']:.0%} of {g['busy_samples']} samples")
     if "storage" in r:
         s = r["storage"]
-        direct = f"{s['direct_gb_per_s']:.2f} GB/s" if s["direct_gb_per_s"] else "n/a"
+        direct = ", ".join(f"{w['block_bytes'] >> 20} MiB x {w['in_flight']} {w['gb_per_s']:.2f}"
+                           for w in s.get("direct", [])) or "n/a"
         writer = (f"; the writer, busy {c['writer_gb_per_s']:.2f} GB/s = {s['writer_share']:.0%}"
                   if "writer_share" in s else "")
         lines.append(f"storage ({s['filesystem'] or '?'}, {s['bytes'] / 1e9:.1f} GB until fsync): buffered "
-                     f"{s['buffered_gb_per_s']:.2f} GB/s, O_DIRECT {direct}; (c) wrote {c['output_gb_per_s']:.2f} "
-                     f"GB/s = {s['hsx_share']:.0%} of the better{writer} (write mode {c.get('write_mode')})")
+                     f"{s['buffered_gb_per_s']:.2f} GB/s, O_DIRECT (block x writes in flight) {direct} GB/s; (c) "
+                     f"wrote {c['output_gb_per_s']:.2f} GB/s = {s['hsx_share']:.0%} of the best ({s['best']})"
+                     f"{writer} (write mode {c.get('write_mode')})")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -90,6 +91,7 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
     monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
     monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 3 << 20)  # (extended past the end, then cut at close)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     folder = folder_for(mode.split("-")[0])
     data = np.random.default_rng(1).integers(0, 256, (10 << 20) + 123, dtype=np.uint8)
@@ -175,6 +177,112 @@ def test_a_link_at_a_units_path_is_never_written_through(folder_for, mode):
     assert target.read_bytes() == b"keep me"
 
 
+@pytest.mark.parametrize("fallocate", ["works", "fails"])
+def test_direct_writes_in_flight_inside_the_extended_file(tmp_path, monkeypatch, fallocate):
+    """O_DIRECT: DIRECT_IN_FLIGHT writes at once, each full block inside the file's length (fallocated ahead, so
+    that ext4 runs them side by side); where fallocate fails the writes extend the file. Either way the file is
+    exactly the bytes written, and its CRC-32 file_crc32's."""
+    import threading
+
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 4 << 20)
+    if fallocate == "fails":
+        monkeypatch.setattr(writer, "_libc", lambda: type("NoFallocate", (), {"fallocate": lambda *a: -1})())
+    real, lock, seen = os.pwrite, threading.Lock(), {"now": 0, "most": 0, "inside": 0, "blocks": 0}
+
+    def pwrite(fd, view, offset):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+            if len(view) == 1 << 20:
+                seen["blocks"] += 1
+                seen["inside"] += offset + len(view) <= os.fstat(fd).st_size
+        time.sleep(0.02)  # (long enough for the other thread to start its own)
+        try:
+            return real(fd, view, offset)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    data = np.random.default_rng(2).integers(0, 256, (9 << 20) + 4321, dtype=np.uint8)
+    path = tmp_path / "u.arrow"
+    with UnitFile(path, "direct") as f:
+        for at in range(0, len(data), 3 << 19):
+            f.write(memoryview(data)[at:at + (3 << 19)])
+    assert path.read_bytes() == data.tobytes() and path.stat().st_size == len(data) == f.size
+    assert f.crc32() == file_crc32(path)
+    assert seen["most"] == writer.DIRECT_IN_FLIGHT >= 2 and seen["blocks"] == 9
+    assert seen["inside"] == (9 if fallocate == "works" else 0)
+    assert f.extended == (12 << 20 if fallocate == "works" else None)
+
+
+def test_direct_blocks_start_small_and_double(tmp_path, monkeypatch):
+    """A unit's O_DIRECT writes start at DIRECT_FIRST and double up to DIRECT_BLOCK, at aligned offsets (the disk
+    starts before a whole block is staged); the bytes are exactly the file's."""
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 4 << 20)
+    monkeypatch.setattr(writer, "DIRECT_FIRST", 1 << 20)
+    real, writes = os.pwrite, []
+
+    def pwrite(fd, view, offset):
+        writes.append((offset >> 20, len(view) / (1 << 20)))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    data = np.random.default_rng(4).integers(0, 256, (13 << 20) + 5, dtype=np.uint8).tobytes()
+    with UnitFile(tmp_path / "u", "direct") as f:
+        f.write(data)
+    assert sorted(writes) == [(0, 1), (1, 1), (2, 2), (4, 4), (8, 4), (12, 1 + 4096 / (1 << 20))]  # (last: padded)
+    assert (tmp_path / "u").read_bytes() == data and f.crc32() == file_crc32(tmp_path / "u")
+
+
+def test_direct_stages_are_lent_to_one_unit_at_a_time(tmp_path, monkeypatch):
+    """DirectStages lends its buffers to one UnitFile; a second one open meanwhile writes through its own. The pool
+    keeps the first set to come back, for the next unit, and frees the other. The bytes are right either way."""
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 2 << 20)
+    data = np.random.default_rng(3).integers(0, 256, (3 << 20) + 77, dtype=np.uint8).tobytes()
+    with writer.DirectStages(5 << 20) as pool:
+        lent = pool.stages
+        assert len(lent) == writer.DIRECT_STAGES
+        a, b = UnitFile(tmp_path / "a", "direct", spares=pool), UnitFile(tmp_path / "b", "direct", spares=pool)
+        assert a.stages is lent and b.stages is not lent and pool.stages is None
+        for f in (a, b):
+            f.write(data)
+        b.close()
+        assert pool.stages is b.stages and not any(s.closed for s in b.stages)  # kept for the next unit
+        a.close()
+        assert pool.stages is b.stages and all(s.closed for s in lent)  # one set is enough: a's freed
+        with UnitFile(tmp_path / "c", "direct", spares=pool) as c:
+            c.write(data)
+        assert c.stages is b.stages
+    assert all(s.closed for s in b.stages)  # (the pool's, at its close)
+    assert all((tmp_path / n).read_bytes() == data for n in "abc")
+
+
+def test_direct_stages_fault_in_as_far_as_the_largest_unit(monkeypatch):
+    """DirectStages faults in its buffers through libc's madvise (off the GIL), as far as `expected` bytes: whole
+    stages, then part of one (in pages), then no more."""
+    calls = []
+
+    class Libc:
+        def madvise(self, addr, n, advice):
+            calls.append((n, advice))
+            return 0
+
+    monkeypatch.setattr(writer, "_libc", lambda: Libc())
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    with writer.DirectStages((2 << 20) + 5) as pool:
+        pool.thread.join()
+    assert calls == [(1 << 20, writer.MADV_POPULATE_WRITE)] * 2 + [(mmap.PAGESIZE, writer.MADV_POPULATE_WRITE)]
+
+
 def test_direct_write_error_surfaces(tmp_path, monkeypatch):
     if not writer.supports_direct(tmp_path):
         pytest.skip("this filesystem takes no O_DIRECT")
@@ -223,24 +331,30 @@ def rows():
 @pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
 def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, folder_for, rows, mode, monkeypatch):
     """Two units in a row as commit_units writes them (mapped: each into a spare prepared ahead; pieces of 64 KiB
-    so that the copy threads write several at once): byte for byte what datasets writes, CRC-32 right, readable."""
+    so that the copy threads write several at once; direct: both through the same staging buffers, 64 KiB
+    blocks): byte for byte what datasets writes, CRC-32 right, readable."""
     folder = folder_for(mode) / "unit"
     folder.mkdir()
     (tmp_path / "plain").mkdir()
     monkeypatch.setattr(writer, "CRC_PIECE", 64 << 10)
     monkeypatch.setattr(writer, "SMALL", 16 << 10)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 64 << 10)
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 64 << 10)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 128 << 10)
     plain = _map(rows, str(tmp_path / "plain" / "u.arrow"))
     a = (tmp_path / "plain" / "u.arrow").read_bytes()
     original = datasets.arrow_dataset.ArrowWriter
     spares = writer.spares_for(folder, [len(a)] * 2, mode)
-    assert (spares is not None) == (mode == "mapped")
+    assert isinstance(spares, {"mapped": Spares, "direct": writer.DirectStages, "buffered": type(None)}[mode])
+    stages = spares.stages if mode == "direct" else None
     try:
         for name in ("u0.arrow", "u1.arrow"):
             with unit_files(folder, mode, spares=spares) as written:
                 ours = _map(rows, str(folder / name))
             assert datasets.arrow_dataset.ArrowWriter is original  # restored
             assert len(written.files) == 1 and written.files[0].mode == mode
+            if mode == "direct":  # the same buffers, lent to the unit and given back
+                assert written.files[0].stages is stages and spares.stages is stages
             assert (folder / name).read_bytes() == a  # byte for byte what datasets writes
             assert written.crc32(folder / name) == file_crc32(folder / name)
             assert ours["num_tokens"] == plain["num_tokens"]
@@ -405,11 +519,17 @@ def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, mon
 
 
 def test_measure_storage(tmp_path, monkeypatch):
-    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20)
+    ways = ((1 << 20, 1), (1 << 20, 2), (2 << 20, 1))
+    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20, direct_ways=ways)
     assert s["bytes"] == 3 << 20 and s["buffered_gb_per_s"] > 0
-    assert s["best_gb_per_s"] == max(r for r in (s["buffered_gb_per_s"], s["direct_gb_per_s"]) if r)
+    rates = [s["buffered_gb_per_s"]] + [w["gb_per_s"] for w in s["direct"]]
+    assert s["best_gb_per_s"] == max(rates) and all(r > 0 for r in rates)  # the best of every way tried
     assert (s["direct_gb_per_s"] is None) == (not writer.supports_direct(tmp_path))
-    assert list((tmp_path / "probe").iterdir()) == []  # the probe file is gone
+    if s["direct"]:  # every way, in order; the first one's rate is the plain O_DIRECT one
+        assert [(w["block_bytes"], w["in_flight"]) for w in s["direct"]] == list(ways)
+        assert s["direct_gb_per_s"] == s["direct"][0]["gb_per_s"]
+    assert (s["best"] == "buffered") == (s["best_gb_per_s"] == s["buffered_gb_per_s"])
+    assert list((tmp_path / "probe").iterdir()) == []  # the probe files are gone
     monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
     s = writer.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
     assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
