@@ -20,7 +20,7 @@ import math
 import torch
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
-KEY_BLOCK, NUM_WARPS, NUM_STAGES = 64, 8, 3  # fixed (no autotune at run time): measured on an H200, see README
+KEY_BLOCK, NUM_WARPS, NUM_STAGES = 32, 4, 3  # fixed (no autotune at run time): measured on an H200, see README
 MIN_GROUPS = 1  # query heads per key/value head from which the kernel beats FA2 varlen (measured: README)
 
 
@@ -42,33 +42,33 @@ def row_starts(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("hsx::packed_causal_attention", mutates_args=())
-def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             scale: float) -> torch.Tensor:
-    """(T, heads, dim) q, (T, kv_heads, dim) k and v, starts from `row_starts`: (T, heads, dim) causal attention of
-    each token over its own row's keys, in q's dtype (a custom op: compiled layers call the kernel as it is)."""
+    """(T, heads, dim) q, (T, kv_heads, dim) k and v: (T, heads, dim) causal attention of each token over its own
+    row's keys, in q's dtype. A custom op, as flash-attention's varlen op is: a compiled layer calls it as it is,
+    the row starts included."""
     tokens, heads, dim = q.shape
     groups = heads // k.shape[1]
     out = torch.empty(tokens, heads, dim, device=q.device, dtype=q.dtype)
     per_program = QUERY_ROWS // groups
     if tokens:
         grid = (-(-tokens // per_program), k.shape[1])
-        _kernel()[grid](q, k, v, out, starts, tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                        v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale * math.log2(math.e),
-                        G=groups, TOK=per_program, BM=QUERY_ROWS, BN=KEY_BLOCK, D=dim,
+        _kernel()[grid](q, k, v, out, row_starts(cu_seqlens, tokens), tokens, q.stride(0), q.stride(1),
+                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                        scale * math.log2(math.e), G=groups, TOK=per_program, BM=QUERY_ROWS, BN=KEY_BLOCK, D=dim,
                         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
 @packed_causal_attention.register_fake
-def _(q, k, v, starts, scale):
+def _(q, k, v, cu_seqlens, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
               scale: float | None) -> torch.Tensor:
     """Causal attention of the packed rows `cu_seqlens` delimits: (T, heads, dim) q, k, v in, (T, heads, dim) out."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return packed_causal_attention(q, k, v, row_starts(cu_seqlens, q.shape[0]), scale)
+    return packed_causal_attention(q, k, v, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else float(scale))
 
 
 @functools.cache

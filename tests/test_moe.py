@@ -167,3 +167,25 @@ def test_sum_pairs_is_each_tokens_ordered_float32_sum():
             assert torch.equal(got[t], acc.bfloat16()), t
     assert not torch.equal(sum_pairs(z, inverse, k), sum_pairs(z, torch.arange(tokens * k), k))
     assert sum_pairs(z[:0], inverse[:0], k).shape == (0, hidden)
+
+
+def test_qwen3_moe_router_runs_as_one_op_and_back():
+    """hsx_grouped runs Qwen3-MoE's router as `route_topk` (bit for bit its forward on CPU: the same torch ops);
+    switching back to another experts implementation restores transformers' forward; a router of another form
+    is left alone."""
+    from hsx import moe
+
+    model = _model("qwen3_moe")
+    gate = model.layers[0].mlp.gate
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(4))
+    ref = type(gate).forward(gate, x)
+    use_experts(model, EXPERTS_IMPLEMENTATION)
+    assert gate.forward.__func__ is moe.routed_forward
+    for got, want in zip(gate(x), ref):
+        assert torch.equal(got, want)
+    use_experts(model, "eager")
+    assert "forward" not in gate.__dict__
+    assert not moe._routes_as_qwen3_moe(torch.nn.Linear(2, 2))
+    gpt = _model("gpt_oss")
+    use_experts(gpt, EXPERTS_IMPLEMENTATION)
+    assert not any("forward" in m.__dict__ for m in gpt.modules())  # GPT-OSS: bias, softmax after the top-k
