@@ -334,7 +334,7 @@ def test_gpt_oss_packed_is_as_exact_as_padded_on_cuda():
         assert packed <= padded + 1e-3, (compile_model, packed, padded)
 
 
-def test_packed_attention_kernel_equals_flash_varlen(monkeypatch):
+def test_packed_attention_kernel_equals_flash_varlen():
     """hsx.attention's packed causal kernel against flash-attention 2 varlen on the same rows (bf16 rounding):
     Qwen3-30B-A3B's heads (32 q, 4 kv, dim 128), Qwen3-8B's (32, 8), dim 64 without grouping, strided q (a view of
     (heads, T, dim)); rows of 1 token, rows that begin and end inside one tile, rows over many key blocks."""
@@ -342,7 +342,6 @@ def test_packed_attention_kernel_equals_flash_varlen(monkeypatch):
     from hsx import attention
     from hsx.model import _flash_varlen
 
-    monkeypatch.setattr(attention, "MIN_GROUPS", 1)  # every head grouping, also those FA2 keeps in hsx's runs
     g = torch.Generator(device="cuda").manual_seed(12)
     lengths = [1, 5, 17, 300, 2, 1000, 64, 65, 3, 2500, 129, 1]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
