@@ -39,7 +39,8 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
-PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 39.5-41.6%, gpt-oss-20b 45.4% (README)
+PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 46.4%, gpt-oss-20b 45.4% (README); kept
+# below both for the shapes not measured (other widths, experts and head layouts)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -106,7 +107,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
 # Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
-MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.40, "gpt-oss-20b": 0.45}
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {

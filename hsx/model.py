@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hsx import gdn
+from hsx import attention, gdn
 from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -593,7 +593,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """transformers attention function for one packed sequence: q, k, v are (1, heads, T, dim); the rows are
     delimited by `cu_seq_lens_q` (int32, rows + 1 offsets) and each attends causally to itself only.
 
-    On CUDA this is one flash-attention varlen call per layer (torch.nn.attention.varlen); on CPU (tests) it runs
+    On CUDA this is one call per layer: hsx.attention's packed kernel where it takes the heads (plain causal
+    attention), else flash-attention varlen (torch.nn.attention.varlen: sinks, sliding windows); on CPU (tests) it runs
     SDPA per row, which is exact and slow. Attention sinks (`s_aux`, GPT-OSS: one extra logit per head in every
     softmax's denominator) rescale the kernel's output: softmax over scores + sink = softmax over scores ×
     sigmoid(lse - sink), lse the log-sum-exp of the row's scores that flash attention returns."""
@@ -606,7 +607,11 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if q.is_cuda:
         if dim_v != q.shape[-1]:  # MLA (DeepSeek): the kernel wants one head dim; pad values, slice the output
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - dim_v))
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window, s_aux is not None)
+        if s_aux is None and not sliding_window and attention.supports(q, k, v):
+            out = attention.attention(q, k, v, cu_seq_lens_q, scaling)  # short packed rows: see hsx.attention
+        else:
+            out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window,
+                                s_aux is not None)
         if s_aux is not None:
             out, lse = out  # lse: (heads, T) float32
             out = (out.float() * torch.sigmoid(lse.transpose(0, 1) - s_aux.float()).unsqueeze(-1)).to(q.dtype)

@@ -332,3 +332,79 @@ def test_gpt_oss_packed_is_as_exact_as_padded_on_cuda():
     for compile_model in (False, True):
         packed = rel(_states(causal, [0, 1, 3], compile_model, rows, packing="varlen")[0])
         assert packed <= padded + 1e-3, (compile_model, packed, padded)
+
+
+def test_packed_attention_kernel_equals_flash_varlen():
+    """hsx.attention's packed causal kernel against flash-attention 2 varlen on the same rows (bf16 rounding):
+    Qwen3-30B-A3B's heads (32 q, 4 kv, dim 128), Qwen3-8B's (32, 8), dim 64 without grouping, strided q (a view of
+    (heads, T, dim)); rows of 1 token, rows that begin and end inside one tile, rows over many key blocks."""
+    pytest.importorskip("triton")
+    from hsx import attention
+    from hsx.model import _flash_varlen
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    lengths = [1, 5, 17, 300, 2, 1000, 64, 65, 3, 2500, 129, 1]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    tokens = int(cu[-1])
+    for heads, kv_heads, dim in ((32, 4, 128), (32, 8, 128), (8, 8, 64), (12, 2, 64)):
+        q = torch.randn(heads, tokens, dim, device="cuda", generator=g).bfloat16().transpose(0, 1)
+        k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+        assert attention.supports(q, k, v)
+        got = attention.attention(q, k, v, cu, None)
+        ref = _flash_varlen(q.contiguous(), k, v, cu, max(lengths), None, None)
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        worst = (got.float() - ref.float()).abs().max().item()
+        assert rel < 5e-3 and worst < 3e-2, (heads, kv_heads, dim, rel, worst)
+        # A row's output does not depend on its neighbours: the 300-token row alone (other tiles) gives the same.
+        a, z = int(cu[3]), int(cu[4])
+        alone = attention.attention(q[a:z], k[a:z], v[a:z], cu.new_tensor([0, z - a]), None)
+        assert (alone.float() - got[a:z].float()).abs().max() < 1e-2
+
+
+def test_packed_kernel_model_equals_padded_on_cuda():
+    """A model whose heads hsx.attention's packed kernel takes (dim 64, 8 query heads per key/value head), packed,
+    eager and compiled (the kernel as a custom op inside the compiled layers), equals right-padded batches."""
+    pytest.importorskip("triton")
+    import transformers
+
+    from hsx import attention
+    from hsx.demo import build_model_config
+
+    tok = build_tokenizer()
+    cfg = build_model_config(len(tok), num_layers=4, hidden_size=256, head_dim=64, num_attention_heads=8,
+                             num_key_value_heads=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(6)
+    causal = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval().cuda()
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 64, 5, 150, 3, 130)]  # padded: within 1024
+    q = torch.empty(1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert attention.supports(q, q[:, :1], q[:, :1])
+    padded = _states(causal, [1, 3], False, rows)
+    for compile_model in (False, True):
+        packed = _states(causal, [1, 3], compile_model, rows, packing="varlen")
+        for p, k in zip(padded, packed):
+            rel = (p.float() - k.float()).norm() / p.float().norm()
+            assert rel < 1e-2, (compile_model, rel)
+
+
+def test_route_topk_kernel_equals_the_torch_router():
+    """hsx.moe's router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
+    on CUDA: Qwen3-30B-A3B's 128 experts / top-8 at 16k tokens, bf16 logits (ties at the k-th place happen), and
+    a ragged small case without renormalization. Experts match wherever the k-th and next probabilities differ
+    (at a tie either is a top-k); weights, in descending order, match within a bf16 rounding."""
+    pytest.importorskip("triton")
+    from hsx import moe
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    for tokens, experts, k, renormalize in ((16384, 128, 8, True), (37, 60, 4, False), (1, 128, 8, True)):
+        logits = (torch.randn(tokens, experts, device="cuda", generator=g) * 2).bfloat16()
+        w, i = moe.route_topk(logits, k, renormalize)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        rw, ri = torch.topk(probs, k, dim=-1)
+        rw = (rw / rw.sum(-1, keepdim=True) if renormalize else rw).to(logits.dtype)
+        assert w.dtype == logits.dtype and i.dtype == torch.int64 and w.shape == (tokens, k)
+        assert (w.float() - rw.float()).abs().max() <= 2 ** -8 and (w == rw).float().mean() > 0.99
+        clear = torch.topk(probs, k + 1, dim=-1).values.diff(dim=-1)[:, -1] != 0  # no tie at the k-th place
+        same = (i.sort(-1).values == ri.sort(-1).values).all(-1)
+        assert same[clear].all() and (tokens < 100 or clear.float().mean() > 0.5), (tokens, experts, k)
+        assert torch.equal(probs.gather(1, i), probs.gather(1, ri).sort(-1, descending=True).values)

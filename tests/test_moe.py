@@ -9,8 +9,8 @@ import transformers
 from hsx.cli import main
 from hsx.config import HsxError, load_config
 from hsx.moe import EXPERTS_IMPLEMENTATION, has_experts, resolve_experts, use_experts
-from hsx.cost import (DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE, auto_token_budget,
-                      budget_cap, plan_mfu, shape_config)
+from hsx.cost import (DEFAULT_BUDGET_CAP, MEASURED_MFU, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE,
+                      auto_token_budget, budget_cap, plan_mfu, shape_config)
 
 T = transformers
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
@@ -118,7 +118,7 @@ def test_plan_moe_shape_offline(capsys):
     p = json.loads(capsys.readouterr().out)
     q = shape_config("qwen3-30b-a3b")
     assert p["token_budget"] == budget_cap(q) and p["gpus_per_copy"] == 1
-    assert p["rate_source"] == f"{PLAN_MFU_MOE:.0%} of an H200's 790 TFLOP/s"
+    assert p["rate_source"] == f"{MEASURED_MFU['qwen3-30b-a3b']:.0%} of an H200's 790 TFLOP/s"  # the bench's
     assert p["layers_run"] == 46 and 53 < p["weight_bytes"] / 2**30 < 55  # every expert of 46 layers + embeddings
 
 
@@ -167,3 +167,25 @@ def test_sum_pairs_is_each_tokens_ordered_float32_sum():
             assert torch.equal(got[t], acc.bfloat16()), t
     assert not torch.equal(sum_pairs(z, inverse, k), sum_pairs(z, torch.arange(tokens * k), k))
     assert sum_pairs(z[:0], inverse[:0], k).shape == (0, hidden)
+
+
+def test_qwen3_moe_router_runs_as_one_op_and_back():
+    """hsx_grouped runs Qwen3-MoE's router as `route_topk` (bit for bit its forward on CPU: the same torch ops);
+    switching back to another experts implementation restores transformers' forward; a router of another form
+    is left alone."""
+    from hsx import moe
+
+    model = _model("qwen3_moe")
+    gate = model.layers[0].mlp.gate
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(4))
+    ref = type(gate).forward(gate, x)
+    use_experts(model, EXPERTS_IMPLEMENTATION)
+    assert gate.forward.__func__ is moe.routed_forward
+    for got, want in zip(gate(x), ref):
+        assert torch.equal(got, want)
+    use_experts(model, "eager")
+    assert "forward" not in gate.__dict__
+    assert not moe._routes_as_qwen3_moe(torch.nn.Linear(2, 2))
+    gpt = _model("gpt_oss")
+    use_experts(gpt, EXPERTS_IMPLEMENTATION)
+    assert not any("forward" in m.__dict__ for m in gpt.modules())  # GPT-OSS: bias, softmax after the top-k
