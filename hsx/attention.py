@@ -12,20 +12,63 @@ for the G heads that read it. Tiles inside one row run their full key blocks unm
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
 within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.model.varlen_attention` calls it where `supports` holds
-(no sinks, no sliding window; else FA2).
+(no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+from typing import Any
 
 import torch
+
+from hsx.config import HsxError
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
 # Fixed, no autotuning at run time. Of the 7 configs timed on an H200 (key blocks 32-128, 4 or 8 warps, 2-4 stages)
 # this was fastest for both head layouts above: 4.68 ms the 12 batches, against 5.02 (64, 8 warps) and 7.34 (FA2).
 KEY_BLOCK, NUM_WARPS, NUM_STAGES = 32, 4, 3
+# Batches whose longest row is longer run flash-attention 2 varlen: the kernel was measured faster on the bench's
+# length distribution (rows up to 4,096 tokens), not beyond; FA2's 128-query tiles suit long rows.
+KERNEL_ROW_LIMIT = 4096
+
+
+def _varlen_signature() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9: no varlen kernel (packing_blocker says so)
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# varlen_attn's keyword names in this torch (they changed in 2.10, 2.12); read here once, since inspecting inside a
+# compiled layer would break its graph.
+VARLEN_PARAMS: frozenset[str] = _varlen_signature()
+
+
+def flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, sliding_window: int | None,
+                 lse: bool = False):
+    """flash-attention 2 varlen (torch.nn.attention.varlen) over the rows `cu` delimits, in this torch's keywords;
+    with `lse`, (out, aux) where aux.lse is (heads, T) float32."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = VARLEN_PARAMS
+    kwargs: dict[str, Any] = {"scale": scale}
+    if lse:  # packing_blocker refused sinks where varlen_attn has no return_aux
+        from torch.nn.attention.varlen import AuxRequest
+
+        kwargs["return_aux"] = AuxRequest(lse=True)
+    if "window_size" in params:  # torch ≥ 2.10: (left, right); right 0 is causal; a sliding window keeps W-1 back
+        kwargs["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
+    else:  # torch 2.9
+        if sliding_window:
+            raise HsxError("--packing varlen: sliding-window attention needs torch >= 2.10; use --packing none")
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params and k.shape[1] != q.shape[1]:  # earlier versions pass fewer k/v heads through
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -47,11 +90,16 @@ def row_starts(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 @torch.library.custom_op("hsx::packed_causal_attention", mutates_args=())
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            max_len: int, scale: float) -> torch.Tensor:
     """(T, heads, dim) q, (T, kv_heads, dim) k and v: (T, heads, dim) causal attention of each token over its own
     row's keys, in q's dtype. A custom op, as flash-attention's varlen op is: a compiled layer calls it as it is,
     the row starts included (computed in the compiled layer instead, they left the compiled graphs unused past the
-    first batch on an H200, torch 2.11: the bench ran eager, 39.5k tok/s against 66.2k; the cause was not found)."""
+    first batch on an H200, torch 2.11: the bench ran eager, 39.5k tok/s against 66.2k; the cause was not found).
+    A batch whose longest row (`max_len`) exceeds KERNEL_ROW_LIMIT runs flash-attention 2 here instead: decided
+    inside the op, a branch on the length in the compiled layer would be a guard, and a batch failing it would
+    run the layer eager."""
+    if max_len > KERNEL_ROW_LIMIT:
+        return flash_varlen(q, k, v, cu_seqlens, max_len, scale, None)
     tokens, heads, dim = q.shape
     groups = heads // k.shape[1]
     out = torch.empty(tokens, heads, dim, device=q.device, dtype=q.dtype)
@@ -66,14 +114,16 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 @packed_causal_attention.register_fake
-def _(q, k, v, cu_seqlens, scale):
+def _(q, k, v, cu_seqlens, max_len, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
               scale: float | None) -> torch.Tensor:
-    """Causal attention of the packed rows `cu_seqlens` delimits: (T, heads, dim) q, k, v in, (T, heads, dim) out."""
-    return packed_causal_attention(q, k, v, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else float(scale))
+    """Causal attention of the packed rows `cu_seqlens` delimits (the longest `max_len` tokens): (T, heads, dim) q,
+    k, v in, (T, heads, dim) out."""
+    return packed_causal_attention(q, k, v, cu_seqlens, int(max_len),
+                                   q.shape[-1] ** -0.5 if scale is None else float(scale))
 
 
 @functools.cache

@@ -510,17 +510,6 @@ def _importable(module: str, name: str) -> bool:
 # ---- packed (padding-free) batches ---------------------------------------------------------------------------------
 
 VARLEN_ATTENTION = "hsx_varlen"  # our attention function's name in transformers' AttentionInterface
-def _varlen_signature() -> frozenset[str]:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9: no varlen kernel (packing_blocker says so)
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-# varlen_attn's keyword names in this torch (they changed in 2.10, 2.12); read here once, since inspecting inside a
-# compiled layer would break its graph.
-_VARLEN_PARAMS: frozenset[str] = _varlen_signature()
 
 
 def packing_blocker(base: torch.nn.Module) -> str | None:
@@ -546,7 +535,7 @@ def _varlen_returns_lse() -> bool:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return False
-    return "return_aux" in _VARLEN_PARAMS
+    return "return_aux" in attention.VARLEN_PARAMS
 
 
 def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_per_copy: bool,
@@ -608,10 +597,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if dim_v != q.shape[-1]:  # MLA (DeepSeek): the kernel wants one head dim; pad values, slice the output
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - dim_v))
         if s_aux is None and not sliding_window and attention.supports(q, k, v):
-            out = attention.attention(q, k, v, cu_seq_lens_q, scaling)  # short packed rows: see hsx.attention
+            out = attention.attention(q, k, v, cu_seq_lens_q, max_length_q, scaling)  # (FA2 past its row limit)
         else:
-            out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window,
-                                s_aux is not None)
+            out = attention.flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window,
+                                         s_aux is not None)
         if s_aux is not None:
             out, lse = out  # lse: (heads, T) float32
             out = (out.float() * torch.sigmoid(lse.transpose(0, 1) - s_aux.float()).unsqueeze(-1)).to(q.dtype)
@@ -625,25 +614,6 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.unsqueeze(0), None  # (1, T, heads, dim): what transformers' attention functions return
 
 
-def _flash_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, sliding_window: int | None,
-                  lse: bool = False):
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _VARLEN_PARAMS
-    kwargs: dict[str, Any] = {"scale": scale}
-    if lse:  # packing_blocker refused sinks where varlen_attn has no return_aux
-        from torch.nn.attention.varlen import AuxRequest
-
-        kwargs["return_aux"] = AuxRequest(lse=True)
-    if "window_size" in params:  # torch ≥ 2.10: (left, right); right 0 is causal; a sliding window keeps W-1 back
-        kwargs["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)
-    else:  # torch 2.9
-        if sliding_window:
-            raise HsxError("--packing varlen: sliding-window attention needs torch >= 2.10; use --packing none")
-        kwargs["is_causal"] = True
-    if "enable_gqa" in params and k.shape[1] != q.shape[1]:  # earlier versions pass fewer k/v heads through
-        kwargs["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _causal_sdpa(q, k, v, scale, sliding_window, sinks=None):

@@ -340,7 +340,6 @@ def test_packed_attention_kernel_equals_flash_varlen():
     (heads, T, dim)); rows of 1 token, rows that begin and end inside one tile, rows over many key blocks."""
     pytest.importorskip("triton")
     from hsx import attention
-    from hsx.model import _flash_varlen
 
     g = torch.Generator(device="cuda").manual_seed(12)
     lengths = [1, 5, 17, 300, 2, 1000, 64, 65, 3, 2500, 129, 1]
@@ -350,15 +349,18 @@ def test_packed_attention_kernel_equals_flash_varlen():
         q = torch.randn(heads, tokens, dim, device="cuda", generator=g).bfloat16().transpose(0, 1)
         k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
         assert attention.supports(q, k, v)
-        got = attention.attention(q, k, v, cu, None)
-        ref = _flash_varlen(q.contiguous(), k, v, cu, max(lengths), None, None)
+        got = attention.attention(q, k, v, cu, max(lengths), None)
+        ref = attention.flash_varlen(q.contiguous(), k, v, cu, max(lengths), None, None)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         worst = (got.float() - ref.float()).abs().max().item()
         assert rel < 5e-3 and worst < 3e-2, (heads, kv_heads, dim, rel, worst)
         # A row's output does not depend on its neighbours: the 300-token row alone (other tiles) gives the same.
         a, z = int(cu[3]), int(cu[4])
-        alone = attention.attention(q[a:z], k[a:z], v[a:z], cu.new_tensor([0, z - a]), None)
+        alone = attention.attention(q[a:z], k[a:z], v[a:z], cu.new_tensor([0, z - a]), z - a, None)
         assert (alone.float() - got[a:z].float()).abs().max() < 1e-2
+        # Rows past the kernel's measured range run flash-attention 2 inside the op: its output exactly.
+        long = attention.attention(q, k, v, cu, attention.KERNEL_ROW_LIMIT + 1, None)
+        assert torch.equal(long, attention.flash_varlen(q, k, v, cu, attention.KERNEL_ROW_LIMIT + 1, None, None))
 
 
 def test_packed_kernel_model_equals_padded_on_cuda():
