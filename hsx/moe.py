@@ -224,6 +224,9 @@ def _route_kernel():
         for i in tl.static_range(K):
             best = tl.max(p, 1)
             at = tl.min(tl.where(p == best[:, None], e[None, :], EP), 1)  # the lowest expert of the largest
+            # A NaN row (a non-finite hidden state) matches no expert: keep its ids in range (its weights stay NaN,
+            # its states are flagged downstream) instead of naming expert E, which the grouped GEMM would index.
+            at = tl.minimum(at, E - 1)
             top = tl.where(j[None, :] == i, best[:, None], top)
             ids = tl.where(j[None, :] == i, at.to(tl.int64)[:, None], ids)
             p = tl.where(e[None, :] == at[:, None], -1.0, p)

@@ -410,3 +410,8 @@ def test_route_topk_kernel_equals_the_torch_router():
         same = (i.sort(-1).values == ri.sort(-1).values).all(-1)
         assert same[clear].all() and (tokens < 100 or clear.float().mean() > 0.5), (tokens, experts, k)
         assert torch.equal(probs.gather(1, i), probs.gather(1, ri).sort(-1, descending=True).values)
+    logits = torch.randn(64, 128, device="cuda", generator=g).bfloat16()
+    logits[5, 3] = float("nan")  # a token whose hidden state went non-finite
+    w, i = moe.route_topk(logits, 8, True)
+    assert int(i.min()) >= 0 and int(i.max()) < 128  # ids the grouped experts can index
+    assert not torch.isfinite(w[5]).all() and torch.isfinite(w[torch.arange(64, device="cuda") != 5]).all()
