@@ -336,16 +336,18 @@ def gpu_clocks(device, every: float = 0.25):
     import torch
 
     stats: dict[str, Any] = {}
+    lib, handle = None, ctypes.c_void_p()
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = ctypes.c_void_p()
         if lib.nvmlInit_v2() != 0:
-            raise OSError("nvmlInit failed")
-        if lib.nvmlDeviceGetHandleByUUID(("GPU-" + uuid.removeprefix("GPU-")).encode(), ctypes.byref(handle)) != 0:
+            lib = None
+        elif lib.nvmlDeviceGetHandleByUUID(("GPU-" + uuid.removeprefix("GPU-")).encode(), ctypes.byref(handle)):
             lib.nvmlShutdown()
-            raise OSError("no NVML handle for the device")
+            lib = None
     except (OSError, AttributeError, RuntimeError, ValueError):
+        lib = None
+    if lib is None:  # no driver library, no such device (MIG, another vendor): nothing to report
         yield stats
         return
     reasons_of = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(

@@ -148,3 +148,9 @@ def test_gpu_clocks_reports_busy_samples_only(monkeypatch):
     with bench.gpu_clocks("cuda:0") as stats:
         pass
     assert stats == {}
+    unknown = _FakeNvml()
+    unknown.nvmlDeviceGetHandleByUUID = lambda uuid, handle: 13  # NVML_ERROR_NOT_FOUND (a MIG device, say)
+    monkeypatch.setattr(bench.ctypes, "CDLL", lambda name: unknown)
+    with bench.gpu_clocks("cuda:0") as stats:
+        pass
+    assert stats == {} and unknown.shut and unknown.polls == 0
