@@ -525,8 +525,9 @@ def format_table(r: dict[str, Any]) -> str:
     g = c.get("gpu_clocks") or {}
     if "busy_sm_clock_mhz" in g:
         top = f" of {g['max_sm_clock_mhz']}" if "max_sm_clock_mhz" in g else ""
-        lines.append(f"(c) GPU while busy: SM clock {g['busy_sm_clock_mhz']:,.0f}{top} MHz, {g['busy_power_w']:.0f} W, "
-                     f"power-capped in {g['power_capped_share']:.0%} of {g['busy_samples']} samples")
+        lines.append(f"(c) GPU while busy: SM clock {g['busy_sm_clock_mhz']:,.0f}{top} MHz, "
+                     f"{g['busy_power_w']:.0f} W, power-capped in {g['power_capped_share']:.0%} of "
+                     f"{g['busy_samples']} samples")
     if "storage" in r:
         s = r["storage"]
         direct = ", ".join(f"{w['block_bytes'] >> 20} MiB x {w['in_flight']} {w['gb_per_s']:.2f}"

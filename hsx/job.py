@@ -469,7 +469,8 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
                 engine.release()
                 continue
             committer.check()
-            with unit_files(out.tmp, spares=spares, pool=crc_pool) as written:  # hsx.writer: bytes checksummed on the way out
+            # hsx.writer: the bytes checksummed on the way out, on the job's checksum threads
+            with unit_files(out.tmp, spares=spares, pool=crc_pool) as written:
                 unit_rows(u).map(
                     step, batched=True, batch_size=u.batch_size(budget), features=feats,
                     cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",

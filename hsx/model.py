@@ -531,11 +531,7 @@ def packing_blocker(base: torch.nn.Module) -> str | None:
 
 
 def _varlen_returns_lse() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    return "return_aux" in attention.VARLEN_PARAMS
+    return "return_aux" in attention.VARLEN_PARAMS  # (empty without torch's varlen module)
 
 
 def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_per_copy: bool,
@@ -583,8 +579,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     delimited by `cu_seq_lens_q` (int32, rows + 1 offsets) and each attends causally to itself only.
 
     On CUDA this is one call per layer: hsx.attention's packed kernel where it takes the heads (plain causal
-    attention), else flash-attention varlen (torch.nn.attention.varlen: sinks, sliding windows); on CPU (tests) it runs
-    SDPA per row, which is exact and slow. Attention sinks (`s_aux`, GPT-OSS: one extra logit per head in every
+    attention), else flash-attention varlen (torch.nn.attention.varlen: sinks, sliding windows); on CPU (tests)
+    it runs SDPA per row, which is exact and slow. Attention sinks (`s_aux`, GPT-OSS: one extra logit per head in every
     softmax's denominator) rescale the kernel's output: softmax over scores + sink = softmax over scores ×
     sigmoid(lse - sink), lse the log-sum-exp of the row's scores that flash attention returns."""
     if softcap is not None:
@@ -612,8 +608,6 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = torch.cat([_causal_sdpa(q[a:z], k[a:z], v[a:z], scaling, sliding_window, s_aux)
                          for a, z in zip(bounds[:-1], bounds[1:])])
     return out.unsqueeze(0), None  # (1, T, heads, dim): what transformers' attention functions return
-
-
 
 
 def _causal_sdpa(q, k, v, scale, sliding_window, sinks=None):

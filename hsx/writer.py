@@ -740,11 +740,10 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | D
                pool: ThreadPoolExecutor | None = None) -> Iterator[Written]:
     """Within the block, an ArrowWriter that `datasets.map` opens for a file directly in `folder` writes it
     through a UnitFile (in "mapped" mode, into the next of `spares`, with O_DIRECT on the stages `spares` lends;
-    checksummed on `pool`, a `checksum_pool`
-    the caller keeps for its units, or on threads of the file's own). map builds its writer inside `_map_single`
-    from the module's `ArrowWriter` name, with a path (no way to pass a file), so the name is bound to a subclass
-    for the block and restored after; any other path, or a datasets whose writer lacks the attributes used here,
-    keeps datasets' own file."""
+    checksummed on `pool`, a `checksum_pool` the caller keeps for its units, or on threads of the file's own).
+    map builds its writer inside `_map_single` from the module's `ArrowWriter` name, with a path (no way to pass
+    a file), so the name is bound to a subclass for the block and restored after; any other path, or a datasets
+    whose writer lacks the attributes used here, keeps datasets' own file."""
     import datasets.arrow_dataset as arrow_dataset
 
     original = arrow_dataset.ArrowWriter
@@ -760,7 +759,8 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | D
             if (getattr(self, "_closable_stream", False) and isinstance(path, str) and stream is not None
                     and os.path.dirname(os.path.realpath(path)) == folder):
                 stream.close()
-                self.stream = UnitFile(path, resolve_mode(folder, mode), spares=spares, pool=pool)  # (map made the folder)
+                # (map made the folder)
+                self.stream = UnitFile(path, resolve_mode(folder, mode), spares=spares, pool=pool)
                 written.files.append(self.stream)
 
     arrow_dataset.ArrowWriter = UnitArrowWriter
