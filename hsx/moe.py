@@ -13,6 +13,10 @@ traffic around them:
 - the pair gathers (hidden rows, routing weights) are an op Inductor cannot fuse into (`gather_rows`): fused, it
   recomputed the residual add and RMSNorm before the row gather for each of a token's k copies, and the router's
   top-k renormalization for each element of the activation;
+- for experts of Qwen3-MoE's form (one gate_up weight, SiLU, no bias) there is no pair gather: the gate/up GEMM
+  is one Triton kernel that reads the token rows by index and applies SiLU(gate)·up and the routing weight to
+  its float32 tiles (`gate_up_activation`: 1,367 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, against
+  1,652 for the row gather, CUTLASS's grouped GEMM and the compiled activation);
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
   on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
 With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`:
@@ -125,7 +129,8 @@ def gate_up_activation(hidden: torch.Tensor, order: torch.Tensor, offsets: torch
     gate_up[e] = [G_e | U_e] as (in, 2·width) when `transposed`, else as (2·width, in) (transformers' layouts; gate
     columns first, as its default `_apply_gate` chunks them). On CUDA one Triton grouped GEMM that reads the token
     rows by index and applies the activation and weight to its float32 tiles, so neither the (pairs × hidden) row
-    gather nor the (pairs × 2·width) product is written and read again. Elsewhere the same in torch (the reference)."""
+    gather nor the (pairs × 2·width) product is written and read again. Elsewhere the same in torch (the
+    reference)."""
     if hidden.is_cuda and order.shape[0] and hidden.dtype in FUSED_DTYPES and gate_up.dtype == hidden.dtype:
         return _gate_up_cuda(hidden.contiguous(), order.contiguous(), offsets.contiguous(),
                              weights.contiguous(), gate_up, transposed, k)
@@ -147,7 +152,9 @@ def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k):
 
 
 # One program's tile: 128 pairs × 128 columns of the gate and the same 128 of the up projection (two float32
-# accumulators), 64 of the hidden dimension a step, in a 4-stage pipeline; 8 warps.
+# accumulators), 64 of the hidden dimension a step, in a 4-stage pipeline; 8 warps (vLLM's H200 choice at this
+# shape). Measured at Qwen3-30B-A3B's (16k tokens, 128 experts, top-8, width 768) on an H200: 1,367 µs, against
+# 1,498 with 3 stages, 1,898 for 128 × 64 and 1,836 for 64 × 128 with 4 warps.
 GATE_UP_ROWS, GATE_UP_COLUMNS, GATE_UP_STEP, GATE_UP_WARPS, GATE_UP_STAGES = 128, 128, 64, 8, 4
 
 
