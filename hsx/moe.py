@@ -13,6 +13,10 @@ traffic around them:
 - the pair gathers (hidden rows, routing weights) are an op Inductor cannot fuse into (`gather_rows`): fused, it
   recomputed the residual add and RMSNorm before the row gather for each of a token's k copies, and the router's
   top-k renormalization for each element of the activation;
+- for experts of Qwen3-MoE's form (one gate_up weight, SiLU, no bias) there is no pair gather: the gate/up GEMM
+  is one Triton kernel that reads the token rows by index and applies SiLU(gate)·up and the routing weight to
+  its float32 tiles (`gate_up_activation`: 1,367 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, against
+  1,652 for the row gather, CUTLASS's grouped GEMM and the compiled activation);
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
   on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
 With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`:
@@ -113,6 +117,140 @@ def _sum_pairs_kernel():
     return sum_pairs_kernel
 
 
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+FUSED_GATE_UP = "_hsx_fused_gate_up"  # set on an experts module by use_experts: decided once, not while traced
+
+
+@torch.library.custom_op("hsx::gate_up_activation", mutates_args=())
+def gate_up_activation(hidden: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                       gate_up: torch.Tensor, transposed: bool, k: int) -> torch.Tensor:
+    """(pairs, width) in hidden's dtype: row r is pair p = order[r] (token p // k, its routing weight weights.flat[p])
+    through expert e (rows offsets[e-1]:offsets[e]): silu(x @ G_e) · (x @ U_e) · weight, with x = hidden[p // k] and
+    gate_up[e] = [G_e | U_e] as (in, 2·width) when `transposed`, else as (2·width, in) (transformers' layouts; gate
+    columns first, as its default `_apply_gate` chunks them). On CUDA one Triton grouped GEMM that reads the token
+    rows by index and applies the activation and weight to its float32 tiles, so neither the (pairs × hidden) row
+    gather nor the (pairs × 2·width) product is written and read again. Elsewhere the same in torch (the
+    reference)."""
+    if hidden.is_cuda and order.shape[0] and hidden.dtype in FUSED_DTYPES and gate_up.dtype == hidden.dtype:
+        return _gate_up_cuda(hidden.contiguous(), order.contiguous(), offsets.contiguous(),
+                             weights.contiguous(), gate_up, transposed, k)
+    return _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k)
+
+
+@gate_up_activation.register_fake
+def _(hidden: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+      gate_up: torch.Tensor, transposed: bool, k: int) -> torch.Tensor:
+    return hidden.new_empty((order.shape[0], gate_up.shape[-1 if transposed else -2] // 2))
+
+
+def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k):
+    """gate_up_activation in torch: the row gather, the grouped GEMM, then the activation and the weight."""
+    x = hidden.index_select(0, order // k)
+    y = _grouped_mm(x, gate_up if transposed else gate_up.transpose(-2, -1), offsets)
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+
+
+# One program's tile: 128 pairs × 128 columns of the gate and the same 128 of the up projection (two float32
+# accumulators), 64 of the hidden dimension a step, in a 4-stage pipeline; 8 warps (vLLM's H200 choice at this
+# shape). Measured at Qwen3-30B-A3B's (16k tokens, 128 experts, top-8, width 768) on an H200: 1,367 µs, against
+# 1,498 with 3 stages, 1,898 for 128 × 64 and 1,836 for 64 × 128 with 4 warps.
+GATE_UP_ROWS, GATE_UP_COLUMNS, GATE_UP_STEP, GATE_UP_WARPS, GATE_UP_STAGES = 128, 128, 64, 8, 4
+
+
+def _gate_up_cuda(hidden, order, offsets, weights, gate_up, transposed, k):
+    pairs, (experts, hidden_dim) = order.shape[0], (gate_up.shape[0], hidden.shape[1])
+    width = gate_up.shape[-1 if transposed else -2] // 2
+    stride_in, stride_out = (gate_up.stride(1), gate_up.stride(2)) if transposed else (gate_up.stride(2),
+                                                                                       gate_up.stride(1))
+    out = torch.empty(pairs, width, device=hidden.device, dtype=hidden.dtype)
+    rows, columns = GATE_UP_ROWS, GATE_UP_COLUMNS
+    # Row tiles never straddle two experts: sum over e of ceil(n_e / rows) <= ceil(pairs / rows) + experts. The
+    # programs past the real count (known on the GPU only: no sync) return at once.
+    grid = ((-(-pairs // rows) + experts) * -(-width // columns),)
+    _gate_up_kernel()[grid](hidden, order, offsets, weights, gate_up, out, pairs, hidden.stride(0),
+                            gate_up.stride(0), stride_in, stride_out, K=k, E=experts,
+                            EP=_next_power_of_2(experts), HIDDEN=hidden_dim, WIDTH=width, BM=rows, BN=columns,
+                            BK=GATE_UP_STEP, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
+    return out
+
+
+@functools.cache
+def _gate_up_kernel():
+    import triton
+    import triton.language as tl
+
+    # After vLLM's fused_moe_kernel (vllm/model_executor/layers/fused_moe/fused_moe.py, Apache-2.0): A rows loaded
+    # by token index (pair // k), B the expert's weight tile. Here without per-expert padding: each program finds
+    # its expert and rows from the experts' end offsets; and with the gated activation and the routing weight in
+    # the epilogue.
+    @triton.jit(do_not_specialize=["pairs"])
+    def gate_up_kernel(x, order, offsets, weights, w, out, pairs, stride_x, stride_we, stride_wk, stride_wn,
+                       K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, HIDDEN: tl.constexpr,
+                       WIDTH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        tile = pid // tl.cdiv(WIDTH, BN)
+        column_tile = pid % tl.cdiv(WIDTH, BN)  # neighbouring programs share the rows; the next tiles the weights
+        # The tile table from the experts' end offsets: tiles of expert e = ceil(n_e / BM), in expert order.
+        e = tl.arange(0, EP)
+        ends = tl.load(offsets + e, mask=e < E, other=0)
+        starts = tl.load(offsets + e - 1, mask=(e > 0) & (e < E), other=0)
+        tiles = (ends - starts + BM - 1) // BM
+        expert = tl.sum((tl.cumsum(tiles, 0) <= tile).to(tl.int32), 0)  # experts whose tiles all come before
+        if expert >= E:
+            return
+        first_tile = tl.sum(tl.where(e < expert, tiles, 0), 0)
+        row0 = tl.sum(tl.where(e == expert, starts, 0), 0) + (tile - first_tile) * BM
+        end = tl.sum(tl.where(e == expert, ends, 0), 0)
+        rows = row0 + tl.arange(0, BM)
+        live = rows < end
+        rows = tl.minimum(rows, end - 1)  # the tail reads the expert's last row again: no masks in the loop
+        pair = tl.load(order + rows).to(tl.int64)
+        columns = column_tile * BN + tl.arange(0, BN)
+        inside = columns % WIDTH
+        steps = tl.arange(0, BK)
+        a_ptr = x + (pair // K)[:, None] * stride_x + steps[None, :]
+        g_ptr = w + expert.to(tl.int64) * stride_we + steps[:, None] * stride_wk + inside[None, :] * stride_wn
+        u_ptr = g_ptr + WIDTH * stride_wn
+        gate = tl.zeros([BM, BN], dtype=tl.float32)
+        up = tl.zeros([BM, BN], dtype=tl.float32)
+        for i in range(tl.cdiv(HIDDEN, BK)):
+            if HIDDEN % BK == 0:
+                a = tl.load(a_ptr)
+                g = tl.load(g_ptr)
+                u = tl.load(u_ptr)
+            else:
+                step_in = steps < HIDDEN - i * BK
+                a = tl.load(a_ptr, mask=step_in[None, :], other=0.0)
+                g = tl.load(g_ptr, mask=step_in[:, None], other=0.0)
+                u = tl.load(u_ptr, mask=step_in[:, None], other=0.0)
+            gate = tl.dot(a, g, gate)
+            up = tl.dot(a, u, up)
+            a_ptr += BK
+            g_ptr += BK * stride_wk
+            u_ptr += BK * stride_wk
+        weight = tl.load(weights + pair).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up * weight[:, None]
+        keep = live[:, None] & (columns < WIDTH)[None, :]
+        tl.store(out + rows.to(tl.int64)[:, None] * WIDTH + columns[None, :], y.to(out.dtype.element_ty),
+                 mask=keep)
+
+    return gate_up_kernel
+
+
+def _gate_up_fusable(module: torch.nn.Module) -> bool:
+    """Whether an experts module's gate/up projection, activation and routing weight can be `gate_up_activation`:
+    gate and up in one weight, no bias, transformers' default gate (SiLU of the first half times the second), no
+    norm after the experts. GPT-OSS (biases, a clamped gate of interleaved columns) keeps the torch path."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations import moe as hf_moe
+
+    return (bool(getattr(module, "has_gate", False)) and not module.has_bias
+            and not getattr(module, "has_post_expert_norm", False)
+            and getattr(type(module), "_apply_gate", None) is getattr(hf_moe, "_default_apply_gate", False)
+            and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU))
+
+
 def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature: (tokens, hidden), (tokens, k) expert ids, (tokens, k) weights."""
@@ -130,19 +268,23 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     expert_of_pair, order = torch.sort(top_k_index.reshape(-1).to(key_dtype), stable=True)
     bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
-    x = gather_rows(hidden_states, order // k)
-    # Up (and gate) projection, activation, routing weight.
-    w_in = self.gate_up_proj if self.has_gate else self.up_proj
-    y = _grouped_mm(x, w_in if self.is_transposed else w_in.transpose(-2, -1), offsets)
-    if self.has_bias:
-        y = y + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_pair.long()]
-    y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
-    # The pairs' routing weights as a tensor of their own: gathered inside the activation's kernel, Inductor
-    # recomputed the router's top-k renormalization (a sum over the token's k weights) for every element.
-    pair_weight = gather_rows(top_k_weights.reshape(-1, 1), order)
     post_norm = getattr(self, "has_post_expert_norm", False)
-    if not post_norm:  # a norm after each expert does not commute with the weight: applied after it instead
-        y = y * pair_weight.to(y.dtype)
+    if (getattr(self, FUSED_GATE_UP, False) and hidden_states.is_cuda and hidden_states.dtype in FUSED_DTYPES
+            and self.gate_up_proj.dtype == dtype):  # up and gate projection, activation, routing weight: one kernel
+        y = gate_up_activation(hidden_states, order, offsets, top_k_weights, self.gate_up_proj,
+                               bool(self.is_transposed), k)
+    else:
+        x = gather_rows(hidden_states, order // k)
+        w_in = self.gate_up_proj if self.has_gate else self.up_proj
+        y = _grouped_mm(x, w_in if self.is_transposed else w_in.transpose(-2, -1), offsets)
+        if self.has_bias:
+            y = y + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_of_pair.long()]
+        y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
+        # The pairs' routing weights as a tensor of their own: gathered inside the activation's kernel, Inductor
+        # recomputed the router's top-k renormalization (a sum over the token's k weights) for every element.
+        pair_weight = gather_rows(top_k_weights.reshape(-1, 1), order)
+        if not post_norm:  # a norm after each expert does not commute with the weight: applied after it instead
+            y = y * pair_weight.to(y.dtype)
     # Down projection, back to token order, sum of a token's k outputs.
     w_out = self.down_proj
     z = _grouped_mm(y, w_out if self.is_transposed else w_out.transpose(-2, -1), offsets)
@@ -325,6 +467,9 @@ def use_experts(base: torch.nn.Module, name: str | None) -> None:
     if name is None or not has_experts(base):
         return
     use_router(base, name == EXPERTS_IMPLEMENTATION)
+    for m in base.modules():
+        if _dispatched(m):
+            setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m))
     if name == EXPERTS_IMPLEMENTATION:
         register()
     configs = {id(m.config): m.config for m in base.modules() if _dispatched(m) and getattr(m, "config", None)}

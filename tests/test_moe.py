@@ -189,3 +189,46 @@ def test_qwen3_moe_router_runs_as_one_op_and_back():
     gpt = _model("gpt_oss")
     use_experts(gpt, EXPERTS_IMPLEMENTATION)
     assert not any("forward" in m.__dict__ for m in gpt.modules())  # GPT-OSS: bias, softmax after the top-k
+
+
+def test_gate_up_activation_is_each_pairs_gated_product():
+    """Row r of the fused gate/up op is pair p = order[r] through the expert whose rows hold r: silu(x @ G) · (x @ U)
+    times the pair's routing weight, x the row of token p // k, gate columns first, in both of transformers'
+    weight layouts; an expert without pairs and the last expert's rows included."""
+    from hsx.moe import gate_up_activation
+
+    g = torch.Generator().manual_seed(5)
+    tokens, k, hidden, width, experts = 7, 2, 8, 4, 4
+    index = torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0], [1, 3], [0, 3], [3, 1]])  # expert 2: no pairs
+    expert_of_pair, order = torch.sort(index.reshape(-1), stable=True)
+    offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1), out_int32=True)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights = torch.rand(tokens, k, generator=g)
+    gate_up = torch.randn(experts, 2 * width, hidden, generator=g)
+    for transposed in (False, True):
+        w = gate_up.transpose(-2, -1).contiguous() if transposed else gate_up
+        got = gate_up_activation(x, order, offsets, weights, w, transposed, k)
+        assert got.shape == (tokens * k, width)
+        for r, p in enumerate(order.tolist()):
+            e = int(index.reshape(-1)[p])
+            t, j = divmod(p, k)
+            want = torch.nn.functional.silu(gate_up[e, :width] @ x[t]) * (gate_up[e, width:] @ x[t]) * weights[t, j]
+            torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_gate_up_only_where_it_applies():
+    """use_experts marks the experts that the fused gate/up kernel may run (Qwen3-MoE: gate and up in one weight,
+    SiLU, no bias) and no others (GPT-OSS: biases, its own clamped gate; any other implementation)."""
+    from hsx import moe
+
+    qwen, gpt = _model("qwen3_moe"), _model("gpt_oss")
+    use_experts(qwen, EXPERTS_IMPLEMENTATION)
+    use_experts(gpt, EXPERTS_IMPLEMENTATION)
+    marks = [getattr(m, moe.FUSED_GATE_UP) for m in qwen.modules() if moe._dispatched(m)]
+    assert marks and all(marks)
+    assert not any(getattr(m, moe.FUSED_GATE_UP) for m in gpt.modules() if moe._dispatched(m))
+    use_experts(qwen, "eager")
+    assert not any(getattr(m, moe.FUSED_GATE_UP) for m in qwen.modules() if moe._dispatched(m))
+    experts = next(m for m in qwen.modules() if moe._dispatched(m))
+    experts.act_fn = torch.nn.GELU()
+    assert not moe._gate_up_fusable(experts)
