@@ -966,11 +966,9 @@ def measure_writer(folder: str | os.PathLike, nbytes: int, unit_bytes: int, piec
     futures: list[Future] = []
 
     def fsync_and_remove(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            sink.fsync_file(Path(path))
         finally:
-            os.close(fd)
             os.unlink(path)
 
     spares = spares_for(folder, sizes, resolved)
