@@ -17,7 +17,9 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
   the disk idle 8.9 s of the 24.9 (~0.11 s at each unit's close and start, then fresh buffers filled slower
   than the disk took them); this way 1.65 GB/s, idle 2.85 s of 17.9 (~40 ms per unit boundary: datasets'
   map ending and starting a unit, the first block filled); the disk took 2.20 GB/s in 64 MiB writes one at a
-  time, 2.43 in 256 MiB ones;
+  time, 2.43 in 256 MiB ones. At a unit boundary the disk waits for the map thread, so what that thread does
+  there is cut: the I/O threads run for the job (`DirectIO`, not started and ended per unit, each a wait for the
+  GIL), and the pages map's `Dataset.from_file` reads next are asked for at once (`UnitFile._prefetch`);
 - in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock (one stream
   took 1.94-2.11 GB/s on an H200 VM, the storage probe), so `Spares` prepares the next unit's file while the
   one before is written (fallocate, then MADV_POPULATE_WRITE, on 3 threads) and the checksum threads copy the
