@@ -450,10 +450,11 @@ class UnitFile:
     def _prefetch(self) -> None:
         """Ask the kernel to read the pages of the small writes (the IPC framing, the offsets and token columns,
         the end-of-stream marker) into the page cache, all at once and nothing around them: `map` opens the unit
-        right after its close (Dataset.from_file reads every message through a memory map), and the O_DIRECT
-        writes left none of its pages cached; each page fault there read 8 MiB around itself (the disk's
-        read_ahead_kb on a Firecracker VM), one after another: 24 MB and 38 ms of a 160 MB unit on the dev VM's
-        disk, with the next unit waiting. Every write has returned: the pages read are the file's bytes."""
+        right after its close (Dataset.from_file reads every message through a memory map) while the next unit
+        waits, and the O_DIRECT writes left none of its pages cached. There it read 8 MiB around each place it
+        touched (the disk's read_ahead_kb on a Firecracker VM), one after another: 24 MB of a 160 MB unit, 38 ms
+        on the dev VM's disk; in map there, 19-20 ms a unit before this, 8.3-8.5 after. Every write has returned:
+        the pages read are the file's bytes."""
         for first, last in self.small_pages:
             try:
                 os.posix_fadvise(self.fd, first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE,
@@ -472,7 +473,7 @@ class DirectIO:
     unit, they cost its boundary the threads' start and exit, each waiting for the GIL that the GPU thread and map
     keep busy (as the per-unit checksum pool's shutdown did: 28 ms a unit on an H200 VM); on the 2-core dev VM with
     a busy Python thread beside it, 17-34 ms from a unit's last write to its close's return and 34-37 ms to open
-    the next one."""
+    the next one, against 8-13 and 0.3-5.6 ms with these."""
 
     def __init__(self, threads: int | None = None):
         self.queue: queue.Queue = queue.Queue()
