@@ -387,11 +387,18 @@ def gpu_clocks(device, every: float = 0.25):
 def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any]:
     """The output storage's own sequential write rates (hsx.writer.measure_storage), and (c)'s rates as shares of
     the better one."""
-    from hsx.writer import measure_storage, storage_probe_bytes
+    from hsx.writer import measure_storage, measure_writer, storage_probe_bytes
 
-    s = measure_storage(out_dir / ".hsx-storage", storage_probe_bytes(out_dir, gb * 1e9))
-    shutil.rmtree(out_dir / ".hsx-storage", ignore_errors=True)
+    nbytes = storage_probe_bytes(out_dir, gb * 1e9)
+    try:
+        s = measure_storage(out_dir / ".hsx-storage", nbytes)
+        # the writer alone, in units of (c)'s mean size: the disk's share it can use, unit boundaries included
+        units = len(list((out_dir / "data").glob("*.arrow"))) or 1
+        s["writer_alone"] = measure_writer(out_dir / ".hsx-storage", nbytes, c["output_bytes"] // units)
+    finally:
+        shutil.rmtree(out_dir / ".hsx-storage", ignore_errors=True)
     s["hsx_share"] = c["output_gb_per_s"] / s["best_gb_per_s"]
+    s["writer_alone_share"] = s["writer_alone"]["gb_per_s"] / s["best_gb_per_s"]
     if "writer_gb_per_s" in c:
         s["writer_share"] = c["writer_gb_per_s"] / s["best_gb_per_s"]
     return s
@@ -538,4 +545,10 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{s['buffered_gb_per_s']:.2f} GB/s, O_DIRECT (block x writes in flight) {direct} GB/s; (c) "
                      f"wrote {c['output_gb_per_s']:.2f} GB/s = {s['hsx_share']:.0%} of the best ({s['best']})"
                      f"{writer} (write mode {c.get('write_mode')})")
+        if "writer_alone" in s:
+            w, gpu_s = s["writer_alone"], c.get("pipeline", {}).get("gpu_seconds")
+            gpu = f"; the GPU alone {c['output_bytes'] / gpu_s / 1e9:.2f} GB/s (output / GPU time)" if gpu_s else ""
+            lines.append(f"the writer alone ({w['mode']}, {w['units']} units of {w['unit_bytes'] / 1e6:,.0f} MB, "
+                         f"each fsynced): {w['gb_per_s']:.2f} GB/s = {s['writer_alone_share']:.0%} of the storage's "
+                         f"best{gpu}")
     return "\n".join(lines)

@@ -17,7 +17,9 @@ per 1.6 GB there). `UnitFile` takes the same calls and:
   the disk idle 8.9 s of the 24.9 (~0.11 s at each unit's close and start, then fresh buffers filled slower
   than the disk took them); this way 1.65 GB/s, idle 2.85 s of 17.9 (~40 ms per unit boundary: datasets'
   map ending and starting a unit, the first block filled); the disk took 2.20 GB/s in 64 MiB writes one at a
-  time, 2.43 in 256 MiB ones;
+  time, 2.43 in 256 MiB ones. At a unit boundary the disk waits for the map thread, so what that thread does
+  there is cut: the I/O threads run for the job (`DirectIO`, not started and ended per unit, each a wait for the
+  GIL), and the pages map's `Dataset.from_file` reads next are asked for at once (`UnitFile._prefetch`);
 - in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock (one stream
   took 1.94-2.11 GB/s on an H200 VM, the storage probe), so `Spares` prepares the next unit's file while the
   one before is written (fallocate, then MADV_POPULATE_WRITE, on 3 threads) and the checksum threads copy the
@@ -236,12 +238,10 @@ class UnitFile:
             for s in self.stages:
                 self.free.put(s)
             self.stage, self.fill, self.written = self.free.get(), 0, 0
+            self.holding = True  # whether `stage` is this file's to fill (not handed to the I/O threads)
+            self.small_pages: list[list[int]] = []  # [first, last] page runs of the small writes (see _prefetch)
             self.extended: int | None = 0  # the file's length set by fallocate so far (None: fallocate failed)
-            self.io: queue.Queue = queue.Queue()
-            self.threads = [threading.Thread(target=self._direct_writer, name="hsx-direct-io", daemon=True)
-                            for _ in range(DIRECT_IN_FLIGHT)]
-            for t in self.threads:
-                t.start()
+            self.io = self.lender.io if self.lender is not None else DirectIO()  # (the lender's: kept running)
         elif mode == "mapped":
             self.spare = spares.take(self.path) if spares is not None else None
             self.fd = self.spare.fd if self.spare is not None else os.open(self.path, flags, 0o644)
@@ -281,6 +281,8 @@ class UnitFile:
         futures = self.crc.feed(view)
         try:
             if self.mode == "direct":
+                if n < SMALL:
+                    self._note_small(n)
                 self._stage(view)
             elif n < SMALL:
                 self.pending += view
@@ -367,9 +369,10 @@ class UnitFile:
             at += n
             if self.fill == block:
                 self._extend(self.written + block)
-                self.io.put((self.stage, block, self.written))
+                self._submit(block)
                 self.written += block
                 self.stage, self.fill = self._next_stage(), 0
+                self.holding = True
 
     def _extend(self, end: int) -> None:
         """Make the file at least `end` bytes long ahead of the writes, DIRECT_EXTEND at a time (fallocate: the
@@ -385,46 +388,114 @@ class UnitFile:
         else:
             self.extended += DIRECT_EXTEND
 
+    def _submit(self, n: int) -> None:
+        """Hand the stage being filled (its first `n` bytes) to the I/O threads, at the file's next offset."""
+        self.io.queue.put((self, self.stage, n, self.written))
+        self.holding = False
+
     def _next_stage(self):
         while True:
             try:
                 return self.free.get(timeout=1.0)
             except queue.Empty:
                 self._raise_io_error()
-                if not all(t.is_alive() for t in self.threads):
+                if not self.io.alive():
                     raise OSError("hsx: an O_DIRECT writer thread ended") from None
 
-    def _direct_writer(self) -> None:
-        while (item := self.io.get()) is not None:
-            stage, n, offset = item
-            if self.error is None:
-                try:
-                    with memoryview(stage) as whole:
-                        at = 0
-                        while at < n:
-                            at += os.pwrite(self.fd, whole[at:n], offset + at)
-                except BaseException as e:  # noqa: BLE001  (raised on the writing thread)
-                    self.error = e.with_traceback(None)  # (its frames would pin the staging buffer)
-            self.free.put(stage)
+    def _write_block(self, stage: mmap.mmap, n: int, offset: int) -> None:
+        """On a DirectIO thread: one block at its offset; the stage goes back to this file's free ones after."""
+        if self.error is None:
+            try:
+                with memoryview(stage) as whole:
+                    at = 0
+                    while at < n:
+                        at += os.pwrite(self.fd, whole[at:n], offset + at)
+            except BaseException as e:  # noqa: BLE001  (raised on the writing thread)
+                self.error = e.with_traceback(None)  # (its frames would pin the staging buffer)
+        self.free.put(stage)
 
     def _finish_direct(self) -> None:
+        """Write the last block (padded), and wait until every stage is back: each write has returned. The I/O
+        threads are the lender's and keep running (a unit's own ones are ended here)."""
         try:
             if self.fill and self.error is None:
                 padded = -(-self.fill // DIRECT_ALIGN) * DIRECT_ALIGN
                 self.stage[self.fill:padded] = bytes(padded - self.fill)
-                self.io.put((self.stage, padded, self.written))
+                self._submit(padded)
                 self.written += self.fill
         finally:
-            for _ in self.threads:
-                self.io.put(None)
-            for t in self.threads:
-                t.join()
+            try:
+                for _ in range(len(self.stages) - self.holding):  # (an error too waits: no write still reads one)
+                    while True:
+                        try:
+                            self.free.get(timeout=1.0)
+                            break
+                        except queue.Empty:
+                            if not self.io.alive():
+                                raise OSError("hsx: an O_DIRECT writer thread ended") from None
+            finally:
+                if self.lender is None:
+                    self.io.close()
         self._raise_io_error()
         os.ftruncate(self.fd, self.size)  # drop the last block's padding and what fallocate reserved past it
+        self._prefetch()
+
+    def _note_small(self, n: int) -> None:
+        first, last = self.size // mmap.PAGESIZE, (self.size + max(n, 1) - 1) // mmap.PAGESIZE
+        if self.small_pages and first <= self.small_pages[-1][1] + 1:
+            self.small_pages[-1][1] = max(self.small_pages[-1][1], last)
+        else:
+            self.small_pages.append([first, last])
+
+    def _prefetch(self) -> None:
+        """Ask the kernel to read the pages of the small writes (the IPC framing, the offsets and token columns,
+        the end-of-stream marker) into the page cache, all at once and nothing around them: `map` opens the unit
+        right after its close (Dataset.from_file reads every message through a memory map) while the next unit
+        waits, and the O_DIRECT writes left none of its pages cached. There it read 8 MiB around each place it
+        touched (the disk's read_ahead_kb on a Firecracker VM), one after another: 24 MB of a 160 MB unit, 38 ms
+        on the dev VM's disk; in map there, 19-20 ms a unit before this, 8.3-8.5 after. Every write has returned:
+        the pages read are the file's bytes."""
+        for first, last in self.small_pages:
+            try:
+                os.posix_fadvise(self.fd, first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE,
+                                 os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):  # (advice only)
+                return
 
     def _raise_io_error(self) -> None:
         if self.error is not None:  # (sticky: the file is incomplete, every later write or close says so)
             raise self.error
+
+
+class DirectIO:
+    """The threads that run O_DIRECT writes (DIRECT_IN_FLIGHT of them, so that many at once), fed (UnitFile, stage,
+    bytes, offset) items, kept from unit to unit by the DirectStages that lends the stages. Started and ended per
+    unit, they cost its boundary the threads' start and exit, each waiting for the GIL that the GPU thread and map
+    keep busy (as the per-unit checksum pool's shutdown did: 28 ms a unit on an H200 VM); on the 2-core dev VM with
+    a busy Python thread beside it, 17-34 ms from a unit's last write to its close's return and 34-37 ms to open
+    the next one, against 8-13 and 0.3-5.6 ms with these."""
+
+    def __init__(self, threads: int | None = None):
+        self.queue: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._work, name="hsx-direct-io", daemon=True)
+                        for _ in range(threads or DIRECT_IN_FLIGHT)]
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            unit, stage, n, offset = item
+            unit._write_block(stage, n, offset)
+            del unit, stage, item  # (a finished unit is not pinned while the thread waits for the next item)
+
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self.threads)
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
 
 
 class DirectStages:
@@ -432,12 +503,14 @@ class DirectStages:
     from unit to unit and faulted in on a thread when made: a fresh buffer's first fill pays a page fault per
     4 KiB (64 MiB: 85 ms fresh, 13 ms again, on a Firecracker VM's core), and a unit's first block waits for that
     fill with the disk idle; unmapping them at each close (17 ms per 64 MiB) idled it again. One UnitFile holds
-    them at a time; another one meanwhile makes its own (the first set back is kept, the other freed).
+    them at a time; another one meanwhile makes its own (the first set back is kept, the other freed). Its
+    DirectIO threads write every unit's blocks (they run until `close`).
     `expected`: the largest unit's bytes, as far as the stages are faulted in ahead (a smaller unit touches no
     more)."""
 
     def __init__(self, expected: int):
         self.stages: list[mmap.mmap] | None = self.make()
+        self.io = DirectIO()
         self.thread = threading.Thread(target=self._populate, args=(list(self.stages), expected),
                                        name="hsx-stages", daemon=True)
         self.thread.start()
@@ -483,6 +556,7 @@ class DirectStages:
 
     def close(self) -> None:
         self.thread.join()
+        self.io.close()
         if self.stages is not None:
             self.free(self.stages)
             self.stages = None
@@ -790,10 +864,12 @@ def spares_for(folder: str | os.PathLike, sizes: list[int], mode: str = "auto") 
 
 # ---- what the storage itself takes ------------------------------------------------------------------------------
 
-PROBE_DIRECT = ((DIRECT_BLOCK, 1), (DIRECT_BLOCK, DIRECT_IN_FLIGHT), (DIRECT_BLOCK, 4), (4 * DIRECT_BLOCK, 1))
+PROBE_DIRECT = ((DIRECT_BLOCK, 1), (DIRECT_BLOCK, DIRECT_IN_FLIGHT), (DIRECT_BLOCK, 4), (4 * DIRECT_BLOCK, 1),
+                (4 * DIRECT_BLOCK, DIRECT_IN_FLIGHT))
 """The O_DIRECT ways the storage probe tries, (block, writes in flight): one write at a time (hsx's writer before
-it had DIRECT_IN_FLIGHT), the writer's way, more in flight, larger blocks; its best is the best of all of them and
-buffered, so a disk that takes more than the writer asks of it reads as such."""
+it had DIRECT_IN_FLIGHT), the writer's way, more in flight, larger blocks one and DIRECT_IN_FLIGHT at a time (on
+an H200 VM's disk 256 MiB writes one at a time took 2.43 GB/s, 64 MiB ones 2.20, two at once 2.09); its best is
+the best of all of them and buffered, so a disk that takes more than the writer asks of it reads as such."""
 
 
 def measure_storage(folder: str | os.PathLike, nbytes: int, block: int = DIRECT_BLOCK,
@@ -868,3 +944,56 @@ def storage_probe_bytes(folder: str | os.PathLike, wanted: float) -> int:
     import shutil
 
     return int(min(wanted, shutil.disk_usage(folder).free / 4))
+
+
+def measure_writer(folder: str | os.PathLike, nbytes: int, unit_bytes: int, piece: int = 512 << 20,
+                   mode: str = "auto") -> dict:
+    """hsx's writer alone on `folder`'s filesystem, fed as fast as it takes bytes: `nbytes` of random bytes as
+    units of `unit_bytes` (UnitFiles as a job writes its units: `mode` resolved there, one checksum pool, the
+    DirectStages or Spares `spares_for` makes), in `piece`-sized writes (a batch's big buffer), each unit fsynced
+    on a thread while the next one is written, as hsx.sink's Committer does. Against `measure_storage`'s best it
+    says how much of the storage the writer can use, unit boundaries included; against a run's write rate,
+    whether the GPU or the writer limited it. The files are removed after."""
+    import time
+
+    import numpy as np
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    unit_bytes = max(1, min(int(unit_bytes), int(nbytes)))
+    sizes = [unit_bytes] * max(1, int(nbytes) // unit_bytes)
+    source = mmap.mmap(-1, max(1, min(piece, unit_bytes)))
+    np.frombuffer(source, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 256, len(source), dtype=np.uint8)
+    resolved = resolve_mode(folder, mode)
+    pool, syncs = checksum_pool(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-probe-fsync")
+    futures: list[Future] = []
+
+    def fsync_and_remove(path: str) -> None:
+        try:
+            sink.fsync_file(Path(path))
+        finally:
+            os.unlink(path)
+
+    spares = spares_for(folder, sizes, resolved)
+    try:
+        with memoryview(source) as view:
+            t0 = time.perf_counter()
+            for i, size in enumerate(sizes):
+                path = str(folder / f".hsx-writer-probe-{os.getpid()}-{i}")
+                with UnitFile(path, resolved, spares=spares, pool=pool) as f:
+                    for at in range(0, size, len(view)):
+                        f.write(view[:min(len(view), size - at)])
+                futures.append(syncs.submit(fsync_and_remove, path))
+            wait_all(futures)
+            seconds = time.perf_counter() - t0
+    finally:
+        wait(futures)
+        if spares is not None:
+            spares.close()
+        pool.shutdown(wait=True)
+        syncs.shutdown(wait=True)
+        source.close()
+        for leftover in folder.glob(f".hsx-writer-probe-{os.getpid()}-*"):
+            leftover.unlink(missing_ok=True)
+    return {"mode": resolved, "bytes": sum(sizes), "units": len(sizes), "unit_bytes": unit_bytes,
+            "gb_per_s": sum(sizes) / seconds / 1e9}

@@ -266,6 +266,96 @@ def test_direct_stages_are_lent_to_one_unit_at_a_time(tmp_path, monkeypatch):
     assert all((tmp_path / n).read_bytes() == data for n in "abc")
 
 
+def test_direct_io_threads_outlive_the_units_of_their_stages(tmp_path, monkeypatch):
+    """The O_DIRECT I/O threads belong to the DirectStages: a job's units write through the same ones and start or
+    end none (a unit boundary paid their start and exit, each waiting for the GIL); closing a unit still waits for
+    every write of its own. A UnitFile without stages lent starts its own and ends them at its close."""
+    import threading
+
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_FIRST", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_EXTEND", 2 << 20)
+    real, writers = os.pwrite, set()
+
+    def pwrite(fd, view, offset):
+        writers.add(threading.get_ident())
+        time.sleep(0.01)  # (a close that did not wait would find its bytes missing)
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    rng = np.random.default_rng(5)
+    blobs = [rng.bytes((3 << 20) + 11), rng.bytes(5 << 20), rng.bytes(123)]
+    io_threads = lambda: sorted(t.ident for t in threading.enumerate() if t.name == "hsx-direct-io")  # noqa: E731
+    before = io_threads()
+    with writer.DirectStages(8 << 20) as stages:
+        running = io_threads()
+        assert len(running) == len(before) + writer.DIRECT_IN_FLIGHT
+        for i, blob in enumerate(blobs):
+            with UnitFile(tmp_path / f"u{i}", "direct", spares=stages) as f:
+                f.write(blob)
+            assert (tmp_path / f"u{i}").read_bytes() == blob and f.crc32() == file_crc32(tmp_path / f"u{i}")
+            assert io_threads() == running  # none started or ended by the unit
+        assert writers <= set(running) - set(before)
+    assert io_threads() == before  # ended with the stages
+    with UnitFile(tmp_path / "alone", "direct") as f:
+        assert len(io_threads()) == len(before) + writer.DIRECT_IN_FLIGHT
+        f.write(blobs[0])
+    assert io_threads() == before and (tmp_path / "alone").read_bytes() == blobs[0]
+
+
+def test_direct_close_reads_ahead_the_small_writes_pages(tmp_path, monkeypatch):
+    """After an O_DIRECT unit's last write returns, its close asks the kernel for the pages of its small writes
+    (framing, small columns, the end marker: what map's Dataset.from_file reads next), merged into page runs, and
+    nothing of the big buffers; the advice fails quietly where the kernel does not take it."""
+    if not writer.supports_direct(tmp_path):
+        pytest.skip("this filesystem takes no O_DIRECT")
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    page = mmap.PAGESIZE
+    advised = []
+
+    def fadvise(fd, offset, n, advice):
+        assert advice == os.POSIX_FADV_WILLNEED and os.fstat(fd).st_size == f.size  # (every write returned)
+        advised.append((offset, n))
+
+    monkeypatch.setattr(writer.os, "posix_fadvise", fadvise)
+    big = np.random.default_rng(6).bytes(3 * page * 256)  # 3 MiB with 4 KiB pages: one "big" write
+    parts = [b"a" * 100, b"b" * 50, big, b"c" * 8, b"d" * (page + 1)]
+    with UnitFile(tmp_path / "u", "direct") as f:
+        for part in parts:
+            f.write(part)
+    assert (tmp_path / "u").read_bytes() == b"".join(parts)
+    end_big = 150 + len(big)
+    assert advised == [(0, page), (end_big // page * page, ((end_big + 8 + page + 1 - 1) // page
+                                                          - end_big // page + 1) * page)]
+
+    def refuse(*a):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(writer.os, "posix_fadvise", refuse)
+    with UnitFile(tmp_path / "v", "direct") as f:
+        f.write(b"x" * 10)
+    assert (tmp_path / "v").read_bytes() == b"x" * 10
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
+def test_measure_writer(folder_for, monkeypatch, mode):
+    """The writer alone: its bytes in whole units of the size asked (at least one), each fsynced, every file
+    removed after; the rate is positive and the mode is the one it ran."""
+    monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    folder = folder_for(mode) / "probe"
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(writer.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    w = writer.measure_writer(folder, (5 << 20) + 3, 2 << 20, piece=1 << 20, mode=mode)
+    assert w["mode"] == mode and w["units"] == 2 == len(synced) and w["bytes"] == 4 << 20 and w["gb_per_s"] > 0
+    assert list(folder.iterdir()) == []
+    w = writer.measure_writer(folder, 1 << 20, 8 << 20, piece=1 << 19, mode=mode)  # (a unit larger than the bytes)
+    assert w["units"] == 1 and w["bytes"] == 1 << 20 and list(folder.iterdir()) == []
+
+
 def test_direct_stages_fault_in_as_far_as_the_largest_unit(monkeypatch):
     """DirectStages faults in its buffers through libc's madvise (off the GIL), as far as `expected` bytes: whole
     stages, then part of one (in pages), then no more."""
@@ -550,5 +640,9 @@ def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):
     assert s["bytes"] > 0 and s["buffered_gb_per_s"] > 0 and s["hsx_share"] == c["output_gb_per_s"] / s["best_gb_per_s"]
     assert c["writer_gb_per_s"] >= c["output_gb_per_s"] and s["writer_share"] >= s["hsx_share"]
     assert c["write_mode"] in ("buffered", "direct", "mapped")
-    assert "storage (" in capsys.readouterr().out
+    w = s["writer_alone"]
+    assert w["mode"] == c["write_mode"] and w["gb_per_s"] > 0 and s["writer_alone_share"] == w["gb_per_s"] / s["best_gb_per_s"]
+    assert 0 < w["unit_bytes"] <= c["output_bytes"]  # (c)'s mean unit
+    printed = capsys.readouterr().out
+    assert "storage (" in printed and "the writer alone (" in printed
     assert not (tmp_path / "out").exists()  # removed as before (no --keep)
