@@ -39,7 +39,7 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
-PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 46.4%, gpt-oss-20b 45.4% (README); kept
+PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
 # below both for the shapes not measured (other widths, experts and head layouts)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
@@ -107,6 +107,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
 # Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
+# qwen3-30b-a3b: 47.8% on the last VM, 43.1% on a slow one (the same code); below the best for a plan.
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
