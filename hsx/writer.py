@@ -394,11 +394,17 @@ class UnitFile:
         self.holding = False
 
     def _next_stage(self):
+        return self._take_free(raise_errors=True)
+
+    def _take_free(self, raise_errors: bool):
+        """A stage back from the I/O threads (waiting while they write); an ended I/O thread is an OSError, and
+        with `raise_errors` so is a write's error (without, a close still waits for every stage)."""
         while True:
             try:
                 return self.free.get(timeout=1.0)
             except queue.Empty:
-                self._raise_io_error()
+                if raise_errors:
+                    self._raise_io_error()
                 if not self.io.alive():
                     raise OSError("hsx: an O_DIRECT writer thread ended") from None
 
@@ -407,9 +413,7 @@ class UnitFile:
         if self.error is None:
             try:
                 with memoryview(stage) as whole:
-                    at = 0
-                    while at < n:
-                        at += os.pwrite(self.fd, whole[at:n], offset + at)
+                    _pwrite_all(self.fd, whole[:n], offset)
             except BaseException as e:  # noqa: BLE001  (raised on the writing thread)
                 self.error = e.with_traceback(None)  # (its frames would pin the staging buffer)
         self.free.put(stage)
@@ -426,13 +430,7 @@ class UnitFile:
         finally:
             try:
                 for _ in range(len(self.stages) - self.holding):  # (an error too waits: no write still reads one)
-                    while True:
-                        try:
-                            self.free.get(timeout=1.0)
-                            break
-                        except queue.Empty:
-                            if not self.io.alive():
-                                raise OSError("hsx: an O_DIRECT writer thread ended") from None
+                    self._take_free(raise_errors=False)
             finally:
                 if self.lender is None:
                     self.io.close()
