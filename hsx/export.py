@@ -37,7 +37,6 @@ renamed. So:
   durable and recorded (peak disk: the export plus one unit; the output dir is used up and `hsx.load` refuses
   it); a resume goes on from the first unit not yet released."""
 
-
 from __future__ import annotations
 
 import fcntl
@@ -554,6 +553,9 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
             for i in range(len(view)):
                 row = view[i]
                 file_idx = int(np.searchsorted(sample_ids, row["sample_id"]))
+                if file_idx == rows or sample_ids[file_idx] != row["sample_id"]:
+                    raise ValueError(f"{dest}: its dataset lacks sample {row['sample_id']} of {name}; export again "
+                                     "into a new folder")
                 rel = f"hidden_states/hs_{file_idx}.safetensors"
                 if rel in d.files:
                     kept += 1

@@ -311,8 +311,6 @@ def test_speculators_export_of_fp8_is_dequantized(speculators, model4, small_cha
 def small(tmp_path_factory, model4, small_chat_path) -> Path:
     """A few rows in several units, extracted with the model given as a RELATIVE path (as a recipe or a user in
     the model's parent folder would)."""
-    import os
-
     root = tmp_path_factory.mktemp("small") / "out"
     here = Path.cwd()
     os.chdir(model4.path.parent)
@@ -369,8 +367,17 @@ def test_an_export_refuses_a_dest_it_did_not_write(small, tmp_path):
 
 
 def test_an_export_refuses_a_recorded_file_that_changed(small, tmp_path):
+    import json
+    import shutil
+
     dest = tmp_path / "sf"
     export_specforge(str(small), dest, layout="dflash", log=quiet)
+    other = tmp_path / "other"  # the same rows, another job
+    shutil.copytree(small, other)
+    info = json.loads((other / "hsx.json").read_text())
+    (other / "hsx.json").write_text(json.dumps({**info, "fingerprint": "another-job"}))
+    code, _, err = hsx_main(["export-specforge", str(other), str(dest), "--layout", "dflash"])
+    assert code == 1 and len(message_lines(err)) == 1 and "another job's output" in err
     victim = sorted(dest.rglob("*.ckpt"))[0]
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
@@ -384,8 +391,9 @@ def test_an_export_refuses_a_recorded_file_that_changed(small, tmp_path):
 
 
 def test_an_interrupted_export_resumes_from_what_it_can_prove(small, tmp_path, monkeypatch):
-    """A kill at any point (here: before the 2nd sample file's rename) leaves temporary files hsx recognises and removes, and
-    recorded files it verifies and keeps; the resumed export equals one run uninterrupted, byte for byte."""
+    """A kill at any point (here: before the 2nd sample file's rename) leaves temporary files hsx recognises and
+    removes, and recorded files it verifies and keeps; the resumed export equals an uninterrupted one, byte for
+    byte."""
     import hsx.export as export
 
     whole_sf, whole_sp = tmp_path / "whole-sf", tmp_path / "whole-sp"
@@ -414,8 +422,6 @@ def test_an_interrupted_export_resumes_from_what_it_can_prove(small, tmp_path, m
 
 
 def test_exported_files_follow_the_umask(small, tmp_path):
-    import os
-
     old = os.umask(0o002)
     try:
         export_speculators(str(small), tmp_path / "sp", log=quiet)
