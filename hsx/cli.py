@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(every chosen layer)")
     sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use, e.g. --layers 1 17 32 (default: "
                     "all; eagle3 takes 3)")
-    sf.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
+    sf.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "
+                    "hsx-export.json proves hsx wrote are deleted)")
+    sf.add_argument("--delete-source", action="store_true", help="delete each unit of OUTPUT_DIR once its "
+                    "exported files are durable (peak disk: the export plus one unit; OUTPUT_DIR is used up)")
     sp = command("export-speculators", "write an output as speculators' offline training dir")
     sp.add_argument("output_dir", help="a finished hsx output dir")
     sp.add_argument("dest", help="the folder to write speculators' dataset, hidden_states/ and config into")
@@ -157,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
     sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
                     "vocabulary")
-    sp.add_argument("--overwrite", action="store_true", help="rewrite files already in DEST")
+    sp.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "
+                    "hsx-export.json proves hsx wrote are deleted)")
+    sp.add_argument("--delete-source", action="store_true", help="delete each unit of OUTPUT_DIR once its "
+                    "exported files are durable (peak disk: the export plus one unit; OUTPUT_DIR is used up)")
     vo = command("vocab", "the d2t/t2d draft-vocabulary mapping (SpecForge and speculators files)")
     vo.add_argument("output_dir", help="a finished hsx output dir (it holds token_frequencies.npy)")
     vo.add_argument("--draft-vocab-size", type=int, required=True, help="tokens in the draft vocabulary")

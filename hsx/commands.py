@@ -86,7 +86,8 @@ def export_specforge(args: argparse.Namespace) -> None:
     from hsx.export import export_specforge as run_export
 
     with _output_errors(args.output_dir):
-        run_export(args.output_dir, args.dest, layers=args.layers, layout=args.layout, overwrite=args.overwrite)
+        run_export(args.output_dir, args.dest, layers=args.layers, layout=args.layout, overwrite=args.overwrite,
+                   delete_source=args.delete_source)
 
 
 def export_speculators(args: argparse.Namespace) -> None:
@@ -94,7 +95,7 @@ def export_speculators(args: argparse.Namespace) -> None:
 
     with _output_errors(args.output_dir):
         run_export(args.output_dir, args.dest, layers=args.layers, draft_vocab_size=args.draft_vocab_size,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, delete_source=args.delete_source)
 
 
 def vocab(args: argparse.Namespace) -> None:

@@ -21,14 +21,33 @@ normalize_offline_sample, speculators 0.9.0's ArrowDataset).
   * DEST/speculators.yaml: the `speculators train --config` keys this data implies (verifier, target layer ids,
     data path, on_missing: raise).
 
-States keep the stored dtype; fp8 outputs are dequantized to bfloat16. Every file is written under a temporary
-name and renamed, so an interrupted export leaves whole files only; existing sample files are kept unless
-`overwrite` (an export resumes); DEST/hsx-export.json records what was exported, and an export of another output
-or other layers into the same DEST is refused (without `overwrite`)."""
+States keep the stored dtype; fp8 outputs are dequantized to bfloat16.
+
+DEST holds only what an export can prove it wrote. DEST/hsx-export.json (written first, durably) names the source
+(its job fingerprint and its units: name, bytes, CRC-32) and the export's options; DEST/hsx-export.jsonl, appended
+and fsynced once per source unit, lists each file written (path, bytes, CRC-32 of the bytes written) before the
+file gets its name. Each file is written as .hsx-<token>-<name> (the token is the record's), fsynced, then
+renamed. So:
+- a DEST holding anything else (a file or link not in the record, a symbolic link anywhere) is refused, naming it;
+- running the same export again resumes it: recorded files are verified (bytes and CRC-32, which reads them once),
+  kept, and the rest is written; hsx's own temporary files are removed;
+- a DEST holding another export (another output, layers or options) is refused; `overwrite` first deletes the
+  files the record proves hsx wrote (they still verify), and refuses instead where anything else is there;
+- `delete_source` converts the output unit by unit and deletes each source unit once its exported files are
+  durable and recorded (peak disk: the export plus one unit; the output dir is used up and `hsx.load` refuses
+  it); a resume goes on from the first unit not yet released."""
 
 from __future__ import annotations
 
+import fcntl
+import gc
+import io
+import json
 import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +55,77 @@ import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import Info, dequantize
+from hsx.sink import (CRC_CHUNK, OutputDir, _flock, append_synced, atomic_write, crc32, file_crc32, fsync_dir,
+                      fsync_file, listed_files, read_json)
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
+RECORD = "hsx-export.json"
+JOURNAL = "hsx-export.jsonl"
+LOCK = "hsx-export.lock"
+RECORD_VERSION = 1
+_TOKEN = re.compile(r"[0-9a-f]{12}")
+_RECORDED_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)?")  # no dot files, no ..
+_SPECFORGE_DIRS = re.compile(r"rows_\d+-\d+")
+_SPECULATORS_DIRS = re.compile(r"hidden_states")
+_DATASET_PART = "dataset"
 
 
-def _rows(out_dir, meta: Info, layers: list[int]):
-    """A torch_view of `layers` (model indices) sorted by layer: SpecForge and vLLM capture in increasing order."""
+# ---- the source output ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Source:
+    root: Path
+    meta: Info
+    units: list[dict[str, Any]]  # hsx.json's `files` entries, in order
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What an export came from: the job and its exact units (a record matches only the same bytes)."""
+        return {"fingerprint": self.meta.fingerprint,
+                "units": [[e["file"], e["bytes"], e.get("crc32")] for e in self.units]}
+
+
+def _source(out_dir) -> _Source:
+    meta = read_info(out_dir)
+    units = listed_files(meta)
+    if not meta.complete or not units:
+        raise ValueError(f"{out_dir} is not a finished hsx output (its hsx.json lists no files): finish the job "
+                         "(run the same `hsx extract` command) before exporting it")
+    return _Source(Path(out_dir), meta, units)
+
+
+def _units(src: _Source, dest: _Dest, delete_source: bool):
+    """(name, path) of each unit still to export, checked first: all present and intact (with `delete_source`,
+    CRC-32 too, and no links: a unit is deleted only as the regular file hsx wrote)."""
+    out = OutputDir(src.root)
+    todo = []
+    for e in src.units:
+        path = out.data / e["file"]
+        if e["file"] in dest.released:
+            if path.is_file() and not path.is_symlink():  # killed between the record and the deletion
+                path.unlink()
+                fsync_dir(out.data)
+            continue
+        if delete_source and path.is_symlink():
+            raise ValueError(f"{src.root}: data/{e['file']} is a link (a merged output's unit): deleting it frees "
+                             "nothing; export without delete_source (--delete-source)")
+        problem = out.file_problem(e, crc=delete_source)
+        if problem:
+            why = {"missing": "missing", "uploaded": "deleted after its upload to the Hub"}.get(problem,
+                                                                                             f"damaged ({problem})")
+            raise ValueError(f"{src.root}: data/{e['file']} is {why}; an export needs every unit of the output")
+        todo.append((e["file"], path))
+    return todo
+
+
+def _open_unit(path: Path, meta: Info, layers: list[int]):
+    """A torch_view of one unit, `layers` (model indices) in increasing order: SpecForge and vLLM capture so."""
+    from datasets import Dataset
+
     positions = layer_positions(meta.layers, layers, meta.num_model_layers)
     order = np.argsort(positions, kind="stable")
-    return torch_view(out_dir, layers=[layers[k] for k in order], meta=meta)
+    return torch_view(Dataset.from_file(str(path)), layers=[layers[k] for k in order], meta=meta)
 
 
 def _states(row: dict, key: str):
@@ -60,45 +140,255 @@ def _states(row: dict, key: str):
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _claim(out_dir, meta: Info, dest: Path, what: dict[str, Any], overwrite: bool) -> None:
-    """DEST/hsx-export.json names the output and options an export came from, so that running it again resumes
-    it, and a different export into the same DEST is refused instead of mixing files of two jobs."""
-    import json
+# ---- DEST and its record --------------------------------------------------------------------------------------
 
-    if dest.resolve() == Path(out_dir).resolve() or Path(out_dir).resolve() in dest.resolve().parents:
-        raise ValueError(f"{dest}: export into a folder outside the output dir {out_dir}")
-    mine = {"fingerprint": meta.fingerprint, **what}
-    marker = dest / "hsx-export.json"
-    if marker.exists() and not overwrite:
+def _crc(data) -> str:
+    """CRC-32 of bytes in hsx.sink.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
+    view = memoryview(data).cast("B")
+    return ":".join(f"{crc32(view[i:i + CRC_CHUNK]):08x}" for i in range(0, max(len(view), 1), CRC_CHUNK))
+
+
+@dataclass
+class _Dest:
+    root: Path
+    token: str
+    files: dict[str, list]  # relative path -> [bytes, crc32] of each file this export wrote (verified)
+    released: set[str] = field(default_factory=set)  # source units deleted after their files were durable
+    skipped: dict[str, int] = field(default_factory=dict)  # unit -> rows left out
+    parts: dict[str, list[str]] = field(default_factory=dict)  # "dataset" -> its files
+    staged: dict[str, tuple[Path, int, str]] = field(default_factory=dict)
+
+    def temp(self, rel: str) -> Path:
+        path = self.root / rel
+        return path.with_name(f".hsx-{self.token}-{path.name}")
+
+    def stage(self, rel: str, data) -> None:
+        """Write one file under its temporary name; commit() makes it durable and gives it its name."""
+        tmp = self.temp(rel)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        # 0o666: the umask decides, as for any file the user writes; O_NOFOLLOW: never through a link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         try:
-            theirs = json.loads(marker.read_text())
-        except ValueError:
-            theirs = None
-        if theirs != mine:
-            raise ValueError(f"{dest} holds another export ({marker.name} differs: another output, layers or "
-                             "layout); choose another folder, or overwrite to rewrite its files")
-    _save(marker, lambda tmp: tmp.write_text(json.dumps(mine, indent=2) + "\n"))
+            view = memoryview(data).cast("B")
+            size = len(view)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        self.staged[rel] = (tmp, size, _crc(data))
+
+    def stage_file(self, rel: str, path: Path) -> None:
+        self.staged[rel] = (path, path.stat().st_size, file_crc32(path))
+
+    def commit(self, unit: str | None = None, skipped: int = 0, part: str | None = None) -> None:
+        """Record the staged files (fsynced), then give them their names: a kill before the record leaves only
+        temporary files (removed on resume), after it whole files the record proves."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:  # fsyncs of many small files overlap on the device
+            list(pool.map(fsync_file, [tmp for tmp, _, _ in self.staged.values()]))
+        files = {rel: [n, crc] for rel, (_, n, crc) in self.staged.items()}
+        line = {"token": self.token, "unit": unit, "part": part, "skipped": skipped, "files": files}
+        append_synced(self.root / JOURNAL, json.dumps(line) + "\n")
+        for rel, (tmp, _, _) in self.staged.items():
+            os.replace(tmp, self.root / rel)
+        for folder in {(self.root / rel).parent for rel in self.staged}:
+            fsync_dir(folder)
+        self.files.update(files)
+        if unit is not None:
+            self.skipped[unit] = skipped
+        if part is not None:
+            self.parts[part] = sorted(files)
+        self.staged.clear()
+
+    def release(self, unit: Path) -> None:
+        """Delete a source unit whose exported files are committed (recorded first, so a resume skips it)."""
+        append_synced(self.root / JOURNAL, json.dumps({"token": self.token, "released": unit.name}) + "\n")
+        unit.unlink()
+        fsync_dir(unit.parent)
+        self.released.add(unit.name)
 
 
-def _save(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def _not_written_here(dest: Path, rel: str, why: str = "") -> ValueError:
+    return ValueError(f"{dest}: {rel} was not written by this export{why} (it is not in {RECORD}); hsx exports "
+                      "into an empty folder or its own export only: move it away or choose another folder")
 
+
+def _read_record(dest: Path) -> dict[str, Any] | None:
+    path = dest / RECORD
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise _not_written_here(dest, RECORD, " (a link or not a file)")
+    record = read_json(path)
+    if record.get("version") != RECORD_VERSION or not isinstance(record.get("token"), str) \
+            or not _TOKEN.fullmatch(record["token"]):
+        raise ValueError(f"{path} is not an hsx export record (damaged, or another program's): move it away or "
+                         "choose another folder")
+    return record
+
+
+def _read_journal(dest: Path, token: str) -> _Dest:
+    """What the record's journal says was written (its own token's lines; a torn last line is passed over: its
+    files never got their names)."""
+    d = _Dest(dest, token, {})
+    path = dest / JOURNAL
+    if not os.path.lexists(path):
+        return d
+    if path.is_symlink() or not path.is_file():
+        raise _not_written_here(dest, JOURNAL, " (a link or not a file)")
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            continue
+        if line is None or (isinstance(line, dict) and line.get("token") != token):
+            continue
+        files = line.get("files", {}) if isinstance(line, dict) else None
+        if not (isinstance(files, dict) and all(
+                isinstance(rel, str) and _RECORDED_PATH.fullmatch(rel) and isinstance(v, list) and len(v) == 2
+                and type(v[0]) is int and isinstance(v[1], str) for rel, v in files.items())
+                and isinstance(line.get("released", ""), str) and isinstance(line.get("unit") or "", str)
+                and isinstance(line.get("part") or "", str) and type(line.get("skipped", 0)) is int):
+            raise ValueError(f"{path} is damaged (line {number} is not an hsx export record): move it away or "
+                             "choose another folder")
+        d.files.update(files)
+        if line.get("released"):
+            d.released.add(line["released"])
+        if line.get("unit"):
+            d.skipped[line["unit"]] = line.get("skipped", 0)
+        if line.get("part"):
+            d.parts[line["part"]] = sorted(files)
+    return d
+
+
+def _scan(dest: Path, recorded: dict[str, list], token: str | None, dirs: re.Pattern) -> tuple[list[str], list[Path]]:
+    """(foreign paths, this record's temporary files) in DEST; os.walk never follows links, and a link anywhere
+    is foreign."""
+    foreign, temps = [], []
+    prefix = f".hsx-{token}-" if token else None
+    for folder, subdirs, names in os.walk(dest):
+        here = Path(folder)
+        top = here == dest
+        keep = []
+        for name in sorted(subdirs + names):
+            p = here / name
+            rel = p.relative_to(dest).as_posix()
+            if p.is_symlink():
+                foreign.append(rel)
+            elif prefix and name.startswith(prefix):
+                temps.append(p)
+            elif name in subdirs:
+                (keep.append(name) if top and dirs.fullmatch(name) else foreign.append(rel))
+            elif not (rel in recorded or (top and name in (RECORD, JOURNAL, LOCK))):
+                foreign.append(rel)
+        subdirs[:] = keep
+    return sorted(foreign), temps
+
+
+def _check_recorded(d: _Dest) -> dict[str, list]:
+    """The recorded files still there, each checked to be the file written (a regular file, bytes, CRC-32); a
+    recorded path holding anything else is refused, never replaced or deleted."""
+    present = {}
+    for rel, (size, crc) in sorted(d.files.items()):
+        p = d.root / rel
+        if not os.path.lexists(p):
+            continue
+        if p.is_symlink() or not p.is_file() or p.stat().st_size != size or file_crc32(p) != crc:
+            raise ValueError(f"{d.root}: {rel} is not the file this export wrote (its bytes differ from {JOURNAL}'s "
+                             "record); move it away, or delete it to have it written again")
+        present[rel] = [size, crc]
+    return present
+
+
+def _difference(record: dict[str, Any], want: dict[str, Any]) -> str:
+    if record.get("source", {}).get("fingerprint") != want["source"]["fingerprint"]:
+        return "another job's output"
+    if record.get("source") != want["source"]:
+        return "another output of this job"
+    opts, theirs = want["options"], record.get("options") or {}
+    return ", ".join(k for k in sorted(set(opts) | set(theirs)) if opts.get(k) != theirs.get(k)) or "options"
+
+
+def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: bool, dirs: re.Pattern) -> _Dest:
+    """DEST ready for this export (called with DEST's lock held): a new record in an empty folder, the record's
+    verified files on a resume, or (overwrite) the files the record proves hsx wrote deleted first."""
+    want = {"source": src.identity, "options": options}
+    record = _read_record(dest)
+    d = _read_journal(dest, record["token"]) if record else _Dest(dest, "", {})
+    foreign, temps = _scan(dest, d.files, record and record["token"], dirs)
+    if foreign:
+        raise _not_written_here(dest, foreign[0])
+    same = record is not None and {k: record.get(k) for k in want} == want
+    if record is not None and not same and not overwrite:
+        raise ValueError(f"{dest} holds another export ({RECORD} differs: {_difference(record, want)}); choose "
+                         "another folder, or overwrite (--overwrite) to replace the files it wrote")
+    for t in temps:  # this record's own temporary files: a kill before their commit
+        shutil.rmtree(t) if t.is_dir() else t.unlink()
+    d.files = _check_recorded(d)
+    if same and not overwrite:
+        if (dest / JOURNAL).exists() and (dest / JOURNAL).read_bytes()[-1:] not in (b"", b"\n"):
+            append_synced(dest / JOURNAL, "\n")  # end a torn line, so the next record starts on its own line
+        return d
+    if same and d.released:
+        raise ValueError(f"{dest}: this export deleted {len(d.released)} source unit(s) as it went "
+                         "(--delete-source), so it cannot be rewritten; run it again without --overwrite to finish it")
+    for rel in d.files:
+        (dest / rel).unlink()
+    token = secrets.token_hex(6)
+    atomic_write(dest / RECORD, json.dumps({"version": RECORD_VERSION, "token": token, **want,
+                                            "source_path": str(src.root.resolve())}, indent=2) + "\n")
+    if os.path.lexists(dest / JOURNAL):
+        (dest / JOURNAL).unlink()
+        fsync_dir(dest)
+    return _Dest(dest, token, {})
+
+
+def _claimed(out_dir, dest, dirs: re.Pattern) -> Path:
+    """DEST, created if missing; a folder without a record that holds anything is refused before hsx writes in it."""
+    dest = Path(dest)
+    root = Path(out_dir).resolve()
+    if dest.resolve() == root or root in dest.resolve().parents:
+        raise ValueError(f"{dest}: export into a folder outside the output dir {out_dir}")
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ValueError(f"{dest} is a link or a file; export into a folder")
+    if dest.is_dir() and _read_record(dest) is None:  # refused before anything is written into it
+        foreign, _ = _scan(dest, {}, None, dirs)
+        if foreign:
+            raise _not_written_here(dest, foreign[0])
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: bool):
+    """The locks an export holds: DEST's own (one export per DEST), and with delete_source the whole output dir
+    (no job, merge or push runs while its units are deleted)."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    path = _claimed(out_dir, dest, dirs)
+    stack.enter_context(_flock(path / LOCK, fcntl.LOCK_EX,
+                               f"{path} is in use by another hsx export (lock held on {LOCK})"))
+    if delete_source:
+        stack.enter_context(OutputDir(src.root).locked_whole("export --delete-source"))
+    return stack, path
+
+
+# ---- SpecForge ------------------------------------------------------------------------------------------------
 
 def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers: list[int] | None = None,
                      layout: str = "eagle3", group_size: int = SPECFORGE_GROUP_SIZE, overwrite: bool = False,
-                     log=print) -> dict[str, Any]:
+                     delete_source: bool = False, log=print) -> dict[str, Any]:
     """Write an output as SpecForge's offline per-sample files (see the module docstring). `i` is the row's
     `sample_id` (its input row, as SpecForge numbers rows; skipped rows leave gaps). eagle3 needs the final-norm
     state (--final-hidden; the eagle3 preset has it) and 3 layers (`layers` picks 3 of more); dflash takes
-    every stored layer or `layers`. Returns {"written", "kept", "skipped", "dest"}."""
+    every stored layer or `layers`. Returns {"written", "kept", "skipped", "released", "dest"}."""
     import torch
 
     if layout not in SPECFORGE_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(SPECFORGE_LAYOUTS)}, not {layout!r}")
-    meta = read_info(out_dir)
+    src = _source(out_dir)
+    meta = src.meta
     chosen = list(layers) if layers is not None else list(meta.layers)
     if layout == "eagle3":
         if not meta.final_hidden:
@@ -108,60 +398,134 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
             example = " ".join(str(i) for i in meta.layers[:3])
             raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta.layers}: "
                              f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
-    view = _rows(out_dir, meta, chosen)
+    layer_positions(meta.layers, chosen, meta.num_model_layers)  # a layer not stored: refused before DEST
     rows_in = meta.counts.rows_in
-    dest = Path(dest)
     resolved = sorted(x + meta.num_model_layers if x < 0 else x for x in chosen)
-    _claim(out_dir, meta, dest, {"trainer": "specforge", "layout": layout, "layers": resolved,
-                                 "group_size": group_size}, overwrite)
-    written = kept = skipped = 0
-    for i in range(len(view)):
-        row = view[i]
-        sid = row["sample_id"]
-        k = sid // group_size * group_size
-        end = min(k + group_size, rows_in) if rows_in > sid else k + group_size
-        path = dest / f"rows_{k}-{end}" / f"data_{sid}.ckpt"
-        mask = row["loss_mask"].to(torch.long)
-        if layout == "dflash" and not bool((mask[1:] * mask[:-1]).any()):
-            skipped += 1  # SpecForge's has_consecutive_supervised_tokens
-            if overwrite:
-                path.unlink(missing_ok=True)  # this sample's file from an earlier export
-            continue
-        if path.exists() and not overwrite:
-            kept += 1
-            continue
-        n = row["input_ids"].shape[0]
-        sample = {"input_ids": row["input_ids"].to(torch.long), "loss_mask": mask}
-        if layout == "eagle3":
-            sample["hidden_state"] = _states(row, "final_hidden_state").unsqueeze(0)
-            sample["aux_hidden_state"] = _states(row, "hidden_states").reshape(1, n, -1)
-        else:
-            sample["hidden_states"] = _states(row, "hidden_states").reshape(n, -1)
-        _save(path, lambda tmp, s=sample: torch.save(s, tmp))
-        written += 1
+    options = {"trainer": "specforge", "layout": layout, "layers": resolved, "group_size": group_size,
+               "delete_source": delete_source}
+    stack, dest = _exporting(out_dir, dest, src, _SPECFORGE_DIRS, delete_source)
+    written = kept = 0
+    with stack:
+        d = _open_dest(dest, src, options, overwrite, _SPECFORGE_DIRS)
+        for name, path in _units(src, d, delete_source):
+            view = _open_unit(path, meta, chosen)
+            skipped = 0
+            for i in range(len(view)):
+                row = view[i]
+                sid = row["sample_id"]
+                k = sid // group_size * group_size
+                end = min(k + group_size, rows_in) if rows_in > sid else k + group_size
+                rel = f"rows_{k}-{end}/data_{sid}.ckpt"
+                mask = row["loss_mask"].to(torch.long)
+                if layout == "dflash" and not bool((mask[1:] * mask[:-1]).any()):
+                    skipped += 1  # SpecForge's has_consecutive_supervised_tokens
+                    continue
+                if rel in d.files:
+                    kept += 1
+                    continue
+                n = row["input_ids"].shape[0]
+                sample = {"input_ids": row["input_ids"].to(torch.long), "loss_mask": mask}
+                if layout == "eagle3":
+                    sample["hidden_state"] = _states(row, "final_hidden_state").unsqueeze(0)
+                    sample["aux_hidden_state"] = _states(row, "hidden_states").reshape(1, n, -1)
+                else:
+                    sample["hidden_states"] = _states(row, "hidden_states").reshape(n, -1)
+                buf = io.BytesIO()
+                torch.save(sample, buf)
+                d.stage(rel, buf.getbuffer())
+                written += 1
+            if d.staged or name not in d.skipped:
+                d.commit(unit=name, skipped=skipped)
+            view = row = sample = None  # the unit's memory map goes with its last reference
+            if delete_source:
+                gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
+                d.release(path)
+    skipped = sum(d.skipped.values())
     log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline {layout} layout"
         + (f" ({kept} already there)" if kept else "")
+        + (f"; deleted {len(d.released)} source unit(s)" if delete_source else "")
         + (f"; left out {skipped} row(s) without two consecutive supervised tokens (SpecForge's DFlash rejects "
            "them)" if skipped else ""))
-    return {"written": written, "kept": kept, "skipped": skipped, "dest": str(dest)}
+    return {"written": written, "kept": kept, "skipped": skipped, "released": len(d.released), "dest": str(dest)}
 
 
-def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, layers: list[int] | None = None,
-                       draft_vocab_size: int | None = None, overwrite: bool = False, log=print) -> dict[str, Any]:
-    """Write an output as speculators' offline training dir (see the module docstring). `layers`: the auxiliary
-    layers (default: every stored layer but the last decoder layer, which is always the verifier state).
-    Returns {"written", "kept", "rows", "target_layer_ids", "dest"}."""
+# ---- speculators ----------------------------------------------------------------------------------------------
+
+def _verifier(meta: Info) -> str:
+    """The verifier speculators loads: the Hub id of a Hub model, else the absolute folder the job read (never a
+    relative path, which would only work from the directory the job ran in)."""
+    path = meta.model_path
+    if not path or Path(path).parent.name == "snapshots":  # huggingface_hub's cache: snapshots/<commit>
+        return meta.model if path or Path(meta.model).is_absolute() or not os.path.isdir(meta.model) \
+            else str(Path(meta.model).resolve())
+    return path
+
+
+def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_vocab_size: int | None) -> None:
+    """speculators' dataset dir (ids, masks, lengths, sorted by sample_id), token_freq.pt, d2t/t2d and
+    speculators.yaml: small files, all built from the token columns of every unit, committed together."""
     import pyarrow as pa
-    import torch
     import yaml
     from datasets import Dataset
     from datasets.table import InMemoryTable
-    from safetensors.torch import save_file
 
-    from hsx.load import load
     from hsx.vocab import SPECULATORS_FREQUENCIES_FILE, count_supervised, draft_vocab, write_speculators_frequencies
 
-    meta = read_info(out_dir)
+    if d.released:
+        raise ValueError(f"{d.root}: files of this export's dataset are missing and its source units were deleted "
+                         "(--delete-source): export again into a new folder from a finished output")
+    meta = src.meta
+    tables = [Dataset.from_file(str(p)).data.table.select(["sample_id", "input_ids", "loss_mask", "num_tokens"])
+              for _, p in todo]
+    table = pa.concat_tables(tables)
+    order = np.argsort(table.column("sample_id").to_numpy(), kind="stable")
+    table = table.take(pa.array(order))
+    long_list = pa.list_(pa.int64())
+    data = pa.table({"input_ids": table.column("input_ids").cast(long_list),
+                     "loss_mask": table.column("loss_mask").cast(long_list),
+                     "seq_len": table.column("num_tokens").cast(pa.int64()),
+                     "sample_id": table.column("sample_id")})
+    tmp = d.temp(_DATASET_PART)
+    Dataset(InMemoryTable(data)).with_format("torch").save_to_disk(str(tmp))
+    vocab_size = meta.vocab_size or (meta.token_frequencies or {}).get("vocab_size")
+    ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
+    counts = count_supervised([table], int(vocab_size or (int(ids.max()) + 1 if len(ids) else 1)))
+    write_speculators_frequencies(counts, tmp / SPECULATORS_FREQUENCIES_FILE)
+    if draft_vocab_size is not None:
+        if not vocab_size:
+            raise ValueError(f"{src.root}: hsx.json does not record the model's vocab_size (an older output): "
+                             "build the draft vocabulary with speculators' --draft-vocab-size from token_freq.pt")
+        d2t, t2d = draft_vocab(counts, draft_vocab_size)
+        np.save(tmp / f"d2t-{draft_vocab_size}.npy", d2t)
+        np.save(tmp / f"t2d-{draft_vocab_size}.npy", t2d)
+    config = {"train": {  # its stage-shaped config file: the trainer's keys under `train:`
+        "verifier": {"verifier_name_or_path": _verifier(meta)},
+        "draft": {"target_layer_ids": [x + 1 for x in aux],
+                  **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
+        "data": {"data_path": str(d.root.resolve())}, "generation": {"on_missing": "raise"}}}
+    (tmp / "speculators.yaml").write_text(
+        "# speculators train --config <this file> [--speculator-type dflash] ...; written by hsx "
+        "export-speculators\n" + yaml.safe_dump(config, sort_keys=False))
+    for f in sorted(tmp.iterdir()):
+        if f.is_dir() or not _RECORDED_PATH.fullmatch(f.name):
+            raise ValueError(f"datasets wrote {f.name} in a save_to_disk folder; hsx does not know that layout")
+        d.stage_file(f.name, f)
+    d.commit(part=_DATASET_PART)
+    tmp.rmdir()
+
+
+def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, layers: list[int] | None = None,
+                       draft_vocab_size: int | None = None, overwrite: bool = False, delete_source: bool = False,
+                       log=print) -> dict[str, Any]:
+    """Write an output as speculators' offline training dir (see the module docstring). `layers`: the auxiliary
+    layers (default: every stored layer but the last decoder layer, which is always the verifier state).
+    Returns {"written", "kept", "rows", "target_layer_ids", "released", "dest"}."""
+    import torch
+    from datasets import load_from_disk
+    from safetensors.torch import save as safetensors_bytes
+
+    src = _source(out_dir)
+    meta = src.meta
     last = meta.num_model_layers - 1
     if last not in meta.layers:
         raise ValueError(f"{out_dir}: speculators' trainer takes the last decoder layer's output before the final "
@@ -172,55 +536,44 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     if not aux or last in aux:
         raise ValueError(f"pick the auxiliary layers among {[x for x in meta.layers if x != last]} (layer "
                          f"{last} is the verifier state and always comes last)")
-    view = torch_view(out_dir, layers=[*aux, last], meta=meta)
-    dest = Path(dest)
-    _claim(out_dir, meta, dest, {"trainer": "speculators", "layers": [*aux, last]}, overwrite)
-    states_dir = dest / "hidden_states"
-    ds = load(out_dir)
-    table = ds.data.table.select(["sample_id", "input_ids", "loss_mask", "num_tokens"])
-    order = np.argsort(table.column("sample_id").to_numpy(), kind="stable")
-    table = table.take(pa.array(order))
-    long_list = pa.list_(pa.int64())
-    data = pa.table({"input_ids": table.column("input_ids").cast(long_list),
-                     "loss_mask": table.column("loss_mask").cast(long_list),
-                     "seq_len": table.column("num_tokens").cast(pa.int64()),
-                     "sample_id": table.column("sample_id")})
-    Dataset(InMemoryTable(data)).with_format("torch").save_to_disk(str(dest))
-
+    layer_positions(meta.layers, aux, meta.num_model_layers)
+    options = {"trainer": "speculators", "layers": [*aux, last], "draft_vocab_size": draft_vocab_size,
+               "verifier": _verifier(meta), "delete_source": delete_source}
+    stack, dest = _exporting(out_dir, dest, src, _SPECULATORS_DIRS, delete_source)
     written = kept = 0
-    for file_idx, position in enumerate(order.tolist()):
-        path = states_dir / f"hs_{file_idx}.safetensors"
-        if path.exists() and not overwrite:
-            kept += 1
-            continue
-        row = view[position]
-        sample = {"hidden_states": _states(row, "hidden_states"), "token_ids": row["input_ids"].to(torch.long)}
-        _save(path, lambda tmp, s=sample: save_file(s, str(tmp)))
-        written += 1
-
-    vocab_size = meta.vocab_size or (meta.token_frequencies or {}).get("vocab_size")
-    ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
-    counts = count_supervised([table], int(vocab_size or (int(ids.max()) + 1 if len(ids) else 1)))
-    write_speculators_frequencies(counts, dest / SPECULATORS_FREQUENCIES_FILE)
-    if draft_vocab_size is not None:
-        if not vocab_size:
-            raise ValueError(f"{out_dir}: hsx.json does not record the model's vocab_size (an older output): "
-                             "build the draft vocabulary with speculators' --draft-vocab-size from token_freq.pt")
-        d2t, t2d = draft_vocab(counts, draft_vocab_size)
-        np.save(dest / f"d2t-{draft_vocab_size}.npy", d2t)
-        np.save(dest / f"t2d-{draft_vocab_size}.npy", t2d)
+    with stack:
+        d = _open_dest(dest, src, options, overwrite, _SPECULATORS_DIRS)
+        todo = _units(src, d, delete_source)
+        if not all(rel in d.files for rel in d.parts.get(_DATASET_PART, [None])):
+            _write_dataset_part(d, src, todo, aux, draft_vocab_size)
+        sample_ids = np.asarray(load_from_disk(str(dest)).with_format("numpy")["sample_id"])
+        rows = len(sample_ids)
+        for name, path in todo:
+            view = _open_unit(path, meta, [*aux, last])
+            for i in range(len(view)):
+                row = view[i]
+                file_idx = int(np.searchsorted(sample_ids, row["sample_id"]))
+                if file_idx == rows or sample_ids[file_idx] != row["sample_id"]:
+                    raise ValueError(f"{dest}: its dataset lacks sample {row['sample_id']} of {name}; export again "
+                                     "into a new folder")
+                rel = f"hidden_states/hs_{file_idx}.safetensors"
+                if rel in d.files:
+                    kept += 1
+                    continue
+                sample = {"hidden_states": _states(row, "hidden_states"), "token_ids": row["input_ids"].to(torch.long)}
+                d.stage(rel, safetensors_bytes(sample))
+                written += 1
+            if d.staged or name not in d.skipped:
+                d.commit(unit=name)
+            view = row = sample = None  # the unit's memory map goes with its last reference
+            if delete_source:
+                gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
+                d.release(path)
     target_layer_ids = [x + 1 for x in aux]  # speculators / vLLM count the embedding output as layer 0
-    config = {"train": {  # its stage-shaped config file: the trainer's keys under `train:`
-        "verifier": {"verifier_name_or_path": meta.model},
-        "draft": {"target_layer_ids": target_layer_ids,
-                  **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
-        "data": {"data_path": str(dest.resolve())}, "generation": {"on_missing": "raise"}}}
-    _save(dest / "speculators.yaml", lambda tmp: tmp.write_text(
-        "# speculators train --config <this file> [--speculator-type dflash] ...; written by hsx "
-        "export-speculators\n" + yaml.safe_dump(config, sort_keys=False)))
     log(f"hsx: exported {written} sample(s) to {dest} in speculators' offline layout"
         + (f" ({kept} already there)" if kept else "")
+        + (f"; deleted {len(d.released)} source unit(s)" if delete_source else "")
         + f"; train with --data-path {dest} --target-layer-ids {' '.join(map(str, target_layer_ids))} "
           "--on-missing raise (or --config speculators.yaml)")
-    return {"written": written, "kept": kept, "rows": len(order), "target_layer_ids": target_layer_ids,
-            "dest": str(dest)}
+    return {"written": written, "kept": kept, "rows": rows, "target_layer_ids": target_layer_ids,
+            "released": len(d.released), "dest": str(dest)}

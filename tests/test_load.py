@@ -241,7 +241,7 @@ def test_export_specforge_round_trip(out, table, meta, tmp_path):
     assert biggest < 2 * (2 + 8 + 8 + 4 * 64 * 2) * int(max(table.column("num_tokens").to_pylist())) + 4096
     # resumable: existing files are kept
     again = export_specforge(str(out), dest, log=lambda *a: None)
-    assert again == {"written": 0, "kept": len(files), "skipped": 0, "dest": str(dest)}
+    assert again == {"written": 0, "kept": len(files), "skipped": 0, "released": 0, "dest": str(dest)}
 
 
 def test_export_specforge_needs_final_hidden_and_3_layers(out, tmp_path):

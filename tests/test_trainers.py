@@ -11,6 +11,7 @@ reshaping and (SpecForge EAGLE-3) zeroed last loss-mask position."""
 from __future__ import annotations
 
 import hashlib
+import os
 import importlib
 import importlib.util
 import subprocess
@@ -302,3 +303,179 @@ def test_speculators_export_of_fp8_is_dequantized(speculators, model4, small_cha
         assert ds[i]["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(bits(ds[i]["hidden_states"]), bits(states[:, 0]))
         assert torch.equal(bits(ds[i]["verifier_last_hidden_states"]), bits(states[:, 1]))
+
+
+# ---- what an export keeps, deletes and refuses in DEST ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, model4, small_chat_path) -> Path:
+    """A few rows in several units, extracted with the model given as a RELATIVE path (as a recipe or a user in
+    the model's parent folder would)."""
+    root = tmp_path_factory.mktemp("small") / "out"
+    here = Path.cwd()
+    os.chdir(model4.path.parent)
+    try:
+        extract(load_config(None, {"output_dir": str(root), "compile": "off", "model": model4.path.name,
+                                   "dataset": str(small_chat_path), "layers": [str(i) for i in LAYERS],
+                                   "final_hidden": True, "max_length": 160, "token_budget": 160}), log=quiet)
+    finally:
+        os.chdir(here)
+    assert len(list((root / "data").glob("train-*.arrow"))) >= 2
+    return root
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def exported(root: Path) -> dict[str, bytes]:
+    """The trainer's files of an export (its record aside, whose token differs per export; its own path as DEST)."""
+    return {k: v.replace(str(root.resolve()).encode(), b"DEST") for k, v in tree(root).items()
+            if not k.startswith("hsx-export.")}
+
+
+def test_an_export_refuses_a_dest_it_did_not_write(small, tmp_path):
+    sf = tmp_path / "sf"
+    (sf / "rows_0-99").mkdir(parents=True)
+    (sf / "rows_0-99" / "data_0.ckpt").write_text("FOREIGN\n")
+    with pytest.raises(ValueError, match=r"rows_0-99/data_0.ckpt was not written by this export"):
+        export_specforge(str(small), sf, layout="dflash", log=quiet)
+    code, _, err = hsx_main(["export-specforge", str(small), str(sf), "--layout", "dflash", "--overwrite"])
+    assert code == 1 and len(message_lines(err)) == 1 and "rows_0-99/data_0.ckpt" in err  # --overwrite too
+    assert tree(sf) == {"rows_0-99/data_0.ckpt": b"FOREIGN\n"}  # nothing written, nothing deleted
+
+    sp = tmp_path / "sp"
+    (sp / "hidden_states").mkdir(parents=True)
+    foreign = {"state.json": b"{}", "data-00000-of-00001.arrow": b"x", "hidden_states/hs_0.safetensors": b"y"}
+    for name, blob in foreign.items():
+        (sp / name).write_bytes(blob)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="data-00000-of-00001.arrow was not written by this export"):
+            export_speculators(str(small), sp, overwrite=overwrite, log=quiet)
+    assert tree(sp) == foreign
+
+    secret = tmp_path / "secret"
+    secret.write_text("keep")
+    linked = tmp_path / "linked"
+    export_specforge(str(small), linked, layout="dflash", log=quiet)
+    link = next(linked.glob("rows_*")) / "data_99.ckpt"
+    link.symlink_to(secret)
+    for overwrite in (False, True):  # a link is never followed, adopted or deleted
+        with pytest.raises(ValueError, match="was not written by this export"):
+            export_specforge(str(small), linked, layout="dflash", overwrite=overwrite, log=quiet)
+    assert secret.read_text() == "keep" and link.is_symlink()
+
+
+def test_an_export_refuses_a_recorded_file_that_changed(small, tmp_path):
+    import json
+    import shutil
+
+    dest = tmp_path / "sf"
+    export_specforge(str(small), dest, layout="dflash", log=quiet)
+    other = tmp_path / "other"  # the same rows, another job
+    shutil.copytree(small, other)
+    info = json.loads((other / "hsx.json").read_text())
+    (other / "hsx.json").write_text(json.dumps({**info, "fingerprint": "another-job"}))
+    code, _, err = hsx_main(["export-specforge", str(other), str(dest), "--layout", "dflash"])
+    assert code == 1 and len(message_lines(err)) == 1 and "another job's output" in err
+    victim = sorted(dest.rglob("*.ckpt"))[0]
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    victim.write_bytes(bytes(blob))  # the same size, other bytes
+    for overwrite in (False, True):  # neither resumed over nor deleted: it is no longer what hsx wrote
+        with pytest.raises(ValueError, match=f"{victim.parent.name}/{victim.name} is not the file this export"):
+            export_specforge(str(small), dest, layout="dflash", overwrite=overwrite, log=quiet)
+    assert victim.exists()
+    victim.unlink()  # deleted: written again
+    assert export_specforge(str(small), dest, layout="dflash", log=quiet)["written"] == 1
+
+
+def test_an_interrupted_export_resumes_from_what_it_can_prove(small, tmp_path, monkeypatch):
+    """A kill at any point (here: before the 2nd sample file's rename) leaves temporary files hsx recognises and
+    removes, and recorded files it verifies and keeps; the resumed export equals an uninterrupted one, byte for
+    byte."""
+    import hsx.export as export
+
+    whole_sf, whole_sp = tmp_path / "whole-sf", tmp_path / "whole-sp"
+    export_specforge(str(small), whole_sf, layout="dflash", log=quiet)
+    export_speculators(str(small), whole_sp, log=quiet)
+    for name, run, whole in (("sf", lambda d: export_specforge(str(small), d, layout="dflash", log=quiet), whole_sf),
+                             ("sp", lambda d: export_speculators(str(small), d, log=quiet), whole_sp)):
+        dest = tmp_path / name
+        real, calls = os.replace, []
+
+        def dies(src, dst, real=real, calls=calls):
+            calls.append(dst)
+            if len([c for c in calls if Path(c).suffix in (".ckpt", ".safetensors")]) == 2:
+                raise KeyboardInterrupt  # as a kill would, between two renames
+            real(src, dst)
+
+        monkeypatch.setattr(export.os, "replace", dies)
+        with pytest.raises(KeyboardInterrupt):
+            run(dest)
+        monkeypatch.setattr(export.os, "replace", real)
+        assert any(p.name.startswith(".hsx-") for p in dest.rglob("*"))  # temporary files of the killed run
+        res = run(dest)
+        assert res["kept"] > 0 and res["written"] > 0
+        assert not any(p.name.startswith(".hsx-") for p in dest.rglob("*"))
+        assert exported(dest) == exported(whole)
+
+
+def test_exported_files_follow_the_umask(small, tmp_path):
+    old = os.umask(0o002)
+    try:
+        export_speculators(str(small), tmp_path / "sp", log=quiet)
+        export_specforge(str(small), tmp_path / "sf", layout="dflash", log=quiet)
+    finally:
+        os.umask(old)
+    modes = {p.stat().st_mode & 0o777 for p in [*(tmp_path / "sp").rglob("*.safetensors"),
+                                                  *(tmp_path / "sf").rglob("*.ckpt")]}
+    assert modes == {0o664}
+
+
+def test_speculators_config_names_the_model_from_anywhere(small, model4, tmp_path):
+    """hsx.json's `model` is relative here; speculators.yaml's verifier must work from any directory."""
+    import yaml
+
+    export_speculators(str(small), tmp_path / "sp", log=quiet)
+    cfg = yaml.safe_load((tmp_path / "sp" / "speculators.yaml").read_text())
+    assert cfg["train"]["verifier"]["verifier_name_or_path"] == str(model4.path.resolve())
+
+
+@pytest.mark.parametrize("trainer", ["specforge", "speculators"])
+def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, trainer):
+    """--delete-source: each unit is deleted once its exported files are committed, so DEST and OUT never hold
+    more than one unit twice; interrupted, it resumes; the files equal a plain export's, byte for byte."""
+    import shutil
+
+    import hsx.export as export
+
+    def run(dest, out, **kw):
+        if trainer == "specforge":
+            return export_specforge(str(out), dest, layout="dflash", log=quiet, **kw)
+        return export_speculators(str(out), dest, log=quiet, **kw)
+
+    run(tmp_path / "plain", small)
+    out = tmp_path / "out"
+    shutil.copytree(small, out)
+    units = sorted((out / "data").glob("train-*.arrow"))
+    real, seen = export._Dest.release, []
+
+    def release_then_die(self, unit):
+        seen.append({p.name for p in (out / "data").glob("train-*.arrow")})
+        real(self, unit)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(export._Dest, "release", release_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "moved", out, delete_source=True)
+    assert len(list((out / "data").glob("train-*.arrow"))) == len(units) - 1
+    with pytest.raises(ValueError, match="deleted"):  # its source is going: an overwrite cannot redo it
+        run(tmp_path / "moved", out, delete_source=True, overwrite=True)
+    res = run(tmp_path / "moved", out, delete_source=True)
+    assert res["released"] == len(units) and not list((out / "data").glob("train-*.arrow"))
+    assert [len(s) for s in seen] == list(range(len(units), 0, -1))  # one unit released at a time
+    assert exported(tmp_path / "moved") == exported(tmp_path / "plain")
+    with pytest.raises(ValueError, match="another export"):  # the record names its options
+        run(tmp_path / "moved", small)
