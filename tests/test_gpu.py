@@ -212,7 +212,11 @@ def _hybrid_moe(num_layers=8, seed=0):
 def test_packed_hybrid_moe_equals_one_row_reference():
     """Qwen3.5/3.6-MoE (Gated DeltaNet + gated attention + routed and shared experts) on hsx's path: packed rows,
     fla's kernels, hsx's grouped experts with the fused gate/up kernel and the router as one op, eager and compiled,
-    equals transformers' own one-row forward (its eager experts loop) within bf16 tolerance."""
+    against transformers' own one-row forward with its eager experts loop. In bf16 a routing choice near a tie can
+    flip between any two implementations, so the bar is the one the CPU matrix sets: hsx's distance to the float32
+    forward (the same weights) is no larger than transformers' bf16 forward's, within a bf16 tolerance of it."""
+    import copy
+
     pytest.importorskip("fla")
     pytest.importorskip("transformers.models.qwen3_5_moe")
     from hsx import moe
@@ -222,14 +226,20 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     rng = np.random.default_rng(6)
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
     layers = [0, 3, 7]
+    wide = copy.deepcopy(causal).float()
+    moe.use_experts(wide.model, "eager")
+    ref32 = _one_row_reference(wide, layers, rows)
+    del wide
     moe.use_experts(causal.model, "eager")
-    ref = _one_row_reference(causal, layers, rows)
+    ref16 = _one_row_reference(causal, layers, rows)
     moe.use_experts(causal.model, moe.EXPERTS_IMPLEMENTATION)
     block = causal.model.layers[0].mlp
     assert getattr(block.experts, moe.FUSED_GATE_UP) and block.gate.forward.__func__ is moe.routed_forward
+    base_err = _rel(ref16, ref32)
     for packing, compile_model in (("none", False), ("varlen", False), ("varlen", True)):
         got = _states(causal, layers, compile_model, rows, packing=packing)[0]
-        assert _rel(got, ref) < 2e-2, (packing, compile_model, _rel(got, ref))
+        err, err32 = _rel(got, ref16), _rel(got, ref32)
+        assert err32 <= 1.5 * base_err + 1e-3 and err < 5e-2, (packing, compile_model, err, err32, base_err)
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
     assert report["experts_implementation"] == moe.EXPERTS_IMPLEMENTATION
