@@ -97,6 +97,21 @@ SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
                                              beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
                         tie_word_embeddings=False),
+    # Qwen3.6-35B-A3B (config.json: model_type qwen3_5_moe, a VLM; this is its text_config; Qwen3.5-35B-A3B has
+    # the same text shape): 10 × [Gated DeltaNet ×3, gated full attention ×1], every layer 256 experts of width 512,
+    # 8 routed per token, plus a shared expert of width 512 behind a sigmoid gate; the MTP layer is not run.
+    "qwen3.6-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512,
+                            layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(40)],
+                            max_position_embeddings=262144, rms_norm_eps=1e-6,
+                            rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                 partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                                                 mrope_interleaved=True),
+                            tie_word_embeddings=False),
     "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                             num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
@@ -108,7 +123,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
 # Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
 # qwen3-30b-a3b: 47.8% on the last VM, 43.1% on a slow one (the same code); below the best for a plan.
-MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45}
+# qwen3.6-35b-a3b: 34.9% (docs/benchmarks.md).
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45,
+                                  "qwen3.6-35b-a3b": 0.35}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
@@ -119,6 +136,8 @@ HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
     "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3.6-35b-a3b",
+    "Qwen/Qwen3.6-35B-A3B": "qwen3.6-35b-a3b",
     "openai/gpt-oss-20b": "gpt-oss-20b",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",

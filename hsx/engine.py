@@ -382,6 +382,8 @@ class Pipeline:
         self.map_wait_seconds = 0.0
         self.write_seconds = 0.0
         self._returned_at: float | None = None
+        # Joined by `close` (Engine's context, hsx.stream's finally); daemon only so that a Pipeline someone forgot
+        # to close, its producer waiting for a slot forever, cannot hold the interpreter open.
         self.thread = threading.Thread(target=self._produce, args=(batches,), name="hsx-gpu", daemon=True)
         self.thread.start()
 
@@ -440,7 +442,9 @@ class Pipeline:
             self.returned = None
 
     def close(self) -> None:
+        """Stop the producer after the batch it is running and join it (no deadline: a thread left inside a CUDA
+        call when the interpreter exits aborts the process)."""
         self.stop.set()
         self.release()
         self.ex.free.put(None)  # wakes a producer blocked on a slot
-        self.thread.join(timeout=60)
+        self.thread.join()

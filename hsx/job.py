@@ -322,6 +322,7 @@ class Engine:
         self.cfg, self.ordered, self.units = cfg, ordered, units
         device = proc.device
         cuda = device.type == "cuda"
+        self.owns_model = loaded is None  # a model given (hsx bench's) outlives the job, and so does its compile
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
         kernels = kernel_report(loaded.base)
@@ -416,12 +417,16 @@ class Engine:
         self.pipeline.release()
 
     def close(self) -> RunStats:
-        """Stop the producer thread, free the slots; the run's numbers."""
+        """Stop and join the producer thread and the compile worker, free the slots; the run's numbers."""
         s = self.stats
         if self.closed:
             return s
         self.closed = True
-        self.pipeline.close()
+        try:
+            self.pipeline.close()
+        finally:
+            if self.extractor.compiler is not None:
+                self.extractor.compiler.close(finish=not self.owns_model)
         self.bar.close()
         s.seconds = time.perf_counter() - self.t0
         s.gpu_waited_for_writer_seconds = self.pipeline.wait_seconds
@@ -450,13 +455,13 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     from hsx.writer import checksum_pool, spares_for, unit_files
 
     unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
-    committer = Committer(out, on_commit=on_commit)
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     unit_bytes = engine.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
-    spares = None
-    crc_pool = checksum_pool()  # the writer's checksum threads, for every unit (hsx.writer)
+    spares = committer = crc_pool = None
     try:
+        committer = Committer(out, on_commit=on_commit)
+        crc_pool = checksum_pool()  # the writer's checksum threads, for every unit (hsx.writer)
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
         for u in units:
@@ -482,8 +487,10 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     finally:
         if spares is not None:
             spares.close()
-        crc_pool.shutdown(wait=True)
-        committer.close()
+        if crc_pool is not None:
+            crc_pool.shutdown(wait=True)
+        if committer is not None:
+            committer.close()
         if progress_was_on:
             datasets.enable_progress_bars()
 

@@ -323,7 +323,10 @@ class CompileAhead:
 
     The first forward records each layer kind's inputs (with the thread's context variables, e.g. packed rows);
     `start` then compiles and runs each kind once, on the worker, in inference mode. `ready` is set when every kind
-    compiled; `wait` gives up after a deadline with one line (extraction keeps running eager)."""
+    compiled; `wait` gives up after a deadline with one line (extraction keeps running eager). `close` ends the
+    worker before the job returns: a thread still inside torch's C++ code when the interpreter exits is unwound by
+    glibc's thread cancellation through C++ frames, which aborts the process ("FATAL: exception not rethrown")
+    after its work is done. A compile in progress cannot be cut short, so `close` waits for it."""
 
     def __init__(self, log=print):
         import threading
@@ -332,6 +335,7 @@ class CompileAhead:
         self.samples: dict[tuple, tuple] = {}  # kind -> (args, kwargs, context) of its first call
         self.layers: list[tuple] = []  # (kind, compiled forward) of every layer
         self.ready = threading.Event()
+        self.stopping = threading.Event()  # `close(finish=False)`: compile no further kind
         self.failed: str | None = None
         self.thread: threading.Thread | None = None
         self.seconds: float | None = None  # compile time, once done
@@ -351,8 +355,20 @@ class CompileAhead:
         if self.thread is not None or not self.samples:
             return
         trace_fx_once()
-        self.thread = threading.Thread(target=self._compile, args=(device,), name="hsx-compile", daemon=True)
+        # Not a daemon: the worker always ends on its own, and if no `close` joins it, the interpreter's exit does.
+        self.thread = threading.Thread(target=self._compile, args=(device,), name="hsx-compile")
         self.thread.start()
+
+    def close(self, finish: bool) -> None:
+        """Join the worker: after every kind compiled (`finish`: the model outlives the job, e.g. `hsx bench`'s),
+        or after the kind compiling now (no further kind starts; the layers stay eager)."""
+        if self.thread is None:
+            return
+        if not finish:
+            self.stopping.set()
+        if self.thread.is_alive():
+            self.log("hsx: waiting for torch.compile's worker to finish the layer kind it is compiling")
+        self.thread.join()
 
     def _compile(self, device: torch.device) -> None:
         import time
@@ -363,6 +379,8 @@ class CompileAhead:
                 torch.cuda.set_device(device)
             with torch.inference_mode():
                 for kind, compiled in self.layers:  # every layer: one compile per kind, then guard checks
+                    if self.stopping.is_set():
+                        return
                     if kind in self.samples:
                         args, kwargs, context = self.samples[kind]
                         context.run(compiled, *args, **kwargs)

@@ -382,22 +382,31 @@ def _route_kernel():
     return route_kernel
 
 
-# Routers whose forward is Qwen3-MoE's (the same source in transformers; `_routes_as_qwen3_moe` checks it): linear,
-# float32 softmax, top-k, optional renormalization, weights back in the logits' dtype.
+# Routers whose forward is Qwen3-MoE's (the same source in transformers; `_router_renormalizes` checks it): linear,
+# float32 softmax, top-k, renormalization (optional by config, or always: Qwen3.5/3.6-MoE), weights back in the
+# logits' dtype.
 QWEN3_MOE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter",
-                     "Qwen3OmniMoeThinkerTextTopKRouter")
+                     "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3_5MoeTopKRouter")
+RENORMALIZE = "_hsx_router_renormalizes"  # set on a router by use_router: decided once, not while traced
 
 
 def routed_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     """Qwen3-MoE's router forward with the softmax, top-k and renormalization as `route_topk`."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = torch.nn.functional.linear(hidden_states, self.weight)
-    weights, index = route_topk(router_logits, self.top_k, bool(self.norm_topk_prob))
+    weights, index = route_topk(router_logits, self.top_k, bool(getattr(self, RENORMALIZE)))
     return router_logits, weights, index
 
 
+ROUTER_RENORMALIZE_IF = ("        if self.norm_topk_prob:\n"
+                         "            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)\n")
+ROUTER_RENORMALIZE_ALWAYS = "        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)\n"
+
+
 @functools.cache
-def _qwen3_moe_router_source() -> str | None:
+def _qwen3_moe_router_sources() -> dict[str, str]:
+    """{forward source: "config" (renormalizes when `norm_topk_prob`) or "always"}: Qwen3-MoE's router forward
+    as this transformers writes it, and the same with the renormalization unconditional (Qwen3.5/3.6-MoE's)."""
     import inspect
 
     try:
@@ -405,35 +414,42 @@ def _qwen3_moe_router_source() -> str | None:
 
         source = inspect.getsource(Qwen3MoeTopKRouter.forward)
     except Exception:  # noqa: BLE001 - another transformers: no router of that form to replace
-        return None
+        return {}
     steps = ("F.linear(hidden_states, self.weight)", "softmax(router_logits, dtype=torch.float, dim=-1)",
-             "torch.topk(router_probs, self.top_k, dim=-1)", "if self.norm_topk_prob:",
-             "router_top_value /= router_top_value.sum(dim=-1, keepdim=True)",
+             "torch.topk(router_probs, self.top_k, dim=-1)", ROUTER_RENORMALIZE_IF,
              "router_top_value.to(router_logits.dtype)", "return router_logits, router_scores, router_indices")
-    return source if all(step in source for step in steps) else None
+    if not all(step in source for step in steps):
+        return {}
+    return {source: "config", source.replace(ROUTER_RENORMALIZE_IF, ROUTER_RENORMALIZE_ALWAYS): "always"}
 
 
-def _routes_as_qwen3_moe(module: torch.nn.Module) -> bool:
+def _router_renormalizes(module: torch.nn.Module) -> bool | None:
+    """Whether a router of Qwen3-MoE's form renormalizes its top-k weights; None for any other module."""
     import inspect
 
     cls = type(module)
     if cls.__name__ not in QWEN3_MOE_ROUTERS or getattr(module, "bias", None) is not None:
-        return False
-    reference = _qwen3_moe_router_source()
+        return None
     try:
-        return reference is not None and inspect.getsource(cls.forward) == reference
+        form = _qwen3_moe_router_sources().get(inspect.getsource(cls.forward))
     except (OSError, TypeError):
-        return False
+        return None
+    if form == "always":
+        return True
+    return bool(module.norm_topk_prob) if form == "config" and hasattr(module, "norm_topk_prob") else None
 
 
 def use_router(base: torch.nn.Module, fused: bool) -> None:
     """Run routers of Qwen3-MoE's form through `routed_forward` (fused) or their class's forward again."""
     for m in base.modules():
-        if _routes_as_qwen3_moe(m):
-            if fused:
-                m.forward = routed_forward.__get__(m)
-            else:
-                m.__dict__.pop("forward", None)
+        renormalizes = _router_renormalizes(m)
+        if renormalizes is None:
+            continue
+        if fused:
+            setattr(m, RENORMALIZE, renormalizes)
+            m.forward = routed_forward.__get__(m)
+        else:
+            m.__dict__.pop("forward", None)
 
 
 def register() -> None:

@@ -139,3 +139,49 @@ def test_a_rank_that_does_not_finalize_returns_none(tmp_path, monkeypatch):
     # what hsx.run.extract returns on a rank of several whose units are written while the others still run
     monkeypatch.setattr("hsx.run.extract", lambda cfg: {"complete": False, "rank": 1, "run": {}})
     assert hsx.extract(**DEMO_KEYS, output_dir=str(tmp_path / "out")) is None
+
+
+def _hsx_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("hsx"))
+
+
+@pytest.mark.slow
+def test_extract_leaves_no_thread_running(tmp_path, monkeypatch, capsys):
+    """Every thread a job starts (GPU producer, compile worker, committer, writer and checksum threads) is joined
+    before hsx.extract returns or raises: one left inside torch's C++ code when the interpreter exits aborts the
+    process ("FATAL: exception not rethrown", exit -6, after the work is done). The compile worker is made slow
+    (each compile takes 2 s) so that the job ends while it is still compiling."""
+    import time
+
+    import torch
+
+    from conftest import write_jsonl
+    from hsx.demo import chat_rows
+    from hsx.sink import OutputDir
+
+    def slow_compile(forward, **kwargs):
+        def compiled(*args, **kw):
+            if torch.compiler.is_compiling() is False and not getattr(compiled, "done", False):
+                time.sleep(2.0)
+                compiled.done = True
+            return forward(*args, **kw)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", slow_compile)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8, seed=3))
+    keys = {**DEMO_KEYS, "dataset": str(data), "compile": "on", "max_length": 128}
+    assert _hsx_threads() == []
+    with one_torch_thread():
+        ds = hsx.extract(**keys, output_dir=str(tmp_path / "ok"))
+    assert len(ds) > 0 and _hsx_threads() == []
+    assert "waiting for torch.compile's worker" in capsys.readouterr().out  # the job did end mid-compile
+
+    def broken_commit(self, *args, **kwargs):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(OutputDir, "commit", broken_commit)
+    with one_torch_thread(), pytest.raises(OSError, match="the disk went away"):
+        hsx.extract(**keys, output_dir=str(tmp_path / "failed"))
+    assert _hsx_threads() == []

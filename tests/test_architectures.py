@@ -60,8 +60,21 @@ def _gemma3_text(**kw) -> dict[str, Any]:
                    layer_types=[sliding, sliding, full, sliding, sliding, full], **kw)
 
 
+def _qwen3_5_moe_text(**kw) -> dict[str, Any]:
+    """Qwen3.5/3.6-MoE's text model: the hybrid layers, each with 4 routed experts (2 per token) and a gated shared
+    expert."""
+    return _qwen3_5_text(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, **kw)
+
+
 def _vision_language(name: str):
     T = transformers
+    if name == "qwen3_5_moe_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
+                      num_position_embeddings=16, temporal_patch_size=2, spatial_merge_size=2)
+        cfg = T.Qwen3_5MoeConfig(text_config=_qwen3_5_moe_text(), vision_config=vision, image_token_id=500,
+                                 video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
+        return cfg, T.Qwen3_5MoeForConditionalGeneration
     if name == "qwen3_5_vl":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
                       num_position_embeddings=16, temporal_patch_size=2, spatial_merge_size=2)
@@ -89,6 +102,7 @@ def family_config(name: str):
             num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             decoder_sparse_step=1, mlp_only_layers=[1])),
         "qwen3_5": lambda: T.Qwen3_5TextConfig(**_qwen3_5_text()),
+        "qwen3_5_moe": lambda: T.Qwen3_5MoeTextConfig(**_qwen3_5_moe_text()),
         "qwen3_next": lambda: T.Qwen3NextConfig(**_common(
             num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
@@ -106,11 +120,11 @@ def family_config(name: str):
     return configs[name](), T.AutoModelForCausalLM
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gemma3", "gpt_oss",
-            "deepseek_v3", "qwen3_5_vl", "gemma3_vl"]
-VISION_LANGUAGE = {"qwen3_5_vl", "gemma3_vl"}
-HYBRID = {"qwen3_5", "qwen3_next", "qwen3_5_vl"}
-MOE = {"qwen3_moe", "qwen3_next", "gpt_oss", "deepseek_v3"}
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3",
+            "gpt_oss", "deepseek_v3", "qwen3_5_vl", "qwen3_5_moe_vl", "gemma3_vl"]
+VISION_LANGUAGE = {"qwen3_5_vl", "qwen3_5_moe_vl", "gemma3_vl"}
+HYBRID = {"qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"}
+MOE = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_vl", "gpt_oss", "deepseek_v3"}
 SLIDING = {"mistral": 8, "gemma3": 4, "gpt_oss": 4, "gemma3_vl": 4}  # windows well under the lengths used
 
 
@@ -481,7 +495,8 @@ def test_gpt_oss_eager_and_sliced(tmp_path_factory):
     assert ran == [0, 1]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5", "qwen3_next", "gemma3_vl", "qwen3_5_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma3_vl",
+                                  "qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_layer_types_cut_with_the_layers(name, tmp_path_factory):
     fam = get_family(name, tmp_path_factory)
     full = fam.model.config.get_text_config().layer_types

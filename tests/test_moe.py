@@ -24,6 +24,11 @@ CONFIGS = {
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=32, layer_types=["linear_attention",
                                                                                   "full_attention"]),
+    "qwen3_5_moe": lambda: T.Qwen3_5MoeTextConfig(
+        **COMMON, num_hidden_layers=2, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, layer_types=["linear_attention",
+                                                                                  "full_attention"]),
     "deepseek_v3": lambda: T.DeepseekV3Config(
         **{**COMMON, "num_key_value_heads": 4, "head_dim": 8}, num_hidden_layers=2, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=8,
@@ -101,6 +106,12 @@ def test_moe_shapes_by_hub_id():
     assert o.sliding_window == 128 and o.rope_parameters["rope_type"] == "yarn"
     assert (o.num_local_experts, o.num_experts_per_tok) == (32, 4)
     assert plan_mfu(q) == plan_mfu(o) == PLAN_MFU_MOE and plan_mfu(shape_config("qwen3-8b")) == PLAN_MFU
+    h = shape_config("Qwen/Qwen3.6-35B-A3B")
+    assert h.to_dict() == shape_config("Qwen/Qwen3.5-35B-A3B").to_dict() == shape_config("qwen3.6-35b-a3b").to_dict()
+    assert type(h).__name__ == "Qwen3_5MoeTextConfig" and plan_mfu(h) == PLAN_MFU_MOE
+    assert (h.num_experts, h.num_experts_per_tok, h.moe_intermediate_size, h.shared_expert_intermediate_size) == (
+        256, 8, 512, 512)
+    assert h.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"] and len(h.layer_types) == 40
 
 
 def test_moe_budget_gives_each_expert_its_rows():
@@ -169,23 +180,30 @@ def test_sum_pairs_is_each_tokens_ordered_float32_sum():
     assert sum_pairs(z[:0], inverse[:0], k).shape == (0, hidden)
 
 
-def test_qwen3_moe_router_runs_as_one_op_and_back():
-    """hsx_grouped runs Qwen3-MoE's router as `route_topk` (bit for bit its forward on CPU: the same torch ops);
+@pytest.mark.parametrize(("name", "renormalizes"), [("qwen3_moe", False), ("qwen3_moe", True),
+                                                     ("qwen3_5_moe", True)])
+def test_qwen3_moe_router_runs_as_one_op_and_back(name, renormalizes):
+    """hsx_grouped runs routers of Qwen3-MoE's form as `route_topk` (bit for bit their forward on CPU: the same
+    torch ops), Qwen3.5/3.6-MoE's (which always renormalizes) included, and Qwen3-MoE's with and without renormalization;
     switching back to another experts implementation restores transformers' forward; a router of another form
     is left alone."""
     from hsx import moe
 
-    model = _model("qwen3_moe")
+    model = _model(name)
     gate = model.layers[0].mlp.gate
+    if name == "qwen3_moe":
+        gate.norm_topk_prob = renormalizes
     x = torch.randn(45, 64, generator=torch.Generator().manual_seed(4))
     ref = type(gate).forward(gate, x)
+    unnormalized = torch.softmax(ref[0].float(), -1).gather(1, ref[2]).to(ref[1].dtype)
+    assert torch.equal(ref[1], unnormalized) is not renormalizes  # the two forms differ on these inputs
     use_experts(model, EXPERTS_IMPLEMENTATION)
     assert gate.forward.__func__ is moe.routed_forward
     for got, want in zip(gate(x), ref):
         assert torch.equal(got, want)
     use_experts(model, "eager")
     assert "forward" not in gate.__dict__
-    assert not moe._routes_as_qwen3_moe(torch.nn.Linear(2, 2))
+    assert moe._router_renormalizes(torch.nn.Linear(2, 2)) is None
     gpt = _model("gpt_oss")
     use_experts(gpt, EXPERTS_IMPLEMENTATION)
     assert not any("forward" in m.__dict__ for m in gpt.modules())  # GPT-OSS: bias, softmax after the top-k
@@ -221,11 +239,12 @@ def test_fused_gate_up_only_where_it_applies():
     SiLU, no bias) and no others (GPT-OSS: biases, its own clamped gate; any other implementation)."""
     from hsx import moe
 
-    qwen, gpt = _model("qwen3_moe"), _model("gpt_oss")
-    use_experts(qwen, EXPERTS_IMPLEMENTATION)
-    use_experts(gpt, EXPERTS_IMPLEMENTATION)
-    marks = [getattr(m, moe.FUSED_GATE_UP) for m in qwen.modules() if moe._dispatched(m)]
-    assert marks and all(marks)
+    qwen, gpt, hybrid = _model("qwen3_moe"), _model("gpt_oss"), _model("qwen3_5_moe")
+    for model in (qwen, gpt, hybrid):
+        use_experts(model, EXPERTS_IMPLEMENTATION)
+    for model in (qwen, hybrid):  # Qwen3.5/3.6-MoE's experts have Qwen3-MoE's form
+        marks = [getattr(m, moe.FUSED_GATE_UP) for m in model.modules() if moe._dispatched(m)]
+        assert marks and all(marks)
     assert not any(getattr(m, moe.FUSED_GATE_UP) for m in gpt.modules() if moe._dispatched(m))
     use_experts(qwen, "eager")
     assert not any(getattr(m, moe.FUSED_GATE_UP) for m in qwen.modules() if moe._dispatched(m))
