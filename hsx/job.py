@@ -319,7 +319,7 @@ class Engine:
         from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
 
-        self.cfg, self.ordered, self.units = cfg, ordered, units
+        self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device
         cuda = device.type == "cuda"
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
@@ -460,6 +460,10 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
         for u in units:
+            if engine.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
+                from hsx.follow import wait_for_consumers
+
+                wait_for_consumers(out, engine.cfg.max_pending_gb, stop, engine.log)
             if proc.agree_max(int(stop.is_set())):
                 break
             counts = engine.start_unit()
