@@ -28,6 +28,7 @@ import json
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from hsx.errors import HsxError
 
 CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 STATE_VERSION = 1
+WAIT_HINT_SECONDS = 60.0  # waiting this long for a unit with uncommitted rows: say why the extractor may be waiting
 
 
 # ---- the extractor's side: --max-pending-gb ---------------------------------------------------------------------
@@ -187,6 +189,9 @@ def _make_class():
                                f"committed and deleted ({len(gone)} unit(s), e.g. train-{gone[0]}.arrow): resume "
                                "from the checkpoint saved last")
             self.position = position
+            # The state comes from a durable checkpoint: record it, so units it finished are released now (a kill
+            # between the trainer's checkpoint and its commit() must not leave the extractor waiting for them).
+            self.commit(state)
 
         def commit(self, state: dict[str, Any] | None = None) -> None:
             """Record the position (`state`, a `state_dict()` the trainer saved, or the current one) in the ledger,
@@ -219,7 +224,7 @@ def _make_class():
                                "position a checkpoint saves must be the one that handed the rows out)")
             self.iterating = True
             try:
-                waited_since = time.monotonic()
+                waited_since, warned = time.monotonic(), False
                 while True:
                     unit = self._next_unit()
                     if unit is None:
@@ -227,6 +232,13 @@ def _make_class():
                             if self.commit_mode == "unit":
                                 self.commit()
                             return
+                        if not warned and time.monotonic() - waited_since > WAIT_HINT_SECONDS and any(
+                                self.committed.get(u, 0) < row for u, row in self.position.items()):
+                            warnings.warn(f"hsx.follow: waiting for a new unit of {self.out.root} while rows handed "
+                                          "out are not committed: an `hsx extract --max-pending-gb` job waits for "
+                                          "commit() (checkpoint more often, or raise --max-pending-gb)",
+                                          stacklevel=2)
+                            warned = True
                         if self.timeout is not None and time.monotonic() - waited_since > self.timeout:
                             raise HsxError(f"{self.out.root}: no new unit for {self.timeout:g} s (is hsx extract "
                                            "running?)")
@@ -235,7 +247,7 @@ def _make_class():
                     yield from self._unit_rows(unit)
                     if self.commit_mode == "unit":
                         self.commit()
-                    waited_since = time.monotonic()
+                    waited_since, warned = time.monotonic(), False
             finally:
                 self.iterating = False
 
