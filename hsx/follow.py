@@ -57,7 +57,7 @@ def pending_bytes(out) -> int:
     return total
 
 
-def wait_for_consumers(out, max_pending_gb: float, stop, log, poll_seconds: float = 0.5) -> None:
+def wait_for_consumers(out, max_pending_gb: float, stop, log, poll_seconds: float = 0.2) -> None:
     """Before a unit starts: wait while `max_pending_gb` GB of units are not consumed yet (`pending_bytes`),
     reading the ledgers every `poll_seconds`; return at once when `stop` (SIGINT/SIGTERM) is set. `out`: an
     hsx.sink.OutputDir."""
@@ -197,9 +197,11 @@ def _make_class():
             """Record the position (`state`, a `state_dict()` the trainer saved, or the current one) in the ledger,
             fsynced, then delete the units it says are wholly consumed (`delete_consumed`)."""
             position = (state or self.state_dict())["position"]
+            if any(u not in self.records for u in position):
+                self.records.update(self._manifest())
             lines, whole = [], []
             for unit, row in sorted(position.items()):
-                rec = self.records.get(unit) or self._manifest().get(unit)
+                rec = self.records.get(unit)
                 if rec is None:
                     continue
                 if self.committed.get(unit) != row:
@@ -301,6 +303,8 @@ def _make_class():
                 if self.position.get(unit, -1) >= rec["rows"]:
                     continue
                 f = self.out.data / rec["file"]
+                if not f.exists() and (self.out.state / "damaged" / rec["file"]).exists():
+                    continue  # a resume found it damaged and moved it aside: it is redone, then read
                 if not f.exists() or f.stat().st_size != rec["bytes"]:
                     why = "missing" if not f.exists() else f"{f.stat().st_size} bytes, not {rec['bytes']}"
                     raise HsxError(f"{f}: {why} though committed and not consumed by {self.consumer!r} (deleted by "
@@ -312,8 +316,9 @@ def _make_class():
             info = self.out.read_info()
             if info is None or not info.complete:
                 return False
-            records = self._manifest()
-            return all(u in records and self.position.get(u, -1) >= records[u]["rows"] for u in self._mine())
+            records, mine = self._manifest(), self._mine()
+            return mine is not None and all(u in records and self.position.get(u, -1) >= records[u]["rows"]
+                                            for u in mine)
 
         def _recorded(self) -> dict[str, dict[str, Any]]:
             """This consumer's ledger records (every rank's: a resume with another world size finds a unit in

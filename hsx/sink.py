@@ -256,9 +256,13 @@ class OutputDir:
         damaged = []
         for unit, rec in self.manifest_records().items():
             f = self.data / rec["file"]
-            if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
+            try:
+                if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
+                    continue
+                crc = file_crc32(f)
+            except FileNotFoundError:  # consumed and deleted meanwhile by a trainer reading the job (hsx.follow)
                 continue
-            if file_crc32(f) != rec["crc32"]:
+            if crc != rec["crc32"]:
                 (self.state / "damaged").mkdir(exist_ok=True)
                 os.replace(f, self.state / "damaged" / f.name)
                 damaged.append(f.name)
@@ -349,7 +353,7 @@ class OutputDir:
         done = {}
         for unit, rec in self.manifest_records().items():
             f = self.data / rec["file"]
-            if f.exists() and f.stat().st_size == rec["bytes"]:
+            if _size(f) == rec["bytes"]:
                 done[unit] = rec
             elif (uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec)
                   or uploaded_matches(consumed.get(rec["file"]), rec)) and not (
@@ -609,6 +613,14 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
         else:
             parts.append(key)
     return ", ".join(parts) or "version"
+
+
+def _size(path: Path) -> int | None:
+    """A file's size, None when there is none (a unit may be deleted by a trainer at any moment: hsx.follow)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def _open_no_follow(path: Path, flags: int) -> int:

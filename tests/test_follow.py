@@ -122,6 +122,20 @@ def test_follow_splits_units_between_ranks(fault_reference):
     assert sorted(seen) == sorted(fault_reference.sample_ids)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_job_waiting_for_its_trainer_stops_cleanly_on_a_signal(tmp_path, fault_reference, sig, code):
+    out = tmp_path / "out"
+    child = hsx_child([*fault_reference.argv(out), "--max-pending-gb", "0.000001"], tmp_path / "run")
+    assert child.poll_until(lambda: "waiting:" in child.stdout, timeout=240), child.stderr
+    assert committed_units(out) == 1  # one unit, then the wait: nobody consumes
+    time.sleep(0.5)
+    child.signal(sig)
+    assert child.wait(timeout=60) == code, child.stderr
+    assert "stopped cleanly after 1 of" in child.stderr, child.stderr
+    assert committed_units(out) == 1
+
+
 # ---- the bar: a 4-unit window, 10 random kills of either side ---------------------------------------------------
 
 CONSUMER = r'''
@@ -213,6 +227,7 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    t0 = time.monotonic()
     procs = {"extractor": start("extractor"), "consumer": start("consumer")}
     rng = random.Random(26)
     kills = []
@@ -227,7 +242,7 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
                 time.sleep(rng.uniform(0.0, 0.3))
                 if p.proc.poll() is None:
                     p.kill_tree(signal.SIGKILL)
-                    kills.append((side, progress()))
+                    kills.append((side, progress(), round(time.monotonic() - t0, 1)))
             p.wait()
             if not (side == "extractor" and p.proc.returncode == 0):
                 procs[side] = start(side)
@@ -238,8 +253,9 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
         for p in procs.values():
             p.kill_tree(signal.SIGKILL)
     watcher.join()
-    print(f"kills (side, progress): {kills}; most unconsumed units on disk: {most[0]}")
-    assert len(kills) == 10 and {s for s, _ in kills} == {"extractor", "consumer"}
+    print(f"kills (side, progress, s): {kills}; ended at {time.monotonic() - t0:.1f} s; most unconsumed units "
+          f"on disk: {most[0]}")
+    assert len(kills) == 10 and {k[0] for k in kills} == {"extractor", "consumer"}
     assert "consumer: done" in procs["consumer"].stdout
 
     seen = json.loads(ckpt.read_text())["seen"]
