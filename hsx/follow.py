@@ -10,7 +10,7 @@ once consumed, so the job needs disk for a window of units, not for the whole da
   `delete_consumed`, deletes the units wholly consumed. A unit is deleted only after that line is on disk; the
   extractor counts a wholly consumed unit as done (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub
   upload), so a resumed job never redoes it and hsx.json lists it.
-- `wait_for_consumers` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
+- `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
 
 Exactly once: rows handed out after the last `commit()` are handed out again after a kill (the ledger is the
@@ -57,26 +57,33 @@ def pending_bytes(out) -> int:
     return total
 
 
-def wait_for_consumers(out, max_pending_gb: float, stop, log, poll_seconds: float = 0.2) -> None:
-    """Before a unit starts: wait while `max_pending_gb` GB of units are not consumed yet (`pending_bytes`),
-    reading the ledgers every `poll_seconds`; return at once when `stop` (SIGINT/SIGTERM) is set. `out`: an
+class ConsumerWindow:
+    """`--max-pending-gb`: before each unit, `wait(stop)` returns once fewer than `max_pending_gb` GB of units are
+    pending (`pending_bytes`), reading the ledgers every `poll_seconds`, or at once when `stop` (SIGINT/SIGTERM) is
+    set. It says so the first time it waits, and again for a wait longer than `LONG_WAIT_SECONDS`. `out`: an
     hsx.sink.OutputDir."""
-    from hsx.sink import human_bytes
 
-    limit = max_pending_gb * 1e9
-    waited = False
-    while not stop.is_set():
-        pending = pending_bytes(out)
-        if pending < limit:
-            if waited:
-                log(f"hsx: {human_bytes(pending)} not consumed now; extraction continues")
-            return
-        if not waited:
-            log(f"hsx: waiting: {human_bytes(pending)} of committed units are not consumed yet (--max-pending-gb "
-                f"{max_pending_gb:g}); extraction continues as a trainer reading {out.root} with hsx.follow "
-                "consumes them")
-            waited = True
-        stop.event.wait(poll_seconds)
+    LONG_WAIT_SECONDS = 60.0
+
+    def __init__(self, out, max_pending_gb: float, log, poll_seconds: float = 0.2):
+        self.out, self.max_pending_gb, self.log, self.poll_seconds = out, max_pending_gb, log, poll_seconds
+        self.said = False
+
+    def wait(self, stop) -> None:
+        from hsx.sink import human_bytes
+
+        limit, since, long_said = self.max_pending_gb * 1e9, time.monotonic(), False
+        while not stop.is_set():
+            pending = pending_bytes(self.out)
+            if pending < limit:
+                return
+            waited = time.monotonic() - since
+            if not self.said or (waited > self.LONG_WAIT_SECONDS and not long_said):
+                self.log(f"hsx: waiting{f' for {waited:.0f} s' if self.said else ''}: {human_bytes(pending)} of "
+                         f"committed units are not consumed yet (--max-pending-gb {self.max_pending_gb:g}); "
+                         f"extraction continues as a trainer reading {self.out.root} with hsx.follow consumes them")
+                long_said, self.said = self.said, True
+            stop.event.wait(self.poll_seconds)
 
 
 # ---- the trainer's side: hsx.follow ------------------------------------------------------------------------------
@@ -146,8 +153,8 @@ def _make_class():
                 rank, world_size = _default_rank()
             if not 0 <= rank < world_size:
                 raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-            if not root.is_dir():
-                raise HsxError(f"{root}: no such output dir (start `hsx extract` first, or wait for it to create it)")
+            if root.exists() and not root.is_dir():  # (a dir not there yet is waited for, as units are)
+                raise HsxError(f"{root} is a file, not an hsx output dir")
             self.out = OutputDir(root)
             if delete_consumed:
                 self.out.check_no_links()  # it deletes under data/

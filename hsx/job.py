@@ -459,11 +459,14 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     try:
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
-        for u in units:
-            if engine.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
-                from hsx.follow import wait_for_consumers
+        window = None
+        if engine.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
+            from hsx.follow import ConsumerWindow
 
-                wait_for_consumers(out, engine.cfg.max_pending_gb, stop, engine.log)
+            window = ConsumerWindow(out, engine.cfg.max_pending_gb, engine.log)
+        for u in units:
+            if window is not None:
+                window.wait(stop)
             if proc.agree_max(int(stop.is_set())):
                 break
             counts = engine.start_unit()

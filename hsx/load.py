@@ -151,8 +151,8 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     if bad or what == "committed":
         why = (["the job is not finished"] if what == "committed" else []) + (
             [f"{len(bad)} are missing or damaged"] if bad else [])
-        warnings.warn(f"{root}: reading {len(entries) - len(bad) - len(uploaded) - len(consumed)} of the {len(entries)} files "
-                      f"{what} ({'; '.join(why)})", stacklevel=3)
+        reading = len(entries) - len(bad) - len(uploaded) - len(consumed)
+        warnings.warn(f"{root}: reading {reading} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
     files = [root / "data" / n for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")

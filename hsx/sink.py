@@ -43,7 +43,8 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
-from hsx.schema import ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary, UploadRecord
+from hsx.schema import (ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
+                        UploadRecord)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
