@@ -51,6 +51,8 @@ def config_flag(p: argparse.ArgumentParser, name: str, prefix: str = "", default
         p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
     elif kind == "int":
         p.add_argument(flag, type=int, help=text)
+    elif kind == "float":
+        p.add_argument(flag, type=float, help=text)
     else:  # str, or a mapping given as a JSON object
         p.add_argument(flag, type=str, choices=f.metadata.get("choices"), help=text)
     if default is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import types
@@ -42,7 +43,7 @@ EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the
 
 
 def _key(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
-         minimum: int | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+         minimum: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
     """A config key: `field(default=..., metadata={"help": ..., "choices": ..., "minimum": ...})`, the one place
     of a key's help, default, choices and least value (HfArgumentParser's convention; hsx.cli builds each flag
     from it, and parse_value checks values against it)."""
@@ -88,6 +89,9 @@ class ExtractConfig:
                                      "bigger than the disk)")
     hub_private: bool = _key(True, help="create the repo private, or public (--no-hub-private)")
     hub_revision: str | None = _key(None, help="branch to push to (created if missing)")
+    max_pending_gb: float | None = _key(None, minimum=1e-6, help="train while extracting: before each unit, wait "
+                                        "while this many GB of committed units are not yet consumed by a trainer "
+                                        "reading the dir with hsx.follow (docs/follow.md)")
     nonfinite: str = _key("skip", choices=("skip", "keep"), help="rows whose states hold NaN/Inf: skip (and count) "
                           "them, or keep them with has_nonfinite set")
     overwrite: bool = _key(False, help="delete what hsx wrote in --output-dir and start over")
@@ -155,6 +159,8 @@ def _field_kinds() -> dict[str, tuple[str, bool]]:
             kind = "bool"
         elif args == (int,):
             kind = "int"
+        elif args == (float,):
+            kind = "float"
         elif args == (str,):
             kind = "str"
         elif typing.get_origin(args[0]) is dict:
@@ -193,6 +199,13 @@ def parse_value(name: str, value: Any) -> Any:
             raise HsxError(f"{name} must be at least {MINIMUM[name]}" + (" (or null)" if nullable else "")
                            + f", got {value}")
         return value
+    if kind == "float":  # an integer or a finite decimal (YAML `4`, `0.5`), never a string or a boolean
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise HsxError(f"{name} must be a number, got {_shown(value)}")
+        if name in MINIMUM and value < MINIMUM[name]:
+            raise HsxError(f"{name} must be at least {MINIMUM[name]}" + (" (or null)" if nullable else "")
+                           + f", got {value}")
+        return float(value)
     if kind == "str":
         if not isinstance(value, str):
             raise HsxError(f"{name} must be a string, got {_shown(value)}")

@@ -319,7 +319,7 @@ class Engine:
         from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
 
-        self.cfg, self.ordered, self.units = cfg, ordered, units
+        self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device
         cuda = device.type == "cuda"
         self.owns_model = loaded is None  # a model given (hsx bench's) outlives the job, and so does its compile
@@ -464,7 +464,14 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
         crc_pool = checksum_pool()  # the writer's checksum threads, for every unit (hsx.writer)
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
+        window = None
+        if engine.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
+            from hsx.follow import ConsumerWindow
+
+            window = ConsumerWindow(out, engine.cfg.max_pending_gb, engine.log)
         for u in units:
+            if window is not None:
+                window.wait(stop)
             if proc.agree_max(int(stop.is_set())):
                 break
             counts = engine.start_unit()

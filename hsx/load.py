@@ -133,7 +133,8 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
                                 (f" (splits here: {', '.join(have)})" if have else " (not an hsx output dir?)"))
     problems = {e["file"]: out.file_problem(e, verify) if what else None for e in entries}
     uploaded = [n for n, p in problems.items() if p == "uploaded"]
-    bad = {n: p for n, p in problems.items() if p and p != "uploaded"}
+    consumed = [n for n, p in problems.items() if p == "consumed"]  # deleted by a trainer (hsx.follow)
+    bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed")}
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
         raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "
@@ -144,11 +145,14 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
         warnings.warn(f"{root}: {len(uploaded)} unit(s) were deleted after their upload to "
                       f"{', '.join(repos) or 'the Hub'}; this dir holds only part of the output: load the repo "
                       "instead", stacklevel=3)
+    if consumed:
+        warnings.warn(f"{root}: {len(consumed)} unit(s) were deleted once a trainer consumed them (hsx.follow "
+                      "with delete_consumed); this dir holds only part of the output", stacklevel=3)
     if bad or what == "committed":
         why = (["the job is not finished"] if what == "committed" else []) + (
             [f"{len(bad)} are missing or damaged"] if bad else [])
-        warnings.warn(f"{root}: reading {len(entries) - len(bad) - len(uploaded)} of the {len(entries)} files "
-                      f"{what} ({'; '.join(why)})", stacklevel=3)
+        reading = len(entries) - len(bad) - len(uploaded) - len(consumed)
+        warnings.warn(f"{root}: reading {reading} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
     files = [root / "data" / n for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")

@@ -504,3 +504,26 @@ class UploadRecord:
         _check(d, {"file": (lambda v: isinstance(v, str), "a path in the repo"), "bytes": _COUNT})
         crc = d.get("crc32")
         return cls(d["file"], d["bytes"], crc if isinstance(crc, str) else None)
+
+
+@dataclass(frozen=True)
+class ConsumedRecord:
+    """One line of .hsx/consumed-<consumer>.jsonl (hsx.follow): rows [0, `row`) of a committed unit were consumed
+    by that trainer; `row` == `rows` means the whole unit (a later line of the same unit supersedes an earlier)."""
+    unit: str
+    file: str
+    bytes: int
+    rows: int
+    row: int
+    crc32: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ConsumedRecord":
+        unit = d.get("unit") if isinstance(d, dict) else None
+        _check(d, {"unit": (is_plain_name, "a unit name"),
+                   "file": (lambda v: v == f"train-{unit}.arrow", f"train-{unit}.arrow"),
+                   "bytes": _COUNT, "rows": _COUNT, "row": _COUNT})
+        if d["row"] > d["rows"]:
+            raise Damaged(f"row {d['row']} is past the unit's {d['rows']} rows")
+        crc = d.get("crc32")
+        return cls(unit, d["file"], d["bytes"], d["rows"], d["row"], crc if isinstance(crc, str) else None)

@@ -9,6 +9,9 @@
                                             (one file per rank; datasets ignores dot-folders)
     OUT/.hsx/uploaded-<rank>.jsonl          one line per file a Hub push committed (hsx.hub); a unit deleted
                                             after upload (--delete-after-upload) still counts as done
+    OUT/.hsx/consumed-<consumer>.jsonl      one line per unit a trainer reading the running job (hsx.follow)
+                                            consumed, whole or up to a row; a wholly consumed unit it deleted
+                                            still counts as done
     OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
 
 hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
@@ -40,10 +43,12 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
-from hsx.schema import Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary, UploadRecord
+from hsx.schema import (ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
+                        UploadRecord)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
+CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
 
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
@@ -252,9 +257,13 @@ class OutputDir:
         damaged = []
         for unit, rec in self.manifest_records().items():
             f = self.data / rec["file"]
-            if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
+            try:
+                if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
+                    continue
+                crc = file_crc32(f)
+            except FileNotFoundError:  # consumed and deleted meanwhile by a trainer reading the job (hsx.follow)
                 continue
-            if file_crc32(f) != rec["crc32"]:
+            if crc != rec["crc32"]:
                 (self.state / "damaged").mkdir(exist_ok=True)
                 os.replace(f, self.state / "damaged" / f.name)
                 damaged.append(f.name)
@@ -341,13 +350,14 @@ class OutputDir:
         """Committed units from the manifests (every rank's) whose files exist with the recorded size, or that a
         Hub push recorded as uploaded (in .hsx/uploaded-*.jsonl, with the same size and CRC-32): with
         --delete-after-upload those are gone from disk and must not be redone."""
-        uploaded = self.uploaded()
+        uploaded, consumed = self.uploaded(), self.consumed()
         done = {}
         for unit, rec in self.manifest_records().items():
             f = self.data / rec["file"]
-            if f.exists() and f.stat().st_size == rec["bytes"]:
+            if _size(f) == rec["bytes"]:
                 done[unit] = rec
-            elif uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec) and not (
+            elif (uploaded_matches(uploaded.get(f"data/{rec['file']}"), rec)
+                  or uploaded_matches(consumed.get(rec["file"]), rec)) and not (
                     self.state / "damaged" / rec["file"]).exists():  # (gone after its upload, not moved aside)
                 done[unit] = rec
         return done
@@ -362,6 +372,18 @@ class OutputDir:
             for rec in read_jsonl(ledger, UploadRecord):  # a torn line: uploaded again (a no-op on the Hub)
                 records[rec["file"]] = rec
         return records
+
+    def consumed(self) -> dict[str, dict[str, Any]]:
+        """The units trainers following the job (hsx.follow) recorded as wholly consumed, by file name: the last
+        record of each unit in each .hsx/consumed-*.jsonl whose `row` is its `rows`. Such a unit may be deleted
+        (`delete_consumed`) and is still done, as a unit deleted after its upload is."""
+        whole: dict[str, dict[str, Any]] = {}
+        for ledger in sorted(self.state.glob(CONSUMED)):
+            last: dict[str, dict[str, Any]] = {}
+            for rec in read_jsonl(ledger, ConsumedRecord):  # a torn line: that progress is read again
+                last[rec["file"]] = rec
+            whole.update({f: r for f, r in last.items() if r["row"] == r["rows"]})
+        return whole
 
     def record_uploaded(self, records: list[dict[str, Any]], name: str | None = None) -> None:
         """Append upload records to .hsx/uploaded-<name>.jsonl (default: this rank's) and fsync: called only after
@@ -404,11 +426,14 @@ class OutputDir:
 
     def file_problem(self, entry: dict[str, Any], crc: bool = False) -> str | None:
         """What is wrong with one file hsx.json (or a manifest) lists, None if nothing: 'uploaded' for a unit
-        deleted after its upload (--delete-after-upload), else a few words. `crc`: read it whole and compare its
+        deleted after its upload (--delete-after-upload), 'consumed' for one a trainer consumed and deleted
+        (hsx.follow), else a few words. `crc`: read it whole and compare its
         CRC-32 too."""
         f = self.data / entry["file"]
         if not f.exists():
-            return "uploaded" if uploaded_matches(self.uploaded().get(f"data/{entry['file']}"), entry) else "missing"
+            if uploaded_matches(self.uploaded().get(f"data/{entry['file']}"), entry):
+                return "uploaded"
+            return "consumed" if uploaded_matches(self.consumed().get(entry["file"]), entry) else "missing"
         if f.stat().st_size != entry["bytes"]:
             return f"{f.stat().st_size} bytes, not {entry['bytes']}"
         if crc and entry.get("crc32") and file_crc32(f) != entry["crc32"]:
@@ -589,6 +614,14 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
         else:
             parts.append(key)
     return ", ".join(parts) or "version"
+
+
+def _size(path: Path) -> int | None:
+    """A file's size, None when there is none (a unit may be deleted by a trainer at any moment: hsx.follow)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def _open_no_follow(path: Path, flags: int) -> int:

@@ -52,9 +52,14 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
     if not vocab_size:
         return None
     files = [out.data / r["file"] for r in out.manifest_records().values()]  # every committed unit
+    counts = None
     if all(f.exists() for f in files):
-        source, tables = "output", (Dataset.from_file(str(f)).data.table for f in files)
-    else:  # units deleted after their upload: the tokenized rows that were planned (skip_reason "")
+        try:
+            source, counts = "output", count_supervised((Dataset.from_file(str(f)).data.table for f in files),
+                                                        int(vocab_size))
+        except FileNotFoundError:  # a unit a trainer consumed and deleted meanwhile (hsx.follow)
+            counts = None
+    if counts is None:  # units deleted after their upload or consumption: the tokenized rows planned
         import pyarrow.compute as pc
 
         cache_file = out.state / "tokenized" / "tokens.arrow"
@@ -62,7 +67,7 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
             return None
         cache = Dataset.from_file(str(cache_file)).data.table
         source, tables = "tokenized", [cache.filter(pc.equal(cache.column("skip_reason"), ""))]
-    counts = count_supervised(tables, int(vocab_size))
+        counts = count_supervised(tables, int(vocab_size))
     _atomic(out.root / FREQUENCIES_FILE, lambda f: np.save(f, counts))
     return {"file": FREQUENCIES_FILE, "vocab_size": int(vocab_size), "supervised_tokens": int(counts.sum()),
             "distinct_tokens": int(np.count_nonzero(counts)), "counted_over": source}

@@ -1,0 +1,346 @@
+"""Train while extracting: a trainer reads an output dir's units as `hsx extract` commits them and releases them
+once consumed, so the job needs disk for a window of units, not for the whole dataset.
+
+- `follow(OUT, ...)`: a `torch.utils.data.IterableDataset` of the job's rows, unit by unit as they are committed
+  (`hsx.load`'s dicts, or `hsx.torch_view`'s torch rows). It waits for new units (polling the manifests every
+  `poll_seconds`), and ends when hsx.json says the job is complete and every unit of this consumer is consumed.
+- Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
+  StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT: one fsynced line
+  per unit in `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then, with
+  `delete_consumed`, deletes the units wholly consumed. A unit is deleted only after that line is on disk; the
+  extractor counts a wholly consumed unit as done (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub
+  upload), so a resumed job never redoes it and hsx.json lists it.
+- `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
+  units are not consumed yet.
+
+Exactly once: rows handed out after the last `commit()` are handed out again after a kill (the ledger is the
+resume point), unless the trainer restores a `state_dict()` it saved with its own checkpoint. A trainer that
+checkpoints saves `state_dict()` with its weights and calls `commit(that state)` once the checkpoint is durable:
+then a kill on either side loses no row and repeats none (docs/follow.md).
+
+One reader per process (DataLoader `num_workers=0`): the position a checkpoint saves must be the one that handed
+the rows out. Several trainer ranks each read their share (unit i of the plan goes to rank i % world_size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from hsx.errors import HsxError
+
+CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+STATE_VERSION = 1
+WAIT_HINT_SECONDS = 60.0  # waiting this long for a unit with uncommitted rows: say why the extractor may be waiting
+
+
+# ---- the extractor's side: --max-pending-gb ---------------------------------------------------------------------
+
+def pending_bytes(out) -> int:
+    """Bytes of units on disk that no trainer has consumed yet: committed units in data/ not recorded as wholly
+    consumed, and units being committed (still under .hsx/tmp/: renamed into data/ atomically, so each is counted
+    once, in one place or the other)."""
+    consumed = out.consumed()
+    total = 0
+    files = [f for f in out.data_files() if f.name not in consumed]
+    files += list(out.state.glob("tmp/*/train-*.arrow"))
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:  # consumed and deleted, or renamed, since the listing
+            pass
+    return total
+
+
+class ConsumerWindow:
+    """`--max-pending-gb`: before each unit, `wait(stop)` returns once fewer than `max_pending_gb` GB of units are
+    pending (`pending_bytes`), reading the ledgers every `poll_seconds`, or at once when `stop` (SIGINT/SIGTERM) is
+    set. It says so the first time it waits, and again for a wait longer than `LONG_WAIT_SECONDS`. `out`: an
+    hsx.sink.OutputDir."""
+
+    LONG_WAIT_SECONDS = 60.0
+
+    def __init__(self, out, max_pending_gb: float, log, poll_seconds: float = 0.2):
+        self.out, self.max_pending_gb, self.log, self.poll_seconds = out, max_pending_gb, log, poll_seconds
+        self.said = False
+
+    def wait(self, stop) -> None:
+        from hsx.sink import human_bytes
+
+        limit, since, long_said = self.max_pending_gb * 1e9, time.monotonic(), False
+        while not stop.is_set():
+            pending = pending_bytes(self.out)
+            if pending < limit:
+                return
+            waited = time.monotonic() - since
+            if not self.said or (waited > self.LONG_WAIT_SECONDS and not long_said):
+                self.log(f"hsx: waiting{f' for {waited:.0f} s' if self.said else ''}: {human_bytes(pending)} of "
+                         f"committed units are not consumed yet (--max-pending-gb {self.max_pending_gb:g}); "
+                         f"extraction continues as a trainer reading {self.out.root} with hsx.follow consumes them")
+                long_said, self.said = self.said, True
+            stop.event.wait(self.poll_seconds)
+
+
+# ---- the trainer's side: hsx.follow ------------------------------------------------------------------------------
+
+_FOLLOW_CLASS = None
+
+
+def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_consumed: bool = False,
+           rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
+           poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
+           timeout: float | None = None):
+    """The rows of the job writing `output_dir`, as its units are committed: a `torch.utils.data.IterableDataset`
+    that waits for new units and ends when the job is complete and every unit of this consumer was handed out.
+
+    - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
+      there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
+    - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
+      takes another name (and must not delete).
+    - `commit="unit"`: the ledger records each unit once its last row is handed out, then (`delete_consumed`)
+      deletes it; rows of a unit in progress at a kill are handed out again. `commit="manual"`: only `commit()`
+      records, for a trainer that checkpoints `state_dict()` and calls `commit(state)` after each checkpoint
+      (exactly once across kills).
+    - `rank`, `world_size`: this trainer's share, unit i of the job's plan to rank i % world_size (default:
+      torch.distributed's, else 0 of 1).
+    - `timeout`: seconds without a new unit before giving up (HsxError); None waits as long as the job runs.
+
+    Rows come in unit order among the units committed (not the output's global order across ranks)."""
+    global _FOLLOW_CLASS
+    if _FOLLOW_CLASS is None:
+        _FOLLOW_CLASS = _make_class()
+    return _FOLLOW_CLASS(Path(output_dir), consumer, delete_consumed, rows, layers, dequantize, commit,
+                         poll_seconds, rank, world_size, timeout)
+
+
+def _default_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _make_class():
+    import torch.utils.data
+
+    from hsx.sink import OutputDir, append_synced
+
+    class Follow(torch.utils.data.IterableDataset):
+        """hsx.follow's dataset (see `follow`)."""
+
+        def __init__(self, root: Path, consumer: str, delete_consumed: bool, rows: str, layers, dequantize: bool,
+                     commit: str, poll_seconds: float, rank: int | None, world_size: int | None,
+                     timeout: float | None):
+            if not CONSUMER_NAME.fullmatch(str(consumer)):
+                raise ValueError(f"consumer {consumer!r}: letters, digits and _ only (it names a ledger file)")
+            if rows not in ("torch", "dict"):
+                raise ValueError(f"rows={rows!r}: 'torch' (hsx.torch_view's rows) or 'dict' (hsx.load's rows)")
+            if layers is not None and rows != "torch":
+                raise ValueError("layers= selects stored layers of torch rows: use rows='torch'")
+            if commit not in ("unit", "manual"):
+                raise ValueError(f"commit={commit!r}: 'unit' or 'manual'")
+            if not poll_seconds > 0:
+                raise ValueError("poll_seconds must be positive")
+            if (rank is None) != (world_size is None):
+                raise ValueError("give both rank and world_size, or neither")
+            if rank is None:
+                rank, world_size = _default_rank()
+            if not 0 <= rank < world_size:
+                raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+            if root.exists() and not root.is_dir():  # (a dir not there yet is waited for, as units are)
+                raise HsxError(f"{root} is a file, not an hsx output dir")
+            self.out = OutputDir(root)
+            if delete_consumed:
+                self.out.check_no_links()  # it deletes under data/
+            self.consumer, self.delete_consumed, self.rows, self.layers = consumer, delete_consumed, rows, layers
+            self.dequantize, self.commit_mode, self.poll_seconds = dequantize, commit, poll_seconds
+            self.rank, self.world_size, self.timeout = rank, world_size, timeout
+            self.ledger = self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl"
+            recorded = self._recorded()
+            self.position: dict[str, int] = {u: r["row"] for u, r in recorded.items()}  # rows handed out, per unit
+            self.committed: dict[str, int] = dict(self.position)  # what the ledger says
+            self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
+            self.iterating = False
+
+        # ---- position ----
+
+        def state_dict(self) -> dict[str, Any]:
+            """The rows handed out so far (per unit): save it with the trainer's checkpoint."""
+            return {"version": STATE_VERSION, "consumer": self.consumer, "rank": self.rank,
+                    "world_size": self.world_size, "position": dict(self.position)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            """Resume from a checkpoint's `state_dict()`: its position, not the ledger's. Refused (HsxError) when
+            the ledger says units this state has not finished were released and deleted since (an older
+            checkpoint than the last commit), since those rows are gone."""
+            if not (isinstance(state, dict) and state.get("version") == STATE_VERSION
+                    and isinstance(state.get("position"), dict)
+                    and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in state["position"].items())):
+                raise ValueError("not an hsx.follow state_dict()")
+            if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
+                raise HsxError(f"this state is rank {state.get('rank')} of {state.get('world_size')}, the reader "
+                               f"rank {self.rank} of {self.world_size}: resume with the same ranks")
+            if self.iterating:
+                raise RuntimeError("load_state_dict before iterating, not during")
+            position = dict(state["position"])
+            gone = [u for u, row in self.committed.items() if position.get(u, 0) < row
+                    and not (self.out.data / f"train-{u}.arrow").exists()]
+            if gone:
+                raise HsxError(f"{self.out.root}: this checkpoint is older than what consumer {self.consumer!r} "
+                               f"committed and deleted ({len(gone)} unit(s), e.g. train-{gone[0]}.arrow): resume "
+                               "from the checkpoint saved last")
+            self.position = position
+            # The state comes from a durable checkpoint: record it, so units it finished are released now (a kill
+            # between the trainer's checkpoint and its commit() must not leave the extractor waiting for them).
+            self.commit(state)
+
+        def commit(self, state: dict[str, Any] | None = None) -> None:
+            """Record the position (`state`, a `state_dict()` the trainer saved, or the current one) in the ledger,
+            fsynced, then delete the units it says are wholly consumed (`delete_consumed`)."""
+            position = (state or self.state_dict())["position"]
+            if any(u not in self.records for u in position):
+                self.records.update(self._manifest())
+            lines, whole = [], []
+            for unit, row in sorted(position.items()):
+                rec = self.records.get(unit)
+                if rec is None:
+                    continue
+                if self.committed.get(unit) != row:
+                    lines.append({"unit": unit, "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
+                                  "row": row, "crc32": rec.get("crc32")})
+                if row == rec["rows"]:
+                    whole.append(rec["file"])
+            if lines:
+                self.out.state.mkdir(parents=True, exist_ok=True)
+                append_synced(self.ledger, "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
+                self.committed.update({r["unit"]: r["row"] for r in lines})
+            if self.delete_consumed:  # only after the ledger line is on disk
+                for name in whole:
+                    (self.out.data / name).unlink(missing_ok=True)  # (a link `hsx merge` made: the link only)
+
+        # ---- rows ----
+
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            if info is not None:
+                raise HsxError("hsx.follow reads in the training process: use DataLoader(num_workers=0) (the "
+                               "position a checkpoint saves must be the one that handed the rows out)")
+            self.iterating = True
+            try:
+                waited_since, warned = time.monotonic(), False
+                while True:
+                    unit = self._next_unit()
+                    if unit is None:
+                        if self._finished():
+                            if self.commit_mode == "unit":
+                                self.commit()
+                            return
+                        if not warned and time.monotonic() - waited_since > WAIT_HINT_SECONDS and any(
+                                self.committed.get(u, 0) < row for u, row in self.position.items()):
+                            warnings.warn(f"hsx.follow: waiting for a new unit of {self.out.root} while rows handed "
+                                          "out are not committed: an `hsx extract --max-pending-gb` job waits for "
+                                          "commit() (checkpoint more often, or raise --max-pending-gb)",
+                                          stacklevel=2)
+                            warned = True
+                        if self.timeout is not None and time.monotonic() - waited_since > self.timeout:
+                            raise HsxError(f"{self.out.root}: no new unit for {self.timeout:g} s (is hsx extract "
+                                           "running?)")
+                        time.sleep(self.poll_seconds)
+                        continue
+                    yield from self._unit_rows(unit)
+                    if self.commit_mode == "unit":
+                        self.commit()
+                    waited_since, warned = time.monotonic(), False
+            finally:
+                self.iterating = False
+
+        def _unit_rows(self, rec: dict[str, Any]):
+            from datasets import Dataset
+
+            unit, n = rec["unit"], rec["rows"]
+            self.position.setdefault(unit, 0)
+            if self.position[unit] >= n:
+                return
+            ds = Dataset.from_file(str(self.out.data / rec["file"]))
+            if len(ds) != n:
+                raise HsxError(f"{self.out.data / rec['file']} holds {len(ds)} rows, its manifest line says {n}")
+            if self.rows == "torch":
+                layout, table = self._layout(), ds.with_format("arrow")
+                get = lambda i: layout.row(table[i])  # noqa: E731
+            else:
+                get = ds.__getitem__
+            for i in range(self.position[unit], n):
+                row = get(i)
+                self.position[unit] = i + 1  # handed out: in the next state_dict()
+                yield row
+
+        def _layout(self):
+            from hsx.load import _Layout, layer_positions
+
+            s = self.out.read_summary()
+            positions = None if self.layers is None else layer_positions(s.layers, list(self.layers),
+                                                                        s.num_model_layers)
+            return _Layout(hidden=s.hidden_size, num_layers=len(s.layers), dtype=s.storage_dtype,
+                           positions=positions, dequantize=self.dequantize)
+
+        def _mine(self) -> list[str] | None:
+            summary = self.out.read_summary()
+            if summary is None:
+                return None  # not planned yet
+            return [u for i, u in enumerate(summary.unit_names) if i % self.world_size == self.rank]
+
+        def _manifest(self) -> dict[str, dict[str, Any]]:
+            return self.out.manifest_records() if self.out.state.is_dir() else {}
+
+        def _next_unit(self) -> dict[str, Any] | None:
+            """The first of this consumer's committed units (in name order) not wholly handed out, or None."""
+            mine = self._mine()
+            if mine is None:
+                return None
+            records = self._manifest()
+            for unit in sorted(set(mine) & set(records)):
+                rec = records[unit]
+                self.records[unit] = rec
+                if self.position.get(unit, -1) >= rec["rows"]:
+                    continue
+                f = self.out.data / rec["file"]
+                if not f.exists() and (self.out.state / "damaged" / rec["file"]).exists():
+                    continue  # a resume found it damaged and moved it aside: it is redone, then read
+                if not f.exists() or f.stat().st_size != rec["bytes"]:
+                    why = "missing" if not f.exists() else f"{f.stat().st_size} bytes, not {rec['bytes']}"
+                    raise HsxError(f"{f}: {why} though committed and not consumed by {self.consumer!r} (deleted by "
+                                   "another consumer or by --delete-after-upload?); its rows cannot be read")
+                return rec
+            return None
+
+        def _finished(self) -> bool:
+            info = self.out.read_info()
+            if info is None or not info.complete:
+                return False
+            records, mine = self._manifest(), self._mine()
+            return mine is not None and all(u in records and self.position.get(u, -1) >= records[u]["rows"]
+                                            for u in mine)
+
+        def _recorded(self) -> dict[str, dict[str, Any]]:
+            """This consumer's ledger records (every rank's: a resume with another world size finds a unit in
+            progress where its previous owner left it), the furthest of each unit."""
+            from hsx.schema import ConsumedRecord
+            from hsx.sink import read_jsonl
+
+            found: dict[str, dict[str, Any]] = {}
+            for ledger in sorted(self.out.state.glob(f"consumed-{self.consumer}-*.jsonl")):
+                last: dict[str, dict[str, Any]] = {}
+                for rec in read_jsonl(ledger, ConsumedRecord):
+                    last[rec["unit"]] = rec
+                for u, rec in last.items():
+                    if u not in found or rec["row"] > found[u]["row"]:
+                        found[u] = rec
+            return found
+
+    return Follow

@@ -1,0 +1,275 @@
+"""Train while extracting (hsx.follow, --max-pending-gb): a trainer reads units as they are committed and releases
+them; the extractor waits for it and counts released units as done.
+
+The bar: a 4-unit window on a 40+-unit job never holds more than 4 unconsumed units on disk, and the trainer sees
+every row of the uninterrupted run (`hsx.load`) exactly once, state bytes included, across 10 random SIGKILLs of
+either side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hsx
+from conftest import Child, child_env, committed_units, hsx_child, hsx_main, manifest_records
+from hsx.config import HsxError, config_from
+
+
+def digest(hidden, final) -> str:
+    """sha256 of a row's state bits: `hsx.load`'s int16 lists and torch rows' bfloat16 tensors alike."""
+    h = hashlib.sha256()
+    for x in (hidden, final):
+        if isinstance(x, torch.Tensor):
+            h.update(x.contiguous().view(torch.int16).numpy().tobytes())
+        else:
+            h.update(np.asarray(x, dtype=np.int16).tobytes())
+    return h.hexdigest()
+
+
+def reference_rows(out: Path) -> dict[int, str]:
+    ds = hsx.load(out)
+    return {r["sample_id"]: digest(r["hidden_states"], r["final_hidden_state"]) for r in ds}
+
+
+# ---- the parts, on the finished reference ----------------------------------------------------------------------
+
+def test_max_pending_gb_is_a_checked_number(small_chat_path):
+    base = {"model": "m", "dataset": str(small_chat_path), "output_dir": "o", "layers": [1]}
+    assert config_from({**base, "max_pending_gb": 4}).max_pending_gb == 4.0
+    assert config_from({**base, "max_pending_gb": 0.5}).max_pending_gb == 0.5
+    for bad, why in (("4", "must be a number"), (True, "must be a number"), (0, "at least"), (-1.0, "at least"),
+                     (float("nan"), "must be a number")):
+        with pytest.raises(HsxError, match=why):
+            config_from({**base, "max_pending_gb": bad})
+    with pytest.raises(HsxError, match="max_pending_gb"):
+        hsx.stream(model="m", dataset=str(small_chat_path), layers=[1], max_pending_gb=1)
+
+
+def test_follow_rows_equal_load_rows(fault_reference):
+    ref = fault_reference
+    want = hsx.load(ref.out)
+    dict_rows = list(hsx.follow(ref.out, rows="dict", commit="manual"))
+    assert sorted(r["sample_id"] for r in dict_rows) == sorted(want["sample_id"])
+    by_id = {r["sample_id"]: r for r in want}
+    for r in dict_rows:
+        assert r == by_id[r["sample_id"]]
+    view = hsx.torch_view(ref.out)
+    at = {view[i]["sample_id"]: i for i in range(len(view))}
+    torch_rows = list(hsx.follow(ref.out, commit="manual"))
+    assert len(torch_rows) == len(view)
+    for r in torch_rows:
+        v = view[at[r["sample_id"]]]
+        assert r.keys() == v.keys()
+        for k in r:
+            if isinstance(r[k], torch.Tensor):
+                assert r[k].dtype == v[k].dtype and torch.equal(r[k].view(torch.int16) if r[k].dtype ==
+                                                                torch.bfloat16 else r[k], v[k].view(torch.int16)
+                                                                if v[k].dtype == torch.bfloat16 else v[k])
+            else:
+                assert r[k] == v[k]
+    assert not list((ref.out / ".hsx").glob("consumed-*"))  # manual: nothing recorded without commit()
+
+
+def test_consumed_units_are_done_and_resume_from_the_ledger(tmp_path, fault_reference):
+    from hsx.sink import OutputDir
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    f = hsx.follow(out, delete_consumed=True, rows="dict", commit="manual", rank=0, world_size=1)
+    it = iter(f)
+    first = [next(it) for _ in range(5)]
+    state = f.state_dict()
+    f.commit(state)
+    whole = [u for u, n in state["position"].items() if n == f.records[u]["rows"]]
+    assert whole and all(not (out / "data" / f"train-{u}.arrow").exists() for u in whole)
+    o = OutputDir(out)
+    assert set(o.done_units()) == {r["unit"] for r in manifest_records(out)}  # deleted, still done
+    assert o.file_problem({"file": f"train-{whole[0]}.arrow", "bytes": f.records[whole[0]]["bytes"],
+                           "crc32": f.records[whole[0]]["crc32"]}) == "consumed"
+    assert o.check_units(all_crc=True) == []
+    with pytest.warns(UserWarning, match="deleted once a trainer consumed"):
+        assert len(hsx.load(out)) == len(fault_reference.sample_ids) - sum(f.records[u]["rows"] for u in whole)
+    # a new reader resumes where the ledger says; an older checkpoint than what was deleted is refused
+    rest = list(hsx.follow(out, rows="dict", commit="manual"))
+    assert sorted(r["sample_id"] for r in first + rest) == sorted(fault_reference.sample_ids)
+    g = hsx.follow(out, rows="dict", commit="manual")
+    with pytest.raises(HsxError, match="older than what consumer 'trainer' committed and deleted"):
+        g.load_state_dict({**state, "position": {}})
+
+
+def test_follow_refuses_dataloader_workers(fault_reference):
+    loader = torch.utils.data.DataLoader(hsx.follow(fault_reference.out, commit="manual"), num_workers=1,
+                                         collate_fn=hsx.collate)
+    with pytest.raises(Exception, match="num_workers=0"):
+        next(iter(loader))
+
+
+def test_follow_splits_units_between_ranks(fault_reference):
+    seen = [r["sample_id"] for k in range(3)
+            for r in hsx.follow(fault_reference.out, rows="dict", commit="manual", rank=k, world_size=3)]
+    assert sorted(seen) == sorted(fault_reference.sample_ids)
+
+
+@pytest.mark.slow
+def test_a_job_waiting_for_its_trainer_stops_cleanly_on_sigterm(tmp_path, fault_reference):
+    sig, code = signal.SIGTERM, 143  # (SIGINT takes the same handler: test_faults)
+    out = tmp_path / "out"
+    child = hsx_child([*fault_reference.argv(out), "--max-pending-gb", "0.000001"], tmp_path / "run")
+    assert child.poll_until(lambda: "waiting:" in child.stdout, timeout=240), child.stderr
+    assert child.poll_until(lambda: committed_units(out) == 1)  # one unit (committed in the background)
+    time.sleep(1.0)
+    assert committed_units(out) == 1  # then the wait: nobody consumes
+    child.signal(sig)
+    assert child.wait(timeout=60) == code, child.stderr
+    assert "stopped cleanly after 1 of" in child.stderr, child.stderr
+    assert committed_units(out) == 1
+
+
+# ---- the bar: a 4-unit window, 10 random kills of either side ---------------------------------------------------
+
+CONSUMER = r'''
+import hashlib, json, os, sys
+import torch
+import hsx
+
+
+def digest(hidden, final):  # as test_follow.digest, for torch rows
+    h = hashlib.sha256()
+    for x in (hidden, final):
+        h.update(x.contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+out, ckpt = sys.argv[1], sys.argv[2]
+saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
+rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.05)
+if saved["data"] is not None:
+    rows.load_state_dict(saved["data"])
+seen = saved["seen"]
+
+
+def checkpoint(state):  # a trainer's checkpoint: its progress and the reader's position, atomically
+    tmp = ckpt + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"seen": seen, "data": state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt)
+
+
+for row in rows:
+    seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
+    state = rows.state_dict()
+    checkpoint(state)
+    rows.commit(state)  # after the checkpoint is durable
+print("consumer: done", len(seen))
+'''
+
+
+def unconsumed_on_disk(out: Path) -> int:
+    """Units on disk no trainer has consumed: committed ones in data/, and ones being written under .hsx/tmp/.
+    Listed in this order, then the ledgers read, so a unit moving or released meanwhile is never counted twice."""
+    from hsx.sink import OutputDir
+
+    data = [p.name for p in (out / "data").glob("train-*.arrow")] if (out / "data").is_dir() else []
+    writing = list((out / ".hsx").glob("tmp/*/train-*.arrow"))
+    consumed = OutputDir(out).consumed() if (out / ".hsx").is_dir() else {}
+    return len([n for n in data if n not in consumed]) + len(writing)
+
+
+def seen_count(ckpt: Path) -> int:
+    try:
+        return len(json.loads(ckpt.read_text())["seen"])
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.slow
+def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, fault_reference):
+    ref = fault_reference
+    want = reference_rows(ref.out)
+    sizes = [r["bytes"] for r in manifest_records(ref.out)]
+    assert len(sizes) >= 40
+    window = 4 * min(sizes)  # bytes: fewer than 4 of the smallest units pending before a unit starts
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt.json"
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    argv = [*ref.argv(out), "--max-pending-gb", f"{window / 1e9:.12f}"]
+    runs = {"extractor": 0, "consumer": 0}
+
+    def start(side: str):
+        runs[side] += 1
+        logs = tmp_path / f"{side}{runs[side]}"
+        if side == "extractor":
+            return hsx_child(argv, logs)
+        return Child([sys.executable, str(script), str(out), str(ckpt)], logs, env=child_env())
+
+    most, stop_watch = [0], threading.Event()
+
+    def watch():
+        while not stop_watch.is_set():
+            try:
+                most[0] = max(most[0], unconsumed_on_disk(out))
+            except (OSError, HsxError):
+                pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    procs = {"extractor": start("extractor"), "consumer": start("consumer")}
+    rng = random.Random(26)
+    kills = []
+    try:
+        while len(kills) < 10:
+            side = rng.choice(sorted(s for s, p in procs.items() if p.proc.poll() is None) or ["none"])
+            assert side != "none", f"the job ended after {len(kills)} kills"
+            p = procs[side]
+            progress = (lambda: committed_units(out)) if side == "extractor" else (lambda: seen_count(ckpt))
+            start_at = progress()
+            if p.poll_until(lambda: progress() > start_at, timeout=120):  # mid-job: it did something since
+                time.sleep(rng.uniform(0.0, 0.3))
+                if p.proc.poll() is None:
+                    p.kill_tree(signal.SIGKILL)
+                    kills.append((side, progress(), round(time.monotonic() - t0, 1)))
+            p.wait()
+            if not (side == "extractor" and p.proc.returncode == 0):
+                procs[side] = start(side)
+        for side in ("extractor", "consumer"):
+            assert procs[side].wait(timeout=300) == 0, procs[side].stderr
+    finally:
+        stop_watch.set()
+        for p in procs.values():
+            p.kill_tree(signal.SIGKILL)
+    watcher.join()
+    print(f"kills (side, progress, s): {kills}; ended at {time.monotonic() - t0:.1f} s; most unconsumed units "
+          f"on disk: {most[0]}")
+    assert len(kills) == 10 and {k[0] for k in kills} == {"extractor", "consumer"}
+    assert "consumer: done" in procs["consumer"].stdout
+
+    seen = json.loads(ckpt.read_text())["seen"]
+    ids = [s for s, _ in seen]
+    assert len(ids) == len(set(ids)), "a row was seen twice"
+    assert {s: d for s, d in seen} == want  # every row, state bits equal to hsx.load's of the uninterrupted run
+    assert 1 <= most[0] <= 4, most[0]
+    assert any("waiting:" in (tmp_path / f"extractor{k}" / "stderr.txt").read_text() + (
+        tmp_path / f"extractor{k}" / "stdout.txt").read_text() for k in range(1, runs["extractor"] + 1))
+    # the extractor's view: complete, every unit listed, nothing left on disk, a rerun checks and does nothing
+    info = json.loads((out / "hsx.json").read_text())
+    assert info["complete"] and info["counts"] == ref.info["counts"]
+    assert sorted(e["file"] for e in info["files"]) == sorted(p.name for p in (ref.out / "data").iterdir())
+    assert not list((out / "data").glob("train-*.arrow"))
+    rc, stdout, stderr = hsx_main([*argv, "--check-crc"])
+    assert rc == 0 and "already complete" in stdout, stderr
