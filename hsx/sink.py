@@ -18,7 +18,10 @@ ManifestRecord, UploadRecord): a damaged one is one line naming the file.
 
 hsx never writes or deletes through a symbolic link in the dir (.hsx/, data/, hsx.json, README.md and anything
 under .hsx/ must be what they seem: a link there is refused in one line). Units under data/ may be links only as
-`hsx merge` makes them; deleting one removes the link, never its target.
+`hsx merge` makes them; deleting one removes the link, never its target. Readers (hsx.load, hsx verify, hsx push)
+follow such a link only into a dir the merge recorded in hsx.json, of the same job, whose manifest records that
+unit (`OutputDir.unit_source`), and read a finished output only when hsx.json's list, the manifests, the counts and
+data/ agree (`OutputDir.check_finished`).
 
 A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
 its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
@@ -282,6 +285,8 @@ class OutputDir:
                 f.unlink()
         if self.data.exists():
             for f in self.data.glob("train-*.arrow"):
+                f.unlink()
+            for f in self.data.glob(DATASETS_CACHE_FILES):  # datasets' caches of those units (an older hsx.load's)
                 f.unlink()
             if not any(self.data.iterdir()):
                 self.data.rmdir()
