@@ -438,6 +438,7 @@ class OutputDir:
         hsx output of the same job whose manifest records it. Anything else (a link elsewhere, a device, a
         folder) is HsxError in one line: hsx reads and pushes no file from outside the output's known dirs.
         `sources`: a dict shared by the calls for one output (each merged dir's manifest is read once)."""
+        self._check_data_not_a_link()
         p = self.data / name
         try:
             st = os.lstat(p)
@@ -523,9 +524,14 @@ class OutputDir:
             return []
         return sorted(n for n in names if n.endswith(".arrow") and not fnmatch.fnmatch(n, DATASETS_CACHE_FILES))
 
+    def _check_data_not_a_link(self) -> None:
+        if os.path.islink(self.data):
+            raise HsxError(f"{self.data} is a symbolic link; hsx reads and pushes no link out of the output")
+
     def check_finished(self, info: Info) -> None:
         """HsxError, one line, unless the finished output's list, manifests, counts and data/ agree
         (listing_problem)."""
+        self._check_data_not_a_link()
         problem = self.listing_problem(info)
         if problem:
             advice = ("move away the files it does not list" if problem.startswith("data/ holds") else

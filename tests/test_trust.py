@@ -593,6 +593,14 @@ def test_a_listed_link_to_a_secret_is_neither_read_nor_pushed(finished, tmp_path
         assert not any(b"TopSecret" in v for v in pushed(api).values())
 
 
+def test_a_data_folder_that_is_a_link_is_not_read(finished, tmp_path):
+    elsewhere = copy_of(finished, tmp_path / "elsewhere")
+    out = copy_of(finished, tmp_path / "out")
+    shutil.rmtree(out / "data")
+    (out / "data").symlink_to(elsewhere / "data")
+    refused_everywhere(out, "data is a symbolic link; hsx reads and pushes no link out of the output")
+
+
 def test_merge_links_are_read_from_their_units(finished, tmp_path):
     nodes = split_nodes(finished, tmp_path)
     merge(str(tmp_path / "joined"), [str(n) for n in nodes], log=lambda *a: None)
