@@ -76,7 +76,8 @@ def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
       rank or accelerate's `join_uneven_inputs`); create your Accelerator before reading the stream.
     - it is a generator: `break`, `close()`, or an exception inside `with hsx.stream(...) as rows:` stops the
       GPU thread and drops the model and its buffers (a bare `for` left by an exception holds them until its
-      traceback goes: use `with`). Nothing runs until the first row is asked for.
+      traceback goes: use `with`). Nothing runs until the first row is asked for. It hands its rows out once:
+      iterating it again after it ended (closed, or read to its end) is an HsxError, never 0 rows.
     """
     from hsx.config import ExtractConfig, UsageError, load_config
 
@@ -92,7 +93,11 @@ def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
 class Stream(collections.abc.Generator):
     """`hsx.stream`'s rows: a generator (iterate it, `close()` it, or use it as a context manager) with `counts`.
     A loop left by `break` drops it, and Python closes the generator inside it then (its `finally` stops the GPU
-    thread)."""
+    thread).
+
+    It hands its rows out once: iterating it again once it has ended (closed, or every row read) raises
+    HsxError, where a plain generator would give 0 rows and a training loop's next epoch would silently be empty.
+    Call `hsx.stream(...)` again for another pass."""
 
     def __init__(self, cfg, log=print, model=None):
         from hsx.job import StreamCounts
@@ -100,19 +105,37 @@ class Stream(collections.abc.Generator):
 
         self._counts = StreamCounts()
         self._rows = run_stream(cfg, self._counts, log, model)
+        self._ended: str | None = None  # "closed" or "read to its end"
 
     @property
     def counts(self) -> dict[str, Any]:
         return self._counts.as_dict()
 
+    def _check_open(self) -> None:
+        if self._ended is not None:
+            from hsx.errors import HsxError
+
+            raise HsxError(f"this hsx.stream was {self._ended}: a stream hands its rows out once; call "
+                           "hsx.stream(...) again for another pass")
+
+    def __iter__(self) -> Stream:
+        self._check_open()
+        return self
+
     def send(self, value):
-        return self._rows.send(value)
+        self._check_open()
+        try:
+            return self._rows.send(value)
+        except StopIteration:
+            self._ended = "read to its end"
+            raise
 
     def throw(self, *exc):
         return self._rows.throw(*exc)
 
     def close(self) -> None:
         self._rows.close()
+        self._ended = self._ended or "closed"
 
     def __enter__(self) -> Stream:
         return self

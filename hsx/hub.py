@@ -275,7 +275,9 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         if (out.root / name).is_symlink():
             raise HsxError(f"{out.root / name} is a symbolic link; hsx pushes only the files it wrote, never a "
                            "link's target")
+    out.check_finished(info)  # the list, the manifests, the counts and data/ agree
     by_file = output_records(out, info)
+    local = local_units(out, info, by_file)  # (a link that is not one `hsx merge` made: HsxError)
     hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
     hub.ensure_repo(private)
     summary = {"uploaded": [], "skipped": [], "deleted": [], "commits": 0, "bytes": 0}
@@ -283,7 +285,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     for round_ in range(3):  # a unit may vanish under us (another rank deleting it after its upload): re-plan
         remote = hub.remote_files()
         uploaded = out.uploaded()
-        todo, skipped, new_records = _plan_data(out, hub, remote, uploaded, by_file)
+        todo, skipped, new_records = _plan_data(out, hub, remote, uploaded, by_file, local)
         out.record_uploaded(new_records, PUSH_LEDGER)
         summary["skipped"] = sorted(set(skipped) - set(summary["uploaded"]))
         try:
@@ -322,11 +324,18 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     return summary
 
 
+def local_units(out: OutputDir, info: Info, by_file: dict[str, dict]) -> dict[str, Path]:
+    """The output's files that are here, by name: the path to read each from, checked without following a link
+    (`OutputDir.unit_source`: a unit `hsx merge` linked is read from its own dir; any other link is refused)."""
+    sources: dict = {}
+    return {name: out.unit_source(name, info, sources) for name in by_file if os.path.lexists(out.data / name)}
+
+
 def _plan_data(out: OutputDir, hub: _Hub, remote: dict[str, RemoteFile], uploaded: dict[str, dict],
-               by_file: dict[str, dict]) -> tuple[list[Path], list[str], list[dict]]:
+               by_file: dict[str, dict], local: dict[str, Path]) -> tuple[list[Path], list[str], list[dict]]:
     """Local data files to upload; files the Hub has already; records for files found identical without one."""
     todo, skipped, new_records = [], [], []
-    local = {name: out.data / name for name in by_file if (out.data / name).exists()}
+    local = {name: path for name, path in local.items() if path.exists()}
     for name, path in sorted(local.items()):
         pir, size = f"data/{name}", path.stat().st_size
         r = remote.get(pir)
@@ -394,14 +403,15 @@ def output_records(out: OutputDir, info: Info) -> dict[str, dict[str, Any]]:
 
 
 def check_before_upload(out: OutputDir, path: Path, record: dict[str, Any] | None) -> None:
-    """A file goes up only as the output lists it: same size and CRC-32 (read whole, in threads). A link (what
-    `hsx merge` makes) is followed only to a file that is that unit, byte for byte; anything else is refused."""
+    """A file goes up only as the output lists it: same size and CRC-32 (read whole, in threads). `path` is
+    where `local_units` found the file: the unit itself, or the unit an `hsx merge` link points to, never a link."""
     if record is None or "bytes" not in record:
         raise HsxError(f"{path} is not a file of this output (not in hsx.json); hsx pushes only what it wrote")
-    if path.stat().st_size != record["bytes"] or (
-            (record.get("crc32") or path.is_symlink()) and file_crc32(path) != record.get("crc32")):
+    if path.is_symlink():
+        raise HsxError(f"{path} became a symbolic link while pushing; hsx pushes no link's target")
+    if path.stat().st_size != record["bytes"] or (record.get("crc32") and file_crc32(path) != record["crc32"]):
         raise HsxError(f"{path} does not match hsx.json (size or CRC-32): the file is damaged or was replaced; "
-                       "run the same `hsx extract` command to redo it, then push")
+                       "run the same `hsx extract` command with --check-crc to redo it, then push")
 
 
 @dataclass

@@ -15,7 +15,6 @@ units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunS
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 import time
@@ -25,11 +24,11 @@ from typing import Any
 from hsx import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import OutputFormat
+from hsx.schema import Job as JobRecord, OutputFormat
 from hsx.fingerprint import model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
-                      job_fingerprint)
+                      job_fingerprint, read_json)
 from hsx.vocab import write_token_frequencies
 
 CPU_TOKEN_BUDGET = 4096
@@ -452,9 +451,10 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     import datasets
 
     from hsx.schema import TOKEN_COLUMNS
-    from hsx.writer import checksum_pool, spares_for, unit_files
+    from hsx.writer import checksum_pool, spares_for, unit_files, unit_fingerprint
 
     unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
+    job_fp = read_json(out.state / "job.json", JobRecord).fingerprint
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     unit_bytes = engine.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
@@ -485,7 +485,7 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
             with unit_files(out.tmp, spares=spares, pool=crc_pool) as written:
                 unit_rows(u).map(
                     step, batched=True, batch_size=u.batch_size(budget), features=feats,
-                    cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=f"hsx-{u.name}-{os.getpid()}",
+                    cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=unit_fingerprint(job_fp, u.name),
                     writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
                 )
             engine.release()

@@ -62,9 +62,11 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     if local is not None:
         if revision is not None:
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
-        files = _local_files(local, split, verify, allow_incomplete)
+        files, whole = _local_files(local, split, verify, allow_incomplete)
         if not streaming:
             ds = open_arrow_files(files)
+            if whole:
+                _check_rows(local, split, ds)
             return ds if layers is None else torch_view(ds, layers=layers, meta=read_info(local),
                                                         dequantize=dequantize)
     from datasets import load_dataset
@@ -81,6 +83,20 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     return torch_view(ds, layers=layers, meta=meta, dequantize=dequantize)
 
 
+def _check_rows(root: Path, split: str, ds) -> None:
+    """A whole finished output has the rows its hsx.json counts (a dir whose list was cut, or an older hsx's
+    without a list, would otherwise read as fewer rows, silently)."""
+    from hsx.config import HsxError
+    from hsx.sink import OutputDir
+
+    meta = OutputDir(root).read_info()
+    if meta is None or not meta.complete or split != "train":
+        return
+    if len(ds) != meta.counts.rows_written:
+        raise HsxError(f"{root}: its data files hold {len(ds):,} rows, its hsx.json counts "
+                       f"{meta.counts.rows_written:,}; the dir was changed after the job wrote it")
+
+
 def _local_dir(path_or_repo: str | os.PathLike) -> Path | None:
     """The output dir, or None for a Hub repo id ("name" or "owner/name")."""
     p = Path(path_or_repo).expanduser()
@@ -95,23 +111,77 @@ def _local_dir(path_or_repo: str | os.PathLike) -> Path | None:
 
 
 def open_arrow_files(files: list[Path]):
-    """One `datasets.Dataset` over these Arrow files, memory-mapped in place (no copy, no HF cache)."""
+    """One `datasets.Dataset` over these Arrow files, memory-mapped in place (no copy, no HF cache).
+
+    datasets writes a cache-writing op's result (sort, map, filter, shuffle + flatten_indices, train_test_split)
+    as cache-<fingerprint>.arrow in the folder of the dataset's first mapped file. So the files are mapped
+    through links in a folder of datasets' cache (`cache_view`), never from the output's data/: caches land in
+    HF_DATASETS_CACHE as for any dataset, and an output dir holds only what hsx wrote."""
     from datasets import Dataset, concatenate_datasets
 
-    return concatenate_datasets([Dataset.from_file(str(f)) for f in files])
+    return concatenate_datasets([Dataset.from_file(str(f)) for f in cache_view(files)])
 
 
-def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -> list[Path]:
-    """The files of `split` to read: those the finished output's hsx.json lists, each checked (sizes; CRC-32
-    with `verify`); of an unfinished one (allow_incomplete), its committed units; of a dir with neither hsx.json
-    nor .hsx/ (written by hand, or an older hsx), data/<split>-*.arrow."""
+def cache_view(files: list[Path]) -> list[Path]:
+    """Links to `files` in HF_DATASETS_CACHE/hsx/outputs/<key>/, made once per set of files as they are: the key
+    hashes each file's path, device, inode, size and modification time, so a rewritten unit gets a new folder
+    (and datasets' caches from the old one are not reused for it). Without a writable datasets cache, the files
+    themselves."""
+    import hashlib
+    import json
+    import uuid
+
+    import datasets.config
+
+    paths = [Path(os.path.abspath(f)) for f in files]
+    ids = []
+    for p in paths:
+        st = p.stat()
+        ids.append([str(p), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
+    key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:32]
+    folder = Path(datasets.config.HF_DATASETS_CACHE) / "hsx" / "outputs" / key
+    names = [f"{i:06d}-{p.name}" for i, p in enumerate(paths)]  # (merged units may share a name across dirs)
+
+    def holds_the_links(d: Path) -> bool:
+        try:
+            return all(os.readlink(d / n) == str(p) for n, p in zip(names, paths))
+        except OSError:
+            return False
+
+    if not holds_the_links(folder):
+        tmp = folder.with_name(f"{key}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.mkdir(parents=True)
+            for n, p in zip(names, paths):
+                os.symlink(p, tmp / n)
+            try:
+                os.rename(tmp, folder)
+            except OSError:  # made meanwhile by another process (or damaged): use this one
+                folder = tmp if not holds_the_links(folder) else folder
+        except OSError:
+            return paths
+    return [folder / n for n in names]
+
+
+def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -> tuple[list[Path], bool]:
+    """The files of `split` to read: those the finished output's hsx.json lists (their list, the manifests, the
+    counts and data/ checked to agree: `OutputDir.check_finished`), each checked (sizes; CRC-32 with `verify`);
+    of an unfinished one (allow_incomplete), its committed units; of a dir with neither hsx.json nor .hsx/
+    (written by hand, or an older hsx), data/<split>-*.arrow. A link is read only if it is one `hsx merge` made
+    (`OutputDir.unit_source`): the paths returned are the checked files, not links. Also returns whether they
+    are the whole output (not a part read with allow_incomplete, or of units deleted after their upload)."""
     from hsx.config import HsxError
     from hsx.sink import OutputDir, listed_files
 
     out = OutputDir(root)
     meta = out.read_info()
     complete = meta is not None and meta.complete
-    listed = listed_files(meta) if complete else None
+    listed = None
+    if complete:
+        out.check_finished(meta)
+        listed = listed_files(meta)
+        if listed is None and out.state.is_dir():  # an older hsx's hsx.json: its manifests list the files
+            listed = list(out.manifest_records().values()) or None
     if listed is not None:
         entries = [e for e in listed if e["file"].startswith(f"{split}-")]
         what = "listed in its hsx.json"
@@ -125,12 +195,15 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
                            "to finish it, or load(..., allow_incomplete=True) to read the committed units")
         what = "committed"
     else:  # no list to check against
-        entries = [{"file": f.name} for f in sorted((root / "data").glob(f"{split}-*.arrow"))]
+        entries = [{"file": n} for n in out.data_file_names() if n.startswith(f"{split}-")]
         what = None
     if not entries:
-        have = sorted({f.name.split("-")[0] for f in (root / "data").glob("*-*.arrow")})
+        have = sorted({n.split("-")[0] for n in out.data_file_names() if "-" in n})
         raise FileNotFoundError(f"{root}: no data/{split}-*.arrow files" +
                                 (f" (splits here: {', '.join(have)})" if have else " (not an hsx output dir?)"))
+    sources: dict = {}
+    paths = {e["file"]: out.unit_source(e["file"], meta, sources) for e in entries
+             if os.path.lexists(out.data / e["file"])}  # (a link that is not hsx merge's: HsxError)
     problems = {e["file"]: out.file_problem(e, verify) if what else None for e in entries}
     uploaded = [n for n, p in problems.items() if p == "uploaded"]
     consumed = [n for n, p in problems.items() if p == "consumed"]  # deleted by a trainer (hsx.follow)
@@ -138,8 +211,8 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
         raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "
-                       f"(data/{name}: {why}); run the same `hsx extract` command to redo them, or "
-                       "load(..., allow_incomplete=True) to read the intact ones")
+                       f"(data/{name}: {why}); run the same `hsx extract` command with --check-crc to redo them "
+                       "(it checks every unit's CRC-32), or load(..., allow_incomplete=True) to read the intact ones")
     if uploaded:
         repos = sorted({f"{u.get('repo')}" for u in out.uploaded().values() if u.get("repo")})
         warnings.warn(f"{root}: {len(uploaded)} unit(s) were deleted after their upload to "
@@ -153,10 +226,10 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
             [f"{len(bad)} are missing or damaged"] if bad else [])
         reading = len(entries) - len(bad) - len(uploaded) - len(consumed)
         warnings.warn(f"{root}: reading {reading} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
-    files = [root / "data" / n for n, p in problems.items() if p is None]
+    files = [paths[n] for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")
-    return files
+    return files, len(files) == len(entries) and what != "committed"
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:

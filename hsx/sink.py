@@ -21,7 +21,10 @@ ManifestRecord, UploadRecord): a damaged one is one line naming the file.
 
 hsx never writes or deletes through a symbolic link in the dir (.hsx/, data/, hsx.json, README.md and anything
 under .hsx/ must be what they seem: a link there is refused in one line). Units under data/ may be links only as
-`hsx merge` makes them; deleting one removes the link, never its target.
+`hsx merge` makes them; deleting one removes the link, never its target. Readers (hsx.load, hsx verify, hsx push)
+follow such a link only into a dir the merge recorded in hsx.json, of the same job, whose manifest records that
+unit (`OutputDir.unit_source`), and read a finished output only when hsx.json's list, the manifests, the counts and
+data/ agree (`OutputDir.check_finished`).
 
 A unit is written by `map` under .hsx/tmp/, fsynced, then renamed into data/ (and the directory fsynced) before
 its manifest line is appended, so a kill at any moment leaves either a whole unit or none. Unit names carry no
@@ -31,10 +34,12 @@ its manifest line is appended, so a kill at any moment leaves either a whole uni
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +54,10 @@ from hsx.schema import (ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestR
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
 CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
+EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
+# What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
+# hsx.load left them in data/; never part of the output, never read as it
+DATASETS_CACHE_FILES = "cache-*.arrow"
 
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
@@ -232,7 +241,10 @@ class OutputDir:
         done = self.done_units()
         missing = [u for u in expected if u not in done]
         if complete and not (damaged or missing):
-            return "complete"
+            problem = self.listing_problem(info, data_dir=False) if check else None
+            if problem is None:
+                return "complete"
+            log(f"hsx: {self.root}: {problem}; hsx.json is written again from the manifests")
         if damaged or missing:
             names = damaged or [f"train-{u}.arrow" for u in missing]
             log(f"hsx: {self.root}: {len(damaged)} damaged and {len(missing) - len(damaged)} missing unit(s) "
@@ -282,6 +294,8 @@ class OutputDir:
                 f.unlink()
         if self.data.exists():
             for f in self.data.glob("train-*.arrow"):
+                f.unlink()
+            for f in self.data.glob(DATASETS_CACHE_FILES):  # datasets' caches of those units (an older hsx.load's)
                 f.unlink()
             if not any(self.data.iterdir()):
                 self.data.rmdir()
@@ -440,6 +454,116 @@ class OutputDir:
             return "its bytes do not match its CRC-32"
         return None
 
+    # ---- checking a finished output before reading or pushing it ----
+
+    def unit_source(self, name: str, info: Info | None, sources: dict | None = None) -> Path:
+        """Where to read data/<name> from, checked without following a link: the file itself when it is a regular
+        file; for a link as `hsx merge` makes them, the unit it points to, if that is data/<name> of one of the
+        dirs hsx.json says were merged (`run.merged_from`), a regular file reached through no further link, in an
+        hsx output of the same job whose manifest records it. Anything else (a link elsewhere, a device, a
+        folder) is HsxError in one line: hsx reads and pushes no file from outside the output's known dirs.
+        `sources`: a dict shared by the calls for one output (each merged dir's manifest is read once)."""
+        self._check_data_not_a_link()
+        p = self.data / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise HsxError(f"{p} is missing") from None
+        if stat.S_ISREG(st.st_mode):
+            return p
+        if not stat.S_ISLNK(st.st_mode):
+            raise HsxError(f"{p} is not a regular file; an hsx output holds only the files it wrote")
+        target = os.path.normpath(os.path.join(os.path.realpath(self.data), os.readlink(p)))
+        fingerprint = info.fingerprint if info is not None else None
+        for src in merged_from(info):
+            expected = os.path.join(src, "data", name)
+            if target != expected or os.path.realpath(expected) != expected:
+                continue
+            try:
+                if not stat.S_ISREG(os.lstat(expected).st_mode):
+                    continue
+            except OSError:
+                continue
+            if sources is None:
+                sources = {}
+            if src not in sources:
+                sources[src] = _merged_units(Path(src), fingerprint)
+            if name in sources[src]:
+                return Path(expected)
+        raise HsxError(f"{p} is a symbolic link, and not one `hsx merge` made to a unit of the dirs it merged; "
+                       "hsx reads and pushes no link out of the output: remove it")
+
+    def listing_problem(self, info: Info, data_dir: bool = True) -> str | None:
+        """What disagrees in a finished output, None if nothing: hsx.json's `files`, its counts, the manifests
+        in .hsx/ (where the dir has them: a Hub copy does not) and the files in data/ must tell one story; data/
+        may hold no data file the list does not name (datasets' own cache-*.arrow files aside, which nothing
+        reads as part of the output; `data_dir=False` leaves data/'s listing out)."""
+        listed = listed_files(info)
+        counts = info.counts
+        try:
+            records = {r["file"]: r for r in self.manifest_records().values()} if self.state.is_dir() else {}
+        except HsxError as e:
+            return str(e)
+        if listed is None:  # an older hsx's hsx.json: the manifests are the list (and without them, no list)
+            if not records:
+                return None
+            listed = list(records.values())
+        names = [e["file"] for e in listed]
+        if len(set(names)) != len(names):
+            return "hsx.json's `files` names a file twice"
+        raw = info.raw.get("files") if isinstance(info.raw, dict) else None
+        if isinstance(raw, list) and all(isinstance(e, dict) and "rows" in e for e in raw):
+            rows = sum(e["rows"] for e in listed)
+            if rows != counts.rows_written:
+                return (f"hsx.json's `files` list {len(listed)} file(s) of {rows:,} rows, its counts say "
+                        f"{counts.rows_written:,} rows")
+        if records:
+            only_listed = sorted(set(names) - set(records))
+            only_recorded = sorted(set(records) - set(names))
+            if only_listed == [EMPTY_FILE] and counts.rows_written == 0:
+                only_listed = []  # the empty data file of a job without rows is in no manifest
+            if only_listed or only_recorded:
+                name, where = ((only_listed[0], "is listed in hsx.json but in no manifest") if only_listed else
+                               (only_recorded[0], "is in the manifests but not listed in hsx.json"))
+                return (f"hsx.json lists {len(names)} file(s), the manifests in .hsx/ {len(records)} "
+                        f"(data/{name} {where})")
+            for e in listed:
+                r = records.get(e["file"])
+                if r is not None and (r["bytes"], r.get("crc32"), r.get("rows", 0)) != (
+                        e["bytes"], e.get("crc32"), e.get("rows", 0)):
+                    return f"data/{e['file']}: hsx.json and its manifest record differ (size, CRC-32 or rows)"
+            tokens = sum(r.get("tokens", 0) for r in records.values())
+            if tokens != counts.tokens_written:
+                return f"the manifests count {tokens:,} tokens, hsx.json's counts say {counts.tokens_written:,}"
+        unlisted = sorted(set(self.data_file_names()) - set(names)) if data_dir else []
+        if unlisted:
+            return (f"data/ holds {len(unlisted)} data file(s) hsx.json does not list ({unlisted[0]}"
+                    f"{', ...' if len(unlisted) > 1 else ''})")
+        return None
+
+    def data_file_names(self) -> list[str]:
+        """The names of the data files in data/ (every *.arrow entry, link or not, but datasets' cache files)."""
+        try:
+            names = os.listdir(self.data)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if n.endswith(".arrow") and not fnmatch.fnmatch(n, DATASETS_CACHE_FILES))
+
+    def _check_data_not_a_link(self) -> None:
+        if os.path.islink(self.data):
+            raise HsxError(f"{self.data} is a symbolic link; hsx reads and pushes no link out of the output")
+
+    def check_finished(self, info: Info) -> None:
+        """HsxError, one line, unless the finished output's list, manifests, counts and data/ agree
+        (listing_problem)."""
+        self._check_data_not_a_link()
+        problem = self.listing_problem(info)
+        if problem:
+            advice = ("move away the files it does not list" if problem.startswith("data/ holds") else
+                      "run the same `hsx extract` command: it writes hsx.json again from the manifests")
+            raise HsxError(f"{self.root}: the output does not agree with itself: {problem}; hsx reads and pushes "
+                           f"only an output whose hsx.json, manifests and data/ agree ({advice})")
+
     # ---- finalizing ----
 
     def finalize(self, info: dict[str, Any], card, features=None) -> None:
@@ -468,7 +592,7 @@ class OutputDir:
 
         self.data.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
-        final = self.data / "train-000-00000.arrow"
+        final = self.data / EMPTY_FILE
         tmp = self.tmp / f"empty-{final.name}"
         writer = ArrowWriter(features=features, path=str(tmp))
         try:
@@ -585,6 +709,29 @@ def listed_files(info: Info | None) -> list[dict[str, Any]] | None:
     """hsx.json's `files` as dicts (None without hsx.json, or for an older hsx's, which lists none); each entry
     was checked when hsx.json was read (hsx.schema.FileEntry: a plain name inside data/, a size, a CRC-32)."""
     return None if info is None or info.files is None else [e.to_dict() for e in info.files]
+
+
+def merged_from(info: Info | None) -> list[str]:
+    """The dirs `hsx merge` joined into this output, as its hsx.json records them (absolute, resolved paths)."""
+    run = info.raw.get("run") if info is not None and isinstance(info.raw, dict) else None
+    dirs = run.get("merged_from") if isinstance(run, dict) else None
+    if not isinstance(dirs, list):
+        return []
+    return [os.path.normpath(d) for d in dirs if isinstance(d, str) and os.path.isabs(d)]
+
+
+def _merged_units(src: Path, fingerprint: str | None) -> set[str]:
+    """The unit files a merged dir's manifests record, if it is an hsx output of the job `fingerprint` (its
+    .hsx/ and job.json reached through no link); else none."""
+    state = src / ".hsx"
+    try:
+        if not stat.S_ISDIR(os.lstat(state).st_mode) or not stat.S_ISREG(os.lstat(state / "job.json").st_mode):
+            return set()
+        if fingerprint is None or read_json(state / "job.json", Job).fingerprint != fingerprint:
+            return set()
+        return {r["file"] for r in OutputDir(src).manifest_records().values()}
+    except (OSError, HsxError):
+        return set()
 
 
 def unit_entry(rec: dict[str, Any]) -> dict[str, Any]:
@@ -778,13 +925,35 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
 
     out = OutputDir(out_dir)
     sources = [OutputDir(d) for d in dirs]
-    with ExitStack() as stack:
-        seen = set()
-        for d in [out, *sources]:
-            if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
-                seen.add(d.root.resolve())
-                stack.enter_context(d.locked_whole())
-        return _merge(out, sources, dirs, log)
+    # What a refused merge must not leave behind: the dirs, .hsx/ and data/ it creates (an empty OUT, or a
+    # mistyped source dir made just to be locked).
+    made = [p for d in [out, *sources] for p in (d.root, d.state, d.data, d.state / "lock", d.state / "busy")
+            if not os.path.lexists(p)]
+    try:
+        with ExitStack() as stack:
+            seen = set()
+            for d in [out, *sources]:
+                if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
+                    seen.add(d.root.resolve())
+                    stack.enter_context(d.locked_whole())
+            return _merge(out, sources, dirs, log)
+    except BaseException:
+        _remove_made(made)
+        raise
+
+
+def _remove_made(made: list[Path]) -> None:
+    """Remove what a failed merge created, deepest first: its lock files (empty, held by no one once the merge
+    let them go) and the dirs, only if empty (rmdir, never a recursive delete)."""
+    for path in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        try:
+            if path.name in ("lock", "busy"):
+                if stat.S_ISREG(os.lstat(path).st_mode) and os.lstat(path).st_size == 0:
+                    path.unlink()
+            else:
+                path.rmdir()
+        except OSError:  # not empty (it holds something else), or not there
+            pass
 
 
 def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> dict[str, Any]:
@@ -817,14 +986,17 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
         raise HsxError(f"{len(missing)} of {len(summary['unit_names'])} units are in none of the dirs "
                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); run the job again to "
                        "write them, then merge")
+    for unit in summary["unit_names"]:  # every refusal before the first write
+        src, rec = done[unit]
+        target, link = src.data / rec["file"], out.data / rec["file"]
+        if src is not out and target.resolve() != link.resolve() and link.exists() and not link.is_symlink():
+            raise HsxError(f"{link} is not a unit of this job's dirs; move it away, then merge")
     out.data.mkdir(parents=True, exist_ok=True)
     lines = []
     for unit in summary["unit_names"]:
         src, rec = done[unit]
         target, link = src.data / rec["file"], out.data / rec["file"]
         if src is not out and target.resolve() != link.resolve():
-            if link.exists() and not link.is_symlink():
-                raise HsxError(f"{link} is not a unit of this job's dirs; move it away, then merge")
             if link.is_symlink():
                 link.unlink()  # a link of an earlier merge (the link only)
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)

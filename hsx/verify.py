@@ -1,6 +1,7 @@
 """`hsx verify OUT`: trust, but check. Re-reads an output dir and recomputes rows with the reference forward.
 
-Checks, in order: hsx.json says complete; the schema matches the recorded layers and hidden size; each data
+Checks, in order: hsx.json says complete; its file list, the manifests, the counts and data/ agree, and no
+file is a link but those `hsx merge` makes; the schema matches the recorded layers and hidden size; each data
 file matches its manifest line (size, CRC-32, rows); the row and token counts match hsx.json; no `sample_id`
 repeats; every row's columns have `num_tokens` entries; and K random rows recomputed by the reference — the
 full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for layer i < N-1, a hook for the pre-norm
@@ -48,8 +49,13 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     if info is None or not info.complete:
         raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
     final = info.final_hidden
+    try:  # hsx.json's list, the manifests, the counts and data/ agree; no link is read but `hsx merge`'s
+        out.check_finished(info)
+        sources: dict = {}
+        files = [out.unit_source(f.name, info, sources) for f in out.data_files()]
+    except HsxError as e:
+        raise VerifyFailed(str(e)) from None
     # Files against the manifest first (size, CRC-32): a damaged file is named here, before anything parses it.
-    files = out.data_files()
     for f in files:
         rec = next((r for r in records.values() if r["file"] == f.name), None)
         if rec is None:

@@ -64,6 +64,13 @@ DIRECT_FIRST = 8 << 20  # a unit's first O_DIRECT write; each next one twice as 
 WRITE_MODES = ("auto", "buffered", "direct", "mapped")
 
 
+def unit_fingerprint(job_fingerprint: str, unit: str) -> str:
+    """The fingerprint `Dataset.map` writes into a unit's Arrow schema metadata (and `Dataset.from_file` takes
+    back as the dataset's): the job's and the unit's names, nothing of the process or the clock, so the same job
+    writes the same bytes. Different jobs differ in it, so datasets' caches keyed by it never mix two outputs."""
+    return f"hsx-{job_fingerprint[:24]}-{unit}"
+
+
 # ---- CRC-32 of pieces computed apart ---------------------------------------------------------------------------
 
 _ZEROS_OPS: list[list[int]] = []  # _ZEROS_OPS[k]: the GF(2) operator that appends 2**k zero bytes to a CRC-32

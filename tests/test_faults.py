@@ -563,7 +563,7 @@ def test_verify_detects_a_unit_missing_from_the_manifest(ref_copy):
     manifest.write_text("\n".join(lines) + "\n")
     rc, stdout, stderr = _verify(ref_copy)
     assert rc == 1
-    assert_one_error_line(rc, stderr, f.name, "not in the manifest", prefix="hsx: verify failed: ")
+    assert_one_error_line(rc, stderr, f.name, "is listed in hsx.json but in no manifest", prefix="hsx: verify failed: ")
 
 
 def test_verify_detects_a_duplicated_unit(ref_copy):
@@ -578,8 +578,9 @@ def test_verify_detects_a_duplicated_unit(ref_copy):
     with open(ref_copy / ".hsx" / "manifest-00000.jsonl", "a") as m:
         m.write(json.dumps(rec, sort_keys=True) + "\n")
     rc, stdout, stderr = _verify(ref_copy)
-    assert rc == 1
-    assert_one_error_line(rc, stderr, "repeat", prefix="hsx: verify failed: ")
+    assert rc == 1  # refused before any row is read: hsx.json does not list the unit its manifest added
+    assert_one_error_line(rc, stderr, dup.name, "is in the manifests but not listed in hsx.json",
+                          prefix="hsx: verify failed: ")
 
 
 # ---- a torn manifest line (a kill or a full disk in the middle of appending it) ---------------------------------

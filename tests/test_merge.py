@@ -69,3 +69,12 @@ def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
     (other / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "different"}))
     with pytest.raises(HsxError, match="different jobs"):
         merge(str(tmp_path / "mixed"), [str(node0), str(other)], log=lambda *a: None)
+    assert not (tmp_path / "mixed").exists()  # a refused merge leaves nothing it created
+    assert not (tmp_path / "half").exists()
+    with pytest.raises(HsxError, match="holds no hsx job"):
+        merge(str(tmp_path / "typo-out"), [str(node0), str(tmp_path / "typo")], log=lambda *a: None)
+    assert not (tmp_path / "typo-out").exists() and not (tmp_path / "typo").exists()
+    listing = sorted(p.name for p in (node0 / ".hsx").iterdir())
+    with pytest.raises(HsxError, match="different jobs"):  # into a source: its own files stay as they were
+        merge(str(node0), [str(node0), str(other)], log=lambda *a: None)
+    assert sorted(p.name for p in (node0 / ".hsx").iterdir()) == listing

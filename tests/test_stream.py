@@ -16,7 +16,7 @@ import torch
 
 import hsx
 from conftest import REPO, Child, child_env, free_port, one_torch_thread, write_jsonl
-from hsx.config import UsageError
+from hsx.config import HsxError, UsageError
 
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
@@ -90,7 +90,7 @@ def test_stopping_early_stops_the_gpu_thread(many_units, how):
             next(rows)
             assert gpu_threads()
             rows.close()
-            with pytest.raises(StopIteration):
+            with pytest.raises(HsxError, match="was closed: a stream hands its rows out once"):
                 next(rows)
         else:
             with pytest.raises(ZeroDivisionError):
@@ -102,6 +102,15 @@ def test_stopping_early_stops_the_gpu_thread(many_units, how):
         if t.name == "hsx-gpu":
             t.join(timeout=10)
     assert not gpu_threads()
+
+
+def test_a_stream_read_to_its_end_raises_when_iterated_again(many_units):
+    with one_torch_thread():
+        rows = hsx.stream(**{**many_units, "limit": 3})
+        assert len([r["sample_id"] for r in rows]) == 3
+        with pytest.raises(HsxError, match="was read to its end: a stream hands its rows out once"):
+            for _ in rows:  # a second epoch over the same stream: never silently 0 rows
+                pass
 
 
 def test_nothing_runs_before_the_first_row(many_units):

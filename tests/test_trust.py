@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_output, fault_argv, hsx_main, manifest_records, message_lines
+from conftest import assert_same_output, child_env, fault_argv, hsx_main, manifest_records, message_lines
 
 import hsx
 from hsx import fingerprint
@@ -316,13 +319,6 @@ def test_load_refuses_a_damaged_or_incomplete_dir(finished, tmp_path):
         assert len(hsx.load(str(killed), allow_incomplete=True)) == rows - unit_rows(finished, units[-1].name)
 
 
-def test_load_reads_only_the_listed_units(finished, tmp_path):
-    planted = copy_of(finished, tmp_path / "planted")
-    first = sorted((planted / "data").glob("*.arrow"))[0]
-    shutil.copy(first, planted / "data" / "train-999-00000.arrow")
-    assert len(hsx.load(str(planted))) == info_rows(finished)
-
-
 def test_load_dataset_on_a_dir_with_a_unit_gone_fails_instead_of_fewer_rows(finished, tmp_path):
     from datasets import load_dataset
 
@@ -390,6 +386,8 @@ def test_check_crc_checks_the_units_of_earlier_runs_too(fault_reference, tmp_pat
         r["session"] = "earlier" if k < 10 else "last"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in recs))
     flip_unit_bytes(out / "data" / recs[3]["file"])
+    with pytest.raises(HsxError, match=r"run the same `hsx extract` command with --check-crc to redo them"):
+        hsx.load(str(out), verify=True)  # the advice is the command that repairs it, below
     rc, stdout, err = hsx_main(fault_reference.argv(out))
     assert rc == 0 and "already complete" in stdout  # an earlier run's unit: only its size is checked
     rc, stdout, err = hsx_main(fault_reference.argv(out, "--check-crc"))
@@ -410,9 +408,9 @@ def test_push_uploads_no_link_and_no_damaged_unit(finished, tmp_path):
     out = copy_of(finished, tmp_path / "out")
     (out / "data" / "train-999-00000.arrow").symlink_to(secret)
     api = FakeHfApi()
-    push_output(out, "someone/states", api=api, log=lambda *a: None)
-    assert "data/train-999-00000.arrow" not in api.files()
-    assert not any(b"TopSecret" in v for v in api.files().values())
+    with pytest.raises(HsxError, match="data/ holds 1 data file.* does not list"):
+        push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert not pushed(api)
 
     swapped = copy_of(finished, tmp_path / "swapped")  # a unit replaced by a link to the secret
     name = sorted((swapped / "data").glob("train-0*.arrow"))[0].name
@@ -420,12 +418,13 @@ def test_push_uploads_no_link_and_no_damaged_unit(finished, tmp_path):
     (swapped / "data" / name).symlink_to(secret)
     flipped = copy_of(finished, tmp_path / "flipped")
     flip_unit_bytes(flipped / "data" / name)
-    for bad in (swapped, flipped):
+    for bad, why in ((swapped, "is a symbolic link, and not one `hsx merge` made"),
+                     (flipped, "does not match hsx.json")):
         api = FakeHfApi()
-        with pytest.raises(HsxError, match=f"{name} does not match hsx.json"):
+        with pytest.raises(HsxError, match=f"{name} {re.escape(why)}"):
             push_output(bad, "someone/states", api=api, log=lambda *a: None)
         assert f"data/{name}" not in api.repos.get("someone/states", {}).get("branches", {}).get("main", {})
-        assert not any(b"TopSecret" in v for v in api.files().values())
+        assert not any(b"TopSecret" in v for v in pushed(api).values())
     linked = copy_of(finished, tmp_path / "linked-card")
     (linked / "README.md").unlink()
     (linked / "README.md").symlink_to(secret)
@@ -463,3 +462,200 @@ def test_a_files_list_that_points_out_of_data_is_refused(finished, tmp_path):
         push_output(out, "someone/states", api=FakeHfApi(), log=lambda *a: None)
     with pytest.raises(HsxError, match="`files` is damaged"):
         hsx.load(str(out))
+
+
+# ---- hsx.json's list, the manifests, the counts and data/ tell one story -------------------------------------------
+
+def edit_info(out: Path, **changes) -> None:
+    info = json.loads((out / "hsx.json").read_text())
+    info.update(changes)
+    (out / "hsx.json").write_text(json.dumps(info))
+
+
+def pushed(api) -> dict[str, bytes]:
+    """What a FakeHfApi holds on someone/states' main branch (nothing when no repo was made)."""
+    return api.repos.get("someone/states", {}).get("branches", {}).get("main", {})
+
+
+def refused_everywhere(out: Path, *needles: str) -> None:
+    """hsx.load, hsx verify and a push all refuse `out` in one line naming what disagrees; nothing is uploaded."""
+    from test_hub import FakeHfApi
+
+    from hsx.hub import push_output
+
+    for read in (lambda: hsx.load(str(out)), lambda: hsx.load(str(out), verify=True)):
+        with pytest.raises(HsxError) as e:
+            read()
+        assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    assert rc == 1 and "Traceback" not in err
+    assert [line for line in message_lines(err) if all(n in line for n in needles)] == message_lines(err)
+    assert len(message_lines(err)) == 1 and message_lines(err)[0].startswith("hsx: verify failed: ")
+    api = FakeHfApi()
+    with pytest.raises(HsxError, match=re.escape(needles[0])):
+        push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert not pushed(api)
+
+
+def test_a_cut_or_emptied_file_list_is_refused_not_read_as_fewer_rows(finished, tmp_path):
+    info = json.loads((finished / "hsx.json").read_text())
+    rows = info["counts"]["rows_written"]
+    cut = copy_of(finished, tmp_path / "cut")
+    edit_info(cut, files=info["files"][:2])
+    listed = sum(f["rows"] for f in info["files"][:2])
+    refused_everywhere(cut, f"`files` list 2 file(s) of {listed:,} rows, its counts say {rows:,} rows")
+    emptied = copy_of(finished, tmp_path / "emptied")
+    edit_info(emptied, files=[])
+    refused_everywhere(emptied, f"`files` list 0 file(s) of 0 rows, its counts say {rows:,} rows")
+    # the counts made to fit the cut list: the manifests still name every unit
+    fitted = copy_of(finished, tmp_path / "fitted")
+    edit_info(fitted, files=info["files"][:2], counts={**info["counts"], "rows_written": listed})
+    refused_everywhere(fitted, f"hsx.json lists 2 file(s), the manifests in .hsx/ {len(info['files'])}",
+                       "is in the manifests but not listed")
+    # and without .hsx/ (as a copy of the Hub's files has it): data/ still holds the units it does not list
+    shutil.rmtree(fitted / ".hsx")
+    refused_everywhere(fitted, f"data/ holds {len(info['files']) - 2} data file(s) hsx.json does not list")
+    # an older hsx's hsx.json without a list, its data files cut: their rows against the counts
+    older = copy_of(finished, tmp_path / "older")
+    info_older = {k: v for k, v in info.items() if k != "files"}
+    (older / "hsx.json").write_text(json.dumps(info_older))
+    shutil.rmtree(older / ".hsx")
+    (older / "data" / info["files"][0]["file"]).unlink()
+    with pytest.raises(HsxError, match=f"hold {rows - info['files'][0]['rows']:,} rows, its hsx.json counts {rows:,}"):
+        hsx.load(str(older))
+
+
+def test_load_refuses_a_data_file_hsx_json_does_not_list(finished, tmp_path):
+    planted = copy_of(finished, tmp_path / "planted")
+    first = sorted((planted / "data").glob("*.arrow"))[0]
+    shutil.copy(first, planted / "data" / "train-999-00000.arrow")
+    refused_everywhere(planted, "data/ holds 1 data file(s) hsx.json does not list (train-999-00000.arrow)",
+                       "move away the files it does not list")
+
+
+@pytest.mark.slow
+def test_the_same_command_writes_a_changed_hsx_json_again(fault_reference, tmp_path):
+    out = copy_of(fault_reference.out, tmp_path / "out")
+    info = json.loads((out / "hsx.json").read_text())
+    edit_info(out, files=info["files"][:5])
+    with pytest.raises(HsxError, match="run the same `hsx extract` command: it writes hsx.json again"):
+        hsx.load(str(out))
+    shutil.copy(out / "data" / info["files"][0]["file"], out / "data" / "cache-0123456789abcdef.arrow")  # (older hsx)
+    rc, stdout, err = hsx_main(fault_reference.argv(out))
+    assert rc == 0, err
+    assert "hsx.json is written again from the manifests" in stdout + err
+    assert json.loads((out / "hsx.json").read_text())["files"] == info["files"]
+    assert len(hsx.load(str(out))) == 96
+
+
+# ---- no link is read or pushed but those `hsx merge` makes --------------------------------------------------------
+
+def listed_link_to(out: Path, secret: Path, name: str = "train-998-00000.arrow") -> None:
+    """A link in data/ to `secret`, listed in hsx.json with the secret's size and CRC-32 (and no rows)."""
+    (out / "data" / name).symlink_to(secret)
+    info = json.loads((out / "hsx.json").read_text())
+    info["files"].append({"file": name, "unit": name[6:-6], "rows": 0, "bytes": secret.stat().st_size,
+                          "crc32": file_crc32(secret)})
+    (out / "hsx.json").write_text(json.dumps(info))
+
+
+def test_a_listed_link_to_a_secret_is_neither_read_nor_pushed(finished, tmp_path):
+    from test_hub import FakeHfApi
+
+    from hsx.hub import push_output
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    with_state = copy_of(finished, tmp_path / "with-state")
+    listed_link_to(with_state, secret)  # the manifests know no such unit
+    refused_everywhere(with_state, "data/train-998-00000.arrow is listed in hsx.json but in no manifest")
+    hub_copy = copy_of(finished, tmp_path / "hub-copy")  # no .hsx/ to compare with: the link itself is refused
+    shutil.rmtree(hub_copy / ".hsx")
+    listed_link_to(hub_copy, secret)
+    refused_everywhere(hub_copy, "train-998-00000.arrow is a symbolic link, and not one `hsx merge` made")
+    # a link that claims to be a merge's: hsx.json names the secret's folder as a merged dir
+    evil = tmp_path / "evil"
+    (evil / "data").mkdir(parents=True)
+    shutil.copy(secret, evil / "data" / "train-998-00000.arrow")
+    claimed = copy_of(finished, tmp_path / "claimed")
+    shutil.rmtree(claimed / ".hsx")
+    (claimed / "data" / "train-998-00000.arrow").symlink_to(evil / "data" / "train-998-00000.arrow")
+    info = json.loads((claimed / "hsx.json").read_text())
+    info["files"].append({"file": "train-998-00000.arrow", "unit": "998-00000", "rows": 0,
+                          "bytes": secret.stat().st_size, "crc32": file_crc32(secret)})
+    info["run"] = {"merged_from": [str(evil.resolve()), str(claimed.resolve())]}
+    (claimed / "hsx.json").write_text(json.dumps(info))
+    refused_everywhere(claimed, "train-998-00000.arrow is a symbolic link, and not one `hsx merge` made")
+    for out in (with_state, hub_copy, claimed):
+        api = FakeHfApi()
+        with pytest.raises(HsxError):
+            push_output(out, "someone/states", api=api, log=lambda *a: None)
+        assert not any(b"TopSecret" in v for v in pushed(api).values())
+
+
+def test_a_data_folder_that_is_a_link_is_not_read(finished, tmp_path):
+    elsewhere = copy_of(finished, tmp_path / "elsewhere")
+    out = copy_of(finished, tmp_path / "out")
+    shutil.rmtree(out / "data")
+    (out / "data").symlink_to(elsewhere / "data")
+    refused_everywhere(out, "data is a symbolic link; hsx reads and pushes no link out of the output")
+
+
+def test_merge_links_are_read_from_their_units(finished, tmp_path):
+    nodes = split_nodes(finished, tmp_path)
+    merge(str(tmp_path / "joined"), [str(n) for n in nodes], log=lambda *a: None)
+    joined = tmp_path / "joined"
+    ds = hsx.load(str(joined), verify=True)
+    assert ds.data.table.equals(hsx.load(str(finished)).data.table)
+    rc, _, err = hsx_main(["verify", str(joined), "--samples", "0"])
+    assert rc == 0, err
+    # a merged dir whose job.json is another job's is no known source
+    job = json.loads((nodes[1] / ".hsx" / "job.json").read_text())
+    (nodes[1] / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "another"}))
+    with pytest.raises(HsxError, match="is a symbolic link, and not one `hsx merge` made"):
+        hsx.load(str(joined))
+
+
+# ---- the same job writes the same bytes ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_same_job_writes_the_same_bytes(fault_reference, tmp_path):
+    again = tmp_path / "again"  # in another process: nothing of the process (its id) may reach the bytes
+    done = subprocess.run([sys.executable, "-m", "hsx", *fault_reference.argv(again)], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in (fault_reference.out / "data").iterdir())
+    assert names == sorted(p.name for p in (again / "data").iterdir())
+    differ = [n for n in names if (again / "data" / n).read_bytes() != (fault_reference.out / "data" / n).read_bytes()]
+    assert not differ, differ
+
+
+# ---- datasets' caches stay out of the output -----------------------------------------------------------------------
+
+def test_cache_writing_ops_write_nothing_into_the_output(finished, tmp_path):
+    out = copy_of(finished, tmp_path / "out")
+    before = tree(out)
+    ds = hsx.load(str(out))
+    ids = ds["sample_id"]
+    assert ds.sort("num_tokens")["num_tokens"] == sorted(ds["num_tokens"])
+    assert len(ds.filter(lambda r: r["num_tokens"] > 20)) == sum(n > 20 for n in ds["num_tokens"])
+    assert ds.map(lambda r: {"twice": 2 * r["sample_id"]})["twice"] == [2 * i for i in ids]
+    assert sorted(ds.shuffle(seed=0).flatten_indices()["sample_id"]) == sorted(ids)
+    assert ds.select(range(3)).sort("sample_id", reverse=True)["sample_id"] == sorted(ids[:3], reverse=True)
+    assert tree(out) == before, sorted(set(tree(out)) - set(before))
+    import datasets
+
+    assert all(Path(f["filename"]).is_relative_to(datasets.config.HF_DATASETS_CACHE) for f in ds.cache_files)
+    # cache files an older hsx let datasets write into data/: nothing reads or refuses them
+    old_cache = out / "data" / "cache-0123456789abcdef.arrow"
+    shutil.copy(sorted((out / "data").glob("train-*.arrow"))[0], old_cache)
+    assert len(hsx.load(str(out), verify=True)) == len(ids)
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    assert rc == 0, err
+    from test_hub import FakeHfApi
+
+    from hsx.hub import push_output
+
+    api = FakeHfApi()
+    push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert "data/cache-0123456789abcdef.arrow" not in api.files()
