@@ -16,6 +16,7 @@ layer per sequence of length L (sliding-window layers: the pairs inside the wind
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hsx.errors import HsxError
 from hsx.schema import SCALED_DTYPE, OutputFormat
 
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
@@ -303,6 +305,25 @@ def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_leng
     fits = int(0.8 * free_bytes) // per_token
     budget = min(budget_cap(c), fits)
     return max(budget, max_length)
+
+
+def memory_bytes(device) -> int:
+    """The memory a batch lives in: the GPU's total, or the host's physical memory for a CPU run."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_token_budget(c, stored_values_per_token: int, token_budget: int, memory: int, where: str) -> None:
+    """HsxError (one line) for a --token-budget whose batch cannot fit in `memory` bytes at all (by
+    activation_bytes_per_token, the estimate auto_token_budget sizes batches with), before anything allocates."""
+    need = activation_bytes_per_token(c, stored_values_per_token) * token_budget
+    if need > memory:
+        gib = 1 << 30
+        raise HsxError(f"--token-budget {token_budget:,}: a batch needs about {need / gib:,.1f} GiB, more than the "
+                       f"{memory / gib:,.1f} GiB of {where}; give a smaller one, or leave it unset for one that fits")
 
 
 def budget_cap(c) -> int:

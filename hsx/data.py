@@ -49,19 +49,73 @@ def load_input(cfg: ExtractConfig):
             splits = local_splits(path)
             files = [f for fs in splits.values() for f in fs]
             builder = LOCAL_BUILDERS[files[0].suffix]
-            ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
-                                       split=cfg.split)
+            empty = _empty_files(files, builder)
+            if empty is not None:  # (datasets' readers raise StopIteration or ArrowInvalid on 0 rows)
+                ds = empty
+            else:
+                ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
+                                           split=cfg.split)
         else:
             ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
     except HsxError:
         raise
     except Exception as e:  # datasets wraps parse errors; the innermost message names the problem
-        raise HsxError(f"cannot read dataset {cfg.dataset}: {_innermost(e)}{_json_line(path, e)}") from None
+        raise HsxError(f"cannot read dataset {cfg.dataset}: {_not_found(cfg, e) or _innermost(e)}"
+                       f"{_json_line(path, e)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
+    if len(ds) == 0 and not cfg.allow_empty:
+        raise HsxError(f"dataset {cfg.dataset} (split {cfg.split}) has no rows; pass --allow-empty if an empty "
+                       "output is expected")
     if cfg.limit is not None:
         ds = ds.select(range(min(cfg.limit, len(ds))))
     return ds
+
+
+def _empty_files(files: list[Path], builder: str):
+    """An empty `datasets.Dataset` when no file holds a row (JSON of only whitespace: 0 `text` rows, having no
+    columns to tell its format by; Parquet of 0 rows: its columns kept), else None. Other files are left to
+    datasets."""
+    import datasets
+
+    if builder == "json":
+        if any(_has_text(f) for f in files):
+            return None
+        return datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        metas = [pq.ParquetFile(f) for f in files]
+        if any(m.metadata.num_rows for m in metas):
+            return None
+        return datasets.Dataset(metas[0].schema_arrow.empty_table())
+    return None
+
+
+def _has_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _not_found(cfg: ExtractConfig, e: BaseException) -> str:
+    """For a dataset that is neither a local path nor found on the Hub (or, offline, in datasets' cache): what was
+    looked for, and where (datasets' own message says 'not cached in None')."""
+    import datasets
+
+    inner = e
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__
+    if not isinstance(inner, FileNotFoundError) and type(inner).__name__ not in ("DatasetNotFoundError",
+                                                                                 "DataFilesNotFoundError"):
+        return ""
+    here = f"no file or folder {Path(cfg.dataset).absolute()}"
+    if datasets.config.HF_HUB_OFFLINE:
+        return (f"{here}, and no Hub dataset {cfg.dataset!r} in datasets' cache {datasets.config.HF_DATASETS_CACHE} "
+                "(offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)")
+    return f"{here}, and {_innermost(e)}"
 
 
 def _json_line(path: Path, e: BaseException) -> str:
@@ -186,7 +240,9 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         "truncated": datasets.Value("bool"),
         "skip_reason": datasets.Value("string"),
     })
-    num_proc = cfg.num_proc if cfg.num_proc is not None else (min(8, cpu_count()) if len(ds) >= 20_000 else None)
+    if len(ds) == 0:  # (map over 0 rows returns them with their own columns, not these)
+        return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+    num_proc = tokenize_processes(cfg.num_proc, len(ds))
     return ds.map(
         tokenize_batch,
         batched=True,
@@ -235,6 +291,13 @@ def check_columns(ds, fmt: str, name: str) -> None:
             raise HsxError(f"dataset {name}: column {column!r} mixes value types across rows (strings, lists or "
                            f"booleans among integers), which the JSON reader does not keep apart (\"1\" reads as "
                            f"1); make every row a list of {what}")
+
+
+def tokenize_processes(asked: int | None, rows: int) -> int | None:
+    """How many processes tokenize `rows` rows: `asked` (--num-proc) or up to 8 for 20k+ rows, never more than
+    the cores this process may run on (more only time-slice the same cores, each with its own tokenizer copy)."""
+    n = asked if asked is not None else (8 if rows >= 20_000 else None)
+    return None if n is None else min(n, cpu_count())
 
 
 def cpu_count() -> int:

@@ -314,7 +314,8 @@ class Engine:
         import torch
         from tqdm.auto import tqdm
 
-        from hsx.cost import auto_token_budget, layer_params, measure_matmul_tflops
+        from hsx.cost import (auto_token_budget, check_token_budget, layer_params, measure_matmul_tflops,
+                              memory_bytes)
         from hsx.engine import Extractor, Pipeline
         from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
@@ -339,6 +340,8 @@ class Engine:
         self.width = len(target.layers) * target.hidden_size + (target.hidden_size if target.final_hidden else 0)
         if cfg.token_budget:
             budget = cfg.token_budget
+            check_token_budget(loaded.text_config, self.width, budget, memory_bytes(device),
+                               "this machine's memory" if device.type == "cpu" else f"GPU {device}")
         elif cuda:
             budget = auto_token_budget(loaded.text_config, self.width, torch.cuda.mem_get_info(device)[0],
                                        cfg.max_length, eager_attention=packing == "none"
