@@ -14,6 +14,7 @@ units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunS
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -26,7 +27,7 @@ from hsx import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
 from hsx.schema import OutputFormat
-from hsx.fingerprint import model_identity, tokenizer_identity
+from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
                       job_fingerprint)
@@ -109,6 +110,7 @@ class Job:
     def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
         from hsx import data
 
+        began_ns = time.time_ns()
         target = read_target(cfg, model)
         raw = data.load_input(cfg)
         tokenizer = _tokenizer(cfg, target.model_path) if data.row_format(raw.column_names) != "input_ids" else None
@@ -117,10 +119,17 @@ class Job:
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         mask = data.mask_method(raw.column_names, tokenizer)
-        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache
-        identity = proc.in_turns(lambda: job_fingerprint(
-            _identity(cfg, target, raw, template_sha, mask),
-            given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset}))
+        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache. Where the
+        # dir holds a job already, the fingerprint decides whether it continues: no digest older than this
+        # launch stands in for reading the files (hsx.fingerprint).
+        decides = bool(cfg.output_dir) and (OutputDir(cfg.output_dir).state / "job.json").exists()
+
+        def identity_of():
+            with fresh_digests_only(began_ns) if decides else contextlib.nullcontext():
+                return job_fingerprint(_identity(cfg, target, raw, template_sha, mask),
+                                       given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset})
+
+        identity = proc.in_turns(identity_of)
         return cls(cfg, proc, target, raw, tokenizer, mask, template_sha, unit_tokens, identity, say)
 
     @property

@@ -77,3 +77,82 @@ def test_a_missing_offline_hub_dataset_says_what_and_where(tmp_path, model4):
     line = assert_one_error_line(rc, err, "nobody-hsx/no-such-dataset", "datasets' cache",
                                  os.environ["HF_DATASETS_CACHE"])
     assert "None" not in line
+
+
+# ---- the file-digest cache saves time, never decides -----------------------------------------------------------
+
+import hashlib  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from hsx import fingerprint  # noqa: E402
+
+
+@pytest.fixture
+def digest_cache(tmp_path, monkeypatch):
+    path = tmp_path / "hf-home" / "hsx" / "file-digests.json"
+    monkeypatch.setattr(fingerprint, "cache_file", lambda: path)
+    return path
+
+
+def _cache_key(f: Path) -> str:
+    return fingerprint._key(f, f.stat())
+
+
+@pytest.mark.parametrize("entry", [None, "0" * 63, ["x"], {"sha256": None, "hashed_at_ns": 1},
+                                   {"sha256": "A" * 64, "hashed_at_ns": 1}, {"sha256": "a" * 64}])
+def test_a_null_or_malformed_cache_entry_is_a_miss(tmp_path, digest_cache, entry):
+    f = tmp_path / "w.bin"
+    f.write_bytes(os.urandom(4096))
+    os.utime(f, ns=(1, 1))
+    digest_cache.parent.mkdir(parents=True)
+    digest_cache.write_text(json.dumps({_cache_key(f): entry}))
+    assert fingerprint.file_digests([f]) == [(4096, hashlib.sha256(f.read_bytes()).hexdigest())]
+
+
+@pytest.mark.parametrize("content", ["{", "[1, 2]", "null", "\x00" * 10, "[" * 100000])
+def test_a_damaged_cache_file_is_a_miss(tmp_path, digest_cache, content):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"abc")
+    digest_cache.parent.mkdir(parents=True)
+    digest_cache.write_text(content)
+    assert fingerprint.file_digests([f]) == [(3, hashlib.sha256(b"abc").hexdigest())]
+
+
+def test_a_file_rewritten_within_a_coarse_clock_tick_is_read_again(tmp_path, digest_cache, monkeypatch):
+    """A filesystem with a coarse clock keeps size, times and inode across an in-place rewrite within one tick:
+    the key cannot tell, so an entry hashed in that tick must not stand for the new bytes."""
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"a" * 4096)
+    frozen = _cache_key(f)
+    monkeypatch.setattr(fingerprint, "_key", lambda path, st: frozen)  # the times the coarse clock kept
+    assert fingerprint.file_digests([f])[0][1] == hashlib.sha256(b"a" * 4096).hexdigest()
+    with open(f, "r+b") as fh:
+        fh.write(b"b")
+    assert fingerprint.file_digests([f])[0][1] == hashlib.sha256(b"b" + b"a" * 4095).hexdigest()
+
+
+@pytest.mark.parametrize("form", ["digest", "entry", "null"])
+def test_a_resume_never_takes_a_stale_or_forged_digest_for_the_swapped_weights(tmp_path, model4, small_chat_path,
+                                                                                digest_cache, form):
+    model = tmp_path / "model"
+    shutil.copytree(model4.path, model)
+    argv = fault_argv(model, small_chat_path, tmp_path / "out")
+    rc, _, err = hsx_main(argv)
+    assert rc == 0, err
+    (tmp_path / "out" / "hsx.json").unlink()  # as a kill before finalization leaves it: a resume
+    weights = model / "model.safetensors"
+    old = hashlib.sha256(weights.read_bytes()).hexdigest()
+    blob = bytearray(weights.read_bytes())
+    blob[-8:] = bytes(b ^ 0x5A for b in blob[-8:])  # a tensor's bytes, the same size and header
+    weights.write_bytes(bytes(blob))
+    long_ago = time.time_ns() - 3600 * 10**9
+    os.utime(weights, ns=(long_ago - 10**10, long_ago - 10**10))
+    cache = json.loads(digest_cache.read_text())
+    cache[_cache_key(weights)] = {"digest": old, "null": None,
+                                  "entry": {"sha256": old, "hashed_at_ns": long_ago}}[form]
+    digest_cache.write_text(json.dumps(cache))
+    rc, _, err = hsx_main(argv)
+    assert_one_error_line(rc, err, "different job", "model.safetensors")
+    job = json.loads((tmp_path / "out" / ".hsx" / "job.json").read_text())
+    assert job["inputs"]["model"]["files"]["model.safetensors"][1] == old
