@@ -232,6 +232,8 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be
             chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
                                                         name=cfg.tokenizer or cfg.model)
+        else:  # (derive_chat_format checks this too)
+            loss_masks.check_template_bounds(tokenizer, dict(cfg.chat_template_kwargs), cfg.tokenizer or cfg.model)
     features = datasets.Features({
         "sample_id": datasets.Value("int64"),
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -345,7 +347,8 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
                 convs.append(conv)
                 tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
         if good:
-            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format)
+            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format,
+                                 loss_masks.render_char_limit(max_length))
             for r, (row_ids, row_mask, reason) in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row_ids, row_mask, reason
     truncated = [False] * n
@@ -458,10 +461,13 @@ def row_tools(raw: Any) -> list | None:
 
 
 def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs: dict[str, Any],
-                  tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None) -> list[loss_masks.Row]:
+                  tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None,
+                  max_chars: int = loss_masks.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
     """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
     them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
-    rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`."""
+    rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
+    render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`, checked on derived renders) as
+    `chat_template_timeout` / `chat_template_output_too_long`."""
     tools = tools or [None] * len(convs)
     if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
         if not any(tools):
@@ -476,12 +482,15 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
         fmt = chat_format or loss_masks.derive_chat_format(tokenizer, template_kwargs)
 
         def one(conv, row_tools):
-            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt)
+            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt, max_chars)
     results = []
     for conv, row_tools in zip(convs, tools):
         for variant in _render_variants(conv):
             try:
                 results.append(one(variant, row_tools))
+                break
+            except loss_masks.RenderLimit as e:  # (another variant would run as long)
+                results.append(([], [], e.reason))
                 break
             except Exception:  # noqa: BLE001
                 continue
@@ -516,8 +525,9 @@ def _parsed_arguments(call: Any) -> Any:
 
 
 def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools) -> list[loss_masks.Row]:
-    enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True, **template_kwargs)
+    with loss_masks.cpu_time_limit():  # (a batch's normal rows take a fraction of it)
+        enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **template_kwargs)
     return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]
 
 

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +79,75 @@ class ChatFormat:
     eot_tokens: tuple[str, ...]  # special tokens that end an assistant turn ('<|im_end|>'; '<|end|>', '<|call|>')
 
 
-def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any]) -> str:
-    text = tokenizer.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=agp,
-                                         **kwargs)
+# A render is a template program run on the row's data; these bound the work one row can cause. A template's
+# loops are Python (Jinja compiles to it), stopped by a CPU-time timer; one C-level operation (a string repeated
+# 10^5 times) is not interrupted, but its result is refused before the tokenizer (which aborts the process on an
+# allocation it cannot make) sees it. Normal renders take about a millisecond and a few KB per turn.
+RENDER_CPU_SECONDS = 5.0
+RENDER_MIN_CHARS = 1 << 20  # what any render may be; a row may be CHARS_PER_TOKEN_BOUND × max_length
+CHARS_PER_TOKEN_BOUND = 64  # far above any tokenizer's characters per token: longer is no truncation candidate
+
+
+class RenderLimit(Exception):
+    """A render that ran past RENDER_CPU_SECONDS or produced more than its character bound: `reason` is the
+    row's skip reason."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def render_char_limit(max_length: int) -> int:
+    """The longest render of a row whose tokens are truncated at max_length."""
+    return max(RENDER_MIN_CHARS, CHARS_PER_TOKEN_BOUND * max_length)
+
+
+@contextmanager
+def cpu_time_limit(seconds: float = RENDER_CPU_SECONDS):
+    """RenderLimit('chat_template_timeout') once this process has spent `seconds` of CPU inside the block. A
+    CPU-time timer (SIGVTALRM), not a wall clock: a loaded machine does not turn a slow row into a skipped one,
+    and SIGALRM stays free for the caller. Only in the main thread (where signals are delivered); elsewhere the
+    block runs unbounded in time."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise RenderLimit("chat_template_timeout", f"the chat template ran over {seconds:g} s of CPU on one render")
+
+    previous = signal.signal(signal.SIGVTALRM, expired)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any],
+            max_chars: int = RENDER_MIN_CHARS) -> str:
+    with cpu_time_limit():
+        text = tokenizer.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=agp,
+                                             **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"the template rendered {type(text).__name__}, not text")
+    if len(text) > max_chars:
+        raise RenderLimit("chat_template_output_too_long", f"the chat template rendered {len(text):,} characters "
+                          f"for one conversation (at most {max_chars:,})")
     return text
+
+
+def check_template_bounds(tokenizer, template_kwargs: dict[str, Any], name: str = "the tokenizer") -> None:
+    """HsxError (one line) for a template whose render of a two-message conversation of a few words runs past the
+    render bounds: it would on every row."""
+    try:
+        _render(tokenizer, [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}], None,
+                False, template_kwargs)
+    except RenderLimit as e:
+        raise HsxError(f"the chat template of {name}: {e} of a two-message conversation of two words, so it would "
+                       "on every row") from None
+    except Exception:  # noqa: BLE001  (other refusals are counted per row, as chat_template_error)
+        pass
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -119,10 +185,13 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
     user = {"role": "user", "content": _USER}
     answer = {"role": "assistant", "content": _ANSWER}
     problem = f"the chat template of {name}"
+    check_template_bounds(tokenizer, template_kwargs, name)
     try:
         head = _render(tokenizer, [user], None, False, template_kwargs)
         prompt = _render(tokenizer, [user], None, True, template_kwargs)
         last = _render(tokenizer, [user, answer], None, False, template_kwargs)
+    except RenderLimit as e:
+        raise HsxError(f"{problem}: {e} of a conversation of one word, so it would on every row") from None
     except Exception as e:  # noqa: BLE001  (a template error of any kind)
         raise HsxError(f"{problem} cannot render a user/assistant conversation ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}), so no loss mask can be derived{_FIX}") from None
@@ -170,11 +239,11 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
 
 
 def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
-                          fmt: ChatFormat) -> Row:
+                          fmt: ChatFormat, max_chars: int = RENDER_MIN_CHARS) -> Row:
     """(input_ids, loss_mask, skip_reason) of one conversation: the encoding of the template's render of it, and
     1 on the tokens of each assistant turn from its header's end through its last end-of-turn token. Raises
-    whatever the template raises (the caller counts it as `chat_template_error`)."""
-    text = _render(tokenizer, conv, tools, False, template_kwargs)
+    whatever the template raises (the caller counts it as `chat_template_error`, or a RenderLimit's reason)."""
+    text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -185,14 +254,18 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
     def prefix(k: int, agp: bool) -> str | None:
         if (k, agp) not in renders:
             try:
-                renders[k, agp] = _render(tokenizer, conv[:k], tools, agp, template_kwargs) if k else None
+                renders[k, agp] = _render(tokenizer, conv[:k], tools, agp, template_kwargs, max_chars) if k else None
+            except RenderLimit:
+                raise
             except Exception:  # noqa: BLE001  (a template may refuse a conversation that ends with a tool turn)
                 renders[k, agp] = None
         return renders[k, agp]
 
     def swapped(k: int, message: dict) -> str | None:
         try:
-            return _render(tokenizer, conv[:k] + [message] + conv[k + 1:], tools, False, template_kwargs)
+            return _render(tokenizer, conv[:k] + [message] + conv[k + 1:], tools, False, template_kwargs, max_chars)
+        except RenderLimit:
+            raise
         except Exception:  # noqa: BLE001
             return None
 

@@ -156,3 +156,41 @@ def test_a_resume_never_takes_a_stale_or_forged_digest_for_the_swapped_weights(t
     assert_one_error_line(rc, err, "different job", "model.safetensors")
     job = json.loads((tmp_path / "out" / ".hsx" / "job.json").read_text())
     assert job["inputs"]["model"]["files"]["model.safetensors"][1] == old
+
+
+# ---- a template's render is bounded in time and size -----------------------------------------------------------
+
+from chat_families import QWEN3, family  # noqa: E402
+from hsx import masks  # noqa: E402
+
+CONV = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_a_template_that_multiplies_every_row_stops_the_job_in_one_line(monkeypatch):
+    tok = family("qwen3", QWEN3.replace("message.content", "message.content * 200000"))
+    assert "* 200000" in tok.chat_template
+    with pytest.raises(HsxError, match="characters .* every row"):
+        masks.derive_chat_format(tok, {}, name="evil")
+
+
+def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch):
+    monkeypatch.setattr(masks, "RENDER_CPU_SECONDS", 0.5)
+    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    loops = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}{% endfor %}" \
+            "{% endfor %}{% endfor %}"
+    tok = family("qwen3", loops + QWEN3)
+    with pytest.raises(HsxError, match="CPU .* every row"):
+        masks.derive_chat_format(tok, {}, name="evil")
+
+
+def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
+    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    bomb = ("{%- if 'BOOM' in message.content %}{{ message.content * 3000000 }}{% endif %}"
+            "{%- if 'LOOP' in message.content %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
+            "{% endfor %}{% endif %}")
+    tok = family("qwen3", QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1))
+    assert bomb in tok.chat_template
+    fmt = masks.derive_chat_format(tok, {})
+    convs = [CONV, [{"role": "user", "content": "BOOM"}, CONV[1]], [{"role": "user", "content": "LOOP"}, CONV[1]]]
+    reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, masks.render_char_limit(64))]
+    assert reasons == ["", "chat_template_output_too_long", "chat_template_timeout"]
