@@ -372,6 +372,17 @@ def _exists(path: str | Path) -> bool:
         return False
 
 
+# What hsx and transformers' apply_chat_template give the template themselves (the method's parameters, the
+# conversation as `messages`, the tokenizer's special tokens): a chat_template_kwargs key of these names would
+# replace them, or change how the render is tokenized, behind hsx's back.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "extra_special_tokens"})
+
+
 def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parsed: Collection[str] = ()) -> None:
     """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
     then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'."""
@@ -388,6 +399,10 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parse
             validate_repo_id(cfg.push_to_hub)
         except ValueError as e:
             raise HsxError(f"--push-to-hub {cfg.push_to_hub!r}: {e}") from None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(cfg.chat_template_kwargs))
+    if reserved:
+        raise HsxError(f"chat_template_kwargs may not set {', '.join(reserved)}: hsx passes "
+                       f"{'it' if len(reserved) == 1 else 'them'} to the template itself")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:

@@ -194,3 +194,28 @@ def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
     convs = [CONV, [{"role": "user", "content": "BOOM"}, CONV[1]], [{"role": "user", "content": "LOOP"}, CONV[1]]]
     reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, masks.render_char_limit(64))]
     assert reasons == ["", "chat_template_output_too_long", "chat_template_timeout"]
+
+
+# ---- chat_template_kwargs may not set what hsx passes ----------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["tokenize", "messages", "tools", "add_generation_prompt", "eos_token",
+                                 "return_assistant_tokens_mask"])
+def test_chat_template_kwargs_may_not_set_a_key_hsx_passes(tmp_path, model4, small_chat_path, key):
+    argv = fault_argv(model4.path, small_chat_path, tmp_path / "out", "--chat-template-kwargs",
+                      json.dumps({key: True, "enable_thinking": False}))
+    rc, _, err = hsx_main(argv)
+    assert rc == 2
+    assert_one_error_line(rc, err, f"chat_template_kwargs may not set {key}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_reserved_template_kwargs_cover_apply_chat_template(tokenizer):
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from hsx.config import RESERVED_TEMPLATE_KWARGS
+
+    params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    assert params <= RESERVED_TEMPLATE_KWARGS
+    assert set(tokenizer.special_tokens_map) <= RESERVED_TEMPLATE_KWARGS  # (what it passes the template too)
