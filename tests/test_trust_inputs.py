@@ -219,3 +219,26 @@ def test_the_reserved_template_kwargs_cover_apply_chat_template(tokenizer):
     params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
     assert params <= RESERVED_TEMPLATE_KWARGS
     assert set(tokenizer.special_tokens_map) <= RESERVED_TEMPLATE_KWARGS  # (what it passes the template too)
+
+
+# ---- resume messages -------------------------------------------------------------------------------------------
+
+def test_a_resume_says_to_do_for_units_never_written_and_missing_only_for_lost_ones(tmp_path, model4,
+                                                                                   small_chat_path):
+    out = tmp_path / "out"
+    argv = fault_argv(model4.path, small_chat_path, out)
+    rc, _, err = hsx_main(argv)
+    assert rc == 0, err
+    (out / "hsx.json").unlink()
+    manifests = sorted((out / ".hsx").glob("manifest*.jsonl"))
+    assert len(manifests) == 1
+    records = manifests[0].read_text().splitlines()
+    assert len(records) >= 3
+    manifests[0].write_text("\n".join(records[:2]) + "\n")  # as a kill after two commits leaves it
+    for rec in records[2:]:
+        (out / "data" / json.loads(rec)["file"]).unlink()
+    (out / "data" / json.loads(records[1])["file"]).unlink()  # and one committed unit lost since
+    rc, said, err = hsx_main(argv)
+    assert rc == 0, err
+    assert "0 damaged and 1 missing unit(s)" in said + err, said
+    assert f"1 unit(s) done, {len(records) - 2} to do" in said + err, said
