@@ -242,3 +242,22 @@ def test_a_resume_says_to_do_for_units_never_written_and_missing_only_for_lost_o
     assert rc == 0, err
     assert "0 damaged and 1 missing unit(s)" in said + err, said
     assert f"1 unit(s) done, {len(records) - 2} to do" in said + err, said
+
+
+# ---- a plan says what it is for ---------------------------------------------------------------------------------
+
+def test_a_plan_of_a_tiny_model_on_a_cpu_says_what_it_is_for_and_no_nonsense_rate(tmp_path):
+    from hsx.cost import WRITER_BYTES_PER_S
+
+    repo = Path(__file__).resolve().parent.parent
+    rc, said, err = hsx_main(["plan", "--config", str(repo / "recipes" / "demo.yaml"), "--json", "-"])
+    assert rc == 0, err
+    p = json.loads(said)
+    assert p["write_bytes_per_s"] <= WRITER_BYTES_PER_S * 1.0001
+    assert p["rate_bound"] == "writer"
+    rc, said, err = hsx_main(["plan", "--config", str(repo / "recipes" / "demo.yaml")])
+    assert said.startswith("planned for H200 GPUs")
+    import torch
+
+    assert ("this machine has no GPU" in said) == (not torch.cuda.is_available())
+    assert "561" not in said and "GB/s per copy" in said
