@@ -285,3 +285,31 @@ def test_a_turn_end_in_plain_text_is_derived_and_supervised_through_it_only():
     offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     supervised = "".join(text[s:e] for (s, e), m in zip(offsets, mask) if m)
     assert supervised == "hello there</s>hi hi</s>"  # never the '\n' or the next turn's '<|im_start|>'
+
+
+# ---- a full disk where a library's cleanup hides it -------------------------------------------------------------
+
+def test_a_full_disk_when_a_unit_file_closes_is_one_line(tmp_path, monkeypatch, model4, small_chat_path):
+    """ENOSPC as a unit's file is closed: datasets' map then finalizes its writer again, on the closed stream, and
+    raises 'I/O operation on closed file' with the ENOSPC as its context. Still the disk-full line."""
+    import errno
+
+    from hsx import writer
+
+    real_close = writer.UnitFile.close
+    fired = []
+
+    def close(self):
+        if not fired and not self.closed:
+            fired.append(1)
+            real_close(self)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_close(self)
+
+    monkeypatch.setattr(writer.UnitFile, "close", close)
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "out"))
+    assert fired
+    assert_one_error_line(rc, err, "disk full while writing", "run the same command to continue")
+    monkeypatch.setattr(writer.UnitFile, "close", real_close)
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "out"))
+    assert rc == 0, err
