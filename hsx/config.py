@@ -4,7 +4,8 @@ Every field is a YAML key (snake_case), a flag (kebab-case) and a keyword of `co
 error, not a warning, so a typo in a recipe never silently runs the wrong job. Each key's type is its annotation
 (FIELD_KINDS) and every value is parsed to it without coercion: booleans are YAML 1.2's unquoted true/false only
 (a quoted "false" is a non-empty string, which Python would take as True), integers are integers, choices and
-least values are checked (CHOICES, MINIMUM), and a wrong one is one HsxError line naming the key. Each key's help,
+ranges are checked (CHOICES, MINIMUM, MAXIMUM: every integer key has a largest value, so none overflows
+or allocates what no machine holds), and a wrong one is one HsxError line naming the key. Each key's help,
 default, choices and least value are written once, in its field's metadata (HfArgumentParser's convention): the
 flags and `--help` are built from them, but values never go through HfArgumentParser (its parse_dict does not
 type-check). Layers are
@@ -42,13 +43,25 @@ LAYER_CONVENTION = (
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 
 
+# The largest value of an integer key, and why (a value above it is refused in one line, before anything
+# allocates or overflows): token counts are int32 in the output (`num_tokens`) and in the packed batch's
+# cu_seqlens; everything else indexes numpy int64 arrays.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+TOKENS_INT32 = (INT32_MAX, "token counts are int32")
+ROWS_INT64 = (INT64_MAX, "row and sample indices are int64")
+
+
 def _key(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
-         minimum: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A config key: `field(default=..., metadata={"help": ..., "choices": ..., "minimum": ...})`, the one place
-    of a key's help, default, choices and least value (HfArgumentParser's convention; hsx.cli builds each flag
-    from it, and parse_value checks values against it)."""
+         minimum: float | None = None, maximum: tuple[int, str] | None = None,
+         default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config key: `field(default=..., metadata={"help": ..., "choices": ..., "minimum": ..., "maximum": ...})`,
+    the one place of a key's help, default, choices and range (HfArgumentParser's convention; hsx.cli builds each
+    flag from it, and parse_value checks values against it). `maximum` is (largest value, why); an integer key
+    without one gets ROWS_INT64."""
     metadata = {"help": help, **({"choices": choices} if choices else {}),
-                **({"minimum": minimum} if minimum is not None else {})}
+                **({"minimum": minimum} if minimum is not None else {}),
+                **({"maximum": maximum} if maximum is not None else {})}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -67,9 +80,10 @@ class ExtractConfig:
                                    "e.g. `1 -1` or `1,-1`, or a preset: eagle3, dflash, dflash-K")
     final_hidden: bool = _key(False, help="also store the final-norm output (transformers' hidden_states[N]) as "
                               "final_hidden_state")
-    topk_logits: int = _key(0, minimum=0, help="also store the target's top-K logits and token ids per token (from "
+    topk_logits: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
+                            help="also store the target's top-K logits and token ids per token (from "
                             "the final-norm state, in chunks; needs --final-hidden or a preset that includes it)")
-    max_length: int = _key(4096, minimum=1, help="longer rows are truncated (and counted)")
+    max_length: int = _key(4096, minimum=1, maximum=TOKENS_INT32, help="longer rows are truncated (and counted)")
     chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
                                                 "template, e.g. '{\"enable_thinking\": false}'")
     # Where it goes.
@@ -116,12 +130,15 @@ class ExtractConfig:
                               "process per group: `accelerate launch --num_processes GPUS/N`")
     tp_size: int = _key(1, minimum=1, help="tensor parallel: shard each model copy over this many processes (one "
                         "per GPU) with transformers' tp_plan; data parallel across the groups")
-    token_budget: int | None = _key(None, minimum=1, help="tokens per batch, padding included (default: 16384 on "
+    token_budget: int | None = _key(None, minimum=1, maximum=TOKENS_INT32,
+                                    help="tokens per batch, padding included (default: 16384 on "
                                     "GPU, 4096 on CPU)")
-    unit_tokens: int | None = _key(None, minimum=1, help="tokens per output file, the grain of commit and resume "
+    unit_tokens: int | None = _key(None, minimum=1, maximum=TOKENS_INT32,
+                                   help="tokens per output file, the grain of commit and resume "
                                    "(default: ~2 GiB of states)")
     compile: str = _key("auto", choices=("auto", "on", "off"), help="torch.compile the model (auto: on for CUDA)")
-    num_proc: int | None = _key(None, minimum=1, help="tokenization processes (default: up to 8 for 20k+ rows)")
+    num_proc: int | None = _key(None, minimum=1, help="tokenization processes (default: up to 8 for 20k+ rows; "
+                                "never more than the cores this process may run on)")
     trust_remote_code: bool = _key(False, help="run the model repo's own code")
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +150,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 # values (None is allowed where the field's type says `| None`): views of the fields' metadata.
 CHOICES = {name: f.metadata["choices"] for name, f in FIELDS.items() if "choices" in f.metadata}
 MINIMUM = {name: f.metadata["minimum"] for name, f in FIELDS.items() if "minimum" in f.metadata}
+MAXIMUM = {name: f.metadata.get("maximum", ROWS_INT64) for name, f in FIELDS.items()}
 REQUIRED = ("model", "dataset", "output_dir")  # the keys a job needs (a stream, hsx.stream, writes nothing)
 
 
@@ -179,6 +197,11 @@ def _shown(value: Any) -> str:
     return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(value).__name__})"
 
 
+def _shown_int(value: int) -> str:
+    digits = len(str(abs(value))) if value.bit_length() < 14000 else None  # (str() of a huge int is refused)
+    return f"{value:,}" if digits is not None and digits <= 30 else "an integer of over 30 digits"
+
+
 def parse_value(name: str, value: Any) -> Any:
     """`value` as key `name`'s declared type, or HsxError naming the key. No coercion: a YAML `"512"` is a string,
     not 512, and `"false"`/`no`/`0` are not booleans (the false that `trust_remote_code: "false"` would be in
@@ -198,6 +221,9 @@ def parse_value(name: str, value: Any) -> Any:
         if name in MINIMUM and value < MINIMUM[name]:
             raise HsxError(f"{name} must be at least {MINIMUM[name]}" + (" (or null)" if nullable else "")
                            + f", got {value}")
+        most, why = MAXIMUM[name]
+        if value > most:
+            raise HsxError(f"{name} must be at most {most:,} ({why}), got {_shown_int(value)}")
         return value
     if kind == "float":  # an integer or a finite decimal (YAML `4`, `0.5`), never a string or a boolean
         if type(value) not in (int, float) or not math.isfinite(value):
@@ -359,6 +385,17 @@ def _exists(path: str | Path) -> bool:
         return False
 
 
+# What hsx and transformers' apply_chat_template give the template themselves (the method's parameters, the
+# conversation as `messages`, the tokenizer's special tokens): a chat_template_kwargs key of these names would
+# replace them, or change how the render is tokenized, behind hsx's back.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "extra_special_tokens"})
+
+
 def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parsed: Collection[str] = ()) -> None:
     """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
     then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'."""
@@ -375,6 +412,10 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parse
             validate_repo_id(cfg.push_to_hub)
         except ValueError as e:
             raise HsxError(f"--push-to-hub {cfg.push_to_hub!r}: {e}") from None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(cfg.chat_template_kwargs))
+    if reserved:
+        raise HsxError(f"chat_template_kwargs may not set {', '.join(reserved)}: hsx passes "
+                       f"{'it' if len(reserved) == 1 else 'them'} to the template itself")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:

@@ -16,6 +16,7 @@ layer per sequence of length L (sliding-window layers: the pairs inside the wind
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hsx.errors import HsxError
 from hsx.schema import SCALED_DTYPE, OutputFormat
 
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
@@ -41,6 +43,10 @@ DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
 # below both for the shapes not measured (other widths, experts and head layouts)
+# The fastest the writer has stored states, per process: 4.79 GB/s into tmpfs on an H200 host (README, writer
+# table). A plan's rate is never more than this many bytes per second of output: a small model's FLOPs would
+# otherwise promise hundreds of GB/s of writes.
+WRITER_BYTES_PER_S = 4.79e9
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -324,6 +330,25 @@ def auto_token_budget(c, stored_values_per_token: int, free_bytes: int, max_leng
     return max(budget, max_length)
 
 
+def memory_bytes(device) -> int:
+    """The memory a batch lives in: the GPU's total, or the host's physical memory for a CPU run."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_token_budget(c, stored_values_per_token: int, token_budget: int, memory: int, where: str) -> None:
+    """HsxError (one line) for a --token-budget whose batch cannot fit in `memory` bytes at all (by
+    activation_bytes_per_token, the estimate auto_token_budget sizes batches with), before anything allocates."""
+    need = activation_bytes_per_token(c, stored_values_per_token) * token_budget
+    if need > memory:
+        gib = 1 << 30
+        raise HsxError(f"--token-budget {token_budget:,}: a batch needs about {need / gib:,.1f} GiB, more than the "
+                       f"{memory / gib:,.1f} GiB of {where}; give a smaller one, or leave it unset for one that fits")
+
+
 def budget_cap(c) -> int:
     """The fastest budget: DEFAULT_BUDGET_CAP, or for a mixture of experts the batch that gives each expert
     MOE_TOKENS_PER_EXPERT rows on average (tokens × k / experts): an expert's GEMM is only as large as its share of
@@ -405,9 +430,14 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         mfu = mfu if mfu is not None else plan_mfu(c)
         rate = rate_tokens_per_s or (mfu * matmul_tflops * 1e12 / per_token)
         whose = f"an {gpu_name}'s " if gpu_name else ""
+        source = "given" if rate_tokens_per_s else f"{mfu:.0%} of {whose}{matmul_tflops:.0f} TFLOP/s"
+        if not rate_tokens_per_s and rate * bpt > WRITER_BYTES_PER_S:
+            rate = WRITER_BYTES_PER_S / bpt
+            source = (f"the writer's fastest measured {WRITER_BYTES_PER_S / 1e9:.2f} GB/s per process, not the "
+                      f"GPU's FLOPs; a model this small is bound by per-batch overheads this plan does not model")
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
-                    "rate_tokens_per_s": rate,
-                    "rate_source": "given" if rate_tokens_per_s else f"{mfu:.0%} of {whose}{matmul_tflops:.0f} TFLOP/s",
+                    "rate_tokens_per_s": rate, "rate_bound": "writer" if "writer" in source else "compute",
+                    "rate_source": source,
                     "expected_seconds": tokens / rate, "write_bytes_per_s": rate * bpt})
         if out.get("copies_per_node"):
             out["expected_seconds_node"] = tokens / rate / out["copies_per_node"]
@@ -423,7 +453,12 @@ def plan_mfu(c) -> float:
 
 def format_plan(p: dict[str, Any]) -> str:
     gib = 1024**3
-    lines = [
+    lines = []
+    if p.get("planned_for"):
+        lines.append(f"planned for {p['planned_for']}" + (
+            "; this machine has no GPU, so `hsx extract` here runs on its CPU, far slower than the times below"
+            if p.get("machine_has_gpu") is False else ""))
+    lines += [
         f"layers {p['layers']}{' + final norm state' if p['final_hidden'] else ''}: runs {p['layers_run']} of "
         f"{p['num_model_layers']} decoder layers, no lm_head",
         f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
@@ -525,6 +560,11 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
              token_budget=cfg.token_budget, matmul_tflops=GPUS[gpu]["matmul_tflops"], gpu_name=gpu.upper(),
              **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
+    import torch
+
+    p["planned_for"] = (f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB, {GPUS[gpu]['matmul_tflops']:.0f} TFLOP/s bf16 "
+                        "matmul measured)")
+    p["machine_has_gpu"] = torch.cuda.is_available()
     if tokens is not None:
         p["tokens_source"] = source
         p["tokens_estimated"] = source.startswith("estimate")

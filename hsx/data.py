@@ -49,19 +49,73 @@ def load_input(cfg: ExtractConfig):
             splits = local_splits(path)
             files = [f for fs in splits.values() for f in fs]
             builder = LOCAL_BUILDERS[files[0].suffix]
-            ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
-                                       split=cfg.split)
+            empty = _empty_files(files, builder)
+            if empty is not None:  # (datasets' readers raise StopIteration or ArrowInvalid on 0 rows)
+                ds = empty
+            else:
+                ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
+                                           split=cfg.split)
         else:
             ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
     except HsxError:
         raise
     except Exception as e:  # datasets wraps parse errors; the innermost message names the problem
-        raise HsxError(f"cannot read dataset {cfg.dataset}: {_innermost(e)}{_json_line(path, e)}") from None
+        raise HsxError(f"cannot read dataset {cfg.dataset}: {_not_found(cfg, e) or _innermost(e)}"
+                       f"{_json_line(path, e)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
+    if len(ds) == 0 and not cfg.allow_empty:
+        raise HsxError(f"dataset {cfg.dataset} (split {cfg.split}) has no rows; pass --allow-empty if an empty "
+                       "output is expected")
     if cfg.limit is not None:
         ds = ds.select(range(min(cfg.limit, len(ds))))
     return ds
+
+
+def _empty_files(files: list[Path], builder: str):
+    """An empty `datasets.Dataset` when no file holds a row (JSON of only whitespace: 0 `text` rows, having no
+    columns to tell its format by; Parquet of 0 rows: its columns kept), else None. Other files are left to
+    datasets."""
+    import datasets
+
+    if builder == "json":
+        if any(_has_text(f) for f in files):
+            return None
+        return datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        metas = [pq.ParquetFile(f) for f in files]
+        if any(m.metadata.num_rows for m in metas):
+            return None
+        return datasets.Dataset(metas[0].schema_arrow.empty_table())
+    return None
+
+
+def _has_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _not_found(cfg: ExtractConfig, e: BaseException) -> str:
+    """For a dataset that is neither a local path nor found on the Hub (or, offline, in datasets' cache): what was
+    looked for, and where (datasets' own message says 'not cached in None')."""
+    import datasets
+
+    inner = e
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__
+    if not isinstance(inner, FileNotFoundError) and type(inner).__name__ not in ("DatasetNotFoundError",
+                                                                                 "DataFilesNotFoundError"):
+        return ""
+    here = f"no file or folder {Path(cfg.dataset).absolute()}"
+    if datasets.config.HF_HUB_OFFLINE:
+        return (f"{here}, and no Hub dataset {cfg.dataset!r} in datasets' cache {datasets.config.HF_DATASETS_CACHE} "
+                "(offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)")
+    return f"{here}, and {_innermost(e)}"
 
 
 def _json_line(path: Path, e: BaseException) -> str:
@@ -178,6 +232,8 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be
             chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
                                                         name=cfg.tokenizer or cfg.model)
+        else:  # (derive_chat_format checks this too)
+            loss_masks.check_template_bounds(tokenizer, dict(cfg.chat_template_kwargs), cfg.tokenizer or cfg.model)
     features = datasets.Features({
         "sample_id": datasets.Value("int64"),
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -186,7 +242,9 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         "truncated": datasets.Value("bool"),
         "skip_reason": datasets.Value("string"),
     })
-    num_proc = cfg.num_proc if cfg.num_proc is not None else (min(8, cpu_count()) if len(ds) >= 20_000 else None)
+    if len(ds) == 0:  # (map over 0 rows returns them with their own columns, not these)
+        return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+    num_proc = tokenize_processes(cfg.num_proc, len(ds))
     return ds.map(
         tokenize_batch,
         batched=True,
@@ -237,6 +295,13 @@ def check_columns(ds, fmt: str, name: str) -> None:
                            f"1); make every row a list of {what}")
 
 
+def tokenize_processes(asked: int | None, rows: int) -> int | None:
+    """How many processes tokenize `rows` rows: `asked` (--num-proc) or up to 8 for 20k+ rows, never more than
+    the cores this process may run on (more only time-slice the same cores, each with its own tokenizer copy)."""
+    n = asked if asked is not None else (8 if rows >= 20_000 else None)
+    return None if n is None else min(n, cpu_count())
+
+
 def cpu_count() -> int:
     import os
 
@@ -282,7 +347,8 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
                 convs.append(conv)
                 tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
         if good:
-            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format)
+            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format,
+                                 loss_masks.render_char_limit(max_length))
             for r, (row_ids, row_mask, reason) in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row_ids, row_mask, reason
     truncated = [False] * n
@@ -395,10 +461,13 @@ def row_tools(raw: Any) -> list | None:
 
 
 def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs: dict[str, Any],
-                  tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None) -> list[loss_masks.Row]:
+                  tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None,
+                  max_chars: int = loss_masks.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
     """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
     them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
-    rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`."""
+    rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
+    render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`, checked on derived renders) as
+    `chat_template_timeout` / `chat_template_output_too_long`."""
     tools = tools or [None] * len(convs)
     if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
         if not any(tools):
@@ -413,12 +482,15 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
         fmt = chat_format or loss_masks.derive_chat_format(tokenizer, template_kwargs)
 
         def one(conv, row_tools):
-            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt)
+            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt, max_chars)
     results = []
     for conv, row_tools in zip(convs, tools):
         for variant in _render_variants(conv):
             try:
                 results.append(one(variant, row_tools))
+                break
+            except loss_masks.RenderLimit as e:  # (another variant would run as long)
+                results.append(([], [], e.reason))
                 break
             except Exception:  # noqa: BLE001
                 continue
@@ -453,8 +525,9 @@ def _parsed_arguments(call: Any) -> Any:
 
 
 def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools) -> list[loss_masks.Row]:
-    enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True, **template_kwargs)
+    with loss_masks.cpu_time_limit():  # (a batch's normal rows take a fraction of it)
+        enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **template_kwargs)
     return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]
 
 

@@ -6,6 +6,8 @@ purpose: `import hsx.cli` imports this, not the modules that raise (those import
 
 from __future__ import annotations
 
+import errno
+
 EXIT_RUNTIME = 1  # the data, the model or the output dir cannot be used; a failed verify
 EXIT_USAGE = 2  # a flag, recipe key or argument wrong by itself (argparse's own status for a bad flag)
 EXIT_INTERRUPTED = 130  # Ctrl-C outside a job's clean stop (128 + SIGINT, as a shell reports it)
@@ -38,3 +40,17 @@ def exit_status(error: BaseException) -> int:
     if isinstance(error, Stopped):
         return error.exit_code
     return EXIT_USAGE if isinstance(error, UsageError) else EXIT_RUNTIME
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised while handling, is a full disk or quota (ENOSPC, EDQUOT).
+    A library's cleanup can hide it: datasets' map finalizes its writer again after the write failed, and that
+    raises 'I/O operation on closed file' with the ENOSPC as its context."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and (error.errno in (errno.ENOSPC, errno.EDQUOT)
+                                           or "No space left" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -6,18 +6,35 @@ from another working directory, or with the same folder spelled another way, giv
 
 Cost, measured on files in the page cache: sha256 runs at ~1.0 GB/s per thread (H200 host: 1038 MB/s; the
 2-core dev box: 737 MB/s under load), and hashlib releases the GIL, so files hash in parallel threads: 16 shards
-on the H200 host's 16 cores at 9.5 GB/s (a 16 GB 8B checkpoint in ~2 s; from disk, the disk is the limit). A file
-is read once: its digest is cached in $HF_HOME/hsx/file-digests.json under (real path, size, mtime_ns, ctime_ns, inode),
-so an unchanged file is not re-read. ctime is in the key because `os.utime` can set mtime back but not ctime.
+on the H200 host's 16 cores at 9.5 GB/s (a 16 GB 8B checkpoint in ~2 s; from disk, the disk is the limit).
+
+The digest cache ($HF_HOME/hsx/file-digests.json) saves that read; it never decides whether two jobs are the same.
+An entry is {"sha256", "hashed_at_ns"} under (real path, size, mtime_ns, ctime_ns, inode), and it is used only if
+- it is well formed (64 hex digits, an integer time): a null, a truncated digest, a damaged file are cache misses;
+- it is not racy (git's rule for its index): the file's mtime and ctime are more than RACY_NS older than when its
+  hashing began. A file rewritten in place within one tick of a coarse clock (FAT's 2 s, HFS+'s 1 s, a network
+  filesystem's) keeps its size, times and inode; an entry hashed in that tick would vouch for bytes it never read;
+- it is not from the future (a clock set back since, or an entry not written by hashing);
+- and, where the digests decide something (`fresh_digests_only`: the job resumes an output dir, so a matching
+  fingerprint continues it), it was hashed by this job: since it began, by this process or by another rank that
+  began hashing after it. Anything older is read again: a stale entry (a copy tool that preserves
+  mtimes onto a filesystem that reuses the inode, a clock set back) or a forged one cannot make a changed model
+  pass as the old one. The cost is one read of the model per resume (the ~2 s per 16 GB above, from the page
+  cache; it also warms the page cache for the load that follows). New jobs, plans and the ranks after the first
+  still read digests from the cache.
 The digest equals the Hub's LFS oid of the same file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import os
+import re
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,15 +59,52 @@ def _key(path: Path, st: os.stat_result) -> str:
     return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
 
 
-def _read_cache() -> dict[str, str]:
+# How much older than the start of its hashing a file's mtime and ctime must be for its entry to count: the
+# coarsest timestamp granularity of common filesystems (FAT: 2 s), plus a second of clock skew for a network one.
+RACY_NS = 3_000_000_000
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_entries_since: contextvars.ContextVar[int | None] = contextvars.ContextVar("hsx_digests_since", default=None)
+
+
+@contextlib.contextmanager
+def fresh_digests_only(since_ns: int):
+    """Within it, file_digests uses only cache entries whose hashing began at or after `since_ns` (time.time_ns())
+    and reads every other file again: for when the digests decide (a resume)."""
+    token = _entries_since.set(since_ns)
+    try:
+        yield
+    finally:
+        _entries_since.reset(token)
+
+
+def _read_cache() -> dict[str, dict[str, Any]]:
+    """The cache's well-formed entries: {key: {"sha256": 64 hex digits, "hashed_at_ns": int}}. Anything else in
+    it (a null, a digest of the wrong length, an entry of an earlier format, a file that is not JSON) is no entry."""
     try:
         data = json.loads(cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # no cache yet, or a damaged one: hash again
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and _well_formed(v)}
 
 
-def _write_cache(entries: dict[str, str]) -> None:
+def _well_formed(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and bool(_HEX64.fullmatch(entry["sha256"]))
+            and type(entry.get("hashed_at_ns")) is int)
+
+
+def _usable(entry: dict[str, Any] | None, st: os.stat_result, since_ns: int | None) -> bool:
+    """Whether a cache entry may stand for reading the file (see the module docstring)."""
+    if entry is None:
+        return False
+    at = entry["hashed_at_ns"]
+    if max(st.st_mtime_ns, st.st_ctime_ns) + RACY_NS >= at or at > time.time_ns():
+        return False
+    return since_ns is None or at >= since_ns
+
+
+def _write_cache(entries: dict[str, dict[str, Any]]) -> None:
     f = cache_file()
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -74,21 +128,25 @@ def sha256_of(path: Path) -> str:
 
 
 def file_digests(files: list[Path]) -> list[tuple[int, str]]:
-    """(size, sha256) of each file, from the cache where the file is unchanged, else read whole (in threads)."""
+    """(size, sha256) of each file, from the cache where an entry may stand for it (see the module docstring),
+    else read whole (in threads)."""
     cache = _read_cache()
+    since = _entries_since.get()
     stats = [f.stat() for f in files]
     keys = [_key(f, st) for f, st in zip(files, stats)]
-    todo = [i for i, k in enumerate(keys) if k not in cache]
+    digests = {i: cache[k]["sha256"] for i, (k, st) in enumerate(zip(keys, stats)) if _usable(cache.get(k), st, since)}
+    todo = [i for i in range(len(files)) if i not in digests]
     if todo:
+        started = time.time_ns()
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16)) as pool:
-            digests = list(pool.map(lambda i: sha256_of(files[i]), todo))
+            read = list(pool.map(lambda i: sha256_of(files[i]), todo))
         fresh = {}
-        for i, digest in zip(todo, digests):
-            cache[keys[i]] = digest
+        for i, digest in zip(todo, read):
+            digests[i] = digest
             if _key(files[i], files[i].stat()) == keys[i]:  # not written while it was read
-                fresh[keys[i]] = digest
+                fresh[keys[i]] = {"sha256": digest, "hashed_at_ns": started}
         _write_cache(fresh)
-    return [(st.st_size, cache[k]) for st, k in zip(stats, keys)]
+    return [(st.st_size, digests[i]) for i, st in enumerate(stats)]
 
 
 def folder_identity(folder: str | os.PathLike, suffixes: tuple[str, ...] = MODEL_SUFFIXES) -> dict[str, Any]:

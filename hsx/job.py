@@ -14,6 +14,7 @@ units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunS
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
@@ -25,7 +26,7 @@ from hsx import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
 from hsx.schema import Job as JobRecord, OutputFormat
-from hsx.fingerprint import model_identity, tokenizer_identity
+from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
                       job_fingerprint, read_json)
@@ -108,6 +109,7 @@ class Job:
     def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
         from hsx import data
 
+        began_ns = time.time_ns()
         target = read_target(cfg, model)
         raw = data.load_input(cfg)
         tokenizer = _tokenizer(cfg, target.model_path) if data.row_format(raw.column_names) != "input_ids" else None
@@ -116,10 +118,17 @@ class Job:
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         mask = data.mask_method(raw.column_names, tokenizer)
-        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache
-        identity = proc.in_turns(lambda: job_fingerprint(
-            _identity(cfg, target, raw, template_sha, mask),
-            given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset}))
+        # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache. Where the
+        # dir holds a job already, the fingerprint decides whether it continues: no digest older than this
+        # launch stands in for reading the files (hsx.fingerprint).
+        decides = bool(cfg.output_dir) and (OutputDir(cfg.output_dir).state / "job.json").exists()
+
+        def identity_of():
+            with fresh_digests_only(began_ns) if decides else contextlib.nullcontext():
+                return job_fingerprint(_identity(cfg, target, raw, template_sha, mask),
+                                       given={"model": cfg.model, "tokenizer": cfg.tokenizer, "input": cfg.dataset})
+
+        identity = proc.in_turns(identity_of)
         return cls(cfg, proc, target, raw, tokenizer, mask, template_sha, unit_tokens, identity, say)
 
     @property
@@ -313,7 +322,8 @@ class Engine:
         import torch
         from tqdm.auto import tqdm
 
-        from hsx.cost import auto_token_budget, layer_params, measure_matmul_tflops
+        from hsx.cost import (auto_token_budget, check_token_budget, layer_params, measure_matmul_tflops,
+                              memory_bytes)
         from hsx.engine import Extractor, Pipeline
         from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
@@ -339,6 +349,8 @@ class Engine:
         self.width = len(target.layers) * target.hidden_size + (target.hidden_size if target.final_hidden else 0)
         if cfg.token_budget:
             budget = cfg.token_budget
+            check_token_budget(loaded.text_config, self.width, budget, memory_bytes(device),
+                               "this machine's memory" if device.type == "cpu" else f"GPU {device}")
         elif cuda:
             budget = auto_token_budget(loaded.text_config, self.width, torch.cuda.mem_get_info(device)[0],
                                        cfg.max_length, eager_attention=packing == "none"

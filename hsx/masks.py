@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,14 +77,82 @@ class ChatFormat:
     #                  Qwen3.5, whose generation prompt adds '<think>\n'; '<|start|>assistant' for GPT-OSS)
     agp_adds_header: bool  # False: add_generation_prompt adds nothing; the header is the sentinel turn's prefix
     eot_tokens: tuple[str, ...]  # special tokens that end an assistant turn ('<|im_end|>'; '<|end|>', '<|call|>')
+    eot_texts: tuple[str, ...] = ()  # where no special token does: the text that does ('</s>' as plain text)
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        return self.eot_tokens + self.eot_texts
 
 
-def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any]) -> str:
-    text = tokenizer.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=agp,
-                                         **kwargs)
+# A render is a template program run on the row's data; these bound the work one row can cause. A template's
+# loops are Python (Jinja compiles to it), stopped by a CPU-time timer; one C-level operation (a string repeated
+# 10^5 times) is not interrupted, but its result is refused before the tokenizer (which aborts the process on an
+# allocation it cannot make) sees it. Normal renders take about a millisecond and a few KB per turn.
+RENDER_CPU_SECONDS = 5.0
+RENDER_MIN_CHARS = 1 << 20  # what any render may be; a row may be CHARS_PER_TOKEN_BOUND × max_length
+CHARS_PER_TOKEN_BOUND = 64  # far above any tokenizer's characters per token: longer is no truncation candidate
+
+
+class RenderLimit(Exception):
+    """A render that ran past RENDER_CPU_SECONDS or produced more than its character bound: `reason` is the
+    row's skip reason."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def render_char_limit(max_length: int) -> int:
+    """The longest render of a row whose tokens are truncated at max_length."""
+    return max(RENDER_MIN_CHARS, CHARS_PER_TOKEN_BOUND * max_length)
+
+
+@contextmanager
+def cpu_time_limit(seconds: float = RENDER_CPU_SECONDS):
+    """RenderLimit('chat_template_timeout') once this process has spent `seconds` of CPU inside the block. A
+    CPU-time timer (SIGVTALRM), not a wall clock: a loaded machine does not turn a slow row into a skipped one,
+    and SIGALRM stays free for the caller. Only in the main thread (where signals are delivered); elsewhere the
+    block runs unbounded in time."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise RenderLimit("chat_template_timeout", f"the chat template ran over {seconds:g} s of CPU on one render")
+
+    previous = signal.signal(signal.SIGVTALRM, expired)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any],
+            max_chars: int = RENDER_MIN_CHARS) -> str:
+    with cpu_time_limit():
+        text = tokenizer.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=agp,
+                                             **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"the template rendered {type(text).__name__}, not text")
+    if len(text) > max_chars:
+        raise RenderLimit("chat_template_output_too_long", f"the chat template rendered {len(text):,} characters "
+                          f"for one conversation (at most {max_chars:,})")
     return text
+
+
+def check_template_bounds(tokenizer, template_kwargs: dict[str, Any], name: str = "the tokenizer") -> None:
+    """HsxError (one line) for a template whose render of a two-message conversation of a few words runs past the
+    render bounds: it would on every row."""
+    try:
+        _render(tokenizer, [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}], None,
+                False, template_kwargs)
+    except RenderLimit as e:
+        raise HsxError(f"the chat template of {name}: {e} of a two-message conversation of two words, so it would "
+                       "on every row") from None
+    except Exception:  # noqa: BLE001  (other refusals are counted per row, as chat_template_error)
+        pass
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -89,12 +160,15 @@ def _special_ids(tokenizer) -> set[int]:
     return ids | set(getattr(tokenizer, "all_special_ids", []) or [])
 
 
-def _first_special_after(tokenizer, text: str, pos: int, special: set[int]) -> str | None:
+def _first_special_after(tokenizer, text: str, pos: int, special: set[int], with_position: bool = False):
+    """The first special token starting at or after `pos` (None if none); with `with_position`, (it, where it
+    starts; len(text) if none)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     for tid, (s, _) in zip(enc["input_ids"], enc["offset_mapping"]):
         if s >= pos and tid in special:
-            return tokenizer.convert_ids_to_tokens(tid)
-    return None
+            tok = tokenizer.convert_ids_to_tokens(tid)
+            return (tok, s) if with_position else tok
+    return (None, len(text)) if with_position else None
 
 
 def _shared_head(tokenizer, a: str, b: str) -> str:
@@ -119,10 +193,13 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
     user = {"role": "user", "content": _USER}
     answer = {"role": "assistant", "content": _ANSWER}
     problem = f"the chat template of {name}"
+    check_template_bounds(tokenizer, template_kwargs, name)
     try:
         head = _render(tokenizer, [user], None, False, template_kwargs)
         prompt = _render(tokenizer, [user], None, True, template_kwargs)
         last = _render(tokenizer, [user, answer], None, False, template_kwargs)
+    except RenderLimit as e:
+        raise HsxError(f"{problem}: {e} of a conversation of one word, so it would on every row") from None
     except Exception as e:  # noqa: BLE001  (a template error of any kind)
         raise HsxError(f"{problem} cannot render a user/assistant conversation ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}), so no loss mask can be derived{_FIX}") from None
@@ -157,24 +234,41 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
         raise HsxError(f"{problem}: no assistant turn starts with the generation prompt {gen!r}, so no "
                        f"assistant header can be derived{_FIX}")
     special = _special_ids(tokenizer)
+    # A special token of the assistant's header starts a turn (the user's too, in every family that has one):
+    # found first after an answer, it means the answer ended in plain text before it ('</s>\n<|im_start|>').
+    starts = set(_specials_in(tokenizer, gen, special))
     eot: list[str] = []
+    texts: list[str] = []  # what follows a plain answer, up to the next turn's start or the render's end
     for text, payload in forms:
         if payload in text:
-            tok = _first_special_after(tokenizer, text, text.rindex(payload) + len(payload), special)
-            if tok is not None and tok not in eot:
-                eot.append(tok)
-    if not eot:
-        raise HsxError(f"{problem}: no special token ends an assistant turn, so the end of a turn cannot be "
-                       f"derived{_FIX}")
-    return ChatFormat(gen_header=gen, min_header=header, agp_adds_header=agp, eot_tokens=tuple(eot))
+            end = text.rindex(payload) + len(payload)
+            tok, at = _first_special_after(tokenizer, text, end, special, with_position=True)
+            if tok is not None and tok not in starts:
+                if tok not in eot:
+                    eot.append(tok)
+            elif payload == _ANSWER:
+                texts.append(text[end:at].rstrip())
+    if eot:
+        return ChatFormat(gen_header=gen, min_header=header, agp_adds_header=agp, eot_tokens=tuple(eot))
+    if texts and texts[0] and all(t == texts[0] for t in texts):
+        return ChatFormat(gen_header=gen, min_header=header, agp_adds_header=agp, eot_tokens=(),
+                          eot_texts=(texts[0],))
+    raise HsxError(f"{problem}: no special token ends an assistant turn, and the text after an answer "
+                   f"({', '.join(sorted(map(repr, set(texts)))) or 'none'}) is not one turn end, so the end of a turn "
+                   f"cannot be derived{_FIX}")
+
+
+def _specials_in(tokenizer, text: str, special: set[int]) -> list[str]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return [tokenizer.convert_ids_to_tokens(i) for i in ids if i in special]
 
 
 def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
-                          fmt: ChatFormat) -> Row:
+                          fmt: ChatFormat, max_chars: int = RENDER_MIN_CHARS) -> Row:
     """(input_ids, loss_mask, skip_reason) of one conversation: the encoding of the template's render of it, and
     1 on the tokens of each assistant turn from its header's end through its last end-of-turn token. Raises
-    whatever the template raises (the caller counts it as `chat_template_error`)."""
-    text = _render(tokenizer, conv, tools, False, template_kwargs)
+    whatever the template raises (the caller counts it as `chat_template_error`, or a RenderLimit's reason)."""
+    text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -185,14 +279,18 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
     def prefix(k: int, agp: bool) -> str | None:
         if (k, agp) not in renders:
             try:
-                renders[k, agp] = _render(tokenizer, conv[:k], tools, agp, template_kwargs) if k else None
+                renders[k, agp] = _render(tokenizer, conv[:k], tools, agp, template_kwargs, max_chars) if k else None
+            except RenderLimit:
+                raise
             except Exception:  # noqa: BLE001  (a template may refuse a conversation that ends with a tool turn)
                 renders[k, agp] = None
         return renders[k, agp]
 
     def swapped(k: int, message: dict) -> str | None:
         try:
-            return _render(tokenizer, conv[:k] + [message] + conv[k + 1:], tools, False, template_kwargs)
+            return _render(tokenizer, conv[:k] + [message] + conv[k + 1:], tools, False, template_kwargs, max_chars)
+        except RenderLimit:
+            raise
         except Exception:  # noqa: BLE001
             return None
 
@@ -207,8 +305,12 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
         if stop is None:
             return ids, [0] * len(ids), "mask_template_error"
         inside = np.flatnonzero(is_eot & (offsets[:, 0] >= start) & (offsets[:, 1] <= stop))
-        if len(inside):
-            spans.append((start, int(offsets[inside[-1], 1])))
+        end = int(offsets[inside[-1], 1]) if len(inside) else -1
+        for t in fmt.eot_texts:  # a turn end in plain text: through its last occurrence in the turn
+            at = text.rfind(t, start, stop)
+            end = max(end, at + len(t) if at >= 0 else -1)
+        if end >= 0:
+            spans.append((start, end))
         elif i == len(conv) - 1 and len(text.rstrip()) > start:  # the render ends with this turn, left open for
             spans.append((start, len(text.rstrip())))  # continuation without its end token (Apertus)
         else:
@@ -224,7 +326,7 @@ def _content_start(tokenizer, text: str, i: int, prefix, swapped, fmt: ChatForma
     before, prompt = prefix(i, False), prefix(i, True)
     shared = _shared_head(tokenizer, before, prompt) if before is not None and prompt is not None else None
     if (shared is not None and text.startswith(shared)  # ... and only end-of-render text (eos) was left out:
-            and not any(t in before[len(shared):] for t in fmt.eot_tokens)):
+            and not any(t in before[len(shared):] for t in fmt.ends)):
         at, gen = len(shared), prompt[len(shared):]
         if not gen and not fmt.agp_adds_header:
             gen = fmt.gen_header
@@ -233,7 +335,7 @@ def _content_start(tokenizer, text: str, i: int, prefix, swapped, fmt: ChatForma
         other = swapped(i, {"role": "assistant", "content": _ANSWER})
         pos = other.find(_ANSWER) if other is not None else -1
         at = other.rfind(fmt.min_header, 0, pos) if pos >= 0 else -1  # no header (Mistral): at the sentinel
-        if at < 0 or text[:at] != other[:at] or any(t in other[at:pos] for t in fmt.eot_tokens):
+        if at < 0 or text[:at] != other[:at] or any(t in other[at:pos] for t in fmt.ends):
             return None
         headers = [fmt.gen_header, fmt.min_header]
     for h in headers:
@@ -251,8 +353,8 @@ def _region_stop(text: str, conv: list[dict], i: int, start: int, prefix, swappe
     through = prefix(i + 1, False)
     if through is not None:
         shared = len(through) if text.startswith(through) else _token_boundary(text, through, token_starts)
-        if (any(t in text[start:shared] for t in fmt.eot_tokens)  # turn i ends inside what they share, and
-                and not any(t in through[shared:] for t in fmt.eot_tokens)):  # none of its end tokens is left out
+        if (any(t in text[start:shared] for t in fmt.ends)  # turn i ends inside what they share, and
+                and not any(t in through[shared:] for t in fmt.ends)):  # none of its end tokens is left out
             return shared
     nxt = conv[i + 1]
     other = swapped(i + 1, {**nxt, "content": _USER2 if nxt["role"] != "assistant" else _ANSWER})
@@ -260,7 +362,7 @@ def _region_stop(text: str, conv: list[dict], i: int, start: int, prefix, swappe
     pos = other.find(marker, start) if other is not None else -1
     if pos < 0:
         return None
-    end = max((other.rfind(t, start, pos) + len(t) for t in fmt.eot_tokens if other.rfind(t, start, pos) >= 0),
+    end = max((other.rfind(t, start, pos) + len(t) for t in fmt.ends if other.rfind(t, start, pos) >= 0),
               default=-1)
     if end < 0 or text[:end] != other[:end]:
         return None

@@ -9,7 +9,6 @@ no-op. `stream` runs the same steps up to the engine and yields this rank's rows
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
-from hsx.errors import Stopped
+from hsx.errors import Stopped, disk_full
 from hsx.job import Engine, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
 from hsx.sink import OutputDir
 
@@ -271,8 +270,8 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
                 if fresh and proc.world_size == 1:
                     out.remove_if_unused(keep_root=existed)
                 raise
-    except OSError as e:
-        if e.errno == errno.ENOSPC or "No space left" in str(e):
+    except (OSError, ValueError) as e:
+        if disk_full(e):
             done = len(out.done_units())
             raise HsxError(f"disk full while writing {cfg.output_dir}: {done} unit(s) are complete and intact; "
                            "free some space and run the same command to continue") from None

@@ -245,11 +245,14 @@ class OutputDir:
             if problem is None:
                 return "complete"
             log(f"hsx: {self.root}: {problem}; hsx.json is written again from the manifests")
-        if damaged or missing:
-            names = damaged or [f"train-{u}.arrow" for u in missing]
-            log(f"hsx: {self.root}: {len(damaged)} damaged and {len(missing) - len(damaged)} missing unit(s) "
+        lost = [u for u in missing if u in self.manifest_records()]  # committed once (damaged ones too), now gone
+        if damaged or lost:
+            names = damaged or [f"train-{u}.arrow" for u in lost]
+            log(f"hsx: {self.root}: {len(damaged)} damaged and {len(lost) - len(damaged)} missing unit(s) "
                 f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); they are redone"
                 + (" (damaged ones moved to .hsx/damaged/)" if damaged else ""))
+        if len(missing) > len(lost):  # never written: the rest of an interrupted job, not a loss
+            log(f"hsx: {self.root}: {len(done)} unit(s) done, {len(missing) - len(lost)} to do")
         if check and complete:  # no longer finished: a reader must not take it for a whole output
             atomic_write(self.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
         if check and (complete or not (self.root / "README.md").exists()):

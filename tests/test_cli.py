@@ -493,11 +493,13 @@ def test_plan_json_to_stdout_or_a_file(tmp_path, capsys, monkeypatch):
     for argv in (base + ["--json"], base + ["--json", "-"]):
         assert main(argv) == 0
         p = json.loads(capsys.readouterr().out)  # stdout is the JSON and nothing else
-        assert p["bytes_per_token"] == 768 and "H200" in p["rate_source"]
+        assert p["bytes_per_token"] == 768 and "H200" in p["planned_for"] and p["rate_bound"] == "writer"
     assert main(base + ["--json", str(tmp_path / "plan.json")]) == 0
     assert "bytes per token" in capsys.readouterr().out  # the plan as text, the JSON in the file
     assert json.loads((tmp_path / "plan.json").read_text())["bytes_per_token"] == 768
-    assert main(base) == 0 and "70% of an H200's 790 TFLOP/s" in capsys.readouterr().out
+    assert main(base) == 0 and "writer's fastest measured" in capsys.readouterr().out  # a tiny model
+    assert main(["plan", "--shape", "qwen3-8b", "--layers", "eagle3", "--tokens", "1000"]) == 0
+    assert "70% of an H200's 790 TFLOP/s" in capsys.readouterr().out
 
 
 def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_chat_path):

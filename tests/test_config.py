@@ -401,9 +401,17 @@ def test_every_config_key_has_help_and_its_metadata_is_what_is_checked():
 
     for f in dataclasses.fields(ExtractConfig):
         assert f.metadata.get("help", "").strip(), f"ExtractConfig.{f.name} has no help"
-        assert set(f.metadata) <= {"help", "choices", "minimum"}, f.name
+        assert set(f.metadata) <= {"help", "choices", "minimum", "maximum"}, f.name
     assert CHOICES["storage_dtype"] == ("bfloat16", "float16", "float32", "float8_e4m3")
     assert MINIMUM["limit"] == 1 and MINIMUM["topk_logits"] == 0
+    from hsx.config import FIELDS, MAXIMUM
+
+    assert MAXIMUM["max_length"][0] == 2**31 - 1 and set(MAXIMUM) == set(FIELDS)
+    for name, (most, _) in MAXIMUM.items():  # every integer key is held to its largest value
+        if FIELD_KINDS[name][0] == "int":
+            assert parse_value(name, most) == most
+            with pytest.raises(HsxError, match="must be at most"):
+                parse_value(name, most + 1)
     for name, choices in CHOICES.items():  # the metadata's choices are the ones a recipe is held to
         assert parse_value(name, choices[-1]) == choices[-1]
         with pytest.raises(HsxError, match="must be one of"):
