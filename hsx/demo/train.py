@@ -5,7 +5,8 @@ text is: inside a word, the chat markup, capitals after a full stop. Word starts
 nats a word). The training rows come from ``chat_rows`` with a different seed than the shipped ``chat.jsonl``, so
 that file is held out: its loss is what ``train_target`` reports.
 
-Runs on a CPU in a few minutes; seeded, so a rerun with the same torch and thread count writes the same weights.
+Runs on a CPU (``python -m hsx.demo``; docs/benchmarks.md has its time and losses). The data, the initialisation
+and the batches are seeded; torch's CPU kernels decide whether a rerun is bit-identical.
 """
 
 from __future__ import annotations
@@ -125,6 +126,3 @@ def train_target(
         f"({time.monotonic() - t0:.0f} s)")
     return {"loss_before": before[0], "entropy_before": before[1], "loss_after": after[0], "entropy_after": after[1]}
 
-
-if __name__ == "__main__":  # pragma: no cover - `python -m hsx.demo` is the entry point
-    raise SystemExit("run `python -m hsx.demo` to regenerate the demo assets, training included")
