@@ -1,4 +1,4 @@
-"""`python -m hsx.demo` regenerates the shipped demo assets in this folder."""
+"""`python -m hsx.demo` regenerates the shipped demo assets in this folder, training the model's weights."""
 
 from hsx.demo import main
 
