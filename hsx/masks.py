@@ -43,7 +43,8 @@ import numpy as np
 
 from hsx.config import HsxError
 
-MASK_VERSION = 2  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns
+MASK_VERSION = 3  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
+# 3: a turn end that is text, not a special token, is supervised through its own text only
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Row = tuple[list[int], list[int], str]
 
