@@ -34,7 +34,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +122,15 @@ class OutputDir:
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
         in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
         merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
-        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging):
+        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging), \
+                ExitStack() as self._held:
             yield
+
+    def lock_as_first(self) -> None:
+        """Inside `locked()`: also hold .hsx/lock, as rank 0 does in its dir, for the first rank writing into a dir
+        rank 0 does not write into (a node's own dir), so no other job starts there while this one runs."""
+        self._held.enter_context(_flock(self.state / "lock", fcntl.LOCK_EX,
+                                        f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"))
 
     @contextmanager
     def locked_whole(self, what: str = "hsx merge") -> Iterator[None]:
@@ -291,6 +298,17 @@ class OutputDir:
             yield info is not None and info.complete
         finally:
             os.close(fd)
+
+    def announce(self, run_id: str, rank: int) -> None:
+        """Leave a file saying `rank` of run `run_id` writes here (hsx.run.share_dir: which ranks share a dir)."""
+        folder = self.state / "ranks" / run_id
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / f"{rank:05d}.here", run_id + "\n")
+
+    def announced(self, run_id: str) -> list[int]:
+        """The ranks of run `run_id` that announced themselves here."""
+        folder = self.state / "ranks" / run_id
+        return sorted(int(f.name[:-5]) for f in folder.glob("*.here") if f.name[:-5].isdigit())
 
     def mark_rank_done(self, run_id: str, rank: int, world_size: int, stats: dict[str, Any] | None = None) -> bool:
         """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once every
