@@ -751,10 +751,14 @@ to finish it (`hsx.load(OUT, allow_incomplete=True)` reads the units committed s
 """
 
 
-def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
+def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
     """`hsx merge OUT DIR...`: join the dirs that the nodes of one job wrote (each its own, when there is no
     shared filesystem) into OUT. Only metadata is written: OUT/data/ gets relative symlinks to the other dirs'
     unit files (OUT may be one of the dirs), a manifest, hsx.json and the card. No hidden-state byte is copied.
+
+    `partial` (`--partial`): some units are in none of the dirs (a node's dir was lost). OUT gets the units
+    there are and stays unfinished (no complete hsx.json, the unfinished card): the job's `hsx extract` command
+    with `--output-dir OUT` then writes only the missing units and finishes it.
 
     Like extract, it holds every dir whole while it works (refused while a job runs in any of them), refuses an
     OUT that hsx did not write or that holds another job, and never deletes or replaces a file in OUT/data/
@@ -769,10 +773,10 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
             if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
                 seen.add(d.root.resolve())
                 stack.enter_context(d.locked_whole())
-        return _merge(out, sources, dirs, log)
+        return _merge(out, sources, dirs, log, partial)
 
 
-def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> dict[str, Any]:
+def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, partial: bool) -> dict[str, Any]:
     jobs = []
     for src in sources:
         f = src.state / "job.json"
@@ -798,13 +802,16 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
             if (src.data / rec["file"]).exists():
                 done.setdefault(unit, (src, rec))
     missing = [u for u in summary["unit_names"] if u not in done]
-    if missing:
+    if missing and not partial:
         raise HsxError(f"{len(missing)} of {len(summary['unit_names'])} units are in none of the dirs "
                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); run the job again to "
-                       "write them, then merge")
+                       "write them, then merge (or `hsx merge --partial` to join what there is, then the job's "
+                       "`hsx extract` with --output-dir OUT writes only the rest)")
     out.data.mkdir(parents=True, exist_ok=True)
     lines = []
     for unit in summary["unit_names"]:
+        if unit not in done:
+            continue
         src, rec = done[unit]
         target, link = src.data / rec["file"], out.data / rec["file"]
         if src is not out and target.resolve() != link.resolve():
@@ -817,6 +824,15 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
     atomic_write(out.state / "job.json", json.dumps(jobs[0].to_dict(), indent=2, sort_keys=True))
     out.write_summary(summary)
+    if missing:
+        info = out.read_info()
+        if info is not None and info.complete:  # OUT was a finished output once: no longer
+            atomic_write(out.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
+        out.write_unfinished_card()
+        log(f"hsx merge: {out.root}: {len(lines)} of {len(summary['unit_names'])} units from {len(dirs)} dirs "
+            f"(symlinked, nothing copied); {len(missing)} missing: run the job's `hsx extract` with --output-dir "
+            f"{out.root} to write them")
+        return {"complete": False, "units": len(lines), "missing": len(missing)}
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
     from hsx.card import dataset_card
