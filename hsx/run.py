@@ -309,7 +309,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     if share.leads and not proc.is_main:
         out.lock_as_first()
     state = job.claim(out, share.leads)
-    states = proc.all_gather(state)
+    states = [s for s in proc.all_gather(state if share.leads else None) if s]  # each dir's, as its first rank found it
     if all(s == "complete" for s in states):
         info = out.read_info().to_dict()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
@@ -327,7 +327,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     summary = job.summary(units)
     if share.leads:
         out.write_summary(summary)
-    done = units_done_anywhere(proc, units.all, out.done_units())
+    done = units_done_anywhere(proc, units.all, out.done_units() if share.leads else {})  # (one reader per dir)
     pending = [u for u in units.all if u.name not in done]
     mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
 
