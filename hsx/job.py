@@ -7,8 +7,8 @@ training loop. Both compute the same rows in the same order: what tokenization k
 way, through the same Extractor and Pipeline.
 
 Each step takes what the one before returned: `Job.prepare` (the model's facts, the input, the job's fingerprint)
-→ `Job.claim_and_tokenize` or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows, the
-units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
+→ `Job.claim` + `Job.tokenize_into`, or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows,
+the units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
 → `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
 """
 
@@ -150,7 +150,7 @@ class Job:
         return self.proc.in_turns(lambda: self._tokenize(str(out.state / "tokenized" / "tokens.arrow")), leads)
 
     def tokenize(self, cache_file: str):
-        """Tokenize into `cache_file` without an output dir (a stream), in turns as `claim_and_tokenize`; a cache
+        """Tokenize into `cache_file` without an output dir (a stream), in turns as `tokenize_into`; a cache
         file already there for this job's fingerprint is reused."""
         return self.proc.in_turns(lambda: self._tokenize(cache_file))
 

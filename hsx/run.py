@@ -127,10 +127,10 @@ class Process:
 
 def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
-    comes from accelerate. hsx needs it only for barriers around tokenization, so it is always gloo on the CPU
-    (accelerate's cpu=True state): that also works on machines without CUDA (where accelerate's default state
-    is single-process in every rank, so each would process every row) and with several GPUs per process (NCCL
-    refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
+    comes from accelerate. hsx needs it only for barriers and for what the ranks must agree on (`all_gather`:
+    small objects), so it is always gloo on the CPU (accelerate's cpu=True state): that also works on machines
+    without CUDA (where accelerate's default state is single-process in every rank, so each would process every
+    row) and with several GPUs per process (NCCL refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
     With --tp-size > 1 each model copy is its own world instead (`_copy_world`)."""
     from datetime import timedelta
 
