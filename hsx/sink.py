@@ -311,8 +311,8 @@ class OutputDir:
         return sorted(int(f.name[:-5]) for f in folder.glob("*.here") if f.name[:-5].isdigit())
 
     def mark_rank_done(self, run_id: str, rank: int, world_size: int, stats: dict[str, Any] | None = None) -> bool:
-        """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once every
-        rank of the run has."""
+        """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once all
+        `world_size` ranks of the run that write into this dir have."""
         folder = self.state / "ranks" / run_id
         folder.mkdir(parents=True, exist_ok=True)
         record = {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool))}
