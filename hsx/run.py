@@ -78,13 +78,16 @@ class Process:
         return self.rank == 0
 
     def in_turns(self, fn, leads: bool | None = None):
-        """fn() on rank 0 first; then on each place's first process (`leads`; by default each node's first, for a
-        cache on its disk), which finds rank 0's work there if the place is shared and does it for its place if
-        not; then on everyone else. An HsxError is raised on every rank that hit it after the last barrier, so no
-        rank waits forever for another."""
+        """fn() on rank 0 first; then on each node's first process (which finds rank 0's work there if the cache is
+        shared, and does it for its node if not); then on everyone else. With `leads` (whether this process is the
+        first of the ranks sharing an output dir: hsx.run.DirShare), each dir's first process goes with rank 0
+        (their dirs are apart), then everyone else. An HsxError is raised on every rank that hit it after the last
+        barrier, so no rank waits forever for another."""
         result, error = None, None
-        leads = self.local_rank == 0 if leads is None else leads
-        my_turn = 0 if self.is_main else (1 if leads else 2)
+        if leads is None:
+            my_turn = 0 if self.is_main else (1 if self.local_rank == 0 else 2)
+        else:
+            my_turn = 0 if self.is_main or leads else 2
         for turn in range(3 if self.world_size > 1 else 1):
             if turn == my_turn:
                 try:
