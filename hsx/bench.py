@@ -182,6 +182,10 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "model_build_seconds": build_s, "versions": _versions(),
     }
 
+    baseline = None
+    if proc.world_size > 1 and getattr(args, "scaling_baseline", None):
+        baseline = read_baseline(args.scaling_baseline, results)
+
     # (a) and (b): subsets drawn at random from the same rows.
     if "a" not in skip:
         idx = np.sort(np.random.default_rng(args.seed + 2).choice(args.count, min(args.subset_a, args.count),
@@ -300,6 +304,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
             results["c"]["mfu"] = run["mfu"]
         if not proc.is_main:
             return None
+        results["scaling"] = scaling(results, baseline)
     log(format_table(results))
     if on_results:  # before profiling: a profile that fails or is cut short loses no measurement
         on_results(results)
@@ -508,6 +513,37 @@ def _versions() -> dict[str, str]:
             "datasets": datasets.__version__}
 
 
+def read_baseline(path: str, results: dict[str, Any]) -> float:
+    """The one-process tok/s of `path`, the JSON of the same bench (`--scaling-baseline`): checked before
+    anything is measured (a file given by the user: one clear line if it is not what it should be)."""
+    from hsx.config import HsxError
+    from hsx.sink import read_json
+
+    base = read_json(Path(path))
+    one = base["c"].get("tok_per_s") if isinstance(base.get("c"), dict) else None
+    if not isinstance(one, (int, float)) or one <= 0 or base.get("processes", 1) != 1:
+        raise HsxError(f"{path} is not the JSON of a one-process `hsx bench` run (--json): it has no positive "
+                       "c.tok_per_s, or was launched over several processes")
+    differs = [k for k in ("model", "layers", "final_hidden", "rows", "tokens", "dtype") if base.get(k) != results[k]]
+    if differs:
+        raise HsxError(f"{path} measured another bench (differs in: {', '.join(differs)}); run the same flags in "
+                       "one process for the baseline")
+    return float(one)
+
+
+def scaling(results: dict[str, Any], baseline: float | None) -> dict[str, Any]:
+    """A launched bench's scaling: each process's own tok/s (its tokens over its seconds), the job's (every
+    process's tokens over the slowest one's seconds), and, given one process's tok/s on the same bench, the
+    efficiency: the job's tok/s over N times the one process's."""
+    c, n = results["c"], results["processes"]
+    out: dict[str, Any] = {
+        "processes": n, "tok_per_s": c["tok_per_s"],
+        "per_process_tok_per_s": [r["tokens"] / r["seconds"] for r in c.get("ranks", []) if r.get("seconds")]}
+    if baseline:
+        out.update(baseline_tok_per_s=baseline, efficiency=c["tok_per_s"] / (n * baseline))
+    return out
+
+
 def format_table(r: dict[str, Any]) -> str:
     lines = ["| run | rows | tok/s | MFU | padding | peak GiB | vs (c) |", "|---|---|---|---|---|---|---|"]
     for key, name in (("a", "(a) batch 1, output_hidden_states"), ("b", "(b) padded 32, dataset order"),
@@ -529,6 +565,14 @@ def format_table(r: dict[str, Any]) -> str:
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+    if "scaling" in r:
+        sc = r["scaling"]
+        each = ", ".join(f"{x:,.0f}" for x in sc["per_process_tok_per_s"])
+        eff = (f"; scaling efficiency {sc['efficiency']:.1%} against one process's {sc['baseline_tok_per_s']:,.0f} "
+               "tok/s" if "efficiency" in sc else "; scaling efficiency: pass --scaling-baseline ONE.json, the same "
+               "bench's --json in one process")
+        lines.append(f"(c) over {sc['processes']} processes: {sc['tok_per_s']:,.0f} tok/s in all; each process "
+                     f"{each} tok/s{eff}")
     g = c.get("gpu_clocks") or {}
     if "busy_sm_clock_mhz" in g:
         top = f" of {g['max_sm_clock_mhz']}" if "max_sm_clock_mhz" in g else ""

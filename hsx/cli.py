@@ -97,6 +97,8 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "report (c)'s write rate as a share of it (at most a quarter of the free space; 0: skip)")
     add_json_flag(p, "the results")
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
+    p.add_argument("--scaling-baseline", help="under a launcher: the --json of the same bench in one process; "
+                   "report (c)'s scaling efficiency against it (docs/scale-out.md)")
 
 
 def package_version() -> str:
@@ -138,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     me = command("merge", "join the dirs the nodes of one job wrote into one output (metadata only)")
     me.add_argument("output_dir", help="the merged output dir to write (created if missing)")
     me.add_argument("dirs", nargs="+", help="the nodes' output dirs (output_dir may be one of them)")
+    me.add_argument("--partial", action="store_true", help="join the units there are when some are in none of the "
+                    "dirs (a node's dir was lost); the job's `hsx extract --output-dir OUTPUT_DIR` then writes the "
+                    "rest and finishes it")
     pu = command("push", "upload a complete output dir to a Hub dataset repo (resumable)")
     pu.add_argument("output_dir", help="a finished hsx output dir (one with hsx.json)")
     pu.add_argument("repo_id", help="the Hub dataset repo, e.g. me/qwen3-8b-eagle3 (created if missing)")

@@ -67,7 +67,7 @@ def bench(args: argparse.Namespace) -> None:
 def merge(args: argparse.Namespace) -> None:
     from hsx.sink import merge as merge_dirs
 
-    merge_dirs(args.output_dir, args.dirs)
+    merge_dirs(args.output_dir, args.dirs, partial=args.partial)
 
 
 def push(args: argparse.Namespace) -> None:

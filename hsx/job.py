@@ -7,8 +7,8 @@ training loop. Both compute the same rows in the same order: what tokenization k
 way, through the same Extractor and Pipeline.
 
 Each step takes what the one before returned: `Job.prepare` (the model's facts, the input, the job's fingerprint)
-→ `Job.claim_and_tokenize` or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows, the
-units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
+→ `Job.claim` + `Job.tokenize_into`, or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows,
+the units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
 → `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
 """
 
@@ -137,24 +137,28 @@ class Job:
 
     # ---- claim → tokenize ----
 
-    def claim_and_tokenize(self, out: OutputDir):
-        """Claim the output dir and tokenize once into its cache, in turns (`Process.in_turns`: each node's first
-        process finds the cache there if the dir is shared, and tokenizes for its node if each node writes its own
-        dir). Returns (tokenized rows, the dir's state: new, resume or complete; no rows when complete)."""
-        cfg, proc = self.cfg, self.proc
+    def claim(self, out: OutputDir, leads: bool) -> str:
+        """Claim the output dir, in turns (`Process.in_turns`): the first process of the ranks writing into it
+        (`leads`: hsx.run.DirShare) checks its units and, with --overwrite, clears it; the others then find the
+        job there. Returns the dir's state: new, resume or complete."""
+        cfg = self.cfg
 
-        def claim_and_tokenize():
-            state = out.claim(self.identity, cfg.overwrite and proc.is_main, check_crc=cfg.check_crc, log=self.say,
-                              check=proc.local_rank == 0)
-            if state == "complete":
-                return None, state
-            out.clear_tmp()
-            return self._tokenize(str(out.state / "tokenized" / "tokens.arrow")), state
+        def claim():
+            state = out.claim(self.identity, cfg.overwrite and leads, check_crc=cfg.check_crc, log=self.say,
+                              check=leads)
+            if state != "complete":
+                out.clear_tmp()
+            return state
 
-        return proc.in_turns(claim_and_tokenize)
+        return self.proc.in_turns(claim, leads)
+
+    def tokenize_into(self, out: OutputDir, leads: bool):
+        """Tokenize once into the output dir's cache, in turns: the first process of each dir (`leads`) finds
+        rank 0's cache there when the dir is shared, and tokenizes for its dir when each node writes its own."""
+        return self.proc.in_turns(lambda: self._tokenize(str(out.state / "tokenized" / "tokens.arrow")), leads)
 
     def tokenize(self, cache_file: str):
-        """Tokenize into `cache_file` without an output dir (a stream), in turns as `claim_and_tokenize`; a cache
+        """Tokenize into `cache_file` without an output dir (a stream), in turns as `tokenize_into`; a cache
         file already there for this job's fingerprint is reused."""
         return self.proc.in_turns(lambda: self._tokenize(cache_file))
 
@@ -516,35 +520,45 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
 
 # ---- finish ------------------------------------------------------------------------------------------------------
 
-def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, run_id: str,
+def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, share,
            stats: dict[str, Any], t_start: float, log) -> dict[str, Any]:
-    """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is.
+    """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is in its
+    dir. `share` (hsx.run.DirShare): the ranks writing into this dir, and the run's id.
 
     Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
-    when ranks finish far apart): whichever process sees every unit committed finalizes."""
-    all_ranks_done = out.mark_rank_done(run_id, proc.rank, proc.world_size, stats) if proc.world_size > 1 else True
+    when ranks finish far apart): whichever process sees every unit committed finalizes. When each node writes
+    its own dir, a dir holds only its node's units: it stays unfinished (no hsx.json, the unfinished card) and
+    `hsx merge` of the node dirs makes the whole output."""
+    run_id, writers = share.run_id, len(share.ranks)
+    all_ranks_done = out.mark_rank_done(run_id, proc.rank, writers, stats) if proc.world_size > 1 else True
     # Read the manifests only after marking this rank done: read before, a rank that committed and marked in
     # between made this one see every rank done but that rank's last unit missing ("1 unit(s) were not written").
     done = out.done_units()
     missing = [u.name for u in units if u.name not in done]
     if missing:
         if not all_ranks_done:
-            log(f"hsx: rank {proc.rank}: my units are written; the last rank to finish finalizes (or, when each "
-                "node wrote its own dir, `hsx merge OUT NODE_DIRS...`)")
+            log(f"hsx: rank {proc.rank}: my units are written; the last rank writing into {cfg.output_dir} to "
+                "finish finalizes it")
             return {"complete": False, "rank": proc.rank, "run": stats}
+        if not share.whole:  # this node's share of a job whose nodes each write their own dir
+            log(f"hsx: {cfg.output_dir} holds {len(units) - len(missing)} of the job's {len(units)} units (this "
+                "node's share; the other nodes' dirs hold the rest): once every node has finished, join them with "
+                "`hsx merge OUT NODE_DIR...` (see docs/scale-out.md)")
+            return {"complete": False, "rank": proc.rank, "units": len(units) - len(missing), "run": stats}
         raise HsxError(f"{len(missing)} unit(s) were not written ({missing[0]}, ...); run the command again")
     if not all_ranks_done:
         # Every unit is committed, so the other ranks are past their last commit and about to say they are done:
         # wait briefly for their numbers (not for a rank that died after its last commit).
         deadline = time.monotonic() + RANK_STATS_WAIT_SECONDS
-        while len(out.rank_stats(run_id)) < proc.world_size and time.monotonic() < deadline:
+        while len(out.rank_stats(run_id)) < writers and time.monotonic() < deadline:
             time.sleep(0.2)
     with out.finalizing() as already:
         if already:
             return out.read_info().to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
-        info = complete_info(summary, done, proc.world_size, stats)
+        merged = out.merged_sources()  # units linked in by `hsx merge --partial` before this run finished the dir
+        info = complete_info(summary, done, proc.world_size, {**stats, "merged_from": merged} if merged else stats)
         info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
         out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
     if cfg.push_to_hub:

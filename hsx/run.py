@@ -37,6 +37,7 @@ class Process:
     tp_control: Any = None  # a gloo group of this copy's ranks, for decisions taken beside the forward's collectives
     store: Any = None  # the launcher's rendezvous store, for the job's barriers when each copy is its own world
     barriers: int = 0  # barriers passed, naming the next one's keys in `store`
+    gathers: int = 0  # all_gathers through `store`, naming the next one's keys
 
     @property
     def dp_rank(self) -> int:  # which model copy this process belongs to
@@ -75,12 +76,17 @@ class Process:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def in_turns(self, fn):
-        """fn() on rank 0 first; then on each node's first process (which finds rank 0's work there if the dir or
-        cache is shared, and does it for its node if not); then on everyone else. An HsxError is raised on every
-        rank that hit it after the last barrier, so no rank waits forever for another."""
+    def in_turns(self, fn, leads: bool | None = None):
+        """fn() on rank 0 first; then on each node's first process (which finds rank 0's work there if the cache is
+        shared, and does it for its node if not); then on everyone else. With `leads` (whether this process is the
+        first of the ranks sharing an output dir: hsx.run.DirShare), each dir's first process goes with rank 0
+        (their dirs are apart), then everyone else. An HsxError is raised on every rank that hit it after the last
+        barrier, so no rank waits forever for another."""
         result, error = None, None
-        my_turn = 0 if self.is_main else (1 if self.local_rank == 0 else 2)
+        if leads is None:
+            my_turn = 0 if self.is_main else (1 if self.local_rank == 0 else 2)
+        else:
+            my_turn = 0 if self.is_main or leads else 2
         for turn in range(3 if self.world_size > 1 else 1):
             if turn == my_turn:
                 try:
@@ -91,6 +97,24 @@ class Process:
         if error is not None:
             raise error
         return result
+
+    def all_gather(self, value: Any) -> list:
+        """`value` (JSON-able) from every rank, in rank order: what the ranks must agree on travels this way, over
+        the launcher's process group (or its store), never through a file that another node may not see."""
+        if self.world_size == 1:
+            return [value]
+        if self.state is not None:
+            import torch.distributed as dist
+
+            got = [None] * self.world_size
+            dist.all_gather_object(got, value)
+            return got
+        # each tensor-parallel copy is its own world (`_copy_world`): the job's ranks meet in the launcher's store
+        self.gathers += 1
+        keys = [f"hsx/gather/{self.gathers}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], json.dumps(value))
+        self.store.wait(keys)
+        return [json.loads(self.store.get(k)) for k in keys]
 
     def barrier(self) -> None:
         if self.state is not None:
@@ -105,10 +129,10 @@ class Process:
 
 def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
-    comes from accelerate. hsx needs it only for barriers around tokenization, so it is always gloo on the CPU
-    (accelerate's cpu=True state): that also works on machines without CUDA (where accelerate's default state
-    is single-process in every rank, so each would process every row) and with several GPUs per process (NCCL
-    refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
+    comes from accelerate. hsx needs it only for barriers and for what the ranks must agree on (`all_gather`:
+    small objects), so it is always gloo on the CPU (accelerate's cpu=True state): that also works on machines
+    without CUDA (where accelerate's default state is single-process in every rank, so each would process every
+    row) and with several GPUs per process (NCCL refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
     With --tp-size > 1 each model copy is its own world instead (`_copy_world`)."""
     from datetime import timedelta
 
@@ -279,30 +303,33 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
 
 
 def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopRequest, say, log, model):
-    """The steps, in order: prepare → claim → tokenize → units → engine + commit (this rank's pending units) →
-    finish."""
+    """The steps, in order: prepare → agree → claim → tokenize → units → engine + commit (this rank's pending
+    units) → finish."""
     t_start = time.perf_counter()
     job = Job.prepare(cfg, proc, model, say)
-    tokenized, state = job.claim_and_tokenize(out)
-    run_id = _shared_run_id(out, proc)
-    if state == "complete":
+    share = share_dir(out, proc, agree_on_job(proc, job.fingerprint))
+    if share.leads and not proc.is_main:
+        out.lock_as_first()
+    state = job.claim(out, share.leads)
+    states = [s for s in proc.all_gather(state if share.leads else None) if s]  # each dir's, as its first rank found it
+    if all(s == "complete" for s in states):
         info = out.read_info().to_dict()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
         refuse_empty(cfg, info["counts"], written=True)
         if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo
             push(cfg, log)
         return info
-    if state == "resume":
+    if "resume" in states or "complete" in states:
         say(f"hsx: continuing the job in {cfg.output_dir}")
+    tokenized = job.tokenize_into(out, share.leads)
     job.check_strict(tokenized)
     if stop.is_set():
         raise stop.stopped("stopped after tokenizing; run the same command to continue")
     units = job.units(tokenized)
     summary = job.summary(units)
-    if proc.local_rank == 0:
+    if share.leads:
         out.write_summary(summary)
-    done = out.done_units()
-    proc.barrier()  # every rank read the same manifest before any rank commits a new unit
+    done = units_done_anywhere(proc, units.all, out.done_units() if share.leads else {})  # (one reader per dir)
     pending = [u for u in units.all if u.name not in done]
     mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
 
@@ -329,23 +356,80 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         raise stop.stopped(f"stopped cleanly after {len(out.done_units())} of {len(units.all)} units; run the same "
                            "command to continue")
 
-    return finish(cfg, proc, out, units.all, summary, run_id, stats.as_dict(), t_start, log)
+    return finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log)
 
 
-def _shared_run_id(out: OutputDir, proc: Process) -> str:
-    """An id every rank of this launch agrees on (rank 0 writes it, the others read it after a barrier), naming
-    the per-rank completion markers of this run."""
+def agree_on_job(proc: Process, fingerprint: str) -> str:
+    """Check that every rank prepared the same job (a node whose copy of the model or data differs would write
+    rows of another job), and return the id of this run, made by rank 0 and handed to all."""
     if proc.world_size == 1:
         return "single"
-    f = out.state / "run-id"
-    if proc.is_main:
-        import uuid
+    import uuid
 
-        from hsx.sink import atomic_write
+    views = proc.all_gather([fingerprint, uuid.uuid4().hex if proc.is_main else None])
+    odd = [r for r, (f, _) in enumerate(views) if f != views[0][0]]
+    if odd:
+        raise HsxError(f"rank {odd[0]} prepared another job than rank 0 (fingerprint {views[odd[0]][0][:12]} vs "
+                       f"{views[0][0][:12]}): its model, tokenizer or data differ; give every node the same files")
+    return views[0][1]
 
-        atomic_write(f, uuid.uuid4().hex)
+
+@dataclass
+class DirShare:
+    """Which ranks of this run write into the same output dir as this one: all of them when the dir is on one
+    shared filesystem, a node's ranks when each node has its own dir (on a local disk)."""
+    run_id: str
+    rank: int
+    ranks: list[int]  # in order; the first one leads (claims and tokenizes first, checks the units)
+    world_size: int
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == self.ranks[0]
+
+    @property
+    def whole(self) -> bool:  # every rank writes here: this dir alone holds the job's output
+        return len(self.ranks) == self.world_size
+
+
+def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
+    """Find which ranks share this rank's output dir by what they see, not by hostnames or path strings (the same
+    path on two machines is two dirs; two paths may be one NFS dir): each rank leaves a file named for the run
+    and its rank, and, after a barrier, says which ranks' files it sees. Ranks one of which sees the other's file
+    share a dir (and so do ranks sharing with a third: seeing is made symmetric and transitive, so a directory
+    listing lagging on one client cannot split a shared dir)."""
+    if proc.world_size == 1:
+        return DirShare(run_id, 0, [0], 1)
+    out.announce(run_id, proc.rank)
     proc.barrier()
-    return f.read_text().strip()
+    seen = proc.all_gather(out.announced(run_id))
+    group = list(range(proc.world_size))  # union-find over "r sees s"
+
+    def root(r: int) -> int:
+        while group[r] != r:
+            r = group[r]
+        return r
+
+    for r, ranks in enumerate(seen):
+        for other in ranks:
+            if 0 <= other < proc.world_size:
+                group[root(other)] = root(r)
+    mine = [r for r in range(proc.world_size) if root(r) == root(proc.rank)]
+    return DirShare(run_id, proc.rank, mine, proc.world_size)
+
+
+def units_done_anywhere(proc: Process, units: list, done_here: dict) -> set[str]:
+    """The units committed in any rank's output dir (with one dir per node, a unit done on one node is done for
+    the job), checking that every rank planned the same units. Also the barrier between reading the manifests
+    and the first new commit."""
+    import hashlib
+
+    plan = hashlib.sha256(json.dumps([[u.name, u.start, u.stop, u.tokens] for u in units]).encode()).hexdigest()
+    views = proc.all_gather([plan, sorted(done_here)])
+    if any(p != views[0][0] for p, _ in views):
+        raise HsxError("the ranks planned different units from the same job; their tokenizers or datasets "
+                       "libraries differ: give every node the same environment")
+    return {name for _, names in views for name in names}
 
 
 def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> Iterator[dict[str, Any]]:

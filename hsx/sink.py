@@ -42,7 +42,7 @@ import shutil
 import stat
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +136,15 @@ class OutputDir:
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
         in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
         merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
-        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging):
+        with _flock(self.state / name, fcntl.LOCK_EX, in_use), _flock(self.state / "busy", fcntl.LOCK_SH, merging), \
+                ExitStack() as self._held:
             yield
+
+    def lock_as_first(self) -> None:
+        """Inside `locked()`: also hold .hsx/lock, as rank 0 does in its dir, for the first rank writing into a dir
+        rank 0 does not write into (a node's own dir), so no other job starts there while this one runs."""
+        self._held.enter_context(_flock(self.state / "lock", fcntl.LOCK_EX,
+                                        f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"))
 
     @contextmanager
     def locked_whole(self, what: str = "hsx merge") -> Iterator[None]:
@@ -318,9 +325,20 @@ class OutputDir:
         finally:
             os.close(fd)
 
+    def announce(self, run_id: str, rank: int) -> None:
+        """Leave a file saying `rank` of run `run_id` writes here (hsx.run.share_dir: which ranks share a dir)."""
+        folder = self.state / "ranks" / run_id
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / f"{rank:05d}.here", run_id + "\n")
+
+    def announced(self, run_id: str) -> list[int]:
+        """The ranks of run `run_id` that announced themselves here."""
+        folder = self.state / "ranks" / run_id
+        return sorted(int(f.name[:-5]) for f in folder.glob("*.here") if f.name[:-5].isdigit())
+
     def mark_rank_done(self, run_id: str, rank: int, world_size: int, stats: dict[str, Any] | None = None) -> bool:
-        """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once every
-        rank of the run has."""
+        """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once all
+        `world_size` ranks of the run that write into this dir have."""
         folder = self.state / "ranks" / run_id
         folder.mkdir(parents=True, exist_ok=True)
         record = {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool))}
@@ -458,6 +476,19 @@ class OutputDir:
         return None
 
     # ---- checking a finished output before reading or pushing it ----
+
+    def merged_sources(self, add: list[str] | None = None) -> list[str]:
+        """The dirs `hsx merge` linked units from into this one (.hsx/merged-from.json), with `add` recorded too:
+        a partial merge's links stay readable once the job's `hsx extract` finishes the dir (its hsx.json's
+        `run.merged_from` is this list)."""
+        path = self.state / "merged-from.json"
+        known = read_json(path).get("dirs") if path.exists() else []
+        if not isinstance(known, list) or not all(isinstance(d, str) for d in known):
+            raise HsxError(f"{path} is damaged (its `dirs` is not a list of paths); remove it and merge again")
+        if add:
+            known = [*known, *(d for d in add if d not in known)]
+            atomic_write(path, json.dumps({"dirs": known}, indent=2) + "\n")
+        return known
 
     def unit_source(self, name: str, info: Info | None, sources: dict | None = None) -> Path:
         """Where to read data/<name> from, checked without following a link: the file itself when it is a regular
@@ -916,10 +947,14 @@ to finish it (`hsx.load(OUT, allow_incomplete=True)` reads the units committed s
 """
 
 
-def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
+def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
     """`hsx merge OUT DIR...`: join the dirs that the nodes of one job wrote (each its own, when there is no
     shared filesystem) into OUT. Only metadata is written: OUT/data/ gets relative symlinks to the other dirs'
     unit files (OUT may be one of the dirs), a manifest, hsx.json and the card. No hidden-state byte is copied.
+
+    `partial` (`--partial`): some units are in none of the dirs (a node's dir was lost). OUT gets the units
+    there are and stays unfinished (no complete hsx.json, the unfinished card): the job's `hsx extract` command
+    with `--output-dir OUT` then writes only the missing units and finishes it.
 
     Like extract, it holds every dir whole while it works (refused while a job runs in any of them), refuses an
     OUT that hsx did not write or that holds another job, and never deletes or replaces a file in OUT/data/
@@ -939,7 +974,7 @@ def merge(out_dir: str, dirs: list[str], log=print) -> dict[str, Any]:
                 if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
                     seen.add(d.root.resolve())
                     stack.enter_context(d.locked_whole())
-            return _merge(out, sources, dirs, log)
+            return _merge(out, sources, dirs, log, partial)
     except BaseException:
         _remove_made(made)
         raise
@@ -959,7 +994,7 @@ def _remove_made(made: list[Path]) -> None:
             pass
 
 
-def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> dict[str, Any]:
+def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, partial: bool) -> dict[str, Any]:
     jobs = []
     for src in sources:
         f = src.state / "job.json"
@@ -985,11 +1020,12 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
             if (src.data / rec["file"]).exists():
                 done.setdefault(unit, (src, rec))
     missing = [u for u in summary["unit_names"] if u not in done]
-    if missing:
+    if missing and not partial:
         raise HsxError(f"{len(missing)} of {len(summary['unit_names'])} units are in none of the dirs "
                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); run the job again to "
-                       "write them, then merge")
-    for unit in summary["unit_names"]:  # every refusal before the first write
+                       "write them, then merge (or `hsx merge --partial` to join what there is, then the job's "
+                       "`hsx extract` with --output-dir OUT writes only the rest)")
+    for unit in (u for u in summary["unit_names"] if u in done):  # every refusal before the first write
         src, rec = done[unit]
         target, link = src.data / rec["file"], out.data / rec["file"]
         if src is not out and target.resolve() != link.resolve() and link.exists() and not link.is_symlink():
@@ -997,6 +1033,8 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
     out.data.mkdir(parents=True, exist_ok=True)
     lines = []
     for unit in summary["unit_names"]:
+        if unit not in done:
+            continue
         src, rec = done[unit]
         target, link = src.data / rec["file"], out.data / rec["file"]
         if src is not out and target.resolve() != link.resolve():
@@ -1006,9 +1044,19 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log) -> di
         lines.append(json.dumps(rec, sort_keys=True))
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
     atomic_write(out.state / "job.json", json.dumps(jobs[0].to_dict(), indent=2, sort_keys=True))
+    sources_now = out.merged_sources([str(Path(d).resolve()) for d in dirs])
     out.write_summary(summary)
+    if missing:
+        info = out.read_info()
+        if info is not None and info.complete:  # OUT was a finished output once: no longer
+            atomic_write(out.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
+        out.write_unfinished_card()
+        log(f"hsx merge: {out.root}: {len(lines)} of {len(summary['unit_names'])} units from {len(dirs)} dirs "
+            f"(symlinked, nothing copied); {len(missing)} missing: run the job's `hsx extract` with --output-dir "
+            f"{out.root} to write them")
+        return {"complete": False, "units": len(lines), "missing": len(missing)}
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
-                         run={"merged_from": [str(Path(d).resolve()) for d in dirs]})
+                         run={"merged_from": sources_now})
     from hsx.card import dataset_card
     from hsx.vocab import write_token_frequencies
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import hsx
-from conftest import free_port
+from conftest import free_port, one_torch_thread
 from hsx.cli import main
 
 
@@ -46,11 +46,14 @@ def test_bench_deletes_its_temp_output_unless_kept(tmp_path, monkeypatch):
 def test_bench_data_parallel_reports_the_job(tmp_path):
     """`torchrun --nproc_per_node 2 -m hsx bench`: (c) runs over both processes (same seeded weights, one input),
     and the report is the job's: every row once, both ranks' tokens, each rank's numbers."""
-    report = tmp_path / "bench.json"
+    report, one = tmp_path / "bench.json", tmp_path / "one.json"
+    flags = ["--shape", "tiny", "--count", "60", "--max-length", "256"]
+    with one_torch_thread():
+        assert main(["bench", *flags, "--skip", "a,b", "--json", str(one), "--storage-gb", "0"]) == 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "hsx", "bench", "--shape", "tiny", "--count", "60", "--max-length", "256", "--json", str(report),
-           "--output-dir", str(tmp_path / "out"), "--keep"]
+           "-m", "hsx", "bench", *flags, "--json", str(report), "--output-dir", str(tmp_path / "out"), "--keep",
+           "--scaling-baseline", str(one)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(report.read_text())
@@ -59,6 +62,28 @@ def test_bench_data_parallel_reports_the_job(tmp_path):
     assert [x["rank"] for x in ranks] == [0, 1] and all(x["tokens"] > 0 for x in ranks)
     assert sum(x["tokens"] for x in ranks) == result["c"]["tokens"] == result["tokens"]
     assert result["c"]["rows"] == 60 and len(hsx.load(str(tmp_path / "out"))) == 60
+    # scaling: each process's own rate, the job's, and the efficiency against the one-process run's
+    sc, baseline = result["scaling"], json.loads(one.read_text())["c"]["tok_per_s"]
+    assert sc["per_process_tok_per_s"] == [x["tokens"] / x["seconds"] for x in ranks]
+    assert sc["efficiency"] == pytest.approx(result["c"]["tok_per_s"] / (2 * baseline))
+    assert "(c) over 2 processes" in r.stdout and f"{sc['efficiency']:.1%}" in r.stdout
+
+
+def test_bench_scaling_baseline_must_be_the_same_bench_in_one_process(tmp_path):
+    from hsx.bench import read_baseline
+    from hsx.config import HsxError
+
+    ours = {"model": "random:tiny", "layers": [1, 2], "final_hidden": False, "rows": 60, "tokens": 9000,
+            "dtype": "float32"}
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps({**ours, "c": {"tok_per_s": 500.0}}))
+    assert read_baseline(str(f), ours) == 500.0
+    f.write_text(json.dumps({**ours, "rows": 61, "c": {"tok_per_s": 500.0}}))
+    with pytest.raises(HsxError, match="differs in: rows"):
+        read_baseline(str(f), ours)
+    f.write_text(json.dumps({**ours, "processes": 2, "c": {"tok_per_s": 500.0}}))
+    with pytest.raises(HsxError, match="one-process"):
+        read_baseline(str(f), ours)
 
 
 def test_bench_json_on_stdout_progress_and_no_nan_on_cpu(tmp_path, capsys, monkeypatch):

@@ -27,6 +27,7 @@ from conftest import (
     free_port,
     hsx_main,
     is_complete,
+    manifest_records,
     torn_manifest_copy,
 )
 
@@ -157,3 +158,107 @@ def test_two_processes_never_exit_0_with_an_incomplete_job(tmp_path, fault_refer
     child = launch(accelerate_launch(ref.argv(out)), tmp_path / "run")
     rc = child.wait()
     assert is_complete(out) or rc != 0, (rc, child.stdout)
+
+
+# ---- nodes without a shared disk: each writes its own dir, `hsx merge` joins them ---------------------------------
+
+def node_launch(argv: list[str], machine_rank: int, machines: int, per_node: int, port: int) -> list[str]:
+    """One node of a multi-node `accelerate launch` (every node runs this with its own --machine_rank); here all
+    the "nodes" are this machine, each given its own output dir, as nodes with local disks would be."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", str(machines),
+            "--num_processes", str(machines * per_node), "--machine_rank", str(machine_rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
+            "--dynamo_backend", "no", "-m", "hsx", *argv]
+
+
+def launch_nodes(ref, dirs: list[Path], per_node: int, logs: Path) -> list[Child]:
+    port = free_port()
+    return [launch(node_launch(ref.argv(d), rank, len(dirs), per_node, port), logs / f"node{rank}")
+            for rank, d in enumerate(dirs)]
+
+
+def units_of(out: Path) -> set[str]:
+    return {r["unit"] for r in manifest_records(out)}
+
+
+def test_two_nodes_with_their_own_dirs_merge_to_one_process(tmp_path, fault_reference):
+    """2 nodes × 2 processes, each node with its own dir (gloo, --machine_rank): every node exits 0 with its share
+    of the units in its dir, no dir claims to be the whole output, and `hsx merge` of the two equals one process bit
+    for bit. Then node 1's dir is lost: one process on node 0's dir redoes exactly node 1's units."""
+    ref = fault_reference
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    children = launch_nodes(ref, dirs, 2, tmp_path / "run")
+    for child in children:
+        rc = child.wait(timeout=300)
+        assert rc == 0, child.stderr
+        assert "Traceback" not in child.stderr
+    shares = [units_of(d) for d in dirs]
+    assert all(shares) and not shares[0] & shares[1], shares  # each node wrote its own units, none twice
+    assert len(shares[0] | shares[1]) == ref.units
+    for d, child in zip(dirs, children):
+        assert_units_intact(d)
+        assert not (d / "hsx.json").exists() and not is_complete(d)  # a node's share is not the dataset
+        assert {m.name for m in (d / ".hsx").glob("manifest-*.jsonl")} == (  # its own ranks' manifests only
+            {"manifest-00000.jsonl", "manifest-00001.jsonl"} if d.name == "node0" else
+            {"manifest-00002.jsonl", "manifest-00003.jsonl"})
+        assert f"holds {len(units_of(d))} of the job's {ref.units} units" in child.stdout
+    rc, stdout, stderr = hsx_main(["merge", str(tmp_path / "merged"), *map(str, dirs)])
+    assert rc == 0, stderr
+    assert_equals_reference(tmp_path / "merged", ref, world_size=0, verify=False)
+
+    shutil.rmtree(dirs[1])  # node 1 and its disk are gone: node 0's dir alone, one process
+    rc, stdout, stderr = hsx_main(ref.argv(dirs[0]))
+    assert rc == 0, stderr
+    assert_equals_reference(dirs[0], ref, world_size=1, verify=False)
+    redone = [r["unit"] for r in manifest_records(dirs[0]) if r["unit"] not in shares[0]]
+    assert sorted(redone) == sorted(shares[1])  # the lost node's units, each once, and nothing else
+
+
+def test_eight_processes_killed_resume_on_four_with_a_node_replaced(tmp_path, fault_reference):
+    """The 8-process job (2 nodes × 4, own dirs) killed mid-run; node 1 and its dir are lost. It resumes on 4
+    processes: node 0 (its dir) and a new node with an empty dir. Every unit node 0 kept is kept, only the rest is
+    done, and `hsx merge` of the two dirs equals one process bit for bit."""
+    ref = fault_reference
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    children = launch_nodes(ref, dirs, 4, tmp_path / "run")
+    k = ref.units // 3
+    counts = lambda: [committed_units(d) for d in dirs]  # noqa: E731
+    assert children[0].poll_until(lambda: min(counts()) >= 2 and sum(counts()) >= k, timeout=300), children[0].stderr
+    for child in children:
+        child.kill_tree(signal.SIGKILL)
+    for child in children:
+        child.wait()
+        child.kill_tree(signal.SIGKILL)  # nothing of the job may outlive it
+    kept = {r["unit"]: r for r in assert_units_intact(dirs[0])}
+    assert 0 < len(kept) < ref.units and not is_complete(dirs[0])
+    shutil.rmtree(dirs[1])
+
+    replaced = [dirs[0], tmp_path / "node2"]
+    for child in launch_nodes(ref, replaced, 2, tmp_path / "resume"):
+        rc = child.wait(timeout=300)
+        assert rc == 0, child.stderr
+    after = {r["unit"]: r for r in assert_units_intact(dirs[0])}
+    assert all(after[u] == rec for u, rec in kept.items())  # node 0's finished units were not redone
+    new = units_of(replaced[1])
+    assert new and not new & set(kept) and not new & set(after)  # the new node did only what no dir held
+    rc, stdout, stderr = hsx_main(["merge", str(tmp_path / "merged"), *map(str, replaced)])
+    assert rc == 0, stderr
+    assert_equals_reference(tmp_path / "merged", ref, world_size=0, verify=False)
+
+
+def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric():
+    """share_dir groups ranks by the announce files each sees: one-sided sight (a listing lagging on one client)
+    still joins two ranks, and ranks that see nothing of each other write separate dirs."""
+    from types import SimpleNamespace
+
+    from hsx.run import Process, share_dir
+
+    views = [[0], [0, 1], [2, 3], [2, 3], [4]]  # rank 0 does not (yet) see rank 1's file; rank 1 sees rank 0's
+    for rank in range(5):
+        proc = Process(rank=rank, world_size=5, device=None)
+        proc.barrier = lambda: None
+        proc.all_gather = lambda value, rank=rank: [value if r == rank else v for r, v in enumerate(views)]
+        out = SimpleNamespace(announce=lambda run_id, r: None, announced=lambda run_id, rank=rank: views[rank])
+        share = share_dir(out, proc, "run")
+        assert share.ranks == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3], 4: [4]}[rank]
+        assert share.leads == (rank in (0, 2, 4)) and not share.whole

@@ -78,3 +78,26 @@ def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
     with pytest.raises(HsxError, match="different jobs"):  # into a source: its own files stay as they were
         merge(str(node0), [str(node0), str(other)], log=lambda *a: None)
     assert sorted(p.name for p in (node0 / ".hsx").iterdir()) == listing
+
+
+def test_partial_merge_of_the_dirs_that_survive_then_extract_finishes_it(reference, tmp_path):
+    """Node 1's dir is lost: `hsx merge --partial` joins node 0's units into an unfinished output, and the job's
+    `hsx extract` on it writes exactly node 1's units, giving the single-dir output."""
+    from hsx.cli import main
+
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    lost = {p.name for p in (node1 / "data").iterdir()}
+    shutil.rmtree(node1)
+    joined = tmp_path / "joined"
+    assert main(["merge", "--partial", str(joined), str(node0)]) == 0
+    assert not (joined / "hsx.json").exists() and "unfinished" in (joined / "README.md").read_text()
+    with pytest.raises(HsxError, match="not complete|unfinished|allow_incomplete"):
+        hsx.load(str(joined))
+    assert main(["extract", "--config", str(DEMO), "--output-dir", str(joined), "--unit-tokens", "1500"]) == 0
+    written = {p.name for p in (joined / "data").iterdir() if not p.is_symlink()}
+    assert written == lost  # only the lost node's units were computed again
+    assert json.loads((joined / "hsx.json").read_text())["counts"] == json.loads(
+        (reference / "hsx.json").read_text())["counts"]
+    assert hsx.load(str(joined)).data.table.equals(hsx.load(str(reference)).data.table)
+    # the links to node 0's units are read (and pushed) as hsx merge's own: the finished hsx.json names node 0
+    assert json.loads((joined / "hsx.json").read_text())["run"]["merged_from"] == [str(node0.resolve())]
