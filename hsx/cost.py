@@ -126,10 +126,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False),
 }
 
-# End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
-# Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
-# qwen3-30b-a3b: 47.8% on the last VM, 43.1% on a slow one (the same code); below the best for a plan.
-# qwen3.6-35b-a3b: 34.9% (docs/benchmarks.md).
+# End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs;
+# docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default.
+# qwen3-30b-a3b: 39-48% measured with the same code; below the best for a plan. qwen3.6-35b-a3b: 34.9%.
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45,
                                   "qwen3.6-35b-a3b": 0.35}
 

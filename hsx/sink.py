@@ -859,8 +859,8 @@ CRC_CHUNK = 256 << 20
 
 def _crc32_function():
     """zlib's CRC-32, computed by zlib-ng where it is installed (the `gpu` extra): the same values, with carry-less
-    multiply instructions. Per core, 256 MiB in memory: zlib 3.3 GB/s, zlib-ng 6.9 (a 2-core x86 VM); on the H200
-    VM the writer's checksum threads spent 0.48 s/GB in zlib, the largest part of writing (hsx.writer)."""
+    multiply instructions, about twice zlib's rate per core; in tmpfs the checksum is the largest part of the
+    writer's work (docs/storage.md)."""
     try:
         from zlib_ng import zlib_ng
 

@@ -1,38 +1,25 @@
 """Where a unit's bytes go: the file pyarrow's IPC stream writer (inside `datasets`' ArrowWriter) writes to.
 
 `Dataset.map` opens its output through fsspec, a buffered Python file; pyarrow hands each record batch's body
-buffers to its `write` zero-copy, so the format costs nothing: profiled on a CPU harness at the 8B width (40 KiB
-per token, ~0.5 GB batches), 98% of the writing time was the kernel's write call, table_cast and the IPC framing
-~0 s. The rest was a second pass that read each unit back for its CRC-32 at commit (`sink.file_crc32`: 0.5-1.0 s
-per 1.6 GB there). `UnitFile` takes the same calls and:
+buffers to its `write` zero-copy, so nearly all of the writing time is the kernel's write call, and a CRC-32 read
+back at commit would be a second pass over every byte. `UnitFile` takes the same calls and:
 
 - checksums the bytes as they pass, in threads (`sink.crc32` releases the GIL; pieces joined by `crc32_combine`), in
-  `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit no longer reads the unit back;
+  `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit never reads the unit back;
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
-- with O_DIRECT on disks (not in memory: `resolve_mode` has the measured rates): 64 MiB aligned blocks (a
-  unit's first ones smaller: `UnitFile._stage`) from staging buffers that the units share (`DirectStages`,
-  faulted in ahead), filled while earlier ones are written, DIRECT_IN_FLIGHT (2) writes at once into a file
-  extended ahead of them. On an H200 VM's local disk
-  (qwen3-8b, 29.5 GB in 65 units, one call): one write at a time from fresh buffers per unit wrote 1.19 GB/s,
-  the disk idle 8.9 s of the 24.9 (~0.11 s at each unit's close and start, then fresh buffers filled slower
-  than the disk took them); this way 1.65 GB/s, idle 2.85 s of 17.9 (~40 ms per unit boundary: datasets'
-  map ending and starting a unit, the first block filled); the disk took 2.20 GB/s in 64 MiB writes one at a
-  time, 2.43 in 256 MiB ones. At a unit boundary the disk waits for the map thread, so what that thread does
-  there is cut: the I/O threads run for the job (`DirectIO`, not started and ended per unit, each a wait for the
-  GIL), and the pages map's `Dataset.from_file` reads next are asked for at once (`UnitFile._prefetch`);
-- in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock (one stream
-  took 1.94-2.11 GB/s on an H200 VM, the storage probe), so `Spares` prepares the next unit's file while the
-  one before is written (fallocate, then MADV_POPULATE_WRITE, on 3 threads) and the checksum threads copy the
-  big buffers into its mapped pages as they checksum them. On the H200 VM (qwen3-8b, bf16, 29.5 GB) the writer
-  was busy at 2.81 GB/s in the run, against 1.61 buffered, and the GPU idle 1.2% of it (was 16.9%); alone,
-  into a prepared spare, 3.1 GB/s on 2 threads, 6.7 on 4 (the default), 10.8 on 8.
+- with O_DIRECT on disks (not in memory: `resolve_mode` says why): 64 MiB aligned blocks (a unit's first ones
+  smaller: `UnitFile._stage`) from staging buffers that the units share (`DirectStages`, faulted in ahead), filled
+  while earlier ones are written, DIRECT_IN_FLIGHT (2) writes at once into a file extended ahead of them, so the
+  disk always has the next write queued. At a unit boundary the disk waits for the map thread, so what that thread
+  does there is kept short: the I/O threads run for the job (`DirectIO`: a thread's start and exit each wait for
+  the GIL the GPU thread keeps busy), and the pages map's `Dataset.from_file` reads next are asked for at once
+  (`UnitFile._prefetch`);
+- in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock, so `Spares`
+  prepares the next unit's file while the one before is written (fallocate, then MADV_POPULATE_WRITE, on 3
+  threads) and the checksum threads copy the big buffers into its mapped pages as they checksum them.
 
-Where the writing time went (a qwen3-8b bench process, 29.5 GB into tmpfs, H200 VM, the calls timed in place,
-its warm-up included): write calls 5.7 s (the 4 threads' copy + zlib's CRC-32: 0.56 s/GB each), unit closes
-2.7 s, against 8.8 s of writing in the measured run; with zlib-ng's CRC-32 the threads took 0.32 s/GB and the
-write calls 4.2 s, and the closes 4.6 s, 3.1 s of it shutting down each unit's own checksum pool (its threads'
-exits wait for the GIL, which the GPU thread and map keep busy). Hence one `checksum_pool` for a job's units,
-and `sink.crc32`.
+One `checksum_pool` serves a job's units: a pool per unit cost each unit's close its threads' exits, each waiting
+for the GIL. The rates behind these choices are in docs/storage.md.
 
 The file's bytes are exactly what datasets writes (same writer, same schema metadata; tests/test_writer.py
 compares them), so `load_dataset` and `Dataset.from_file` read a unit as before. `unit_files` puts `UnitFile`
@@ -115,10 +102,9 @@ CRC_THREADS = 4  # checksum (and, mapped, copy) threads per writing process
 
 
 def checksum_pool(threads: int | None = None) -> ThreadPoolExecutor:
-    """The threads that checksum (and in "mapped" mode store) big pieces, for UnitFiles to share. Per file, a
-    pool of its own took 28 ms a unit to shut down in a run (its threads' exits wait for the GIL, which the GPU
-    thread and map keep busy): 3.1 s over the 110 units of a qwen3-8b bench process on the H200 VM (its warm-up
-    included), against 8.7 s of writing in its measured run. One pool for the job's units does not."""
+    """The threads that checksum (and in "mapped" mode store) big pieces, for UnitFiles to share. A pool per file
+    would be shut down at every unit's close, and its threads' exits wait for the GIL, which the GPU thread and
+    map keep busy: tens of milliseconds a unit. One pool for the job's units costs that once."""
     return ThreadPoolExecutor(max_workers=max(1, threads or min(CRC_THREADS, os.cpu_count() or 1)),
                               thread_name_prefix="hsx-crc")
 
@@ -365,8 +351,8 @@ class UnitFile:
     def _stage(self, view: memoryview) -> None:
         """Copy into the staging buffers, handing each full block to the I/O threads. A unit's blocks start at
         DIRECT_FIRST and double up to DIRECT_BLOCK (offsets stay multiples of DIRECT_FIRST, aligned): the disk
-        starts once 8 MiB are staged, not 64, and each block is staged while the one before is written (at a
-        unit boundary the disk had waited ~19 ms for the first 64 MiB block on an H200 VM)."""
+        starts once 8 MiB are staged, not 64, and each block is staged while the one before is written (a whole
+        first 64 MiB block would leave the disk idle at every unit boundary while it fills)."""
         at = 0
         while at < len(view):
             block = min(DIRECT_BLOCK, max(DIRECT_FIRST, self.written))  # (8, 8, 16, 32 MiB, ...: doubling)
@@ -456,10 +442,9 @@ class UnitFile:
         """Ask the kernel to read the pages of the small writes (the IPC framing, the offsets and token columns,
         the end-of-stream marker) into the page cache, all at once and nothing around them: `map` opens the unit
         right after its close (Dataset.from_file reads every message through a memory map) while the next unit
-        waits, and the O_DIRECT writes left none of its pages cached. There it read 8 MiB around each place it
-        touched (the disk's read_ahead_kb on a Firecracker VM), one after another: 24 MB of a 160 MB unit, 38 ms
-        on the dev VM's disk; in map there, 19-20 ms a unit before this, 8.3-8.5 after. Every write has returned:
-        the pages read are the file's bytes."""
+        waits, and the O_DIRECT writes left none of its pages cached: without the advice each place it touches is
+        a synchronous read of the disk's read-ahead window, one after another. Every write has returned: the
+        pages read are the file's bytes."""
         for first, last in self.small_pages:
             try:
                 os.posix_fadvise(self.fd, first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE,
@@ -475,10 +460,8 @@ class UnitFile:
 class DirectIO:
     """The threads that run O_DIRECT writes (DIRECT_IN_FLIGHT of them, so that many at once), fed (UnitFile, stage,
     bytes, offset) items, kept from unit to unit by the DirectStages that lends the stages. Started and ended per
-    unit, they cost its boundary the threads' start and exit, each waiting for the GIL that the GPU thread and map
-    keep busy (as the per-unit checksum pool's shutdown did: 28 ms a unit on an H200 VM); on the 2-core dev VM with
-    a busy Python thread beside it, 17-34 ms from a unit's last write to its close's return and 34-37 ms to open
-    the next one, against 8-13 and 0.3-5.6 ms with these."""
+    unit, they would cost its boundary the threads' start and exit, each waiting for the GIL that the GPU thread
+    and map keep busy, while the disk idles."""
 
     def __init__(self, threads: int | None = None):
         self.queue: queue.Queue = queue.Queue()
@@ -506,8 +489,8 @@ class DirectIO:
 class DirectStages:
     """The O_DIRECT staging buffers (DIRECT_STAGES × DIRECT_BLOCK, page-aligned) of the units one loop writes, kept
     from unit to unit and faulted in on a thread when made: a fresh buffer's first fill pays a page fault per
-    4 KiB (64 MiB: 85 ms fresh, 13 ms again, on a Firecracker VM's core), and a unit's first block waits for that
-    fill with the disk idle; unmapping them at each close (17 ms per 64 MiB) idled it again. One UnitFile holds
+    4 KiB (several times the cost of a second fill), and a unit's first block waits for that fill with the disk
+    idle; unmapping them at each close would idle it again. One UnitFile holds
     them at a time; another one meanwhile makes its own (the first set back is kept, the other freed). Its
     DirectIO threads write every unit's blocks (they run until `close`).
     `expected`: the largest unit's bytes, as far as the stages are faulted in ahead (a smaller unit touches no
@@ -776,16 +759,11 @@ def supports_mapped(folder: str | os.PathLike) -> bool:
 
 def resolve_mode(folder: str | os.PathLike, mode: str = "auto") -> str:
     """auto: in memory (tmpfs) "mapped" where the kernel takes it, else "buffered"; elsewhere O_DIRECT where files
-    in `folder` open with it. Measured on an H200 VM, qwen3-8b `hsx bench` (storage line: 4 GB in 64 MiB writes
-    until fsync): local ext4 took 0.85 GB/s buffered and 1.42 O_DIRECT, and hsx wrote 1.05 GB/s through datasets'
-    file, 1.23 through UnitFile with O_DIRECT (on another VM's disk, 1.37 buffered and 2.20-2.43 O_DIRECT: 1.65,
-    hsx.writer's docstring); tmpfs took 1.94-2.27 buffered and 2.62-2.92 O_DIRECT, yet hsx wrote
-    1.52 GB/s buffered and 1.15 with O_DIRECT (the staging copy costs more than O_DIRECT saves there). In tmpfs a
-    write call pays for allocating each new page under the file's lock: per GB on one core of the H200 VM,
-    0.53 s for a fresh write, 0.25 into pages fallocated before. "mapped" moves the allocation (fallocate, 0.17
-    s/GB) and the page faults (MADV_POPULATE_WRITE, 0.30 s/GB, in parallel) to threads that prepare the next
-    unit's file, leaving a copy (0.10 s/GB) and the CRC-32 (0.48 s/GB) on each writing thread; the run: writer
-    busy 2.81 GB/s mapped against 1.61 buffered (hsx.writer's docstring)."""
+    in `folder` open with it. On a disk O_DIRECT in large aligned blocks outruns the page cache's write-back; in
+    tmpfs it does not (its staging copy costs more than it saves), and a write call there pays for allocating each
+    new page under the file's lock, so "mapped" moves the allocation (fallocate) and the page faults
+    (MADV_POPULATE_WRITE, in parallel) to threads that prepare the next unit's file, leaving a copy and the CRC-32
+    on each writing thread. The measured rates of each mode: docs/storage.md."""
     if mode not in WRITE_MODES:
         raise ValueError(f"write mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
     if mode == "auto":
@@ -871,9 +849,8 @@ def spares_for(folder: str | os.PathLike, sizes: list[int], mode: str = "auto") 
 
 PROBE_DIRECT = ((DIRECT_BLOCK, 1), (DIRECT_BLOCK, DIRECT_IN_FLIGHT), (DIRECT_BLOCK, 4), (4 * DIRECT_BLOCK, 1),
                 (4 * DIRECT_BLOCK, DIRECT_IN_FLIGHT))
-"""The O_DIRECT ways the storage probe tries, (block, writes in flight): one write at a time (hsx's writer before
-it had DIRECT_IN_FLIGHT), the writer's way, more in flight, larger blocks one and DIRECT_IN_FLIGHT at a time (on
-an H200 VM's disk 256 MiB writes one at a time took 2.43 GB/s, 64 MiB ones 2.20, two at once 2.09); its best is
+"""The O_DIRECT ways the storage probe tries, (block, writes in flight): one write at a time, the writer's way, more in flight, larger blocks one and DIRECT_IN_FLIGHT at a time (disks
+differ in which of these they take fastest); its best is
 the best of all of them and buffered, so a disk that takes more than the writer asks of it reads as such."""
 
 
