@@ -65,7 +65,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def merge(args: argparse.Namespace) -> None:
-    from hsx.sink import merge as merge_dirs
+    from hsx.merge import merge as merge_dirs
 
     merge_dirs(args.output_dir, args.dirs, partial=args.partial)
 

@@ -8,7 +8,7 @@ import pytest
 
 import hsx
 from hsx.config import HsxError
-from hsx.sink import merge
+from hsx.merge import merge
 
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 pytestmark = pytest.mark.slow  # the module fixture runs the demo job three times (~12 s on 2 loaded cores)

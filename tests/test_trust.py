@@ -21,7 +21,8 @@ from conftest import assert_same_output, child_env, fault_argv, hsx_main, manife
 import hsx
 from hsx import fingerprint
 from hsx.config import HsxError
-from hsx.sink import OutputDir, atomic_write, file_crc32, merge
+from hsx.merge import merge
+from hsx.sink import OutputDir, atomic_write, file_crc32
 
 
 def one_error_line(rc: int, err: str, *needles: str) -> str:
