@@ -95,6 +95,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "report (c)'s write rate as a share of it (at most a quarter of the free space; 0: skip)")
     add_json_flag(p, "the results")
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
+    p.add_argument("--drift-rows", type=int, default=8,
+                   help="FP8 targets: before (c), the captured layers' relative error against the bf16 forward of "
+                        "the same (dequantized) weights on this many rows (0: skip)")
 
 
 def package_version() -> str:

@@ -36,7 +36,11 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
 # rate measured on one (torch, 8192³: 790-810 TFLOP/s measured on H200s) and the memory
 # torch sees (139 GiB of an H200's 141 GB).
-GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
+# fp8_matmul_tflops: the same for e4m3 (torch._scaled_mm, tensor-wise scales, 8192³), the peak FP8 targets' MFU is
+# measured against.
+GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 0.0,  # MEASURE
+                                              "memory_gib": 139.0}}
+FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
@@ -113,6 +117,10 @@ MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "g
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-8B": "qwen3-8b",
+    "Qwen/Qwen3-8B-FP8": "qwen3-8b-fp8",
+    "Qwen/Qwen3.5-27B-FP8": "qwen3.6-27b-fp8",
+    "Qwen/Qwen3.6-27B-FP8": "qwen3.6-27b-fp8",
+    "Qwen/Qwen3-30B-A3B-FP8": "qwen3-30b-a3b-fp8",
     "Qwen/Qwen3-32B": "qwen3-32b",
     "Qwen/Qwen3.5-27B": "qwen3.6-27b",
     "Qwen/Qwen3.6-27B": "qwen3.6-27b",
@@ -143,10 +151,24 @@ def shape_config(name: str):
     from hsx.config import HsxError
 
     key = HUB_SHAPES.get(name, name)
-    if key not in SHAPES:
-        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}, or the Hub ids {', '.join(HUB_SHAPES)}")
-    facts = dict(SHAPES[key])
+    fp8 = key.endswith(FP8_SUFFIX) and key.removesuffix(FP8_SUFFIX) in SHAPES
+    if key not in SHAPES and not fp8:
+        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)} (each also as NAME{FP8_SUFFIX}: its "
+                       f"official FP8 checkpoint's layout), or the Hub ids {', '.join(HUB_SHAPES)}")
+    facts = dict(SHAPES[key.removesuffix(FP8_SUFFIX) if fp8 else key])
+    if fp8:
+        from hsx.fp8 import CHECKPOINT_QUANTIZATION
+
+        facts["quantization_config"] = dict(CHECKPOINT_QUANTIZATION)
     return AutoConfig.for_model(facts.pop("model_type"), **facts)
+
+
+def is_fp8(c) -> bool:
+    """Whether a model config declares fp8 block quantization (its linear layers' weights are 1 byte, and run on
+    the FP8 matmul rate)."""
+    q = getattr(c, "quantization_config", None)
+    d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else {})
+    return str(d.get("quant_method", "")).lower() == "fp8"
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
@@ -234,8 +256,9 @@ def flops(c, depth: int, lengths: np.ndarray, layer_param_count: int | None = No
     return 2.0 * depth * per_layer * float(lengths.sum()) + attention_flops(c, depth, lengths)
 
 
-def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) -> float:
-    """The bf16 (CPU: float32) dense matmul rate of this device, measured now, in TFLOP/s."""
+def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20, fp8: bool = False) -> float:
+    """The bf16 (CPU: float32) dense matmul rate of this device, measured now, in TFLOP/s; with `fp8` (CUDA), the
+    e4m3 rate (`torch._scaled_mm`, tensor-wise scales, bf16 out): the FP8 peak FP8 targets' MFU is taken against."""
     import torch
 
     cuda = device.type == "cuda"
@@ -243,15 +266,21 @@ def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) ->
     dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    if fp8 and cuda:
+        one = torch.ones((), device=device)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as cuBLAS wants
+        matmul = lambda x, y: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa
+    else:
+        matmul = torch.matmul
     for _ in range(3):
-        a @ b
+        matmul(a, b)
     best = math.inf
     for _ in range(3):
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for _ in range(repeats if cuda else 3):
-            a @ b
+            matmul(a, b)
         if cuda:
             torch.cuda.synchronize(device)
         best = min(best, (time.perf_counter() - t0) / (repeats if cuda else 3))
@@ -316,9 +345,10 @@ def budget_cap(c) -> int:
 
 
 def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
-    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head."""
+    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head.
+    FP8 checkpoints: the layers at 1 byte a weight (their scales and bf16 norms are well under 1%)."""
     layers = sum(decoder_layer_params(c, i, active=False) for i in range(depth))
-    return dtype_bytes * (layers + int(c.vocab_size) * int(c.hidden_size))
+    return (1 if is_fp8(c) else dtype_bytes) * layers + dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
 
 
 def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int, gpu_bytes: int,
@@ -504,7 +534,8 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     known_shape = shape or HUB_SHAPES.get(cfg.model)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
-             token_budget=cfg.token_budget, matmul_tflops=GPUS[gpu]["matmul_tflops"], gpu_name=gpu.upper(),
+             token_budget=cfg.token_budget, gpu_name=gpu.upper(),
+             matmul_tflops=GPUS[gpu]["fp8_matmul_tflops" if is_fp8(text) else "matmul_tflops"],
              **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
     if tokens is not None:
         p["tokens_source"] = source
