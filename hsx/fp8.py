@@ -183,10 +183,32 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tens
     if m == 0:
         return x.new_empty((0, w.shape[0]), dtype=torch.bfloat16)
     xq, xs = _quantize_activation_cuda(x)  # rows padded to a multiple of 16, scales M-major
-    backend = _BACKEND.get(x.device.index) or probe_backend(x.device)
-    if backend == "cublas" and w.shape[0] % BLOCK == 0:
+    if _cublas_takes(w, ws):
         return _cublas_mm(xq, xs, w, ws)[:m]
     return _triton_mm(xq, xs, w, ws)[:m]
+
+
+_CUBLAS_SHAPES: dict[tuple, bool] = {}  # (device, N, K) → cuBLAS's product checked against the reference
+
+
+def _cublas_takes(w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Whether cuBLAS multiplies by this weight's shape: the device's backend is cuBLAS, and on the first call for
+    (N, K) a 64-row product with these very weights agrees with the reference (else Triton runs it, always)."""
+    backend = _BACKEND.get(w.device.index) or probe_backend(w.device)
+    key = (w.device.index, *w.shape)
+    if backend != "cublas" or w.shape[0] % BLOCK:
+        return False
+    if key not in _CUBLAS_SHAPES:
+        g = torch.Generator(device=w.device).manual_seed(1)
+        x = torch.randn(64, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
+        xq, xs = _quantize_activation_cuda(x)
+        want = reference_mm(xq, xs, w, ws).float()
+        try:
+            got = _cublas_mm(xq, xs, w, ws).float()
+            _CUBLAS_SHAPES[key] = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
+        except RuntimeError:  # e.g. CUBLAS_STATUS_NOT_SUPPORTED for this shape
+            _CUBLAS_SHAPES[key] = False
+    return _CUBLAS_SHAPES[key]
 
 
 @fp8_linear.register_fake

@@ -214,6 +214,12 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     report = kernel_report(loaded.base)["quantization"]
     assert report["linear"].startswith("hsx fp8") and report["fp8_linears"] == 3 * 7, report
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules() if isinstance(m, fp8.Fp8Linear))
+    x = torch.randn(100, 768, device=device, dtype=torch.bfloat16)
+    for name, m in loaded.base.named_modules():  # each layer alone first: the kernels equal the maths
+        if isinstance(m, fp8.Fp8Linear):
+            xi = x[:, :m.in_features]
+            want = _emulated_fp8_linear_forward(m, xi).float()
+            assert ((m(xi).float() - want).norm() / want.norm()).item() < 1e-2, name
     ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, "varlen", compile_model, cuda=True))
     rng = np.random.default_rng(0)
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 200, 5, 130)]
