@@ -11,6 +11,7 @@ import torch
 from hsx import fp8
 from hsx.config import ExtractConfig, HsxError
 
+STD = 0.02  # the init std of Qwen3 (initializer_range)
 OFFICIAL = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
 
 
@@ -158,7 +159,7 @@ def _save_fp8_checkpoint(folder, device, num_layers=4, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, STD)
     state = {}
     for name, t in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
@@ -240,33 +241,43 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     got = got.view(torch.bfloat16)
     pipe.close()
 
-    # transformers' own forward of the same checkpoint, one unpadded row at a time
-    ref_model = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16)
-    ref_model.eval()
-    fp8_linears = [m for m in ref_model.modules() if type(m).__name__ == "FP8Linear"]
-    assert len(fp8_linears) == 4 * 7 and fp8_linears[0].weight.dtype == torch.float8_e4m3fn
+    # transformers' own forward of the same checkpoint, one unpadded row at a time, with two attention kernels
+    def reference(attn):
+        model = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16,
+                                                       attn_implementation=attn).eval()
+        linears = [m for m in model.modules() if type(m).__name__ == "FP8Linear"]
+        assert len(linears) == 4 * 7 and linears[0].weight.dtype == torch.float8_e4m3fn
 
-    def reference():
-        refs = []
-        with torch.inference_mode():
-            for r in rows:
-                o = ref_model(input_ids=torch.from_numpy(r.astype(np.int64))[None].to(device),
+        def run():
+            refs = []
+            with torch.inference_mode():
+                for r in rows:
+                    o = model(input_ids=torch.from_numpy(r.astype(np.int64))[None].to(device),
                               output_hidden_states=True, use_cache=False)
-                refs.append(torch.cat([o.hidden_states[i + 1][0] for i in layers], dim=-1))
-        return torch.cat(refs).cpu().reshape(-1)
+                    refs.append(torch.cat([o.hidden_states[i + 1][0] for i in layers], dim=-1))
+            return torch.cat(refs).cpu().reshape(-1)
 
-    try:
-        ref = reference()
-        which = "transformers FP8Linear"
-    except (ImportError, RuntimeError) as e:  # its kernel comes from the Hub (`kernels`): offline, emulate it
-        print(f"transformers' FP8 kernel unavailable ({str(e).splitlines()[0][:120]}): its maths emulated")
-        for m in fp8_linears:
-            m.forward = _emulated_fp8_linear_forward.__get__(m)
-        ref = reference()
-        which = "transformers FP8Linear maths, float32 emulation"
-    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    print(f"hsx vs {which}: relative error {rel:.2e} (compile={compile_model}, {fp8.backend_of(device)})")
-    assert rel < 1e-2, (which, rel)
+        try:
+            return run(), "transformers FP8Linear"
+        except (ImportError, RuntimeError) as e:  # its kernel comes from the Hub (`kernels`): offline, emulate it
+            print(f"transformers' FP8 kernel unavailable ({str(e).splitlines()[0][:100]}): its maths emulated")
+            for m in linears:
+                m.forward = _emulated_fp8_linear_forward.__get__(m)
+            return run(), "transformers FP8Linear maths, float32 emulation"
+
+    (ref, which), (other, _) = reference("sdpa"), reference("eager")
+    rel = _rel(got, ref)
+    # Activation quantization turns bf16-level differences upstream (one attention kernel's rounding against
+    # another's) into flipped e4m3 values: transformers' own FP8 forward with eager attention is this far from
+    # itself with SDPA. hsx (its packed attention kernel, compiled norms) must be no further than twice that.
+    noise = _rel(other, ref)
+    print(f"hsx vs {which}: relative error {rel:.2e}; transformers eager vs sdpa attention {noise:.2e} "
+          f"(compile={compile_model}, {fp8.backend_of(device)})")
+    assert rel < max(2 * noise, 1e-2), (which, rel, noise)
     # and the bf16 model of the same weights is measurably further away (the activations' quantization)
     d = fp8.drift(loaded.base, layers, rows[:2], device)
     assert all(0 < v < 0.2 for v in d["relative_error"].values()), d
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
