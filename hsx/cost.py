@@ -36,15 +36,16 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
 # rate measured on one (torch, 8192³: 790-810 TFLOP/s measured on H200s) and the memory
 # torch sees (139 GiB of an H200's 141 GB).
-# fp8_matmul_tflops: the same for e4m3 (torch._scaled_mm, tensor-wise scales, 8192³), the peak FP8 targets' MFU is
-# measured against.
-GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 0.0,  # MEASURE
+# fp8_matmul_tflops: the same for e4m3 (torch._scaled_mm, tensor-wise scales, 8192³: 1,419-1,464 TFLOP/s measured
+# on an H200), the peak FP8 targets' MFU is measured against.
+GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0,
                                               "memory_gib": 139.0}}
 FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
 # below both for the shapes not measured (other widths, experts and head layouts)
+PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6%, qwen3.6-27b-fp8 51.4% (H200)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -112,7 +113,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs; README,
 # Benchmarks): `hsx plan` uses it for that shape instead of the 70% default.
 # qwen3-30b-a3b: 47.8% on the last VM, 43.1% on a slow one (the same code); below the best for a plan.
-MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45}
+# FP8 shapes: of the FP8 matmul rate (docs/benchmarks.md).
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45,
+                                  "qwen3-8b-fp8": 0.48, "qwen3.6-27b-fp8": 0.51}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
@@ -120,7 +123,6 @@ HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-8B-FP8": "qwen3-8b-fp8",
     "Qwen/Qwen3.5-27B-FP8": "qwen3.6-27b-fp8",
     "Qwen/Qwen3.6-27B-FP8": "qwen3.6-27b-fp8",
-    "Qwen/Qwen3-30B-A3B-FP8": "qwen3-30b-a3b-fp8",
     "Qwen/Qwen3-32B": "qwen3-32b",
     "Qwen/Qwen3.5-27B": "qwen3.6-27b",
     "Qwen/Qwen3.6-27B": "qwen3.6-27b",
@@ -428,8 +430,10 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
 
 def plan_mfu(c) -> float:
     """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
-    the active parameters), PLAN_MFU otherwise."""
-    return PLAN_MFU_MOE if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))) else PLAN_MFU
+    the active parameters), PLAN_MFU_FP8 (of the FP8 rate) for an FP8 checkpoint, PLAN_MFU otherwise."""
+    if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))):
+        return PLAN_MFU_MOE
+    return PLAN_MFU_FP8 if is_fp8(c) else PLAN_MFU
 
 
 def format_plan(p: dict[str, Any]) -> str:

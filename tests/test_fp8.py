@@ -221,6 +221,9 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
             xi = x[:, :m.in_features]
             want = _emulated_fp8_linear_forward(m, xi).float()
             assert ((m(xi).float() - want).norm() / want.norm()).item() < 1e-2, name
+    # the bf16 forward of the same (dequantized) weights is measurably away: the activations' quantization
+    d = fp8.drift(loaded.base, layers, [np.arange(3, 40)], device)
+    assert all(0 < v < 0.5 for v in d["relative_error"].values()), d
     ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, "varlen", compile_model, cuda=True))
     rng = np.random.default_rng(0)
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 200, 5, 130)]
@@ -274,9 +277,6 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     print(f"hsx vs {which}: relative error {rel:.2e}; transformers eager vs sdpa attention {noise:.2e} "
           f"(compile={compile_model}, {fp8.backend_of(device)})")
     assert rel < max(2 * noise, 1e-2), (which, rel, noise)
-    # and the bf16 model of the same weights is measurably further away (the activations' quantization)
-    d = fp8.drift(loaded.base, layers, rows[:2], device)
-    assert all(0 < v < 0.2 for v in d["relative_error"].values()), d
 
 
 def _rel(a, b):
