@@ -115,9 +115,10 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hsx import fp8
     from hsx import model as hsx_model
-    from hsx.config import ExtractConfig, parse_layer_spec, resolve_layers
-    from hsx.cost import flops, layer_params, measure_matmul_tflops, shape_config
+    from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
+    from hsx.cost import _num_experts, flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
 
@@ -140,8 +141,14 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
 
     log(f"hsx bench: {args.model or args.shape} ({n} layers × {text.hidden_size}), layers {layers}"
         f"{' + final' if final_hidden else ''}, {args.count} rows, device {device}")
-    peak_tflops = measure_matmul_tflops(device)
-    log(f"  measured matmul rate: {peak_tflops:.1f} TFLOP/s ({'bf16 8192³' if cuda else 'fp32 1024³'})")
+    quant = fp8.quantization_of(hsx_model.text_config_of(full_config)) or fp8.quantization_of(full_config)
+    instead = fp8.runs_instead(quant, device) if quant is not None else None
+    if instead:
+        log(instead)
+    on_fp8 = quant is not None and instead is None
+    peak_tflops = measure_matmul_tflops(device, fp8=on_fp8)
+    log(f"  measured matmul rate: {peak_tflops:.1f} TFLOP/s "
+        f"({('e4m3 8192³' if on_fp8 else 'bf16 8192³') if cuda else 'fp32 1024³'})")
 
     # One set of weights for every run: (a) uses the CausalLM, (b) its base model, (c) a truncated view of it.
     # Seeded: every process of a data-parallel run builds the same weights, so its output equals one process's.
@@ -150,6 +157,13 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     if args.model:
         causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True,
                                                       **hsx_model.group_device_map(proc.devices))
+    elif quant is not None:  # e4m3 weights built directly, layer by layer: never a bf16 copy of the model
+        if len(proc.devices) > 1 or not on_fp8:
+            raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
+        if _num_experts(text):
+            raise HsxError(f"--shape {args.shape}: FP8 experts are not supported yet (hsx runs dense and hybrid "
+                           "FP8 targets' linear layers on FP8 tensor cores)")
+        causal = fp8.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -158,6 +172,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
                 full_config, dtype=dtype, attn_implementation=hsx_model.supported_attn_implementation(text, "sdpa"))
     causal.eval().requires_grad_(False)
     causal.config.use_cache = False
+    if args.model and on_fp8 and len(proc.devices) == 1:
+        fp8.install(causal)
     build_s = time.perf_counter() - t0
     base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
     vocab = int(text.vocab_size)
@@ -181,6 +197,15 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), "max_length_drawn": int(lengths.max()),
         "model_build_seconds": build_s, "versions": _versions(),
     }
+    if quant is not None:
+        results["quantization"] = fp8.report(base, quant)
+        results["matmul_rate_of"] = "e4m3" if on_fp8 else "bf16"
+    if on_fp8 and args.drift_rows > 0:
+        results["drift"] = fp8.drift(base, layers, rows[:args.drift_rows], device)
+        log("  FP8 vs bf16 (dequantized weights), relative error per layer on "
+            f"{results['drift']['rows']} rows: " + ", ".join(
+                f"{k}: {v:.2%}" for k, v in results["drift"]["relative_error"].items()))
+        _free(device)
 
     baseline = None
     if proc.world_size > 1 and getattr(args, "scaling_baseline", None):
@@ -596,3 +621,4 @@ def format_table(r: dict[str, Any]) -> str:
                          f"each fsynced): {w['gb_per_s']:.2f} GB/s = {s['writer_alone_share']:.0%} of the storage's "
                          f"best{gpu}")
     return "\n".join(lines)
+

@@ -99,6 +99,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
     p.add_argument("--scaling-baseline", help="under a launcher: the --json of the same bench in one process; "
                    "report (c)'s scaling efficiency against it (docs/scale-out.md)")
+    p.add_argument("--drift-rows", type=int, default=8,
+                   help="FP8 targets: before (c), the captured layers' relative error against the bf16 forward of "
+                        "the same (dequantized) weights on this many rows (0: skip)")
 
 
 def package_version() -> str:

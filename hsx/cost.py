@@ -38,15 +38,20 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
 # rate measured on one (torch, 8192³: 790-810 TFLOP/s measured on H200s) and the memory
 # torch sees (139 GiB of an H200's 141 GB).
-GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "memory_gib": 139.0}}
+# fp8_matmul_tflops: the same for e4m3 (torch._scaled_mm, tensor-wise scales, 8192³: 1,419-1,464 TFLOP/s measured
+# on an H200), the peak FP8 targets' MFU is measured against.
+GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0,
+                                              "memory_gib": 139.0}}
+FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
 # below both for the shapes not measured (other widths, experts and head layouts)
-# The fastest the writer has stored states, per process: 4.79 GB/s into tmpfs on an H200 host (README, writer
-# table). A plan's rate is never more than this many bytes per second of output: a small model's FLOPs would
+# The fastest the writer has stored states, per process: 4.79 GB/s into tmpfs on an H200 host (docs/storage.md,
+# writer table). A plan's rate is never more than this many bytes per second of output: a small model's FLOPs would
 # otherwise promise hundreds of GB/s of writes.
 WRITER_BYTES_PER_S = 4.79e9
+PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6%, qwen3.6-27b-fp8 51.4% (H200)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -129,12 +134,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs;
 # docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default.
 # qwen3-30b-a3b: 39-48% measured with the same code; below the best for a plan. qwen3.6-35b-a3b: 34.9%.
+# FP8 shapes: of the FP8 matmul rate.
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45,
-                                  "qwen3.6-35b-a3b": 0.35}
+                                  "qwen3.6-35b-a3b": 0.35, "qwen3-8b-fp8": 0.48, "qwen3.6-27b-fp8": 0.51}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-8B": "qwen3-8b",
+    "Qwen/Qwen3-8B-FP8": "qwen3-8b-fp8",
+    "Qwen/Qwen3.5-27B-FP8": "qwen3.6-27b-fp8",
+    "Qwen/Qwen3.6-27B-FP8": "qwen3.6-27b-fp8",
     "Qwen/Qwen3-32B": "qwen3-32b",
     "Qwen/Qwen3.5-27B": "qwen3.6-27b",
     "Qwen/Qwen3.6-27B": "qwen3.6-27b",
@@ -167,10 +176,24 @@ def shape_config(name: str):
     from hsx.config import HsxError
 
     key = HUB_SHAPES.get(name, name)
-    if key not in SHAPES:
-        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}, or the Hub ids {', '.join(HUB_SHAPES)}")
-    facts = dict(SHAPES[key])
+    fp8 = key.endswith(FP8_SUFFIX) and key.removesuffix(FP8_SUFFIX) in SHAPES
+    if key not in SHAPES and not fp8:
+        raise HsxError(f"unknown shape {name!r}; known: {', '.join(SHAPES)} (each also as NAME{FP8_SUFFIX}: its "
+                       f"official FP8 checkpoint's layout), or the Hub ids {', '.join(HUB_SHAPES)}")
+    facts = dict(SHAPES[key.removesuffix(FP8_SUFFIX) if fp8 else key])
+    if fp8:
+        from hsx.fp8 import CHECKPOINT_QUANTIZATION
+
+        facts["quantization_config"] = dict(CHECKPOINT_QUANTIZATION)
     return AutoConfig.for_model(facts.pop("model_type"), **facts)
+
+
+def is_fp8(c) -> bool:
+    """Whether a model config declares fp8 block quantization (its linear layers' weights are 1 byte, and run on
+    the FP8 matmul rate)."""
+    q = getattr(c, "quantization_config", None)
+    d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else {})
+    return str(d.get("quant_method", "")).lower() == "fp8"
 
 
 # ---- compute ------------------------------------------------------------------------------------------------
@@ -258,8 +281,9 @@ def flops(c, depth: int, lengths: np.ndarray, layer_param_count: int | None = No
     return 2.0 * depth * per_layer * float(lengths.sum()) + attention_flops(c, depth, lengths)
 
 
-def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) -> float:
-    """The bf16 (CPU: float32) dense matmul rate of this device, measured now, in TFLOP/s."""
+def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20, fp8: bool = False) -> float:
+    """The bf16 (CPU: float32) dense matmul rate of this device, measured now, in TFLOP/s; with `fp8` (CUDA), the
+    e4m3 rate (`torch._scaled_mm`, tensor-wise scales, bf16 out): the FP8 peak FP8 targets' MFU is taken against."""
     import torch
 
     cuda = device.type == "cuda"
@@ -267,15 +291,21 @@ def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20) ->
     dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    if fp8 and cuda:
+        one = torch.ones((), device=device)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as cuBLAS wants
+        matmul = lambda x, y: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa
+    else:
+        matmul = torch.matmul
     for _ in range(3):
-        a @ b
+        matmul(a, b)
     best = math.inf
     for _ in range(3):
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for _ in range(repeats if cuda else 3):
-            a @ b
+            matmul(a, b)
         if cuda:
             torch.cuda.synchronize(device)
         best = min(best, (time.perf_counter() - t0) / (repeats if cuda else 3))
@@ -359,9 +389,10 @@ def budget_cap(c) -> int:
 
 
 def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
-    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head."""
+    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head.
+    FP8 checkpoints: the layers at 1 byte a weight (their scales and bf16 norms are well under 1%)."""
     layers = sum(decoder_layer_params(c, i, active=False) for i in range(depth))
-    return dtype_bytes * (layers + int(c.vocab_size) * int(c.hidden_size))
+    return (1 if is_fp8(c) else dtype_bytes) * layers + dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
 
 
 def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int, gpu_bytes: int,
@@ -446,8 +477,10 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
 
 def plan_mfu(c) -> float:
     """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
-    the active parameters), PLAN_MFU otherwise."""
-    return PLAN_MFU_MOE if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))) else PLAN_MFU
+    the active parameters), PLAN_MFU_FP8 (of the FP8 rate) for an FP8 checkpoint, PLAN_MFU otherwise."""
+    if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))):
+        return PLAN_MFU_MOE
+    return PLAN_MFU_FP8 if is_fp8(c) else PLAN_MFU
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -557,7 +590,8 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     known_shape = shape or HUB_SHAPES.get(cfg.model)
     p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
-             token_budget=cfg.token_budget, matmul_tflops=GPUS[gpu]["matmul_tflops"], gpu_name=gpu.upper(),
+             token_budget=cfg.token_budget, gpu_name=gpu.upper(),
+             matmul_tflops=GPUS[gpu]["fp8_matmul_tflops" if is_fp8(text) else "matmul_tflops"],
              **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
     import torch
 

@@ -222,7 +222,16 @@ def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None,
         "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
         "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
+        **_quantization_identity(target.text),
     }
+
+
+def _quantization_identity(text) -> dict[str, Any]:
+    """The target's FP8 quantization, when it has one (an unquantized target's fingerprint is unchanged)."""
+    from hsx.fp8 import quantization_of
+
+    quant = quantization_of(text)
+    return {"quantization": quant.record()} if quant is not None else {}
 
 
 def command_line() -> str:
@@ -233,7 +242,10 @@ def _model_facts(cfg: ExtractConfig):
     from hsx.model import read_model_config, resolve_model_path, text_config_of
 
     model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-    return model_path, revision, text_config_of(read_model_config(model_path, cfg.model, cfg.trust_remote_code))
+    from hsx.fp8 import carry_quantization
+
+    full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
+    return model_path, revision, carry_quantization(full, text_config_of(full))
 
 
 def _tokenizer(cfg: ExtractConfig, model_path: str):
@@ -326,6 +338,7 @@ class Engine:
         import torch
         from tqdm.auto import tqdm
 
+        from hsx import fp8
         from hsx.cost import (auto_token_budget, check_token_budget, layer_params, measure_matmul_tflops,
                               memory_bytes)
         from hsx.engine import Extractor, Pipeline
@@ -339,6 +352,10 @@ class Engine:
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
         kernels = kernel_report(loaded.base)
+        quant = fp8.quantization_of(loaded.text_config)
+        instead = fp8.runs_instead(quant, device) if quant is not None else None
+        if instead:
+            log(instead)
         if kernels.get("linear_attention_forward") == "transformers":
             log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
                 f"({kernels.get('linear_attention_note')}; kernels: {kernels.get('linear_attention')}, conv "
@@ -372,7 +389,7 @@ class Engine:
                                    topk_logits=cfg.topk_logits)
         self.features = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
                                      cfg.topk_logits, cfg.nonfinite == "keep").features()
-        self.peak_tflops = measure_matmul_tflops(device) if cuda else None
+        self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
         self.per_layer = layer_params(loaded.text_config)
         self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),
                               tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hsx import attention, gdn
+from hsx import attention, fp8, gdn
 from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -95,6 +95,8 @@ def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
 # transformers' objects: the attention implementation the job asked for, and how its layers were compiled.
 _ATTN_REQUESTED: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+# The checkpoint's fp8 quantization (transformers drops quantization_config from a model it dequantized on load)
+_QUANTIZATION: "weakref.WeakKeyDictionary[torch.nn.Module, fp8.Fp8Config]" = weakref.WeakKeyDictionary()
 
 
 def finish_truncation(base: torch.nn.Module, depth: int, final_hidden: bool) -> torch.nn.Module:
@@ -126,11 +128,12 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
 
     path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
     full = read_model_config(path, cfg.model, cfg.trust_remote_code)
-    text = text_config_of(full)
+    text = fp8.carry_quantization(full, text_config_of(full))
     n = int(text.num_hidden_layers)
     layers, final_hidden = resolve_layers(cfg.layers, n, cfg.final_hidden)
     depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
+    quant = fp8.quantization_of(tcfg)
     attn = supported_attn_implementation(tcfg, cfg.attn_implementation)
     kwargs: dict[str, Any] = {}
     prefix = text_weights_prefix(checkpoint_keys(path))
@@ -157,6 +160,10 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     _ATTN_REQUESTED[base] = cfg.attn_implementation
     if distributed_config is None and (not devices or len(devices) == 1):
         base = base.to(device)
+    if quant is not None:
+        _QUANTIZATION[base] = quant
+    if quant is not None and distributed_config is None and fp8.runs_instead(quant, device) is None:
+        fp8.install(base)  # (tensor-parallel shards stay on transformers' FP8 forward: DTensor weights)
     head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg,
@@ -482,6 +489,9 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
                 "causal_conv1d", "causal_conv1d_fn")) else "torch fallback"
             report.update(linear_attention_forward="transformers", linear_attention_note=blocker)
     report["packing_safe"], report["packing_note"] = _packing(report, config)
+    quantization = fp8.report(base, _QUANTIZATION.get(base) or fp8.quantization_of(config))
+    if quantization is not None:  # (absent for unquantized models: their hsx.json stays as it was)
+        report["quantization"] = quantization
     return report
 
 

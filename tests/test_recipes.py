@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO
 from hsx.cli import build_parser, main
 from hsx.config import load_config, resolve_layers
-from hsx.cost import (HUB_SHAPES, decoder_layer_params, format_bytes, format_duration, layer_params, shape_config,
+from hsx.cost import (HUB_SHAPES, decoder_layer_params, is_fp8, format_bytes, format_duration, layer_params, shape_config,
                       weight_bytes)
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -156,7 +156,9 @@ def test_shipped_shape_matches_the_modules_transformers_builds(name):
 
     for i, layer in enumerate(model.layers):
         assert decoder_layer_params(c, i, active=False) == matrices(layer)
-    assert weight_bytes(c, 8) == 2 * matrices(model)
+    embeddings = model.get_input_embeddings().weight.numel()
+    layer_bytes = 1 if is_fp8(c) else 2  # FP8 checkpoints: e4m3 layers, bf16 embeddings
+    assert weight_bytes(c, 8) == layer_bytes * (matrices(model) - embeddings) + 2 * embeddings
 
 
 @pytest.mark.parametrize("model_id, total_b, active_b", [

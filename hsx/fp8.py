@@ -1,0 +1,518 @@
+"""FP8 block-quantized targets: the official `-FP8` checkpoints' linear layers run on FP8 tensor cores.
+
+The layout (Qwen3 / Qwen3.5 / Qwen3.6 `-FP8`, DeepSeek-V3 style; transformers' FineGrainedFP8 integration):
+`quantization_config = {quant_method: fp8, weight_block_size: [128, 128], activation_scheme: dynamic,
+fmt: e4m3}`; each quantized linear stores `weight` as float8_e4m3fn (out, in) and `weight_scale_inv` as float32
+(ceil(out/128), ceil(in/128)), one scale per 128×128 block, the weight being `weight[i, j] * weight_scale_inv[i // 128,
+j // 128]`. Activations are quantized when they arrive, per 1×128 block of each token's features (scale = the
+block's absolute max / 448), as the serving engines (vLLM, SGLang) and transformers' FP8Linear do. Attention,
+norms, Gated DeltaNet and routers stay in bf16 (the checkpoint's `modules_to_not_convert` and its bf16 tensors).
+
+transformers loads such a checkpoint as stored (its FP8Linear modules hold the e4m3 weights and scales; no bf16
+copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
+their tensors. Its forward is one custom op (`hsx::fp8_linear`, opaque to the compiler, with a fake for tracing):
+a Triton pass quantizes the activations, then torch's cuBLAS block-scaled `_scaled_mm` multiplies where this torch
+and CUDA have it, else a Triton block-scaled GEMM (slower than bf16 on an H200: a fallback). Elsewhere (CPU, older GPUs)
+transformers dequantizes the weights to the model's dtype at load and that runs instead (`runs_instead`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hsx.errors import HsxError
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest e4m3fn value
+BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
+SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
+# The official `-FP8` checkpoints' quantization_config (the layout hsx's kernels run)
+CHECKPOINT_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
+                           "fmt": "e4m3"}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """A checkpoint's `quantization_config` for quant_method fp8, as read (`quantization_of`)."""
+
+    weight_block_size: tuple[int, int]
+    activation_scheme: str
+    fmt: str
+    scale_fmt: str
+    modules_to_not_convert: tuple[str, ...]
+
+    def record(self) -> dict[str, Any]:
+        """What hsx.json and the job fingerprint record."""
+        return {"quant_method": "fp8", "weight_block_size": list(self.weight_block_size),
+                "activation_scheme": self.activation_scheme, "fmt": self.fmt, "scale_fmt": self.scale_fmt}
+
+    def blocker(self) -> str | None:
+        """Why hsx's kernels cannot run this layout (None when they can)."""
+        if list(self.weight_block_size) != [BLOCK, BLOCK]:
+            return f"weight_block_size {list(self.weight_block_size)} (hsx's kernels take [128, 128])"
+        if self.activation_scheme != "dynamic":
+            return f"activation_scheme {self.activation_scheme!r} (hsx's kernels quantize activations dynamically)"
+        if self.fmt != "e4m3":
+            return f"fmt {self.fmt!r} (hsx's kernels take e4m3 weights)"
+        if self.scale_fmt != "float":
+            return f"scale_fmt {self.scale_fmt!r} (hsx's kernels take float32 block scales)"
+        return None
+
+
+def quantization_of(config) -> Fp8Config | None:
+    """The fp8 quantization a model config declares (on the text config or, for vision-language checkpoints, the
+    outer one), None for an unquantized model or another quant_method (transformers' own loader handles those).
+    A malformed fp8 entry is an HsxError: loading it would make wrong weights silently."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else vars(q))
+    if not isinstance(d, dict):
+        raise HsxError(f"quantization_config is a {type(q).__name__}, not a mapping")
+    method = str(d.get("quant_method", "")).lower()
+    if method != "fp8":
+        return None
+    block = d.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise HsxError(f"quantization_config: weight_block_size {block!r} is not two positive integers")
+    skip = d.get("modules_to_not_convert") or []
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
+        raise HsxError("quantization_config: modules_to_not_convert is not a list of names")
+    fields = {}
+    for key, default in (("activation_scheme", "dynamic"), ("fmt", "e4m3"), ("scale_fmt", "float")):
+        value = d.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, str):
+            raise HsxError(f"quantization_config: {key} {value!r} is not a string")
+        fields[key] = value.lower()
+    return Fp8Config(weight_block_size=(int(block[0]), int(block[1])), modules_to_not_convert=tuple(skip),
+                     **fields)
+
+
+def carry_quantization(full_config, text_config):
+    """`text_config` with the outer config's quantization_config when only the outer one has it (Qwen3.5/3.6
+    vision-language checkpoints): the text model built from it must load the FP8 tensors as FP8, not cast them."""
+    if getattr(text_config, "quantization_config", None) is None and text_config is not full_config:
+        q = getattr(full_config, "quantization_config", None)
+        if q is not None:
+            text_config.quantization_config = q
+    return text_config
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def runs_instead(quant: Fp8Config, device: torch.device) -> str | None:
+    """One line saying what runs in place of hsx's FP8 kernels on this device, None when they run."""
+    why = quant.blocker()
+    if why is None and not has_fp8_tensor_cores(device):
+        why = ("no CUDA device" if device.type != "cuda" else
+               f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))} has no FP8 "
+               "tensor cores (8.9+)")
+    if why is None:
+        return None
+    if quant.blocker() is None:
+        return (f"hsx: FP8 checkpoint, {why}: transformers dequantizes its weights at load and the linear layers "
+                "run in the model's dtype, without activation quantization (states differ from FP8 serving by that)")
+    return f"hsx: FP8 checkpoint with {why}: its linear layers run on transformers' FP8 forward"
+
+
+# ---- the maths (CPU and CUDA alike) ------------------------------------------------------------------------------
+
+def quantize_weight(weight: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """(e4m3 weight, float32 weight_scale_inv): per block, scale = absolute max / 448 and e4m3 = weight / scale,
+    the official checkpoints' quantization. Edge blocks cover what is left of the matrix."""
+    n, k = weight.shape
+    bn, bk = block
+    pn, pk = math.ceil(n / bn) * bn, math.ceil(k / bk) * bk
+    w = torch.nn.functional.pad(weight.float(), (0, pk - k, 0, pn - n)).view(pn // bn, bn, pk // bk, bk)
+    scale = (w.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=SCALE_EPS)  # (blocks_n, blocks_k)
+    q = (w / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(pn, pk)[:n, :k].contiguous(), scale
+
+
+def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                      block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    n, k = q.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (q.float() * s).to(dtype)
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) → (e4m3 (M, K), float32 scales (M, K/128)): per 1×128 block of each row, scale = absolute max / 448.
+    Plain torch, so that Inductor fuses it with what comes before (the norm) in a compiled layer."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=-1).clamp(min=SCALE_EPS) / FP8_MAX
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, k), scale
+
+
+def reference_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The block-scaled product in float32 (tests; CPU): dequantize both sides, multiply."""
+    m, k = xq.shape
+    x = (xq.float().view(m, k // BLOCK, BLOCK) * xs.float().unsqueeze(-1)).view(m, k)
+    return (x @ dequantize_weight(w, ws, torch.float32).t()).to(out_dtype)
+
+
+# ---- the GEMM ------------------------------------------------------------------------------------------------------
+
+_BACKEND: dict[int, str] = {}  # device index → "cublas" or "triton", probed once per device
+
+
+@torch.library.custom_op("hsx::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """bf16 (M, N) = quantize(x) @ (w · ws)ᵀ for bf16 x (M, K): x quantized per 1×128 block (`quantize_activation`),
+    w e4m3 (N, K) with float32 block scales ws (N/128, K/128)."""
+    if not x.is_cuda:
+        xq, xs = quantize_activation(x)
+        return reference_mm(xq, xs, w, ws)
+    m = x.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if m == 0:
+        return x.new_empty((0, w.shape[0]), dtype=torch.bfloat16)
+    xq, xs = _quantize_activation_cuda(x)  # rows padded to a multiple of 16, scales M-major
+    if _cublas_takes(w, ws):
+        return _cublas_mm(xq, xs, w, ws)[:m]
+    return _triton_mm(xq, xs, w, ws)[:m]
+
+
+_CUBLAS_SHAPES: dict[tuple, bool] = {}  # (device, N, K) → cuBLAS's product checked against the reference
+
+
+def _cublas_takes(w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Whether cuBLAS multiplies by this weight's shape: the device's backend is cuBLAS, and on the first call for
+    (N, K) a 64-row product with these very weights agrees with the reference (else Triton runs it, always)."""
+    backend = _BACKEND.get(w.device.index) or probe_backend(w.device)
+    key = (w.device.index, *w.shape)
+    if backend != "cublas" or w.shape[0] % BLOCK:
+        return False
+    if key not in _CUBLAS_SHAPES:
+        g = torch.Generator(device=w.device).manual_seed(1)
+        x = torch.randn(64, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
+        xq, xs = _quantize_activation_cuda(x)
+        want = reference_mm(xq, xs, w, ws).float()
+        try:
+            got = _cublas_mm(xq, xs, w, ws).float()
+            _CUBLAS_SHAPES[key] = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
+        except RuntimeError:  # e.g. CUBLAS_STATUS_NOT_SUPPORTED for this shape
+            _CUBLAS_SHAPES[key] = False
+    return _CUBLAS_SHAPES[key]
+
+
+@fp8_linear.register_fake
+def _(x, w, ws):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+
+
+def _cublas_mm(xq, xs, w, ws):
+    # cuBLAS reads the 1×128 scales M-major (outer-dimension-major, as `_quantize_activation_cuda` writes them)
+    # and the 128×128 ones as (K/128, N/128)
+    if xs.stride(0) != 1:
+        xs = xs.t().contiguous().t()
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+
+ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned
+_QUANT_KERNEL = None
+
+
+def _quantize_activation_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation` in one Triton pass: e4m3 (M', K) and float32 scales (M', K/128) stored M-major
+    (a transposed view of (K/128, M')), M' = M rounded up to ROW_ALIGN, the extra rows zeros."""
+    global _QUANT_KERNEL
+    import triton
+
+    if _QUANT_KERNEL is None:
+        import triton.language as tl
+
+        @triton.jit
+        def act_quant(x, q, s, M, M_pad, K, stride_xm, EPS: tl.constexpr, QMAX: tl.constexpr, BM: tl.constexpr):
+            rm = tl.program_id(0) * BM + tl.arange(0, BM)
+            kb = tl.program_id(1)
+            rk = kb * 128 + tl.arange(0, 128)
+            v = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=(rm < M)[:, None],
+                        other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1), EPS) / QMAX
+            qv = tl.clamp(v / scale[:, None], -QMAX, QMAX)
+            keep = rm < M_pad
+            tl.store(q + rm[:, None].to(tl.int64) * K + rk[None, :], qv.to(q.dtype.element_ty), mask=keep[:, None])
+            tl.store(s + kb * M_pad + rm, scale, mask=keep)
+
+        _QUANT_KERNEL = act_quant
+    m, k = x.shape
+    m_pad = -(-m // ROW_ALIGN) * ROW_ALIGN
+    q = torch.empty((m_pad, k), device=x.device, dtype=FP8_DTYPE)
+    s = torch.empty((k // BLOCK, m_pad), device=x.device, dtype=torch.float32)
+    bm = 32
+    _QUANT_KERNEL[(triton.cdiv(m_pad, bm), k // BLOCK)](x, q, s, m, m_pad, k, x.stride(0), EPS=SCALE_EPS,
+                                                         QMAX=FP8_MAX, BM=bm, num_warps=4)
+    return q, s.t()
+
+
+def probe_backend(device: torch.device) -> str:
+    """cuBLAS's block-scaled `_scaled_mm` when this torch/CUDA has it on this GPU and it agrees with the
+    reference on a small product, else the Triton kernel (also checked)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(201, 512, device=device, generator=g, dtype=torch.bfloat16)
+    wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
+    xq, xs = _quantize_activation_cuda(x)
+    tq, ts = quantize_activation(x)
+    if not (torch.equal(xq[:201].view(torch.uint8), tq.view(torch.uint8)) and torch.equal(xs[:201], ts)):
+        raise HsxError("hsx's FP8 activation quantization disagrees with its reference on this GPU")
+    want = reference_mm(xq, xs, wq, ws).float()
+    backend = "triton"
+    try:
+        got = _cublas_mm(xq, xs, wq, ws).float()
+        if ((got - want).norm() / want.norm()).item() < 1e-2:
+            backend = "cublas"
+    except (RuntimeError, NotImplementedError, ValueError):  # no block-scaled cuBLAS in this build
+        pass
+    if backend == "triton":
+        got = _triton_mm(xq, xs, wq, ws).float()
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 1e-2:
+            raise HsxError(f"hsx's FP8 block GEMM disagrees with the reference on this GPU (relative error {err:.3g})")
+    _BACKEND[device.index] = backend
+    return backend
+
+
+def backend_of(device: torch.device) -> str:
+    return _BACKEND.get(device.index) or probe_backend(device)
+
+
+_TRITON_KERNEL = None
+
+
+def _triton_kernel():
+    """A block-scaled FP8 GEMM in Triton, after the design of SGLang's and vLLM's `w8a8_block_fp8_matmul`
+    (Apache-2.0): each K step of 128 is one scale block, its partial product scaled by the activation row's and the
+    weight block's scales before accumulating in float32. Tiles autotuned per (N, K)."""
+    global _TRITON_KERNEL
+    if _TRITON_KERNEL is not None:
+        return _TRITON_KERNEL
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8}, num_stages=s, num_warps=wp)
+               for bm, bn, s, wp in ((128, 128, 3, 8), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 3, 8))]
+
+    @triton.autotune(configs=configs, key=["N", "K"])
+    @triton.jit
+    def block_fp8_mm(a, b, c, a_s, b_s, M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_ask,
+                     stride_bsn, stride_bsk, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        BK: tl.constexpr = 128
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        m_ok = rm < M
+        n_ok = rn < N
+        a_ptr = a + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+        b_ptr = b + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+        as_ptr = a_s + rm.to(tl.int64) * stride_asm
+        bs_ptr = b_s + (rn // BK) * stride_bsn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            k_ok = rk < K - kb * BK
+            av = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            bv = tl.load(b_ptr, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            sa = tl.load(as_ptr + kb * stride_ask, mask=m_ok, other=0.0)
+            sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(av, bv) * sa[:, None] * sb[None, :]
+            a_ptr += BK
+            b_ptr += BK
+        c_ptr = c + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+        tl.store(c_ptr, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+
+    def run(xq, xs, w, ws):
+        m, k = xq.shape
+        n = w.shape[0]
+        out = torch.empty((m, n), device=xq.device, dtype=torch.bfloat16)
+        grid = lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+        block_fp8_mm[grid](xq, w, out, xs, ws, m, n, k, xq.stride(0), w.stride(0), out.stride(0), xs.stride(0),
+                           xs.stride(1), ws.stride(0), ws.stride(1))
+        return out
+
+    _TRITON_KERNEL = run
+    return run
+
+
+def _triton_mm(xq, xs, w, ws):
+    return _triton_kernel()(xq.contiguous(), xs, w.contiguous(), ws)
+
+
+# ---- the module ----------------------------------------------------------------------------------------------------
+
+class Fp8Linear(torch.nn.Module):
+    """A linear layer over e4m3 weights with 128×128 block scales (the tensors of transformers' FP8Linear, shared,
+    under the same names): `fp8_linear`. With `reference` on, the
+    weights are dequantized per call and the product runs in bf16 (the bf16 model's states, for `drift`)."""
+
+    def __init__(self, weight: torch.nn.Parameter, weight_scale_inv: torch.nn.Parameter,
+                 bias: torch.nn.Parameter | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.weight_scale_inv = weight, weight_scale_inv
+        self.bias = bias
+        self.reference = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if self.reference:
+            y = x @ dequantize_weight(self.weight, self.weight_scale_inv, x.dtype).t()
+        else:
+            y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+            y = y.view(*lead, self.out_features).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 128x128 blocks"
+
+
+def _fp8_linears(base: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """transformers' FP8Linear modules holding e4m3 weights with 128×128 block scales."""
+    found = []
+    for name, m in base.named_modules():
+        if (type(m).__name__ == "FP8Linear" and getattr(m, "weight", None) is not None
+                and m.weight.dtype == FP8_DTYPE and getattr(m, "weight_scale_inv", None) is not None
+                and m.weight_scale_inv.dim() == 2 and list(getattr(m, "block_size", None) or []) == [BLOCK, BLOCK]
+                and m.in_features % BLOCK == 0):
+            found.append((name, m))
+    return found
+
+
+def install(base: torch.nn.Module) -> int:
+    """Put `Fp8Linear` in place of transformers' FP8Linear modules (same tensors, no copy); the number replaced.
+    Call on a model on a CUDA device with FP8 tensor cores."""
+    swaps = _fp8_linears(base)
+    for name, m in swaps:
+        base.set_submodule(name, Fp8Linear(m.weight, m.weight_scale_inv, m.bias))
+    return len(swaps)
+
+
+def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | None:
+    """The target's quantization and how its linear layers run, for hsx.json (None: not quantized)."""
+    if quant is None:
+        return None
+    mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
+    if mods:
+        how = f"hsx fp8 ({backend_of(mods[0].weight.device)})"
+    elif any(type(m).__name__ == "FP8Linear" for m in base.modules()):
+        how = "transformers fp8"
+    else:
+        how = "dequantized by transformers"
+    return {**quant.record(), "linear": how, "fp8_linears": len(mods)}
+
+
+@contextmanager
+def bf16_reference(base: torch.nn.Module):
+    """Within the block, every Fp8Linear of `base` runs on its dequantized weights in bf16, unquantized activations
+    (the bf16 model the checkpoint was quantized from, up to the weights' rounding)."""
+    mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
+    for m in mods:
+        m.reference = True
+    try:
+        yield len(mods)
+    finally:
+        for m in mods:
+            m.reference = False
+
+
+def drift(base: torch.nn.Module, layers: list[int], rows: list, device: torch.device) -> dict[str, Any]:
+    """Relative error (Frobenius, over every token of `rows`) of each captured layer's states, FP8 forward vs the
+    bf16 forward of the same (dequantized) weights: what serving the FP8 checkpoint changes in the states."""
+    blocks = list(base.layers)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [blocks[i].register_forward_hook(
+        lambda mod, args, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out).float()))
+        for i in layers]
+    err = {i: [0.0, 0.0] for i in layers}
+    try:
+        with torch.inference_mode():
+            for r in rows:
+                ids = torch.as_tensor(r, dtype=torch.long, device=device)[None]
+                base(input_ids=ids, use_cache=False)
+                fp8 = dict(captured)
+                with bf16_reference(base):
+                    base(input_ids=ids, use_cache=False)
+                for i in layers:
+                    err[i][0] += float((fp8[i] - captured[i]).pow(2).sum())
+                    err[i][1] += float(captured[i].pow(2).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"rows": len(rows), "tokens": int(sum(len(r) for r in rows)),
+            "relative_error": {str(i): math.sqrt(a / max(b, 1e-30)) for i, (a, b) in err.items()}}
+
+
+# ---- random FP8 weights (hsx bench) --------------------------------------------------------------------------------
+
+def random_causal_lm(config, device: torch.device, attn_implementation: str | None, std: float = 0.02):
+    """A CausalLM of `config` with random weights, its decoder's linear layers e4m3 + 128×128 scales built one at a
+    time on `device` (no bf16 copy of the model), the rest (embeddings, norms, lm_head, Gated DeltaNet
+    parameters) in bf16, normal(0, std) or ones for norms."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        causal = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                  attn_implementation=attn_implementation)
+    decoder = causal.get_decoder()
+    names = [n for n, m in decoder.named_modules()
+             if type(m) is torch.nn.Linear and m.in_features % BLOCK == 0 and m.out_features % BLOCK == 0]
+    for name in names:
+        lin = decoder.get_submodule(name)
+        w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=torch.bfloat16) * std
+        q, s = quantize_weight(w)
+        del w
+        bias = (torch.nn.Parameter(torch.zeros(lin.out_features, device=device, dtype=torch.bfloat16),
+                                   requires_grad=False) if lin.bias is not None else None)
+        decoder.set_submodule(name, Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
+                                              torch.nn.Parameter(s, requires_grad=False), bias))
+    _materialize(causal, device)
+    with torch.no_grad():
+        for name, p in causal.named_parameters():
+            if p.dtype == FP8_DTYPE or name.endswith("weight_scale_inv"):
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                p.normal_(0.0, std)
+    for name, m in list(causal.named_modules()):  # buffers computed at init (rotary frequencies): build anew
+        if "rotary" in type(m).__name__.lower():
+            causal.set_submodule(name, type(m)(config=m.config, device=device))
+    causal.config.quantization_config = dict(CHECKPOINT_QUANTIZATION)
+    return causal
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialized) on `device` every parameter and buffer still on the meta device; those already
+    real stay as they are (`Module.to_empty` would reallocate them too). Tied parameters stay tied."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty_like(t, device=device)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=False) if table is m._parameters else new
+                table[name] = made[id(t)]

@@ -1,0 +1,283 @@
+"""FP8 block-quantized targets (hsx.fp8): the quantization maths and config reading on CPU; on CUDA, hsx's
+states of an FP8 checkpoint equal transformers' own forward of it."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hsx import fp8
+from hsx.config import ExtractConfig, HsxError
+
+STD = 0.02  # the init std of Qwen3 (initializer_range)
+OFFICIAL = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+
+
+def official_quantize(w: torch.Tensor):
+    """The official checkpoints' quantizer, written out independently of hsx: per 128×128 block,
+    scale = amax / 448, weight_scale_inv = scale, e4m3 = w / scale."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty((n + 127) // 128, (k + 127) // 128, dtype=torch.float32, device=w.device)
+    for i in range(0, n, 128):
+        for j in range(0, k, 128):
+            block = w[i:i + 128, j:j + 128].float()
+            scale = block.abs().max() / 448.0
+            s[i // 128, j // 128] = scale
+            q[i:i + 128, j:j + 128] = (block / scale).to(torch.float8_e4m3fn)
+    return q, s
+
+
+# ---- CPU ------------------------------------------------------------------------------------------------------------
+
+def test_quantize_weight_matches_the_official_quantizer_and_round_trips():
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * torch.logspace(-2, 1, 200)  # edge blocks on both axes, a wide range of magnitudes
+    q, s = fp8.quantize_weight(w)
+    q_ref, s_ref = official_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2) and s.dtype == torch.float32
+    assert torch.allclose(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    back = fp8.dequantize_weight(q, s, torch.float32)
+    assert back.shape == w.shape
+    assert (back - w).norm() / w.norm() < 0.04  # e4m3 keeps 3 mantissa bits: ~2-3% relative
+    assert back.abs().max() <= w.abs().max() * 1.0001
+
+
+def test_activation_quantization_is_per_row_block_and_the_product_matches_float():
+    torch.manual_seed(1)
+    x = torch.randn(5, 256)
+    x[2, :128] *= 100.0  # one loud block: the other blocks of that row keep their own scale
+    x[4, 128:] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    xq, xs = fp8.quantize_activation(x)
+    assert xs.shape == (5, 2)
+    assert torch.allclose(xs[2, 0], x[2, :128].abs().max() / 448.0)
+    assert torch.allclose(xs[2, 1], x[2, 128:].abs().max() / 448.0)
+    assert torch.isfinite(xq.float()).all() and (xq[4, 128:].float() == 0).all()
+    w = torch.randn(384, 256) * 0.05
+    wq, ws = fp8.quantize_weight(w)
+    y = fp8.reference_mm(xq, xs, wq, ws, torch.float32)
+    want = x @ w.t()
+    assert (y - want).norm() / want.norm() < 0.06
+    # the custom op's CPU path is the reference
+    assert torch.equal(fp8.fp8_linear(x, wq, ws), fp8.reference_mm(xq, xs, wq, ws))
+
+
+def test_fp8_linear_shares_the_tensors_and_its_reference_mode_is_the_dequantized_weight():
+    torch.manual_seed(2)
+    wq, ws = fp8.quantize_weight(torch.randn(256, 128) * 0.05)
+    lin = fp8.Fp8Linear(torch.nn.Parameter(wq, requires_grad=False), torch.nn.Parameter(ws, requires_grad=False),
+                        None)
+    assert lin.weight.data_ptr() == wq.data_ptr()
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    y = lin(x)
+    assert y.shape == (2, 3, 256) and y.dtype == torch.bfloat16
+    base = torch.nn.Module()
+    base.proj = lin
+    with fp8.bf16_reference(base) as n:
+        assert n == 1
+        ref = lin(x)
+    assert not lin.reference
+    want = x.float() @ fp8.dequantize_weight(wq, ws, torch.float32).t()
+    assert (ref.float() - want).norm() / want.norm() < 1e-2
+    assert 0 < (y.float() - want).norm() / want.norm() < 0.06  # activation quantization: close, not equal
+
+
+def test_quantization_config_reading():
+    q = fp8.quantization_of(SimpleNamespace(quantization_config=dict(OFFICIAL)))
+    assert q.record() == {**OFFICIAL, "scale_fmt": "float"} and q.blocker() is None
+    assert fp8.quantization_of(SimpleNamespace()) is None
+    assert fp8.quantization_of(SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4})) is None
+    other = fp8.quantization_of(SimpleNamespace(quantization_config={**OFFICIAL, "weight_block_size": [64, 64]}))
+    assert "weight_block_size [64, 64]" in other.blocker()
+    assert "static" in fp8.quantization_of(SimpleNamespace(
+        quantization_config={**OFFICIAL, "activation_scheme": "static"})).blocker()
+    for bad in ({**OFFICIAL, "weight_block_size": [128]}, {**OFFICIAL, "weight_block_size": "128"},
+                {**OFFICIAL, "fmt": 3}, {**OFFICIAL, "modules_to_not_convert": "lm_head"}):
+        with pytest.raises(HsxError):
+            fp8.quantization_of(SimpleNamespace(quantization_config=bad))
+    # a vision-language checkpoint keeps quantization_config on the outer config: the text config gets it
+    text = SimpleNamespace()
+    full = SimpleNamespace(quantization_config=dict(OFFICIAL))
+    assert fp8.quantization_of(fp8.carry_quantization(full, text)).record()["quant_method"] == "fp8"
+
+
+def test_runs_instead_says_what_runs_on_cpu():
+    q = fp8.quantization_of(SimpleNamespace(quantization_config=dict(OFFICIAL)))
+    line = fp8.runs_instead(q, torch.device("cpu"))
+    assert line.startswith("hsx: FP8 checkpoint, no CUDA device: transformers dequantizes its weights")
+    odd = fp8.quantization_of(SimpleNamespace(quantization_config={**OFFICIAL, "fmt": "e5m2"}))
+    assert "transformers' FP8 forward" in fp8.runs_instead(odd, torch.device("cpu"))
+
+
+def test_fp8_shapes_plan_with_one_byte_weights_and_the_fp8_rate():
+    from hsx.cost import GPUS, HUB_SHAPES, is_fp8, job_plan, shape_config, weight_bytes
+
+    c8, c = shape_config("qwen3-8b-fp8"), shape_config("qwen3-8b")
+    assert is_fp8(c8) and not is_fp8(c)
+    assert fp8.quantization_of(c8).blocker() is None
+    layers_bf16 = weight_bytes(c, 36) - 2 * c.vocab_size * c.hidden_size
+    assert weight_bytes(c8, 36) - 2 * c.vocab_size * c.hidden_size == layers_bf16 // 2
+    assert HUB_SHAPES["Qwen/Qwen3.6-27B-FP8"] == "qwen3.6-27b-fp8"
+    p = job_plan(None, {"model": "Qwen/Qwen3.6-27B-FP8", "layers": "dflash"}, tokens=10**9)
+    assert f"{GPUS['h200']['fp8_matmul_tflops']:.0f} TFLOP/s" in p["rate_source"]
+    with pytest.raises(HsxError):
+        shape_config("nope-fp8")
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_loads_on_cpu_dequantized_and_the_fingerprint_records_it(tmp_path):
+    """On CPU, transformers dequantizes at load: the states equal the bf16 model of the dequantized weights (the
+    line above says so), and the job fingerprint / kernel report name the quantization."""
+    from hsx.job import _quantization_identity
+    from hsx.model import kernel_report, load_model
+
+    folder, causal = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
+    loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1, 3],
+                                      dtype="float32", compile="off"), torch.device("cpu"))
+    assert _quantization_identity(loaded.text_config)["quantization"]["quant_method"] == "fp8"
+    assert kernel_report(loaded.base)["quantization"]["linear"] == "dequantized by transformers"
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        got = loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[2]
+        want = causal.model(input_ids=ids, output_hidden_states=True).hidden_states[2]
+    assert (got - want).norm() / want.norm() < 1e-3
+
+
+def _save_fp8_checkpoint(folder, device, num_layers=4, seed=0):
+    """A small random Qwen3 quantized the official way and saved with its quantization_config; also returns the
+    float32 model of the dequantized weights (what the checkpoint means, on CPU)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768,
+                                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, STD)
+    state = {}
+    for name, t in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and ".layers." in name and t.dim() == 2:
+            q, s = official_quantize(t)
+            state[name], state[module + ".weight_scale_inv"] = q, s
+            with torch.no_grad():  # the float model of what the checkpoint says
+                model.get_parameter(name).copy_(fp8.dequantize_weight(q, s, torch.float32))
+        else:
+            state[name] = t.to(torch.bfloat16).contiguous()
+            with torch.no_grad():
+                model.get_parameter(name).copy_(state[name].float())
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config["quantization_config"] = dict(OFFICIAL)
+    config["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, model
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------------------
+
+def _emulated_fp8_linear_forward(self, x):
+    """transformers' FP8Linear maths, emulated in float32: 1×128 dynamic activation quantization (scale = block
+    amax / 448), then the block-scaled product, accumulated in float32."""
+    k = x.shape[-1]
+    xf = x.reshape(-1, k).float().view(-1, k // 128, 128)
+    s = xf.abs().amax(-1, keepdim=True) / 448.0
+    xq = (xf / s).to(torch.float8_e4m3fn).float() * s
+    w = self.weight.float() * self.weight_scale_inv.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[
+        :self.weight.shape[0], :k]
+    y = (xq.view(-1, k) @ w.t()).to(x.dtype).view(*x.shape[:-1], -1)
+    return y + self.bias if self.bias is not None else y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores")
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
+    import pyarrow as pa
+    import transformers
+
+    from hsx.engine import Extractor, Pipeline
+    from hsx.model import kernel_report, load_model, prepare_model
+
+    device = torch.device("cuda", 0)
+    folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
+    layers = [1, 2]  # (hidden_states[4] of a 4-layer model is after the final norm)
+    cfg = ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=layers, dtype="bfloat16",
+                        compile="off")
+    loaded = load_model(cfg, device)
+    report = kernel_report(loaded.base)["quantization"]
+    assert report["linear"].startswith("hsx fp8") and report["fp8_linears"] == 3 * 7, report
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules() if isinstance(m, fp8.Fp8Linear))
+    x = torch.randn(100, 768, device=device, dtype=torch.bfloat16)
+    for name, m in loaded.base.named_modules():  # each layer alone first: the kernels equal the maths
+        if isinstance(m, fp8.Fp8Linear):
+            xi = x[:, :m.in_features]
+            want = _emulated_fp8_linear_forward(m, xi).float()
+            assert ((m(xi).float() - want).norm() / want.norm()).item() < 1e-2, name
+    # the bf16 forward of the same (dequantized) weights is measurably away: the activations' quantization
+    d = fp8.drift(loaded.base, layers, [np.arange(3, 40)], device)
+    assert all(0 < v < 0.5 for v in d["relative_error"].values()), d
+    ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, "varlen", compile_model, cuda=True))
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(3, 500, n).astype(np.int32) for n in (17, 200, 5, 130)]
+    table = pa.table({
+        "sample_id": pa.array(np.arange(len(rows)), pa.int64()),
+        "input_ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([[1] * len(r) for r in rows], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
+    })
+    if compile_model:
+        warm = Pipeline(ex, iter([table]), max_batch_tokens=4096)
+        warm(table)
+        warm.close()
+        assert ex.compiler.wait(600) and ex.compiler.ready.is_set()
+    pipe = Pipeline(ex, iter([table]), max_batch_tokens=4096)
+    out = pipe(table)
+    got = torch.from_numpy(out.column("hidden_states").combine_chunks().flatten().flatten().to_numpy().copy())
+    got = got.view(torch.bfloat16)
+    pipe.close()
+
+    # transformers' own forward of the same checkpoint, one unpadded row at a time, with two attention kernels
+    def reference(attn):
+        model = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16,
+                                                       attn_implementation=attn).eval()
+        linears = [m for m in model.modules() if type(m).__name__ == "FP8Linear"]
+        assert len(linears) == 4 * 7 and linears[0].weight.dtype == torch.float8_e4m3fn
+
+        def run():
+            refs = []
+            with torch.inference_mode():
+                for r in rows:
+                    o = model(input_ids=torch.from_numpy(r.astype(np.int64))[None].to(device),
+                              output_hidden_states=True, use_cache=False)
+                    refs.append(torch.cat([o.hidden_states[i + 1][0] for i in layers], dim=-1))
+            return torch.cat(refs).cpu().reshape(-1)
+
+        try:
+            return run(), "transformers FP8Linear"
+        except (ImportError, RuntimeError) as e:  # its kernel comes from the Hub (`kernels`): offline, emulate it
+            print(f"transformers' FP8 kernel unavailable ({str(e).splitlines()[0][:100]}): its maths emulated")
+            for m in linears:
+                m.forward = _emulated_fp8_linear_forward.__get__(m)
+            return run(), "transformers FP8Linear maths, float32 emulation"
+
+    (ref, which), (other, _) = reference("sdpa"), reference("eager")
+    rel = _rel(got, ref)
+    # Activation quantization turns bf16-level differences upstream (one attention kernel's rounding against
+    # another's) into flipped e4m3 values: transformers' own FP8 forward with eager attention is this far from
+    # itself with SDPA. hsx (its packed attention kernel, compiled norms) must be no further than twice that.
+    noise = _rel(other, ref)
+    print(f"hsx vs {which}: relative error {rel:.2e}; transformers eager vs sdpa attention {noise:.2e} "
+          f"(compile={compile_model}, {fp8.backend_of(device)})")
+    assert rel < max(2 * noise, 1e-2), (which, rel, noise)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
