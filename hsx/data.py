@@ -466,18 +466,18 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
     """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
     them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
     rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
-    render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`, checked on derived renders) as
+    render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`) as
     `chat_template_timeout` / `chat_template_output_too_long`."""
     tools = tools or [None] * len(convs)
     if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
         if not any(tools):
             try:
-                return _generation_mask_tokenize(tokenizer, convs, template_kwargs, None)
+                return _generation_mask_tokenize(tokenizer, convs, template_kwargs, None, max_chars)
             except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
                 pass
 
         def one(conv, row_tools):
-            return _generation_mask_tokenize(tokenizer, [conv], template_kwargs, row_tools)[0]
+            return _generation_mask_tokenize(tokenizer, [conv], template_kwargs, row_tools, max_chars)[0]
     else:
         fmt = chat_format or loss_masks.derive_chat_format(tokenizer, template_kwargs)
 
@@ -524,8 +524,18 @@ def _parsed_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
-def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools) -> list[loss_masks.Row]:
+def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,
+                              max_chars: int = loss_masks.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
+    """Rendered as text first, its length checked, then rendered and tokenized with the assistant mask: transformers
+    renders and tokenizes in one call there, and a render of hundreds of MB reaching the tokenizer aborts the
+    process (an allocation it cannot make). The second render costs about what the first does, a small part of
+    tokenizing."""
     with loss_masks.cpu_time_limit():  # (a batch's normal rows take a fraction of it)
+        texts = tokenizer.apply_chat_template(convs, tools=tools, tokenize=False, **template_kwargs)
+        for text in [texts] if isinstance(texts, str) else texts:
+            if len(text) > max_chars:
+                raise loss_masks.RenderLimit("chat_template_output_too_long", f"the chat template rendered "
+                                             f"{len(text):,} characters for one conversation (at most {max_chars:,})")
         enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kwargs)
     return [(list(i), list(m), "") for i, m in zip(enc["input_ids"], enc["assistant_masks"])]

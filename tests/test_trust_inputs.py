@@ -313,3 +313,28 @@ def test_a_full_disk_when_a_unit_file_closes_is_one_line(tmp_path, monkeypatch, 
     monkeypatch.setattr(writer.UnitFile, "close", real_close)
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "out"))
     assert rc == 0, err
+
+
+def test_a_row_that_explodes_a_template_with_generation_markers_never_reaches_the_tokenizer(monkeypatch):
+    """With `{% generation %}` markers transformers renders and tokenizes in one call: the render's size is checked
+    first, so a row rendering hundreds of MB is a counted skip, not a tokenizer abort; the other rows keep their
+    marker masks."""
+    from hsx.demo import CHAT_TEMPLATE, build_tokenizer
+
+    bomb = "{%- if 'BOOM' in message.content %}{{ message.content * 3000000 }}{% endif %}"
+    template = CHAT_TEMPLATE.replace("{%- for message in messages -%}", "{%- for message in messages -%}" + bomb, 1)
+    assert bomb in template
+    tok = build_tokenizer(template)
+    seen = []
+    convs = [CONV, [{"role": "user", "content": "BOOM"}, CONV[1]], CONV]
+    real_call = type(tok).__call__
+
+    def counting_call(self, text, *a, **k):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text))
+        return real_call(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "__call__", counting_call)
+    rows = data.chat_tokenize(tok, convs, {}, None, None, masks.render_char_limit(64))
+    assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
+    assert rows[0][:2] == rows[2][:2] and sum(rows[0][1]) > 0  # marker masks of the other rows
+    assert seen and max(seen) < masks.render_char_limit(64)  # the tokenizer never saw the exploded render
