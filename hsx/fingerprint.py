@@ -4,9 +4,9 @@ A resume must not mix two models: weights rewritten between a kill and a resume 
 and header) change a file's sha256, so the job's fingerprint changes and the dir is refused. The same recipe run
 from another working directory, or with the same folder spelled another way, gives the same fingerprint.
 
-Cost, measured on files in the page cache: sha256 runs at ~1.0 GB/s per thread (H200 host: 1038 MB/s; the
-2-core dev box: 737 MB/s under load), and hashlib releases the GIL, so files hash in parallel threads: 16 shards
-on the H200 host's 16 cores at 9.5 GB/s (a 16 GB 8B checkpoint in ~2 s; from disk, the disk is the limit).
+Cost, on files in the page cache: sha256 runs at about 1 GB/s per thread, and hashlib releases the GIL, so files
+hash in parallel threads, one shard per core (a 16 GB 8B checkpoint in about 2 s on a 16-core host; from disk,
+the disk is the limit; docs/benchmarks.md has the rates measured).
 
 The digest cache ($HF_HOME/hsx/file-digests.json) saves that read; it never decides whether two jobs are the same.
 An entry is {"sha256", "hashed_at_ns"} under (real path, size, mtime_ns, ctime_ns, inode), and it is used only if
