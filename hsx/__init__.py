@@ -12,7 +12,16 @@ __version__ = "0.1.0"
 
 from hsx.api import extract, plan, stream  # noqa: E402  (running a job, streaming one, planning one)
 from hsx.load import collate, load, torch_stream, torch_view  # noqa: E402  (consumer side)
-from hsx.export import export_specforge, export_speculators  # noqa: E402
 from hsx.follow import follow  # noqa: E402  (train while extracting)
 
 __all__ = ["__version__", "extract", "stream", "plan", "load", "torch_view", "torch_stream", "collate", "follow", "export_specforge", "export_speculators"]
+
+
+def __getattr__(name: str):
+    """The trainer exports, imported on first use: they need the output dir's machinery (and with it yaml and the
+    rest of hsx.config), which `import hsx` keeps out of a notebook's start."""
+    if name in ("export_specforge", "export_speculators"):
+        from hsx import export
+
+        return getattr(export, name)
+    raise AttributeError(f"module 'hsx' has no attribute {name!r}")
