@@ -67,5 +67,6 @@ def assert_drafting_pays(printed):
     other rows' states, and at least as well as on the wrong layers' states."""
     line = next(ln for ln in printed.splitlines() if ln.startswith("mean acceptance length: "))
     got = {k: float(v) for k, v in (item.rsplit(" ", 1) for item in line.split(": ", 1)[1].split(", "))}
-    assert got["right layers"] >= 1.25 * got["shuffled rows"], got
-    assert got["right layers"] >= 2.0, got
+    assert got["right layers"] >= 1.5 * got["shuffled rows"], got
+    assert got["right layers"] >= got["wrong layers"], got
+    assert got["right layers"] >= 2.5, got
