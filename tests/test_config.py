@@ -235,7 +235,7 @@ def test_recipe_paths_relative_recipe_and_cwd_first(recipe_tree, monkeypatch):
 
 
 def test_demo_recipe_paths(monkeypatch, tmp_path):
-    from conftest import REPO
+    from helpers import REPO
 
     recipe = REPO / "recipes" / "demo.yaml"
     monkeypatch.chdir(REPO)

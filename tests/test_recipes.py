@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from helpers import REPO
 from hsx.cli import build_parser, main
 from hsx.config import load_config, resolve_layers
 from hsx.cost import (HUB_SHAPES, decoder_layer_params, is_fp8, format_bytes, format_duration, layer_params, shape_config,

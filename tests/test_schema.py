@@ -12,7 +12,7 @@ import torch
 from datasets import Features, List, Value
 
 import hsx
-from conftest import assert_one_error_line, hsx_main
+from helpers import assert_one_error_line, hsx_main
 from hsx.config import load_config
 from hsx.run import extract
 from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
