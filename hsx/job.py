@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hsx import __version__
+from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
 from hsx.schema import Job as JobRecord, OutputFormat
