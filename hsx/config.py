@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hsx.errors import HsxError, UsageError  # noqa: F401  (raised here; also imported from here)
-from hsx.schema import COMPUTE_DTYPES, STORAGE_DTYPES
+from hsx.schema import COMPUTE_DTYPES, DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 
 LAYER_CONVENTION = (
     "layer i is the output of decoder layer i (0-based), before the final norm: transformers' "
@@ -89,8 +89,9 @@ class ExtractConfig:
     # Where it goes.
     output_dir: str = _key("", help="where the Arrow dataset goes; rerunning the same command there continues "
                            "the job")
-    storage_dtype: str = _key("bfloat16", choices=STORAGE_DTYPES, help="bfloat16 is bit-exact for bf16 compute; "
-                              "float8_e4m3 is lossy, with per-token scales, read back as bfloat16")
+    storage_dtype: str = _key(DEFAULT_STORAGE_DTYPE, choices=STORAGE_DTYPES,
+                              help="bfloat16 is bit-exact for bf16 compute; float8_e4m3 is lossy, with per-token scales, "
+                              "read back as bfloat16")
     strict: bool = _key(False, help="stop at the first unusable input row instead of skipping and counting it")
     allow_empty: bool = _key(False, help="a job that writes no row (every input row skipped) succeeds with an "
                              "empty dataset instead of failing")

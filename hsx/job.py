@@ -25,7 +25,7 @@ from typing import Any
 from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import Job as JobRecord, OutputFormat
+from hsx.schema import ROW_COLUMNS, Job as JobRecord, OutputFormat
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
@@ -185,8 +185,7 @@ class Job:
         if len(sample_ids) == 0:
             refuse_empty(self.cfg, {"rows_in": counts.rows_in, "skipped": skipped}, written=False)
         order, units = plan_units(sample_ids, num_tokens, self.cfg.max_length, self.unit_tokens)
-        ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask",
-                                                                     "num_tokens"])
+        ordered = tokenized.select(positions[order]).select_columns(list(ROW_COLUMNS))
         return Units(ordered=ordered, all=units, counts=counts)
 
     def summary(self, units: Units) -> dict[str, Any]:
@@ -367,7 +366,9 @@ class Engine:
                                            cfg.gpus_per_copy == 1 and cfg.tp_size == 1, cfg.attn_implementation)
         if why_not:
             log(f"hsx: batches run right-padded, not packed: {why_not}")
-        self.width = len(target.layers) * target.hidden_size + (target.hidden_size if target.final_hidden else 0)
+        fmt = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
+                           cfg.topk_logits, cfg.nonfinite == "keep")
+        self.width = fmt.values_per_token
         if cfg.token_budget:
             budget = cfg.token_budget
             check_token_budget(loaded.text_config, self.width, budget, memory_bytes(device),
@@ -387,8 +388,7 @@ class Engine:
         self.extractor = Extractor(loaded, device, budget, prepared, sdpa_backend=cfg.sdpa_backend,
                                    nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
                                    topk_logits=cfg.topk_logits)
-        self.features = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
-                                     cfg.topk_logits, cfg.nonfinite == "keep").features()
+        self.features = fmt.features()
         self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
         self.per_layer = layer_params(loaded.text_config)
         self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),

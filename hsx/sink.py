@@ -48,8 +48,8 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
-from hsx.schema import (ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
-                        UploadRecord)
+from hsx.schema import (DEFAULT_STORAGE_DTYPE, ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord,
+                        OutputFormat, Summary, UploadRecord)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -919,16 +919,8 @@ fsync_dir = fsync_file
 def output_bytes(info: dict[str, Any]) -> int:
     """The states' size: tokens x the state bytes per token (fp8's scales in, top-k columns out; hsx.schema)."""
     fmt = OutputFormat(len(info["layers"]), info["hidden_size"], bool(info.get("final_hidden")),
-                       info.get("storage_dtype", "bfloat16"))
+                       info.get("storage_dtype", DEFAULT_STORAGE_DTYPE))
     return int(info["counts"]["tokens_written"]) * fmt.bytes_per_token
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"
