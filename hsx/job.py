@@ -25,7 +25,7 @@ from typing import Any
 from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import ROW_COLUMNS, Job as JobRecord, OutputFormat
+from hsx.schema import ROW_COLUMNS, JobRecord, OutputFormat
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,

@@ -456,14 +456,14 @@ class Summary(_Output):
 
 
 @dataclass(frozen=True)
-class Job:
+class JobRecord:
     """.hsx/job.json: the fingerprint of what decides the output (hsx.sink.job_fingerprint)."""
     fingerprint: str
     inputs: dict[str, Any]
     given: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Job":
+    def from_dict(cls, d: Any) -> "JobRecord":
         _check(d, {"fingerprint": (lambda v: isinstance(v, str) and bool(v), "a string"),
                    "inputs": (lambda v: isinstance(v, dict), "an object")})
         given = d.get("given")
