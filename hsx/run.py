@@ -277,7 +277,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
-    check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
+    cfg = check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
     proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
@@ -440,7 +440,7 @@ def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> I
 
     from hsx.load import table_rows
 
-    check_config(cfg, required=("model", "dataset"))
+    cfg = check_config(cfg, required=("model", "dataset"))
     if cfg.tp_size > 1:
         raise UsageError("hsx.stream runs a whole model copy in each process, next to the training loop: "
                          "--tp-size is for hsx extract (--gpus-per-copy spreads a copy over this process's GPUs)")

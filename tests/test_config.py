@@ -357,8 +357,8 @@ def test_check_config_types_a_dataclass_built_in_python():
     with pytest.raises(HsxError, match="overwrite"):
         check_config(ExtractConfig(**REQUIRED, overwrite="false"))
     cfg = ExtractConfig(**{**REQUIRED, "layers": "1,-1"})
-    check_config(cfg)
-    assert cfg.layers == [1, -1]
+    assert check_config(cfg).layers == [1, -1]
+    assert cfg.layers == "1,-1"  # the caller's config is left as it was
 
 
 def test_topk_logits_is_bounded_by_the_vocabulary():
