@@ -8,8 +8,7 @@ before it runs, card describing the output, errors naming what goes wrong, and o
 line) and api (`hsx.extract()`, `hsx.stream()` and `hsx.plan()`, the same jobs from Python).
 """
 
-__version__ = "0.1.0"
-
+from hsx.version import __version__
 from hsx.api import extract, plan, stream  # noqa: E402  (running a job, streaming one, planning one)
 from hsx.load import collate, load, torch_stream, torch_view  # noqa: E402  (consumer side)
 from hsx.follow import follow  # noqa: E402  (train while extracting)

@@ -532,7 +532,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from hsx import __version__
+    from hsx.version import __version__
 
     return {"hsx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "datasets": datasets.__version__}

@@ -14,7 +14,8 @@ import json
 import re
 from typing import Any
 
-from hsx.sink import human_bytes, output_bytes
+from hsx.schema import DEFAULT_STORAGE_DTYPE, human_bytes
+from hsx.sink import output_bytes
 
 BIG_OUTPUT_BYTES = 50e9  # above this (or on the Hub) the card leads with streaming / hsx.load
 
@@ -72,7 +73,7 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
     c = info["counts"]
     num_layers, hidden = len(info["layers"]), info["hidden_size"]
     layers = ", ".join(str(i) for i in info["layers"])
-    dtype = info.get("storage_dtype", "bfloat16")
+    dtype = info.get("storage_dtype", DEFAULT_STORAGE_DTYPE)
     cfg = info.get("config", {})
     repo = cfg.get("push_to_hub")
     where = repo or "path/to/this/dir"

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hsx.errors import HsxError, UsageError  # noqa: F401  (raised here; also imported from here)
-from hsx.schema import COMPUTE_DTYPES, STORAGE_DTYPES
+from hsx.schema import COMPUTE_DTYPES, DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 
 LAYER_CONVENTION = (
     "layer i is the output of decoder layer i (0-based), before the final norm: transformers' "
@@ -89,8 +89,9 @@ class ExtractConfig:
     # Where it goes.
     output_dir: str = _key("", help="where the Arrow dataset goes; rerunning the same command there continues "
                            "the job")
-    storage_dtype: str = _key("bfloat16", choices=STORAGE_DTYPES, help="bfloat16 is bit-exact for bf16 compute; "
-                              "float8_e4m3 is lossy, with per-token scales, read back as bfloat16")
+    storage_dtype: str = _key(DEFAULT_STORAGE_DTYPE, choices=STORAGE_DTYPES,
+                              help="bfloat16 is bit-exact for bf16 compute; float8_e4m3 is lossy, with per-token scales, "
+                              "read back as bfloat16")
     strict: bool = _key(False, help="stop at the first unusable input row instead of skipping and counting it")
     allow_empty: bool = _key(False, help="a job that writes no row (every input row skipped) succeeds with an "
                              "empty dataset instead of failing")
@@ -264,8 +265,7 @@ def config_from(options: Mapping[str, Any], required: tuple[str, ...] = REQUIRED
     if unknown:
         raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     cfg = ExtractConfig(**{k: parse_value(k, v) for k, v in options.items()})
-    check_config(cfg, required, parsed=options)
-    return cfg
+    return check_config(cfg, required, parsed=options)
 
 
 def load_config(path: str | None, overrides: dict[str, Any], required: tuple[str, ...] = REQUIRED) -> ExtractConfig:
@@ -396,12 +396,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "additional_special_tokens", "extra_special_tokens"})
 
 
-def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parsed: Collection[str] = ()) -> None:
+def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
+                 parsed: Collection[str] = ()) -> ExtractConfig:
     """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
-    then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'."""
-    for name in FIELDS:
-        if name not in parsed:
-            setattr(cfg, name, parse_value(name, getattr(cfg, name)))
+    then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'.
+    Returns the config with its values parsed ('1,-1' -> [1, -1]) as a new one: the caller's is left as it was."""
+    cfg = dataclasses.replace(cfg, **{name: parse_value(name, getattr(cfg, name)) for name in FIELDS
+                                      if name not in parsed})
     for name in required:
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")
@@ -420,6 +421,7 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED, parse
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
+    return cfg
 
 
 def check_topk_logits(topk_logits: int, vocab_size: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hsx.errors import HsxError
-from hsx.schema import SCALED_DTYPE, OutputFormat
+from hsx.schema import DEFAULT_STORAGE_DTYPE, SCALED_DTYPE, OutputFormat, human_bytes
 
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
 DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
@@ -53,7 +53,6 @@ PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-
 WRITER_BYTES_PER_S = 4.79e9
 PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6%, qwen3.6-27b-fp8 51.4% (H200)
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
-FLA_CHUNK = 64  # chunk length of flash-linear-attention's chunked gated delta rule (states kept per chunk)
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
 
 # Facts from each model's config.json (random weights built from these are the benchmark subjects).
@@ -318,6 +317,8 @@ def _transient_values(c, i: int) -> int:
     """Values per token alive while decoder layer i runs its attention or its MLP stage (the larger one)."""
     h, kind = int(c.hidden_size), layer_types(c)[i]
     if kind == "linear_attention":
+        from hsx.gdn import FLA_CHUNK  # here: `import hsx` loads this module, and gdn loads torch
+
         kd = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
         hv, dv = int(c.linear_num_value_heads), int(c.linear_value_head_dim)
         conv = 2 * kd + hv * dv
@@ -412,7 +413,7 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
          matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float | None = None,
-         storage_dtype: str = "bfloat16", topk_logits: int = 0,
+         storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0,
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
@@ -523,10 +524,10 @@ def format_plan(p: dict[str, Any]) -> str:
         if p.get("copies_per_node", 1) > 1:
             when += f", {format_duration(p['expected_seconds_node'])} on a node of {p['node_gpus']} GPUs"
         lines.append(f"{p['tokens']:,} tokens ({p.get('tokens_source', 'given')}) → "
-                     f"{format_bytes(p['total_bytes'])} on disk; at {p['rate_tokens_per_s']:,.0f} tok/s per copy "
+                     f"{human_bytes(p['total_bytes'])} on disk; at {p['rate_tokens_per_s']:,.0f} tok/s per copy "
                      f"({p['rate_source']}) ≈ {when}")
-        node = f", {format_bytes(p['write_bytes_per_s_node'])}/s per node" if p.get("copies_per_node", 1) > 1 else ""
-        lines.append(f"disk writes: {format_bytes(p['write_bytes_per_s'])}/s per copy{node}")
+        node = f", {human_bytes(p['write_bytes_per_s_node'])}/s per node" if p.get("copies_per_node", 1) > 1 else ""
+        lines.append(f"disk writes: {human_bytes(p['write_bytes_per_s'])}/s per copy{node}")
     else:
         lines.append("disk and time: give --tokens N (the dataset's size is not known offline)")
     return "\n".join(lines)
@@ -716,13 +717,6 @@ def _offline_tokenizer(cfg):
         return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError):
         return None
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 1e3:.1f} kB"
 
 
 def format_duration(seconds: float) -> str:

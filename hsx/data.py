@@ -22,8 +22,9 @@ import numpy as np
 
 from hsx import masks as loss_masks
 from hsx.config import ExtractConfig, HsxError
+from hsx.schema import ROW_COLUMNS
 
-TOKENIZED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens", "truncated", "skip_reason")
+TOKENIZED_COLUMNS = (*ROW_COLUMNS, "truncated", "skip_reason")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",

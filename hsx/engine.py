@@ -32,9 +32,7 @@ from hsx.buckets import PAD_MULTIPLE
 from hsx.capture import capture
 from hsx import gdn
 from hsx.model import LoadedModel, PreparedModel
-from hsx.schema import Column, OutputFormat, encode
-
-PASSTHROUGH_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
+from hsx.schema import DEFAULT_STORAGE_DTYPE, ROW_COLUMNS, Column, OutputFormat, encode
 
 
 @dataclass
@@ -68,7 +66,7 @@ class Extractor:
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
-                 storage_dtype: str = "bfloat16", topk_logits: int = 0):
+                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0):
         self.loaded, self.device = loaded, device
         self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
         self.layers, self.final = loaded.layers, loaded.final_hidden
@@ -314,7 +312,7 @@ class Extractor:
             table = table.filter(pa.array(~nonfinite))
             lengths = lengths[~nonfinite]
         offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
-        columns = {c: table.column(c) for c in PASSTHROUGH_COLUMNS}
+        columns = {c: table.column(c) for c in ROW_COLUMNS}
         for v, c in zip(values, self.columns):
             columns[c.name] = _nested(v, offsets, c)
         if self.nonfinite == "keep":

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
-from hsx.schema import Info, dequantize
+from hsx.schema import ROW_COLUMNS, Info, dequantize
 from hsx.sink import (CRC_CHUNK, OutputDir, _flock, append_synced, atomic_write, crc32, file_crc32, fsync_dir,
                       fsync_file, listed_files, read_json)
 
@@ -475,8 +475,7 @@ def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_voca
         raise ValueError(f"{d.root}: files of this export's dataset are missing and its source units were deleted "
                          "(--delete-source): export again into a new folder from a finished output")
     meta = src.meta
-    tables = [Dataset.from_file(str(p)).data.table.select(["sample_id", "input_ids", "loss_mask", "num_tokens"])
-              for _, p in todo]
+    tables = [Dataset.from_file(str(p)).data.table.select(list(ROW_COLUMNS)) for _, p in todo]
     table = pa.concat_tables(tables)
     order = np.argsort(table.column("sample_id").to_numpy(), kind="stable")
     table = table.take(pa.array(order))

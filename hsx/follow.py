@@ -70,7 +70,7 @@ class ConsumerWindow:
         self.said = False
 
     def wait(self, stop) -> None:
-        from hsx.sink import human_bytes
+        from hsx.schema import human_bytes
 
         limit, since, long_said = self.max_pending_gb * 1e9, time.monotonic(), False
         while not stop.is_set():

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-FLA_CHUNK = 64  # fla's chunk size for the delta rule and its convolution: the chunk indices below use it
+# fla's chunk size for the delta rule and its convolution: the chunk indices below use it, and hsx.cost prices the
+# per-chunk states with it
+FLA_CHUNK = 64
 _INSTALLED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # modules whose forward `install` replaced
 
 

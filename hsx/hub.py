@@ -58,9 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.schema import Info, ManifestRecord
-from hsx.sink import (OutputDir, file_crc32, fsync_dir, human_bytes, listed_files, read_jsonl,
-                      uploaded_matches)
+from hsx.schema import Info, ManifestRecord, human_bytes
+from hsx.sink import OutputDir, file_crc32, fsync_dir, listed_files, read_jsonl, uploaded_matches
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -234,10 +233,6 @@ def _batches(items: list, sizes: list[int], max_files: int, max_bytes: int) -> l
     return out
 
 
-def _gb(n: float) -> str:
-    return human_bytes(n)
-
-
 def _record(path_in_repo: str, size: int, manifest: dict | None, hub: _Hub, commit: str | None) -> dict:
     return {"file": path_in_repo, "unit": (manifest or {}).get("unit"), "bytes": size,
             "crc32": (manifest or {}).get("crc32"), "repo": hub.repo_id, "revision": hub.revision or "main",
@@ -317,7 +312,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         summary["bytes"] += sum(p.stat().st_size for _, p in tops)
         out.record_uploaded([_record(n, p.stat().st_size, None, hub, oid) for n, p in tops], PUSH_LEDGER)
     if summary["commits"]:
-        log(f"hsx: pushed {len(summary['uploaded'])} file(s), {_gb(summary['bytes'])}, to {hub.where} in "
+        log(f"hsx: pushed {len(summary['uploaded'])} file(s), {human_bytes(summary['bytes'])}, to {hub.where} in "
             f"{summary['commits']} commit(s); {len(summary['skipped'])} already there")
     else:
         log(f"hsx: {hub.where} already holds this output ({len(summary['skipped'])} data files); nothing to push")
@@ -369,7 +364,7 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
         return
     sizes = [p.stat().st_size for p in todo]
     total, done_bytes = sum(sizes), 0
-    log(f"hsx: push: {len(todo)} data file(s), {_gb(total)}, to {hub.where}")
+    log(f"hsx: push: {len(todo)} data file(s), {human_bytes(total)}, to {hub.where}")
     for batch in _batches(todo, sizes, max(1, max_files), max_bytes):
         for p in batch:
             if not p.exists():
@@ -377,14 +372,14 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
             check_before_upload(out, p, by_file.get(p.name))
         batch_sizes = [p.stat().st_size for p in batch]
         oid = hub.commit([(f"data/{p.name}", p) for p in batch], [],
-                         f"hsx: add {len(batch)} unit(s) ({_gb(sum(batch_sizes))})")
+                         f"hsx: add {len(batch)} unit(s) ({human_bytes(sum(batch_sizes))})")
         out.record_uploaded([_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
                              for p, s in zip(batch, batch_sizes)], PUSH_LEDGER)
         summary["commits"] += 1
         summary["uploaded"] += [f"data/{p.name}" for p in batch]
         summary["bytes"] += sum(batch_sizes)
         done_bytes += sum(batch_sizes)
-        log(f"hsx: push: {_gb(done_bytes)} of {_gb(total)} committed to {hub.where}")
+        log(f"hsx: push: {human_bytes(done_bytes)} of {human_bytes(total)} committed to {hub.where}")
 
 
 # ---- while the job runs -----------------------------------------------------------------------------------------
@@ -556,7 +551,7 @@ class StreamUploader:
     def _commit(self, batch: list[_Unit]) -> None:
         size = sum(u.size for u in batch)
         oid = self.hub.commit([(f"data/{u.path.name}", u.path) for u in batch], [],
-                              f"hsx: add {len(batch)} unit(s) ({_gb(size)}, rank {self.out.rank})")
+                              f"hsx: add {len(batch)} unit(s) ({human_bytes(size)}, rank {self.out.rank})")
         manifest = {rec["file"]: rec for rec in self.out.manifest_records().values()}
         self.out.record_uploaded([_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
                                   for u in batch])  # fsynced before any deletion
@@ -568,7 +563,7 @@ class StreamUploader:
                 u.path.unlink(missing_ok=True)
                 self.stats["deleted"] += 1
             fsync_dir(self.out.data)
-        self.log(f"hsx: push: {len(batch)} unit(s), {_gb(size)}, committed to {self.hub.where} "
+        self.log(f"hsx: push: {len(batch)} unit(s), {human_bytes(size)}, committed to {self.hub.where} "
                  f"({self.stats['units']} so far{', deleted locally' if self.delete_after_upload else ''})")
 
     # ---- start ----

@@ -8,8 +8,8 @@ way, through the same Extractor and Pipeline.
 
 Each step takes what the one before returned: `Job.prepare` (the model's facts, the input, the job's fingerprint)
 → `Job.claim` + `Job.tokenize_into`, or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows,
-the units, the input's counts) → `Engine` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units`
-→ `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
+the units, the input's counts) → `Extraction` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`)
+→ `commit_units` → `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hsx import __version__
+from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import Job as JobRecord, OutputFormat
+from hsx.schema import ROW_COLUMNS, JobRecord, OutputFormat
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
@@ -185,8 +185,7 @@ class Job:
         if len(sample_ids) == 0:
             refuse_empty(self.cfg, {"rows_in": counts.rows_in, "skipped": skipped}, written=False)
         order, units = plan_units(sample_ids, num_tokens, self.cfg.max_length, self.unit_tokens)
-        ordered = tokenized.select(positions[order]).select_columns(["sample_id", "input_ids", "loss_mask",
-                                                                     "num_tokens"])
+        ordered = tokenized.select(positions[order]).select_columns(list(ROW_COLUMNS))
         return Units(ordered=ordered, all=units, counts=counts)
 
     def summary(self, units: Units) -> dict[str, Any]:
@@ -328,8 +327,9 @@ class RunStats:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-class Engine:
-    """The engine step: model → Extractor → Pipeline over `units`' batches, in order. Call it on each batch (the
+class Extraction:
+    """The job's engine step on this rank: the model loaded and prepared, hsx.engine's Extractor and Pipeline over
+    `units`' batches, in order, with the run's stats and progress bar. Call it on each batch (the
     function `datasets.map` runs, or a stream's loop), `release()` after each unit, and `close()` (or use it as a
     context manager) at the end: that stops the producer thread and frees the slots."""
 
@@ -367,13 +367,16 @@ class Engine:
                                            cfg.gpus_per_copy == 1 and cfg.tp_size == 1, cfg.attn_implementation)
         if why_not:
             log(f"hsx: batches run right-padded, not packed: {why_not}")
-        self.width = len(target.layers) * target.hidden_size + (target.hidden_size if target.final_hidden else 0)
+        fmt = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
+                           cfg.topk_logits, cfg.nonfinite == "keep")
+        self.values_per_token = fmt.values_per_token  # hidden states and the final-norm state
         if cfg.token_budget:
             budget = cfg.token_budget
-            check_token_budget(loaded.text_config, self.width, budget, memory_bytes(device),
+            check_token_budget(loaded.text_config, self.values_per_token, budget, memory_bytes(device),
                                "this machine's memory" if device.type == "cpu" else f"GPU {device}")
         elif cuda:
-            budget = auto_token_budget(loaded.text_config, self.width, torch.cuda.mem_get_info(device)[0],
+            budget = auto_token_budget(loaded.text_config, self.values_per_token,
+                                       torch.cuda.mem_get_info(device)[0],
                                        cfg.max_length, eager_attention=packing == "none"
                                        and kernels.get("attn_implementation") == "eager")
         else:
@@ -387,8 +390,7 @@ class Engine:
         self.extractor = Extractor(loaded, device, budget, prepared, sdpa_backend=cfg.sdpa_backend,
                                    nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
                                    topk_logits=cfg.topk_logits)
-        self.features = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
-                                     cfg.topk_logits, cfg.nonfinite == "keep").features()
+        self.features = fmt.features()
         self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
         self.per_layer = layer_params(loaded.text_config)
         self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),
@@ -469,7 +471,7 @@ class Engine:
             s.mfu = s.flops / s.seconds / (self.peak_tflops * 1e12)
         return s
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Extraction:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -478,7 +480,7 @@ class Engine:
 
 # ---- commit ------------------------------------------------------------------------------------------------------
 
-def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, on_commit=None) -> None:
+def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit], stop, on_commit=None) -> None:
     """One `datasets.map` per unit into its temporary file, committed (renamed, recorded in the manifest) by the
     Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set."""
     import datasets
@@ -486,11 +488,12 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
     from hsx.schema import TOKEN_COLUMNS
     from hsx.writer import checksum_pool, spares_for, unit_files, unit_fingerprint
 
-    unit_rows, step, budget, feats, width = engine.rows, engine, engine.budget, engine.features, engine.width
+    unit_rows, step, budget, feats = extraction.rows, extraction, extraction.budget, extraction.features
+    values_per_token = extraction.values_per_token
     job_fp = read_json(out.state / "job.json", JobRecord).fingerprint
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
-    unit_bytes = engine.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
+    unit_bytes = extraction.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)
     spares = committer = crc_pool = None
     try:
         committer = Committer(out, on_commit=on_commit)
@@ -498,20 +501,20 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
         spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
         window = None
-        if engine.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
+        if extraction.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
             from hsx.follow import ConsumerWindow
 
-            window = ConsumerWindow(out, engine.cfg.max_pending_gb, engine.log)
+            window = ConsumerWindow(out, extraction.cfg.max_pending_gb, extraction.log)
         for u in units:
             if window is not None:
                 window.wait(stop)
             if proc.agree_max(int(stop.is_set())):
                 break
-            counts = engine.start_unit()
+            counts = extraction.start_unit()
             if not proc.writes:  # a tensor-parallel follower: the same forwards as its group's writer, no output
-                for table in engine.batches(u):
-                    engine(table)
-                engine.release()
+                for table in extraction.batches(u):
+                    extraction(table)
+                extraction.release()
                 continue
             committer.check()
             # hsx.writer: the bytes checksummed on the way out, on the job's checksum threads
@@ -519,9 +522,10 @@ def commit_units(engine: Engine, proc, out: OutputDir, units: list[Unit], stop, 
                 unit_rows(u).map(
                     step, batched=True, batch_size=u.batch_size(budget), features=feats,
                     cache_file_name=str(out.unit_tmp(u.name)), new_fingerprint=unit_fingerprint(job_fp, u.name),
-                    writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * width)), load_from_cache_file=False,
+                    writer_batch_size=max(1, (2**31 - 1) // (u.upper_bound * values_per_token)),
+                    load_from_cache_file=False,
                 )
-            engine.release()
+            extraction.release()
             committer.submit(u.name, counts.as_record(), crc32=written.crc32(out.unit_tmp(u.name)))
         committer.join()
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.schema import Job
+from hsx.schema import JobRecord
 from hsx.sink import OutputDir, atomic_write, complete_info, info_features, read_json
 
 
@@ -72,11 +72,11 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
         f = src.state / "job.json"
         if not f.exists():
             raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
-        jobs.append(read_json(f, Job))
+        jobs.append(read_json(f, JobRecord))
     if len({j.fingerprint for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
     own = out.state / "job.json"
-    if own.exists() and read_json(own, Job).fingerprint != jobs[0].fingerprint \
+    if own.exists() and read_json(own, JobRecord).fingerprint != jobs[0].fingerprint \
             and out.has_output():
         raise HsxError(f"{out.root} holds another job's output; merge into a new dir or one of the job's dirs")
     read = next((s for s in (src.read_summary() for src in sources) if s), None)

@@ -21,7 +21,7 @@ from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
 from hsx.errors import Stopped, disk_full
-from hsx.job import Engine, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
+from hsx.job import Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
 from hsx.sink import OutputDir
 
 
@@ -277,7 +277,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
-    check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
+    cfg = check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
     proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     out = OutputDir(cfg.output_dir, rank=proc.rank)
@@ -342,10 +342,10 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
                                   revision=cfg.hub_revision, delete_after_upload=cfg.delete_after_upload, log=say)
     try:
         if mine:
-            with Engine(cfg, proc, job.target, units.ordered, mine, model, say) as engine:
-                commit_units(engine, proc, out, mine, stop,
+            with Extraction(cfg, proc, job.target, units.ordered, mine, model, say) as extraction:
+                commit_units(extraction, proc, out, mine, stop,
                              on_commit=uploader.submit if uploader is not None else None)
-            stats = engine.stats
+            stats = extraction.stats
     except BaseException:
         if uploader is not None:
             uploader.abort()  # units not uploaded stay on disk; the next run re-submits them
@@ -440,7 +440,7 @@ def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> I
 
     from hsx.load import table_rows
 
-    check_config(cfg, required=("model", "dataset"))
+    cfg = check_config(cfg, required=("model", "dataset"))
     if cfg.tp_size > 1:
         raise UsageError("hsx.stream runs a whole model copy in each process, next to the training loop: "
                          "--tp-size is for hsx extract (--gpus-per-copy spreads a copy over this process's GPUs)")
@@ -458,25 +458,25 @@ def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> I
     mine = assign_units(units.all, proc.dp_rank, proc.dp_size)
     if not mine:
         return
-    engine = Engine(cfg, proc, job.target, units.ordered, mine, model, say, progress=False)
-    counts.engine = engine.start_unit()  # one count over all units
+    extraction = Extraction(cfg, proc, job.target, units.ordered, mine, model, say, progress=False)
+    counts.engine = extraction.start_unit()  # one count over all units
     try:
         for u in mine:
-            for table in engine.batches(u):
+            for table in extraction.batches(u):
                 # The batch's table wraps a pinned slot the engine reuses: the rows get their own copies, and the
                 # slot goes back before the first row is handed out, so the GPU runs ahead while the loop trains.
                 rows = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
-                        for row in table_rows(engine(table), len(job.target.layers), job.target.hidden_size,
+                        for row in table_rows(extraction(table), len(job.target.layers), job.target.hidden_size,
                                                    cfg.storage_dtype)]
-                engine.release()
+                extraction.release()
                 yield from rows
         c = counts.as_dict()
         say(f"hsx: streamed {c['rows']:,} rows, {c['tokens']:,} tokens; skipped {json.dumps(c['skipped'])}; "
             f"truncated {c['truncated']}")
     finally:
-        cuda = engine.extractor.cuda
-        engine.close()  # stops and joins the producer thread, even when the loop stopped early
-        del engine
+        cuda = extraction.extractor.cuda
+        extraction.close()  # stops and joins the producer thread, even when the loop stopped early
+        del extraction
         if cuda:
             torch.cuda.empty_cache()  # the model and slots were this generator's alone (unless `model` was given)
 

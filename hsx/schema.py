@@ -53,6 +53,7 @@ DTYPES: dict[str, Dtype] = {d.name: d for d in (
     Dtype("int8", 1, "int8", "int8"),
 )}
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")  # --storage-dtype
+DEFAULT_STORAGE_DTYPE = "bfloat16"  # --storage-dtype's default, and what an hsx.json that names none was written in
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # --dtype (what the model computes in)
 SCALED_DTYPE = "float8_e4m3"  # stored with a float32 scale per token and layer
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -89,10 +90,22 @@ class Column:
         return Value(d.bits, id=d.feature_id) if d.feature_id else Value(d.bits)
 
 
-ROW_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")  # from the tokenized input, before the states
+# The columns every output row carries from the tokenized input, before the states (in this order); data.py's
+# tokenized rows start with them, the engine passes them through, export copies them.
+ROW_COLUMNS = ("sample_id", "input_ids", "loss_mask", "num_tokens")
 TOKEN_COLUMNS = (Column("input_ids", 1, "int32"), Column("loss_mask", 1, "int8"))  # List(Value), not nested
 ROW_SCALARS = (Column("sample_id", 1, "int64"), Column("num_tokens", 1, "int32"))
 OFFSET_BYTES = 4  # Arrow list offsets (int32) per row and list column
+
+
+
+def human_bytes(n: float) -> str:
+    """A size as every message and card shows it: decimal units, one decimal place (bytes as a whole number)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,7 @@ class OutputFormat:
     num_layers: int
     hidden: int
     final_hidden: bool = False
-    storage_dtype: str = "bfloat16"
+    storage_dtype: str = DEFAULT_STORAGE_DTYPE
     topk: int = 0
     flag_nonfinite: bool = False
 
@@ -215,18 +228,18 @@ def bits_dtype(dtype):
 
 
 def storage_dtype_of(features) -> str:
-    """The storage dtype of an output's `hidden_states` feature (bfloat16 when it cannot tell)."""
+    """The storage dtype of an output's `hidden_states` feature (the default when it cannot tell)."""
     try:
         value = features["hidden_states"].feature.feature
     except (KeyError, TypeError, AttributeError):
-        return "bfloat16"
+        return DEFAULT_STORAGE_DTYPE
     for name in STORAGE_DTYPES:
         d = DTYPES[name]
         if d.feature_id is not None and getattr(value, "id", None) == d.feature_id:
             return name
     if value.dtype == "uint8":
         return SCALED_DTYPE
-    return value.dtype if value.dtype in STORAGE_DTYPES else "bfloat16"
+    return value.dtype if value.dtype in STORAGE_DTYPES else DEFAULT_STORAGE_DTYPE
 
 
 # ---- JSON records of an output dir --------------------------------------------------------------------------------
@@ -443,14 +456,14 @@ class Summary(_Output):
 
 
 @dataclass(frozen=True)
-class Job:
+class JobRecord:
     """.hsx/job.json: the fingerprint of what decides the output (hsx.sink.job_fingerprint)."""
     fingerprint: str
     inputs: dict[str, Any]
     given: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Job":
+    def from_dict(cls, d: Any) -> "JobRecord":
         _check(d, {"fingerprint": (lambda v: isinstance(v, str) and bool(v), "a string"),
                    "inputs": (lambda v: isinstance(v, dict), "an object")})
         given = d.get("given")

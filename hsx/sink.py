@@ -16,7 +16,7 @@
 
 hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
 the Hub, where .hsx/ does not, so a reader (hsx.load, hsx push) checks what it reads against it. Every JSON file
-and ledger line here is read through its typed, checked record in hsx.schema (Info, Summary, Job,
+and ledger line here is read through its typed, checked record in hsx.schema (Info, Summary, JobRecord,
 ManifestRecord, UploadRecord): a damaged one is one line naming the file.
 
 hsx never writes or deletes through a symbolic link in the dir (.hsx/, data/, hsx.json, README.md and anything
@@ -48,8 +48,8 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
-from hsx.schema import (ConsumedRecord, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
-                        UploadRecord)
+from hsx.schema import (DEFAULT_STORAGE_DTYPE, ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord,
+                        OutputFormat, Summary, UploadRecord)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -204,7 +204,7 @@ class OutputDir:
                 p.name not in (".hsx",) for p in self.root.iterdir()):
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
         if job_file.exists():
-            old = read_json(job_file, Job)
+            old = read_json(job_file, JobRecord)
             if old.fingerprint == job["fingerprint"]:
                 return self._resume_state(check_crc, log, check)
             if self.has_output():
@@ -761,7 +761,7 @@ def _merged_units(src: Path, fingerprint: str | None) -> set[str]:
     try:
         if not stat.S_ISDIR(os.lstat(state).st_mode) or not stat.S_ISREG(os.lstat(state / "job.json").st_mode):
             return set()
-        if fingerprint is None or read_json(state / "job.json", Job).fingerprint != fingerprint:
+        if fingerprint is None or read_json(state / "job.json", JobRecord).fingerprint != fingerprint:
             return set()
         return {r["file"] for r in OutputDir(src).manifest_records().values()}
     except (OSError, HsxError):
@@ -919,16 +919,8 @@ fsync_dir = fsync_file
 def output_bytes(info: dict[str, Any]) -> int:
     """The states' size: tokens x the state bytes per token (fp8's scales in, top-k columns out; hsx.schema)."""
     fmt = OutputFormat(len(info["layers"]), info["hidden_size"], bool(info.get("final_hidden")),
-                       info.get("storage_dtype", "bfloat16"))
+                       info.get("storage_dtype", DEFAULT_STORAGE_DTYPE))
     return int(info["counts"]["tokens_written"]) * fmt.bytes_per_token
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"

@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 import hsx
-from conftest import REPO, hsx_main, one_torch_thread
+from helpers import REPO, hsx_main, one_torch_thread
 from hsx.config import HsxError
 
 DEMO = REPO / "recipes/demo.yaml"
@@ -157,7 +157,7 @@ def test_extract_leaves_no_thread_running(tmp_path, monkeypatch, capsys):
 
     import torch
 
-    from conftest import write_jsonl
+    from helpers import write_jsonl
     from hsx.demo import chat_rows
     from hsx.sink import OutputDir
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
+from helpers import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
 from hsx.config import HsxError
 from hsx.engine import Extractor, Pipeline
 from hsx.model import (kernel_report, load_model, packing_blocker, prepare_model, resolve_packing,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import hsx
-from conftest import free_port, one_torch_thread
+from helpers import free_port, one_torch_thread
 from hsx.cli import main
 
 

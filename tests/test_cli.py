@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hsx
-from conftest import REPO, assert_one_error_line, hsx_main, message_lines, write_jsonl
+from helpers import REPO, assert_one_error_line, hsx_main, message_lines, write_jsonl
 from hsx.cli import main
 
 def base_args(model, dataset, out, *layers: str) -> list[str]:
@@ -189,7 +189,7 @@ def test_gpus_per_copy_without_gpus_is_one_line(tmp_path, capsys, model4, small_
 @pytest.mark.parametrize("case", ["empty_conversation", "null_content", "missing_value",
                                   "no_supervised_tokens_after_truncation"])
 def test_strict_each_bad_case(tmp_path, capsys, model4, case):
-    from conftest import LONG_USER
+    from helpers import LONG_USER
 
     good = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello there."}]}
     bad = {

@@ -235,7 +235,7 @@ def test_recipe_paths_relative_recipe_and_cwd_first(recipe_tree, monkeypatch):
 
 
 def test_demo_recipe_paths(monkeypatch, tmp_path):
-    from conftest import REPO
+    from helpers import REPO
 
     recipe = REPO / "recipes" / "demo.yaml"
     monkeypatch.chdir(REPO)
@@ -357,8 +357,8 @@ def test_check_config_types_a_dataclass_built_in_python():
     with pytest.raises(HsxError, match="overwrite"):
         check_config(ExtractConfig(**REQUIRED, overwrite="false"))
     cfg = ExtractConfig(**{**REQUIRED, "layers": "1,-1"})
-    check_config(cfg)
-    assert cfg.layers == [1, -1]
+    assert check_config(cfg).layers == [1, -1]
+    assert cfg.layers == "1,-1"  # the caller's config is left as it was
 
 
 def test_topk_logits_is_bounded_by_the_vocabulary():

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
+from helpers import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
 from hsx import data, masks
 from hsx.config import ExtractConfig, HsxError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO
+from helpers import REPO
 from hsx.demo import build_model, build_tokenizer, chat_rows
 from hsx.demo.train import TrainConfig, encode_rows, held_out_loss, train_target
 

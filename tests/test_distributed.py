@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
+from helpers import (
     Child,
     assert_equals_reference,
     assert_units_intact,

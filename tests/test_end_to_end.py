@@ -20,7 +20,7 @@ import torch
 import yaml
 
 import hsx
-from conftest import bf16_ulps, bucket_of, expected_tokenization, rel_err, write_jsonl
+from helpers import bf16_ulps, bucket_of, expected_tokenization, rel_err, write_jsonl
 from hsx.config import LAYER_CONVENTION, HsxError, load_config
 from hsx.run import extract
 
@@ -384,7 +384,7 @@ def test_input_ids_rows_end_to_end(tmp_path, model4):
 
 
 def test_sharegpt_rows_end_to_end(tmp_path, model4, tokenizer):
-    from conftest import HAND_CONVERSATION
+    from helpers import HAND_CONVERSATION
 
     role_to_from = {"system": "system", "user": "human", "assistant": "gpt"}
     conv = [{"from": role_to_from[m["role"]], "value": m["content"]} for m in HAND_CONVERSATION]

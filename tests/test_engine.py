@@ -2,7 +2,7 @@
 
 The Extractor is driven through the Pipeline, exactly as `datasets.map` drives it; its device tensor (what it copies
 to the host as bf16 bits) is recorded by wrapping `_forward`, and compared with the full-depth model run on one
-sample, unpadded (conftest.TinyModel.reference), within 1e-5.
+sample, unpadded (helpers.TinyModel.reference), within 1e-5.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from conftest import as_table, bf16_ulps, make_cfg
+from helpers import as_table, bf16_ulps, make_cfg
 from hsx.capture import capture
 from hsx.engine import Extractor, Pipeline
 from hsx.model import load_model, prepare_model

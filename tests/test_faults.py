@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (
+from helpers import (
     assert_equals_reference,
     assert_one_error_line,
     assert_same_output,

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hsx
-from conftest import Child, child_env, committed_units, hsx_child, hsx_main, manifest_records
+from helpers import Child, child_env, committed_units, hsx_child, hsx_main, manifest_records
 from hsx.config import HsxError, config_from
 
 

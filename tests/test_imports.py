@@ -1,4 +1,5 @@
-"""The package's layering, read from its source (ast, nothing imported): commands on top, library below, no cycle."""
+"""The package's layering, read from its source (ast, nothing imported): commands on top, library below, no cycle,
+nothing imports upward."""
 
 from __future__ import annotations
 
@@ -7,6 +8,24 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hsx"
 TOP = {"hsx.cli", "hsx.commands", "hsx.__main__"}  # the command line: nothing else may import these
+
+# The data flow, lowest first: a module imports only from its own layer or the ones before it (imports inside
+# functions count: a late import is still a dependency). A new module goes into the layer of what it does.
+LAYERS: list[set[str]] = [
+    # errors and the output format every layer names; the demo's seeded tokenizer, model and chats
+    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
+    {"hsx.config"},  # the job's settings
+    # what a config is turned into: the fingerprint, loss masks, the model and its kernels, length buckets
+    {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets"},
+    # rows in, states out, and the output dir they are written to
+    {"hsx.data", "hsx.capture", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
+    # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
+    {"hsx.cost", "hsx.load", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow"},
+    {"hsx.job"},  # one job's steps
+    {"hsx.run"},  # running them as one rank of a launch
+    {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark
+    {"hsx.commands", "hsx.cli", "hsx.__main__", "hsx.demo.__main__"},  # the command lines
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -33,6 +52,11 @@ def _imports(name: str, path: Path, mods: dict[str, Path], module_level: bool) -
     return found - {name}
 
 
+def _graph(module_level: bool) -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods, module_level) for name, path in mods.items()}
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
 
@@ -54,6 +78,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _upward(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as "importer (layer) -> imported (layer)"."""
+    layer_of = {m: i for i, layer in enumerate(layers) for m in layer}
+    return [f"{m} ({layer_of[m]}) -> {dep} ({layer_of[dep]})" for m in sorted(graph) for dep in sorted(graph[m])
+            if layer_of[dep] > layer_of[m]]
+
+
 def test_the_walk_sees_the_package():
     mods = _modules()
     assert {"hsx", "hsx.cli", "hsx.commands", "hsx.config", "hsx.errors", "hsx.run", "hsx.sink"} <= set(mods)
@@ -71,7 +102,30 @@ def test_no_module_below_the_command_line_imports_it():
 
 
 def test_no_import_cycle_at_import_time():
-    mods = _modules()
-    graph = {name: _imports(name, path, mods, module_level=True) for name, path in mods.items()}
+    graph = _graph(module_level=True)
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself finds one
+
+
+def test_no_import_cycle_counting_imports_in_functions(tmp_path):
+    graph = _graph(module_level=False)
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+    # The check itself finds a cycle made by an import inside a function, which the import-time walk misses.
+    (tmp_path / "low.py").write_text("def f():\n    from hsx import high\n")
+    (tmp_path / "high.py").write_text("from hsx import low\n")
+    mods = {"hsx.low": tmp_path / "low.py", "hsx.high": tmp_path / "high.py"}
+    assert _cycle({n: _imports(n, p, mods, module_level=True) for n, p in mods.items()}) is None
+    assert _cycle({n: _imports(n, p, mods, module_level=False) for n, p in mods.items()}) == [
+        "hsx.high", "hsx.low", "hsx.high"]
+
+
+def test_every_module_has_a_layer_and_none_imports_upward():
+    graph = _graph(module_level=False)
+    placed = [m for layer in LAYERS for m in layer]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+    assert set(placed) == set(graph), (f"modules without a layer: {sorted(set(graph) - set(placed))}; "
+                                       f"layers naming no module: {sorted(set(placed) - set(graph))}")
+    assert not _upward(graph, LAYERS), "imports from a higher layer:\n" + "\n".join(_upward(graph, LAYERS))
+    # The check itself finds one: the output dir reaching up for the job.
+    injected = {**graph, "hsx.sink": graph["hsx.sink"] | {"hsx.job"}}
+    assert _upward(injected, LAYERS) == ["hsx.sink (3) -> hsx.job (5)"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import chat_families as cf
-from conftest import HAND_CONVERSATION, hsx_main, message_lines, write_jsonl
+from helpers import HAND_CONVERSATION, hsx_main, message_lines, write_jsonl
 from hsx import data, masks
 from hsx.config import HsxError
 
@@ -169,7 +169,7 @@ def test_derived_equals_generation_markers_on_the_demo(tokenizer, tokenizer_no_g
 def test_demo_rows_keep_their_marker_masks(tokenizer, tokenizer_no_generation):
     """The shipped demo (recipes/demo.yaml: its template has markers) still gets the markers' masks, row for row,
     and the derivation on the same template without markers gives the same rows."""
-    from conftest import REPO
+    from helpers import REPO
 
     rows = [json.loads(line) for line in (REPO / "hsx" / "demo" / "chat.jsonl").read_text().splitlines()]
     convs = [r["messages"] for r in rows]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SKIP = "needs the notebook extra: pip install -e '.[notebook]' (the test extra includes it)"

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from helpers import REPO
 from hsx.cli import build_parser, main
 from hsx.config import load_config, resolve_layers
-from hsx.cost import (HUB_SHAPES, decoder_layer_params, is_fp8, format_bytes, format_duration, layer_params, shape_config,
+from hsx.cost import (HUB_SHAPES, decoder_layer_params, is_fp8, format_duration, layer_params, shape_config,
                       weight_bytes)
+from hsx.schema import human_bytes
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 ISSUE_7 = {"demo", "dflash-qwen3.6-27b", "dflash-qwen3-8b", "eagle3-llama3.1-8b-instruct", "eagle3-qwen3-8b",
@@ -95,7 +96,7 @@ def test_recipe_opens_with_its_command_and_the_plan(recipe, capsys, monkeypatch)
     disk = re.search(r"disk: ([\d,]+) bytes/token .*→ ([\d.]+ [kMGT]?B)", text)
     assert disk, f"{recipe.name}: no 'disk: N bytes/token ... → SIZE' line"
     assert int(disk[1].replace(",", "")) == p["bytes_per_token"]
-    assert disk[2] == format_bytes(p["total_bytes"])
+    assert disk[2] == human_bytes(p["total_bytes"])
     gpus = re.search(r"GPUs: (\d+) per model copy", text)
     assert gpus and int(gpus[1]) == p["gpus_per_copy"]
     time = re.search(r"time: ≈ (\S+ \S+) on one copy(?: \([^)]*\))?(?:, (\S+ \S+) on an 8-GPU node)?", text)

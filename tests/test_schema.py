@@ -12,10 +12,10 @@ import torch
 from datasets import Features, List, Value
 
 import hsx
-from conftest import assert_one_error_line, hsx_main
+from helpers import assert_one_error_line, hsx_main
 from hsx.config import load_config
 from hsx.run import extract
-from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, Job, ManifestRecord, OutputFormat, Summary,
+from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, JobRecord, ManifestRecord, OutputFormat, Summary,
                         decode, dequantize, encode)
 from hsx.sink import OutputDir
 
@@ -194,7 +194,7 @@ def test_the_other_records_check_what_they_read():
         with pytest.raises(Damaged, match=needle):
             ManifestRecord.from_dict({**rec, **bad})
     with pytest.raises(Damaged, match="fingerprint"):
-        Job.from_dict({"inputs": {}})
+        JobRecord.from_dict({"inputs": {}})
     summary = {k: v for k, v in json.loads(MAIN_INFO.read_text()).items() if k != "complete"}
     with pytest.raises(Damaged, match="unit_names"):
         Summary.from_dict(summary)

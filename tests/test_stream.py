@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hsx
-from conftest import REPO, Child, child_env, free_port, one_torch_thread, write_jsonl
+from helpers import REPO, Child, child_env, free_port, one_torch_thread, write_jsonl
 from hsx.config import HsxError, UsageError
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hsx_main, message_lines, write_jsonl
+from helpers import hsx_main, message_lines, write_jsonl
 from hsx.config import load_config
 from hsx.export import export_specforge, export_speculators
 from hsx.load import torch_view

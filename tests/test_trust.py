@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_output, child_env, fault_argv, hsx_main, manifest_records, message_lines
+from helpers import assert_same_output, child_env, fault_argv, hsx_main, manifest_records, message_lines
 
 import hsx
 from hsx import fingerprint

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_error_line, fault_argv, hsx_main, write_jsonl
+from helpers import assert_one_error_line, fault_argv, hsx_main, write_jsonl
 from hsx import data
 from hsx.config import ExtractConfig, HsxError, config_from, parse_value
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import hsx
-from conftest import assert_one_error_line, fault_argv, hsx_main, write_jsonl
+from helpers import assert_one_error_line, fault_argv, hsx_main, write_jsonl
 from hsx import data
 from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
 from hsx.load import info as output_info

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hsx_main, message_lines
+from helpers import hsx_main, message_lines
 from hsx.config import load_config
 from hsx.load import load
 from hsx.run import extract

@@ -542,7 +542,7 @@ def test_spare_keeps_the_reserve_free(shm, monkeypatch):
 def test_sigkill_mid_mapped_write_then_resume(fault_reference, shm):
     """The fault job with its output in tmpfs ("mapped" units): killed by SIGKILL while a unit is being written
     into its spare, then run again: the output is the uninterrupted reference (no spare or partial unit left)."""
-    from conftest import assert_equals_reference, assert_units_intact, committed_units, hsx_child, hsx_main
+    from helpers import assert_equals_reference, assert_units_intact, committed_units, hsx_child, hsx_main
 
     ref = fault_reference
     out = shm / "out"
@@ -593,7 +593,7 @@ def test_resolve_mode(tmp_path):
 
 def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, monkeypatch):
     """A job's commits take the CRC-32 the writer streamed (no read-back of the unit) and it is the file's."""
-    from conftest import hsx_main
+    from helpers import hsx_main
 
     reads = []
     real = sink.file_crc32

@@ -9,13 +9,9 @@ whole pipeline on a CPU in seconds; tests build their own random-weight models w
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +25,6 @@ __all__ = [
     "build_model_config",
     "build_model",
     "chat_rows",
-    "write_demo",
-    "main",
 ]
 
 SPECIAL_TOKENS: list[str] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -225,44 +219,3 @@ def chat_rows(n: int = 96, seed: int = 0) -> list[dict[str, Any]]:
         }
     )
     return rows
-
-
-def write_demo(root: str | os.PathLike[str], train: bool = True) -> None:
-    """Write ``root/chat.jsonl`` and ``root/tiny-qwen3/`` (tokenizer + 8-layer bf16 safetensors model).
-
-    ``train``: train the weights on generated chats (``hsx.demo.train``; ``chat.jsonl`` is held out) instead of
-    keeping the seeded random initialisation.
-    """
-    root = Path(root)
-    model_dir = root / "tiny-qwen3"
-    # Start from an empty folder so no stale file from an older layout survives.
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    model_dir.mkdir(parents=True)
-
-    rows = chat_rows()
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(model_dir)
-    model = build_model(tokenizer, num_layers=8)
-    if train:
-        from hsx.demo.train import train_target
-
-        train_target(model, tokenizer, held_out=rows)
-    model.to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
-    # save_pretrained writes the weights through a private temp file (mode 0600); make the shipped
-    # files world-readable so installed copies load for every user.
-    for path in model_dir.iterdir():
-        path.chmod(0o644)
-
-    with open(root / "chat.jsonl", "w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def main() -> None:
-    """Regenerate the shipped assets next to this file."""
-    write_demo(Path(__file__).parent)
-
-
-if __name__ == "__main__":
-    main()
