@@ -578,7 +578,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
             return out.read_info().to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
-        merged = out.merged_sources()  # units linked in by `hsx merge --partial` before this run finished the dir
+        merged = out.merged_sources()  # dirs a `hsx merge --partial` linked units from: readers follow only those
         info = complete_info(summary, done, proc.world_size, {**stats, "merged_from": merged} if merged else stats)
         info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
         out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
