@@ -380,7 +380,7 @@ class Pipeline:
         self.map_wait_seconds = 0.0
         self.write_seconds = 0.0
         self._returned_at: float | None = None
-        # Joined by `close` (Engine's context, hsx.stream's finally); daemon only so that a Pipeline someone forgot
+        # Joined by `close` (job.Extraction's context, hsx.stream's finally); daemon only so that a Pipeline someone forgot
         # to close, its producer waiting for a slot forever, cannot hold the interpreter open.
         self.thread = threading.Thread(target=self._produce, args=(batches,), name="hsx-gpu", daemon=True)
         self.thread.start()
