@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from hsx.config import FIELD_KINDS, FIELDS, default_of
-from hsx.errors import EXIT_INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
+from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, formatter_class=_HelpFormatter)
 
     _add_config_flags(command("extract", "run (or continue) an extraction job"))
+    # Listed here for `hsx --help`; main hands `hsx launch ...` to hsx.launch before this parser reads it.
+    sub.add_parser("launch", add_help=False, help="run extract or bench over several processes: `hsx launch "
+                   "[accelerate launch options] extract ...` (see `hsx launch --help`)")
     _add_bench_arguments(command("bench", "measure hsx against batch-1 and padded extraction"))
     pl = command("plan", "weights, memory, token budget, disk and time of a job, before running it")
     _add_config_flags(pl)
@@ -195,8 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from hsx.commands import COMMANDS
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
+        if argv[:1] == ["launch"]:  # accelerate's options, which hsx's parser does not know: hsx.launch reads them
+            from hsx.launch import launch
+
+            return launch(argv[1:], parser)
+        args = parser.parse_args(argv)
         COMMANDS[args.command](args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx: {e}", file=sys.stderr)
         return exit_status(e)
     except KeyboardInterrupt:
-        print("hsx: interrupted; finished units are kept: run the same command to continue", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 

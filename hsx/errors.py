@@ -11,6 +11,7 @@ import errno
 EXIT_RUNTIME = 1  # the data, the model or the output dir cannot be used; a failed verify
 EXIT_USAGE = 2  # a flag, recipe key or argument wrong by itself (argparse's own status for a bad flag)
 EXIT_INTERRUPTED = 130  # Ctrl-C outside a job's clean stop (128 + SIGINT, as a shell reports it)
+INTERRUPTED = "hsx: interrupted; finished units are kept: run the same command to continue"  # its one line
 
 
 class HsxError(Exception):

@@ -12,8 +12,11 @@ import copy
 import inspect
 import json
 import re
+import signal
 import sys
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,8 +339,6 @@ class CompileAhead:
     after its work is done. A compile in progress cannot be cut short, so `close` waits for it."""
 
     def __init__(self, log=print):
-        import threading
-
         self.log = log
         self.samples: dict[tuple, tuple] = {}  # kind -> (args, kwargs, context) of its first call
         self.layers: list[tuple] = []  # (kind, compiled forward) of every layer
@@ -357,8 +358,6 @@ class CompileAhead:
 
     def start(self, device: torch.device) -> None:
         """After the first forward: compile every recorded kind in the background (once)."""
-        import threading
-
         if self.thread is not None or not self.samples:
             return
         trace_fx_once()
@@ -368,14 +367,24 @@ class CompileAhead:
 
     def close(self, finish: bool) -> None:
         """Join the worker: after every kind compiled (`finish`: the model outlives the job, e.g. `hsx bench`'s),
-        or after the kind compiling now (no further kind starts; the layers stay eager)."""
+        or after the kind compiling now (no further kind starts; the layers stay eager). A SIGINT/SIGTERM while
+        joining (a second Ctrl-C as a stopped job ends) stops the worker after its kind and is handled once the
+        worker ended: raised in the join, it would leave the worker compiling while the job reports it stopped, and
+        the interpreter's exit waiting for it, where a further Ctrl-C prints a traceback."""
         if self.thread is None:
             return
         if not finish:
             self.stopping.set()
         if self.thread.is_alive():
             self.log("hsx: waiting for torch.compile's worker to finish the layer kind it is compiling")
-        self.thread.join()
+        with _signals_held(self._stop_on_signal):
+            self.thread.join()
+
+    def _stop_on_signal(self, signum: int) -> None:
+        if not self.stopping.is_set():
+            self.stopping.set()
+            self.log(f"hsx: {signal.Signals(signum).name}: stopping once torch.compile's worker ends the layer kind "
+                     "it is compiling (a compile cannot be cut short)")
 
     def _compile(self, device: torch.device) -> None:
         import time
@@ -410,6 +419,33 @@ class CompileAhead:
             self.log(f"hsx: torch.compile not done after {timeout:.0f} s; extraction goes on eager meanwhile")
             return False
         return True
+
+
+@contextmanager
+def _signals_held(on_signal):
+    """SIGINT/SIGTERM, where Python code handles them (not SIG_DFL/SIG_IGN), call `on_signal(signum)` inside the
+    block and reach their handler (hsx.run's stop, KeyboardInterrupt) after it. Main thread only (where signals are
+    delivered and handlers set); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, frame):
+        held.append(signum)
+        on_signal(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: h for sig, h in previous.items() if callable(h)}
+    for sig in previous:
+        signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+        for signum in held:
+            signal.raise_signal(signum)
 
 
 def trace_fx_once() -> None:

@@ -322,3 +322,49 @@ def test_inductors_fx_trace_runs_before_the_compile_worker(monkeypatch):
     assert traced_on == [threading.current_thread()] and InterpreterShim._dummy_gm.cache_info().currsize == 1
     InterpreterShim._dummy_gm()  # what the worker's first lowering calls: a cache hit, no trace
     assert len(traced_on) == 1 and state.ready.is_set() and state.failed is None
+
+
+def test_a_second_ctrl_c_while_joining_the_compile_worker_ends_it_first():
+    """A stopped job joins the compile worker as it ends; a second Ctrl-C then (hsx.run's handler raises
+    KeyboardInterrupt) must reach the job only once the worker ended, no further layer kind compiled: raised in the
+    join, it left the worker compiling and the interpreter's exit waiting for it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from hsx.model import CompileAhead
+    from hsx.run import stop_on_signal
+
+    compiling, compiled = threading.Event(), []
+
+    def slow_kind(x):  # a compile in progress: it cannot be cut short
+        compiling.set()
+        time.sleep(1.0)
+        compiled.append("a")
+
+    def signals():
+        compiling.wait(30)
+        for _ in range(2):  # apart: two signals before the handler runs are one
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+
+    state = CompileAhead(log=lambda *a: None)
+    state.record(("a",), (torch.zeros(1),), {})
+    state.record(("b",), (torch.zeros(1),), {})
+    state.layers = [(("a",), slow_kind), (("b",), lambda x: compiled.append("b"))]
+    with stop_on_signal(lambda *a: None) as stop:
+        state.start(torch.device("cpu"))
+        sender = threading.Thread(target=signals)
+        sender.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                state.close(finish=True)
+            alive = state.thread.is_alive()
+        finally:
+            sender.join()
+            state.thread.join()
+    assert not alive and stop.is_set()
+    assert compiled == ["a"]  # the signal stopped the worker after its kind

@@ -1,0 +1,190 @@
+"""`hsx launch [accelerate launch options] COMMAND [ARGS]`: `accelerate launch -m hsx COMMAND ARGS`, ending with
+one line and the ranks' exit status instead of the launcher's traceback.
+
+Every `accelerate launch` option works: accelerate's own `launch_command_parser()` reads them and its
+`launch_command()` runs the job. Only the end differs:
+- Ctrl-C (SIGINT) or SIGTERM reaches the launcher; torch.distributed.elastic's agent passes it to every rank (each
+  stops after its unit: hsx.run) and raises SignalException. One line, exit 128 + the signal's number (130, 143).
+  A second signal makes the agent send SIGTERM too: the ranks stop at once, their finished units kept.
+- ranks that fail (each printed its own `hsx: error: ...`) raise ChildFailedError: one line naming each failed rank
+  and its exit status; exit with the first one's (1, 2; 128 + N for a rank killed by signal N).
+- one process (accelerate's plain subprocess): it runs in its own session, as the agent starts ranks, with the same
+  four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, UsageError
+
+RANK_COMMANDS = ("extract", "bench")  # the commands that split their work over the ranks of a launch
+# What torch.distributed.elastic's agent catches (its default TORCHELASTIC_SIGNALS_TO_HANDLE) and passes to ranks.
+FORWARDED = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s))
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    parser.prog = "hsx launch"
+    parser.usage = "hsx launch [accelerate launch options] COMMAND [ARGS]"
+    parser.description = (
+        "Run `hsx COMMAND ARGS` (extract or bench) as every process of an `accelerate launch`: accelerate's "
+        "options (below, or its --config_file) first, then the hsx command and its flags. Ctrl-C stops each rank "
+        "after its unit (twice: at once) and ends with one line, exit 130 (143 for SIGTERM); failed ranks end "
+        "with one line naming them, and the first one's exit status.")
+    # accelerate's formatter picks which options to show from sys.argv, which holds hsx's command line here
+    parser.formatter_class = argparse.HelpFormatter
+    for action in parser._actions:
+        if action.dest == "training_script":
+            action.metavar, action.help = "COMMAND", f"the hsx command: {' or '.join(RANK_COMMANDS)}"
+        elif action.dest == "training_script_args":
+            action.metavar, action.help = "ARGS", "its flags, as for `hsx COMMAND` (e.g. --config R --output-dir OUT)"
+        elif action.dest in ("module", "no_python"):
+            action.help = argparse.SUPPRESS  # hsx launch runs `python -m hsx` itself
+
+
+def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """accelerate's launch options from `argv`, with the training script set to `-m hsx COMMAND ARGS`. COMMAND and
+    its flags are checked here by `hsx_parser` (hsx.cli's), once, rather than by every rank after the launch."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    _describe(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "module", False) or getattr(args, "no_python", False):
+        raise UsageError("hsx launch runs `python -m hsx COMMAND` itself: drop -m/--module and --no_python")
+    command = args.training_script
+    if command not in RANK_COMMANDS:
+        raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
+                         "go before the command, hsx's after it)")
+    hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
+    args.module, args.training_script = True, "hsx"
+    args.training_script_args = [command, *args.training_script_args]
+    return args
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit status as a shell gives it: 128 + N for one killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def failed_ranks_line(failures: dict) -> tuple[str, int]:
+    """The line for ranks that failed (ChildFailedError's failures: global rank -> ProcessFailure, with `exitcode`
+    and `timestamp`), the first failure first, and the exit status to end with: the first failure's."""
+    order = sorted(failures, key=lambda r: (failures[r].timestamp, r))
+    parts = []
+    for rank in order:
+        code = failures[rank].exitcode
+        parts.append(f"rank {rank} was killed by {_signal_name(-code)}" if code < 0 else
+                     f"rank {rank} exited with {code}")
+    line = f"hsx: error: {', '.join(parts)} (the ranks' own lines above say why)"
+    return line, exit_code(failures[order[0]].exitcode) or 1
+
+
+def _first_signal(error: BaseException) -> BaseException:
+    """The first of the SignalExceptions a second (third) signal raised while the agent was handling the first."""
+    while isinstance(error.__context__, type(error)):
+        error = error.__context__
+    return error
+
+
+def _ignore_signals() -> None:
+    """The ranks are gone when the launcher returns or raises: another Ctrl-C changes nothing, and must not break
+    the last line with a traceback."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _one_process_forwarding() -> Iterator[list[int]]:
+    """accelerate's one-process launcher, replaced for the `launch_command` call: the process starts in its own
+    session, and the launcher forwards it the signals it gets, as torch's agent does for ranks (a terminal's Ctrl-C
+    reaches the launcher alone, so the process sees one signal, not two). accelerate's own raises
+    CalledProcessError (a traceback), or exits 1 with --quiet: the yielded list gets the exit status instead."""
+    import accelerate.commands.launch as accelerate_launch
+
+    try:
+        from accelerate.utils import prepare_simple_launcher_cmd_env
+    except ImportError:  # an accelerate older than the one-process launcher's helper: its own launcher
+        yield []
+        return
+    status: list[int] = []
+
+    def simple_launcher(args: argparse.Namespace) -> None:
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+        child: list[subprocess.Popen] = []
+        pending: list[int] = []
+
+        def forward(signum, frame):
+            if child:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child[0].pid, signum)
+            else:
+                pending.append(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        try:
+            child.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+            for signum in pending:  # arrived before the process existed
+                forward(signum, None)
+            status.append(exit_code(child[0].wait()))
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+    original = accelerate_launch.simple_launcher
+    accelerate_launch.simple_launcher = simple_launcher
+    try:
+        yield status
+    finally:
+        accelerate_launch.simple_launcher = original
+
+
+def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
+    """`hsx launch ARGV`; returns the exit status."""
+    args = parse(argv, hsx_parser)
+    from accelerate.commands.launch import launch_command
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        with _one_process_forwarding() as status:
+            launch_command(args)
+    except SignalException as e:
+        _ignore_signals()
+        first = _first_signal(e)
+        name = _signal_name(first.sigval)
+        if first is e:
+            print(f"hsx: {name}: every rank was asked to stop after its current unit; run the same command to "
+                  "continue", file=sys.stderr)
+        else:
+            again = "again" if e.sigval == first.sigval else f"then {_signal_name(e.sigval)}"
+            print(f"hsx: {name} {again}: the ranks were stopped at once; finished units are kept: run the same "
+                  "command to continue", file=sys.stderr)
+        return 128 + int(first.sigval)
+    except ChildFailedError as e:
+        _ignore_signals()
+        line, code = failed_ranks_line(e.failures)
+        print(line, file=sys.stderr)
+        return code
+    except subprocess.CalledProcessError as e:  # a launcher of accelerate's that runs a command (DeepSpeed's pdsh)
+        _ignore_signals()
+        print(f"hsx: error: the launched command exited with {exit_code(e.returncode)}", file=sys.stderr)
+        return exit_code(e.returncode) or 1
+    except KeyboardInterrupt:  # before the agent took over SIGINT: no rank was running
+        _ignore_signals()
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status[0] if status else 0
