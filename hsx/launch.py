@@ -82,14 +82,16 @@ def _signal_name(signum: int) -> str:
 
 def failed_ranks_line(failures: dict) -> tuple[str, int]:
     """The line for ranks that failed (ChildFailedError's failures: global rank -> ProcessFailure, with `exitcode`
-    and `timestamp`), the first failure first, and the exit status to end with: the first failure's."""
+    and `timestamp`), the first failure first, and the exit status to end with: the first failure's. The others
+    may be ranks the agent stopped after it (SIGTERM: 143 once hsx handles it, killed by SIGTERM before)."""
     order = sorted(failures, key=lambda r: (failures[r].timestamp, r))
     parts = []
     for rank in order:
         code = failures[rank].exitcode
         parts.append(f"rank {rank} was killed by {_signal_name(-code)}" if code < 0 else
                      f"rank {rank} exited with {code}")
-    line = f"hsx: error: {', '.join(parts)} (the ranks' own lines above say why)"
+    line = (f"hsx: error: {', '.join(parts)} (each rank's own lines above say why; once a rank fails, the "
+            "launcher stops the others with SIGTERM)")
     return line, exit_code(failures[order[0]].exitcode) or 1
 
 

@@ -1,0 +1,146 @@
+"""`hsx launch`: accelerate launch's options, then the hsx command; one line and the ranks' exit status at the end.
+
+The launched runs use 2 gloo processes on this CPU machine (as tests/test_distributed.py does), or 1 (accelerate's
+plain subprocess). SIGINT goes to the launcher's whole process group, as a terminal's Ctrl-C does: the ranks, in
+sessions of their own, get it from the launcher only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import (
+    Child,
+    assert_equals_reference,
+    assert_units_intact,
+    child_env,
+    committed_units,
+    free_port,
+    is_complete,
+    message_lines,
+)
+
+
+def hsx_launch(argv: list[str], processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "hsx", "launch", *(["--multi_gpu"] if processes > 1 else []), "--num_processes",
+            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), *argv]
+
+
+def launch(cmd: list[str], logs: Path) -> Child:
+    return Child(cmd, logs, env=child_env())
+
+
+def interrupt(child: Child, out: Path, after: int, times: int) -> int:
+    """SIGINT `times` to the launcher's process group once `after` more units are committed; its exit status."""
+    before = committed_units(out)
+    assert child.poll_until(lambda: committed_units(out) >= before + after), child.stderr
+    for _ in range(times):
+        os.killpg(child.proc.pid, signal.SIGINT)  # the launcher is its session's leader: the terminal's group
+        time.sleep(0.05)
+    return child.wait()
+
+
+def last_line(err: str) -> str:
+    """stderr's last line that is not torch's log (W/E/I + date) or a progress bar."""
+    lines = [line for line in message_lines(err) if not re.match(r"[WEI]\d{4} ", line)]
+    assert lines, err
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_with_one_line_and_130_then_the_job_continues(tmp_path, fault_reference):
+    """Ctrl-C once (each rank stops after its unit), then twice (at once): each time no traceback, exit 130, and
+    one last line saying how to continue; the same command then finishes the job, every row once."""
+    ref = fault_reference
+    out = tmp_path / "out"
+    for times in (1, 2):
+        child = launch(hsx_launch(ref.argv(out)), tmp_path / f"run{times}")
+        rc = interrupt(child, out, after=2, times=times)
+        child.kill_tree(signal.SIGKILL)  # nothing of the job may outlive it
+        assert "Traceback" not in child.stderr, child.stderr
+        assert rc == 130, child.stderr
+        line = last_line(child.stderr)
+        assert line.startswith("hsx: SIGINT") and line.endswith("run the same command to continue"), line
+        assert not is_complete(out)
+        assert_units_intact(out)
+    child = launch(hsx_launch(ref.argv(out)), tmp_path / "rerun")
+    assert child.wait() == 0, child.stderr
+    assert "continuing the job" in child.stdout
+    assert_equals_reference(out, ref, world_size=2, verify=False)
+
+
+@pytest.mark.slow
+def test_failed_ranks_end_with_one_line_naming_them(tmp_path, fault_reference):
+    """Every rank refuses the output dir (a file) with its own line: the launcher adds one line naming the failed
+    rank(s) and exits with their status, 1, instead of torch's ChildFailedError traceback."""
+    ref = fault_reference
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    child = launch(hsx_launch(ref.argv(not_a_dir)), tmp_path / "run")
+    rc = child.wait()
+    assert "Traceback" not in child.stderr, child.stderr
+    assert rc == 1, child.stderr
+    assert "hsx: error: " in child.stderr and "is a file, not a folder" in child.stderr  # the ranks' own lines
+    line = last_line(child.stderr)
+    # the first rank to fail first; the other failed too, or was stopped by the launcher (SIGTERM)
+    assert re.fullmatch(r"hsx: error: rank [01] exited with 1(, rank [01] (exited with (1|143)|was killed by "
+                        r"SIGTERM))? \(.*\)", line), line
+
+
+@pytest.mark.slow
+def test_one_process_passes_its_exit_status_and_ctrl_c_through(tmp_path, fault_reference):
+    """--num_processes 1 (accelerate's plain subprocess, which exits 1 or raises a traceback for any failure): a
+    recipe refused in the process exits 2; Ctrl-C stops it after its unit, 130, no traceback."""
+    ref = fault_reference
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bogus_key: 1\n")
+    child = launch(hsx_launch(["extract", "--config", str(bad)], processes=1), tmp_path / "bad")
+    rc = child.wait()
+    assert rc == 2 and "Traceback" not in child.stderr, child.stderr
+    assert last_line(child.stderr).startswith("hsx: error: config ")
+
+    out = tmp_path / "out"
+    child = launch(hsx_launch(ref.argv(out), processes=1), tmp_path / "run")
+    rc = interrupt(child, out, after=2, times=1)
+    child.kill_tree(signal.SIGKILL)
+    assert rc == 130 and "Traceback" not in child.stderr, child.stderr
+    assert "stopped cleanly after" in last_line(child.stderr)
+    assert 2 <= len(assert_units_intact(out)) < ref.units
+
+
+def test_help_and_what_it_refuses(capsys):
+    from hsx.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--help"])
+    assert e.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: hsx launch [accelerate launch options] COMMAND [ARGS]")
+    assert "--num_processes" in shown and "--config_file" in shown and "--module" not in shown
+    for argv, needle in [(["verify", "OUT"], "runs extract or bench, not 'verify'"),
+                         (["-m", "hsx", "extract"], "drop -m/--module"),
+                         (["extract", "--num_processes", "2"], "unrecognized arguments: --num_processes")]:
+        try:
+            rc = main(["launch", *argv])
+        except SystemExit as stop:  # argparse's own usage error, from hsx's parser
+            rc = stop.code
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err and "Traceback" not in err, (argv, err)
+
+
+def test_the_line_for_failed_ranks():
+    from hsx.launch import failed_ranks_line
+
+    failure = lambda code, at: SimpleNamespace(exitcode=code, timestamp=at)  # noqa: E731 - torch's ProcessFailure
+    line, code = failed_ranks_line({0: failure(-9, 20), 3: failure(2, 10)})
+    assert line.startswith("hsx: error: rank 3 exited with 2, rank 0 was killed by SIGKILL (") and code == 2
+    assert failed_ranks_line({1: failure(-15, 0)})[1] == 143  # as a shell gives it
