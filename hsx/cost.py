@@ -556,10 +556,10 @@ def launch_commands(config_path: str | None, overrides: dict[str, Any], output_d
         args += ["--gpus-per-copy", str(gpus)]  # each process takes this many GPUs of its node
     args += ["--output-dir", output_dir]
     tail = " ".join(shlex.quote(a) for a in args)
-    node = f"accelerate launch --config_file recipes/accelerate/{node_gpus}gpu.yaml"
+    node = f"hsx launch --config_file recipes/accelerate/{node_gpus}gpu.yaml"
     if gpus == 1:
-        return f"hsx {tail}", f"{node} -m hsx {tail}"
-    return f"{node} --num_processes {node_gpus // gpus} -m hsx {tail}", None
+        return f"hsx {tail}", f"{node} {tail}"
+    return f"{node} --num_processes {node_gpus // gpus} {tail}", None
 
 
 PLACEHOLDER = "(plan)"

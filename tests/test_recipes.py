@@ -16,6 +16,7 @@ from hsx.cli import build_parser, main
 from hsx.config import load_config, resolve_layers
 from hsx.cost import (HUB_SHAPES, decoder_layer_params, is_fp8, format_duration, layer_params, shape_config,
                       weight_bytes)
+from hsx.launch import parse
 from hsx.schema import human_bytes
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -78,10 +79,11 @@ def test_recipe_opens_with_its_command_and_the_plan(recipe, capsys, monkeypatch)
     assert lines, f"{recipe.name} has no opening comment"
     command = lines[0]
     argv = shlex.split(command)
-    if argv[:2] == ["accelerate", "launch"]:
+    if argv[:2] == ["hsx", "launch"]:
         assert (REPO / argv[argv.index("--config_file") + 1]).is_file()
-        assert argv[argv.index("-m") + 1] == "hsx"
-        hsx_argv = argv[argv.index("-m") + 2:]
+        launched = parse(argv[2:], build_parser())  # accelerate's options, then the hsx command
+        assert (launched.module, launched.training_script) == (True, "hsx")
+        hsx_argv = launched.training_script_args
     else:
         assert argv[0] == "hsx", f"{recipe.name}: first line is not a command: {command!r}"
         hsx_argv = argv[1:]
@@ -131,12 +133,12 @@ def test_plan_gpus_per_copy_follows_gpu_memory(capsys, monkeypatch):
     assert "--num_processes 1" in p80["launch"]
     # without a recipe that says so, the command itself gives each process its GPUs
     flags = plan_json(["--model", "Qwen/Qwen3-235B-A22B", "--layers", "eagle3"], capsys, monkeypatch)
-    assert "--num_processes 2 -m hsx extract" in flags["launch"] and "--gpus-per-copy 4" in flags["launch"]
+    assert flags["launch"].startswith("hsx launch ") and "--num_processes 2 extract" in flags["launch"] and "--gpus-per-copy 4" in flags["launch"]
     p40 = plan_json([*base, "--gpu-memory-gib", "40"], capsys, monkeypatch)
     assert p40["gpus_per_copy"] is None and not p40["fits"] and "launch" not in p40
     small = plan_json(["--config", "recipes/eagle3-qwen3-8b.yaml"], capsys, monkeypatch)
     assert small["gpus_per_copy"] == 1 and small["launch"].startswith("hsx extract")
-    assert small["launch_node"].startswith("accelerate launch --config_file recipes/accelerate/8gpu.yaml -m hsx")
+    assert small["launch_node"].startswith("hsx launch --config_file recipes/accelerate/8gpu.yaml extract ")
 
 
 @pytest.mark.parametrize("name", sorted(set(HUB_SHAPES.values())))
