@@ -1,4 +1,5 @@
-"""`python -m hsx ...` and `accelerate launch -m hsx ...` are the same as the `hsx` command."""
+"""`python -m hsx ...` is the `hsx` command; it is what every process of `hsx launch` (or `accelerate launch -m hsx`,
+torchrun -m hsx) runs."""
 
 from hsx.cli import main
 

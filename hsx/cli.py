@@ -1,5 +1,5 @@
-"""Command line: `hsx extract --config recipes/X.yaml [--flag value ...]` (also `python -m hsx`, and
-`accelerate launch -m hsx extract ...`).
+"""Command line: `hsx extract --config recipes/X.yaml [--flag value ...]` (also `python -m hsx`; over several
+processes `hsx launch [accelerate launch options] extract ...`, hsx.launch, or `accelerate launch -m hsx extract`).
 
 Every ExtractConfig field is a flag, with the help, default and choices its field's metadata gives (hsx.config);
 flags override the YAML. What each subcommand then does is hsx.commands, imported by this module alone. Problems

@@ -128,7 +128,7 @@ class ExtractConfig:
                         "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
                         "copy where the model allows it, else none")
     gpus_per_copy: int = _key(1, minimum=1, help="GPUs one model copy is spread over (device_map); launch one "
-                              "process per group: `accelerate launch --num_processes GPUS/N`")
+                              "process per group: `hsx launch --num_processes GPUS/N extract ...`")
     tp_size: int = _key(1, minimum=1, help="tensor parallel: shard each model copy over this many processes (one "
                         "per GPU) with transformers' tp_plan; data parallel across the groups")
     token_budget: int | None = _key(None, minimum=1, maximum=TOKENS_INT32,
