@@ -188,8 +188,8 @@ def test_packed_hybrid_row_ignores_its_neighbours():
 
 def _hybrid_moe(num_layers=8, seed=0):
     """A small random Qwen3.5/3.6-MoE text model on CUDA: the hybrid layers, each with 16 routed experts (4 per
-    token) and a gated shared expert; Qwen3.5/3.6's linear head sizes (128), the keys of hsx's settled fla configs:
-    with 64 fla autotuned every kernel, and the test had not ended after 170 s on a fresh H200."""
+    token) and a gated shared expert; Qwen3.5/3.6's linear head sizes (128), the keys of hsx's settled fla configs
+    (with 64 fla autotunes every kernel on hsx's forward)."""
     import transformers
 
     cfg = transformers.Qwen3_5MoeTextConfig(
@@ -208,6 +208,23 @@ def _hybrid_moe(num_layers=8, seed=0):
             m.A_log.uniform_(-2.0, 1.0)
             m.dt_bias.normal_(0.0, 1.0)
     return model
+
+
+def _torch_delta_rule(causal) -> int:
+    """Give the Gated DeltaNet layers transformers' torch delta rule where its modeling module defines one (the
+    layers bind fla's or it per instance when built): a float32 reference in float32 throughout, and no autotuning
+    of fla's kernels for float32 inputs (with fla, both references autotuned and the test ran past 170 s). The
+    number of layers rebound; 0 where this transformers has no such function of its own."""
+    import sys
+
+    modeling = sys.modules[type(causal).__module__]
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is None or getattr(rule, "__module__", None) != modeling.__name__:
+        return 0
+    layers = [m for m in causal.modules() if hasattr(m, "chunk_gated_delta_rule")]
+    for m in layers:
+        m.chunk_gated_delta_rule = rule
+    return len(layers)
 
 
 def test_packed_hybrid_moe_equals_one_row_reference():
@@ -230,11 +247,11 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     layers = [0, 3, 7]
     wide = copy.deepcopy(causal).float()
     moe.use_experts(wide.model, "eager")
+    _torch_delta_rule(wide)
     ref32 = _one_row_reference(wide, layers, rows)
     del wide
-    # transformers' layers call fla's delta rule too: settled before the bf16 reference, its kernels compile one
-    # config each instead of autotuning once more (hsx's own forward settles them anyway); the float32 reference
-    # keeps fla's choice (the settled tiles were measured in bf16).
+    # transformers' bf16 layers call fla's delta rule: settled before that reference, its kernels compile one config
+    # each instead of autotuning (hsx's own forward settles them anyway).
     gdn.settle_autotuning(torch.device("cuda"))
     moe.use_experts(causal.model, "eager")
     ref16 = _one_row_reference(causal, layers, rows)
