@@ -16,7 +16,8 @@ traffic around them:
 - for experts of Qwen3-MoE's form (one gate_up weight, SiLU, no bias) there is no pair gather: the gate/up GEMM
   is one Triton kernel that reads the token rows by index and applies SiLU(gate)·up and the routing weight to
   its float32 tiles (`gate_up_activation`: 1,367 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, against
-  1,652 for the row gather, CUTLASS's grouped GEMM and the compiled activation);
+  1,652 for the row gather, CUTLASS's grouped GEMM and the compiled activation); so is GPT-OSS's (biases, the
+  clamped gate of interleaved columns: 3,793 µs a GPT-OSS-20B layer at 16k tokens against 4,036 compiled);
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
   on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
 With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`:
@@ -123,32 +124,45 @@ FUSED_GATE_UP = "_hsx_fused_gate_up"  # set on an experts module by use_experts:
 
 @torch.library.custom_op("hsx::gate_up_activation", mutates_args=())
 def gate_up_activation(hidden: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-                       gate_up: torch.Tensor, transposed: bool, k: int) -> torch.Tensor:
+                       gate_up: torch.Tensor, transposed: bool, k: int, bias: torch.Tensor | None = None,
+                       clamped: bool = False, alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
     """(pairs, width) in hidden's dtype: row r is pair p = order[r] (token p // k, its routing weight weights.flat[p])
     through expert e (rows offsets[e-1]:offsets[e]): silu(x @ G_e) · (x @ U_e) · weight, with x = hidden[p // k] and
     gate_up[e] = [G_e | U_e] as (in, 2·width) when `transposed`, else as (2·width, in) (transformers' layouts; gate
-    columns first, as its default `_apply_gate` chunks them). On CUDA one Triton grouped GEMM that reads the token
-    rows by index and applies the activation and weight to its float32 tiles, so neither the (pairs × hidden) row
-    gather nor the (pairs × 2·width) product is written and read again. Elsewhere the same in torch (the
-    reference)."""
+    columns first, as its default `_apply_gate` chunks them). `clamped` is GPT-OSS's gate instead: gate and up
+    columns interleaved (2c, 2c+1), `bias[e]` added to both, then (clamp(u, ±limit) + 1) · g' · sigmoid(alpha · g'),
+    g' = min(g, limit). On CUDA one Triton grouped GEMM that reads the token rows by index and applies the bias,
+    activation and weight to its float32 tiles, so neither the (pairs × hidden) row gather nor the (pairs × 2·width)
+    product is written and read again. Elsewhere the same in torch (the reference)."""
     if hidden.is_cuda and order.shape[0] and hidden.dtype in FUSED_DTYPES and gate_up.dtype == hidden.dtype:
-        return _gate_up_cuda(hidden.contiguous(), order.contiguous(), offsets.contiguous(),
-                             weights.contiguous(), gate_up, transposed, k)
-    return _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k)
+        return _gate_up_cuda(hidden.contiguous(), order.contiguous(), offsets.contiguous(), weights.contiguous(),
+                             gate_up, transposed, k, None if bias is None else bias.contiguous(), clamped, alpha,
+                             limit)
+    return _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k, bias, clamped, alpha, limit)
 
 
 @gate_up_activation.register_fake
 def _(hidden: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-      gate_up: torch.Tensor, transposed: bool, k: int) -> torch.Tensor:
+      gate_up: torch.Tensor, transposed: bool, k: int, bias: torch.Tensor | None = None, clamped: bool = False,
+      alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
     return hidden.new_empty((order.shape[0], gate_up.shape[-1 if transposed else -2] // 2))
 
 
-def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k):
-    """gate_up_activation in torch: the row gather, the grouped GEMM, then the activation and the weight."""
+def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k, bias=None, clamped=False, alpha=1.0,
+                       limit=0.0):
+    """gate_up_activation in torch: the row gather, the grouped GEMM, then the bias, activation and weight."""
     x = hidden.index_select(0, order // k)
     y = _grouped_mm(x, gate_up if transposed else gate_up.transpose(-2, -1), offsets)
-    gate, up = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    if bias is not None:  # each row's expert: the first whose end offset lies past it
+        rows = torch.arange(order.shape[0], device=order.device, dtype=offsets.dtype)
+        y = y + bias[torch.searchsorted(offsets, rows, right=True)]
+    if clamped:
+        gate, up = y[..., ::2].clamp(max=limit), y[..., 1::2].clamp(min=-limit, max=limit)
+        y = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    else:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
 
 
 # One program's tile: 128 pairs × 128 columns of the gate and the same 128 of the up projection (two float32
@@ -158,7 +172,8 @@ def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k):
 GATE_UP_ROWS, GATE_UP_COLUMNS, GATE_UP_STEP, GATE_UP_WARPS, GATE_UP_STAGES = 128, 128, 64, 8, 4
 
 
-def _gate_up_cuda(hidden, order, offsets, weights, gate_up, transposed, k):
+def _gate_up_cuda(hidden, order, offsets, weights, gate_up, transposed, k, bias=None, clamped=False, alpha=1.0,
+                  limit=0.0):
     pairs, (experts, hidden_dim) = order.shape[0], (gate_up.shape[0], hidden.shape[1])
     width = gate_up.shape[-1 if transposed else -2] // 2
     stride_in, stride_out = (gate_up.stride(1), gate_up.stride(2)) if transposed else (gate_up.stride(2),
@@ -168,10 +183,13 @@ def _gate_up_cuda(hidden, order, offsets, weights, gate_up, transposed, k):
     # Row tiles never straddle two experts: sum over e of ceil(n_e / rows) <= ceil(pairs / rows) + experts. The
     # programs past the real count (known on the GPU only: no sync) return at once.
     grid = ((-(-pairs // rows) + experts) * -(-width // columns),)
-    _gate_up_kernel()[grid](hidden, order, offsets, weights, gate_up, out, pairs, hidden.stride(0),
-                            gate_up.stride(0), stride_in, stride_out, K=k, E=experts,
+    has_bias = bias is not None
+    _gate_up_kernel()[grid](hidden, order, offsets, weights, gate_up, bias if has_bias else gate_up, out, pairs,
+                            hidden.stride(0), gate_up.stride(0), stride_in, stride_out,
+                            bias.stride(0) if has_bias else 0, float(alpha), float(limit), K=k, E=experts,
                             EP=_next_power_of_2(experts), HIDDEN=hidden_dim, WIDTH=width, BM=rows, BN=columns,
-                            BK=GATE_UP_STEP, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES)
+                            BK=GATE_UP_STEP, HAS_BIAS=has_bias, CLAMPED=clamped, num_warps=GATE_UP_WARPS,
+                            num_stages=GATE_UP_STAGES)
     return out
 
 
@@ -185,9 +203,10 @@ def _gate_up_kernel():
     # its expert and rows from the experts' end offsets; and with the gated activation and the routing weight in
     # the epilogue.
     @triton.jit(do_not_specialize=["pairs"])
-    def gate_up_kernel(x, order, offsets, weights, w, out, pairs, stride_x, stride_we, stride_wk, stride_wn,
-                       K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, HIDDEN: tl.constexpr,
-                       WIDTH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def gate_up_kernel(x, order, offsets, weights, w, bias, out, pairs, stride_x, stride_we, stride_wk, stride_wn,
+                       stride_be, alpha, limit, K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                       HIDDEN: tl.constexpr, WIDTH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
         pid = tl.program_id(0)
         tile = pid // tl.cdiv(WIDTH, BN)
         column_tile = pid % tl.cdiv(WIDTH, BN)  # neighbouring programs share the rows; the next tiles the weights
@@ -207,30 +226,61 @@ def _gate_up_kernel():
         rows = tl.minimum(rows, end - 1)  # the tail reads the expert's last row again: no masks in the loop
         pair = tl.load(order + rows).to(tl.int64)
         columns = column_tile * BN + tl.arange(0, BN)
-        inside = columns % WIDTH
         steps = tl.arange(0, BK)
         a_ptr = x + (pair // K)[:, None] * stride_x + steps[None, :]
-        g_ptr = w + expert.to(tl.int64) * stride_we + steps[:, None] * stride_wk + inside[None, :] * stride_wn
-        u_ptr = g_ptr + WIDTH * stride_wn
-        gate = tl.zeros([BM, BN], dtype=tl.float32)
-        up = tl.zeros([BM, BN], dtype=tl.float32)
-        for i in range(tl.cdiv(HIDDEN, BK)):
-            if HIDDEN % BK == 0:
-                a = tl.load(a_ptr)
-                g = tl.load(g_ptr)
-                u = tl.load(u_ptr)
-            else:
-                step_in = steps < HIDDEN - i * BK
-                a = tl.load(a_ptr, mask=step_in[None, :], other=0.0)
-                g = tl.load(g_ptr, mask=step_in[:, None], other=0.0)
-                u = tl.load(u_ptr, mask=step_in[:, None], other=0.0)
-            gate = tl.dot(a, g, gate)
-            up = tl.dot(a, u, up)
-            a_ptr += BK
-            g_ptr += BK * stride_wk
-            u_ptr += BK * stride_wk
+        w_e = w + expert.to(tl.int64) * stride_we
+        if CLAMPED:
+            # Gate and up interleaved (GPT-OSS): the 2·BN weight columns of this tile are contiguous, so one
+            # accumulator over them, split into gate and up in the epilogue (strided loads of each half would be
+            # 2-byte loads the async copies cannot take).
+            both = (column_tile * 2 * BN + tl.arange(0, 2 * BN)) % (2 * WIDTH)
+            b_ptr = w_e + steps[:, None] * stride_wk + both[None, :] * stride_wn
+            acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+            for i in range(tl.cdiv(HIDDEN, BK)):
+                if HIDDEN % BK == 0:
+                    a = tl.load(a_ptr)
+                    b = tl.load(b_ptr)
+                else:
+                    step_in = steps < HIDDEN - i * BK
+                    a = tl.load(a_ptr, mask=step_in[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=step_in[:, None], other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_ptr += BK
+                b_ptr += BK * stride_wk
+            if HAS_BIAS:
+                acc += tl.load(bias + expert.to(tl.int64) * stride_be + both).to(tl.float32)[None, :]
+            gate, up = tl.split(tl.reshape(acc, [BM, BN, 2]))
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            inside = columns % WIDTH
+            g_ptr = w_e + steps[:, None] * stride_wk + inside[None, :] * stride_wn
+            u_ptr = g_ptr + WIDTH * stride_wn
+            gate = tl.zeros([BM, BN], dtype=tl.float32)
+            up = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in range(tl.cdiv(HIDDEN, BK)):
+                if HIDDEN % BK == 0:
+                    a = tl.load(a_ptr)
+                    g = tl.load(g_ptr)
+                    u = tl.load(u_ptr)
+                else:
+                    step_in = steps < HIDDEN - i * BK
+                    a = tl.load(a_ptr, mask=step_in[None, :], other=0.0)
+                    g = tl.load(g_ptr, mask=step_in[:, None], other=0.0)
+                    u = tl.load(u_ptr, mask=step_in[:, None], other=0.0)
+                gate = tl.dot(a, g, gate)
+                up = tl.dot(a, u, up)
+                a_ptr += BK
+                g_ptr += BK * stride_wk
+                u_ptr += BK * stride_wk
+            if HAS_BIAS:
+                b_e = bias + expert.to(tl.int64) * stride_be
+                gate += tl.load(b_e + inside).to(tl.float32)[None, :]
+                up += tl.load(b_e + WIDTH + inside).to(tl.float32)[None, :]
+            y = gate * tl.sigmoid(gate) * up
         weight = tl.load(weights + pair).to(tl.float32)
-        y = gate * tl.sigmoid(gate) * up * weight[:, None]
+        y = y * weight[:, None]
         keep = live[:, None] & (columns < WIDTH)[None, :]
         tl.store(out + rows.to(tl.int64)[:, None] * WIDTH + columns[None, :], y.to(out.dtype.element_ty),
                  mask=keep)
@@ -240,15 +290,45 @@ def _gate_up_kernel():
 
 def _gate_up_fusable(module: torch.nn.Module) -> bool:
     """Whether an experts module's gate/up projection, activation and routing weight can be `gate_up_activation`:
-    gate and up in one weight, no bias, transformers' default gate (SiLU of the first half times the second), no
-    norm after the experts. GPT-OSS (biases, a clamped gate of interleaved columns) keeps the torch path."""
+    gate and up in one weight, no norm after the experts, and either transformers' default gate (SiLU of the first
+    half times the second) without bias, or GPT-OSS's clamped gate (`_clamped_gate`)."""
+    return _gate_up_form(module) is not None
+
+
+def _gate_up_form(module: torch.nn.Module) -> str | None:
+    """The form in which the fused op runs the module's gate/up: "silu", "clamped" (GPT-OSS's, with biases) or None."""
     from transformers.activations import SiLUActivation
     from transformers.integrations import moe as hf_moe
 
-    return (bool(getattr(module, "has_gate", False)) and not module.has_bias
-            and not getattr(module, "has_post_expert_norm", False)
-            and getattr(type(module), "_apply_gate", None) is getattr(hf_moe, "_default_apply_gate", False)
-            and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU))
+    if not getattr(module, "has_gate", False) or getattr(module, "has_post_expert_norm", False):
+        return None
+    if (not module.has_bias and getattr(type(module), "_apply_gate", None) is getattr(hf_moe, "_default_apply_gate",
+                                                                                        False)
+            and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU)):
+        return "silu"
+    if module.has_bias and _clamped_gate(module) is not None:
+        return "clamped"
+    return None
+
+
+def _clamped_gate(module: torch.nn.Module) -> tuple[float, float] | None:
+    """(alpha, limit) when the module's `_apply_gate` is GPT-OSS's: interleaved gate and up columns, the gate
+    clamped above at `limit`, up to ±limit, (up + 1) · gate · sigmoid(alpha · gate). Checked by running it on a
+    probe that crosses both clamps (float64, on the CPU), not by its source: decided once, in use_experts."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or not limit > 0:
+        return None
+    probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.float64).mul(limit).reshape(2, 32)
+    try:
+        got = module._apply_gate(probe)
+    except Exception:  # noqa: BLE001 - a gate of another form: not this kernel's
+        return None
+    gate, up = probe[..., ::2].clamp(max=limit), probe[..., 1::2].clamp(min=-limit, max=limit)
+    want = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-12,
+                                                                                          atol=0.0):
+        return None
+    return float(alpha), float(limit)
 
 
 def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -271,8 +351,13 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     post_norm = getattr(self, "has_post_expert_norm", False)
     if (getattr(self, FUSED_GATE_UP, False) and hidden_states.is_cuda and hidden_states.dtype in FUSED_DTYPES
             and self.gate_up_proj.dtype == dtype):  # up and gate projection, activation, routing weight: one kernel
-        y = gate_up_activation(hidden_states, order, offsets, top_k_weights, self.gate_up_proj,
-                               bool(self.is_transposed), k)
+        if self.has_bias:  # GPT-OSS's clamped gate (the only biased form use_experts marks)
+            y = gate_up_activation(hidden_states, order, offsets, top_k_weights, self.gate_up_proj,
+                                   bool(self.is_transposed), k, self.gate_up_proj_bias, True, float(self.alpha),
+                                   float(self.limit))
+        else:
+            y = gate_up_activation(hidden_states, order, offsets, top_k_weights, self.gate_up_proj,
+                                   bool(self.is_transposed), k)
     else:
         x = gather_rows(hidden_states, order // k)
         w_in = self.gate_up_proj if self.has_gate else self.up_proj

@@ -188,12 +188,13 @@ def test_packed_hybrid_row_ignores_its_neighbours():
 
 def _hybrid_moe(num_layers=8, seed=0):
     """A small random Qwen3.5/3.6-MoE text model on CUDA: the hybrid layers, each with 16 routed experts (4 per
-    token) and a gated shared expert."""
+    token) and a gated shared expert; Qwen3.5/3.6's linear head sizes (128), the keys of hsx's settled fla configs
+    (with 64 fla autotunes every kernel on hsx's forward)."""
     import transformers
 
     cfg = transformers.Qwen3_5MoeTextConfig(
         vocab_size=512, hidden_size=256, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=128, shared_expert_intermediate_size=128, max_position_embeddings=4096,
         layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(num_layers)],
@@ -209,6 +210,23 @@ def _hybrid_moe(num_layers=8, seed=0):
     return model
 
 
+def _torch_delta_rule(causal) -> int:
+    """Give the Gated DeltaNet layers transformers' torch delta rule where its modeling module defines one (the
+    layers bind fla's or it per instance when built): a float32 reference in float32 throughout, and no autotuning
+    of fla's kernels for float32 inputs (with fla, both references autotuned and the test ran past 170 s). The
+    number of layers rebound; 0 where this transformers has no such function of its own."""
+    import sys
+
+    modeling = sys.modules[type(causal).__module__]
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is None or getattr(rule, "__module__", None) != modeling.__name__:
+        return 0
+    layers = [m for m in causal.modules() if hasattr(m, "chunk_gated_delta_rule")]
+    for m in layers:
+        m.chunk_gated_delta_rule = rule
+    return len(layers)
+
+
 def test_packed_hybrid_moe_equals_one_row_reference():
     """Qwen3.5/3.6-MoE (Gated DeltaNet + gated attention + routed and shared experts) on hsx's path: packed rows,
     fla's kernels, hsx's grouped experts with the fused gate/up kernel and the router as one op, eager and compiled,
@@ -220,7 +238,7 @@ def test_packed_hybrid_moe_equals_one_row_reference():
 
     pytest.importorskip("fla")
     pytest.importorskip("transformers.models.qwen3_5_moe")
-    from hsx import moe
+    from hsx import gdn, moe
     from hsx.model import kernel_report
 
     causal = _hybrid_moe()
@@ -229,8 +247,12 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     layers = [0, 3, 7]
     wide = copy.deepcopy(causal).float()
     moe.use_experts(wide.model, "eager")
+    _torch_delta_rule(wide)
     ref32 = _one_row_reference(wide, layers, rows)
     del wide
+    # transformers' bf16 layers call fla's delta rule: settled before that reference, its kernels compile one config
+    # each instead of autotuning (hsx's own forward settles them anyway).
+    gdn.settle_autotuning(torch.device("cuda"))
     moe.use_experts(causal.model, "eager")
     ref16 = _one_row_reference(causal, layers, rows)
     moe.use_experts(causal.model, moe.EXPERTS_IMPLEMENTATION)
@@ -340,6 +362,46 @@ def test_gate_up_kernel_equals_the_grouped_path():
         assert err < 4e-3 and err <= 1.5 * torch_err, (tokens, hidden, err, torch_err)
         if skew > 1:
             assert (offsets.diff() == 0).any()  # an expert without pairs
+
+
+def _clamped_pairs(x, order, offsets, weights, gate_up, bias, k, alpha, limit):
+    """GPT-OSS's experts, expert by expert in x's dtype: the clamped gate of (rows @ W_e + b_e), times the weight."""
+    out, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        pairs = order[start:end]
+        y = x[pairs // k] @ gate_up[e] + bias[e]
+        gate, up = y[..., ::2].clamp(max=limit), y[..., 1::2].clamp(min=-limit, max=limit)
+        out.append((up + 1) * (gate * torch.sigmoid(gate * alpha)) * weights.reshape(-1)[pairs, None])
+        start = end
+    return torch.cat(out)
+
+
+def test_gate_up_kernel_clamped_equals_the_grouped_path():
+    """The fused gate/up kernel's GPT-OSS form (interleaved gate and up columns, per-expert bias, clamped gate with
+    alpha) against a float32 reference, as close to it as the torch path: at GPT-OSS-20B's shapes (width 2,880, not
+    a multiple of the tile) with values past the clamps, and on a ragged case (empty experts, fp16)."""
+    pytest.importorskip("triton")
+    from hsx import moe
+
+    g = torch.Generator(device="cuda").manual_seed(19)
+    alpha, limit = 1.702, 7.0
+    for tokens, hidden, experts, width, k, skew, dtype in ((8192, 2880, 32, 2880, 4, 1.0, torch.bfloat16),
+                                                           (300, 200, 12, 96, 3, 4.0, torch.float16)):
+        order, offsets, weights = _routed_pairs(tokens, experts, k, skew, g)
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
+        gate_up = (torch.randn(experts, hidden, 2 * width, device="cuda", generator=g) * 3 * hidden ** -0.5).to(dtype)
+        bias = (torch.randn(experts, 2 * width, device="cuda", generator=g) * 3).to(dtype)
+        weights = weights.to(dtype)
+        got = moe.gate_up_activation(x, order, offsets, weights, gate_up, True, k, bias, True, alpha, limit)
+        ref = _clamped_pairs(x.float(), order, offsets, weights.float(), gate_up.float(), bias.float(), k, alpha,
+                             limit)
+        torch_path = _clamped_pairs(x, order, offsets, weights, gate_up, bias, k, alpha, limit)
+        assert got.shape == (tokens * k, width) and got.dtype == dtype and torch.isfinite(got).all()
+        err, torch_err = ((got.float() - ref).norm() / ref.norm()), ((torch_path.float() - ref).norm() / ref.norm())
+        assert err < 4e-3 and err <= 1.5 * torch_err, (tokens, hidden, err, torch_err)
+        e = int(offsets.diff(prepend=offsets.new_zeros(1)).argmax())  # the busiest expert: its gate past the clamp
+        rows = order[int(offsets[e - 1]) if e else 0:int(offsets[e])] // k
+        assert ((x[rows].float() @ gate_up[e, :, ::2].float() + bias[e, ::2].float()) > limit).any()
 
 
 def test_qk_l2norm_kernel_equals_the_reference():

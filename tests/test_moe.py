@@ -234,20 +234,56 @@ def test_gate_up_activation_is_each_pairs_gated_product():
             torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-6)
 
 
+def test_gate_up_activation_clamped_is_gpt_oss_gate():
+    """The fused op's GPT-OSS form: pair p through expert e is (clamp(u, ±limit) + 1) · g' · sigmoid(alpha · g'),
+    g' = min(g, limit), with [g, u] the interleaved columns of x @ W_e + b_e, times the routing weight; values
+    past both clamps included."""
+    from hsx.moe import gate_up_activation
+
+    g = torch.Generator().manual_seed(6)
+    tokens, k, hidden, width, experts, alpha, limit = 7, 2, 8, 4, 4, 1.702, 1.5
+    index = torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0], [1, 3], [0, 3], [3, 1]])  # expert 2: no pairs
+    expert_of_pair, order = torch.sort(index.reshape(-1), stable=True)
+    offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1), out_int32=True)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights = torch.rand(tokens, k, generator=g)
+    gate_up = torch.randn(experts, hidden, 2 * width, generator=g)  # GPT-OSS's layout: (in, 2·width)
+    bias = torch.randn(experts, 2 * width, generator=g)
+    got = gate_up_activation(x, order, offsets, weights, gate_up, True, k, bias, True, alpha, limit)
+    assert got.shape == (tokens * k, width)
+    clamped = 0
+    for r, p in enumerate(order.tolist()):
+        e = int(index.reshape(-1)[p])
+        t, j = divmod(p, k)
+        y = x[t] @ gate_up[e] + bias[e]
+        gate, up = y[::2], y[1::2]
+        clamped += int((gate > limit).sum() + (up.abs() > limit).sum())
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        want = (up + 1) * gate * torch.sigmoid(gate * alpha) * weights[t, j]
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-6)
+    assert clamped > 0
+
+
 def test_fused_gate_up_only_where_it_applies():
-    """use_experts marks the experts that the fused gate/up kernel may run (Qwen3-MoE: gate and up in one weight,
-    SiLU, no bias) and no others (GPT-OSS: biases, its own clamped gate; any other implementation)."""
+    """use_experts marks the experts that the fused gate/up kernel may run: Qwen3-MoE's form (gate and up in one
+    weight, SiLU, no bias) and GPT-OSS's (biases, its clamped gate of interleaved columns), and no others (another
+    activation or gate; any other implementation)."""
     from hsx import moe
 
     qwen, gpt, hybrid = _model("qwen3_moe"), _model("gpt_oss"), _model("qwen3_5_moe")
     for model in (qwen, gpt, hybrid):
         use_experts(model, EXPERTS_IMPLEMENTATION)
-    for model in (qwen, hybrid):  # Qwen3.5/3.6-MoE's experts have Qwen3-MoE's form
+    for model in (qwen, hybrid, gpt):  # Qwen3.5/3.6-MoE's experts have Qwen3-MoE's form
         marks = [getattr(m, moe.FUSED_GATE_UP) for m in model.modules() if moe._dispatched(m)]
         assert marks and all(marks)
-    assert not any(getattr(m, moe.FUSED_GATE_UP) for m in gpt.modules() if moe._dispatched(m))
+    gpt_experts = next(m for m in gpt.modules() if moe._dispatched(m))
+    assert moe._gate_up_form(gpt_experts) == "clamped"
+    assert moe._clamped_gate(gpt_experts) == (gpt_experts.alpha, gpt_experts.limit)
     use_experts(qwen, "eager")
     assert not any(getattr(m, moe.FUSED_GATE_UP) for m in qwen.modules() if moe._dispatched(m))
     experts = next(m for m in qwen.modules() if moe._dispatched(m))
     experts.act_fn = torch.nn.GELU()
     assert not moe._gate_up_fusable(experts)
+    # A biased gate of another form is not GPT-OSS's.
+    gpt_experts._apply_gate = lambda y: torch.nn.functional.silu(y[..., ::2]) * y[..., 1::2]
+    assert moe._clamped_gate(gpt_experts) is None and not moe._gate_up_fusable(gpt_experts)
