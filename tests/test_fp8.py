@@ -84,6 +84,54 @@ def test_fp8_linear_shares_the_tensors_and_its_reference_mode_is_the_dequantized
     assert 0 < (y.float() - want).norm() / want.norm() < 0.06  # activation quantization: close, not equal
 
 
+def test_padded_quantization_is_the_reference_in_cublas_layout():
+    torch.manual_seed(3)
+    x = (torch.randn(37, 512) * torch.logspace(-3, 2, 512)).bfloat16()
+    x[3, 128:256] = 0.0
+    q, s = fp8.quantize_activation(x)
+    qp, sp = fp8.quantize_activation_padded(x, 16)
+    assert qp.shape == (48, 512) and sp.shape == (48, 4) and sp.stride() == (1, 48)  # M-major scales
+    assert torch.equal(qp[:37].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:37], s)
+    assert (qp[37:].float() == 0).all()
+
+
+@pytest.mark.slow
+def test_compiled_layer_quantizes_in_the_graph_and_equals_eager():
+    """Compiled, each Fp8Linear's quantization is plain torch in the layer's graph (the GEMM alone is the custom
+    op), fused after the norm, and the result equals eager bit for bit: the norm's output is quantized as the
+    bf16 tensor eager quantizes, not as the float32 value inside the fused kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(4)
+
+    def linear(n, k):
+        return fp8.Fp8Linear(*(torch.nn.Parameter(t, requires_grad=False)
+                               for t in fp8.quantize_weight(torch.randn(n, k) * 0.05)), None)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.up, self.down = linear(256, 256), linear(128, 256), linear(512, 256), linear(256, 512)
+            self.norm = torch.nn.Parameter(torch.full((256,), 1.3, dtype=torch.bfloat16), requires_grad=False)
+
+        def forward(self, x):
+            xf = x.float()
+            h = self.norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            a = torch.cat([self.q(h), self.k(h)], -1)[..., :256]
+            return self.down(torch.nn.functional.silu(self.up(a)))
+
+    block = Block()
+    x = torch.randn(2, 37, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager = block(x)
+        compiled = torch.compile(block, dynamic=True, options=fp8.compile_options(block))
+        got, code = run_and_get_code(compiled, x)
+    code = "\n".join(code)
+    assert "hsx.fp8_mm" in code and "hsx.fp8_linear" not in code
+    assert torch.equal(got, eager)
+    assert fp8.compile_options(torch.nn.Linear(2, 2)) is None  # bf16 layers compile as before
+
+
 def test_quantization_config_reading():
     q = fp8.quantization_of(SimpleNamespace(quantization_config=dict(OFFICIAL)))
     assert q.record() == {**OFFICIAL, "scale_fmt": "float"} and q.blocker() is None
