@@ -214,6 +214,23 @@ def _(xq, xs, w, ws):
     return xq.new_empty((xq.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("hsx::fp8_quantize", mutates_args=())
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation_padded` as one op (on CUDA one Triton pass): in a compiled layer, q/k/v (and gate/up)
+    quantize the same input through equal calls, which `compile_options`' pass merges into one."""
+    if not x.is_cuda or x.shape[0] == 0:
+        return quantize_activation_padded(x, ROW_ALIGN)
+    return _quantize_activation_cuda(x if x.stride(-1) == 1 else x.contiguous())
+
+
+@fp8_quantize.register_fake
+def _(x):
+    m, k = x.shape
+    m_pad = (m + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    return (x.new_empty((m_pad, k), dtype=FP8_DTYPE),
+            x.new_empty((k // BLOCK, m_pad), dtype=torch.float32).t())
+
+
 def _block_mm(xq, xs, w, ws):
     if _cublas_takes(w, ws):
         return _cublas_mm(xq, xs, w, ws)
@@ -414,9 +431,8 @@ class Fp8Linear(torch.nn.Module):
         else:
             x2 = x.reshape(-1, self.in_features)
             if torch.compiler.is_compiling():
-                # Quantized in the graph: Inductor fuses it into the kernel that makes x (the norm, SiLU·mul),
-                # so x is never written in bf16 to be read back by a separate quantization pass
-                xq, xs = quantize_activation_padded(x2, ROW_ALIGN)
+                # two ops, so that the projections of one input share its quantization (`compile_options`)
+                xq, xs = fp8_quantize(x2)
                 y = fp8_mm(xq, xs, self.weight, self.weight_scale_inv)[:x2.shape[0]]
             else:
                 y = fp8_linear(x2, self.weight, self.weight_scale_inv)
@@ -428,18 +444,15 @@ class Fp8Linear(torch.nn.Module):
 
 
 def compile_options(layer: torch.nn.Module) -> dict[str, Any] | None:
-    """Inductor options for compiling a layer holding Fp8Linear modules (None: the defaults). Fused into the
-    kernel that makes it, an activation would otherwise be quantized from its float32 value, not from the
-    bf16 tensor that transformers' FP8 forward quantizes: ~3% of the e4m3 values round the other way."""
-    if any(isinstance(m, Fp8Linear) for m in layer.modules()):
-        return {"emulate_precision_casts": True, "post_grad_custom_pre_pass": _SameQuantizationOnce()}
-    return None
+    """Inductor options for compiling a layer holding Fp8Linear modules (None: the defaults): merge equal
+    quantizations. One dict for every layer: equal options let the layers share one compiled graph."""
+    return _COMPILE_OPTIONS if any(isinstance(m, Fp8Linear) for m in layer.modules()) else None
 
 
 def _dedupe(graph: torch.fx.Graph) -> int:
-    """Merge nodes that apply the same pure aten op to the same arguments (q/k/v, and gate/up, quantize one input
-    each: without this, Inductor writes its e4m3 copy once per projection). Nothing is merged in a graph with a
-    mutating op or a higher-order op (e.g. a mutable custom kernel): there, equal calls may not be equal values."""
+    """Merge nodes that apply the same pure op to the same arguments: q/k/v (and gate/up) each quantize one input,
+    which without this runs once per projection. Nothing is merged in a graph with a mutating op or a
+    higher-order op (e.g. a mutable custom kernel): there, equal calls may not be equal values."""
     calls = [n for n in graph.nodes if n.op == "call_function"]
     for n in calls:
         if isinstance(n.target, torch._ops.HigherOrderOperator) or (
@@ -476,7 +489,12 @@ class _SameQuantizationOnce(_Pass):
         _dedupe(graph)
 
     def uuid(self) -> str:
-        return "hsx-fp8-dedupe-1"
+        return "hsx-fp8-dedupe-2"
+
+
+# emulate_precision_casts: fused kernels round to bf16 where eager does, so that a compiled layer quantizes the very
+# bf16 values transformers' FP8 forward quantizes (without it ~3% of the e4m3 values round the other way)
+_COMPILE_OPTIONS = {"post_grad_custom_pre_pass": _SameQuantizationOnce(), "emulate_precision_casts": True}
 
 
 def _fp8_linears(base: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

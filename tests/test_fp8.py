@@ -96,10 +96,9 @@ def test_padded_quantization_is_the_reference_in_cublas_layout():
 
 
 @pytest.mark.slow
-def test_compiled_layer_quantizes_in_the_graph_and_equals_eager():
-    """Compiled, each Fp8Linear's quantization is plain torch in the layer's graph (the GEMM alone is the custom
-    op), fused after the norm, and the result equals eager bit for bit: the norm's output is quantized as the
-    bf16 tensor eager quantizes, not as the float32 value inside the fused kernel."""
+def test_compiled_layer_quantizes_each_input_once_and_equals_eager():
+    """Compiled, each input is quantized once however many projections read it (q and k share one here), the
+    GEMMs run on the shared e4m3 tensor, and the result equals eager bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(4)
@@ -127,9 +126,32 @@ def test_compiled_layer_quantizes_in_the_graph_and_equals_eager():
         compiled = torch.compile(block, dynamic=True, options=fp8.compile_options(block))
         got, code = run_and_get_code(compiled, x)
     code = "\n".join(code)
-    assert "hsx.fp8_mm" in code and "hsx.fp8_linear" not in code
+    assert code.count("torch.ops.hsx.fp8_mm.default(") == 4 and "hsx.fp8_linear" not in code
+    assert code.count("torch.ops.hsx.fp8_quantize.default(") == 3  # h (q and k), a, silu(up)
     assert torch.equal(got, eager)
     assert fp8.compile_options(torch.nn.Linear(2, 2)) is None  # bf16 layers compile as before
+
+
+def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def two(x):  # q/k/v alike: two projections quantize one input
+        return fp8.quantize_activation_padded(x)[0].float().sum() + fp8.quantize_activation_padded(x)[0].float().sum()
+
+    x = torch.randn(20, 256)
+    gm = make_fx(two)(x)
+    before = len(gm.graph.nodes)
+    assert fp8._dedupe(gm.graph) > 0 and len(gm.graph.nodes) < before
+    gm.recompile()
+    assert torch.equal(gm(x), two(x))
+
+    def mutating(x):
+        y = x.abs()
+        x.add_(1.0)
+        return y + x.abs()  # the same call as y's, on a tensor mutated in between
+
+    gm = make_fx(mutating)(torch.zeros(3))
+    assert fp8._dedupe(gm.graph) == 0
 
 
 def test_quantization_config_reading():
