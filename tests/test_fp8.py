@@ -154,6 +154,27 @@ def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone()
     assert fp8._dedupe(gm.graph) == 0
 
 
+def test_fused_gated_mlp_equals_its_own_forward_and_keeps_the_reference_mode():
+    import transformers
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    torch.manual_seed(5)
+    mlp = Qwen3MLP(transformers.Qwen3Config(hidden_size=256, intermediate_size=384, hidden_act="silu"))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        q, s = fp8.quantize_weight(getattr(mlp, name).weight.detach() * 2.0)
+        setattr(mlp, name, fp8.Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
+                                         torch.nn.Parameter(s, requires_grad=False), None))
+    x = torch.randn(3, 7, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = mlp(x)  # its own forward: three Fp8Linear calls
+        assert fp8.fuse_gated_mlps(mlp) == 1 and fp8.fuse_gated_mlps(torch.nn.Linear(2, 2)) == 0
+        got = mlp(x)
+        assert got.shape == want.shape and torch.equal(got, want)
+        with fp8.bf16_reference(mlp):
+            ref = mlp(x)
+        assert 0 < (ref.float() - got.float()).norm() / ref.float().norm() < 0.1  # the bf16 product: near
+
+
 def test_quantization_config_reading():
     q = fp8.quantization_of(SimpleNamespace(quantization_config=dict(OFFICIAL)))
     assert q.record() == {**OFFICIAL, "scale_fmt": "float"} and q.blocker() is None
