@@ -477,17 +477,29 @@ def compile_options(layer: torch.nn.Module) -> dict[str, Any] | None:
 def _dedupe(graph: torch.fx.Graph) -> int:
     """Merge nodes that apply the same pure op to the same arguments: q/k/v (and gate/up) each quantize one input,
     which without this runs once per projection. Nothing is merged in a graph with a mutating op or a
-    higher-order op (e.g. a mutable custom kernel): there, equal calls may not be equal values."""
+    higher-order op (e.g. a mutable custom kernel): there, equal calls may not be equal values. Nor is a node
+    whose tensor shares storage with one the graph returns: eager code may mutate that one in place."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node):
+        v = node.meta.get("val")
+        try:
+            return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+        except (NotImplementedError, RuntimeError):
+            return None
+
     calls = [n for n in graph.nodes if n.op == "call_function"]
     for n in calls:
         if isinstance(n.target, torch._ops.HigherOrderOperator) or (
                 isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
             return 0
+    returned = {storage(n) for out in graph.find_nodes(op="output") for n in out.all_input_nodes} - {None}
     seen: dict[tuple, torch.fx.Node] = {}
     merged = 0
     for n in calls:
         t = n.target
-        if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
+        if (not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags
+                or storage(n) in returned):
             continue
         try:
             key = (t, n.args, tuple(sorted(n.kwargs.items())))
@@ -514,7 +526,7 @@ class _SameQuantizationOnce(_Pass):
         _dedupe(graph)
 
     def uuid(self) -> str:
-        return "hsx-fp8-dedupe-2"
+        return "hsx-fp8-dedupe-3"
 
 
 # emulate_precision_casts: fused kernels round to bf16 where eager does, so that a compiled layer quantizes the very

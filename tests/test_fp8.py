@@ -153,6 +153,15 @@ def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone()
     gm = make_fx(mutating)(torch.zeros(3))
     assert fp8._dedupe(gm.graph) == 0
 
+    def returned(x):  # two tensors the caller gets: merged, mutating one would change the other
+        return x.abs() + 1.0, x.abs() + 1.0
+
+    gm = make_fx(returned)(torch.zeros(3))
+    fp8._dedupe(gm.graph)
+    gm.recompile()
+    a, b = gm(torch.zeros(3))
+    assert a.data_ptr() != b.data_ptr()
+
 
 def test_fused_gated_mlp_equals_its_own_forward_and_keeps_the_reference_mode():
     import transformers
