@@ -307,12 +307,12 @@ def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "Com
     layers = decoder_layers(base)
     if not ahead:
         for layer in layers:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward = torch.compile(layer.forward, dynamic=True, options=fp8.compile_options(layer))
         _COMPILED[base] = False
         return None
     ahead_state = CompileAhead(log=log)
     for layer in layers:
-        layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer))
+        layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer), fp8.compile_options(layer))
     _COMPILED[base] = ahead_state
     return ahead_state
 
@@ -466,9 +466,9 @@ def trace_fx_once() -> None:
 class _AheadLayer:
     """A decoder layer's forward: eager until its CompileAhead is ready, then the cached compiled graphs only."""
 
-    def __init__(self, forward, state: CompileAhead, kind: tuple):
+    def __init__(self, forward, state: CompileAhead, kind: tuple, options: dict | None = None):
         self.eager = forward
-        self.compiled = torch.compile(forward, dynamic=True)
+        self.compiled = torch.compile(forward, dynamic=True, options=options)
         self.cached_only = torch._dynamo.run(self.compiled)  # never compiles: a cache miss runs eager
         self.state, self.kind = state, kind
         state.layers.append((kind, self.compiled))

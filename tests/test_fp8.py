@@ -84,6 +84,106 @@ def test_fp8_linear_shares_the_tensors_and_its_reference_mode_is_the_dequantized
     assert 0 < (y.float() - want).norm() / want.norm() < 0.06  # activation quantization: close, not equal
 
 
+def test_padded_quantization_is_the_reference_in_cublas_layout():
+    torch.manual_seed(3)
+    x = (torch.randn(37, 512) * torch.logspace(-3, 2, 512)).bfloat16()
+    x[3, 128:256] = 0.0
+    q, s = fp8.quantize_activation(x)
+    qp, sp = fp8.quantize_activation_padded(x, 16)
+    assert qp.shape == (48, 512) and sp.shape == (48, 4) and sp.stride() == (1, 48)  # M-major scales
+    assert torch.equal(qp[:37].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:37], s)
+    assert (qp[37:].float() == 0).all()
+
+
+@pytest.mark.slow
+def test_compiled_layer_quantizes_each_input_once_and_equals_eager():
+    """Compiled, each input is quantized once however many projections read it (q and k share one here), the
+    GEMMs run on the shared e4m3 tensor, and the result equals eager bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(4)
+
+    def linear(n, k):
+        return fp8.Fp8Linear(*(torch.nn.Parameter(t, requires_grad=False)
+                               for t in fp8.quantize_weight(torch.randn(n, k) * 0.05)), None)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.up, self.down = linear(256, 256), linear(128, 256), linear(512, 256), linear(256, 512)
+            self.norm = torch.nn.Parameter(torch.full((256,), 1.3, dtype=torch.bfloat16), requires_grad=False)
+
+        def forward(self, x):
+            xf = x.float()
+            h = self.norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            a = torch.cat([self.q(h), self.k(h)], -1)[..., :256]
+            return self.down(torch.nn.functional.silu(self.up(a)))
+
+    block = Block()
+    x = torch.randn(2, 37, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager = block(x)
+        compiled = torch.compile(block, dynamic=True, options=fp8.compile_options(block))
+        got, code = run_and_get_code(compiled, x)
+    code = "\n".join(code)
+    assert code.count("torch.ops.hsx.fp8_mm.default(") == 4 and "hsx.fp8_linear" not in code
+    assert code.count("torch.ops.hsx.fp8_quantize.default(") == 3  # h (q and k), a, silu(up)
+    assert torch.equal(got, eager)
+    assert fp8.compile_options(torch.nn.Linear(2, 2)) is None  # bf16 layers compile as before
+
+
+def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def two(x):  # q/k/v alike: two projections quantize one input
+        return fp8.quantize_activation_padded(x)[0].float().sum() + fp8.quantize_activation_padded(x)[0].float().sum()
+
+    x = torch.randn(20, 256)
+    gm = make_fx(two)(x)
+    before = len(gm.graph.nodes)
+    assert fp8._dedupe(gm.graph) > 0 and len(gm.graph.nodes) < before
+    gm.recompile()
+    assert torch.equal(gm(x), two(x))
+
+    def mutating(x):
+        y = x.abs()
+        x.add_(1.0)
+        return y + x.abs()  # the same call as y's, on a tensor mutated in between
+
+    gm = make_fx(mutating)(torch.zeros(3))
+    assert fp8._dedupe(gm.graph) == 0
+
+    def returned(x):  # two tensors the caller gets: merged, mutating one would change the other
+        return x.abs() + 1.0, x.abs() + 1.0
+
+    gm = make_fx(returned)(torch.zeros(3))
+    fp8._dedupe(gm.graph)
+    gm.recompile()
+    a, b = gm(torch.zeros(3))
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_fused_gated_mlp_equals_its_own_forward_and_keeps_the_reference_mode():
+    import transformers
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    torch.manual_seed(5)
+    mlp = Qwen3MLP(transformers.Qwen3Config(hidden_size=256, intermediate_size=384, hidden_act="silu"))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        q, s = fp8.quantize_weight(getattr(mlp, name).weight.detach() * 2.0)
+        setattr(mlp, name, fp8.Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
+                                         torch.nn.Parameter(s, requires_grad=False), None))
+    x = torch.randn(3, 7, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = mlp(x)  # its own forward: three Fp8Linear calls
+        assert fp8.fuse_gated_mlps(mlp) == 1 and fp8.fuse_gated_mlps(torch.nn.Linear(2, 2)) == 0
+        got = mlp(x)
+        assert got.shape == want.shape and torch.equal(got, want)
+        with fp8.bf16_reference(mlp):
+            ref = mlp(x)
+        assert 0 < (ref.float() - got.float()).norm() / ref.float().norm() < 0.1  # the bf16 product: near
+
+
 def test_quantization_config_reading():
     q = fp8.quantization_of(SimpleNamespace(quantization_config=dict(OFFICIAL)))
     assert q.record() == {**OFFICIAL, "scale_fmt": "float"} and q.blocker() is None
