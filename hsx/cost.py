@@ -132,10 +132,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs;
 # docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default.
-# qwen3-30b-a3b: 39-48% measured with the same code; below the best for a plan. qwen3.6-35b-a3b: 34.9%.
-# FP8 shapes: of the FP8 matmul rate.
-MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.45,
-                                  "qwen3.6-35b-a3b": 0.35, "qwen3-8b-fp8": 0.48, "qwen3.6-27b-fp8": 0.51}
+# qwen3-30b-a3b: 39-48% from VM to VM (median of 3 on one: 47.0%); below the best for a plan. gpt-oss-20b: median
+# of 3, 52.9%. qwen3.6-35b-a3b: 34.9%. FP8 shapes: of the FP8 matmul rate.
+MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.52,
+                                  "qwen3.6-35b-a3b": 0.35, "qwen3-8b-fp8": 0.56, "qwen3.6-27b-fp8": 0.51}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
