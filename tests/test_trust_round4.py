@@ -1,0 +1,148 @@
+"""A held-out attacker's round on a finished output (issue 27's bar): a unit swapped between its check and its
+read or upload, an export journal that claims units were released, and a reader of an output an export used up."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from helpers import fault_argv, hsx_main
+
+import hsx
+from hsx.config import HsxError
+from hsx.export import export_specforge
+from hsx.hub import push_output
+from hsx.sink import file_crc32
+from test_hub import REPO, FakeHfApi
+
+
+def quiet(*a, **k):
+    pass
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, model4, small_chat_path) -> Path:
+    out = tmp_path_factory.mktemp("round4") / "finished"
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
+    assert rc == 0, err
+    assert len(list((out / "data").glob("*.arrow"))) >= 4
+    return out
+
+
+@pytest.fixture
+def out(finished, tmp_path) -> Path:
+    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))
+
+
+def swap_for_link(unit: Path, target: Path) -> None:
+    """What an attacker does between hsx's check of a unit and its open: the name now leads out of the output."""
+    unit.unlink()
+    os.symlink(target, unit)
+
+
+def test_a_unit_swapped_for_a_link_after_its_check_is_not_pushed(out, tmp_path):
+    """The bytes checked against hsx.json are the bytes uploaded: the file is opened once, checked on that fd,
+    and uploaded from it; a name swapped for a link to a secret after the check uploads no secret."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET" * 1000)
+    api = FakeHfApi()
+    real = api.create_commit
+    swapped = []
+
+    def swap_then_commit(repo_id, operations, **kw):  # after check_before_upload, before the file is read
+        for unit in sorted((out / "data").glob("train-*.arrow")):
+            if not unit.is_symlink():
+                swapped.append(unit.name)
+                swap_for_link(unit, secret)
+        return real(repo_id, operations, **kw)
+
+    api.create_commit = swap_then_commit
+    try:
+        push_output(out, REPO, api=api, log=quiet)
+    except HsxError:
+        pass  # a later commit may refuse the swapped names; what matters is what went up
+    assert swapped
+    uploaded = api.files()
+    assert all(b"SECRET" not in data for data in uploaded.values())
+    assert uploaded, "the first commit's units went up from the files as checked"
+
+
+def test_load_refuses_a_unit_swapped_for_a_link_after_its_check(out, finished, tmp_path, monkeypatch):
+    """hsx.load checks each unit's name, then maps it: a swap in between (a link to another output's unit, valid
+    Arrow of the same schema) is caught, never read as this output's rows."""
+    other = tmp_path / "other.arrow"
+    victim = sorted((out / "data").glob("train-*.arrow"))[0]
+    shutil.copy(sorted((finished / "data").glob("train-*.arrow"))[-1], other)
+    load_module = importlib.import_module("hsx.load")  # (hsx.load is also the function)
+    real = load_module.open_arrow_files
+
+    def swap_then_open(files):
+        swap_for_link(victim, other)
+        return real(files)
+
+    monkeypatch.setattr(load_module, "open_arrow_files", swap_then_open)
+    with pytest.raises(HsxError, match="changed while it was being opened|not the regular file"):
+        hsx.load(out)
+
+
+def test_a_crc_never_waits_on_a_fifo_nor_follows_a_link(tmp_path):
+    """file_crc32 opens once, without following a link and without blocking: a FIFO named like a unit (swapped in
+    after a check) is refused at once, not waited on forever."""
+    fifo = tmp_path / "train-001-00000.arrow"
+    os.mkfifo(fifo)
+    result = []
+
+    def crc():
+        try:
+            result.append(file_crc32(fifo))
+        except HsxError as e:
+            result.append(e)
+
+    t = threading.Thread(target=crc, daemon=True)
+    t.start()
+    t.join(10)
+    blocked = t.is_alive()
+    if blocked:  # let the blocked reader go (a writer opens the FIFO), so the failure is not a hang
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+    assert not blocked, "file_crc32 blocked on a FIFO"
+    assert isinstance(result[0], HsxError)
+    real = tmp_path / "real"
+    real.write_bytes(b"x" * 10)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(HsxError, match="symbolic link"):
+        file_crc32(link)
+
+
+def test_an_export_journal_alone_never_deletes_a_source_unit(out, tmp_path):
+    """A `released` line in DEST's journal (forged, or from a kill) deletes nothing: a plain export keeps every
+    source unit, and a unit still on disk is exported again rather than taken as done."""
+    dest = tmp_path / "dest"
+    export_specforge(out, dest, layout="dflash", log=quiet)
+    token = json.loads((dest / "hsx-export.json").read_text())["token"]
+    units = sorted(p.name for p in (out / "data").glob("train-*.arrow"))
+    with open(dest / "hsx-export.jsonl", "a") as f:
+        f.write(json.dumps({"token": token, "released": units[1]}) + "\n")
+    export_specforge(out, dest, layout="dflash", log=quiet)
+    assert sorted(p.name for p in (out / "data").glob("train-*.arrow")) == units
+    (out / "data" / units[1]).unlink()  # and gone: a plain export cannot have released it
+    with pytest.raises(ValueError, match="journal is damaged"):
+        export_specforge(out, dest, layout="dflash", log=quiet)
+
+
+def test_load_of_an_output_an_export_used_up_says_where_its_rows_went(out, tmp_path):
+    dest = tmp_path / "moved"
+    export_specforge(out, dest, layout="dflash", delete_source=True, log=quiet)
+    assert not list((out / "data").glob("train-*.arrow"))
+    with pytest.raises(HsxError) as e:
+        hsx.load(out)
+    msg = str(e.value)
+    assert "\n" not in msg and "export-specforge --delete-source" in msg and str(dest.resolve()) in msg
+    assert "damaged" not in msg
