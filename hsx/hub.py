@@ -276,6 +276,8 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         if (out.root / name).is_symlink():
             raise HsxError(f"{out.root / name} is a symbolic link; hsx pushes only the files it wrote, never a "
                            "link's target")
+        if os.path.lexists(out.root / name) and not (out.root / name).is_file():  # (a FIFO would hang the upload)
+            raise HsxError(f"{out.root / name} is not a regular file; hsx pushes only the files it wrote")
     out.check_finished(info)  # the list, the manifests, the counts and data/ agree
     by_file = output_records(out, info)
     local = local_units(out, info, by_file)  # (a link that is not one `hsx merge` made: HsxError)

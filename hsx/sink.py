@@ -928,6 +928,9 @@ def open_regular(path: Path, expect: tuple[int, int] | None = None) -> int:
             raise
         raise HsxError(f"cannot open {path}: {e.strerror or e}") from None
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) and expect is None:
+        os.close(fd)
+        raise HsxError(f"{path} is not a regular file; hsx reads and pushes only the regular files it wrote")
     if not stat.S_ISREG(st.st_mode) or (expect is not None and (st.st_dev, st.st_ino) != tuple(expect)):
         os.close(fd)
         raise HsxError(f"{path} is not the regular file hsx checked (it was replaced while being read); hsx reads "

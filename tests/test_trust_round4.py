@@ -146,3 +146,29 @@ def test_load_of_an_output_an_export_used_up_says_where_its_rows_went(out, tmp_p
     msg = str(e.value)
     assert "\n" not in msg and "export-specforge --delete-source" in msg and str(dest.resolve()) in msg
     assert "damaged" not in msg
+
+
+def test_push_refuses_a_fifo_named_like_its_card_before_uploading(out):
+    """README.md, hsx.json and token_frequencies.npy go up as regular files only: a FIFO there was read (and
+    waited on forever) by the upload; now it is refused before anything is uploaded."""
+    (out / "README.md").unlink()
+    os.mkfifo(out / "README.md")
+    api = FakeHfApi()
+    result = []
+
+    def push():
+        try:
+            result.append(push_output(out, REPO, api=api, log=quiet))
+        except HsxError as e:
+            result.append(e)
+
+    t = threading.Thread(target=push, daemon=True)
+    t.start()
+    t.join(30)
+    blocked = t.is_alive()
+    if blocked:  # let the blocked reader go, so the failure is not a hang
+        os.close(os.open(out / "README.md", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+    assert not blocked, "push waited on a FIFO"
+    assert isinstance(result[0], HsxError) and "not a regular file" in str(result[0])
+    assert REPO not in api.repos or not any(api.files())
