@@ -32,8 +32,13 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     import pyarrow.compute as pc
 
     from hsx.config import HsxError
+    from hsx.errors import check_range
     from hsx.load import open_checked_files, torch_view
     from hsx.sink import OutputDir, uploaded_matches
+
+    check_range("samples", samples, 0, 2**31 - 1)
+    check_range("seed", seed, 0, 2**32 - 1)  # (numpy's seeds)
+    check_range("tolerance", tolerance, 0, integer=False)
 
     if trust_remote_code and not model:
         raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "

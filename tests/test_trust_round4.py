@@ -172,3 +172,25 @@ def test_push_refuses_a_fifo_named_like_its_card_before_uploading(out):
     assert not blocked, "push waited on a FIFO"
     assert isinstance(result[0], HsxError) and "not a regular file" in str(result[0])
     assert REPO not in api.repos or not any(api.files())
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "{out}", "--samples", "-3"],
+    ["verify", "{out}", "--samples", "1", "--seed", "-1"],
+    ["verify", "{out}", "--samples", "1", "--tolerance", "nan"],
+    ["plan", "--model", "{model}", "--layers", "1", "--tokens", "-5"],
+    ["plan", "--model", "{model}", "--layers", "1", "--rate", "nan"],
+    ["plan", "--model", "{model}", "--layers", "1", "--gpu-memory-gib", "inf"],
+    ["bench", "--model", "{model}", "--count", "-1", "--skip", "a,b"],
+    ["bench", "--model", "{model}", "--mean", "nan", "--skip", "a,b"],
+])
+def test_numeric_options_out_of_range_are_one_line(finished, model4, argv, tmp_path):
+    """Negative, NaN and infinite values of verify's, plan's and bench's numbers: one line, exit 2 (they were
+    numpy's `negative dimensions` and an OverflowError, as tracebacks, or a verify failing every layer)."""
+    argv = [a.format(out=finished, model=model4.path) for a in argv]
+    if argv[0] == "bench":
+        argv += ["--output-dir", str(tmp_path / "b")]
+    rc, _, err = hsx_main(argv)
+    assert rc == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1 and "must be" in lines[0], err
