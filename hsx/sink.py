@@ -66,12 +66,28 @@ DATASETS_CACHE_FILES = "cache-*.arrow"
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
 
+MAX_RECORD_BYTES = 1 << 30  # hsx.json of a million units is ~0.2 GB; a manifest line ~0.3 KB per unit
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of a JSON file or ledger hsx wrote: a regular file reached through no link (a FIFO there would
+    block forever, a link read another file), and at most MAX_RECORD_BYTES (a huge file is not hsx's; read whole
+    it would take the machine's memory)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            raise HsxError(f"{path} is damaged: {size:,} bytes, more than hsx writes there "
+                           f"({MAX_RECORD_BYTES:,} at most)")
+        return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
+
+
 def read_json(path: Path, record=None):
     """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json) as its typed record
     (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, not UTF-8 JSON, not an object, or
     a key missing or of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
     try:
-        obj = json.loads(Path(path).read_bytes().decode("utf-8"))
+        obj = json.loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -90,7 +106,7 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
     a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
     written by something else: HsxError naming file and line."""
     try:
-        blob = Path(path).read_bytes()
+        blob = _read_bounded(path)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     for number, raw in enumerate(blob.split(b"\n"), 1):

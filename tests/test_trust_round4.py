@@ -194,3 +194,56 @@ def test_numeric_options_out_of_range_are_one_line(finished, model4, argv, tmp_p
     assert rc == 2 and "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("hsx: error: ")]
     assert len(lines) == 1 and "must be" in lines[0], err
+
+
+def run_with_deadline(fn, unblock: Path | None = None, seconds: float = 30):
+    """fn()'s result or exception; a call still blocked after `seconds` fails the test (a writer opens the FIFO
+    `unblock` first, so the failure is not a hang)."""
+    result = []
+
+    def call():
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    blocked = t.is_alive()
+    if blocked and unblock is not None:
+        os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+    assert not blocked, f"{fn} blocked"
+    return result[0]
+
+
+@pytest.mark.parametrize("name", ["hsx.json", ".hsx/manifest-00000.jsonl", ".hsx/job.json"])
+def test_a_fifo_for_hsx_own_json_is_refused_not_waited_on(out, name, model4, small_chat_path):
+    """hsx.json, a manifest or job.json replaced by a FIFO: load and extract waited forever (and a SIGTERM, which
+    hsx takes as "stop after this unit", never stopped them); now one line."""
+    (out / name).unlink()
+    os.mkfifo(out / name)
+    if name == ".hsx/job.json":
+        res = run_with_deadline(lambda: hsx_main(fault_argv(model4.path, small_chat_path, out)), out / name, 60)
+        rc, _, err = res
+        assert rc == 1 and "Traceback" not in err and "not a regular file" in err, err
+    else:
+        res = run_with_deadline(lambda: hsx.load(out), out / name)
+        assert isinstance(res, HsxError) and "not a regular file" in str(res)
+
+
+def test_a_huge_or_linked_hsx_json_is_refused_unread(out, tmp_path):
+    """A 1.2 GB hsx.json would be read whole into memory (then parsed); a link would read another output's."""
+    hsx_json = out / "hsx.json"
+    other = tmp_path / "elsewhere.json"
+    shutil.copy(hsx_json, other)
+    hsx_json.unlink()
+    hsx_json.symlink_to(other)
+    with pytest.raises(HsxError, match="symbolic link"):
+        hsx.load(out)
+    hsx_json.unlink()
+    with open(hsx_json, "wb") as f:
+        f.truncate(1_200_000_000)  # (sparse: no disk used)
+    with pytest.raises(HsxError, match="more than hsx writes there"):
+        hsx.load(out)
