@@ -247,3 +247,21 @@ def test_a_huge_or_linked_hsx_json_is_refused_unread(out, tmp_path):
         f.truncate(1_200_000_000)  # (sparse: no disk used)
     with pytest.raises(HsxError, match="more than hsx writes there"):
         hsx.load(out)
+
+
+def test_merge_links_no_unit_that_is_itself_a_link(finished, tmp_path):
+    """A node dir whose unit is a link (to a copy elsewhere, or to anything) is not that dir's unit: merge said
+    "merged" and wrote an output every reader then refused; now the merge refuses, in one line, before writing."""
+    from test_merge import split_like_two_nodes
+
+    from hsx.merge import merge
+
+    node0, node1 = split_like_two_nodes(finished, tmp_path)
+    unit = sorted((node1 / "data").iterdir())[0]
+    elsewhere = tmp_path / "elsewhere.arrow"
+    shutil.copy(unit, elsewhere)
+    unit.unlink()
+    unit.symlink_to(elsewhere)
+    with pytest.raises(HsxError, match="in none of the dirs"):
+        merge(str(tmp_path / "m"), [str(node0), str(node1)], log=quiet)
+    assert not (tmp_path / "m" / "hsx.json").exists()
