@@ -265,3 +265,26 @@ def test_merge_links_no_unit_that_is_itself_a_link(finished, tmp_path):
     with pytest.raises(HsxError, match="in none of the dirs"):
         merge(str(tmp_path / "m"), [str(node0), str(node1)], log=quiet)
     assert not (tmp_path / "m" / "hsx.json").exists()
+
+
+def test_a_jsonl_line_nested_too_deeply_is_one_line_not_a_crash(tmp_path, model4):
+    """pyarrow's JSON reader (datasets') crashed the process with a segmentation fault on a line nested 100,000
+    levels deep; now the line is named. Brackets inside strings, and nesting of a few hundred levels, still load."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    good = {"messages": [{"role": "user", "content": "[" * 5000 + "{"}, {"role": "assistant", "content": "ok"}]}
+    data = tmp_path / "deep.jsonl"
+    data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    argv = [sys.executable, "-m", "hsx", *fault_argv(model4.path, data, tmp_path / "out")]
+    res = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    lines = [line for line in res.stderr.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1 and "line 2 nests JSON too deeply" in lines[0], res.stderr[-2000:]
+    from hsx.data import check_json_nesting
+
+    data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 300 + "]" * 300 + "}\n")
+    check_json_nesting(data)  # (no error: a string full of brackets, and 300 levels, are fine)
