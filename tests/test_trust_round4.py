@@ -288,3 +288,31 @@ def test_a_jsonl_line_nested_too_deeply_is_one_line_not_a_crash(tmp_path, model4
 
     data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 300 + "]" * 300 + "}\n")
     check_json_nesting(data)  # (no error: a string full of brackets, and 300 levels, are fine)
+
+
+@pytest.mark.parametrize("case", ["config_deep", "tokenizer_deep", "layers_huge"])
+def test_hostile_model_files_are_one_line(tmp_path, model4, small_chat_path, case):
+    """A config.json or tokenizer.json nested 200,000 deep was a RecursionError traceback; a config.json saying
+    99,999,999,999 layers never returned (transformers builds a per-layer list first)."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    deep = '{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    if case == "config_deep":
+        (model / "config.json").write_text(deep)
+    elif case == "tokenizer_deep":
+        (model / "tokenizer.json").write_text(deep)
+    else:
+        config = json.loads((model / "config.json").read_text())
+        config.pop("layer_types", None)
+        config["num_hidden_layers"] = 99_999_999_999
+        (model / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "hsx", *fault_argv(model, small_chat_path, tmp_path / "out")]
+    res = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1, res.stderr[-2000:]
