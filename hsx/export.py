@@ -34,8 +34,10 @@ renamed. So:
 - a DEST holding another export (another output, layers or options) is refused; `overwrite` first deletes the
   files the record proves hsx wrote (they still verify), and refuses instead where anything else is there;
 - `delete_source` converts the output unit by unit and deletes each source unit once its exported files are
-  durable and recorded (peak disk: the export plus one unit; the output dir is used up and `hsx.load` refuses
-  it); a resume goes on from the first unit not yet released."""
+  durable and recorded (peak disk: the export plus one unit; the output dir is used up: each deletion is also
+  recorded in its .hsx/exported.jsonl, and `hsx.load` refuses it in one line naming the command and DEST); a
+  resume goes on from the first unit not yet released (a unit still on disk is exported again, never deleted
+  on the journal's word alone)."""
 
 from __future__ import annotations
 
