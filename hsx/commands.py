@@ -57,7 +57,13 @@ def plan(args: argparse.Namespace) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     from hsx.bench import bench as run_bench
+    from hsx.errors import check_range
 
+    for flag, low, high in (("count", 1, 2**31 - 1), ("min_length", 1, 2**31 - 1), ("seed", 0, 2**32 - 1),
+                            ("subset_a", 0, 2**31 - 1), ("subset_b", 0, 2**31 - 1), ("drift_rows", 0, 2**31 - 1)):
+        check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high)
+    for flag, low, high in (("mean", 1, 2**31 - 1), ("spread", 0, 100), ("tail", 0, 1), ("storage_gb", 0, None)):
+        check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high, integer=False)
     # `--json` alone: stdout is the JSON (as `hsx plan --json`), so the lines and the table go to stderr
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
     # The main process hands its results over once measured, and again with the profile's path when it is written.

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.errors import HsxError
+from hsx.errors import HsxError, check_range
 from hsx.schema import DEFAULT_STORAGE_DTYPE, SCALED_DTYPE, OutputFormat, human_bytes
 
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
@@ -577,6 +577,9 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
 
     if gpu not in GPUS:
         raise UsageError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(GPUS))}")
+    check_range("tokens", tokens, 1, 2**63 - 1)
+    check_range("rate", rate, 1e-9, integer=False)
+    check_range("gpu_memory_gib", gpu_memory_gib, 1e-3, 2**40, integer=False)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if shape:
         overrides["model"] = overrides.get("model") or f"shape:{shape}"

@@ -22,6 +22,22 @@ class UsageError(HsxError):
     """A flag, recipe key or argument wrong by itself (before the model or data is read): EXIT_USAGE."""
 
 
+def check_range(name: str, value, low: float, high: float | None = None, integer: bool = True) -> None:
+    """UsageError in one line unless `value` (None passes) is a finite number (an int, with `integer`) in
+    [low, high]: a negative, NaN, infinite or huge option must not reach numpy or an allocation as a traceback."""
+    import math
+
+    ok_type = type(value) is int if integer else type(value) in (int, float)
+    if value is None:
+        return
+    if not ok_type or not math.isfinite(value) or value < low or (high is not None and value > high):
+        def shown(x) -> str:
+            return "inf" if x is None else f"{x:,}" if type(x) is int else f"{x:g}"
+
+        what = "an integer" if integer else "a number"
+        raise UsageError(f"{name} must be {what} in [{shown(low)}, {shown(high)}], not {value!r}")
+
+
 class VerifyFailed(Exception):
     """`hsx verify` found the output wrong (a damaged file, a count, a state off the reference): EXIT_RUNTIME.
     Not an HsxError: verify turns the HsxErrors of reading OUT into this, so none is caught twice."""

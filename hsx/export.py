@@ -34,8 +34,10 @@ renamed. So:
 - a DEST holding another export (another output, layers or options) is refused; `overwrite` first deletes the
   files the record proves hsx wrote (they still verify), and refuses instead where anything else is there;
 - `delete_source` converts the output unit by unit and deletes each source unit once its exported files are
-  durable and recorded (peak disk: the export plus one unit; the output dir is used up and `hsx.load` refuses
-  it); a resume goes on from the first unit not yet released."""
+  durable and recorded (peak disk: the export plus one unit; the output dir is used up: each deletion is also
+  recorded in its .hsx/exported.jsonl, and `hsx.load` refuses it in one line naming the command and DEST); a
+  resume goes on from the first unit not yet released (a unit still on disk is exported again, never deleted
+  on the journal's word alone)."""
 
 from __future__ import annotations
 
@@ -97,22 +99,28 @@ def _source(out_dir) -> _Source:
 
 def _units(src: _Source, dest: _Dest, delete_source: bool):
     """(name, path) of each unit still to export, checked first: all present and intact (with `delete_source`,
-    CRC-32 too, and no links: a unit is deleted only as the regular file hsx wrote)."""
+    CRC-32 too, and no links: a unit is deleted only as the regular file hsx wrote).
+
+    A unit the journal says was released is passed over only once it is gone, and only by a --delete-source
+    export: a unit still there (a kill between the record and the deletion, or a journal line hsx did not write)
+    is exported again, its recorded files verified and kept, before it is deleted; DEST's journal alone never
+    deletes a unit."""
     out = OutputDir(src.root)
     todo = []
     for e in src.units:
         path = out.data / e["file"]
-        if e["file"] in dest.released:
-            if path.is_file() and not path.is_symlink():  # killed between the record and the deletion
-                path.unlink()
-                fsync_dir(out.data)
+        if e["file"] in dest.released and not os.path.lexists(path):
+            if not delete_source:
+                raise ValueError(f"{dest.root}: {JOURNAL} says source unit {e['file']} was deleted, and this "
+                                 "export does not delete units: the journal is damaged; export into a new folder")
             continue
         if delete_source and path.is_symlink():
             raise ValueError(f"{src.root}: data/{e['file']} is a link (a merged output's unit): deleting it frees "
                              "nothing; export without delete_source (--delete-source)")
         problem = out.file_problem(e, crc=delete_source)
         if problem:
-            why = {"missing": "missing", "uploaded": "deleted after its upload to the Hub"}.get(problem,
+            why = {"missing": "missing", "uploaded": "deleted after its upload to the Hub",
+                   "exported": "deleted by an earlier export (--delete-source)"}.get(problem,
                                                                                              f"damaged ({problem})")
             raise ValueError(f"{src.root}: data/{e['file']} is {why}; an export needs every unit of the output")
         todo.append((e["file"], path))
@@ -201,9 +209,12 @@ class _Dest:
             self.parts[part] = sorted(files)
         self.staged.clear()
 
-    def release(self, unit: Path) -> None:
-        """Delete a source unit whose exported files are committed (recorded first, so a resume skips it)."""
+    def release(self, unit: Path, src: _Source, command: str) -> None:
+        """Delete a source unit whose exported files are committed (recorded first, here so a resume skips it,
+        and in the output's .hsx/exported.jsonl so a reader of the output is told where its rows went)."""
         append_synced(self.root / JOURNAL, json.dumps({"token": self.token, "released": unit.name}) + "\n")
+        entry = next(e for e in src.units if e["file"] == unit.name)
+        OutputDir(src.root).record_exported(entry, str(self.root.resolve()), command)
         unit.unlink()
         fsync_dir(unit.parent)
         self.released.add(unit.name)
@@ -439,7 +450,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
             view = row = sample = None  # the unit's memory map goes with its last reference
             if delete_source:
                 gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
-                d.release(path)
+                d.release(path, src, "export-specforge")
     skipped = sum(d.skipped.values())
     log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline {layout} layout"
         + (f" ({kept} already there)" if kept else "")
@@ -567,7 +578,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
             view = row = sample = None  # the unit's memory map goes with its last reference
             if delete_source:
                 gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
-                d.release(path)
+                d.release(path, src, "export-speculators")
     target_layer_ids = [x + 1 for x in aux]  # speculators / vLLM count the embedding output as layer 0
     log(f"hsx: exported {written} sample(s) to {dest} in speculators' offline layout"
         + (f" ({kept} already there)" if kept else "")

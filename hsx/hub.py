@@ -59,7 +59,7 @@ from typing import Any
 
 from hsx.errors import HsxError
 from hsx.schema import Info, ManifestRecord, human_bytes
-from hsx.sink import OutputDir, file_crc32, fsync_dir, listed_files, read_jsonl, uploaded_matches
+from hsx.sink import OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_jsonl, uploaded_matches
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -173,13 +173,18 @@ class _Hub:
 
         return self.call("list_repo_tree", listing)
 
-    def commit(self, adds: list[tuple[str, Path]], deletes: list[str], message: str) -> str | None:
-        """One commit of these files (path in repo, local path) and deletions; returns the commit id."""
+    def commit(self, adds: list[tuple[str, Any]], deletes: list[str], message: str) -> str | None:
+        """One commit of these files (path in repo, local path or a binary file object opened and checked by the
+        caller: what was checked is what goes up) and deletions; returns the commit id."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         def attempt():
+            for _, f in adds:
+                if hasattr(f, "seek"):
+                    f.seek(0)  # (a retry reads the file object again from its start)
             # fresh operations each attempt: create_commit mutates them
-            ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(f)) for p, f in adds]
+            ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=f if hasattr(f, "read") else str(f))
+                   for p, f in adds]
             ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
             info = self.api.create_commit(self.repo_id, operations=ops, commit_message=message,
                                           repo_type=REPO_TYPE, revision=self.revision)
@@ -198,14 +203,15 @@ class RemoteFile:
 
 def sha256_file(path: Path, chunk: int = 64 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # (never a link's target, never a FIFO)
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
 
 
 def git_blob_id(path: Path) -> str:
-    data = path.read_bytes()
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
@@ -270,6 +276,8 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         if (out.root / name).is_symlink():
             raise HsxError(f"{out.root / name} is a symbolic link; hsx pushes only the files it wrote, never a "
                            "link's target")
+        if os.path.lexists(out.root / name) and not (out.root / name).is_file():  # (a FIFO would hang the upload)
+            raise HsxError(f"{out.root / name} is not a regular file; hsx pushes only the files it wrote")
     out.check_finished(info)  # the list, the manifests, the counts and data/ agree
     by_file = output_records(out, info)
     local = local_units(out, info, by_file)  # (a link that is not one `hsx merge` made: HsxError)
@@ -299,7 +307,8 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     stale = sorted(p for p in remote if prune and p.startswith("data/") and Path(p).match(DATA_GLOB)
                    and p.count("/") == 1 and p not in output_files)
     tops = [(name, out.root / name) for name in TOP_FILES
-            if (out.root / name).exists() and not same_content(out.root / name, remote.get(name))]
+            if os.path.lexists(out.root / name) and not same_content(out.root / name, remote.get(name))]
+    tops = [(name, os.fdopen(open_regular(p), "rb")) for name, p in tops]  # (no link, no FIFO: a regular file)
     if tops or stale:
         if stale:
             log(f"hsx: push: deleting {len(stale)} file(s) of {hub.where} that are not part of this output "
@@ -309,8 +318,10 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         summary["commits"] += 1
         summary["uploaded"] += [n for n, _ in tops]
         summary["deleted"] = stale
-        summary["bytes"] += sum(p.stat().st_size for _, p in tops)
-        out.record_uploaded([_record(n, p.stat().st_size, None, hub, oid) for n, p in tops], PUSH_LEDGER)
+        summary["bytes"] += sum(os.fstat(f.fileno()).st_size for _, f in tops)
+        out.record_uploaded([_record(n, os.fstat(f.fileno()).st_size, None, hub, oid) for n, f in tops], PUSH_LEDGER)
+    for _, f in tops:
+        f.close()
     if summary["commits"]:
         log(f"hsx: pushed {len(summary['uploaded'])} file(s), {human_bytes(summary['bytes'])}, to {hub.where} in "
             f"{summary['commits']} commit(s); {len(summary['skipped'])} already there")
@@ -366,13 +377,18 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
     total, done_bytes = sum(sizes), 0
     log(f"hsx: push: {len(todo)} data file(s), {human_bytes(total)}, to {hub.where}")
     for batch in _batches(todo, sizes, max(1, max_files), max_bytes):
-        for p in batch:
-            if not p.exists():
-                raise HsxError(f"{p} vanished")
-            check_before_upload(out, p, by_file.get(p.name))
-        batch_sizes = [p.stat().st_size for p in batch]
-        oid = hub.commit([(f"data/{p.name}", p) for p in batch], [],
-                         f"hsx: add {len(batch)} unit(s) ({human_bytes(sum(batch_sizes))})")
+        opened = []
+        try:
+            for p in batch:
+                if not p.exists():
+                    raise HsxError(f"{p} vanished")
+                opened.append(check_before_upload(out, p, by_file.get(p.name)))
+            batch_sizes = [os.fstat(f.fileno()).st_size for f in opened]
+            oid = hub.commit([(f"data/{p.name}", f) for p, f in zip(batch, opened)], [],
+                             f"hsx: add {len(batch)} unit(s) ({human_bytes(sum(batch_sizes))})")
+        finally:
+            for f in opened:
+                f.close()
         out.record_uploaded([_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
                              for p, s in zip(batch, batch_sizes)], PUSH_LEDGER)
         summary["commits"] += 1
@@ -397,16 +413,23 @@ def output_records(out: OutputDir, info: Info) -> dict[str, dict[str, Any]]:
     return by_file
 
 
-def check_before_upload(out: OutputDir, path: Path, record: dict[str, Any] | None) -> None:
+def check_before_upload(out: OutputDir, path: Path, record: dict[str, Any] | None):
     """A file goes up only as the output lists it: same size and CRC-32 (read whole, in threads). `path` is
-    where `local_units` found the file: the unit itself, or the unit an `hsx merge` link points to, never a link."""
+    where `local_units` found the file: the unit itself, or the unit an `hsx merge` link points to, never a link.
+    Returns the file opened (`OutputDir.open_unit`: the very file `unit_source` approved, no link followed), its
+    checks made on that open file, which is what the commit uploads: a swap after the check is never uploaded."""
     if record is None or "bytes" not in record:
         raise HsxError(f"{path} is not a file of this output (not in hsx.json); hsx pushes only what it wrote")
-    if path.is_symlink():
-        raise HsxError(f"{path} became a symbolic link while pushing; hsx pushes no link's target")
-    if path.stat().st_size != record["bytes"] or (record.get("crc32") and file_crc32(path) != record["crc32"]):
-        raise HsxError(f"{path} does not match hsx.json (size or CRC-32): the file is damaged or was replaced; "
-                       "run the same `hsx extract` command with --check-crc to redo it, then push")
+    f = os.fdopen(out.open_unit(path), "rb")
+    try:
+        if os.fstat(f.fileno()).st_size != record["bytes"] or (
+                record.get("crc32") and file_crc32(path, f.fileno()) != record["crc32"]):
+            raise HsxError(f"{path} does not match hsx.json (size or CRC-32): the file is damaged or was replaced; "
+                           "run the same `hsx extract` command with --check-crc to redo it, then push")
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 @dataclass
@@ -550,8 +573,15 @@ class StreamUploader:
 
     def _commit(self, batch: list[_Unit]) -> None:
         size = sum(u.size for u in batch)
-        oid = self.hub.commit([(f"data/{u.path.name}", u.path) for u in batch], [],
-                              f"hsx: add {len(batch)} unit(s) ({human_bytes(size)}, rank {self.out.rank})")
+        opened = []
+        try:
+            for u in batch:  # (a unit this rank committed, read as the regular file it is: never through a link)
+                opened.append(os.fdopen(open_regular(u.path), "rb"))
+            oid = self.hub.commit([(f"data/{u.path.name}", f) for u, f in zip(batch, opened)], [],
+                                  f"hsx: add {len(batch)} unit(s) ({human_bytes(size)}, rank {self.out.rank})")
+        finally:
+            for f in opened:
+                f.close()
         manifest = {rec["file"]: rec for rec in self.out.manifest_records().values()}
         self.out.record_uploaded([_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
                                   for u in batch])  # fsynced before any deletion

@@ -252,7 +252,7 @@ def _tokenizer(cfg: ExtractConfig, model_path: str):
 
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer or model_path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
         raise HsxError(f"cannot load tokenizer {cfg.tokenizer or cfg.model!r}: {str(e).splitlines()[0]}") from None
 
 

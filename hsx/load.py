@@ -62,9 +62,9 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     if local is not None:
         if revision is not None:
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
-        files, whole = _local_files(local, split, verify, allow_incomplete)
+        out, files, whole = _local_files(local, split, verify, allow_incomplete)
         if not streaming:
-            ds = open_arrow_files(files)
+            ds = open_checked_files(out, files)
             if whole:
                 _check_rows(local, split, ds)
             return ds if layers is None else torch_view(ds, layers=layers, meta=read_info(local),
@@ -122,6 +122,30 @@ def open_arrow_files(files: list[Path]):
     return concatenate_datasets([Dataset.from_file(str(f)) for f in cache_view(files)])
 
 
+def open_checked_files(out, files: list[Path]):
+    """`open_arrow_files` of units `out.unit_source` approved, checked to be those very files: each is opened
+    without following a link and compared with what was approved (`OutputDir.open_unit`) before it is mapped, and
+    its name checked to still lead to that file after, so a unit swapped for a link out of the output (or another
+    file) between the check and the mapping is refused (HsxError), not read."""
+    from hsx.config import HsxError
+    from hsx.sink import open_regular
+
+    fds = [out.open_unit(f) for f in files]
+    try:
+        ds = open_arrow_files(files)
+        for f, fd in zip(files, fds):
+            st = os.fstat(fd)
+            try:
+                os.close(open_regular(f, (st.st_dev, st.st_ino)))
+            except (HsxError, OSError):
+                raise HsxError(f"{f} changed while it was being opened (it is no longer the file hsx checked); hsx "
+                               "reads only the files it checked") from None
+        return ds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def cache_view(files: list[Path]) -> list[Path]:
     """Links to `files` in HF_DATASETS_CACHE/hsx/outputs/<key>/, made once per set of files as they are: the key
     hashes each file's path, device, inode, size and modification time, so a rewritten unit gets a new folder
@@ -163,13 +187,14 @@ def cache_view(files: list[Path]) -> list[Path]:
     return [folder / n for n in names]
 
 
-def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -> tuple[list[Path], bool]:
+def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     """The files of `split` to read: those the finished output's hsx.json lists (their list, the manifests, the
     counts and data/ checked to agree: `OutputDir.check_finished`), each checked (sizes; CRC-32 with `verify`);
     of an unfinished one (allow_incomplete), its committed units; of a dir with neither hsx.json nor .hsx/
     (written by hand, or an older hsx), data/<split>-*.arrow. A link is read only if it is one `hsx merge` made
     (`OutputDir.unit_source`): the paths returned are the checked files, not links. Also returns whether they
-    are the whole output (not a part read with allow_incomplete, or of units deleted after their upload)."""
+    are the whole output (not a part read with allow_incomplete, or of units deleted after their upload), after the
+    OutputDir that approved them (its `open_unit` opens them as approved)."""
     from hsx.config import HsxError
     from hsx.sink import OutputDir, listed_files
 
@@ -207,7 +232,13 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     problems = {e["file"]: out.file_problem(e, verify) if what else None for e in entries}
     uploaded = [n for n, p in problems.items() if p == "uploaded"]
     consumed = [n for n, p in problems.items() if p == "consumed"]  # deleted by a trainer (hsx.follow)
-    bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed")}
+    exported = [n for n, p in problems.items() if p == "exported"]  # deleted by an export (--delete-source)
+    bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed", "exported")}
+    if exported and not allow_incomplete:
+        rec = out.exported()[exported[0]]
+        raise HsxError(f"{root}: {len(exported)} of its {len(entries)} files were exported and then deleted "
+                       f"(`hsx {rec['command']} --delete-source` into {rec['dest']}); its rows are there now, in "
+                       "that trainer's layout, not here (load(..., allow_incomplete=True) reads the files left)")
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
         raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "
@@ -221,15 +252,16 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool) -
     if consumed:
         warnings.warn(f"{root}: {len(consumed)} unit(s) were deleted once a trainer consumed them (hsx.follow "
                       "with delete_consumed); this dir holds only part of the output", stacklevel=3)
-    if bad or what == "committed":
+    if bad or exported or what == "committed":
         why = (["the job is not finished"] if what == "committed" else []) + (
-            [f"{len(bad)} are missing or damaged"] if bad else [])
-        reading = len(entries) - len(bad) - len(uploaded) - len(consumed)
+            [f"{len(bad)} are missing or damaged"] if bad else []) + (
+            [f"{len(exported)} were deleted by an export"] if exported else [])
+        reading = len(entries) - len(bad) - len(uploaded) - len(consumed) - len(exported)
         warnings.warn(f"{root}: reading {reading} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
     files = [paths[n] for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")
-    return files, len(files) == len(entries) and what != "committed"
+    return out, files, len(files) == len(entries) and what != "committed"
 
 
 def info(path: str | os.PathLike) -> dict[str, Any]:

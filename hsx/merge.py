@@ -89,7 +89,8 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
                 and not (out.data / rec["file"]).is_symlink()}  # OUT's own files are kept, never replaced
     for src in sources:
         for unit, rec in src.done_units().items():
-            if (src.data / rec["file"]).exists():
+            f = src.data / rec["file"]
+            if f.is_file() and not f.is_symlink():  # (a link there is no unit of that dir: reads refuse it)
                 done.setdefault(unit, (src, rec))
     missing = [u for u in summary["unit_names"] if u not in done]
     if missing and not partial:

@@ -63,13 +63,38 @@ def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool
 def read_model_config(source: str, name: str, trust_remote_code: bool, revision: str | None = None):
     """A model's config (AutoConfig) from a folder, or a Hub id's (from the HF cache when offline); what cannot
     be read is one HsxError naming the model as the user gave it (`name`)."""
+    import huggingface_hub.errors
     from transformers import AutoConfig
 
+    # transformers 5 validates configs as huggingface_hub strict dataclasses (e.g. layer_types' length against
+    # num_hidden_layers), raising its own error class, not a ValueError
+    invalid = getattr(huggingface_hub.errors, "StrictDataclassError", ValueError)
+    _check_layer_count(Path(source) / "config.json", name)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RecursionError, invalid) as e:  # (RecursionError: JSON nested too deeply)
         raise HsxError(f"cannot read the config of model {name!r}: {str(e).splitlines()[0]}") from None
+
+
+MAX_MODEL_LAYERS = 10_000  # the deepest released LMs have ~200; a config past this is damaged or hostile
+
+
+def _check_layer_count(config_file: Path, name: str) -> None:
+    """HsxError unless a local config.json's num_hidden_layers (its own, and its text_config's) is an integer in
+    [1, MAX_MODEL_LAYERS], checked before transformers reads it: its config classes build per-layer lists
+    (layer_types) from that count, so 99,999,999,999 never returns."""
+    if not config_file.is_file():
+        return
+    try:
+        config = json.loads(config_file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return  # (transformers' own reading says what is wrong, caught in read_model_config)
+    for part in (config, config.get("text_config")) if isinstance(config, dict) else ():
+        layers = part.get("num_hidden_layers") if isinstance(part, dict) else None
+        if layers is not None and (type(layers) is not int or not 1 <= layers <= MAX_MODEL_LAYERS):
+            raise HsxError(f"the config of model {name!r} says num_hidden_layers = {layers!r}; hsx takes models "
+                           f"of 1 to {MAX_MODEL_LAYERS:,} decoder layers")
 
 
 def text_config_of(config):

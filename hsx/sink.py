@@ -12,6 +12,8 @@
     OUT/.hsx/consumed-<consumer>.jsonl      one line per unit a trainer reading the running job (hsx.follow)
                                             consumed, whole or up to a row; a wholly consumed unit it deleted
                                             still counts as done
+    OUT/.hsx/exported.jsonl                 one line per unit an export with --delete-source deleted, and where
+                                            its rows went (hsx.export), so a reader says so
     OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
 
 hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
@@ -33,6 +35,7 @@ its manifest line is appended, so a kill at any moment leaves either a whole uni
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import hashlib
@@ -54,6 +57,7 @@ from hsx.schema import (DEFAULT_STORAGE_DTYPE, ConsumedRecord, Damaged, FileEntr
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
 CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
+EXPORTED = "exported.jsonl"  # units an export with --delete-source deleted (hsx.export), and where to
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
 # What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
 # hsx.load left them in data/; never part of the output, never read as it
@@ -62,12 +66,28 @@ DATASETS_CACHE_FILES = "cache-*.arrow"
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
 
+MAX_RECORD_BYTES = 1 << 30  # hsx.json of a million units is ~0.2 GB; a manifest line ~0.3 KB per unit
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of a JSON file or ledger hsx wrote: a regular file reached through no link (a FIFO there would
+    block forever, a link read another file), and at most MAX_RECORD_BYTES (a huge file is not hsx's; read whole
+    it would take the machine's memory)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            raise HsxError(f"{path} is damaged: {size:,} bytes, more than hsx writes there "
+                           f"({MAX_RECORD_BYTES:,} at most)")
+        return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
+
+
 def read_json(path: Path, record=None):
     """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json) as its typed record
     (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, not UTF-8 JSON, not an object, or
     a key missing or of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
     try:
-        obj = json.loads(Path(path).read_bytes().decode("utf-8"))
+        obj = json.loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -86,7 +106,7 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
     a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
     written by something else: HsxError naming file and line."""
     try:
-        blob = Path(path).read_bytes()
+        blob = _read_bounded(path)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     for number, raw in enumerate(blob.split(b"\n"), 1):
@@ -122,6 +142,7 @@ class OutputDir:
         self.state = self.root / ".hsx"
         self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
         self.session = uuid.uuid4().hex[:12]  # in this process's manifest lines: which run committed a unit
+        self.approved: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino) unit_source checked
 
     # ---- claiming a dir for a job ----
 
@@ -282,7 +303,7 @@ class OutputDir:
             try:
                 if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
                     continue
-                crc = file_crc32(f)
+                crc = file_crc32(_target(f))
             except FileNotFoundError:  # consumed and deleted meanwhile by a trainer reading the job (hsx.follow)
                 continue
             if crc != rec["crc32"]:
@@ -420,6 +441,26 @@ class OutputDir:
             whole.update({f: r for f, r in last.items() if r["row"] == r["rows"]})
         return whole
 
+    def record_exported(self, entry: dict[str, Any], dest: str, command: str) -> None:
+        """Append to .hsx/exported.jsonl that `entry`'s unit is about to be deleted by `hsx <command> --delete-source`
+        into `dest` (fsynced before the deletion), so a reader of this dir is told where its rows went."""
+        append_synced(self.state / EXPORTED, json.dumps({"file": entry["file"], "bytes": entry["bytes"],
+                                                         "crc32": entry.get("crc32"), "dest": dest,
+                                                         "command": command}, sort_keys=True) + "\n")
+
+    def exported(self) -> dict[str, dict[str, Any]]:
+        """What .hsx/exported.jsonl says exports deleted, by file name (well-formed lines only: it only explains a
+        missing unit, it never makes one count as present)."""
+        path = self.state / EXPORTED
+        if not path.is_file() or path.is_symlink():
+            return {}
+        records = {}
+        for rec in read_jsonl(path):
+            if isinstance(rec.get("file"), str) and isinstance(rec.get("dest"), str) \
+                    and isinstance(rec.get("command"), str):
+                records[rec["file"]] = rec
+        return records
+
     def record_uploaded(self, records: list[dict[str, Any]], name: str | None = None) -> None:
         """Append upload records to .hsx/uploaded-<name>.jsonl (default: this rank's) and fsync: called only after
         the Hub confirmed the commit, and before any local file is deleted."""
@@ -468,10 +509,12 @@ class OutputDir:
         if not f.exists():
             if uploaded_matches(self.uploaded().get(f"data/{entry['file']}"), entry):
                 return "uploaded"
-            return "consumed" if uploaded_matches(self.consumed().get(entry["file"]), entry) else "missing"
+            if uploaded_matches(self.consumed().get(entry["file"]), entry):
+                return "consumed"
+            return "exported" if uploaded_matches(self.exported().get(entry["file"]), entry) else "missing"
         if f.stat().st_size != entry["bytes"]:
             return f"{f.stat().st_size} bytes, not {entry['bytes']}"
-        if crc and entry.get("crc32") and file_crc32(f) != entry["crc32"]:
+        if crc and entry.get("crc32") and file_crc32(_target(f)) != entry["crc32"]:
             return "its bytes do not match its CRC-32"
         return None
 
@@ -504,6 +547,7 @@ class OutputDir:
         except FileNotFoundError:
             raise HsxError(f"{p} is missing") from None
         if stat.S_ISREG(st.st_mode):
+            self.approved[str(p)] = (st.st_dev, st.st_ino)
             return p
         if not stat.S_ISLNK(st.st_mode):
             raise HsxError(f"{p} is not a regular file; an hsx output holds only the files it wrote")
@@ -514,18 +558,25 @@ class OutputDir:
             if target != expected or os.path.realpath(expected) != expected:
                 continue
             try:
-                if not stat.S_ISREG(os.lstat(expected).st_mode):
-                    continue
+                st = os.lstat(expected)
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
                 continue
             if sources is None:
                 sources = {}
             if src not in sources:
                 sources[src] = _merged_units(Path(src), fingerprint)
             if name in sources[src]:
+                self.approved[expected] = (st.st_dev, st.st_ino)
                 return Path(expected)
         raise HsxError(f"{p} is a symbolic link, and not one `hsx merge` made to a unit of the dirs it merged; "
                        "hsx reads and pushes no link out of the output: remove it")
+
+    def open_unit(self, path: Path) -> int:
+        """A read-only fd of a unit `unit_source` returned, checked to be the very file it approved: the checks are
+        made on what is read, so a file swapped for a link (or any other file) after the check is refused."""
+        return open_regular(path, self.approved[str(path)])
 
     def listing_problem(self, info: Info, data_dir: bool = True) -> str | None:
         """What disagrees in a finished output, None if nothing: hsx.json's `files`, its counts, the manifests
@@ -797,6 +848,11 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(parts) or "version"
 
 
+def _target(path: Path) -> Path:
+    """The file a unit's name leads to: itself, or what `hsx merge`'s link points to (file_crc32 follows none)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def _size(path: Path) -> int | None:
     """A file's size, None when there is none (a unit may be deleted by a trainer at any moment: hsx.follow)."""
     try:
@@ -874,32 +930,63 @@ def _crc32_function():
 crc32, CRC32_LIBRARY = _crc32_function()  # crc32(data, value=0) -> int, like zlib.crc32; both release the GIL
 
 
-def file_crc32(path: Path) -> str:
+def open_regular(path: Path, expect: tuple[int, int] | None = None) -> int:
+    """A read-only fd of the regular file at `path`: opened without following a link (O_NOFOLLOW) and without
+    waiting on a FIFO (O_NONBLOCK), then checked by fstat to be a regular file and, with `expect` (the (st_dev,
+    st_ino) an earlier lstat approved), that very file. So a file swapped between the check and the open (a link
+    to a file outside the output, another file) is refused, never read. FileNotFoundError passes through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HsxError(f"{path} is a symbolic link; hsx reads and pushes no link's target") from None
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise HsxError(f"cannot open {path}: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) and expect is None:
+        os.close(fd)
+        raise HsxError(f"{path} is not a regular file; hsx reads and pushes only the regular files it wrote")
+    if not stat.S_ISREG(st.st_mode) or (expect is not None and (st.st_dev, st.st_ino) != tuple(expect)):
+        os.close(fd)
+        raise HsxError(f"{path} is not the regular file hsx checked (it was replaced while being read); hsx reads "
+                       "and pushes only the files it checked")
+    return fd
+
+
+def file_crc32(path: Path, fd: int | None = None) -> str:
     """CRC-32 of each 256 MiB chunk of a file, ":"-joined, computed by a few threads (`crc32` releases the GIL).
+    The file is opened once (`open_regular`: no link followed) and every chunk read from that fd (`fd`: one the
+    caller opened, so what it checks is what it then reads), never re-opened by name between chunks.
 
     One thread manages ~1-2 GB/s with zlib, slower than an H200 writes an 8B model's states (1.6 GB/s): measured
     there, a single-threaded checksum fell behind the writer and added 6.4 s to a 9 s run."""
     from concurrent.futures import ThreadPoolExecutor
 
-    size = Path(path).stat().st_size
+    own = fd is None
+    if own:
+        fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
 
-    def chunk_crc(i: int) -> str:
-        crc, buf = 0, bytearray(16 << 20)
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(i * CRC_CHUNK)
-            left = min(CRC_CHUNK, size - i * CRC_CHUNK)
-            while left > 0:
-                k = f.readinto(view[: min(len(buf), left)])
+        def chunk_crc(i: int) -> str:
+            crc, buf = 0, bytearray(16 << 20)
+            view = memoryview(buf)
+            at, end = i * CRC_CHUNK, min((i + 1) * CRC_CHUNK, size)
+            while at < end:
+                k = os.preadv(fd, [view[: min(len(buf), end - at)]], at)
                 if not k:
                     break
                 crc = crc32(view[:k], crc)
-                left -= k
-        return f"{crc:08x}"
+                at += k
+            return f"{crc:08x}"
 
-    chunks = max(1, -(-size // CRC_CHUNK))
-    with ThreadPoolExecutor(max_workers=min(8, chunks, os.cpu_count() or 1)) as pool:
-        return ":".join(pool.map(chunk_crc, range(chunks)))
+        chunks = max(1, -(-size // CRC_CHUNK))
+        with ThreadPoolExecutor(max_workers=min(8, chunks, os.cpu_count() or 1)) as pool:
+            return ":".join(pool.map(chunk_crc, range(chunks)))
+    finally:
+        if own:
+            os.close(fd)
 
 
 def fsync_file(path: Path) -> None:

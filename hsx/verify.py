@@ -32,8 +32,13 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     import pyarrow.compute as pc
 
     from hsx.config import HsxError
-    from hsx.load import open_arrow_files, torch_view
-    from hsx.sink import OutputDir, file_crc32, uploaded_matches
+    from hsx.errors import check_range
+    from hsx.load import open_checked_files, torch_view
+    from hsx.sink import OutputDir, uploaded_matches
+
+    check_range("samples", samples, 0, 2**31 - 1)
+    check_range("seed", seed, 0, 2**32 - 1)  # (numpy's seeds)
+    check_range("tolerance", tolerance, 0, integer=False)
 
     if trust_remote_code and not model:
         raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
@@ -65,7 +70,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             continue
         if f.stat().st_size != rec["bytes"]:
             problems.append(f"{f.name}: {f.stat().st_size} bytes, manifest says {rec['bytes']}")
-        elif "crc32" in rec and file_crc32(f) != rec["crc32"]:
+        elif "crc32" in rec and _crc_of_approved(out, f) != rec["crc32"]:
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
     missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
@@ -74,7 +79,9 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
 
     try:
-        ds = open_arrow_files(files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
+        ds = open_checked_files(out, files)  # every file on disk, not only those hsx.json lists (as hsx.load reads)
+    except HsxError as e:
+        raise VerifyFailed(str(e)) from None
     except Exception as e:  # noqa: BLE001  (any unreadable file is a failed verification, in one line)
         raise VerifyFailed(f"cannot read the data files: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     expected = info.format.features()
@@ -117,6 +124,23 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     log(f"hsx verify: {out_dir} is consistent: {len(ds):,} rows in {len(files)} files, "
         f"{min(samples, len(ds))} rows recomputed within {tolerance:g}")
     return report
+
+
+def _crc_of_approved(out, f: Path) -> str:
+    """CRC-32 of a unit read through the fd `OutputDir.open_unit` checks (the file unit_source approved, no link)."""
+    import os
+
+    from hsx.config import HsxError
+    from hsx.sink import file_crc32
+
+    try:
+        fd = out.open_unit(f)
+    except HsxError as e:
+        raise VerifyFailed(str(e)) from None
+    try:
+        return file_crc32(f, fd)
+    finally:
+        os.close(fd)
 
 
 def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,

@@ -95,7 +95,8 @@ class FakeHfApi:
             files = self.repos[repo_id]["branches"][kw.get("revision") or "main"]
             for op in operations:
                 if isinstance(op, CommitOperationAdd):
-                    files[op.path_in_repo] = Path(op.path_or_fileobj).read_bytes()
+                    f = op.path_or_fileobj
+                    files[op.path_in_repo] = f.read() if hasattr(f, "read") else Path(f).read_bytes()
                 else:
                     assert isinstance(op, CommitOperationDelete)
                     files.pop(op.path_in_repo)

@@ -461,9 +461,9 @@ def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, traine
     units = sorted((out / "data").glob("train-*.arrow"))
     real, seen = export._Dest.release, []
 
-    def release_then_die(self, unit):
+    def release_then_die(self, unit, *args):
         seen.append({p.name for p in (out / "data").glob("train-*.arrow")})
-        real(self, unit)
+        real(self, unit, *args)
         if len(seen) == 1:
             raise KeyboardInterrupt
 
