@@ -143,9 +143,59 @@ def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any
     return text
 
 
+SMALL_EXPONENT = 64  # `b ** e` of two literal numbers, e this small: fast for any literal b (4,300 digits at most)
+
+
+def unbounded_power(source: str) -> str | None:
+    """Where a chat template raises a number to a power that is not a small constant (None: nowhere). An integer
+    power is one step of C code whose time grows with the exponent (`10 ** 100000000` runs for minutes, and a
+    constant one already while the template compiles), and a power of a variable can be a power of a power: no timer
+    can stop it, so such a template is refused before its first render. What passes: literal numbers to a small
+    literal power, and anything to a float power (a float, or an OverflowError at once). Templates of the model
+    families use no `**`."""
+    import jinja2
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):  # transformers' `{% generation %}` tag, parsed only
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = ImmutableSandboxedEnvironment(extensions=[Generation, jinja2.ext.loopcontrols])
+    try:
+        tree = env.parse(source)
+    except (jinja2.TemplateError, RecursionError):  # transformers names a template it cannot read, per row
+        return None
+
+    def number(node):  # a literal number (with its sign), else None
+        sign = 1
+        while isinstance(node, (nodes.Neg, nodes.Pos)):
+            sign, node = (-sign if isinstance(node, nodes.Neg) else sign), node.node
+        value = node.value if isinstance(node, nodes.Const) else None
+        return sign * value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    for power in tree.find_all(nodes.Pow):
+        base, exponent = number(power.left), number(power.right)
+        if not (isinstance(exponent, float) or (
+                isinstance(exponent, int) and abs(exponent) <= SMALL_EXPONENT and base is not None)):
+            return f"`**` on line {power.lineno}"
+    return None
+
+
 def check_template_bounds(tokenizer, template_kwargs: dict[str, Any], name: str = "the tokenizer") -> None:
     """HsxError (one line) for a template whose render of a two-message conversation of a few words runs past the
     render bounds: it would on every row."""
+    templates = getattr(tokenizer, "chat_template", None)
+    for source in (templates.values() if isinstance(templates, dict) else [templates]):
+        where = unbounded_power(source) if isinstance(source, str) else None
+        if where:
+            raise HsxError(f"the chat template of {name} raises a number to a power that is not a small constant "
+                           f"({where}): one such step can run for hours and nothing can interrupt it, so hsx does "
+                           "not render it")
     try:
         _render(tokenizer, [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}], None,
                 False, template_kwargs)
