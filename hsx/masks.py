@@ -144,15 +144,18 @@ def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any
 
 
 SMALL_EXPONENT = 64  # `b ** e` of two literal numbers, e this small: fast for any literal b (4,300 digits at most)
+MAX_REPEAT = 10**8  # `s * n` with a literal n above this: one allocation of gigabytes, whatever s is
 
 
-def unbounded_power(source: str) -> str | None:
-    """Where a chat template raises a number to a power that is not a small constant (None: nowhere). An integer
+def unbounded_step(source: str) -> str | None:
+    """Where a chat template raises a number to a power that is not a small constant, or repeats something a
+    literal number of times above MAX_REPEAT (None: nowhere). An integer
     power is one step of C code whose time grows with the exponent (`10 ** 100000000` runs for minutes, and a
     constant one already while the template compiles), and a power of a variable can be a power of a power: no timer
     can stop it, so such a template is refused before its first render. What passes: literal numbers to a small
-    literal power, and anything to a float power (a float, or an OverflowError at once). Templates of the model
-    families use no `**`."""
+    literal power, and anything to a float power (a float, or an OverflowError at once). Likewise `'x' * 10**10` is
+    one allocation of 10 GB before any bound on the render's length can look. Templates of the model families use
+    neither."""
     import jinja2
     import jinja2.ext
     from jinja2 import nodes
@@ -171,10 +174,15 @@ def unbounded_power(source: str) -> str | None:
     except (jinja2.TemplateError, RecursionError):  # transformers names a template it cannot read, per row
         return None
 
-    def number(node):  # a literal number (with its sign), else None
+    def number(node):  # a literal number (with its sign, or a literal power that passes), else None
         sign = 1
         while isinstance(node, (nodes.Neg, nodes.Pos)):
             sign, node = (-sign if isinstance(node, nodes.Neg) else sign), node.node
+        if isinstance(node, nodes.Pow):
+            base, exponent = number(node.left), number(node.right)
+            small = (isinstance(exponent, int) and abs(exponent) <= SMALL_EXPONENT and isinstance(base, int)
+                     and abs(base).bit_length() * abs(exponent) <= 1 << 16 and (base or exponent >= 0))
+            return sign * base ** exponent if small else None
         value = node.value if isinstance(node, nodes.Const) else None
         return sign * value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -183,6 +191,10 @@ def unbounded_power(source: str) -> str | None:
         if not (isinstance(exponent, float) or (
                 isinstance(exponent, int) and abs(exponent) <= SMALL_EXPONENT and base is not None)):
             return f"`**` on line {power.lineno}"
+    for product in tree.find_all(nodes.Mul):
+        for factor in (number(product.left), number(product.right)):
+            if isinstance(factor, int) and abs(factor) > MAX_REPEAT:
+                return f"`*` by {factor:.3g} on line {product.lineno}"
     return None
 
 
@@ -191,11 +203,11 @@ def check_template_bounds(tokenizer, template_kwargs: dict[str, Any], name: str 
     render bounds: it would on every row."""
     templates = getattr(tokenizer, "chat_template", None)
     for source in (templates.values() if isinstance(templates, dict) else [templates]):
-        where = unbounded_power(source) if isinstance(source, str) else None
+        where = unbounded_step(source) if isinstance(source, str) else None
         if where:
-            raise HsxError(f"the chat template of {name} raises a number to a power that is not a small constant "
-                           f"({where}): one such step can run for hours and nothing can interrupt it, so hsx does "
-                           "not render it")
+            raise HsxError(f"the chat template of {name} has a step without a bound ({where}: a power that is not a "
+                           f"small constant, or a repetition above {MAX_REPEAT:.0e}): one such step can run for hours "
+                           "or take all memory and nothing can interrupt it, so hsx does not render it")
     try:
         _render(tokenizer, [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}], None,
                 False, template_kwargs)

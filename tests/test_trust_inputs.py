@@ -200,21 +200,24 @@ def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
                                    "{{ 2 ** (messages[0].content | length * 100000000) }}",  # from the data
                                    "{%- set n = 10 ** 60 %}{%- set n = n ** 60 %}{%- set n = n ** 60 %}"
                                    "{{ n ** 60 }}",  # powers of powers through a variable
-                                   "{{ (3 ** 40) ** 40 }}"])
-def test_a_template_raising_to_an_unbounded_power_is_refused_before_it_renders(power):
+                                   "{{ (((10 ** 60) ** 60) ** 60) ** 60 }}",
+                                   "{{ 'x' * 10 ** 10 }}", "{{ [0] * 10000000000 }}"])  # gigabytes in one step
+def test_a_template_with_an_unbounded_step_is_refused_before_it_renders(power):
     # One integer power is one step of C code that no timer interrupts (`10 ** 100000000` ran for minutes).
     tok = family("qwen3", power + QWEN3)
-    with pytest.raises(HsxError, match=r"power that is not a small constant \(`\*\*` on line 1\)"):
+    with pytest.raises(HsxError, match=r"a step without a bound \(`\*\*?`.* on line 1: "):
         masks.derive_chat_format(tok, {}, name="evil")
     tok.chat_template = {"default": QWEN3, "tool_use": power + QWEN3}  # every named template is read
     with pytest.raises(HsxError, match="small constant"):
         masks.check_template_bounds(tok, {}, name="evil")
+    assert masks.unbounded_step(power + QWEN3).startswith("`*")
 
 
 def test_small_constant_powers_render_as_before():
     tok = family("qwen3", "{%- set unit = 2 ** 10 %}{%- set half = 2 ** -1 %}{%- set root = messages | length ** 0.5 %}"
                           + QWEN3)
-    assert masks.unbounded_power(tok.chat_template) is None
+    assert masks.unbounded_step(tok.chat_template) is None
+    assert masks.unbounded_step("{{ '-' * 2 ** 20 }}{{ messages[0].content * 3000000 }}") is None
     plain = masks.derive_chat_format(family("qwen3", QWEN3), {})
     assert masks.derive_chat_format(tok, {}) == plain
 
