@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -62,6 +63,7 @@ def _key(path: Path, st: os.stat_result) -> str:
 # How much older than the start of its hashing a file's mtime and ctime must be for its entry to count: the
 # coarsest timestamp granularity of common filesystems (FAT: 2 s), plus a second of clock skew for a network one.
 RACY_NS = 3_000_000_000
+MAX_CACHE_BYTES = 256 << 20  # ~1M entries of ~250 bytes; a larger file is not the cache hsx writes
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _entries_since: contextvars.ContextVar[int | None] = contextvars.ContextVar("hsx_digests_since", default=None)
 
@@ -80,10 +82,18 @@ def fresh_digests_only(since_ns: int):
 def _read_cache() -> dict[str, dict[str, Any]]:
     """The cache's well-formed entries: {key: {"sha256": 64 hex digits, "hashed_at_ns": int}}. Anything else in
     it (a null, a digest of the wrong length, an entry of an earlier format, a file that is not JSON) is no entry."""
-    try:
-        data = json.loads(cache_file().read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}  # no cache yet, or a damaged one: hash again
+    try:  # without waiting on a FIFO, and only a regular file of a sane size (else: no cache, hash again)
+        fd = os.open(cache_file(), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return {}  # no cache yet
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CACHE_BYTES:
+            return {}
+        try:
+            data = json.loads(f.read(MAX_CACHE_BYTES))
+        except (OSError, ValueError, RecursionError):
+            return {}  # a damaged cache: hash again
     if not isinstance(data, dict):
         return {}
     return {k: v for k, v in data.items() if isinstance(k, str) and _well_formed(v)}

@@ -267,7 +267,7 @@ def _make_class():
             self.position.setdefault(unit, 0)
             if self.position[unit] >= n:
                 return
-            ds = Dataset.from_file(str(self.out.data / rec["file"]))
+            ds = self._open_unit(rec)
             if len(ds) != n:
                 raise HsxError(f"{self.out.data / rec['file']} holds {len(ds)} rows, its manifest line says {n}")
             if self.rows == "torch":
@@ -279,6 +279,30 @@ def _make_class():
                 row = get(i)
                 self.position[unit] = i + 1  # handed out: in the next state_dict()
                 yield row
+
+        def _open_unit(self, rec: dict[str, Any]):
+            """The unit's file mapped, if it is the regular file its manifest line describes: opened through no link
+            (a unit swapped for a link would read a file outside the output), of the recorded size, and its name
+            still leading to that file once mapped."""
+            from datasets import Dataset
+
+            from hsx.sink import open_regular
+
+            path = self.out.data / rec["file"]
+            fd = open_regular(path)
+            try:
+                st = os.fstat(fd)
+                if st.st_size != rec["bytes"]:
+                    raise HsxError(f"{path} holds {st.st_size:,} bytes, its manifest line says {rec['bytes']:,}")
+                ds = Dataset.from_file(str(path))
+                try:
+                    os.close(open_regular(path, (st.st_dev, st.st_ino)))
+                except (HsxError, OSError):
+                    raise HsxError(f"{path} changed while it was being opened; hsx reads only the files it "
+                                   "checked") from None
+                return ds
+            finally:
+                os.close(fd)
 
         def _layout(self):
             from hsx.load import _Layout, layer_positions

@@ -109,6 +109,22 @@ def test_consumed_units_are_done_and_resume_from_the_ledger(tmp_path, fault_refe
         g.load_state_dict({**state, "position": {}})
 
 
+def test_follow_reads_no_unit_swapped_for_a_link_or_cut_short(tmp_path, fault_reference):
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    unit = sorted((out / "data").glob("train-*.arrow"))[0]
+    outside = tmp_path / "secret.arrow"
+    shutil.copyfile(unit, outside)  # the same bytes, outside the output: only the link gives it away
+    unit.unlink()
+    unit.symlink_to(outside)
+    with pytest.raises(HsxError, match="symbolic link"):
+        list(hsx.follow(out, rows="dict", commit="manual"))
+    unit.unlink()
+    unit.write_bytes(outside.read_bytes()[:-8])
+    with pytest.raises(HsxError, match="bytes, not|its manifest line says"):
+        list(hsx.follow(out, rows="dict", commit="manual"))
+
+
 def test_follow_refuses_dataloader_workers(fault_reference):
     loader = torch.utils.data.DataLoader(hsx.follow(fault_reference.out, commit="manual"), num_workers=1,
                                          collate_fn=hsx.collate)

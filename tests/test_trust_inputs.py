@@ -83,6 +83,7 @@ def test_a_missing_offline_hub_dataset_says_what_and_where(tmp_path, model4):
 
 import hashlib  # noqa: E402
 import shutil  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from hsx import fingerprint  # noqa: E402
@@ -117,6 +118,19 @@ def test_a_damaged_cache_file_is_a_miss(tmp_path, digest_cache, content):
     digest_cache.parent.mkdir(parents=True)
     digest_cache.write_text(content)
     assert fingerprint.file_digests([f]) == [(3, hashlib.sha256(b"abc").hexdigest())]
+
+
+def test_a_fifo_as_the_cache_file_is_a_miss_not_a_hang(tmp_path, digest_cache):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"abc")
+    digest_cache.parent.mkdir(parents=True)
+    os.mkfifo(digest_cache)  # nobody writes it: a plain read would wait forever
+    done = []
+    t = threading.Thread(target=lambda: done.append(fingerprint.file_digests([f])), daemon=True)
+    t.start()
+    t.join(20)
+    assert done == [[(3, hashlib.sha256(b"abc").hexdigest())]]
+    assert digest_cache.is_file()  # the digest was saved over it, as a regular file
 
 
 def test_a_file_rewritten_within_a_coarse_clock_tick_is_read_again(tmp_path, digest_cache, monkeypatch):
