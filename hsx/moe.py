@@ -24,6 +24,10 @@ With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renorm
 13 µs at 16k tokens × 128 experts on an H200, against 148 µs for transformers' softmax + `torch.topk` + division).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
+FP8 experts (the `-FP8` checkpoints' e4m3 experts with 128×128 block scales, transformers' FP8Experts) run block-scaled
+FP8 in the same path (`fp8_experts_forward`: tokens quantized per 1×128 block, two Triton kernels after vLLM's
+fused_moe_kernel with use_fp8_w8a8; on CPU tensors their torch reference, one expert dequantized at a time). The
+kernels are not yet checked on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
 
 `use_experts(base, name)` switches a loaded model's experts implementation, like `use_packing` for attention.
 """
@@ -435,7 +439,8 @@ def _fp8_experts_form(module: torch.nn.Module) -> bool:
             or list(getattr(module, "block_size", None) or []) != [fp8.BLOCK, fp8.BLOCK]
             or getattr(module, "activation_scheme", None) != "dynamic"):
         return False
-    if gu.dim() != 3 or dn.dim() != 3 or dn.dtype != fp8.FP8_DTYPE or gs.dtype != torch.float32 != ds.dtype:
+    if (gu.dim() != 3 or dn.dim() != 3 or dn.dtype != fp8.FP8_DTYPE or gs.dtype != torch.float32
+            or ds.dtype != torch.float32 or gu.stride(-1) != 1 or dn.stride(-1) != 1):  # (the kernels' K steps)
         return False
     experts, two_width, hidden = gu.shape
     width = two_width // 2
@@ -460,7 +465,7 @@ def fp8_gate_up_activation(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tens
     """(pairs, width) in out_dtype: row r is pair p = order[r] (token p // k) through expert e (rows
     offsets[e-1]:offsets[e]): silu(x @ G_eᵀ) · (x @ U_eᵀ), x = the token's e4m3 row xq[p // k] times its 1×128 block
     scales xs[p // k] (`hsx.fp8.fp8_quantize`), [G_e; U_e] = gate_up[e] (2·width, hidden) e4m3 times its 128×128 block
-    scales gate_up_scale[e]. On CUDA one Triton kernel (`_fp8_gate_up_kernel`); elsewhere the reference
+    scales gate_up_scale[e]. On CUDA one Triton kernel (`fp8_gate_up_kernel`); elsewhere the reference
     (`_fp8_gate_up_reference`), one expert's weights dequantized at a time."""
     if xq.is_cuda and order.shape[0]:
         return _fp8_gate_up_cuda(xq, xs, order.contiguous(), offsets.contiguous(), gate_up, gate_up_scale, k,

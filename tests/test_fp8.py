@@ -448,6 +448,11 @@ def _save_fp8_moe_checkpoint(folder, kind, seed=0):
     return folder, model
 
 
+def _emulated_fp8_experts_linear(self, x, w, ws, activation_scale=None):
+    """transformers' FP8Experts.linear (one expert's FP8 product), its maths emulated in float32."""
+    return _emulated_fp8_linear_forward(SimpleNamespace(weight=w, weight_scale_inv=ws, bias=None), x)
+
+
 def _load_fp8_as_stored_on_cpu(folder, monkeypatch):
     """transformers' load of the checkpoint as on a GPU (FP8Linear / FP8Experts modules holding the e4m3 tensors,
     the per-expert keys fused into its (E, 2·width, hidden) layout), here on CPU: it dequantizes whenever it sees
@@ -480,10 +485,7 @@ def test_fp8_experts_run_in_hsx_grouped_path_and_equal_transformers_fp8_maths(tm
     assert len(experts) == 2 and experts[0].gate_up_proj.dtype == torch.float8_e4m3fn
     assert all(moe._fp8_experts_form(m) for m in experts)
 
-    def emulated_linear(self, x, w, ws, activation_scale=None):
-        return _emulated_fp8_linear_forward(SimpleNamespace(weight=w, weight_scale_inv=ws, bias=None), x)
-
-    monkeypatch.setattr(hf_fp8.FP8Experts, "linear", emulated_linear)
+    monkeypatch.setattr(hf_fp8.FP8Experts, "linear", _emulated_fp8_experts_linear)
     ids = torch.randint(3, 500, (2, 37), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         moe.use_experts(model, "eager")
@@ -550,10 +552,14 @@ def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
     """`--shape qwen3-30b-a3b-fp8` is an FP8 MoE config; its random experts are built e4m3 with block scales, in
     the form hsx's FP8 experts path runs (built here on CPU at a tiny size)."""
     from hsx import moe
-    from hsx.cost import is_fp8, shape_config
+    from hsx.cost import is_fp8, job_plan, shape_config
 
     c = shape_config("qwen3-30b-a3b-fp8")
     assert is_fp8(c) and c.num_experts == 128
+    # unmeasured: planned no faster than the bf16 checkpoint
+    fast, slow = (job_plan(None, {"layers": "eagle3"}, shape=s, tokens=10**9)
+                  for s in ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b"))
+    assert fast["expected_seconds"] >= 0.99 * slow["expected_seconds"]
     tiny = _moe_config("qwen3_moe")
     tiny.quantization_config = dict(OFFICIAL)
     causal = fp8.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
@@ -602,3 +608,47 @@ def test_fp8_expert_kernels_equal_the_reference(tokens):
     z = moe.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.bfloat16)
     z_ref = moe.fp8_grouped_down(*(t.cpu() for t in (aq, a_s, order, offsets, w, dq, ds)), torch.bfloat16)
     assert _rel(z.cpu(), z_ref) < 1e-2, _rel(z.cpu(), z_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores")
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_fp8_moe_states_equal_transformers_fp8_forward(tmp_path, kind):
+    """On CUDA hsx loads the FP8 MoE checkpoint as stored and runs its experts on the FP8 kernels: its states (eager
+    and padded, one row at a time) are as close to transformers' own FP8 forward as the dense test asks."""
+    import transformers
+
+    from hsx import moe
+    from hsx.model import kernel_report, load_model
+
+    device = torch.device("cuda", 0)
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
+    loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[0, 1],
+                                      dtype="bfloat16", compile="off"), device)
+    moe.use_experts(loaded.base, moe.EXPERTS_IMPLEMENTATION)
+    report = kernel_report(loaded.base)["quantization"]
+    assert report["experts"] == "hsx fp8 grouped (triton)" and report["fp8_experts"] == 2, report
+    ref = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16).eval()
+    rng = np.random.default_rng(0)
+    got, want = [], []
+    with torch.inference_mode():
+        for n in (17, 200, 5):
+            ids = torch.from_numpy(rng.integers(3, 500, n))[None].to(device)
+            got.append(torch.cat(loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[1:3], -1))
+            try:
+                out = ref(input_ids=ids, output_hidden_states=True)
+            except (ImportError, RuntimeError):  # its FP8 kernels come from the Hub (`kernels`): offline, emulated
+                from transformers.integrations import finegrained_fp8 as hf_fp8
+
+                for m in ref.modules():
+                    if type(m).__name__ == "FP8Linear":
+                        m.forward = _emulated_fp8_linear_forward.__get__(m)
+                    elif isinstance(m, hf_fp8.FP8Experts):
+                        m.linear = _emulated_fp8_experts_linear.__get__(m)
+                moe.use_experts(ref, "eager")  # (the loop that calls `linear`)
+                out = ref(input_ids=ids, output_hidden_states=True)
+            want.append(torch.cat(out.hidden_states[1:3], -1))
+    rel = _rel(torch.cat(got, 1), torch.cat(want, 1))
+    print(f"hsx FP8 experts vs transformers' FP8 forward ({kind}): relative error {rel:.2e}")
+    assert rel < 1e-2, rel
