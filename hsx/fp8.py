@@ -16,7 +16,8 @@ than bf16 on an H200: a fallback). In a compiled layer, projections of one input
 quantization (`compile_options`' pass merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the
 pass that computes it (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus
 ~0.17 ms of quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
-model's dtype at load and that runs instead (`runs_instead`).
+model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
+hsx.moe's grouped path (`fp8_experts_forward`).
 """
 
 from __future__ import annotations
