@@ -35,6 +35,7 @@ kernels are not yet checked on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -467,7 +468,7 @@ def fp8_gate_up_activation(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tens
     scales xs[p // k] (`hsx.fp8.fp8_quantize`), [G_e; U_e] = gate_up[e] (2·width, hidden) e4m3 times its 128×128 block
     scales gate_up_scale[e]. On CUDA one Triton kernel (`fp8_gate_up_kernel`); elsewhere the reference
     (`_fp8_gate_up_reference`), one expert's weights dequantized at a time."""
-    if xq.is_cuda and order.shape[0]:
+    if xq.is_cuda and order.shape[0] and _fp8_kernels_take(gate_up, gate_up_scale, "gate_up"):
         return _fp8_gate_up_cuda(xq, xs, order.contiguous(), offsets.contiguous(), gate_up, gate_up_scale, k,
                                  out_dtype)
     return _fp8_gate_up_reference(xq, xs, order, offsets, gate_up, gate_up_scale, k, out_dtype)
@@ -487,7 +488,7 @@ def fp8_grouped_down(aq: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, o
     e4m3 values and 1×128 block scales (`hsx.fp8.fp8_quantize`, rows may be padded). The routing weight scales the
     float32 product, as transformers' FP8 experts scale their output. On CUDA one Triton kernel; elsewhere the
     reference."""
-    if aq.is_cuda and order.shape[0]:
+    if aq.is_cuda and order.shape[0] and _fp8_kernels_take(down, down_scale, "down"):
         return _fp8_down_cuda(aq, a_s, order.contiguous(), offsets.contiguous(), weights.contiguous(), down,
                               down_scale, out_dtype)
     return _fp8_down_reference(aq, a_s, order, offsets, weights, down, down_scale, out_dtype)
@@ -496,6 +497,48 @@ def fp8_grouped_down(aq: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, o
 @fp8_grouped_down.register_fake
 def _(aq, a_s, order, offsets, weights, down, down_scale, out_dtype):
     return aq.new_empty((order.shape[0], down.shape[1]), dtype=out_dtype)
+
+
+_FP8_KERNEL_CHECKS: dict[tuple, bool] = {}  # (device, op, weight shape) → the kernel agreed with the reference
+
+
+def _fp8_kernels_take(w: torch.Tensor, ws: torch.Tensor, op: str) -> bool:
+    """Whether the Triton kernel runs `op` ("gate_up" or "down") for experts of this weight shape: on its first
+    call for (device, shape), 192 tokens routed 2 each over the first experts of these very weights must agree with
+    the reference (relative error < 1e-2), else (a compile error, a wrong result) one warning and the reference
+    runs from then on: slow, never wrong."""
+    key = (w.device.index, op, *w.shape)
+    if key not in _FP8_KERNEL_CHECKS:
+        experts, n, hidden = w.shape
+        k, tokens = 2, 192
+        g = torch.Generator(device=w.device).manual_seed(1)
+        width = n // 2 if op == "gate_up" else hidden
+        x = torch.randn(tokens, hidden if op == "gate_up" else width, device=w.device, generator=g,
+                        dtype=torch.bfloat16)
+        xq, xs = fp8.fp8_quantize(x)
+        used = min(experts, 3)
+        offsets = torch.full((experts,), tokens * k, device=w.device, dtype=torch.int64)
+        offsets[:used] = torch.arange(1, used + 1, device=w.device) * (tokens * k // used)
+        offsets[used - 1] = tokens * k
+        order = torch.randperm(tokens * k, device=w.device, generator=g)
+        try:
+            if op == "gate_up":
+                want = _fp8_gate_up_reference(xq, xs, order, offsets, w, ws, k, torch.float32)
+                got = _fp8_gate_up_cuda(xq, xs, order, offsets, w, ws, k, torch.float32)
+            else:
+                weights = torch.rand(tokens, k, device=w.device, generator=g)
+                xq, xs = fp8.fp8_quantize(x.repeat_interleave(k, 0))  # one row per pair, as after gate/up
+                want = _fp8_down_reference(xq, xs, order, offsets, weights, w, ws, torch.float32)
+                got = _fp8_down_cuda(xq, xs, order, offsets, weights, w, ws, torch.float32)
+            ok = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
+            why = "its product differs from the reference"
+        except Exception as e:  # noqa: BLE001  (a Triton compile or launch error on this GPU)
+            ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if not ok:
+            warnings.warn(f"hsx: the FP8 experts' {op} kernel failed its check on {w.device} ({why}); experts of "
+                          "this shape run the slow reference (one expert dequantized at a time)", stacklevel=2)
+        _FP8_KERNEL_CHECKS[key] = ok
+    return _FP8_KERNEL_CHECKS[key]
 
 
 def _dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

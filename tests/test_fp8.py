@@ -652,3 +652,24 @@ def test_fp8_moe_states_equal_transformers_fp8_forward(tmp_path, kind):
     rel = _rel(torch.cat(got, 1), torch.cat(want, 1))
     print(f"hsx FP8 experts vs transformers' FP8 forward ({kind}): relative error {rel:.2e}")
     assert rel < 1e-2, rel
+
+
+def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_reference(monkeypatch):
+    from hsx import moe
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4, 256, 256, generator=g).flatten(0, 1))
+    gate_up, gate_up_scale = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    with pytest.warns(UserWarning, match="gate_up kernel failed its check on cpu .*slow reference"):
+        assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # no Triton kernel runs on CPU tensors
+    assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # decided once: no second warning
+    # a kernel that computes the reference passes; one that is off by 5% does not
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe, "_fp8_gate_up_cuda", moe._fp8_gate_up_reference)
+    assert moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
+    down, down_scale = fp8.quantize_weight(torch.randn(4 * 256, 128, generator=g))
+    down, down_scale = down.view(4, 256, 128), down_scale.view(4, 2, 1)
+    monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
+    with pytest.warns(UserWarning, match="down kernel failed its check .*differs from the reference"):
+        assert not moe._fp8_kernels_take(down, down_scale, "down")
