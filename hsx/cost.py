@@ -52,6 +52,9 @@ PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-
 # otherwise promise hundreds of GB/s of writes.
 WRITER_BYTES_PER_S = 4.79e9
 PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6%, qwen3.6-27b-fp8 51.4% (H200)
+# FP8 mixtures of experts, of the FP8 matmul rate: not measured yet, so planned at the bf16 MoE rate
+# (PLAN_MFU_MOE × 790 / 1419), no faster than the bf16 checkpoint
+PLAN_MFU_MOE_FP8 = 0.22
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
 
@@ -478,9 +481,10 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
 
 def plan_mfu(c) -> float:
     """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
-    the active parameters), PLAN_MFU_FP8 (of the FP8 rate) for an FP8 checkpoint, PLAN_MFU otherwise."""
+    the active parameters; PLAN_MFU_MOE_FP8 of the FP8 rate for an FP8 one), PLAN_MFU_FP8 (of the FP8 rate) for a
+    dense FP8 checkpoint, PLAN_MFU otherwise."""
     if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))):
-        return PLAN_MFU_MOE
+        return PLAN_MFU_MOE_FP8 if is_fp8(c) else PLAN_MFU_MOE
     return PLAN_MFU_FP8 if is_fp8(c) else PLAN_MFU
 
 

@@ -16,7 +16,8 @@ than bf16 on an H200: a fallback). In a compiled layer, projections of one input
 quantization (`compile_options`' pass merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the
 pass that computes it (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus
 ~0.17 ms of quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
-model's dtype at load and that runs instead (`runs_instead`).
+model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
+hsx.moe's grouped path (`fp8_experts_forward`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hsx.errors import HsxError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
 BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
+FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
 SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
 # The official `-FP8` checkpoints' quantization_config (the layout hsx's kernels run)
 CHECKPOINT_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
@@ -124,8 +126,9 @@ def runs_instead(quant: Fp8Config, device: torch.device) -> str | None:
         return None
     if quant.blocker() is None:
         return (f"hsx: FP8 checkpoint, {why}: transformers dequantizes its weights at load and the linear layers "
-                "run in the model's dtype, without activation quantization (states differ from FP8 serving by that)")
-    return f"hsx: FP8 checkpoint with {why}: its linear layers run on transformers' FP8 forward"
+                "(and experts, if any) run in the model's dtype, without activation quantization (states differ "
+                "from FP8 serving by that)")
+    return f"hsx: FP8 checkpoint with {why}: its linear layers and experts run on transformers' FP8 forward"
 
 
 # ---- the maths (CPU and CUDA alike) ------------------------------------------------------------------------------
@@ -601,7 +604,17 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
         how = "transformers fp8"
     else:
         how = "dequantized by transformers"
-    return {**quant.record(), "linear": how, "fp8_linears": len(mods)}
+    out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
+    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
+    if experts:
+        ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
+        held = [m for m in experts if getattr(m, "gate_up_proj", getattr(m, "up_proj", None)) is not None
+                and getattr(m, "gate_up_proj", getattr(m, "up_proj", None)).dtype == FP8_DTYPE]
+        on_cuda = bool(ours) and ours[0].gate_up_proj.is_cuda
+        out["experts"] = (f"hsx fp8 grouped ({'triton' if on_cuda else 'torch reference'})" if ours
+                          else "transformers fp8" if held else "dequantized by transformers")
+        out["fp8_experts"] = len(ours)
+    return out
 
 
 @contextmanager
@@ -668,10 +681,13 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
                                    requires_grad=False) if lin.bias is not None else None)
         decoder.set_submodule(name, Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
                                               torch.nn.Parameter(s, requires_grad=False), bias))
+    for m in decoder.modules():
+        if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate"):
+            _random_fp8_experts(m, device, std)
     _materialize(causal, device)
     with torch.no_grad():
         for name, p in causal.named_parameters():
-            if p.dtype == FP8_DTYPE or name.endswith("weight_scale_inv"):
+            if p.dtype == FP8_DTYPE or name.endswith("_scale_inv"):
                 continue
             if p.dim() == 1:
                 p.fill_(1.0 if "norm" in name else 0.0)
@@ -679,10 +695,32 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
                 p.normal_(0.0, std)
     for name, m in list(causal.named_modules()):  # buffers computed at init (rotary frequencies): build anew
         if "rotary" in type(m).__name__.lower():
-            causal.set_submodule(name, type(m)(config=m.config, device=device))
+            with torch.device(device):  # (some rotary classes take no device argument: Qwen3-MoE's)
+                causal.set_submodule(name, type(m)(config=m.config))
     causal.config.quantization_config = dict(CHECKPOINT_QUANTIZATION)
     fuse_gated_mlps(decoder)
     return causal
+
+
+def _random_fp8_experts(experts: torch.nn.Module, device: torch.device, std: float) -> None:
+    """Give a (meta) experts module of transformers' fused layout (gate_up_proj (E, 2·width, hidden), down_proj
+    (E, hidden, width), no bias) random e4m3 weights and 128×128 block scales, FP8Experts' tensors under its names,
+    built one expert at a time on `device`: what hsx.moe's FP8 path runs (`use_experts` checks the form)."""
+    if (not getattr(experts, "has_gate", False) or getattr(experts, "has_bias", True)
+            or getattr(experts, "is_transposed", True)):
+        from hsx.errors import HsxError
+
+        raise HsxError(f"random FP8 experts need transformers' fused gate/up layout, not {type(experts).__name__}'s")
+    for name in ("gate_up_proj", "down_proj"):
+        shape = getattr(experts, name).shape
+        q = torch.empty(shape, device=device, dtype=FP8_DTYPE)
+        s = torch.empty(shape[0], math.ceil(shape[1] / BLOCK), math.ceil(shape[2] / BLOCK), device=device,
+                        dtype=torch.float32)
+        for e in range(shape[0]):
+            q[e], s[e] = quantize_weight(torch.randn(shape[1:], device=device, dtype=torch.bfloat16) * std)
+        setattr(experts, name, torch.nn.Parameter(q, requires_grad=False))
+        setattr(experts, name + "_scale_inv", torch.nn.Parameter(s, requires_grad=False))
+    experts.block_size, experts.activation_scheme = [BLOCK, BLOCK], "dynamic"
 
 
 def _materialize(module: torch.nn.Module, device: torch.device) -> None:

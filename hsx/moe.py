@@ -24,6 +24,10 @@ With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renorm
 13 µs at 16k tokens × 128 experts on an H200, against 148 µs for transformers' softmax + `torch.topk` + division).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
+FP8 experts (the `-FP8` checkpoints' e4m3 experts with 128×128 block scales, transformers' FP8Experts) run block-scaled
+FP8 in the same path (`fp8_experts_forward`: tokens quantized per 1×128 block, two Triton kernels after vLLM's
+fused_moe_kernel with use_fp8_w8a8; on CPU tensors their torch reference, one expert dequantized at a time). The
+kernels are not yet checked on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
 
 `use_experts(base, name)` switches a loaded model's experts implementation, like `use_packing` for attention.
 """
@@ -31,8 +35,11 @@ tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+
+from hsx import fp8
 
 EXPERTS_IMPLEMENTATION = "hsx_grouped"  # our name in transformers' ExpertsInterface (one of config.EXPERTS_CHOICES)
 
@@ -331,13 +338,33 @@ def _clamped_gate(module: torch.nn.Module) -> tuple[float, float] | None:
     return float(alpha), float(limit)
 
 
-def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward signature: (tokens, hidden), (tokens, k) expert ids, (tokens, k) weights."""
-    if getattr(self, "_is_expert_parallel", False):
+def _holds_fp8(module: torch.nn.Module) -> bool:
+    w = getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", None)
+    return isinstance(w, torch.Tensor) and w.element_size() == 1
+
+
+def _transformers_forward(self: torch.nn.Module, hidden_states, top_k_index, top_k_weights):
+    """transformers' own grouped forward for experts hsx's does not run (expert-parallel sentinels; e4m3 experts of
+    another layout): its FP8 one for e4m3 weights where this transformers has it, else the class's own loop."""
+    if not _holds_fp8(self):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+        forward = ALL_FP8_EXPERTS_FUNCTIONS["grouped_mm"]
+    except (ImportError, KeyError):
+        forward = type(self).forward.__wrapped__  # the class's forward before transformers' dispatch wrapped it
+    return forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward signature: (tokens, hidden), (tokens, k) expert ids, (tokens, k) weights."""
+    fp8_path = getattr(self, FP8_EXPERTS, False)
+    if getattr(self, "_is_expert_parallel", False) or (not fp8_path and _holds_fp8(self)):
+        return _transformers_forward(self, hidden_states, top_k_index, top_k_weights)
     tokens = hidden_states.shape[0]
     k = top_k_index.shape[-1]
     experts = int(self.num_experts)
@@ -348,6 +375,11 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     expert_of_pair, order = torch.sort(top_k_index.reshape(-1).to(key_dtype), stable=True)
     bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
+    if fp8_path:  # e4m3 experts: both products block-scaled FP8, the routing weight in the down one
+        z = fp8_experts_forward(self, hidden_states, order, offsets, top_k_weights, k)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return sum_pairs(z, inverse, k).to(dtype)
     post_norm = getattr(self, "has_post_expert_norm", False)
     if (getattr(self, FUSED_GATE_UP, False) and hidden_states.is_cuda and hidden_states.dtype in FUSED_DTYPES
             and self.gate_up_proj.dtype == dtype):  # up and gate projection, activation, routing weight: one kernel
@@ -387,6 +419,302 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     # Back to token order and the sum of a token's k outputs, in one pass (as a sum(dim=1) it became an Inductor
     # reduction 7x under memory bandwidth: 19% of a Qwen3-30B-A3B layer's GPU time on an H200).
     return sum_pairs(z, inverse, k, extra).to(dtype)
+
+
+# ---- FP8 experts (the official `-FP8` MoE checkpoints) --------------------------------------------------------------
+
+FP8_EXPERTS = fp8.FP8_EXPERTS  # set on an experts module by use_experts: its e4m3 experts run as below
+
+
+def _fp8_experts_form(module: torch.nn.Module) -> bool:
+    """Whether an experts module holds e4m3 experts hsx's FP8 path runs: transformers' FP8Experts layout (gate_up_proj
+    (E, 2·width, hidden) and down_proj (E, hidden, width) float8_e4m3fn, float32 scales per 128×128 block,
+    (E, 2·width/128, hidden/128) and (E, hidden/128, width/128)), dynamic activations, no bias, no norm after the
+    experts, and SiLU(gate)·up (checked by running its `_apply_gate` on a probe)."""
+    gu, gs = getattr(module, "gate_up_proj", None), getattr(module, "gate_up_proj_scale_inv", None)
+    dn, ds = getattr(module, "down_proj", None), getattr(module, "down_proj_scale_inv", None)
+    if not all(isinstance(t, torch.Tensor) for t in (gu, gs, dn, ds)) or gu.dtype != fp8.FP8_DTYPE:
+        return False
+    if (not getattr(module, "has_gate", False) or getattr(module, "has_bias", True)
+            or getattr(module, "has_post_expert_norm", False) or getattr(module, "is_transposed", True)
+            or list(getattr(module, "block_size", None) or []) != [fp8.BLOCK, fp8.BLOCK]
+            or getattr(module, "activation_scheme", None) != "dynamic"):
+        return False
+    if (gu.dim() != 3 or dn.dim() != 3 or dn.dtype != fp8.FP8_DTYPE or gs.dtype != torch.float32
+            or ds.dtype != torch.float32 or gu.stride(-1) != 1 or dn.stride(-1) != 1):  # (the kernels' K steps)
+        return False
+    experts, two_width, hidden = gu.shape
+    width = two_width // 2
+    if (width % fp8.BLOCK or hidden % fp8.BLOCK or tuple(dn.shape) != (experts, hidden, width)
+            or tuple(gs.shape) != (experts, two_width // fp8.BLOCK, hidden // fp8.BLOCK)
+            or tuple(ds.shape) != (experts, hidden // fp8.BLOCK, width // fp8.BLOCK)):
+        return False
+    probe = torch.linspace(-6.0, 6.0, 64, dtype=torch.float64).reshape(2, 32)
+    try:
+        got = module._apply_gate(probe)
+    except Exception:  # noqa: BLE001 - a gate of another form: not this path's
+        return False
+    gate, up = probe.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+@torch.library.custom_op("hsx::fp8_gate_up_activation", mutates_args=())
+def fp8_gate_up_activation(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor, k: int,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    """(pairs, width) in out_dtype: row r is pair p = order[r] (token p // k) through expert e (rows
+    offsets[e-1]:offsets[e]): silu(x @ G_eᵀ) · (x @ U_eᵀ), x = the token's e4m3 row xq[p // k] times its 1×128 block
+    scales xs[p // k] (`hsx.fp8.fp8_quantize`), [G_e; U_e] = gate_up[e] (2·width, hidden) e4m3 times its 128×128 block
+    scales gate_up_scale[e]. On CUDA one Triton kernel (`fp8_gate_up_kernel`); elsewhere the reference
+    (`_fp8_gate_up_reference`), one expert's weights dequantized at a time."""
+    if xq.is_cuda and order.shape[0] and _fp8_kernels_take(gate_up, gate_up_scale, "gate_up"):
+        return _fp8_gate_up_cuda(xq, xs, order.contiguous(), offsets.contiguous(), gate_up, gate_up_scale, k,
+                                 out_dtype)
+    return _fp8_gate_up_reference(xq, xs, order, offsets, gate_up, gate_up_scale, k, out_dtype)
+
+
+@fp8_gate_up_activation.register_fake
+def _(xq, xs, order, offsets, gate_up, gate_up_scale, k, out_dtype):
+    return xq.new_empty((order.shape[0], gate_up.shape[1] // 2), dtype=out_dtype)
+
+
+@torch.library.custom_op("hsx::fp8_grouped_down", mutates_args=())
+def fp8_grouped_down(aq: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                     weights: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """(pairs, hidden) in out_dtype: row r = (aq[r] · a_s[r]) @ D_eᵀ · weights.flat[order[r]] for the expert e whose
+    rows hold r, D_e = down[e] (hidden, width) e4m3 times its 128×128 block scales down_scale[e]; aq, a_s the rows'
+    e4m3 values and 1×128 block scales (`hsx.fp8.fp8_quantize`, rows may be padded). The routing weight scales the
+    float32 product, as transformers' FP8 experts scale their output. On CUDA one Triton kernel; elsewhere the
+    reference."""
+    if aq.is_cuda and order.shape[0] and _fp8_kernels_take(down, down_scale, "down"):
+        return _fp8_down_cuda(aq, a_s, order.contiguous(), offsets.contiguous(), weights.contiguous(), down,
+                              down_scale, out_dtype)
+    return _fp8_down_reference(aq, a_s, order, offsets, weights, down, down_scale, out_dtype)
+
+
+@fp8_grouped_down.register_fake
+def _(aq, a_s, order, offsets, weights, down, down_scale, out_dtype):
+    return aq.new_empty((order.shape[0], down.shape[1]), dtype=out_dtype)
+
+
+_FP8_KERNEL_CHECKS: dict[tuple, bool] = {}  # (device, op, weight shape) → the kernel agreed with the reference
+
+
+def _fp8_kernels_take(w: torch.Tensor, ws: torch.Tensor, op: str) -> bool:
+    """Whether the Triton kernel runs `op` ("gate_up" or "down") for experts of this weight shape: on its first
+    call for (device, shape), 192 tokens routed 2 each over the first experts of these very weights must agree with
+    the reference (relative error < 1e-2), else (a compile error, a wrong result) one warning and the reference
+    runs from then on: slow, never wrong."""
+    key = (w.device.index, op, *w.shape)
+    if key not in _FP8_KERNEL_CHECKS:
+        experts, n, hidden = w.shape
+        k, tokens = 2, 192
+        g = torch.Generator(device=w.device).manual_seed(1)
+        width = n // 2 if op == "gate_up" else hidden
+        x = torch.randn(tokens, hidden if op == "gate_up" else width, device=w.device, generator=g,
+                        dtype=torch.bfloat16)
+        xq, xs = fp8.fp8_quantize(x)
+        used = min(experts, 3)
+        offsets = torch.full((experts,), tokens * k, device=w.device, dtype=torch.int64)
+        offsets[:used] = torch.arange(1, used + 1, device=w.device) * (tokens * k // used)
+        offsets[used - 1] = tokens * k
+        order = torch.randperm(tokens * k, device=w.device, generator=g)
+        try:
+            if op == "gate_up":
+                want = _fp8_gate_up_reference(xq, xs, order, offsets, w, ws, k, torch.float32)
+                got = _fp8_gate_up_cuda(xq, xs, order, offsets, w, ws, k, torch.float32)
+            else:
+                weights = torch.rand(tokens, k, device=w.device, generator=g)
+                xq, xs = fp8.fp8_quantize(x.repeat_interleave(k, 0))  # one row per pair, as after gate/up
+                want = _fp8_down_reference(xq, xs, order, offsets, weights, w, ws, torch.float32)
+                got = _fp8_down_cuda(xq, xs, order, offsets, weights, w, ws, torch.float32)
+            ok = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
+            why = "its product differs from the reference"
+        except Exception as e:  # noqa: BLE001  (a Triton compile or launch error on this GPU)
+            ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if not ok:
+            warnings.warn(f"hsx: the FP8 experts' {op} kernel failed its check on {w.device} ({why}); experts of "
+                          "this shape run the slow reference (one expert dequantized at a time)", stacklevel=2)
+        _FP8_KERNEL_CHECKS[key] = ok
+    return _FP8_KERNEL_CHECKS[key]
+
+
+def _dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 (M, K) = e4m3 (M, K) times its (M, K/128) 1×128 block scales."""
+    m, k = q.shape
+    return (q.float().view(m, k // fp8.BLOCK, fp8.BLOCK) * scale.float()[:m].unsqueeze(-1)).view(m, k)
+
+
+def _fp8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """float32 (pairs, N): rows offsets[e-1]:offsets[e] of the float32 x times expert e's dequantized (N, K) weight,
+    one expert at a time (a layer's experts are never all dequantized at once: memory stays one expert's)."""
+    out = x.new_zeros((x.shape[0], w.shape[1]), dtype=torch.float32)
+    ends = offsets.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = x[start:end] @ fp8.dequantize_weight(w[e], ws[e], torch.float32).t()
+        start = end
+    return out
+
+
+def _fp8_gate_up_reference(xq, xs, order, offsets, gate_up, gate_up_scale, k, out_dtype):
+    x = _dequantized_rows(xq, xs).index_select(0, order // k)
+    gate, up = _fp8_grouped_reference(x, offsets, gate_up, gate_up_scale).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(out_dtype)
+
+
+def _fp8_down_reference(aq, a_s, order, offsets, weights, down, down_scale, out_dtype):
+    z = _fp8_grouped_reference(_dequantized_rows(aq, a_s)[:order.shape[0]], offsets, down, down_scale)
+    return (z * weights.reshape(-1)[order].float().unsqueeze(1)).to(out_dtype)
+
+
+def fp8_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, order: torch.Tensor,
+                        offsets: torch.Tensor, top_k_weights: torch.Tensor, k: int) -> torch.Tensor:
+    """The pairs' outputs (pairs in expert order, hidden) of e4m3 experts, as the serving engines compute them:
+    each token quantized once per 1×128 block (shared by its k pairs), the gate/up product, SiLU(gate)·up, that
+    quantized per 1×128 block, the down product, times the routing weight."""
+    xq, xs = fp8.fp8_quantize(hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous())
+    y = fp8_gate_up_activation(xq, xs, order, offsets, self.gate_up_proj, self.gate_up_proj_scale_inv, k,
+                               hidden_states.dtype)
+    aq, a_s = fp8.fp8_quantize(y)
+    return fp8_grouped_down(aq, a_s, order, offsets, top_k_weights, self.down_proj, self.down_proj_scale_inv,
+                            hidden_states.dtype)
+
+
+# One program's tile: 64 pairs × 128 columns (one 128-column scale block of the gate and the same of the up
+# projection), 128 of the hidden dimension a step (one scale block), 4 warps, 3 stages: vLLM's default for block FP8
+# (`get_default_config` with block_shape [128, 128]). Unmeasured on hsx's shapes.
+FP8_ROWS, FP8_WARPS, FP8_STAGES = 64, 4, 3
+
+
+def _fp8_tiles(pairs: int, experts: int, columns: int) -> tuple[int]:
+    """The launch grid: row tiles never straddle two experts, so at most ceil(pairs / rows) + experts of them (the
+    programs past the real count return at once), times the column tiles."""
+    return ((-(-pairs // FP8_ROWS) + experts) * (columns // 128),)
+
+
+def _fp8_gate_up_cuda(xq, xs, order, offsets, gate_up, gate_up_scale, k, out_dtype):
+    pairs, (experts, two_width, hidden) = order.shape[0], gate_up.shape
+    width = two_width // 2
+    out = torch.empty(pairs, width, device=xq.device, dtype=out_dtype)
+    _fp8_kernels()[0][_fp8_tiles(pairs, experts, width)](
+        xq, xs, order, offsets, gate_up, gate_up_scale, out, pairs, xq.stride(0), xs.stride(0), xs.stride(1),
+        gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        gate_up_scale.stride(2), K=k, E=experts, EP=_next_power_of_2(experts), HIDDEN=hidden, WIDTH=width,
+        BM=FP8_ROWS, num_warps=FP8_WARPS, num_stages=FP8_STAGES)
+    return out
+
+
+def _fp8_down_cuda(aq, a_s, order, offsets, weights, down, down_scale, out_dtype):
+    pairs, (experts, hidden, width) = order.shape[0], down.shape
+    out = torch.empty(pairs, hidden, device=aq.device, dtype=out_dtype)
+    _fp8_kernels()[1][_fp8_tiles(pairs, experts, hidden)](
+        aq, a_s, order, offsets, weights, down, down_scale, out, pairs, aq.stride(0), a_s.stride(0), a_s.stride(1),
+        down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), down_scale.stride(2),
+        E=experts, EP=_next_power_of_2(experts), HIDDEN=hidden, WIDTH=width, BM=FP8_ROWS, num_warps=FP8_WARPS,
+        num_stages=FP8_STAGES)
+    return out
+
+
+@functools.cache
+def _fp8_kernels():
+    import triton
+    import triton.language as tl
+
+    # After vLLM's fused_moe_kernel with use_fp8_w8a8 and block_shape [128, 128]
+    # (vllm/model_executor/layers/fused_moe/fused_moe.py, Apache-2.0): A rows by token index, a_scale per (row,
+    # K block), b_scale per (expert, N block, K block), each K step of 128 one scale block whose partial product is
+    # scaled by a_scale · b_scale before it is accumulated in float32. Here without per-expert padding (the tile
+    # table from the experts' end offsets, as `gate_up_kernel`), and with SiLU(gate)·up, or the routing weight, in
+    # the epilogue.
+    @triton.jit
+    def expert_tile(offsets, tile, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+        """(expert, first row, end row) of row tile `tile`; expert == E past the real tiles."""
+        e = tl.arange(0, EP)
+        ends = tl.load(offsets + e, mask=e < E, other=0)
+        starts = tl.load(offsets + e - 1, mask=(e > 0) & (e < E), other=0)
+        tiles = (ends - starts + BM - 1) // BM
+        expert = tl.sum((tl.cumsum(tiles, 0) <= tile).to(tl.int32), 0)
+        first_tile = tl.sum(tl.where(e < expert, tiles, 0), 0)
+        row0 = tl.sum(tl.where(e == expert, starts, 0), 0) + (tile - first_tile) * BM
+        end = tl.sum(tl.where(e == expert, ends, 0), 0)
+        return expert, row0, end
+
+    @triton.jit(do_not_specialize=["pairs"])
+    def fp8_gate_up_kernel(xq, xs, order, offsets, w, ws, out, pairs, stride_x, stride_xs_m, stride_xs_k,
+                           stride_we, stride_wn, stride_se, stride_sn, stride_sk, K: tl.constexpr, E: tl.constexpr,
+                           EP: tl.constexpr, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, BM: tl.constexpr):
+        BN: tl.constexpr = 128
+        BK: tl.constexpr = 128
+        pid = tl.program_id(0)
+        tile = pid // (WIDTH // BN)
+        column_tile = pid % (WIDTH // BN)
+        expert, row0, end = expert_tile(offsets, tile, E, EP, BM)
+        if expert >= E:
+            return
+        rows = row0 + tl.arange(0, BM)
+        live = rows < end
+        rows = tl.minimum(rows, end - 1)
+        token = (tl.load(order + rows).to(tl.int64)) // K
+        steps = tl.arange(0, BK)
+        columns = column_tile * BN + tl.arange(0, BN)
+        a_ptr = xq + token[:, None] * stride_x + steps[None, :]
+        as_ptr = xs + token * stride_xs_m
+        w_e = w + expert.to(tl.int64) * stride_we
+        g_ptr = w_e + columns[None, :].to(tl.int64) * stride_wn + steps[:, None]
+        u_ptr = g_ptr + WIDTH * stride_wn
+        s_e = ws + expert.to(tl.int64) * stride_se
+        sg_ptr = s_e + column_tile * stride_sn
+        su_ptr = s_e + (WIDTH // BN + column_tile) * stride_sn
+        gate = tl.zeros([BM, BN], dtype=tl.float32)
+        up = tl.zeros([BM, BN], dtype=tl.float32)
+        for i in range(HIDDEN // BK):
+            a = tl.load(a_ptr)
+            sa = tl.load(as_ptr + i * stride_xs_k)
+            gate += tl.dot(a, tl.load(g_ptr)) * (sa[:, None] * tl.load(sg_ptr + i * stride_sk))
+            up += tl.dot(a, tl.load(u_ptr)) * (sa[:, None] * tl.load(su_ptr + i * stride_sk))
+            a_ptr += BK
+            g_ptr += BK
+            u_ptr += BK
+        y = gate * tl.sigmoid(gate) * up
+        tl.store(out + rows.to(tl.int64)[:, None] * WIDTH + columns[None, :], y.to(out.dtype.element_ty),
+                 mask=live[:, None])
+
+    @triton.jit(do_not_specialize=["pairs"])
+    def fp8_down_kernel(aq, a_s, order, offsets, weights, w, ws, out, pairs, stride_a, stride_as_m, stride_as_k,
+                        stride_we, stride_wn, stride_se, stride_sn, stride_sk, E: tl.constexpr, EP: tl.constexpr,
+                        HIDDEN: tl.constexpr, WIDTH: tl.constexpr, BM: tl.constexpr):
+        BN: tl.constexpr = 128
+        BK: tl.constexpr = 128
+        pid = tl.program_id(0)
+        tile = pid // (HIDDEN // BN)
+        column_tile = pid % (HIDDEN // BN)
+        expert, row0, end = expert_tile(offsets, tile, E, EP, BM)
+        if expert >= E:
+            return
+        rows = row0 + tl.arange(0, BM)
+        live = rows < end
+        rows = tl.minimum(rows, end - 1).to(tl.int64)
+        steps = tl.arange(0, BK)
+        columns = column_tile * BN + tl.arange(0, BN)
+        a_ptr = aq + rows[:, None] * stride_a + steps[None, :]
+        as_ptr = a_s + rows * stride_as_m
+        b_ptr = w + expert.to(tl.int64) * stride_we + columns[None, :].to(tl.int64) * stride_wn + steps[:, None]
+        sb_ptr = ws + expert.to(tl.int64) * stride_se + column_tile * stride_sn
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for i in range(WIDTH // BK):
+            sa = tl.load(as_ptr + i * stride_as_k)
+            acc += tl.dot(tl.load(a_ptr), tl.load(b_ptr)) * (sa[:, None] * tl.load(sb_ptr + i * stride_sk))
+            a_ptr += BK
+            b_ptr += BK
+        weight = tl.load(weights + tl.load(order + rows)).to(tl.float32)
+        acc = acc * weight[:, None]
+        tl.store(out + rows[:, None] * HIDDEN + columns[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+
+    return fp8_gate_up_kernel, fp8_down_kernel
 
 
 @torch.library.custom_op("hsx::route_topk", mutates_args=())
@@ -542,6 +870,11 @@ def register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, grouped_experts_forward)
+    try:  # FP8 experts (FP8Experts) dispatch through an interface of their own
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:
+        return
+    ALL_FP8_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, grouped_experts_forward)
 
 
 def has_experts(base: torch.nn.Module) -> bool:
@@ -571,6 +904,7 @@ def use_experts(base: torch.nn.Module, name: str | None) -> None:
     for m in base.modules():
         if _dispatched(m):
             setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m))
+            setattr(m, FP8_EXPERTS, name == EXPERTS_IMPLEMENTATION and _fp8_experts_form(m))
     if name == EXPERTS_IMPLEMENTATION:
         register()
     configs = {id(m.config): m.config for m in base.modules() if _dispatched(m) and getattr(m, "config", None)}

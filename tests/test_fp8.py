@@ -381,3 +381,295 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ---- FP8 experts (MoE) --------------------------------------------------------------------------------------------
+
+def _moe_config(kind: str):
+    import transformers as T
+
+    common = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  num_experts=8, num_experts_per_tok=3, moe_intermediate_size=128, tie_word_embeddings=False,
+                  max_position_embeddings=4096)
+    if kind == "qwen3_moe":
+        return T.Qwen3MoeConfig(**common, num_hidden_layers=2, intermediate_size=384, norm_topk_prob=True)
+    return T.Qwen3_5MoeTextConfig(**common, num_hidden_layers=2, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+                                  linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  shared_expert_intermediate_size=128,
+                                  layer_types=["linear_attention", "full_attention"])
+
+
+MOE_KINDS = ["qwen3_moe"] + (["qwen3_5_moe_text"] if hasattr(__import__("transformers"), "Qwen3_5MoeTextConfig")
+                             else [])
+
+
+def _save_fp8_moe_checkpoint(folder, kind, seed=0):
+    """A small random MoE quantized the official way: each expert's gate_proj / up_proj / down_proj stored as its own
+    e4m3 weight with 128×128 block scales (the `-FP8` checkpoints' per-expert keys), the router and the shared
+    expert's gate in bf16 (`modules_to_not_convert`); also the float32 model of the dequantized weights."""
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = _moe_config(kind)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    width = cfg.moe_intermediate_size
+    state = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, STD * 3)
+        for name, t in model.state_dict().items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                prefix = name.rsplit(".", 1)[0]
+                for e in range(t.shape[0]):
+                    parts = ({"gate_proj": slice(0, width), "up_proj": slice(width, 2 * width)}
+                             if name.endswith("gate_up_proj") else {"down_proj": slice(None)})
+                    for part, rows in parts.items():
+                        q, s = official_quantize(t[e, rows])
+                        state[f"{prefix}.{e}.{part}.weight"], state[f"{prefix}.{e}.{part}.weight_scale_inv"] = q, s
+                        model.get_parameter(name)[e, rows] = fp8.dequantize_weight(q, s, torch.float32)
+            elif (name.endswith(".weight") and ".layers." in name and t.dim() == 2 and t.shape[0] % 128 == 0
+                  and not name.endswith("mlp.gate.weight")):
+                q, s = official_quantize(t)
+                state[name], state[name.rsplit(".", 1)[0] + ".weight_scale_inv"] = q, s
+                model.get_parameter(name).copy_(fp8.dequantize_weight(q, s, torch.float32))
+            else:
+                state[name] = t.to(torch.bfloat16).contiguous()
+                if name in dict(model.named_parameters()):
+                    model.get_parameter(name).copy_(state[name].float())
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    # (Gated DeltaNet's in_proj_a / in_proj_b, one row per head, stay bf16 too: no 128-row block)
+    config["quantization_config"] = dict(OFFICIAL, modules_to_not_convert=["lm_head", "mlp.gate", "shared_expert_gate",
+                                                                             "in_proj_a", "in_proj_b"])
+    config["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, model
+
+
+def _emulated_fp8_experts_linear(self, x, w, ws, activation_scale=None):
+    """transformers' FP8Experts.linear (one expert's FP8 product), its maths emulated in float32."""
+    return _emulated_fp8_linear_forward(SimpleNamespace(weight=w, weight_scale_inv=ws, bias=None), x)
+
+
+def _load_fp8_as_stored_on_cpu(folder, monkeypatch):
+    """transformers' load of the checkpoint as on a GPU (FP8Linear / FP8Experts modules holding the e4m3 tensors,
+    the per-expert keys fused into its (E, 2·width, hidden) layout), here on CPU: it dequantizes whenever it sees
+    no CUDA device, so the test tells it there is one during the load."""
+    import transformers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    model = transformers.AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    monkeypatch.undo()
+    for m in model.modules():  # transformers' FP8 GEMM is a CUDA kernel: its maths emulated (as on CUDA above)
+        if type(m).__name__ == "FP8Linear":
+            m.forward = _emulated_fp8_linear_forward.__get__(m)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_fp8_experts_run_in_hsx_grouped_path_and_equal_transformers_fp8_maths(tmp_path, monkeypatch, kind):
+    """The checkpoint's experts as transformers loads them for a GPU (e4m3, block scales) run through hsx's grouped
+    FP8 path (on CPU its torch reference, one expert dequantized at a time): the states equal transformers' own
+    FP8 experts forward (its eager loop, the FP8 GEMM's maths emulated in float32)."""
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    from hsx import moe
+
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
+    model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
+    experts = [m for m in model.modules() if isinstance(m, hf_fp8.FP8Experts)]
+    assert len(experts) == 2 and experts[0].gate_up_proj.dtype == torch.float8_e4m3fn
+    assert all(moe._fp8_experts_form(m) for m in experts)
+
+    monkeypatch.setattr(hf_fp8.FP8Experts, "linear", _emulated_fp8_experts_linear)
+    ids = torch.randint(3, 500, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        moe.use_experts(model, "eager")
+        want = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states[1:])
+        moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
+        assert all(getattr(m, fp8.FP8_EXPERTS) for m in experts)
+        got = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states[1:])
+    assert want.abs().max() > 0.1
+    assert _rel(got, want) < 1e-3, _rel(got, want)
+    report = fp8.report(model, fp8.quantization_of(model.config))
+    assert report["experts"] == "hsx fp8 grouped (torch reference)" and report["fp8_experts"] == 2
+
+
+def test_fp8_expert_ops_are_the_block_scaled_products():
+    """The two ops against the maths written out per pair: x quantized per 1×128 block, each expert's weight
+    dequantized per 128×128 block."""
+    from hsx import moe
+
+    torch.manual_seed(7)
+    experts, hidden, width, k, tokens = 4, 256, 256, 2, 9
+    gu = torch.randn(experts, 2 * width, hidden) * 0.05
+    dn = torch.randn(experts, hidden, width) * 0.05
+    gq, gs = zip(*(fp8.quantize_weight(g) for g in gu))
+    dq, ds = zip(*(fp8.quantize_weight(d) for d in dn))
+    gq, gs, dq, ds = (torch.stack(t) for t in (gq, gs, dq, ds))
+    x = torch.randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts - 1)[:k] for _ in range(tokens)])  # expert 3: no rows
+    w = torch.rand(tokens, k)
+    expert_of_pair, order = torch.sort(ids.reshape(-1), stable=True)
+    offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1), out_int32=True)
+    xq, xs = fp8.fp8_quantize(x)
+    y = moe.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.float32)
+    aq, a_s = fp8.fp8_quantize(y)
+    z = moe.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.float32)
+    for r, p in enumerate(order.tolist()):
+        e, t = ids.reshape(-1)[p].item(), p // k
+        xr = fp8.reference_mm(*fp8.quantize_activation(x[t:t + 1]), gq[e], gs[e], torch.float32)
+        want_y = torch.nn.functional.silu(xr[:, :width]) * xr[:, width:]
+        torch.testing.assert_close(y[r:r + 1], want_y, rtol=1e-5, atol=1e-6)
+        want_z = fp8.reference_mm(*fp8.quantize_activation(y[r:r + 1]), dq[e], ds[e], torch.float32) * w.reshape(-1)[p]
+        torch.testing.assert_close(z[r:r + 1], want_z, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fp8_moe_checkpoint_loads_on_cpu_dequantized(tmp_path, capsys):
+    """On CPU transformers dequantizes the experts too: the states equal the float32 model of the dequantized
+    weights, the line says so, and hsx.json's report names it."""
+    from hsx.model import kernel_report, load_model
+
+    folder, causal = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
+    loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1],
+                                      dtype="float32", compile="off"), torch.device("cpu"))
+    report = kernel_report(loaded.base)["quantization"]
+    assert report["experts"] == "dequantized by transformers" and report["fp8_experts"] == 0
+    assert "experts" in fp8.runs_instead(fp8.quantization_of(loaded.text_config), torch.device("cpu"))
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        got = loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[1]
+        want = causal.model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    assert _rel(got, want) < 1e-3
+
+
+def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
+    """`--shape qwen3-30b-a3b-fp8` is an FP8 MoE config; its random experts are built e4m3 with block scales, in
+    the form hsx's FP8 experts path runs (built here on CPU at a tiny size)."""
+    from hsx import moe
+    from hsx.cost import is_fp8, job_plan, shape_config
+
+    c = shape_config("qwen3-30b-a3b-fp8")
+    assert is_fp8(c) and c.num_experts == 128
+    # unmeasured: planned no faster than the bf16 checkpoint
+    fast, slow = (job_plan(None, {"layers": "eagle3"}, shape=s, tokens=10**9)
+                  for s in ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b"))
+    assert fast["expected_seconds"] >= 0.99 * slow["expected_seconds"]
+    tiny = _moe_config("qwen3_moe")
+    tiny.quantization_config = dict(OFFICIAL)
+    causal = fp8.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
+    experts = [m for m in causal.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and all(m.gate_up_proj.dtype == torch.float8_e4m3fn and m.down_proj_scale_inv.shape == (8, 2, 1)
+                           for m in experts)
+    moe.use_experts(causal, moe.EXPERTS_IMPLEMENTATION)
+    assert all(getattr(m, fp8.FP8_EXPERTS) for m in experts)
+    assert type(causal.model.layers[0].mlp.gate).__name__.endswith("Router")  # the router stays bf16
+    with torch.inference_mode():
+        out = causal.model(input_ids=torch.arange(3, 40)[None]).last_hidden_state
+    assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores")
+@pytest.mark.parametrize("tokens", [1, 333, 4096])
+def test_fp8_expert_kernels_equal_the_reference(tokens):
+    """The Triton FP8 experts kernels against their torch reference (the same ops on CPU tensors), at
+    Qwen3-30B-A3B's expert shape (hidden 2048, width 768, 128 experts, top-8), some experts without rows."""
+    from hsx import moe
+
+    device = torch.device("cuda", 0)
+    g = torch.Generator(device=device).manual_seed(0)
+    experts, hidden, width, k = 128, 2048, 768, 8
+    gq = torch.empty(experts, 2 * width, hidden, device=device, dtype=torch.float8_e4m3fn)
+    gs = torch.empty(experts, 2 * width // 128, hidden // 128, device=device)
+    dq = torch.empty(experts, hidden, width, device=device, dtype=torch.float8_e4m3fn)
+    ds = torch.empty(experts, hidden // 128, width // 128, device=device)
+    for e in range(experts):
+        gq[e], gs[e] = fp8.quantize_weight(torch.randn(2 * width, hidden, device=device, generator=g) * 0.02)
+        dq[e], ds[e] = fp8.quantize_weight(torch.randn(hidden, width, device=device, generator=g) * 0.02)
+    x = torch.randn(tokens, hidden, device=device, generator=g, dtype=torch.bfloat16)
+    ids = torch.rand(tokens, experts - 5, device=device, generator=g).topk(k, dim=-1).indices  # 5 experts idle
+    w = torch.rand(tokens, k, device=device, generator=g).bfloat16()
+    expert_of_pair, order = torch.sort(ids.reshape(-1).to(torch.int16), stable=True)
+    offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1, device=device, dtype=torch.int16),
+                                 out_int32=True)
+    xq, xs = fp8.fp8_quantize(x)
+    y = moe.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.bfloat16)
+    cpu = [t.cpu() for t in (xq, xs, order, offsets, gq, gs)]
+    y_ref = moe.fp8_gate_up_activation(*cpu, k, torch.bfloat16)
+    assert _rel(y.cpu(), y_ref) < 1e-2, _rel(y.cpu(), y_ref)
+    aq, a_s = fp8.fp8_quantize(y)
+    z = moe.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.bfloat16)
+    z_ref = moe.fp8_grouped_down(*(t.cpu() for t in (aq, a_s, order, offsets, w, dq, ds)), torch.bfloat16)
+    assert _rel(z.cpu(), z_ref) < 1e-2, _rel(z.cpu(), z_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores")
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_fp8_moe_states_equal_transformers_fp8_forward(tmp_path, kind):
+    """On CUDA hsx loads the FP8 MoE checkpoint as stored and runs its experts on the FP8 kernels: its states (eager
+    and padded, one row at a time) are as close to transformers' own FP8 forward as the dense test asks."""
+    import transformers
+
+    from hsx import moe
+    from hsx.model import kernel_report, load_model
+
+    device = torch.device("cuda", 0)
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
+    loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[0, 1],
+                                      dtype="bfloat16", compile="off"), device)
+    moe.use_experts(loaded.base, moe.EXPERTS_IMPLEMENTATION)
+    report = kernel_report(loaded.base)["quantization"]
+    assert report["experts"] == "hsx fp8 grouped (triton)" and report["fp8_experts"] == 2, report
+    ref = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16).eval()
+    rng = np.random.default_rng(0)
+    got, want = [], []
+    with torch.inference_mode():
+        for n in (17, 200, 5):
+            ids = torch.from_numpy(rng.integers(3, 500, n))[None].to(device)
+            got.append(torch.cat(loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[1:3], -1))
+            try:
+                out = ref(input_ids=ids, output_hidden_states=True)
+            except (ImportError, RuntimeError):  # its FP8 kernels come from the Hub (`kernels`): offline, emulated
+                from transformers.integrations import finegrained_fp8 as hf_fp8
+
+                for m in ref.modules():
+                    if type(m).__name__ == "FP8Linear":
+                        m.forward = _emulated_fp8_linear_forward.__get__(m)
+                    elif isinstance(m, hf_fp8.FP8Experts):
+                        m.linear = _emulated_fp8_experts_linear.__get__(m)
+                moe.use_experts(ref, "eager")  # (the loop that calls `linear`)
+                out = ref(input_ids=ids, output_hidden_states=True)
+            want.append(torch.cat(out.hidden_states[1:3], -1))
+    rel = _rel(torch.cat(got, 1), torch.cat(want, 1))
+    print(f"hsx FP8 experts vs transformers' FP8 forward ({kind}): relative error {rel:.2e}")
+    assert rel < 1e-2, rel
+
+
+def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_reference(monkeypatch):
+    from hsx import moe
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4, 256, 256, generator=g).flatten(0, 1))
+    gate_up, gate_up_scale = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    with pytest.warns(UserWarning, match="gate_up kernel failed its check on cpu .*slow reference"):
+        assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # no Triton kernel runs on CPU tensors
+    assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # decided once: no second warning
+    # a kernel that computes the reference passes; one that is off by 5% does not
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe, "_fp8_gate_up_cuda", moe._fp8_gate_up_reference)
+    assert moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
+    down, down_scale = fp8.quantize_weight(torch.randn(4 * 256, 128, generator=g))
+    down, down_scale = down.view(4, 256, 128), down_scale.view(4, 2, 1)
+    monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
+    with pytest.warns(UserWarning, match="down kernel failed its check .*differs from the reference"):
+        assert not moe._fp8_kernels_take(down, down_scale, "down")
