@@ -286,20 +286,16 @@ def _make_class():
             still leading to that file once mapped."""
             from datasets import Dataset
 
-            from hsx.sink import open_regular
+            from hsx.sink import open_regular, still_the_file
 
             path = self.out.data / rec["file"]
             fd = open_regular(path)
             try:
-                st = os.fstat(fd)
-                if st.st_size != rec["bytes"]:
-                    raise HsxError(f"{path} holds {st.st_size:,} bytes, its manifest line says {rec['bytes']:,}")
+                size = os.fstat(fd).st_size
+                if size != rec["bytes"]:
+                    raise HsxError(f"{path} holds {size:,} bytes, its manifest line says {rec['bytes']:,}")
                 ds = Dataset.from_file(str(path))
-                try:
-                    os.close(open_regular(path, (st.st_dev, st.st_ino)))
-                except (HsxError, OSError):
-                    raise HsxError(f"{path} changed while it was being opened; hsx reads only the files it "
-                                   "checked") from None
+                still_the_file(path, fd)
                 return ds
             finally:
                 os.close(fd)

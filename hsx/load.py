@@ -127,19 +127,13 @@ def open_checked_files(out, files: list[Path]):
     without following a link and compared with what was approved (`OutputDir.open_unit`) before it is mapped, and
     its name checked to still lead to that file after, so a unit swapped for a link out of the output (or another
     file) between the check and the mapping is refused (HsxError), not read."""
-    from hsx.config import HsxError
-    from hsx.sink import open_regular
+    from hsx.sink import still_the_file
 
     fds = [out.open_unit(f) for f in files]
     try:
         ds = open_arrow_files(files)
         for f, fd in zip(files, fds):
-            st = os.fstat(fd)
-            try:
-                os.close(open_regular(f, (st.st_dev, st.st_ino)))
-            except (HsxError, OSError):
-                raise HsxError(f"{f} changed while it was being opened (it is no longer the file hsx checked); hsx "
-                               "reads only the files it checked") from None
+            still_the_file(f, fd)
         return ds
     finally:
         for fd in fds:

@@ -954,6 +954,17 @@ def open_regular(path: Path, expect: tuple[int, int] | None = None) -> int:
     return fd
 
 
+def still_the_file(path: Path, fd: int) -> None:
+    """HsxError unless `path` still leads, through no link, to the regular file open as `fd`: called after a
+    library has opened the file again by name (datasets maps by path), so a swap in between is refused."""
+    st = os.fstat(fd)
+    try:
+        os.close(open_regular(path, (st.st_dev, st.st_ino)))
+    except (HsxError, OSError):
+        raise HsxError(f"{path} changed while it was being opened (it is no longer the file hsx checked); hsx "
+                       "reads only the files it checked") from None
+
+
 def file_crc32(path: Path, fd: int | None = None) -> str:
     """CRC-32 of each 256 MiB chunk of a file, ":"-joined, computed by a few threads (`crc32` releases the GIL).
     The file is opened once (`open_regular`: no link followed) and every chunk read from that fd (`fd`: one the
