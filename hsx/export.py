@@ -328,6 +328,10 @@ def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: boo
     record = _read_record(dest)
     d = _read_journal(dest, record["token"]) if record else _Dest(dest, "", {})
     foreign, temps = _scan(dest, d.files, record and record["token"], dirs)
+    changed = [rel for rel in foreign if rel in d.files]  # written as a file, now a folder or a link
+    if changed:
+        raise ValueError(f"{dest}: {changed[0]} is not the file this export wrote ({JOURNAL} records a file, "
+                         "this is a folder or a link); move it away, or delete it to have it written again")
     if foreign:
         raise _not_written_here(dest, foreign[0])
     same = record is not None and {k: record.get(k) for k in want} == want

@@ -74,6 +74,9 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
     missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
+    used_up = out.used_up([r for r in records.values() if r["file"] in missing]) if missing else None
+    if used_up:
+        raise VerifyFailed(used_up)
     problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
     if problems:
         raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))
