@@ -325,14 +325,29 @@ def _yaml_int(loader, node):
 _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
 
 
+def read_small_file(path: str, limit: int, what: str) -> bytes:
+    """At most `limit` + 1 bytes of a file the user named, which must be a regular file: opened without waiting
+    (a FIFO there would block forever, a device never end), HsxError in one line otherwise."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise HsxError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HsxError(f"{what} {path} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(limit + 1)
+        except OSError as e:
+            raise HsxError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
 def read_recipe(path: str) -> dict[str, Any]:
     """A YAML recipe's keys, each parsed to its declared type; HsxError (one line, naming the file) for a file
     that is not UTF-8 YAML, not a mapping, or has an unknown key or a wrong value."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as e:
-        raise HsxError(f"cannot read config {path}: {e.strerror or e}") from None
+    blob = read_small_file(path, MAX_RECIPE_BYTES, "config")
     if len(blob) > MAX_RECIPE_BYTES:
         raise HsxError(f"config {path}: over {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a small YAML file")
     try:
