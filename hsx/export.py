@@ -371,7 +371,11 @@ def _claimed(out_dir, dest, dirs: re.Pattern) -> Path:
         foreign, _ = _scan(dest, {}, None, dirs)
         if foreign:
             raise _not_written_here(dest, foreign[0])
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only file system, a parent that is a file, /proc
+        raise ValueError(f"cannot create {dest}: {e.strerror or e}; export into a folder this user can write") \
+            from None
     return dest
 
 

@@ -171,7 +171,7 @@ class OutputDir:
         A non-empty dir that hsx did not write is refused here, before anything (.hsx/) is created in it."""
         self.check_not_foreign()
         self.check_no_links()
-        self.state.mkdir(parents=True, exist_ok=True)
+        self._make_state()
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
         in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
         merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
@@ -191,10 +191,17 @@ class OutputDir:
         this exclusive lock is refused while any of them runs (and no job starts while it is held)."""
         self.check_not_foreign()
         self.check_no_links()
-        self.state.mkdir(parents=True, exist_ok=True)
+        self._make_state()
         running = f"{self.root} is in use by a running hsx job; {what} once it has finished"
         with _flock(self.state / "lock", fcntl.LOCK_EX, running), _flock(self.state / "busy", fcntl.LOCK_EX, running):
             yield
+
+    def _make_state(self) -> None:
+        try:
+            self.state.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only file system, a parent that is a file, /proc
+            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose an --output-dir this user "
+                           "can write") from None
 
     def check_no_links(self) -> None:
         """Refuse a dir where .hsx/, data/, hsx.json, README.md or anything under .hsx/ is a symbolic link: hsx
