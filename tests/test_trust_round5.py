@@ -226,3 +226,22 @@ def test_sigterm_ends_a_command_with_one_line_and_143(tmp_path):
     assert "Traceback" not in res.stderr
     assert [line for line in res.stderr.splitlines() if line.startswith("hsx: ")] == [
         "hsx: interrupted; finished units are kept: run the same command to continue"]
+
+
+def test_vocab_writes_through_no_planted_link_and_replaces_no_foreign_file(finished, tmp_path):
+    """`hsx vocab --dest D` opened D/.NAME.tmp with open(): a link planted there had its target overwritten; a
+    foreign d2t-K.npy in D was replaced without a word."""
+    from hsx.vocab import write_draft_vocab
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    target = tmp_path / "target"
+    target.write_text("SECRET")
+    os.symlink(target, dest / ".t2d-8.npy.tmp")
+    write_draft_vocab(finished, 8, dest, log=quiet)
+    assert target.read_text() == "SECRET" and (dest / "t2d-8.npy").is_file()
+    write_draft_vocab(finished, 8, dest, log=quiet)  # the same mapping again: fine
+    (dest / "d2t-16.npy").write_text("FOREIGN")
+    with pytest.raises(ValueError, match="is not this mapping"):
+        write_draft_vocab(finished, 16, dest, log=quiet)
+    assert (dest / "d2t-16.npy").read_text() == "FOREIGN"
