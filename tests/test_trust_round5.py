@@ -245,3 +245,10 @@ def test_vocab_writes_through_no_planted_link_and_replaces_no_foreign_file(finis
     with pytest.raises(ValueError, match="is not this mapping"):
         write_draft_vocab(finished, 16, dest, log=quiet)
     assert (dest / "d2t-16.npy").read_text() == "FOREIGN"
+
+
+def test_a_json_path_that_cannot_be_written_is_one_line(tmp_path, model4):
+    """`hsx plan --json` into a folder or under a missing parent was an OSError traceback."""
+    for dest in (tmp_path, tmp_path / "missing" / "plan.json"):
+        rc, _, err = hsx_main(["plan", "--model", str(model4.path), "--layers", "1", "--json", str(dest)])
+        assert rc == 1 and "cannot write --json" in one_error_line(err), err
