@@ -200,7 +200,11 @@ def _one_process_forwarding() -> Iterator[list[int]]:
             child.append(subprocess.Popen(cmd, env=env, start_new_session=True))
             for signum in pending:  # arrived before the process existed
                 forward(signum, None)
-            status.append(exit_code(child[0].wait()))
+            returncode = child[0].wait()
+            if returncode < 0:  # (a process that failed on its own printed its own line)
+                print(f"hsx: error: the process was killed by {_signal_name(-returncode)}; finished units are "
+                      "kept: run the same command to continue", file=sys.stderr)
+            status.append(exit_code(returncode))
         finally:
             for sig, h in previous.items():
                 signal.signal(sig, h)

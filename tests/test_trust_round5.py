@@ -252,3 +252,19 @@ def test_a_json_path_that_cannot_be_written_is_one_line(tmp_path, model4):
     for dest in (tmp_path, tmp_path / "missing" / "plan.json"):
         rc, _, err = hsx_main(["plan", "--model", str(model4.path), "--layers", "1", "--json", str(dest)])
         assert rc == 1 and "cannot write --json" in one_error_line(err), err
+
+
+def test_one_launched_process_killed_by_a_signal_is_named(monkeypatch, capsys):
+    """`hsx launch --num_processes 1` whose process was SIGKILLed (the OOM killer) exited 137 without a word."""
+    import accelerate.commands.launch as accelerate_launch
+    import accelerate.utils
+
+    from hsx import launch
+
+    cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    monkeypatch.setattr(accelerate.utils, "prepare_simple_launcher_cmd_env", lambda args: (cmd, dict(os.environ)))
+    with launch._one_process_forwarding() as status:
+        accelerate_launch.simple_launcher(None)
+    assert status == [137]
+    assert one_error_line(capsys.readouterr().err) == (
+        "hsx: error: the process was killed by SIGKILL; finished units are kept: run the same command to continue")
