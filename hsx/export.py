@@ -89,6 +89,9 @@ class _Source:
 
 
 def _source(out_dir) -> _Source:
+    if not os.path.lexists(Path(out_dir) / "hsx.json"):  # a job still running, interrupted, or not an output
+        raise ValueError(f"{out_dir} is not a finished hsx output (no hsx.json): finish the job (run the same "
+                         "`hsx extract` command) before exporting it")
     meta = read_info(out_dir)
     units = listed_files(meta)
     if not meta.complete or not units:

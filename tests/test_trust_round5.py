@@ -268,3 +268,11 @@ def test_one_launched_process_killed_by_a_signal_is_named(monkeypatch, capsys):
     assert status == [137]
     assert one_error_line(capsys.readouterr().err) == (
         "hsx: error: the process was killed by SIGKILL; finished units are kept: run the same command to continue")
+
+
+def test_exporting_a_running_or_foreign_dir_says_it_is_not_finished(tmp_path):
+    """It said 'cannot read OUT/hsx.json: No such file or directory' (a running job's dir, or a model folder)."""
+    (tmp_path / "running" / ".hsx").mkdir(parents=True)
+    with pytest.raises(ValueError, match="is not a finished hsx output \\(no hsx.json\\)"):
+        export_specforge(tmp_path / "running", tmp_path / "dest", layout="dflash", log=quiet)
+    assert not (tmp_path / "dest").exists()
