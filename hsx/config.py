@@ -385,7 +385,12 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
     """A relative path in a recipe that does not exist from the working directory but does from the recipe's
     folder is read from there (stored normalized: `recipes/../data/x.jsonl` -> `data/x.jsonl`). Anything else (a
-    path that exists here, an absolute path, a Hub id) is left as written."""
+    path that exists here, an absolute path, a Hub id) is left as written. `~/` starts at the home folder, as on
+    a command line (no Hub id starts with `~`; a folder literally named `~` in the working directory was made)."""
+    for key in ("model", "tokenizer", "dataset", "output_dir"):
+        v = values.get(key)
+        if isinstance(v, str) and (v == "~" or v.startswith("~/")):
+            values[key] = os.path.expanduser(v)
     for key in ("model", "tokenizer", "dataset"):
         v = values.get(key)
         if isinstance(v, str) and v and not os.path.isabs(v) and not _exists(v) and _exists(recipe_dir / v):

@@ -276,3 +276,15 @@ def test_exporting_a_running_or_foreign_dir_says_it_is_not_finished(tmp_path):
     with pytest.raises(ValueError, match="is not a finished hsx output \\(no hsx.json\\)"):
         export_specforge(tmp_path / "running", tmp_path / "dest", layout="dflash", log=quiet)
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_recipe_path_starting_with_tilde_is_under_home(tmp_path, monkeypatch):
+    """`output_dir: ~/out` in a recipe wrote into a folder literally named `~` in the working directory."""
+    from hsx.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("output_dir: ~/out\nmodel: ~/models/m\n")
+    cfg = load_config(str(recipe), {})
+    assert cfg.output_dir == str(tmp_path / "home" / "out") and cfg.model == str(tmp_path / "home" / "models" / "m")
