@@ -285,6 +285,6 @@ def test_a_recipe_path_starting_with_tilde_is_under_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("output_dir: ~/out\nmodel: ~/models/m\n")
+    recipe.write_text("output_dir: ~/out\nmodel: ~/models/m\ndataset: d.jsonl\nlayers: [1]\n")
     cfg = load_config(str(recipe), {})
     assert cfg.output_dir == str(tmp_path / "home" / "out") and cfg.model == str(tmp_path / "home" / "models" / "m")
