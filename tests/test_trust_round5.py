@@ -288,3 +288,16 @@ def test_a_recipe_path_starting_with_tilde_is_under_home(tmp_path, monkeypatch):
     recipe.write_text("output_dir: ~/out\nmodel: ~/models/m\ndataset: d.jsonl\nlayers: [1]\n")
     cfg = load_config(str(recipe), {})
     assert cfg.output_dir == str(tmp_path / "home" / "out") and cfg.model == str(tmp_path / "home" / "models" / "m")
+
+
+def test_verify_of_an_output_a_trainer_consumed_says_so(out):
+    """A unit hsx.follow deleted once consumed (delete_consumed) was 'in the manifest but missing' to verify,
+    while hsx.load said what happened."""
+    rec = json.loads(sorted((out / ".hsx").glob("manifest-*.jsonl"))[0].read_text().splitlines()[0])
+    (out / ".hsx" / "consumed-trainer.jsonl").write_text(json.dumps(
+        {"unit": rec["unit"], "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"], "row": rec["rows"],
+         "crc32": rec.get("crc32")}) + "\n")
+    (out / "data" / rec["file"]).unlink()
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    line = one_error_line(err)
+    assert rc == 1 and "deleted once a trainer consumed them" in line and "missing" not in line, line
