@@ -9,7 +9,11 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
 - ranks that fail (each printed its own `hsx: error: ...`) raise ChildFailedError: one line naming each failed rank
   and its exit status; exit with the first one's (1, 2; 128 + N for a rank killed by signal N).
 - one process (accelerate's plain subprocess): it runs in its own session, as the agent starts ranks, with the same
-  four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1).
+  four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1);
+  killed by a signal (the OOM killer's SIGKILL), one line names it.
+- refused in one line before any process starts: a --config_file (or accelerate's default one) that is missing,
+  not a regular file, not a mapping, uses YAML aliases or names a SageMaker job; fewer than 1 process, or more per
+  machine than it has cores; any other value accelerate rejects (its ValueError, not its traceback).
 """
 
 from __future__ import annotations
