@@ -11,7 +11,9 @@ or output dir; a failed verify): hsx.errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from hsx.config import FIELD_KINDS, FIELDS, default_of
 from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
@@ -195,10 +197,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
+    """SIGTERM (a scheduler's, `kill`) ends a command as Ctrl-C does: one line, exit 143, the same cleanup on the
+    way out, instead of a silent death by signal. Only where nothing handles it yet (left alone when ignored, as
+    under nohup); `hsx extract` sets its own (stop after the unit) inside."""
+    import signal
+    import threading
+
+    def on_term(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # (the launcher hands its signals to the ranks: hsx.launch)
+        return _main(argv, [])
+    received: list[int] = []
+    with _sigterm_as_interrupt(received):
+        return _main(argv, received)
+
+
+def _main(argv: list[str], received: list[int]) -> int:
     from hsx.commands import COMMANDS
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
         if argv[:1] == ["launch"]:  # accelerate's options, which hsx's parser does not know: hsx.launch reads them
@@ -218,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_status(e)
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + received[0] if received else EXIT_INTERRUPTED
     return 0
 
 

@@ -35,7 +35,10 @@ def write_json(dest: str, obj) -> None:
     if dest == "-":
         sys.stdout.write(text)
     else:
-        Path(dest).write_text(text)
+        try:
+            Path(dest).write_text(text)
+        except OSError as e:  # a folder, a missing parent, a read-only file system
+            raise HsxError(f"cannot write --json {dest}: {e.strerror or e}") from None
 
 
 def extract(args: argparse.Namespace) -> None:

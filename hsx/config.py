@@ -325,14 +325,29 @@ def _yaml_int(loader, node):
 _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
 
 
+def read_small_file(path: str, limit: int, what: str) -> bytes:
+    """At most `limit` + 1 bytes of a file the user named, which must be a regular file: opened without waiting
+    (a FIFO there would block forever, a device never end), HsxError in one line otherwise."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise HsxError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HsxError(f"{what} {path} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(limit + 1)
+        except OSError as e:
+            raise HsxError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
 def read_recipe(path: str) -> dict[str, Any]:
     """A YAML recipe's keys, each parsed to its declared type; HsxError (one line, naming the file) for a file
     that is not UTF-8 YAML, not a mapping, or has an unknown key or a wrong value."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as e:
-        raise HsxError(f"cannot read config {path}: {e.strerror or e}") from None
+    blob = read_small_file(path, MAX_RECIPE_BYTES, "config")
     if len(blob) > MAX_RECIPE_BYTES:
         raise HsxError(f"config {path}: over {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a small YAML file")
     try:
@@ -370,7 +385,12 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 def _resolve_recipe_paths(values: dict[str, Any], recipe_dir: Path) -> dict[str, Any]:
     """A relative path in a recipe that does not exist from the working directory but does from the recipe's
     folder is read from there (stored normalized: `recipes/../data/x.jsonl` -> `data/x.jsonl`). Anything else (a
-    path that exists here, an absolute path, a Hub id) is left as written."""
+    path that exists here, an absolute path, a Hub id) is left as written. `~/` starts at the home folder, as on
+    a command line (no Hub id starts with `~`; a folder literally named `~` in the working directory was made)."""
+    for key in ("model", "tokenizer", "dataset", "output_dir"):
+        v = values.get(key)
+        if isinstance(v, str) and (v == "~" or v.startswith("~/")):
+            values[key] = os.path.expanduser(v)
     for key in ("model", "tokenizer", "dataset"):
         v = values.get(key)
         if isinstance(v, str) and v and not os.path.isabs(v) and not _exists(v) and _exists(recipe_dir / v):

@@ -172,6 +172,12 @@ def _not_found(cfg: ExtractConfig, e: BaseException) -> str:
     inner = e
     while inner.__cause__ is not None or inner.__context__ is not None:
         inner = inner.__cause__ or inner.__context__
+    cache = str(datasets.config.HF_DATASETS_CACHE)
+    where = str(getattr(inner, "filename", None) or "")
+    if isinstance(inner, OSError) and where and (cache.startswith(where) or where.startswith(cache)):
+        # datasets' cache (HF_HOME, HF_DATASETS_CACHE) is not a folder it can write: not the dataset's fault
+        return (f"datasets' cache {cache} cannot be used ({type(inner).__name__}: {inner.strerror or inner}); "
+                "set HF_DATASETS_CACHE (or HF_HOME) to a folder you can write")
     if not isinstance(inner, FileNotFoundError) and type(inner).__name__ not in ("DatasetNotFoundError",
                                                                                  "DataFilesNotFoundError"):
         return ""

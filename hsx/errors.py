@@ -22,6 +22,13 @@ class UsageError(HsxError):
     """A flag, recipe key or argument wrong by itself (before the model or data is read): EXIT_USAGE."""
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line: its lines joined (a library's first line alone may say only which
+    validator failed, the next one which key and why), whitespace collapsed, at most `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_range(name: str, value, low: float, high: float | None = None, integer: bool = True) -> None:
     """UsageError in one line unless `value` (None passes) is a finite number (an int, with `integer`) in
     [low, high]: a negative, NaN, infinite or huge option must not reach numpy or an allocation as a traceback."""

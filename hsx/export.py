@@ -89,6 +89,9 @@ class _Source:
 
 
 def _source(out_dir) -> _Source:
+    if not os.path.lexists(Path(out_dir) / "hsx.json"):  # a job still running, interrupted, or not an output
+        raise ValueError(f"{out_dir} is not a finished hsx output (no hsx.json): finish the job (run the same "
+                         "`hsx extract` command) before exporting it")
     meta = read_info(out_dir)
     units = listed_files(meta)
     if not meta.complete or not units:
@@ -328,6 +331,10 @@ def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: boo
     record = _read_record(dest)
     d = _read_journal(dest, record["token"]) if record else _Dest(dest, "", {})
     foreign, temps = _scan(dest, d.files, record and record["token"], dirs)
+    changed = [rel for rel in foreign if rel in d.files]  # written as a file, now a folder or a link
+    if changed:
+        raise ValueError(f"{dest}: {changed[0]} is not the file this export wrote ({JOURNAL} records a file, "
+                         "this is a folder or a link); move it away, or delete it to have it written again")
     if foreign:
         raise _not_written_here(dest, foreign[0])
     same = record is not None and {k: record.get(k) for k in want} == want
@@ -367,7 +374,11 @@ def _claimed(out_dir, dest, dirs: re.Pattern) -> Path:
         foreign, _ = _scan(dest, {}, None, dirs)
         if foreign:
             raise _not_written_here(dest, foreign[0])
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only file system, a parent that is a file, /proc
+        raise ValueError(f"cannot create {dest}: {e.strerror or e}; export into a folder this user can write") \
+            from None
     return dest
 
 

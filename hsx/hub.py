@@ -281,6 +281,11 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     out.check_finished(info)  # the list, the manifests, the counts and data/ agree
     by_file = output_records(out, info)
     local = local_units(out, info, by_file)  # (a link that is not one `hsx merge` made: HsxError)
+    uploaded = out.uploaded()
+    used_up = out.used_up([rec for name, rec in by_file.items()
+                           if not uploaded_matches(uploaded.get(f"data/{name}"), rec)])
+    if used_up:  # (before the repo is created: there is no whole output to push; units it pushed before may go)
+        raise HsxError(f"{used_up}: push that export, or run `hsx extract` again into another dir")
     hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
     hub.ensure_repo(private)
     summary = {"uploaded": [], "skipped": [], "deleted": [], "commits": 0, "bytes": 0}

@@ -9,7 +9,11 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
 - ranks that fail (each printed its own `hsx: error: ...`) raise ChildFailedError: one line naming each failed rank
   and its exit status; exit with the first one's (1, 2; 128 + N for a rank killed by signal N).
 - one process (accelerate's plain subprocess): it runs in its own session, as the agent starts ranks, with the same
-  four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1).
+  four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1);
+  killed by a signal (the OOM killer's SIGKILL), one line names it.
+- refused in one line before any process starts: a --config_file (or accelerate's default one) that is missing,
+  not a regular file, not a mapping, uses YAML aliases or names a SageMaker job; fewer than 1 process, or more per
+  machine than it has cores; any other value accelerate rejects (its ValueError, not its traceback).
 """
 
 from __future__ import annotations
@@ -63,9 +67,68 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
     hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
+    _check_accelerate_config(args)
     args.module, args.training_script = True, "hsx"
     args.training_script_args = [command, *args.training_script_args]
     return args
+
+
+MAX_ACCELERATE_CONFIG_BYTES = 1 << 20  # `accelerate config` writes ~0.5 KB
+
+
+def _check_accelerate_config(args: argparse.Namespace) -> None:
+    """UsageError in one line for what accelerate would turn into a traceback, a hang or a job elsewhere: a
+    --config_file (or accelerate's default one) that is missing, not a regular file (a FIFO hangs its reader),
+    not a YAML/JSON mapping, or sets up a SageMaker job; a process count below 1, or more per machine than this
+    machine has cores (each rank is a process with its own model)."""
+    import yaml
+    from accelerate.commands.config import default_config_file
+
+    from hsx.config import HsxError, read_small_file
+
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    config: dict = {}
+    if path is not None:
+        try:
+            blob = read_small_file(path, MAX_ACCELERATE_CONFIG_BYTES, "accelerate config file")
+        except HsxError as e:
+            raise UsageError(str(e)) from None
+        if len(blob) > MAX_ACCELERATE_CONFIG_BYTES:
+            raise UsageError(f"accelerate config file {path}: over {MAX_ACCELERATE_CONFIG_BYTES >> 20} MiB")
+        try:
+            config = yaml.load(blob.decode("utf-8"), Loader=_no_alias_loader(yaml))  # (JSON is YAML)  # noqa: S506
+        except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+            raise UsageError(f"accelerate config file {path}: not valid YAML or JSON "
+                             f"({' '.join(str(e).split())[:150]})") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"accelerate config file {path}: expected a mapping of keys to values, got "
+                             f"{type(config).__name__}")
+        if config.get("compute_environment", "LOCAL_MACHINE") != "LOCAL_MACHINE":
+            raise UsageError(f"accelerate config file {path}: compute_environment "
+                             f"{str(config['compute_environment'])[:40]!r}; hsx launch starts processes on this "
+                             "machine (LOCAL_MACHINE) only")
+    for key in ("num_processes", "num_machines"):
+        value = getattr(args, key, None)
+        value = config.get(key) if value is None else value
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageError(f"--{key} must be an integer of at least 1, not {value!r}")
+    processes = getattr(args, "num_processes", None) or config.get("num_processes") or 1
+    machines = getattr(args, "num_machines", None) or config.get("num_machines") or 1
+    cores = os.cpu_count() or 1
+    if -(-processes // machines) > cores:
+        raise UsageError(f"--num_processes {processes:,} over {machines:,} machine(s) starts "
+                         f"{-(-processes // machines):,} processes on each; this one has {cores} cores")
+
+
+def _no_alias_loader(yaml):
+    """yaml's SafeLoader refusing aliases: a few lines of them build a structure of 10^9 nodes (a YAML bomb)."""
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed here",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+    return NoAliases
 
 
 def exit_code(returncode: int) -> int:
@@ -141,7 +204,11 @@ def _one_process_forwarding() -> Iterator[list[int]]:
             child.append(subprocess.Popen(cmd, env=env, start_new_session=True))
             for signum in pending:  # arrived before the process existed
                 forward(signum, None)
-            status.append(exit_code(child[0].wait()))
+            returncode = child[0].wait()
+            if returncode < 0:  # (a process that failed on its own printed its own line)
+                print(f"hsx: error: the process was killed by {_signal_name(-returncode)}; finished units are "
+                      "kept: run the same command to continue", file=sys.stderr)
+            status.append(exit_code(returncode))
         finally:
             for sig, h in previous.items():
                 signal.signal(sig, h)
@@ -185,6 +252,12 @@ def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
         _ignore_signals()
         print(f"hsx: error: the launched command exited with {exit_code(e.returncode)}", file=sys.stderr)
         return exit_code(e.returncode) or 1
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, ImportError) as e:
+        # accelerate checking its options and config file before any rank started (a value it does not take)
+        _ignore_signals()
+        print(f"hsx: error: accelerate launch: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before the agent took over SIGINT: no rank was running
         _ignore_signals()
         print(INTERRUPTED, file=sys.stderr)

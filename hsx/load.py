@@ -229,10 +229,7 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     exported = [n for n, p in problems.items() if p == "exported"]  # deleted by an export (--delete-source)
     bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed", "exported")}
     if exported and not allow_incomplete:
-        rec = out.exported()[exported[0]]
-        raise HsxError(f"{root}: {len(exported)} of its {len(entries)} files were exported and then deleted "
-                       f"(`hsx {rec['command']} --delete-source` into {rec['dest']}); its rows are there now, in "
-                       "that trainer's layout, not here (load(..., allow_incomplete=True) reads the files left)")
+        raise HsxError(f"{out.used_up(entries)} (load(..., allow_incomplete=True) reads the files left)")
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
         raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "

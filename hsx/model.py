@@ -25,6 +25,7 @@ import torch
 
 from hsx import attention, fp8, gdn
 from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
+from hsx.errors import one_line
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
@@ -74,7 +75,7 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
     except (OSError, ValueError, KeyError, RecursionError, invalid) as e:  # (RecursionError: JSON nested too deeply)
-        raise HsxError(f"cannot read the config of model {name!r}: {str(e).splitlines()[0]}") from None
+        raise HsxError(f"cannot read the config of model {name!r}: {one_line(e)}") from None
 
 
 MAX_MODEL_LAYERS = 10_000  # the deepest released LMs have ~200; a config past this is damaged or hostile
@@ -180,7 +181,12 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                else group_device_map(devices or [device])), **kwargs,
         )
     except (OSError, ValueError) as e:
-        raise HsxError(f"cannot load model {cfg.model!r}: {str(e).splitlines()[0]}") from None
+        raise HsxError(f"cannot load model {cfg.model!r}: {one_line(e)}") from None
+    except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        # the folder's config.json passed transformers' checks but its values do not build this architecture
+        # (an unknown hidden_act, heads that do not divide the width, weights of other shapes)
+        raise HsxError(f"cannot load model {cfg.model!r} (does its config.json match its weights and "
+                       f"architecture?): {type(e).__name__}: {one_line(e)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     check_loaded_weights(base, info, cfg.model)

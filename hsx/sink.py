@@ -82,16 +82,33 @@ def _read_bounded(path: Path) -> bytes:
         return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice: json keeps the last, so a file with two
+    `complete`s or two `files` lists would say one thing to one reader and another to the next."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise Damaged(f"key {dup[:60]!r} given twice")
+    return obj
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def read_json(path: Path, record=None):
     """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json) as its typed record
     (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, not UTF-8 JSON, not an object, or
     a key missing or of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
     try:
-        obj = json.loads(_read_bounded(path).decode("utf-8"))
+        obj = _loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
+    except Damaged as e:
+        raise HsxError(f"{path} is damaged: {e}") from None
     try:
         if not isinstance(obj, dict):
             raise Damaged("not a JSON object")
@@ -117,6 +134,7 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             continue
         try:
+            rec = _loads(raw.decode("utf-8"))  # parsed above: only a key given twice raises here
             if not isinstance(rec, dict):
                 raise Damaged("not a JSON object")
             if record is not None:
@@ -153,7 +171,7 @@ class OutputDir:
         A non-empty dir that hsx did not write is refused here, before anything (.hsx/) is created in it."""
         self.check_not_foreign()
         self.check_no_links()
-        self.state.mkdir(parents=True, exist_ok=True)
+        self._make_state()
         name = "lock" if self.rank == 0 else f"lock-{self.rank:05d}"  # a job's ranks each hold their own
         in_use = f"{self.root} is in use by another hsx job (lock held on .hsx/lock)"
         merging = f"{self.root} is being merged (`hsx merge` holds .hsx/busy)"
@@ -173,10 +191,17 @@ class OutputDir:
         this exclusive lock is refused while any of them runs (and no job starts while it is held)."""
         self.check_not_foreign()
         self.check_no_links()
-        self.state.mkdir(parents=True, exist_ok=True)
+        self._make_state()
         running = f"{self.root} is in use by a running hsx job; {what} once it has finished"
         with _flock(self.state / "lock", fcntl.LOCK_EX, running), _flock(self.state / "busy", fcntl.LOCK_EX, running):
             yield
+
+    def _make_state(self) -> None:
+        try:
+            self.state.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only file system, a parent that is a file, /proc
+            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose an --output-dir this user "
+                           "can write") from None
 
     def check_no_links(self) -> None:
         """Refuse a dir where .hsx/, data/, hsx.json, README.md or anything under .hsx/ is a symbolic link: hsx
@@ -460,6 +485,23 @@ class OutputDir:
                     and isinstance(rec.get("command"), str):
                 records[rec["file"]] = rec
         return records
+
+    def used_up(self, entries: list[dict[str, Any]]) -> str | None:
+        """The line for a dir an export with --delete-source used up: of `entries` (hsx.json's or the manifests'
+        records), those missing here that .hsx/exported.jsonl records with their size and CRC-32, and where their
+        rows went. None when there are none (a missing unit is then just missing)."""
+        records = self.exported()
+        gone = [e["file"] for e in entries
+                if not os.path.lexists(self.data / e["file"]) and uploaded_matches(records.get(e["file"]), e)]
+        if not gone:
+            return None
+        rec = records[gone[0]]
+        # (what the ledger says is shown as a quoted string: a forged one prints no second line)
+        dest = rec["dest"] if rec["dest"].isprintable() else repr(rec["dest"])
+        command = rec["command"] if rec["command"].isprintable() else repr(rec["command"])
+        return (f"{self.root}: {len(gone)} of its {len(entries)} files were exported and then deleted "
+                f"(`hsx {command[:40]} --delete-source` into {dest[:300]}); its rows are there now, in that "
+                "trainer's layout, not here")
 
     def record_uploaded(self, records: list[dict[str, Any]], name: str | None = None) -> None:
         """Append upload records to .hsx/uploaded-<name>.jsonl (default: this rank's) and fsync: called only after

@@ -74,6 +74,15 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
     missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
+    used_up = out.used_up([r for r in records.values() if r["file"] in missing]) if missing else None
+    if used_up:
+        raise VerifyFailed(used_up)
+    consumed = out.consumed() if missing else {}
+    eaten = [r["file"] for r in records.values()
+             if r["file"] in missing and uploaded_matches(consumed.get(r["file"]), r)]
+    if eaten:  # (as hsx.load says it)
+        raise VerifyFailed(f"{out_dir}: {len(eaten)} unit(s) were deleted once a trainer consumed them (hsx.follow "
+                           f"with delete_consumed: {eaten[0]}, ...); this dir holds only part of the output")
     problems += [f"{name} is in the manifest but missing" for name in sorted(missing)]
     if problems:
         raise VerifyFailed(f"{len(problems)} problem(s): " + "; ".join(problems[:10]))

@@ -17,6 +17,8 @@ predict over the K most frequent target tokens instead of the whole vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -116,10 +118,15 @@ def write_draft_vocab(out_dir: str | os.PathLike, draft_vocab_size: int, dest: s
     dest.mkdir(parents=True, exist_ok=True)
     k = draft_vocab_size
     paths = {"specforge": dest / f"vocab_mapping-{k}.pt", "d2t": dest / f"d2t-{k}.npy", "t2d": dest / f"t2d-{k}.npy"}
-    _atomic(paths["specforge"], lambda f: torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
-                                                     f))
-    _atomic(paths["d2t"], lambda f: np.save(f, d2t))
-    _atomic(paths["t2d"], lambda f: np.save(f, t2d))
+    writers = {"specforge": lambda f: torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, f),
+               "d2t": lambda f: np.save(f, d2t), "t2d": lambda f: np.save(f, t2d)}
+    if dest.resolve() != Path(out_dir).resolve():  # a folder hsx does not own: replace only this same mapping
+        for name, path in paths.items():
+            if os.path.lexists(path) and not _holds(path, writers[name]):
+                raise ValueError(f"{path} exists and is not this mapping (another output's, or not hsx's); hsx "
+                                 "replaces nothing it did not write: move it away or choose another --dest")
+    for name, path in paths.items():
+        _atomic(path, writers[name])
     covered = float(counts[t2d].sum() / max(1, counts.sum()))
     log(f"hsx: draft vocabulary of {k:,} of {len(counts):,} tokens covers {covered:.2%} of the "
         f"{int(counts.sum()):,} supervised tokens: {paths['specforge']} (SpecForge --vocab-mapping), "
@@ -135,9 +142,23 @@ def write_speculators_frequencies(counts: np.ndarray, path: Path) -> None:
     _atomic(path, lambda f: torch.save(dict(zip(seen.tolist(), counts[seen].tolist())), f))
 
 
+def _holds(path: Path, write) -> bool:
+    """Whether `path` is a regular file (no link) holding exactly what `write` writes (np.save and torch.save of
+    the same arrays write the same bytes)."""
+    buf = io.BytesIO()
+    write(buf)
+    want = buf.getvalue()
+    return (not path.is_symlink() and path.is_file() and path.stat().st_size == len(want)
+            and path.read_bytes() == want)
+
+
 def _atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a killed run's, or a link planted there: removed (the link only), never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                 0o666)
+    with os.fdopen(fd, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
