@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
+from hsx.errors import UsageError
 from hsx.schema import JobRecord
 from hsx.sink import OutputDir, atomic_write, complete_info, info_features, read_json
 
@@ -33,6 +34,12 @@ def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> di
     Like extract, it holds every dir whole while it works (refused while a job runs in any of them), refuses an
     OUT that hsx did not write or that holds another job, and never deletes or replaces a file in OUT/data/
     (only links an earlier merge made): OUT's own unit of a name is the one kept."""
+    seen: dict[str, str] = {}
+    for d in dirs:  # one dir named twice (or by two spellings) is one node's share, not two
+        key = os.path.realpath(d)
+        if key in seen:
+            raise UsageError(f"hsx merge: {d} names the same dir as {seen[key]}; give each node's dir once")
+        seen[key] = d
     out = OutputDir(out_dir)
     sources = [OutputDir(d) for d in dirs]
     # What a refused merge must not leave behind: the dirs, .hsx/ and data/ it creates (an empty OUT, or a

@@ -101,3 +101,14 @@ def test_partial_merge_of_the_dirs_that_survive_then_extract_finishes_it(referen
     assert hsx.load(str(joined)).data.table.equals(hsx.load(str(reference)).data.table)
     # the links to node 0's units are read (and pushed) as hsx merge's own: the finished hsx.json names node 0
     assert json.loads((joined / "hsx.json").read_text())["run"]["merged_from"] == [str(node0.resolve())]
+
+
+def test_a_dir_named_twice_is_refused_before_anything_is_made(tmp_path):
+    from helpers import assert_one_error_line, hsx_main
+
+    node = tmp_path / "node0"
+    node.mkdir()
+    rc, _, err = hsx_main(["merge", str(tmp_path / "joined"), str(node), str(tmp_path / "." / "node0") + "/"])
+    assert rc == 2
+    assert_one_error_line(rc, err, "names the same dir as")
+    assert not (tmp_path / "joined").exists() and sorted(p.name for p in node.iterdir()) == []
