@@ -376,10 +376,8 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
     if fp8_path:  # e4m3 experts: both products block-scaled FP8, the routing weight in the down one
-        z = fp8_experts_forward(self, hidden_states, order, offsets, top_k_weights, k)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return sum_pairs(z, inverse, k).to(dtype)
+        return _to_tokens(fp8_experts_forward(self, hidden_states, order, offsets, top_k_weights, k), order,
+                          k).to(dtype)
     post_norm = getattr(self, "has_post_expert_norm", False)
     if (getattr(self, FUSED_GATE_UP, False) and hidden_states.is_cuda and hidden_states.dtype in FUSED_DTYPES
             and self.gate_up_proj.dtype == dtype):  # up and gate projection, activation, routing weight: one kernel
@@ -409,16 +407,21 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         if self.has_bias:
             z = z + self.down_proj_bias[expert_of_pair.long()]
         z = self.post_expert_norm(z) * pair_weight.to(z.dtype)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
     extra = None
     if self.has_bias and not post_norm:  # sum_j w_tj · b_(e_tj) = routing matrix (tokens × experts) @ bias table
         routing = torch.zeros(tokens, experts, device=z.device, dtype=torch.float32)
         routing.scatter_(1, top_k_index, top_k_weights.float())
         extra = routing @ self.down_proj_bias.float()
-    # Back to token order and the sum of a token's k outputs, in one pass (as a sum(dim=1) it became an Inductor
-    # reduction 7x under memory bandwidth: 19% of a Qwen3-30B-A3B layer's GPU time on an H200).
-    return sum_pairs(z, inverse, k, extra).to(dtype)
+    return _to_tokens(z, order, k, extra).to(dtype)
+
+
+def _to_tokens(z: torch.Tensor, order: torch.Tensor, k: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The pairs' outputs z (in expert order, `order` the pair each row is) back in token order, each token's k
+    outputs summed (plus `extra`), in one pass: as a sum(dim=1) it became an Inductor reduction 7x under memory
+    bandwidth, 19% of a Qwen3-30B-A3B layer's GPU time on an H200."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return sum_pairs(z, inverse, k, extra)
 
 
 # ---- FP8 experts (the official `-FP8` MoE checkpoints) --------------------------------------------------------------
