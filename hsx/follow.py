@@ -41,20 +41,36 @@ WAIT_HINT_SECONDS = 60.0  # waiting this long for a unit with uncommitted rows: 
 
 # ---- the extractor's side: --max-pending-gb ---------------------------------------------------------------------
 
-def pending_bytes(out) -> int:
-    """Bytes of units on disk that no trainer has consumed yet: committed units in data/ not recorded as wholly
-    consumed, and units being committed (still under .hsx/tmp/: renamed into data/ atomically, so each is counted
-    once, in one place or the other)."""
+def pending_bytes(out, in_flight=()) -> int:
+    """Bytes of units on disk that no trainer has consumed yet: committed units (a manifest line) not recorded as
+    wholly consumed, units being written under .hsx/tmp/, and `in_flight` (this process's units submitted to its
+    committer, between .hsx/tmp/ and their manifest line). Counted by name, once each.
+
+    A file in data/ with no manifest line and not in flight is the leftover of a run killed between a unit's rename
+    and its manifest line: no trainer can read it (hsx.follow reads committed units), the redo replaces it, and
+    counting it would make the job wait for a consumer that never comes. The order (in_flight given before the
+    listing, .hsx/tmp/, then the manifests) sees a unit moving along that path at least once."""
+    sizes: dict[str, int] = {}
+
+    def add(name: str, *paths: Path) -> None:
+        for f in paths:
+            try:
+                sizes[name] = f.stat().st_size
+                return
+            except FileNotFoundError:  # moved on (renamed into data/), or consumed and deleted, since the listing
+                pass
+
+    for f in out.state.glob("tmp/*/train-*.arrow"):
+        add(f.name, f)
+    for unit in in_flight:
+        name = f"train-{unit}.arrow"
+        if name not in sizes:
+            add(name, out.unit_tmp_path(unit), out.data / name)
     consumed = out.consumed()
-    total = 0
-    files = [f for f in out.data_files() if f.name not in consumed]
-    files += list(out.state.glob("tmp/*/train-*.arrow"))
-    for f in files:
-        try:
-            total += f.stat().st_size
-        except FileNotFoundError:  # consumed and deleted, or renamed, since the listing
-            pass
-    return total
+    for rec in out.manifest_records().values() if out.state.is_dir() else ():
+        if rec["file"] not in consumed and rec["file"] not in sizes:
+            add(rec["file"], out.data / rec["file"])
+    return sum(sizes.values())
 
 
 class ConsumerWindow:
@@ -65,8 +81,10 @@ class ConsumerWindow:
 
     LONG_WAIT_SECONDS = 60.0
 
-    def __init__(self, out, max_pending_gb: float, log, poll_seconds: float = 0.2):
+    def __init__(self, out, max_pending_gb: float, log, poll_seconds: float = 0.2, in_flight=lambda: ()):
+        """`in_flight()`: this process's units between .hsx/tmp/ and their manifest line (Committer.in_flight)."""
         self.out, self.max_pending_gb, self.log, self.poll_seconds = out, max_pending_gb, log, poll_seconds
+        self.in_flight = in_flight
         self.said = False
 
     def wait(self, stop) -> None:
@@ -74,7 +92,7 @@ class ConsumerWindow:
 
         limit, since, long_said = self.max_pending_gb * 1e9, time.monotonic(), False
         while not stop.is_set():
-            pending = pending_bytes(self.out)
+            pending = pending_bytes(self.out, self.in_flight())
             if pending < limit:
                 return
             waited = time.monotonic() - since

@@ -504,7 +504,8 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
         if extraction.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
             from hsx.follow import ConsumerWindow
 
-            window = ConsumerWindow(out, extraction.cfg.max_pending_gb, extraction.log)
+            window = ConsumerWindow(out, extraction.cfg.max_pending_gb, extraction.log,
+                                    in_flight=committer.in_flight)
         for u in units:
             if window is not None:
                 window.wait(stop)

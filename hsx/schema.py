@@ -450,7 +450,7 @@ class Summary(_Output):
     @classmethod
     def from_dict(cls, d: Any) -> "Summary":
         fields = _output_fields(d, {
-            "unit_names": (lambda v: isinstance(v, list) and all(isinstance(u, str) for u in v), "a list of strings"),
+            "unit_names": (lambda v: isinstance(v, list) and all(is_plain_name(u) for u in v), "a list of unit names"),
             "command": _STRING, "hsx_version": _STRING, "layer_convention": _STRING}, ("rows_in", "truncated"))
         return cls(**fields, unit_names=list(d["unit_names"]), command=d["command"])
 

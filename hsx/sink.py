@@ -306,11 +306,30 @@ class OutputDir:
                 + (" (damaged ones moved to .hsx/damaged/)" if damaged else ""))
         if len(missing) > len(lost):  # never written: the rest of an interrupted job, not a loss
             log(f"hsx: {self.root}: {len(done)} unit(s) done, {len(missing) - len(lost)} to do")
+        if check:
+            self._remove_uncommitted(summary.unit_names if summary else [], log)
         if check and complete:  # no longer finished: a reader must not take it for a whole output
             atomic_write(self.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
         if check and (complete or not (self.root / "README.md").exists()):
             self.write_unfinished_card()
         return "resume"
+
+    def _remove_uncommitted(self, units: list[str], log) -> None:
+        """A unit of the plan in data/ with no manifest line: a run was killed between its rename and its manifest
+        line (or mid-line). Its rows are redone and the redo replaces the file; until then no reader may take it
+        for output and no `--max-pending-gb` window may wait for a trainer to consume it, so it goes now. Files
+        that are not units of this job's plan are left alone."""
+        records = self.manifest_records()
+        gone = []
+        for unit in units:
+            f = self.data / f"train-{unit}.arrow"
+            if unit not in records and f.is_file() and not f.is_symlink():
+                f.unlink()
+                gone.append(f.name)
+        if gone:
+            fsync_dir(self.data)
+            log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
+                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}) removed; they are redone")
 
     def check_units(self, all_crc: bool = False) -> list[str]:
         """Check the committed units on disk against their manifest records: the size of every one, and the
@@ -520,6 +539,9 @@ class OutputDir:
 
     def unit_tmp(self, unit: str) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)
+        return self.unit_tmp_path(unit)
+
+    def unit_tmp_path(self, unit: str) -> Path:
         return self.tmp / f"train-{unit}.arrow"
 
     def commit(self, unit: str, record: dict[str, Any], crc32: str | None = None) -> None:
@@ -744,6 +766,8 @@ class Committer:
 
         self.out, self.error, self.on_commit = out, None, on_commit
         self.queue: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.units: set[str] = set()  # submitted, manifest line not yet on disk
         self.thread = threading.Thread(target=self._work, name="hsx-commit", daemon=True)
         self.thread.start()
 
@@ -752,6 +776,8 @@ class Committer:
             if self.error is None:
                 try:
                     self.out.commit(*item)
+                    with self.lock:
+                        self.units.discard(item[0])
                     if self.on_commit is not None:
                         self.on_commit(item[0], self.out.data / f"train-{item[0]}.arrow")
                 except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
@@ -765,7 +791,14 @@ class Committer:
 
     def submit(self, unit: str, record: dict[str, Any], crc32: str | None = None) -> None:
         self.check()
+        with self.lock:
+            self.units.add(unit)
         self.queue.put((unit, record, crc32))
+
+    def in_flight(self) -> list[str]:
+        """The units submitted whose manifest line is not on disk yet (a unit that failed to commit stays here)."""
+        with self.lock:
+            return list(self.units)
 
     def join(self) -> None:
         self.queue.join()

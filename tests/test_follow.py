@@ -125,6 +125,75 @@ def test_follow_reads_no_unit_swapped_for_a_link_or_cut_short(tmp_path, fault_re
         list(hsx.follow(out, rows="dict", commit="manual"))
 
 
+def test_the_window_counts_committed_and_in_flight_units_not_a_killed_commits_leftover(tmp_path, fault_reference):
+    """A kill between a unit's rename into data/ and its manifest line leaves a file no trainer can read (follow
+    reads committed units) and the redo replaces: counting it made a resumed job wait for ever on a trainer that had
+    consumed everything (seen once in CI as a 120 s stall of the window test below)."""
+    from hsx.follow import ConsumerWindow, pending_bytes
+    from hsx.sink import OutputDir
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    o = OutputDir(out)
+    records = o.manifest_records()
+    biggest = max(records.values(), key=lambda r: r["bytes"])
+    assert pending_bytes(o) == sum(r["bytes"] for r in records.values())  # nothing consumed: every unit
+    f = hsx.follow(out, rows="dict", commit="manual", delete_consumed=True)
+    f.commit({**f.state_dict(), "position": {u: r["rows"] for u, r in records.items() if u != biggest["unit"]}})
+    assert pending_bytes(o) == biggest["bytes"]  # the one unit not consumed
+    manifest = out / ".hsx" / "manifest-00000.jsonl"
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(ln for ln in lines if json.loads(ln)["unit"] != biggest["unit"]))
+    assert (out / "data" / biggest["file"]).exists()  # now a leftover: in data/, no manifest line
+    assert pending_bytes(o) == 0
+    said = []
+    ConsumerWindow(o, biggest["bytes"] / 1e9, said.append, poll_seconds=0.01).wait(_Never())
+    assert said == []  # it did not wait
+    # this process's own unit between its rename and its manifest line is counted, once (also while in .hsx/tmp/)
+    assert pending_bytes(o, [biggest["unit"]]) == biggest["bytes"]
+    o.tmp.mkdir(parents=True)
+    shutil.copyfile(out / "data" / biggest["file"], o.unit_tmp_path(biggest["unit"]))
+    assert pending_bytes(o, [biggest["unit"]]) == pending_bytes(o) == biggest["bytes"]
+
+
+def test_a_resume_removes_a_killed_commits_leftover_and_does_not_wait_for_it(tmp_path, fault_reference):
+    """The same kill, then `hsx extract --max-pending-gb` resumed with the trainer done with every other unit: the
+    leftover goes (it is redone, never read), so the window is empty and the job finishes instead of waiting."""
+    from hsx.sink import OutputDir
+
+    ref = fault_reference
+    out = tmp_path / "out"
+    shutil.copytree(ref.out, out)
+    records = OutputDir(out).manifest_records()
+    biggest = max(records.values(), key=lambda r: r["bytes"])
+    f = hsx.follow(out, rows="dict", commit="manual", delete_consumed=True)
+    f.commit({**f.state_dict(), "position": {u: r["rows"] for u, r in records.items() if u != biggest["unit"]}})
+    manifest = out / ".hsx" / "manifest-00000.jsonl"
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(ln for ln in lines if json.loads(ln)["unit"] != biggest["unit"]))
+    child = hsx_child([*ref.argv(out), "--max-pending-gb", f"{biggest['bytes'] / 1e9:.12f}"], tmp_path / "run")
+    try:
+        assert child.wait(timeout=180) == 0, child.stderr
+    finally:
+        child.kill_tree(signal.SIGKILL)
+    said = child.stdout + child.stderr
+    assert f"never recorded ({biggest['file']}) removed; they are redone" in said, said
+    assert "waiting:" not in said
+    redone = OutputDir(out).manifest_records()[biggest["unit"]]
+    assert (redone["bytes"], redone["crc32"]) == (biggest["bytes"], biggest["crc32"])  # the same bytes, redone
+    assert json.loads((out / "hsx.json").read_text())["complete"]
+
+
+class _Never:
+    """A stop flag that is never set (hsx.job's Stop, as ConsumerWindow.wait reads it)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def is_set(self):
+        return False
+
+
 def test_follow_refuses_dataloader_workers(fault_reference):
     loader = torch.utils.data.DataLoader(hsx.follow(fault_reference.out, commit="manual"), num_workers=1,
                                          collate_fn=hsx.collate)
