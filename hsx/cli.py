@@ -87,8 +87,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest row drawn (and extract's --max-length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, token ids and (a)'s subset")
     for name in ("token_budget", "compile", "sdpa_backend", "gpus_per_copy", "experts_implementation", "packing",
-                 "storage_dtype", "fp8_gemm"):
+                 "storage_dtype"):
         config_flag(p, name, "(c), as extract's: ", default=default_of(name))
+    config_flag(p, "fp8_gemm", "(a)-(c), as extract's: ", default=default_of("fp8_gemm"))
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")

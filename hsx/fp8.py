@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hsx.config import FP8_GEMM_CHOICES
-from hsx.errors import HsxError
+from hsx.errors import HsxError, one_line
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
@@ -732,13 +732,43 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
-        held = [m for m in experts if getattr(m, "gate_up_proj", getattr(m, "up_proj", None)) is not None
-                and getattr(m, "gate_up_proj", getattr(m, "up_proj", None)).dtype == FP8_DTYPE]
+        held = [m for m in experts if _holds_e4m3(m)]
         on_cuda = bool(ours) and ours[0].gate_up_proj.is_cuda
         out["experts"] = (f"hsx fp8 grouped ({'triton' if on_cuda else 'torch reference'})" if ours
                           else "transformers fp8" if held else "dequantized by transformers")
         out["fp8_experts"] = len(ours)
     return out
+
+
+def _holds_e4m3(experts: torch.nn.Module) -> bool:
+    w = getattr(experts, "gate_up_proj", getattr(experts, "up_proj", None))
+    return w is not None and w.dtype == FP8_DTYPE
+
+
+def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
+    """Why transformers' FP8 forward cannot run the FP8 modules left to it (FP8Linear modules hsx did not replace;
+    e4m3 experts under its eager / grouped_mm implementations): its finegrained-fp8 kernel (the `kernels` package,
+    fetched from the Hub) does not load here, and each forward would end in that ImportError. None when nothing is
+    left to it or the kernel loads."""
+    linears = [m for m in base.modules() if type(m).__name__ == "FP8Linear"
+               and getattr(getattr(m, "weight", None), "dtype", None) == FP8_DTYPE]
+    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")
+               and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
+    if not (linears or experts):
+        return None
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+    except ImportError:  # another transformers: its FP8 forward is what it is
+        return None
+    try:
+        load_finegrained_fp8_kernel()
+        return None
+    except Exception as e:  # noqa: BLE001  (ImportError; a Hub or build error of the kernel)
+        why = one_line(e, 200)
+    what = " and ".join(([f"{len(linears)} FP8 linear layers"] if linears else [])
+                        + ([f"{len(experts)} FP8 experts modules"] if experts else []))
+    hint = ("; --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's kernels" if experts else "")
+    return f"{what} would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not load here ({why}){hint}"
 
 
 @contextmanager

@@ -355,6 +355,9 @@ class Extraction:
         instead = fp8.runs_instead(quant, device) if quant is not None else None
         if quant is not None and instead is None:
             fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
+        blocker = fp8.transformers_fp8_blocker(loaded.base) if quant is not None else None
+        if blocker:
+            raise HsxError(blocker)
         kernels = kernel_report(loaded.base)
         if instead:
             log(instead)

@@ -864,3 +864,58 @@ def test_fbgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
     xq, xs = fp8.quantize_activation(x)
     assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
     assert fp8._runs(w, ws) == "fbgemm"
+
+
+def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_gpu(capsys):
+    from hsx.bench import format_gemms
+    from hsx.cli import main
+    from hsx.cost import shape_config
+    from hsx.model import text_config_of
+
+    # Qwen3-8B: q/o 4096², k/v 1024 × 4096, gate/up 12288 × 4096 (2 each of 36 layers), down 4096 × 12288
+    assert fp8.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
+        (4096, 4096): 72, (1024, 4096): 72, (12288, 4096): 72, (4096, 12288): 36}
+    rows = [{"n": 4096, "k": 4096, "count": 2, "bf16": 700.0, "cublas": 1000.0, "cublas_error": 7e-4,
+             "fbgemm": "RuntimeError: cutlass cannot run"}]
+    table = format_gemms("x", 16384, rows, {"bf16": 2e-3, "cublas": 1e-3, "fbgemm": None})
+    assert "| 4096 × 4096 | 2 | 700 | 1,000 (7.0e-04) | failed |" in table
+    assert "| all linears | | 2.0 ms | 1.0 ms (2.00×) | – |" in table and "4096×4096 fbgemm: RuntimeError" in table
+    if not torch.cuda.is_available():
+        assert main(["bench", "--gemms", "qwen3-8b,qwen3.6-27b"]) != 0
+        assert "hsx: error: --gemms measures FP8 GEMMs: it needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(tmp_path, monkeypatch):
+    """FP8 experts under --experts-implementation eager or grouped_mm (and FP8Linear modules hsx did not replace)
+    run transformers' FP8 forward, which loads its finegrained-fp8 kernel (the `kernels` package, a Hub download) at
+    each call: without it every batch ended in an ImportError traceback inside transformers. The job now names it
+    before the first batch."""
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    from hsx import moe
+
+    def unavailable():
+        raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
+                          "incompatible version")
+
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
+    model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
+    why = fp8.transformers_fp8_blocker(model)  # transformers' FP8Linear modules: their forward needs the kernel too
+    assert why.startswith("8 FP8 linear layers and 2 FP8 experts modules would run on transformers' FP8 forward"), why
+    fp8.install(model)  # what hsx does on CUDA: its Fp8Linear in their place
+    ids = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    for name in ("eager", "grouped_mm"):
+        moe.use_experts(model, name)
+        with pytest.raises(ImportError, match="finegrained-fp8 kernel unavailable"), torch.inference_mode():
+            model(input_ids=ids)  # (the crash the line replaces)
+        assert fp8.transformers_fp8_blocker(model) == (
+            "2 FP8 experts modules would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not "
+            "load here (finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
+            "incompatible version); --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's "
+            "kernels")
+    moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
+    assert fp8.transformers_fp8_blocker(model) is None
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", lambda: None)  # a kernel that loads: no objection
+    moe.use_experts(model, "eager")
+    assert fp8.transformers_fp8_blocker(model) is None
