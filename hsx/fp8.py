@@ -10,12 +10,14 @@ norms, Gated DeltaNet and routers stay in bf16 (the checkpoint's `modules_to_not
 
 transformers loads such a checkpoint as stored (its FP8Linear modules hold the e4m3 weights and scales; no bf16
 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
-their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then torch's cuBLAS block-scaled
-`_scaled_mm` multiplies (`hsx::fp8_mm`) where this torch and CUDA have it, else a Triton block-scaled GEMM (slower
-than bf16 on an H200: a fallback). In a compiled layer, projections of one input (q/k/v, gate/up) share one
-quantization (`compile_options`' pass merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the
-pass that computes it (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus
-~0.17 ms of quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
+their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies
+(`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
+fp8_gemm): fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (not yet run on a GPU),
+torch's cuBLAS `_scaled_mm` (~1,100 TFLOP/s on an H200 at 16k tokens), a Triton kernel (609-663: a fallback).
+In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
+merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
+(`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
+quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
 model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
 hsx.moe's grouped path (`fp8_experts_forward`).
 """
@@ -768,7 +770,8 @@ def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
     what = " and ".join(([f"{len(linears)} FP8 linear layers"] if linears else [])
                         + ([f"{len(experts)} FP8 experts modules"] if experts else []))
     hint = ("; --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's kernels" if experts else "")
-    return f"{what} would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not load here ({why}){hint}"
+    return (f"{what} would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not load here "
+            f"({why}){hint}")
 
 
 @contextmanager
