@@ -628,7 +628,6 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
 GEMM_BENCH = ("bf16", "cublas", "fbgemm")  # bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
@@ -677,6 +676,7 @@ def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> d
     import torch
 
     from hsx import fp8
+    from hsx.errors import one_line
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=g, dtype=torch.bfloat16)
@@ -694,7 +694,7 @@ def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> d
             row[f"{name}_error"] = ((got - want).norm() / want.norm()).item()
             row[name] = _tflops(lambda: run(xq, xs, wq, ws), tokens, n, k, device)
         except Exception as e:  # noqa: BLE001  (a shape or build the GEMM does not take: reported, not fatal)
-            row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row[name] = f"{type(e).__name__}: {one_line(e, 120)}"
     return row
 
 

@@ -298,7 +298,7 @@ def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor, rows: tuple[int, ..
         try:
             got = _gemm(name)(xq, xs, w, ws).float()
         except Exception as e:  # noqa: BLE001  (an unsupported shape or build: CUBLAS_STATUS_NOT_SUPPORTED, ...)
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            return f"{type(e).__name__}: {one_line(e, 160)}"
         if got.shape != want.shape:
             return f"its product has shape {tuple(got.shape)}, not {tuple(want.shape)}"
         err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
@@ -342,7 +342,7 @@ def _load_fbgemm():
             # (fbgemm_gpu's __init__ loads the gen_ai library, which registers torch.ops.fbgemm's GEMMs)
             import fbgemm_gpu.experimental.gen_ai  # noqa: F401
     except Exception as e:  # noqa: BLE001  (a build for another torch or CUDA: undefined symbols, missing libraries)
-        return None, f"fbgemm_gpu does not import: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return None, f"fbgemm_gpu does not import: {type(e).__name__}: {one_line(e, 160)}"
     try:
         return getattr(torch.ops.fbgemm, FBGEMM_OP), None
     except (AttributeError, RuntimeError):
