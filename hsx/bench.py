@@ -698,18 +698,10 @@ def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> d
     return row
 
 
-def _tflops(fn, m: int, n: int, k: int, device, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    best = math.inf
-    for _ in range(3):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        _sync(device)
-        best = min(best, (time.perf_counter() - t0) / repeats)
-    return 2.0 * m * n * k / best / 1e12
+def _tflops(fn, m: int, n: int, k: int, device) -> float:
+    from hsx.cost import best_seconds
+
+    return 2.0 * m * n * k / best_seconds(fn, device) / 1e12
 
 
 def format_gemms(shape: str, tokens: int, rows: list[dict[str, Any]], totals: dict[str, float | None]) -> str:
