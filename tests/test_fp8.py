@@ -919,3 +919,35 @@ def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(
     monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", lambda: None)  # a kernel that loads: no objection
     moe.use_experts(model, "eager")
     assert fp8.transformers_fp8_blocker(model) is None
+
+
+@pytest.mark.slow
+def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_one_error(tmp_path, monkeypatch):
+    """The job itself: FP8 experts (loaded as stored) under --experts-implementation eager, transformers' FP8 kernel
+    not loadable. Before: an ImportError traceback from inside transformers at the first batch; now an HsxError
+    before it, and no unit written."""
+    import datasets
+    import transformers
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    from hsx.model import truncated_view
+    from hsx.run import extract
+
+    def unavailable():
+        raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed")
+
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    causal = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    monkeypatch.undo()
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
+    loaded = truncated_view(causal, causal.config, [1], False)
+    rows = [list(range(3, 3 + n)) for n in (9, 17, 5)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "input"))
+    cfg = ExtractConfig(model=str(folder), dataset=str(tmp_path / "input"), output_dir=str(tmp_path / "out"),
+                        layers=[1], dtype="float32", compile="off", experts_implementation="eager")
+    with pytest.raises(HsxError, match=r"2 FP8 experts modules would run on transformers' FP8 forward, whose "
+                                       r"finegrained-fp8 kernel does not load here .*--experts-implementation auto"):
+        extract(cfg, log=lambda *a, **k: None, model=loaded)
+    assert not list((tmp_path / "out").glob("**/*.arrow"))
