@@ -721,9 +721,13 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     if mods:
         gemm = backend_of(mods[0].weight.device)
         how = f"hsx fp8 ({gemm})"
-        for m in mods:  # (each shape's check runs here if no batch ran it yet)
-            by_shape.setdefault(f"{m.out_features}x{m.in_features}", _runs(m.weight, m.weight_scale_inv))
+        for m in mods:
+            key = f"{m.out_features}x{m.in_features}"
+            if key not in by_shape:
+                by_shape[key] = _runs(m.weight, m.weight_scale_inv)  # (its check runs here if no batch ran it yet)
         by_shape = {k: v for k, v in by_shape.items() if v != gemm}
+        if mods[0].weight.is_cuda:
+            torch.cuda.empty_cache()  # the checks' float32 copies of the weights go back before a budget is sized
     elif any(type(m).__name__ == "FP8Linear" for m in base.modules()):
         how = "transformers fp8"
     else:
