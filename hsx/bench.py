@@ -175,6 +175,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     causal.config.use_cache = False
     if args.model and on_fp8 and len(proc.devices) == 1:
         fp8.install(causal)
+    if on_fp8:
+        log(f"  FP8 GEMM: {fp8.use_gemm(device, args.fp8_gemm)}")
     build_s = time.perf_counter() - t0
     base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
     vocab = int(text.vocab_size)
@@ -267,7 +269,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
                   max_length=args.max_length, token_budget=args.token_budget, compile=args.compile,
                   sdpa_backend=args.sdpa_backend, storage_dtype=args.storage_dtype, packing=args.packing,
                   experts_implementation=args.experts_implementation, gpus_per_copy=args.gpus_per_copy,
-                  overwrite=True)
+                  fp8_gemm=args.fp8_gemm, overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     t0 = time.perf_counter()
     extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
@@ -625,3 +627,100 @@ def format_table(r: dict[str, Any]) -> str:
                          f"best{gpu}")
     return "\n".join(lines)
 
+
+# ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
+
+GEMM_BENCH = ("bf16", "cublas", "fbgemm")  # bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
+
+
+def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8's cuBLAS and
+    fbgemm block-scaled GEMMs (activations already quantized: the GEMM alone, the weight scales' transposed copy
+    fbgemm takes included), best of 3 × 20 calls; each FP8 product's relative error against the float32 product on
+    its first 256 rows; and the time of all the model's linears per `tokens` tokens."""
+    import torch
+
+    from hsx import fp8
+    from hsx.config import HsxError
+    from hsx.cost import shape_config
+    from hsx.model import text_config_of
+
+    if not torch.cuda.is_available() or not fp8.has_fp8_tensor_cores(torch.device("cuda")):
+        raise HsxError("--gemms measures FP8 GEMMs: it needs a CUDA GPU with FP8 tensor cores (8.9+)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    results: dict[str, Any] = {"tokens": tokens, "device_name": torch.cuda.get_device_name(device),
+                               "versions": _versions(), "shapes": {}}
+    missing = {name: fp8.gemm(name)[1] for name in GEMM_BENCH[1:] if fp8.gemm(name)[0] is None}
+    if missing:
+        results["not_run"] = missing
+    for shape in shapes:
+        counts = fp8.linear_shapes(text_config_of(shape_config(shape)))
+        rows, totals = [], {name: 0.0 for name in GEMM_BENCH}
+        for (n, k), count in sorted(counts.items()):
+            row = _gemm_row(device, tokens, n, k, missing)
+            row["count"] = count
+            for name in GEMM_BENCH:
+                if isinstance(row.get(name), float) and totals[name] is not None:
+                    totals[name] += count * 2.0 * tokens * n * k / (row[name] * 1e12)
+                else:
+                    totals[name] = None
+            rows.append(row)
+        results["shapes"][shape] = {"linears": rows, "seconds_all_linears": totals}
+        log(format_gemms(shape, tokens, rows, totals))
+    if missing:
+        log("  not run: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
+    return results
+
+
+def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> dict[str, Any]:
+    import torch
+
+    from hsx import fp8
+    from hsx.errors import one_line
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, k, device=device, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * 0.02
+    wq, ws = fp8.quantize_weight(w)
+    xq, xs = fp8.fp8_quantize(x)
+    want = fp8.reference_mm(xq[:256], xs[:256], wq, ws, torch.float32)
+    row: dict[str, Any] = {"n": n, "k": k, "bf16": _tflops(lambda: x @ w.t(), tokens, n, k, device)}
+    for name in GEMM_BENCH[1:]:
+        if name in missing:
+            continue
+        run = fp8.gemm(name)[0]
+        try:
+            got = run(xq, xs, wq, ws)[:256].float()
+            row[f"{name}_error"] = ((got - want).norm() / want.norm()).item()
+            row[name] = _tflops(lambda: run(xq, xs, wq, ws), tokens, n, k, device)
+        except Exception as e:  # noqa: BLE001  (a shape or build the GEMM does not take: reported, not fatal)
+            row[name] = f"{type(e).__name__}: {one_line(e, 120)}"
+    return row
+
+
+def _tflops(fn, m: int, n: int, k: int, device) -> float:
+    from hsx.cost import best_seconds
+
+    return 2.0 * m * n * k / best_seconds(fn, device) / 1e12
+
+
+def format_gemms(shape: str, tokens: int, rows: list[dict[str, Any]], totals: dict[str, float | None]) -> str:
+    def rate(row, name):
+        v = row.get(name)
+        if isinstance(v, float):
+            err = row.get(f"{name}_error")
+            return f"{v:,.0f}" + (f" ({err:.1e})" if err is not None else "")
+        return "–" if v is None else "failed"
+
+    lines = [f"{shape}, M = {tokens:,} tokens: TFLOP/s (relative error against float32)",
+             "| N × K | per model | bf16 | cuBLAS block-scaled | fbgemm groupwise |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['n']} × {row['k']} | {row['count']} | "
+                     + " | ".join(rate(row, name) for name in GEMM_BENCH) + " |")
+    base = totals["bf16"]
+    cells = [f"{t * 1e3:,.1f} ms" + (f" ({base / t:.2f}×)" if base and name != "bf16" else "")
+             if t else "–" for name, t in totals.items()]
+    lines.append("| all linears | | " + " | ".join(cells) + " |")
+    failed = [f"{row['n']}×{row['k']} {name}: {row[name]}" for row in rows for name in GEMM_BENCH
+              if isinstance(row.get(name), str)]
+    return "\n".join(lines + failed)

@@ -89,6 +89,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("token_budget", "compile", "sdpa_backend", "gpus_per_copy", "experts_implementation", "packing",
                  "storage_dtype"):
         config_flag(p, name, "(c), as extract's: ", default=default_of(name))
+    config_flag(p, "fp8_gemm", "(a)-(c), as extract's: ", default=default_of("fp8_gemm"))
     p.add_argument("--subset-a", type=int, default=200, help="rows for (a)")
     p.add_argument("--subset-b", type=int, default=320, help="rows for (b)")
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
@@ -104,6 +105,10 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drift-rows", type=int, default=8,
                    help="FP8 targets: before (c), the captured layers' relative error against the bf16 forward of "
                         "the same (dequantized) weights on this many rows (0: skip)")
+    p.add_argument("--gemms", nargs="?", const="", metavar="SHAPES",
+                   help="instead of (a)-(c): TFLOP/s of bf16 and of each FP8 block-scaled GEMM (cuBLAS, fbgemm) on "
+                        "every FP8 linear shape of these comma-separated shapes (alone: --shape), then exit")
+    p.add_argument("--gemm-tokens", type=int, default=16384, help="--gemms: rows (tokens) of each product")
 
 
 def package_version() -> str:

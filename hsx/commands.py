@@ -69,6 +69,15 @@ def bench(args: argparse.Namespace) -> None:
         check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high, integer=False)
     # `--json` alone: stdout is the JSON (as `hsx plan --json`), so the lines and the table go to stderr
     log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
+    if args.gemms is not None:
+        from hsx.bench import bench_gemms
+
+        check_range("--gemm-tokens", args.gemm_tokens, 1, 2**20)
+        shapes = [s.strip() for s in (args.gemms or args.shape).split(",") if s.strip()]
+        results = bench_gemms(shapes, args.gemm_tokens, log=log)
+        if args.json:
+            write_json(args.json, results)
+        return
     # The main process hands its results over once measured, and again with the profile's path when it is written.
     run_bench(args, log=log, on_results=(lambda results: write_json(args.json, results)) if args.json else None)
 

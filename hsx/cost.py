@@ -299,19 +299,28 @@ def measure_matmul_tflops(device, size: int | None = None, repeats: int = 20, fp
         matmul = lambda x, y: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa
     else:
         matmul = torch.matmul
+    return 2 * n**3 / best_seconds(lambda: matmul(a, b), device, repeats if cuda else 3) / 1e12
+
+
+def best_seconds(fn, device, repeats: int = 20) -> float:
+    """Seconds per call of `fn`: after 3 warm-up calls, the best of 3 rounds of `repeats` calls (CUDA synchronized
+    around each round)."""
+    import torch
+
+    cuda = device.type == "cuda"
     for _ in range(3):
-        matmul(a, b)
+        fn()
     best = math.inf
     for _ in range(3):
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        for _ in range(repeats if cuda else 3):
-            matmul(a, b)
+        for _ in range(repeats):
+            fn()
         if cuda:
             torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / (repeats if cuda else 3))
-    return 2 * n**3 / best / 1e12
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
 
 
 # ---- memory and disk ----------------------------------------------------------------------------------------

@@ -10,12 +10,14 @@ norms, Gated DeltaNet and routers stay in bf16 (the checkpoint's `modules_to_not
 
 transformers loads such a checkpoint as stored (its FP8Linear modules hold the e4m3 weights and scales; no bf16
 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
-their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then torch's cuBLAS block-scaled
-`_scaled_mm` multiplies (`hsx::fp8_mm`) where this torch and CUDA have it, else a Triton block-scaled GEMM (slower
-than bf16 on an H200: a fallback). In a compiled layer, projections of one input (q/k/v, gate/up) share one
-quantization (`compile_options`' pass merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the
-pass that computes it (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus
-~0.17 ms of quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
+their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies
+(`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
+fp8_gemm): fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (not yet run on a GPU),
+torch's cuBLAS `_scaled_mm` (~1,100 TFLOP/s on an H200 at 16k tokens), a Triton kernel (609-663: a fallback).
+In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
+merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
+(`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
+quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
 model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
 hsx.moe's grouped path (`fp8_experts_forward`).
 """
@@ -23,13 +25,15 @@ hsx.moe's grouped path (`fp8_experts_forward`).
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hsx.errors import HsxError
+from hsx.config import FP8_GEMM_CHOICES
+from hsx.errors import HsxError, one_line
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
@@ -185,9 +189,6 @@ def reference_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.
 
 # ---- the GEMM ------------------------------------------------------------------------------------------------------
 
-_BACKEND: dict[int, str] = {}  # device index → "cublas" or "triton", probed once per device
-
-
 @torch.library.custom_op("hsx::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """bf16 (M, N) = quantize(x) @ (w · ws)ᵀ for bf16 x (M, K): x quantized per 1×128 block (`quantize_activation`),
@@ -253,32 +254,57 @@ def _(gate, up):
 
 
 def _block_mm(xq, xs, w, ws):
-    if _cublas_takes(w, ws):
-        return _cublas_mm(xq, xs, w, ws)
-    return _triton_mm(xq, xs, w, ws)
+    return _gemm(_runs(w, ws))(xq, xs, w, ws)
 
 
-_CUBLAS_SHAPES: dict[tuple, bool] = {}  # (device, N, K) → cuBLAS's product checked against the reference
+def _runs(w: torch.Tensor, ws: torch.Tensor) -> str:
+    """The GEMM that multiplies by (w, ws): the device's (`use_gemm`) where its check for this weight's shape passed,
+    else the next of GEMMS whose does (Triton, last, runs any)."""
+    chosen = backend_of(w.device)
+    for name in GEMMS[GEMMS.index(chosen):-1]:
+        if _takes(name, w, ws):
+            return name
+    return GEMMS[-1]
 
 
-def _cublas_takes(w: torch.Tensor, ws: torch.Tensor) -> bool:
-    """Whether cuBLAS multiplies by this weight's shape: the device's backend is cuBLAS, and on the first call for
-    (N, K) a 64-row product with these very weights agrees with the reference (else Triton runs it, always)."""
-    backend = _BACKEND.get(w.device.index) or probe_backend(w.device)
-    key = (w.device.index, *w.shape)
-    if backend != "cublas" or w.shape[0] % BLOCK:
+_SHAPES: dict[tuple, bool] = {}  # (GEMM, device, N, K) → its product with such a weight agreed with the reference
+
+
+def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
+    """Whether GEMM `name` multiplies by this weight's shape: on the first call for (device, N, K), products with
+    these very weights (16 and 200 rows: fbgemm runs another kernel at M <= 16) agree with the reference; else one
+    warning and the next GEMM runs such weights from then on. cuBLAS and fbgemm tile N by whole scale blocks."""
+    if w.shape[0] % BLOCK:
         return False
-    if key not in _CUBLAS_SHAPES:
-        g = torch.Generator(device=w.device).manual_seed(1)
-        x = torch.randn(64, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
-        xq, xs = _quantize_activation_cuda(x)
-        want = reference_mm(xq, xs, w, ws).float()
+    key = (name, w.device.index, *w.shape)
+    if key not in _SHAPES:
+        why = _disagrees(name, w, ws)
+        _SHAPES[key] = why is None
+        if why is not None:
+            after = ", else ".join(_GEMM_NAMES[g] for g in GEMMS[GEMMS.index(name) + 1:])
+            warnings.warn(f"hsx: {_GEMM_NAMES[name]} failed its check for {w.shape[0]}×{w.shape[1]} FP8 weights on "
+                          f"{w.device} ({why}); {after} runs weights of this shape", stacklevel=2)
+    return _SHAPES[key]
+
+
+def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor, rows: tuple[int, ...] = (16, 200)) -> str | None:
+    """Why GEMM `name`'s products of `rows` random activation rows with (w, ws) are not the float32 reference's
+    (relative error < 1e-2, as every FP8 kernel check of hsx), None when they are."""
+    g = torch.Generator(device=w.device).manual_seed(1)
+    for m in rows:
+        x = torch.randn(m, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
+        xq, xs = fp8_quantize(x)
+        want = reference_mm(xq, xs, w, ws, torch.float32)
         try:
-            got = _cublas_mm(xq, xs, w, ws).float()
-            _CUBLAS_SHAPES[key] = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
-        except RuntimeError:  # e.g. CUBLAS_STATUS_NOT_SUPPORTED for this shape
-            _CUBLAS_SHAPES[key] = False
-    return _CUBLAS_SHAPES[key]
+            got = _gemm(name)(xq, xs, w, ws).float()
+        except Exception as e:  # noqa: BLE001  (an unsupported shape or build: CUBLAS_STATUS_NOT_SUPPORTED, ...)
+            return f"{type(e).__name__}: {one_line(e, 160)}"
+        if got.shape != want.shape:
+            return f"its product has shape {tuple(got.shape)}, not {tuple(want.shape)}"
+        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        if not err < 1e-2:
+            return f"relative error {err:.3g} against the float32 product at {m} rows"
+    return None
 
 
 @fp8_linear.register_fake
@@ -292,6 +318,63 @@ def _cublas_mm(xq, xs, w, ws):
     if xs.stride(0) != 1:
         xs = xs.t().contiguous().t()
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+
+FBGEMM_OP = "f8f8bf16_groupwise"  # fbgemm-gpu-genai's CUTLASS SM90 GEMM: 1×128 activation, 128×128 weight scales
+_FBGEMM: list = []  # [(the op or None, why not or None)], loaded once
+
+
+def _fbgemm_op():
+    """(torch.ops.fbgemm.f8f8bf16_groupwise, None) where fbgemm-gpu-genai imports and registers it; (None, None)
+    where fbgemm_gpu is not installed; (None, why) where it is but the op is not usable."""
+    if not _FBGEMM:
+        _FBGEMM.append(_load_fbgemm())
+    return _FBGEMM[0]
+
+
+def _load_fbgemm():
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("fbgemm_gpu") is None:
+            return None, None
+        with _root_logging_silenced():
+            # (fbgemm_gpu's __init__ loads the gen_ai library, which registers torch.ops.fbgemm's GEMMs)
+            import fbgemm_gpu.experimental.gen_ai  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (a build for another torch or CUDA: undefined symbols, missing libraries)
+        return None, f"fbgemm_gpu does not import: {type(e).__name__}: {one_line(e, 160)}"
+    try:
+        return getattr(torch.ops.fbgemm, FBGEMM_OP), None
+    except (AttributeError, RuntimeError):
+        return None, f"this fbgemm_gpu has no torch.ops.fbgemm.{FBGEMM_OP} (it is fbgemm-gpu-genai's)"
+
+
+@contextmanager
+def _root_logging_silenced():
+    """fbgemm_gpu logs through the root logger as it imports (1.6.0: its version table has no entry for itself), and
+    `logging.warning` on an unconfigured root logger installs a stderr handler for the whole process: during the
+    import, neither."""
+    import logging
+
+    root, guard = logging.getLogger(), logging.NullHandler()
+    before = logging.root.manager.disable
+    root.addHandler(guard)  # a handler present: logging.warning() does not configure the root logger
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+        root.removeHandler(guard)
+
+
+def _fbgemm_mm(xq, xs, w, ws):
+    # The CUTLASS kernel reads raw pointers and checks no layout: x_scale as (K/128, M) and w_scale as (K/128, N/128),
+    # both contiguous (CUTLASS's SM90 block scaling takes scales MN-major only), M = xq's rows; it computes the
+    # transposed product (N × M), so its token tile is 128 wide (16 at M <= 16). The weight scales' transposed copy
+    # is N·K/16384 floats (12 KiB for 4096 × 12288).
+    op = _fbgemm_op()[0]
+    xs_t = xs.t() if xs.t().is_contiguous() else xs.t().contiguous()
+    return op(xq.contiguous(), w.contiguous(), xs_t, ws.t().contiguous())
 
 
 ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned
@@ -341,35 +424,71 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-def probe_backend(device: torch.device) -> str:
-    """cuBLAS's block-scaled `_scaled_mm` when this torch/CUDA has it on this GPU and it agrees with the
-    reference on a small product, else the Triton kernel (also checked)."""
+GEMMS = FP8_GEMM_CHOICES[1:]  # fastest first (docs/fp8.md); Triton, last, runs any shape
+_GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
+               "triton": "hsx's Triton block GEMM"}
+_BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
+_CHOSEN: dict[int | None, str] = {}  # device index → the choice that _BACKEND's entry answers
+
+
+def _gemm(name: str):
+    return {"fbgemm": _fbgemm_mm, "cublas": _cublas_mm, "triton": _triton_mm}[name]
+
+
+def use_gemm(device: torch.device, choice: str = "auto") -> str:
+    """Choose the block-scaled GEMM of `device`'s FP8 linears (config key fp8_gemm): `choice`, or with "auto" the
+    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512) agrees with the float32
+    reference, else the next that does, with one warning saying which runs instead (none when auto finds no
+    fbgemm_gpu installed: the usual case). Each weight shape is checked again at its first use (`_takes`)."""
+    if choice not in FP8_GEMM_CHOICES:
+        raise HsxError(f"fp8_gemm {choice!r} is not one of {', '.join(FP8_GEMM_CHOICES)}")
+    if _CHOSEN.get(device.index) == choice and device.index in _BACKEND:
+        return _BACKEND[device.index]
+    if device.type == "cuda":
+        _check_quantization(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
+    failed = []
+    for name in GEMMS[GEMMS.index(choice) if choice != "auto" else 0:]:
+        why = _missing(name, choice)
+        if why is None:
+            why = _disagrees(name, wq, ws)
+        if why is None:
+            break
+        failed.append((name, why))
+    else:
+        raise HsxError(f"hsx's FP8 block GEMM disagrees with the reference on {device} ({failed[-1][1]})")
+    said = [f"{_GEMM_NAMES[n]}: {why}" for n, why in failed if why]
+    if said:
+        warnings.warn(f"hsx: {'; '.join(said)}; FP8 linears run on {_GEMM_NAMES[name]} instead", stacklevel=2)
+    _BACKEND[device.index], _CHOSEN[device.index] = name, choice
+    return name
+
+
+def _missing(name: str, choice: str) -> str | None:
+    """Why GEMM `name` is not there to run ("": not there, nothing to say), None when it is."""
+    if name != "fbgemm":
+        return None
+    op, why = _fbgemm_op()
+    if op is not None:
+        return None
+    return why or ("fbgemm_gpu is not installed (pip install fbgemm-gpu-genai)" if choice == name else "")
+
+
+def _check_quantization(device: torch.device) -> None:
+    """The Triton activation quantization equals its torch reference bit for bit on this GPU (else an error: every
+    FP8 GEMM reads what it writes)."""
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(201, 512, device=device, generator=g, dtype=torch.bfloat16)
-    wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
     xq, xs = _quantize_activation_cuda(x)
     tq, ts = quantize_activation(x)
     if not (torch.equal(xq[:201].view(torch.uint8), tq.view(torch.uint8)) and torch.equal(xs[:201], ts)):
         raise HsxError("hsx's FP8 activation quantization disagrees with its reference on this GPU")
-    want = reference_mm(xq, xs, wq, ws).float()
-    backend = "triton"
-    try:
-        got = _cublas_mm(xq, xs, wq, ws).float()
-        if ((got - want).norm() / want.norm()).item() < 1e-2:
-            backend = "cublas"
-    except (RuntimeError, NotImplementedError, ValueError):  # no block-scaled cuBLAS in this build
-        pass
-    if backend == "triton":
-        got = _triton_mm(xq, xs, wq, ws).float()
-        err = ((got - want).norm() / want.norm()).item()
-        if not err < 1e-2:
-            raise HsxError(f"hsx's FP8 block GEMM disagrees with the reference on this GPU (relative error {err:.3g})")
-    _BACKEND[device.index] = backend
-    return backend
 
 
 def backend_of(device: torch.device) -> str:
-    return _BACKEND.get(device.index) or probe_backend(device)
+    """The GEMM `device`'s FP8 linears run (chosen by `use_gemm`, "auto" when nothing chose)."""
+    return _BACKEND.get(device.index) or use_gemm(device)
 
 
 _TRITON_KERNEL = None
@@ -598,23 +717,65 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     if quant is None:
         return None
     mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
+    by_shape: dict[str, str] = {}
     if mods:
-        how = f"hsx fp8 ({backend_of(mods[0].weight.device)})"
+        gemm = backend_of(mods[0].weight.device)
+        how = f"hsx fp8 ({gemm})"
+        for m in mods:
+            key = f"{m.out_features}x{m.in_features}"
+            if key not in by_shape:
+                by_shape[key] = _runs(m.weight, m.weight_scale_inv)  # (its check runs here if no batch ran it yet)
+        by_shape = {k: v for k, v in by_shape.items() if v != gemm}
+        if mods[0].weight.is_cuda:
+            torch.cuda.empty_cache()  # the checks' float32 copies of the weights go back before a budget is sized
     elif any(type(m).__name__ == "FP8Linear" for m in base.modules()):
         how = "transformers fp8"
     else:
         how = "dequantized by transformers"
     out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
+    if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
+        out["gemm_by_shape"] = by_shape
     experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
-        held = [m for m in experts if getattr(m, "gate_up_proj", getattr(m, "up_proj", None)) is not None
-                and getattr(m, "gate_up_proj", getattr(m, "up_proj", None)).dtype == FP8_DTYPE]
+        held = [m for m in experts if _holds_e4m3(m)]
         on_cuda = bool(ours) and ours[0].gate_up_proj.is_cuda
         out["experts"] = (f"hsx fp8 grouped ({'triton' if on_cuda else 'torch reference'})" if ours
                           else "transformers fp8" if held else "dequantized by transformers")
         out["fp8_experts"] = len(ours)
     return out
+
+
+def _holds_e4m3(experts: torch.nn.Module) -> bool:
+    w = getattr(experts, "gate_up_proj", getattr(experts, "up_proj", None))
+    return w is not None and w.dtype == FP8_DTYPE
+
+
+def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
+    """Why transformers' FP8 forward cannot run the FP8 modules left to it (FP8Linear modules hsx did not replace;
+    e4m3 experts under its eager / grouped_mm implementations): its finegrained-fp8 kernel (the `kernels` package,
+    fetched from the Hub) does not load here, and each forward would end in that ImportError. None when nothing is
+    left to it or the kernel loads."""
+    linears = [m for m in base.modules() if type(m).__name__ == "FP8Linear"
+               and getattr(getattr(m, "weight", None), "dtype", None) == FP8_DTYPE]
+    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")
+               and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
+    if not (linears or experts):
+        return None
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+    except ImportError:  # another transformers: its FP8 forward is what it is
+        return None
+    try:
+        load_finegrained_fp8_kernel()
+        return None
+    except Exception as e:  # noqa: BLE001  (ImportError; a Hub or build error of the kernel)
+        why = one_line(e, 200)
+    what = " and ".join(([f"{len(linears)} FP8 linear layers"] if linears else [])
+                        + ([f"{len(experts)} FP8 experts modules"] if experts else []))
+    hint = ("; --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's kernels" if experts else "")
+    return (f"{what} would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not load here "
+            f"({why}){hint}")
 
 
 @contextmanager
@@ -670,9 +831,7 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
         causal = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                   attn_implementation=attn_implementation)
     decoder = causal.get_decoder()
-    names = [n for n, m in decoder.named_modules()
-             if type(m) is torch.nn.Linear and m.in_features % BLOCK == 0 and m.out_features % BLOCK == 0]
-    for name in names:
+    for name in _block_linears(decoder):
         lin = decoder.get_submodule(name)
         w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=torch.bfloat16) * std
         q, s = quantize_weight(w)
@@ -700,6 +859,34 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
     causal.config.quantization_config = dict(CHECKPOINT_QUANTIZATION)
     fuse_gated_mlps(decoder)
     return causal
+
+
+def _block_linears(decoder: torch.nn.Module) -> list[str]:
+    """The decoder's linear layers a random FP8 model quantizes: both sides whole 128-blocks (Gated DeltaNet's
+    one-row-per-head in_proj_a / in_proj_b stay bf16, as in the checkpoints)."""
+    return [n for n, m in decoder.named_modules()
+            if type(m) is torch.nn.Linear and m.in_features % BLOCK == 0 and m.out_features % BLOCK == 0]
+
+
+def linear_shapes(config) -> dict[tuple[int, int], int]:
+    """(N, K) → how many of the FP8 linear layers of a model of `config` (built on the meta device: nothing
+    allocated) have that weight shape; the GEMM bench's shapes (`hsx bench --gemms`)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        decoder = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).get_decoder()
+    counts: dict[tuple[int, int], int] = {}
+    for name in _block_linears(decoder):
+        lin = decoder.get_submodule(name)
+        counts[(lin.out_features, lin.in_features)] = counts.get((lin.out_features, lin.in_features), 0) + 1
+    return counts
+
+
+def gemm(name: str):
+    """(GEMM `name` of GEMMS as fp8_mm runs it: (xq, xs, w, ws) → bf16, unchecked; None) where it is there, else
+    (None, why): the GEMM bench's access to each one."""
+    why = _missing(name, name)
+    return (_gemm(name), None) if why is None else (None, why)
 
 
 def _random_fp8_experts(experts: torch.nn.Module, device: torch.device, std: float) -> None:

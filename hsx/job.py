@@ -351,9 +351,14 @@ class Extraction:
         self.owns_model = loaded is None  # a model given (hsx bench's) outlives the job, and so does its compile
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
-        kernels = kernel_report(loaded.base)
         quant = fp8.quantization_of(loaded.text_config)
         instead = fp8.runs_instead(quant, device) if quant is not None else None
+        if quant is not None and instead is None:
+            fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
+        blocker = fp8.transformers_fp8_blocker(loaded.base) if quant is not None else None
+        if blocker:
+            raise HsxError(blocker)
+        kernels = kernel_report(loaded.base)
         if instead:
             log(instead)
         if kernels.get("linear_attention_forward") == "transformers":

@@ -447,7 +447,7 @@ def test_bench_and_push_take_the_config_keys_help_default_and_choices():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     bench = {a.dest: a for a in sub.choices["bench"]._actions}
-    for name in ("compile", "sdpa_backend", "packing", "storage_dtype", "experts_implementation"):
+    for name in ("compile", "sdpa_backend", "packing", "storage_dtype", "experts_implementation", "fp8_gemm"):
         assert bench[name].choices == FIELDS[name].metadata["choices"], name
         assert bench[name].default == FIELDS[name].default, name
         assert FIELDS[name].metadata["help"] in bench[name].help, name

@@ -673,3 +673,281 @@ def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_refere
     monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
     with pytest.warns(UserWarning, match="down kernel failed its check .*differs from the reference"):
         assert not moe._fp8_kernels_take(down, down_scale, "down")
+
+
+# ---- the block-scaled GEMM's choice (fbgemm, cuBLAS, Triton) ---------------------------------------------------------
+
+class warnings_recorded:
+    """Every warning raised within, recorded (none filtered out)."""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        seen = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        return seen
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def _fbgemm_contract(calls):
+    """A stand-in for torch.ops.fbgemm.f8f8bf16_groupwise that holds its callers to fbgemm 1.6.0's contract (CUTLASS
+    SM90 block scaling, MN-major scales; the kernel checks none of it): XQ (M, K) and WQ (N, K) e4m3, contiguous;
+    x_scale (K/128, M) and w_scale (K/128, N/128) float32, contiguous; bf16 (M, N) out."""
+    def op(xq, wq, x_scale, w_scale):
+        (m, k), n = xq.shape, wq.shape[0]
+        assert xq.dtype == wq.dtype == torch.float8_e4m3fn and xq.is_contiguous() and wq.is_contiguous()
+        assert x_scale.dtype == w_scale.dtype == torch.float32
+        assert x_scale.shape == (k // 128, m) and x_scale.is_contiguous(), (x_scale.shape, x_scale.stride())
+        assert w_scale.shape == (k // 128, n // 128) and w_scale.is_contiguous(), (w_scale.shape, w_scale.stride())
+        calls.append((m, n, k))
+        return fp8.reference_mm(xq, x_scale.t(), wq, w_scale.t())
+    return op
+
+
+@pytest.fixture
+def gemm_state(monkeypatch):
+    """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, name, {})
+    cublas = []
+
+    def reference(xq, xs, w, ws):
+        cublas.append(w.shape)
+        return fp8.reference_mm(xq, xs, w, ws)
+
+    monkeypatch.setattr(fp8, "_cublas_mm", reference)
+    return monkeypatch, cublas
+
+
+def _weights(n=256, k=384, seed=0):
+    return fp8.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def test_fbgemm_runs_the_gemm_where_it_agrees_with_the_reference(gemm_state):
+    monkeypatch, cublas = gemm_state
+    calls = []
+    monkeypatch.setattr(fp8, "_FBGEMM", [(_fbgemm_contract(calls), None)])
+    cpu = torch.device("cpu")
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu) == "fbgemm" and fp8.backend_of(cpu) == "fbgemm"
+    assert not seen and calls  # checked on a small product (16 and 200 rows), silently
+    w, ws = _weights()
+    xq, xs = fp8.quantize_activation_padded(torch.randn(37, 384), fp8.ROW_ALIGN)  # rows padded: M = 48
+    calls.clear()
+    y = fp8._block_mm(xq, xs, w, ws)
+    assert calls[-1] == (48, 256, 384) and not cublas  # the shape's check, then the product itself
+    torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
+
+
+def test_a_wrong_or_failing_fbgemm_falls_back_to_cublas_with_one_warning(gemm_state):
+    monkeypatch, cublas = gemm_state
+    cpu = torch.device("cpu")
+    right = _fbgemm_contract([])
+
+    def scales_row_major(xq, wq, x_scale, w_scale):  # reads w_scale (N/128, K/128) as if it were (K/128, N/128)
+        return right(xq, wq, x_scale, w_scale.t().contiguous().view(w_scale.shape))
+
+    monkeypatch.setattr(fp8, "_FBGEMM", [(scales_row_major, None)])
+    with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise: relative error .* cuBLAS's block-scaled "
+                                         r"_scaled_mm instead") as seen:
+        assert fp8.use_gemm(cpu) == "cublas"
+    assert len(seen) == 1
+    with warnings_recorded() as again:
+        assert fp8.use_gemm(cpu) == "cublas" and fp8.backend_of(cpu) == "cublas"  # decided once
+        w, ws = _weights()
+        xq, xs = fp8.quantize_activation_padded(torch.randn(5, 384), fp8.ROW_ALIGN)
+        fp8._block_mm(xq, xs, w, ws)
+    assert not again and cublas[-1] == (256, 384)
+
+    def raises(*a):
+        raise RuntimeError("cutlass cannot initialize\nmore")
+
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
+    monkeypatch.setattr(fp8, "_FBGEMM", [(raises, None)])
+    with pytest.warns(UserWarning, match="RuntimeError: cutlass cannot initialize more;") as seen:
+        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
+    assert len(seen) == 1
+
+
+def test_no_fbgemm_installed_means_cublas_without_a_word_unless_asked_for(gemm_state):
+    monkeypatch, _ = gemm_state
+    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
+    cpu = torch.device("cpu")
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu) == "cublas"
+    assert not seen
+    with pytest.warns(UserWarning, match="fbgemm_gpu is not installed .*cuBLAS's block-scaled _scaled_mm instead"):
+        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
+    assert not seen
+    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, fbgemm, cublas, triton"):
+        fp8.use_gemm(cpu, "fast")
+
+
+def test_a_weight_shape_fbgemm_gets_wrong_runs_on_cublas_and_the_report_says_so(gemm_state):
+    monkeypatch, cublas = gemm_state
+    right = _fbgemm_contract([])
+    monkeypatch.setattr(fp8, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
+                                                                                       else 1.0), None)])
+    cpu = torch.device("cpu")
+    assert fp8.use_gemm(cpu) == "fbgemm"  # its check's shape (384 × 512) is right
+    (w1, s1), (w2, s2) = _weights(256, 384), _weights(512, 256, seed=1)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 256), fp8.ROW_ALIGN)
+    with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise failed its check for 512×256 FP8 weights on "
+                                         r"cpu \(relative error .*\); cuBLAS's block-scaled _scaled_mm, else hsx's "
+                                         r"Triton block GEMM runs weights of this shape") as seen:
+        fp8._block_mm(xq, xs, w2, s2)
+    assert len(seen) == 1 and cublas[-1] == (512, 256)
+    with warnings_recorded() as again:
+        fp8._block_mm(xq, xs, w2, s2)
+    assert not again
+    layers = torch.nn.Sequential(fp8.Fp8Linear(w1, s1, None), fp8.Fp8Linear(w2, s2, None))
+    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["linear"] == "hsx fp8 (fbgemm)" and report["gemm_by_shape"] == {"512x256": "cublas"}
+
+
+def test_fbgemm_import_keeps_the_root_logger_unconfigured_and_a_missing_op_is_named(tmp_path, monkeypatch, capfd):
+    """fbgemm_gpu 1.6.0 logs a version-table warning through the root logger as it imports; an unconfigured root
+    logger would install a stderr handler for the whole process. A package without the op is one reason."""
+    import logging
+    import sys
+
+    pkg = tmp_path / "fbgemm_gpu"
+    (pkg / "experimental" / "gen_ai").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import logging\nlogging.warning('no entry for 1.6.0 of FBGEMM')\n")
+    (pkg / "experimental" / "__init__.py").write_text("")
+    (pkg / "experimental" / "gen_ai" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(logging.root, "handlers", [])
+    try:
+        op, why = fp8._load_fbgemm()
+    finally:
+        for name in [m for m in sys.modules if m == "fbgemm_gpu" or m.startswith("fbgemm_gpu.")]:
+            del sys.modules[name]
+    assert op is None and why == "this fbgemm_gpu has no torch.ops.fbgemm.f8f8bf16_groupwise (it is fbgemm-gpu-genai's)"
+    assert logging.root.handlers == [] and logging.root.manager.disable == 0
+    assert "no entry" not in capfd.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel)")
+def test_fbgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
+    """fbgemm-gpu-genai's f8f8bf16_groupwise as hsx calls it (hsx's scales, M padded to 16) against the float32
+    product, at Qwen3-8B's and Qwen3.6-27B's linear shapes and row counts on both of its kernels (M <= 16 and
+    larger); then chosen by use_gemm and run through hsx::fp8_linear. Skipped where fbgemm_gpu is not installed."""
+    run, why = fp8.gemm("fbgemm")
+    if run is None:
+        pytest.skip(why)
+    device = torch.device("cuda", 0)
+    g = torch.Generator(device=device).manual_seed(0)
+    for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
+        w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
+        for m in (1, 16, 17, 300, 2048):
+            xq, xs = fp8.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
+            got = run(xq, xs, w, ws)
+            want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, name, {})
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(device, "fbgemm") == "fbgemm"
+    assert not seen, [str(s.message) for s in seen]
+    x = torch.randn(77, 4096, device=device, generator=g, dtype=torch.bfloat16)
+    w, ws = fp8.quantize_weight(torch.randn(4096, 4096, device=device, generator=g) * 0.02)
+    xq, xs = fp8.quantize_activation(x)
+    assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
+    assert fp8._runs(w, ws) == "fbgemm"
+
+
+def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_gpu(capsys):
+    from hsx.bench import format_gemms
+    from hsx.cli import main
+    from hsx.cost import shape_config
+    from hsx.model import text_config_of
+
+    # Qwen3-8B: q/o 4096², k/v 1024 × 4096, gate/up 12288 × 4096 (2 each of 36 layers), down 4096 × 12288
+    assert fp8.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
+        (4096, 4096): 72, (1024, 4096): 72, (12288, 4096): 72, (4096, 12288): 36}
+    rows = [{"n": 4096, "k": 4096, "count": 2, "bf16": 700.0, "cublas": 1000.0, "cublas_error": 7e-4,
+             "fbgemm": "RuntimeError: cutlass cannot run"}]
+    table = format_gemms("x", 16384, rows, {"bf16": 2e-3, "cublas": 1e-3, "fbgemm": None})
+    assert "| 4096 × 4096 | 2 | 700 | 1,000 (7.0e-04) | failed |" in table
+    assert "| all linears | | 2.0 ms | 1.0 ms (2.00×) | – |" in table and "4096×4096 fbgemm: RuntimeError" in table
+    if not torch.cuda.is_available():
+        assert main(["bench", "--gemms", "qwen3-8b,qwen3.6-27b"]) != 0
+        assert "hsx: error: --gemms measures FP8 GEMMs: it needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(tmp_path, monkeypatch):
+    """FP8 experts under --experts-implementation eager or grouped_mm (and FP8Linear modules hsx did not replace)
+    run transformers' FP8 forward, which loads its finegrained-fp8 kernel (the `kernels` package, a Hub download) at
+    each call: without it every batch ended in an ImportError traceback inside transformers. The job now names it
+    before the first batch."""
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    from hsx import moe
+
+    def unavailable():
+        raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
+                          "incompatible version")
+
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
+    model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
+    why = fp8.transformers_fp8_blocker(model)  # transformers' FP8Linear modules: their forward needs the kernel too
+    assert why.startswith("8 FP8 linear layers and 2 FP8 experts modules would run on transformers' FP8 forward"), why
+    fp8.install(model)  # what hsx does on CUDA: its Fp8Linear in their place
+    ids = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0))
+    for name in ("eager", "grouped_mm"):
+        moe.use_experts(model, name)
+        with pytest.raises(ImportError, match="finegrained-fp8 kernel unavailable"), torch.inference_mode():
+            model(input_ids=ids)  # (the crash the line replaces)
+        assert fp8.transformers_fp8_blocker(model) == (
+            "2 FP8 experts modules would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not "
+            "load here (finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
+            "incompatible version); --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's "
+            "kernels")
+    moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
+    assert fp8.transformers_fp8_blocker(model) is None
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", lambda: None)  # a kernel that loads: no objection
+    moe.use_experts(model, "eager")
+    assert fp8.transformers_fp8_blocker(model) is None
+
+
+@pytest.mark.slow
+def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_one_error(tmp_path, monkeypatch):
+    """The job itself: FP8 experts (loaded as stored) under --experts-implementation eager, transformers' FP8 kernel
+    not loadable. Before: an ImportError traceback from inside transformers at the first batch; now an HsxError
+    before it, and no unit written."""
+    import datasets
+    import transformers
+    from transformers.integrations import finegrained_fp8 as hf_fp8
+
+    from hsx.model import truncated_view
+    from hsx.run import extract
+
+    def unavailable():
+        raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed")
+
+    folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    causal = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    monkeypatch.undo()
+    monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
+    loaded = truncated_view(causal, causal.config, [1], False)
+    rows = [list(range(3, 3 + n)) for n in (9, 17, 5)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "input"))
+    cfg = ExtractConfig(model=str(folder), dataset=str(tmp_path / "input"), output_dir=str(tmp_path / "out"),
+                        layers=[1], dtype="float32", compile="off", experts_implementation="eager")
+    with pytest.raises(HsxError, match=r"2 FP8 experts modules would run on transformers' FP8 forward, whose "
+                                       r"finegrained-fp8 kernel does not load here .*--experts-implementation auto"):
+        extract(cfg, log=lambda *a, **k: None, model=loaded)
+    assert not list((tmp_path / "out").glob("**/*.arrow"))
