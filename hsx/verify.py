@@ -239,24 +239,24 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
         raise HsxError(f"{out_dir}: hsx.json is missing or the job is not complete")
     job = _job_record(out)
     recorded_quant = _recorded_quantization(info, job)
-    if recorded_quant is False:
-        raise HsxError(f"{out_dir} was extracted from a target that is not FP8 ({info.model}): --against-bf16 "
-                       "compares an FP8 target's states with its bf16 model's")
+    not_fp8 = (f"{out_dir} was extracted from {info.model}, which is not an FP8 checkpoint (no quantization_config "
+               "with quant_method fp8): --against-bf16 compares an FP8 target's states with its bf16 model's")
+    folder = model or info.model_path
+    if not (isinstance(folder, str) and folder and Path(folder).is_dir()):
+        if recorded_quant is False:  # (what the output records says enough)
+            raise HsxError(not_fp8)
+        raise HsxError(f"model folder {folder!r} is not here" + ("" if model else
+                       " (hsx.json records it); pass --model PATH, a folder with the same files"))
     if not model and info.config.get("trust_remote_code") is not False:
         raise HsxError("the job ran the model's own code (trust_remote_code), and verify takes no trust from "
                        "hsx.json: pass --model PATH --trust-remote-code")
-    folder = model or info.model_path
-    if not (isinstance(folder, str) and folder and Path(folder).is_dir()):
-        raise HsxError(f"model folder {folder!r} is not here" + ("" if model else
-                       " (hsx.json records it); pass --model PATH, a folder with the same files"))
-    _check_model_identity(job, info, folder, model, trust_remote_code, log)
+    _check_model_identity(job, info, folder, trust_remote_code, log)
     full = read_model_config(folder, folder, trust_remote_code)
-    quant = fp8.quantization_of(fp8.carry_quantization(full, text_config_of(full)))
+    quant = fp8.quantization_of(fp8.carry_quantization(full, text_config_of(full)))  # (the folder decides)
     if quant is None:
-        raise HsxError(f"{folder} is not an FP8 checkpoint (no quantization_config with quant_method fp8): "
-                       "--against-bf16 compares an FP8 target's states with its bf16 model's")
+        raise HsxError(not_fp8)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     experts = info.config.get("experts_implementation")
     cfg = config_from({"model": folder, "layers": list(info.layers), "final_hidden": info.final_hidden,
                        "dtype": info.config.dtype, "compile": "off", "trust_remote_code": trust_remote_code,
@@ -324,7 +324,7 @@ def _recorded_quantization(info: Info, job) -> dict | bool | None:
     return None
 
 
-def _check_model_identity(job, info: Info, folder: str, model: str | None, trust_remote_code: bool, log) -> None:
+def _check_model_identity(job, info: Info, folder: str, trust_remote_code: bool, log) -> None:
     """HsxError unless `folder` holds the files (by size and sha256) the job's fingerprint records for its model;
     a job that named a Hub model records its id and commit: the folder must be that commit's snapshot."""
     from hsx.fingerprint import MODEL_SUFFIXES, differing_files, folder_identity
@@ -350,10 +350,14 @@ def _drift_notes(report: dict[str, Any], instead: str | None) -> list[str]:
     if instead and not report["switched"]:
         notes.append("this device runs the dequantized weights, so its FP8 forward is the bf16 one: fp8_vs_bf16 "
                      "is 0 by construction, stored_vs_fp8 equals stored_vs_bf16")
-        ran = report.get("extracted_with") or {}
-        if isinstance(ran, dict) and str(ran.get("linear", "")).startswith(("hsx fp8", "transformers fp8")):
-            notes.append(f"the extraction ran FP8 ({ran['linear']}): stored_vs_bf16 holds its FP8 drift; run on a "
-                         "GPU with FP8 tensor cores to tell it from storage error")
+    ran = report.get("extracted_with") or {}
+    linear = str(ran.get("linear", "")) if isinstance(ran, dict) else ""
+    if instead and not report["switched"] and linear.startswith(("hsx fp8", "transformers fp8")):
+        notes.append(f"the extraction ran FP8 ({linear}): stored_vs_bf16 holds its FP8 drift; run on a GPU with "
+                     "FP8 tensor cores to tell it from storage error")
+    if report["switched"] and linear.startswith("dequantized"):
+        notes.append("the extraction ran the dequantized weights (hsx.json): the stored states are the bf16 model's, "
+                     "not FP8 serving's")
     if report["storage_dtype"] == "float8_e4m3":
         notes.append("the states are stored in float8_e4m3 (per-token scales): every stored_* number includes that "
                      "storage's rounding")

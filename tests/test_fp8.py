@@ -801,6 +801,7 @@ def test_verify_against_bf16_measures_fp8_drift_where_fp8_maths_runs(tmp_path, m
     assert rc == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["switched"] == 4 * 7 and "by construction" not in stdout  # (4 layers: --final-hidden)
+    assert "the extraction ran the dequantized weights" in stdout
     fp8_model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
     _, want = _independent_errors(out, [0, 2, 5], causal.model, fp8_model)
     for name in ("1", "2", "final_hidden_state"):
@@ -877,5 +878,56 @@ def test_verify_against_bf16_refusals_and_clamping(tmp_path):
     causal.save_pretrained(plain)
     out2 = _extract(plain, data, tmp_path / "out2")
     rc, _, err = hsx_main(["verify", str(out2), "--against-bf16", "2"])
-    assert_one_error_line(rc, err, "not FP8")
+    assert_one_error_line(rc, err, "not an FP8 checkpoint")
     assert rc == 1
+    plain.rename(tmp_path / "bf16-moved")  # the output's own record says so, without the folder
+    rc, _, err = hsx_main(["verify", str(out2), "--against-bf16", "2"])
+    assert_one_error_line(rc, err, "not an FP8 checkpoint")
+
+
+@pytest.mark.slow
+def test_verify_against_bf16_storage_check_sees_stored_error(tmp_path, monkeypatch):
+    """stored vs FP8 is the stored states' own check: a stored layer scaled by 1.1 after the fact reads 0.1 there
+    (the other states unchanged); float8_e4m3 storage reads its rounding there, and a note says every stored
+    number includes it."""
+    import importlib
+
+    from helpers import hsx_main
+
+    load_module = importlib.import_module("hsx.load")  # (the package's `hsx.load` is the function)
+    folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
+    data = _pretokenized(tmp_path / "d.jsonl", count=4)
+    out = _extract(folder, data, tmp_path / "out")
+    rc, stdout, err = hsx_main(["verify", str(out), "--against-bf16", "4", "--json", "-"])
+    assert rc == 0, err
+    clean = json.loads(stdout)["relative_error"]["stored_vs_fp8"]
+    real = load_module.torch_view
+
+    class Scaled:  # the output's rows with stored layer 2 (the second stored) scaled by 1.1
+        def __init__(self, *a, **k):
+            self.view = real(*a, **k)
+
+        def __len__(self):
+            return len(self.view)
+
+        def __getitem__(self, i):
+            row = dict(self.view[i])
+            hs = row["hidden_states"].clone()
+            hs[:, 1] *= 1.1
+            row["hidden_states"] = hs
+            return row
+
+    with monkeypatch.context() as m:
+        m.setattr(load_module, "torch_view", Scaled)
+        rc, stdout, err = hsx_main(["verify", str(out), "--against-bf16", "4", "--json", "-"])
+    assert rc == 0, err
+    scaled = json.loads(stdout)["relative_error"]["stored_vs_fp8"]
+    assert clean["2"] < 3e-3 and abs(scaled["2"] - 0.1) < 5e-3, (clean, scaled)
+    assert scaled["1"] == clean["1"] and scaled["final_hidden_state"] == clean["final_hidden_state"]
+
+    out8 = _extract(folder, data, tmp_path / "out8", "--storage-dtype", "float8_e4m3")
+    rc, stdout, err = hsx_main(["verify", str(out8), "--against-bf16", "4", "--json", "-"])
+    assert rc == 0, err
+    e4m3 = json.loads(stdout)["relative_error"]["stored_vs_fp8"]
+    assert all(5e-3 < v < 0.1 for v in e4m3.values()), e4m3
+    assert "stored in float8_e4m3" in err
