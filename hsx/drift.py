@@ -8,8 +8,9 @@ it): once as loaded (the FP8 forward), once within `fp8.bf16_reference` (the sam
 activations unquantized). A layer's relative error is the Frobenius one over every token of the rows,
 sqrt(Σ‖a − b‖² / Σ‖b‖²), and the same over the loss-masked tokens alone. With stored states given (an output's
 rows), they are compared with both forwards too: stored vs fresh FP8 is storage (dtype) error, stored vs bf16 what a
-drafter trained on the output sees beyond the bf16 model. On a tiny Qwen3 (256 wide, 4 layers) on CPU, 3 rows of
-~40 tokens take ~0.1 s.
+drafter trained on the output sees beyond the bf16 model. Two forwards per row and a host sum per state: a
+diagnostic, not the hot loop (`hsx verify --against-bf16 5` on a 4-layer, 256-wide FP8 Qwen3's output: 0.13 s on a
+CPU, load included).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Trust comes from the command line only: OUT is data, and its hsx.json may name a
 `trust_remote_code: true`. The reference is `--model PATH` when given, else the folder hsx.json records, and its
 own code runs only with `--trust-remote-code`, which needs `--model` (the model whose code runs is the one the
 user named, never one the output dir names). A job that ran remote code cannot be recomputed without both.
+
+`--against-bf16 N` (FP8 targets, `against_bf16`): N rows spread over the output run again, FP8 and on the
+dequantized weights in bf16 (hsx.drift); per stored state, stored vs bf16, FP8 vs bf16 and stored vs FP8.
 """
 
 from __future__ import annotations
