@@ -61,9 +61,11 @@ class _Sums:
     def relative(self, comparison: str, masked: bool) -> dict[str, float]:
         out = {}
         for (c, name, m), e in self.err.items():
-            if c == comparison and m == masked:
-                v = math.sqrt(e / max(self.ref[(c, name, m)], 1e-30)) if math.isfinite(e) else float("inf")
-                out[name] = v if math.isfinite(v) else float("inf")
+            ref = self.ref[(c, name, m)]
+            if c != comparison or m != masked or ref == 0.0:  # (no token: no number, rather than a 0)
+                continue
+            v = math.sqrt(e / ref) if math.isfinite(e) and math.isfinite(ref) else float("inf")
+            out[name] = v if math.isfinite(v) else float("inf")
         return out
 
 

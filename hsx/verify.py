@@ -290,6 +290,8 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
             stored[drift.FINAL] = row["final_hidden_state"]
         chosen.append(drift.DriftRow(row["input_ids"], row["loss_mask"], stored))
         sample_ids.append(int(row["sample_id"]))
+    if not chosen:
+        raise HsxError(f"{out_dir}: no row to compare ({len(view)} rows, {nonfinite} chosen with non-finite states)")
     result = drift.compare(loaded.base, loaded.layers, loaded.final_hidden, chosen, device)
     report = {"output_dir": str(out_dir), "model": folder, "device": str(device), "sample_ids": sample_ids,
               "skipped_nonfinite": nonfinite, "storage_dtype": info.storage_dtype,
