@@ -723,16 +723,18 @@ def _loaded_as_stored(monkeypatch):
     monkeypatch.setattr("hsx.moe.resolve_experts", lambda requested, cuda: None)  # (left as `load` set them)
 
 
-def _independent_errors(out, positions, want_model, got_model=None):
+DENSE_STATES = {"1": 2, "2": 3, "final_hidden_state": 4}  # stored state → its output_hidden_states index (4 layers)
+
+
+def _independent_errors(out, positions, want_model, got_model=None, states=None):
     """Relative errors per state over `positions` of the output, computed here: the stored states (read with
-    datasets, the bits decoded by hand) against `want_model`'s forward (a float CausalLM, output_hidden_states:
-    hidden_states[2], [3] for layers 1, 2 and [4], after the final norm, for final_hidden_state), or `got_model`'s
-    forward against `want_model`'s. All tokens, and the loss-masked ones."""
-    from datasets import Dataset
+    datasets, the bf16 bits decoded by hand) against `want_model`'s forward (transformers, output_hidden_states:
+    `states` maps each stored state to its index there; the last is after the final norm, the
+    final_hidden_state), or `got_model`'s forward against `want_model`'s. All tokens, and the loss-masked ones."""
+    from datasets import Dataset, concatenate_datasets
 
+    states = states or DENSE_STATES
     files = sorted((out / "data").glob("*.arrow"))
-    from datasets import concatenate_datasets
-
     ds = concatenate_datasets([Dataset.from_file(str(f)) for f in files]).with_format("numpy")
     sums = {}
     sample_ids = []
@@ -743,14 +745,16 @@ def _independent_errors(out, positions, want_model, got_model=None):
             ids = torch.as_tensor(row["input_ids"].astype(np.int64))[None]
             mask = torch.as_tensor(row["loss_mask"]).bool()
             hs = want_model(input_ids=ids, output_hidden_states=True).hidden_states
-            want = {"1": hs[2][0], "2": hs[3][0], "final_hidden_state": hs[4][0]}
+            want = {name: hs[i][0] for name, i in states.items()}
             if got_model is None:
                 stored = torch.from_numpy(np.stack(row["hidden_states"]).astype(np.int16)).view(torch.bfloat16)
                 final = torch.from_numpy(np.stack(row["final_hidden_state"]).astype(np.int16)).view(torch.bfloat16)
-                got = {"1": stored[:, :256], "2": stored[:, 256:], "final_hidden_state": final}
+                layers = [n for n in states if n != "final_hidden_state"]
+                got = {n: stored[:, j * 256:(j + 1) * 256] for j, n in enumerate(layers)}
+                got["final_hidden_state"] = final
             else:
                 hg = got_model(input_ids=ids, output_hidden_states=True).hidden_states
-                got = {"1": hg[2][0], "2": hg[3][0], "final_hidden_state": hg[4][0]}
+                got = {name: hg[i][0] for name, i in states.items()}
             for name in want:
                 d = (got[name].float() - want[name].float()).pow(2).sum(-1)
                 r = want[name].float().pow(2).sum(-1)
@@ -931,3 +935,34 @@ def test_verify_against_bf16_storage_check_sees_stored_error(tmp_path, monkeypat
     e4m3 = json.loads(stdout)["relative_error"]["stored_vs_fp8"]
     assert all(5e-3 < v < 0.1 for v in e4m3.values()), e4m3
     assert "stored in float8_e4m3" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_verify_against_bf16_on_an_fp8_moe_output(tmp_path, monkeypatch, kind):
+    """The command on a finished output of an FP8 MoE (Qwen3-MoE; Qwen3.5-MoE, whose layer 0 is Gated DeltaNet),
+    extracted on CPU (dequantized at load), then compared with the e4m3 tensors kept and hsx's FP8 linear layers
+    and experts on their torch reference: every FP8 module switched, FP8 vs bf16 not 0, and stored vs bf16 equal to
+    the errors computed here against transformers' forward of the float model of the dequantized weights."""
+    from helpers import hsx_main
+
+    folder, causal = _save_fp8_moe_checkpoint(tmp_path, kind)
+    data = _pretokenized(tmp_path / "d.jsonl", count=5)
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(data), "--layers", "0",
+                           "--final-hidden", "--output-dir", str(tmp_path / "out"), "--compile", "off",
+                           "--dtype", "float32"])
+    assert rc == 0, err
+    _loaded_as_stored(monkeypatch)
+    rc, stdout, err = hsx_main(["verify", str(tmp_path / "out"), "--against-bf16", "3", "--json", "-"])
+    assert rc == 0, err
+    report = json.loads(stdout)
+    experts = report["runs_here"]
+    assert experts["fp8_experts"] == 2 and experts["experts"].startswith("hsx fp8 grouped")
+    assert report["switched"] == experts["fp8_linears"] + 2
+    _, want = _independent_errors(tmp_path / "out", [0, 2, 4], causal.model,
+                                  states={"0": 1, "final_hidden_state": 2})
+    for name in ("0", "final_hidden_state"):
+        assert 1e-3 < report["relative_error"]["fp8_vs_bf16"][name] < 0.5, report
+        for masked, key in ((False, "relative_error"), (True, "relative_error_masked")):
+            got = report[key]["stored_vs_bf16"][name]
+            assert abs(got - want[(name, masked)]) < 0.02 * want[(name, masked)], (name, masked, got, want)
