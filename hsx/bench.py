@@ -193,6 +193,10 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     causal.config.use_cache = False
     if args.model and on_fp8 and len(proc.devices) == 1:
         fp8.install(causal)
+        if _num_experts(text):  # as for random FP8 weights: e4m3 experts on hsx's grouped path (drift included)
+            from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
+
+            use_experts(causal, EXPERTS_IMPLEMENTATION)
     build_s = time.perf_counter() - t0
     base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
     vocab = int(text.vocab_size)
