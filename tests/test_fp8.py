@@ -684,8 +684,8 @@ def _pretokenized(path, seed=0, count=12):
     from helpers import write_jsonl
 
     rng = np.random.default_rng(seed)
-    rows = [{"input_ids": rng.integers(3, 500, int(n)).tolist(), "loss_mask": [0] * (int(n) // 2) + [1] * (int(n) - int(n) // 2)}
-            for n in rng.integers(5, 60, count)]
+    rows = [{"input_ids": rng.integers(3, 500, n).tolist(), "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}
+            for n in map(int, rng.integers(5, 60, count))]
     return write_jsonl(path, rows)
 
 
