@@ -788,6 +788,10 @@ def test_verify_against_bf16_reports_stored_states_against_the_bf16_model(tmp_pa
         assert report["relative_error"]["fp8_vs_bf16"][name] == 0.0
     assert report["masked_tokens"] < report["tokens"]
     assert "0 by construction" in stdout and "stored vs bf16" in stdout and "final_hidden_state" in stdout
+    table = [line.split() for line in stdout.splitlines() if line.startswith("  1 ")]
+    assert table == [["1"] + [f"{v:.3e}" for v in (
+        report["relative_error"]["stored_vs_bf16"]["1"], report["relative_error_masked"]["stored_vs_bf16"]["1"],
+        0.0, 0.0, report["relative_error"]["stored_vs_fp8"]["1"])]], stdout
 
 
 @pytest.mark.slow
@@ -966,3 +970,26 @@ def test_verify_against_bf16_on_an_fp8_moe_output(tmp_path, monkeypatch, kind):
         for masked, key in ((False, "relative_error"), (True, "relative_error_masked")):
             got = report[key]["stored_vs_bf16"][name]
             assert abs(got - want[(name, masked)]) < 0.02 * want[(name, masked)], (name, masked, got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores")
+def test_verify_against_bf16_on_an_fp8_gpu(tmp_path):
+    """On an FP8 GPU (not yet run): extracted with hsx's FP8 kernels, the stored states are within bf16 and kernel
+    rounding of a fresh FP8 forward, and away from the bf16 model's by about the FP8 drift."""
+    from helpers import hsx_main
+
+    folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "2", "--final-hidden", "--output-dir", str(tmp_path / "out"),
+                           "--compile", "off"])
+    assert rc == 0, err
+    rc, stdout, err = hsx_main(["verify", str(tmp_path / "out"), "--against-bf16", "6", "--json", "-"])
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert report["switched"] == 4 * 7 and report["runs_here"]["linear"].startswith("hsx fp8"), report
+    rel = report["relative_error"]
+    for name in ("1", "2", "final_hidden_state"):
+        assert rel["stored_vs_fp8"][name] < 2e-2, rel
+        assert 1e-3 < rel["fp8_vs_bf16"][name] < 0.5 and 1e-3 < rel["stored_vs_bf16"][name] < 0.5, rel
