@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     vo.add_argument("--dest", help="folder for the mapping files (default: the output dir)")
     ve = command("verify", "re-read an output dir, check it, and recompute rows with the reference")
     ve.add_argument("output_dir", help="the hsx output dir to check")
-    ve.add_argument("--samples", type=int, default=8, help="rows to recompute with the reference forward")
+    ve.add_argument("--samples", type=int, help="rows to recompute with the reference forward (default: 8; 0 with "
+                    "--against-bf16)")
     ve.add_argument("--tolerance", type=float, default=2e-2,
                     help="worst allowed relative error (Frobenius, per layer) against the reference")
     ve.add_argument("--seed", type=int, default=0, help="picks which rows are recomputed (the same seed, the same "
@@ -199,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "records, run without its own code)")
     ve.add_argument("--trust-remote-code", action="store_true",
                     help="let the --model's own code run (never taken from hsx.json)")
+    ve.add_argument("--against-bf16", type=int, metavar="N",
+                    help="FP8 targets: run N rows spread over the output again, FP8 and on the bf16 weights "
+                         "dequantized, and print each stored layer's relative error (stored vs bf16, FP8 vs bf16, "
+                         "stored vs FP8); more than the output holds: all of them")
+    add_json_flag(ve, "the --against-bf16 report")
     return parser
 
 

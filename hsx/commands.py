@@ -124,10 +124,25 @@ def vocab(args: argparse.Namespace) -> None:
 
 
 def verify(args: argparse.Namespace) -> None:
+    from hsx.errors import UsageError, check_range
+    from hsx.verify import against_bf16
     from hsx.verify import verify as run_verify
 
-    run_verify(args.output_dir, samples=args.samples, tolerance=args.tolerance, seed=args.seed, model=args.model,
-               trust_remote_code=args.trust_remote_code)
+    against = args.against_bf16
+    if against is not None:
+        check_range("--against-bf16", against, 1, 2**31 - 1)
+    elif args.json:
+        raise UsageError("--json writes the --against-bf16 report: give --against-bf16 N")
+    samples = args.samples if args.samples is not None else (0 if against else 8)
+    # `--json` alone: stdout is the JSON, so the lines and the table go to stderr
+    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
+    run_verify(args.output_dir, samples=samples, tolerance=args.tolerance, seed=args.seed, model=args.model,
+               trust_remote_code=args.trust_remote_code, log=log)
+    if against:
+        report = against_bf16(args.output_dir, against, model=args.model, trust_remote_code=args.trust_remote_code,
+                              log=log)
+        if args.json:
+            write_json(args.json, report)
 
 
 @contextmanager

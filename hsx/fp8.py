@@ -39,6 +39,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
 BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
+BF16_REFERENCE = "_hsx_bf16_reference"  # set on such a module by `bf16_reference`: its experts run dequantized
 SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
 # The official `-FP8` checkpoints' quantization_config (the layout hsx's kernels run)
 CHECKPOINT_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
@@ -564,7 +565,7 @@ def _triton_mm(xq, xs, w, ws):
 class Fp8Linear(torch.nn.Module):
     """A linear layer over e4m3 weights with 128×128 block scales (the tensors of transformers' FP8Linear, shared,
     under the same names): `fp8_linear`. With `reference` on, the
-    weights are dequantized per call and the product runs in bf16 (the bf16 model's states, for `drift`)."""
+    weights are dequantized per call and the product runs in bf16 (the bf16 model's states, for hsx.drift)."""
 
     def __init__(self, weight: torch.nn.Parameter, weight_scale_inv: torch.nn.Parameter,
                  bias: torch.nn.Parameter | None):
@@ -719,14 +720,17 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
     by_shape: dict[str, str] = {}
     if mods:
-        gemm = backend_of(mods[0].weight.device)
+        dev = mods[0].weight.device
+        # (off CUDA nothing chose a GEMM unless a caller did: the torch reference runs, no kernel is started)
+        gemm = backend_of(dev) if dev.type == "cuda" else _BACKEND.get(dev.index, "torch reference")
         how = f"hsx fp8 ({gemm})"
-        for m in mods:
-            key = f"{m.out_features}x{m.in_features}"
-            if key not in by_shape:
-                by_shape[key] = _runs(m.weight, m.weight_scale_inv)  # (its check runs here if no batch ran it yet)
-        by_shape = {k: v for k, v in by_shape.items() if v != gemm}
-        if mods[0].weight.is_cuda:
+        if gemm != "torch reference":
+            for m in mods:
+                key = f"{m.out_features}x{m.in_features}"
+                if key not in by_shape:
+                    by_shape[key] = _runs(m.weight, m.weight_scale_inv)  # (its check runs here if no batch ran it yet)
+            by_shape = {k: v for k, v in by_shape.items() if v != gemm}
+        if dev.type == "cuda":
             torch.cuda.empty_cache()  # the checks' float32 copies of the weights go back before a budget is sized
     elif any(type(m).__name__ == "FP8Linear" for m in base.modules()):
         how = "transformers fp8"
@@ -780,43 +784,34 @@ def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
 
 @contextmanager
 def bf16_reference(base: torch.nn.Module):
-    """Within the block, every Fp8Linear of `base` runs on its dequantized weights in bf16, unquantized activations
-    (the bf16 model the checkpoint was quantized from, up to the weights' rounding)."""
+    """Within the block, every Fp8Linear of `base` runs on its dequantized weights in bf16, unquantized activations,
+    and so do the experts hsx's FP8 path runs (`BF16_REFERENCE`, read by hsx.moe): the bf16 model the checkpoint
+    was quantized from, up to the weights' rounding. Yields the number of modules switched (hsx.drift)."""
     mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
+    experts = [m for m in base.modules() if getattr(m, FP8_EXPERTS, False)]
     for m in mods:
         m.reference = True
+    for m in experts:
+        setattr(m, BF16_REFERENCE, True)
     try:
-        yield len(mods)
+        yield len(mods) + len(experts)
     finally:
         for m in mods:
             m.reference = False
+        for m in experts:
+            setattr(m, BF16_REFERENCE, False)
 
 
-def drift(base: torch.nn.Module, layers: list[int], rows: list, device: torch.device) -> dict[str, Any]:
-    """Relative error (Frobenius, over every token of `rows`) of each captured layer's states, FP8 forward vs the
-    bf16 forward of the same (dequantized) weights: what serving the FP8 checkpoint changes in the states."""
-    blocks = list(base.layers)
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [blocks[i].register_forward_hook(
-        lambda mod, args, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out).float()))
-        for i in layers]
-    err = {i: [0.0, 0.0] for i in layers}
-    try:
-        with torch.inference_mode():
-            for r in rows:
-                ids = torch.as_tensor(r, dtype=torch.long, device=device)[None]
-                base(input_ids=ids, use_cache=False)
-                fp8 = dict(captured)
-                with bf16_reference(base):
-                    base(input_ids=ids, use_cache=False)
-                for i in layers:
-                    err[i][0] += float((fp8[i] - captured[i]).pow(2).sum())
-                    err[i][1] += float(captured[i].pow(2).sum())
-    finally:
-        for h in hooks:
-            h.remove()
-    return {"rows": len(rows), "tokens": int(sum(len(r) for r in rows)),
-            "relative_error": {str(i): math.sqrt(a / max(b, 1e-30)) for i, (a, b) in err.items()}}
+def reference_blockers(base: torch.nn.Module) -> list[str]:
+    """The modules holding e4m3 weights that `bf16_reference` does not switch (transformers' own FP8Linear or FP8
+    experts, e.g. of a layout hsx's kernels do not take): a bf16 forward would still run them in FP8."""
+    found = []
+    for name, m in base.named_modules():
+        if isinstance(m, Fp8Linear) or getattr(m, FP8_EXPERTS, False):
+            continue
+        if any(p.dtype == FP8_DTYPE for p in m.parameters(recurse=False)):
+            found.append(name or type(m).__name__)
+    return found
 
 
 # ---- random FP8 weights (hsx bench) --------------------------------------------------------------------------------

@@ -376,8 +376,8 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     bounds = torch.arange(1, experts + 1, device=order.device, dtype=expert_of_pair.dtype)  # compiled: a constant
     offsets = torch.searchsorted(expert_of_pair, bounds, out_int32=True)
     if fp8_path:  # e4m3 experts: both products block-scaled FP8, the routing weight in the down one
-        return _to_tokens(fp8_experts_forward(self, hidden_states, order, offsets, top_k_weights, k), order,
-                          k).to(dtype)
+        forward = dequantized_experts_forward if getattr(self, fp8.BF16_REFERENCE, False) else fp8_experts_forward
+        return _to_tokens(forward(self, hidden_states, order, offsets, top_k_weights, k), order, k).to(dtype)
     post_norm = getattr(self, "has_post_expert_norm", False)
     if (getattr(self, FUSED_GATE_UP, False) and hidden_states.is_cuda and hidden_states.dtype in FUSED_DTYPES
             and self.gate_up_proj.dtype == dtype):  # up and gate projection, activation, routing weight: one kernel
@@ -550,15 +550,17 @@ def _dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().view(m, k // fp8.BLOCK, fp8.BLOCK) * scale.float()[:m].unsqueeze(-1)).view(m, k)
 
 
-def _fp8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """float32 (pairs, N): rows offsets[e-1]:offsets[e] of the float32 x times expert e's dequantized (N, K) weight,
-    one expert at a time (a layer's experts are never all dequantized at once: memory stays one expert's)."""
-    out = x.new_zeros((x.shape[0], w.shape[1]), dtype=torch.float32)
+def _fp8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(pairs, N) in `dtype`: rows offsets[e-1]:offsets[e] of x times expert e's (N, K) weight dequantized to
+    `dtype`, one expert at a time (a layer's experts are never all dequantized at once: memory stays one
+    expert's)."""
+    out = x.new_zeros((x.shape[0], w.shape[1]), dtype=dtype)
     ends = offsets.tolist()
     start = 0
     for e, end in enumerate(ends):
         if end > start:
-            out[start:end] = x[start:end] @ fp8.dequantize_weight(w[e], ws[e], torch.float32).t()
+            out[start:end] = x[start:end].to(dtype) @ fp8.dequantize_weight(w[e], ws[e], dtype).t()
         start = end
     return out
 
@@ -585,6 +587,18 @@ def fp8_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, orde
     aq, a_s = fp8.fp8_quantize(y)
     return fp8_grouped_down(aq, a_s, order, offsets, top_k_weights, self.down_proj, self.down_proj_scale_inv,
                             hidden_states.dtype)
+
+
+def dequantized_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, order: torch.Tensor,
+                                offsets: torch.Tensor, top_k_weights: torch.Tensor, k: int) -> torch.Tensor:
+    """`fp8_experts_forward`'s pairs' outputs from the bf16 model of the same experts (`fp8.bf16_reference`): the
+    weights dequantized one expert at a time, the products in the activations' dtype, nothing quantized."""
+    dtype = hidden_states.dtype
+    x = gather_rows(hidden_states, order // k)
+    gate, up = _fp8_grouped_reference(x, offsets, self.gate_up_proj, self.gate_up_proj_scale_inv, dtype).chunk(2, -1)
+    y = torch.nn.functional.silu(gate) * up
+    z = _fp8_grouped_reference(y, offsets, self.down_proj, self.down_proj_scale_inv, dtype)
+    return z * gather_rows(top_k_weights.reshape(-1, 1), order).to(dtype)
 
 
 # One program's tile: 64 pairs × 128 columns (one 128-column scale block of the gate and the same of the up

@@ -12,6 +12,9 @@ Trust comes from the command line only: OUT is data, and its hsx.json may name a
 `trust_remote_code: true`. The reference is `--model PATH` when given, else the folder hsx.json records, and its
 own code runs only with `--trust-remote-code`, which needs `--model` (the model whose code runs is the one the
 user named, never one the output dir names). A job that ran remote code cannot be recomputed without both.
+
+`--against-bf16 N` (FP8 targets, `against_bf16`): N rows spread over the output run again, FP8 and on the
+dequantized weights in bf16 (hsx.drift); per stored state, stored vs bf16, FP8 vs bf16 and stored vs FP8.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.errors import VerifyFailed
+from hsx.errors import HsxError, VerifyFailed
 from hsx.schema import Info
 
 
@@ -204,3 +207,185 @@ def _worst(worst: dict[str, float], name: str, got, ref) -> None:
         err = float("inf")
     worst[name] = max(worst.get(name, 0.0), err)
 
+
+
+# ---- FP8 against bf16 -----------------------------------------------------------------------------------------------
+
+def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote_code: bool = False,
+                 log=print) -> dict[str, Any]:
+    """How far an FP8 target's stored states are from its bf16 model's (`hsx verify OUT --against-bf16 N`).
+
+    `rows` rows spread evenly over the output (hsx.drift.spread_rows; more than the output holds: all of them) run
+    again through the target as hsx loads it for extraction (hsx.model.load_model, the job's layers and dtype,
+    its experts implementation for this device): the FP8 forward, and the bf16 forward of the same dequantized
+    weights (hsx.drift). Per stored state: stored vs bf16 (what was asked), fresh FP8 vs bf16 (the drift FP8
+    adds on this device) and stored vs fresh FP8 (storage and kernel differences), over all tokens and over the
+    loss-masked ones. The model is the folder hsx.json records, or `model`; either must have the files the job's
+    fingerprint records. Refused (HsxError) when the target is not FP8."""
+    import torch
+
+    from hsx import drift, fp8
+    from hsx.config import EXPERTS_CHOICES, config_from
+    from hsx.errors import check_range
+    from hsx.load import torch_view
+    from hsx.model import load_model, read_model_config, text_config_of
+    from hsx.moe import resolve_experts, use_experts
+    from hsx.sink import OutputDir
+
+    check_range("--against-bf16", rows, 1, 2**31 - 1)
+    if trust_remote_code and not model:
+        raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
+                       "command line, never from the one OUT's hsx.json names")
+    out = OutputDir(out_dir)
+    info = out.read_info()
+    if info is None or not info.complete:
+        raise HsxError(f"{out_dir}: hsx.json is missing or the job is not complete")
+    job = _job_record(out)
+    recorded_quant = _recorded_quantization(info, job)
+    not_fp8 = (f"{out_dir} was extracted from {info.model}, which is not an FP8 checkpoint (no quantization_config "
+               "with quant_method fp8): --against-bf16 compares an FP8 target's states with its bf16 model's")
+    folder = model or info.model_path
+    if not (isinstance(folder, str) and folder and Path(folder).is_dir()):
+        if recorded_quant is False:  # (what the output records says enough)
+            raise HsxError(not_fp8)
+        raise HsxError(f"model folder {folder!r} is not here" + ("" if model else
+                       " (hsx.json records it); pass --model PATH, a folder with the same files"))
+    if not model and info.config.get("trust_remote_code") is not False:
+        raise HsxError("the job ran the model's own code (trust_remote_code), and verify takes no trust from "
+                       "hsx.json: pass --model PATH --trust-remote-code")
+    _check_model_identity(job, info, folder, trust_remote_code, log)
+    full = read_model_config(folder, folder, trust_remote_code)
+    quant = fp8.quantization_of(fp8.carry_quantization(full, text_config_of(full)))  # (the folder decides)
+    if quant is None:
+        raise HsxError(not_fp8)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    experts = info.config.get("experts_implementation")
+    cfg = config_from({"model": folder, "layers": list(info.layers), "final_hidden": info.final_hidden,
+                       "dtype": info.config.dtype, "compile": "off", "trust_remote_code": trust_remote_code,
+                       "experts_implementation": experts if experts in EXPERTS_CHOICES else "auto"}, required=())
+    loaded = load_model(cfg, device)
+    if (loaded.num_model_layers, loaded.layers, loaded.hidden_size) != (info.num_model_layers,
+                                                                          sorted(info.layers), info.hidden_size):
+        raise HsxError(f"{folder} has {loaded.num_model_layers} layers of {loaded.hidden_size}; the output was "
+                       f"extracted from one with {info.num_model_layers} of {info.hidden_size}")
+    use_experts(loaded.base, resolve_experts(cfg.experts_implementation, device.type == "cuda"))
+    instead = fp8.runs_instead(quant, device)
+    if instead:
+        log(instead)
+
+    view = torch_view(out_dir)
+    picks = drift.spread_rows(len(view), rows)
+    if rows > len(view):
+        log(f"hsx verify: --against-bf16 {rows}: the output holds {len(view)} rows; all of them are compared")
+    names = drift.state_names(loaded.layers, loaded.final_hidden)  # (hidden_states holds them in this order)
+    chosen, sample_ids, nonfinite = [], [], 0
+    for i in picks:
+        row = view[int(i)]
+        if row.get("has_nonfinite"):
+            nonfinite += 1  # kept on purpose (--nonfinite keep): no error is defined there
+            continue
+        stored = {name: row["hidden_states"][:, j] for j, name in enumerate(names[:len(loaded.layers)])}
+        if info.final_hidden:
+            stored[drift.FINAL] = row["final_hidden_state"]
+        chosen.append(drift.DriftRow(row["input_ids"], row["loss_mask"], stored))
+        sample_ids.append(int(row["sample_id"]))
+    if not chosen:
+        raise HsxError(f"{out_dir}: no row to compare ({len(view)} rows, {nonfinite} chosen with non-finite states)")
+    result = drift.compare(loaded.base, loaded.layers, loaded.final_hidden, chosen, device)
+    report = {"output_dir": str(out_dir), "model": folder, "device": str(device), "sample_ids": sample_ids,
+              "skipped_nonfinite": nonfinite, "storage_dtype": info.storage_dtype,
+              "quantization": quant.record(), "extracted_with": recorded_quant or None,
+              "runs_here": fp8.report(loaded.base, quant),
+              **result}
+    report["notes"] = _drift_notes(report, instead)
+    for line in format_drift(report):
+        log(line)
+    return report
+
+
+def _job_record(out):
+    from hsx.schema import JobRecord
+    from hsx.sink import read_json
+
+    f = out.state / "job.json"
+    return read_json(f, JobRecord) if f.is_file() else None
+
+
+def _recorded_quantization(info: Info, job) -> dict | bool | None:
+    """How the output records its target's quantization: hsx.json's run.kernels.quantization (how the linear
+    layers and experts ran), else the job fingerprint's; False where the fingerprint says none (not FP8); None
+    where neither says (an older output: the model folder's config decides)."""
+    run = info.raw.get("run") if isinstance(info.raw, dict) else None
+    kernels = run.get("kernels") if isinstance(run, dict) else None
+    quant = kernels.get("quantization") if isinstance(kernels, dict) else None
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        return quant
+    if job is not None:
+        q = job.inputs.get("quantization")
+        if isinstance(q, dict) and q.get("quant_method") == "fp8":
+            return q
+        return False
+    return None
+
+
+def _check_model_identity(job, info: Info, folder: str, trust_remote_code: bool, log) -> None:
+    """HsxError unless `folder` holds the files (by size and sha256) the job's fingerprint records for its model;
+    a job that named a Hub model records its id and commit: the folder must be that commit's snapshot."""
+    from hsx.fingerprint import MODEL_SUFFIXES, differing_files, folder_identity
+
+    recorded = job.inputs.get("model") if job is not None else None
+    if isinstance(recorded, dict):
+        files = differing_files(recorded, folder_identity(folder, MODEL_SUFFIXES + ((".py",) if trust_remote_code
+                                                                                    else ())))
+        if files:
+            raise HsxError(f"model folder {folder} differs from the one the output was extracted from (by the job's "
+                           f"fingerprint: {', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
+    elif isinstance(recorded, str):
+        revision = job.inputs.get("revision")
+        if isinstance(revision, str) and revision and Path(folder).resolve().name != revision:
+            raise HsxError(f"model folder {folder} is not the snapshot of {recorded} at commit {revision} that the "
+                           "output was extracted from")
+    else:
+        log(f"hsx verify: {info.model}: the output records no fingerprint of its model; {folder} is used unchecked")
+
+
+def _drift_notes(report: dict[str, Any], instead: str | None) -> list[str]:
+    notes = []
+    if instead and not report["switched"]:
+        notes.append("this device runs the dequantized weights, so its FP8 forward is the bf16 one: fp8_vs_bf16 "
+                     "is 0 by construction, stored_vs_fp8 equals stored_vs_bf16")
+    ran = report.get("extracted_with") or {}
+    linear = str(ran.get("linear", "")) if isinstance(ran, dict) else ""
+    if instead and not report["switched"] and linear.startswith(("hsx fp8", "transformers fp8")):
+        notes.append(f"the extraction ran FP8 ({linear}): stored_vs_bf16 holds its FP8 drift; run on a GPU with "
+                     "FP8 tensor cores to tell it from storage error")
+    if report["switched"] and linear.startswith("dequantized"):
+        notes.append("the extraction ran the dequantized weights (hsx.json): the stored states are the bf16 model's, "
+                     "not FP8 serving's")
+    if report["storage_dtype"] == "float8_e4m3":
+        notes.append("the states are stored in float8_e4m3 (per-token scales): every stored_* number includes that "
+                     "storage's rounding")
+    return notes
+
+
+def format_drift(report: dict[str, Any]) -> list[str]:
+    """The lines `hsx verify --against-bf16` prints: a header, one table row per stored state, the notes."""
+    rel, masked = report["relative_error"], report["relative_error_masked"]
+    lines = [f"hsx verify: FP8 vs bf16 on {report['rows']} rows ({report['tokens']:,} tokens, "
+             f"{report['masked_tokens']:,} loss-masked); relative error ||a - b|| / ||b|| per stored state, "
+             "b the second named:"]
+    cols = [("stored vs bf16", rel, "stored_vs_bf16"), ("(masked)", masked, "stored_vs_bf16"),
+            ("FP8 vs bf16", rel, "fp8_vs_bf16"), ("(masked)", masked, "fp8_vs_bf16"),
+            ("stored vs FP8", rel, "stored_vs_fp8")]
+    names = list(rel.get("fp8_vs_bf16", {}))
+    width = max([len("layer")] + [len(n) for n in names])
+    lines.append("  " + "layer".ljust(width) + "".join(f"  {c[0]:>14}" for c in cols))
+    for name in names:
+        cells = []
+        for _, table, key in cols:
+            v = table.get(key, {}).get(name)
+            cells.append(f"  {'-' if v is None else f'{v:.3e}':>14}")
+        lines.append("  " + name.ljust(width) + "".join(cells))
+    lines += [f"  note: {n}" for n in report["notes"]]
+    return lines

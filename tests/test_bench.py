@@ -179,3 +179,40 @@ def test_gpu_clocks_reports_busy_samples_only(monkeypatch):
     with bench.gpu_clocks("cuda:0") as stats:
         pass
     assert stats == {} and unknown.shut and unknown.polls == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
+    """The drift column (hsx.drift, as `hsx verify --against-bf16`) on random FP8 weights built as `--shape NAME-fp8`
+    builds them (here on CPU, tiny; FP8 modules run their torch reference): MoE experts and Gated DeltaNet layers
+    included, each captured state gets a relative error, non-zero (activation quantization) and small; a module the
+    bf16 reference would not switch leaves the column "not measured", in one line, never a number."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from hsx import fp8, moe
+    from hsx.bench import bench_drift
+
+    if not hasattr(transformers, "Qwen3_5MoeTextConfig") and kind != "qwen3_moe":
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    from test_fp8 import OFFICIAL, _moe_config
+
+    config = _moe_config(kind)
+    config.quantization_config = dict(OFFICIAL)
+    torch.manual_seed(0)
+    causal = fp8.random_causal_lm(config, torch.device("cpu"), "sdpa")
+    moe.use_experts(causal, moe.EXPERTS_IMPLEMENTATION)
+    rows = [np.arange(3, 40), np.arange(100, 130)]
+    lines = []
+    with one_torch_thread():
+        d = bench_drift(causal.model, [0, 1], True, rows, torch.device("cpu"), lines.append)
+    assert d["rows"] == 2 and d["tokens"] == 67 and set(d["relative_error"]) == {"0", "1", "final_hidden_state"}
+    assert all(1e-3 < v < 0.5 for v in d["relative_error"].values()), d
+    assert "relative error per layer on 2 rows" in lines[0]
+    for m in causal.modules():  # experts left on transformers' FP8 forward: the reference cannot switch them
+        if getattr(m, fp8.FP8_EXPERTS, False):
+            setattr(m, fp8.FP8_EXPERTS, False)
+    lines.clear()
+    d = bench_drift(causal.model, [0, 1], True, rows, torch.device("cpu"), lines.append)
+    assert set(d) == {"not_measured"} and "no bf16 reference" in lines[0]

@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     # what a config is turned into: the fingerprint, loss masks, the model and its kernels, length buckets
     {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets"},
     # rows in, states out, and the output dir they are written to
-    {"hsx.data", "hsx.capture", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
+    {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
     {"hsx.cost", "hsx.load", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow"},
     {"hsx.job"},  # one job's steps
