@@ -88,7 +88,8 @@ def push(args: argparse.Namespace) -> None:
     out = OutputDir(args.output_dir)
     out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
     with out.locked():
-        push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
+        push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision,
+                    overwrite=args.hub_overwrite)
 
 
 def export_specforge(args: argparse.Namespace) -> None:

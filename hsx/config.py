@@ -104,6 +104,9 @@ class ExtractConfig:
                                      "bigger than the disk)")
     hub_private: bool = _key(True, help="create the repo private, or public (--no-hub-private)")
     hub_revision: str | None = _key(None, help="branch to push to (created if missing)")
+    hub_overwrite: bool = _key(False, help="push even into a repo (or --hub-revision) that holds another job's "
+                               "output or files hsx did not push: replace its hsx.json and README.md and delete its "
+                               "data/train-*.arrow files (refused without it)")
     max_pending_gb: float | None = _key(None, minimum=1e-6, help="train while extracting: before each unit, wait "
                                         "while this many GB of committed units are not yet consumed by a trainer "
                                         "reading the dir with hsx.follow (docs/follow.md)")
@@ -439,6 +442,8 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
                        f"{'it' if len(reserved) == 1 else 'them'} to the template itself")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
+    if cfg.hub_overwrite and not cfg.push_to_hub:
+        raise HsxError("--hub-overwrite needs --push-to-hub REPO")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
     return cfg
