@@ -254,8 +254,8 @@ def parse_value(name: str, value: Any) -> Any:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise HsxError(f"{name} must be a JSON object: {e}") from None
+        except (ValueError, RecursionError) as e:  # (a JSONDecodeError, or an int of over 4300 digits)
+            raise HsxError(f"{name} must be a JSON object: {' '.join(str(e).split())[:150]}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise HsxError(f"{name} must be a mapping with string keys, got {_shown(value)}")
     return value
@@ -363,6 +363,8 @@ def read_recipe(path: str) -> dict[str, Any]:
         raw = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise HsxError(f"config {path}: not valid YAML: {_yaml_problem(e)}") from None
+    except (ValueError, OverflowError) as e:  # a scalar YAML matched that does not build (a 5000-digit int)
+        raise HsxError(f"config {path}: not a value hsx reads: {' '.join(str(e).split())[:150]}") from None
     except RecursionError:
         raise HsxError(f"config {path}: nested too deeply to be a recipe") from None
     if raw is None:

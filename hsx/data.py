@@ -199,8 +199,8 @@ def _json_line(path: Path, e: BaseException) -> str:
                 if line.strip():
                     try:
                         json.loads(line)
-                    except json.JSONDecodeError as bad:
-                        return f" (line {number}: {bad.msg})"
+                    except (ValueError, RecursionError) as bad:
+                        return f" (line {number}: {getattr(bad, 'msg', None) or str(bad)[:100]})"
     except OSError:
         pass
     return ""
@@ -525,7 +525,7 @@ def row_tools(raw: Any) -> list | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):  # (a string nested 100k deep: RecursionError)
+        except (ValueError, RecursionError):  # (nested 100k deep: RecursionError; a 5000-digit int: ValueError)
             return None
     return raw if isinstance(raw, list) and raw else None
 
@@ -589,7 +589,7 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 

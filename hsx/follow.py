@@ -66,9 +66,11 @@ def pending_bytes(out, in_flight=()) -> int:
         name = f"train-{unit}.arrow"
         if name not in sizes:
             add(name, out.unit_tmp_path(unit), out.data / name)
+    from hsx.sink import uploaded_matches
+
     consumed = out.consumed()
     for rec in out.manifest_records().values() if out.state.is_dir() else ():
-        if rec["file"] not in consumed and rec["file"] not in sizes:
+        if not uploaded_matches(consumed.get(rec["file"]), rec) and rec["file"] not in sizes:
             add(rec["file"], out.data / rec["file"])
     return sum(sizes.values())
 
@@ -180,11 +182,12 @@ def _make_class():
             self.dequantize, self.commit_mode, self.poll_seconds = dequantize, commit, poll_seconds
             self.rank, self.world_size, self.timeout = rank, world_size, timeout
             self.ledger = self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl"
-            recorded = self._recorded()
-            self.position: dict[str, int] = {u: r["row"] for u, r in recorded.items()}  # rows handed out, per unit
+            self.unchecked = self._recorded()  # ledger lines not yet checked against their unit's manifest line
+            self.position: dict[str, int] = {u: r["row"] for u, r in self.unchecked.items()}  # rows handed out
             self.committed: dict[str, int] = dict(self.position)  # what the ledger says
             self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
             self.iterating = False
+            self._see(self._manifest())
 
         # ---- position ----
 
@@ -221,9 +224,9 @@ def _make_class():
         def commit(self, state: dict[str, Any] | None = None) -> None:
             """Record the position (`state`, a `state_dict()` the trainer saved, or the current one) in the ledger,
             fsynced, then delete the units it says are wholly consumed (`delete_consumed`)."""
+            if any(u not in self.records for u in (state or self.state_dict())["position"]):
+                self._see(self._manifest())
             position = (state or self.state_dict())["position"]
-            if any(u not in self.records for u in position):
-                self.records.update(self._manifest())
             lines, whole = [], []
             for unit, row in sorted(position.items()):
                 rec = self.records.get(unit)
@@ -333,6 +336,20 @@ def _make_class():
                 return None  # not planned yet
             return [u for i, u in enumerate(summary.unit_names) if i % self.world_size == self.rank]
 
+        def _see(self, records: dict[str, dict[str, Any]]) -> None:
+            """Take these manifest records as the units' own. A ledger line of a unit with other bytes, rows or
+            CRC-32 than its manifest line was about another file (a ledger another job left in the dir, a unit
+            redone with other bytes, a forged line): its position is dropped, so that unit is read, and never
+            deleted as consumed, on its word (hsx.sink.OutputDir.consumed counts it so for the extractor)."""
+            from hsx.sink import uploaded_matches
+
+            self.records.update(records)
+            for unit in [u for u in self.unchecked if u in records]:
+                led, rec = self.unchecked.pop(unit), records[unit]
+                if led["rows"] != rec["rows"] or not uploaded_matches(led, rec):
+                    self.position.pop(unit, None)
+                    self.committed.pop(unit, None)
+
         def _manifest(self) -> dict[str, dict[str, Any]]:
             return self.out.manifest_records() if self.out.state.is_dir() else {}
 
@@ -344,7 +361,7 @@ def _make_class():
             records = self._manifest()
             for unit in sorted(set(mine) & set(records)):
                 rec = records[unit]
-                self.records[unit] = rec
+                self._see({unit: rec})
                 if self.position.get(unit, -1) >= rec["rows"]:
                     continue
                 f = self.out.data / rec["file"]

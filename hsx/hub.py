@@ -304,8 +304,8 @@ def check_remote(hub: _Hub, remote: dict[str, RemoteFile], fingerprint: str | No
     if overwrite:
         log(f"hsx: push: {hub.where} holds {what}; replacing it (--hub-overwrite)")
         return
-    raise HsxError(f"{hub.where} holds {what}; this push would replace them. Push to another repo or "
-                   "--hub-revision, or pass --hub-overwrite to replace that repo's output")
+    raise HsxError(f"{hub.where} holds {what}; this push would replace them. Push to another repo, or pass "
+                   "--hub-overwrite to replace that output")
 
 
 # ---- a complete dir ---------------------------------------------------------------------------------------------

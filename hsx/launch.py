@@ -97,7 +97,8 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
             raise UsageError(f"accelerate config file {path}: over {MAX_ACCELERATE_CONFIG_BYTES >> 20} MiB")
         try:
             config = yaml.load(blob.decode("utf-8"), Loader=_no_alias_loader(yaml))  # (JSON is YAML)  # noqa: S506
-        except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        # (ValueError: a value YAML matched but cannot build, as a 5000-digit int or the date 2001-13-45)
+        except (UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
             raise UsageError(f"accelerate config file {path}: not valid YAML or JSON "
                              f"({' '.join(str(e).split())[:150]})") from None
         if not isinstance(config, dict):

@@ -82,6 +82,20 @@ def _read_bounded(path: Path) -> bytes:
         return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
 
 
+def _last_byte(path: Path) -> bytes:
+    """The last byte of a ledger hsx appends to (b"" when it is empty or not there), read alone."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        f.seek(size - 1)
+        return f.read(1)
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict, refusing a key given twice: json keeps the last, so a file with two
     `complete`s or two `files` lists would say one thing to one reader and another to the next."""
@@ -105,10 +119,10 @@ def read_json(path: Path, record=None):
         obj = _loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
     except Damaged as e:
         raise HsxError(f"{path} is damaged: {e}") from None
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, or an int of over 4300 digits)
+        raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
     try:
         if not isinstance(obj, dict):
             raise Damaged("not a JSON object")
@@ -131,7 +145,7 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
             continue
         try:
             rec = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # (torn; or an int of over 4300 digits, which hsx never writes)
             continue
         try:
             rec = _loads(raw.decode("utf-8"))  # parsed above: only a key given twice raises here
@@ -318,16 +332,32 @@ class OutputDir:
         """A unit of the plan in data/ with no manifest line: a run was killed between its rename and its manifest
         line (or mid-line). Its rows are redone and the redo replaces the file; until then no reader may take it
         for output and no `--max-pending-gb` window may wait for a trainer to consume it, so it goes now. Files
-        that are not units of this job's plan are left alone."""
+        that are not units of this job's plan are left alone, and so is anything but a regular file (a link, a
+        folder, a FIFO); names are looked up and removed in data/ opened as the folder it is, never through a
+        link (data/ swapped for a link since the dir was locked deletes nothing elsewhere). A hard-linked leftover
+        loses this name only: its other names keep the bytes."""
         records = self.manifest_records()
+        leftovers = [f"train-{unit}.arrow" for unit in units if unit not in records]
+        if not leftovers:
+            return
+        try:
+            folder = os.open(self.data, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # no data/ yet, or data/ is a link or no folder: nothing of this job to remove there
+            return
         gone = []
-        for unit in units:
-            f = self.data / f"train-{unit}.arrow"
-            if unit not in records and f.is_file() and not f.is_symlink():
-                f.unlink()
-                gone.append(f.name)
+        try:
+            for name in leftovers:
+                try:
+                    if stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=folder)
+                        gone.append(name)
+                except FileNotFoundError:
+                    continue
+            if gone:
+                os.fsync(folder)
+        finally:
+            os.close(folder)
         if gone:
-            fsync_dir(self.data)
             log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
                 f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}) removed; they are redone")
 
@@ -416,7 +446,7 @@ class OutputDir:
         for f in sorted((self.state / "ranks" / run_id).glob("*.done")):
             try:
                 record = json.loads(f.read_text() or "{}")
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if isinstance(record, dict):
                 stats.append(record)
@@ -557,7 +587,7 @@ class OutputDir:
         record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc,
                   "session": self.session, **record}
         manifest = self.state / f"manifest-{self.rank:05d}.jsonl"
-        torn = manifest.exists() and manifest.stat().st_size > 0 and not manifest.read_bytes().endswith(b"\n")
+        torn = _last_byte(manifest) not in (b"", b"\n")  # (its last byte only: a manifest grows with the job)
         # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
         append_synced(manifest, ("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
 

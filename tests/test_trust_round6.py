@@ -1,0 +1,248 @@
+"""A sixth held-out round on the newest surfaces: `hsx launch`'s accelerate config files, hsx.follow and
+--max-pending-gb (forged, torn, huge, FIFO and linked ledgers), the resume's removal of a killed commit's leftover
+unit, `hsx merge`, the exports and their journals, and numbers too long for Python's int() in any file hsx reads
+(JSON or YAML: a ValueError that is not a JSONDecodeError)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import fault_argv, hsx_main, message_lines
+
+import hsx
+from hsx.config import HsxError
+from hsx.sink import OutputDir
+
+LONG = "1" * 5000  # past Python's 4300-digit limit for int(str): json.loads and yaml raise a bare ValueError
+
+
+def quiet(*a, **k):
+    pass
+
+
+def one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err[-2000:]
+    lines = [line for line in message_lines(err) if line.startswith("hsx: ")]
+    errors = [line for line in lines if line.startswith(("hsx: error: ", "hsx: verify failed: "))]
+    assert len(errors) == 1, err[-2000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, model4, small_chat_path) -> Path:
+    out = tmp_path_factory.mktemp("round6") / "finished"
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
+    assert rc == 0, err
+    assert len(list((out / "data").glob("train-*.arrow"))) >= 3
+    return out
+
+
+@pytest.fixture
+def out(finished, tmp_path) -> Path:
+    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))
+
+
+# ---- numbers too long for int() ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,needle", [
+    (f"num_processes: {LONG}\n", "accelerate config file"),
+    ("num_processes: 1\nwhen: 2001-13-45\n", "accelerate config file"),  # a date YAML reads, that is no date
+    (f'{{"num_processes": {LONG}}}\n', "accelerate config file"),
+])
+def test_launch_config_with_a_value_yaml_cannot_build_is_one_line(tmp_path, text, needle, capsys):
+    from hsx.cli import main
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    rc = main(["launch", "--config_file", str(path), "extract", "--config", "recipes/demo.yaml",
+               "--output-dir", str(tmp_path / "o")])
+    line = one_error_line(capsys.readouterr().err)
+    assert rc == 2 and needle in line and str(path) in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_recipe_with_a_number_too_long_is_one_line(tmp_path, capsys):
+    from hsx.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"layers: [1]\nlimit: {LONG}\n")
+    rc = main(["extract", "--config", str(recipe), "--model", "m", "--dataset", "d", "--output-dir",
+               str(tmp_path / "o")])
+    line = one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(recipe) in line, line
+    rc = main(["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir", str(tmp_path / "o"),
+               "--chat-template-kwargs", f'{{"x": {LONG}}}'])
+    line = one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "chat_template_kwargs" in line, line
+
+
+@pytest.mark.parametrize("where", ["hsx.json", "summary"])
+def test_a_number_too_long_in_what_hsx_wrote_is_one_line(out, model4, small_chat_path, where):
+    """hsx.json, .hsx/summary.json: json.loads raised a ValueError no reader caught."""
+    if where == "hsx.json":
+        target = out / "hsx.json"
+        target.write_text(target.read_text().replace('"complete": true', f'"complete": true, "x": {LONG}', 1))
+        argv = ["verify", str(out)]
+    else:
+        target = out / ".hsx" / "summary.json"
+        target.write_text(target.read_text().replace("{", f'{{"x": {LONG}, ', 1))
+        argv = fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200")  # the same job: a resume
+    rc, _, err = hsx_main(argv)
+    line = one_error_line(err)
+    assert rc != 0 and "damaged" in line and target.name in line, line
+
+
+def test_a_ledger_line_with_a_number_too_long_is_passed_over_as_a_torn_one(out):
+    """(A torn line's unit is redone, uploaded again or read again: never a loss.)"""
+    manifest = next((out / ".hsx").glob("manifest-*.jsonl"))
+    with open(manifest, "a") as f:
+        f.write(f'{{"unit": "zz", "bytes": {LONG}}}\n')
+    (out / ".hsx" / "uploaded-push.jsonl").write_text(f'{{"file": "data/x.arrow", "bytes": {LONG}}}\n')
+    o = OutputDir(out)
+    assert o.uploaded() == {} and "zz" not in o.manifest_records() and len(o.done_units()) >= 3
+
+
+def test_follow_and_the_window_read_a_ledger_line_with_a_number_too_long_as_torn(out):
+    from hsx.follow import pending_bytes
+
+    before = pending_bytes(OutputDir(out))
+    (out / ".hsx" / "consumed-trainer-00000.jsonl").write_text(f'{{"unit": "x", "n": {LONG}}}\n')
+    assert pending_bytes(OutputDir(out)) == before  # (read as a torn line: nothing consumed)
+    assert len(list(hsx.follow(out, rows="dict", commit="manual"))) == len(hsx.load(str(out)))
+
+
+def test_an_export_journal_line_with_a_number_too_long_is_not_a_traceback(out, tmp_path):
+    from hsx.export import JOURNAL, export_specforge
+
+    dest = tmp_path / "dest"
+    export_specforge(out, dest, layout="dflash")
+    with open(dest / JOURNAL, "a") as f:
+        f.write(f'{{"token": "x", "n": {LONG}}}\n')
+    export_specforge(out, dest, layout="dflash")  # a resume: that line is passed over, as a torn one
+
+
+# ---- hsx.follow: ledgers ----------------------------------------------------------------------------------------
+
+def test_follow_deletes_no_unit_a_ledger_of_other_bytes_says_was_consumed(out):
+    """A ledger line for a unit with other bytes or CRC-32 than the manifest's (another job's ledger left in the
+    dir, a forged one) made follow(delete_consumed=True) skip that unit and delete it unread."""
+    records = OutputDir(out).manifest_records()
+    victim = sorted(records.values(), key=lambda r: r["unit"])[0]
+    forged = {**victim, "row": victim["rows"], "crc32": "00000000"}
+    forged = {k: forged[k] for k in ("unit", "file", "bytes", "rows", "row", "crc32")}
+    (out / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(forged) + "\n")
+    rows = list(hsx.follow(out, rows="dict", delete_consumed=True))
+    assert sum(r["rows"] for r in records.values()) == len(rows)  # the victim's rows were handed out too
+    assert OutputDir(out).done_units().keys() == records.keys()
+
+
+def test_follow_refuses_a_ledger_that_is_a_link_or_a_fifo_before_appending(out, tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("")
+    ledger = out / ".hsx" / "consumed-trainer-00000.jsonl"
+    ledger.symlink_to(outside)
+    with pytest.raises(HsxError, match="symbolic link"):
+        list(hsx.follow(out, rows="dict"))
+    assert outside.read_text() == ""
+    ledger.unlink()
+    os.mkfifo(ledger)
+    with pytest.raises(HsxError, match="not a regular file"):
+        hsx.follow(out, rows="dict")
+
+
+def test_the_window_of_a_job_is_not_hung_by_a_fifo_ledger(out):
+    from hsx.follow import pending_bytes
+
+    os.mkfifo(out / ".hsx" / "consumed-trainer-00000.jsonl")
+    with pytest.raises(HsxError, match="not a regular file"):
+        pending_bytes(OutputDir(out))
+
+
+# ---- the resume's removal of a killed commit's leftover ---------------------------------------------------------
+
+def _drop_manifest_line(out: Path, unit: str) -> None:
+    manifest = next((out / ".hsx").glob("manifest-*.jsonl"))
+    lines = manifest.read_text().splitlines(keepends=True)
+    manifest.write_text("".join(ln for ln in lines if json.loads(ln)["unit"] != unit))
+
+
+def test_remove_uncommitted_deletes_nothing_through_a_linked_data_dir(out, tmp_path):
+    records = OutputDir(out).manifest_records()
+    unit = sorted(records)[0]
+    _drop_manifest_line(out, unit)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(out / "data", elsewhere)
+    (out / "data").symlink_to(elsewhere)
+    log: list[str] = []
+    OutputDir(out)._remove_uncommitted([unit], log.append)
+    assert (elsewhere / f"train-{unit}.arrow").is_file()
+    assert not log
+
+
+def test_remove_uncommitted_removes_only_the_name_of_a_hard_linked_unit(out, tmp_path):
+    """A leftover that is a hard link (a `cp -al` snapshot of the dir): the snapshot's file stays whole."""
+    records = OutputDir(out).manifest_records()
+    unit = sorted(records)[0]
+    _drop_manifest_line(out, unit)
+    snapshot = tmp_path / "snapshot.arrow"
+    os.link(out / "data" / f"train-{unit}.arrow", snapshot)
+    size = snapshot.stat().st_size
+    OutputDir(out)._remove_uncommitted([unit], quiet)
+    assert not (out / "data" / f"train-{unit}.arrow").exists()
+    assert snapshot.stat().st_size == size and snapshot.stat().st_nlink == 1
+
+
+def test_remove_uncommitted_leaves_folders_fifos_and_links_alone(out, tmp_path):
+    names = ["a-0", "b-0", "c-0"]
+    (out / "data" / "train-a-0.arrow").mkdir()
+    os.mkfifo(out / "data" / "train-b-0.arrow")
+    (tmp_path / "t").write_text("x")
+    (out / "data" / "train-c-0.arrow").symlink_to(tmp_path / "t")
+    OutputDir(out)._remove_uncommitted(names, quiet)
+    assert (out / "data" / "train-a-0.arrow").is_dir() and (tmp_path / "t").read_text() == "x"
+    assert os.path.lexists(out / "data" / "train-b-0.arrow") and (out / "data" / "train-c-0.arrow").is_symlink()
+
+
+def test_a_rows_tools_or_tool_arguments_with_a_number_too_long_is_not_json(tmp_path):
+    """A dataset row's `tools` string or a tool call's `arguments` holding a 5000-digit number: taken as text
+    (as any string that is not JSON), not a ValueError out of the tokenizing map."""
+    from hsx.data import _parsed_arguments, row_tools
+
+    assert row_tools(f'[{{"n": {LONG}}}]') is None
+    call = {"function": {"name": "f", "arguments": f'{{"n": {LONG}}}'}}
+    assert _parsed_arguments(call) == call
+
+
+def test_the_window_counts_a_unit_whose_ledger_line_is_of_other_bytes(out):
+    """A consumed line with another CRC-32 than the unit's manifest line is no consumption of that unit (as
+    done_units and hsx.follow read it): the window still counts the unit as pending."""
+    from hsx.follow import pending_bytes
+
+    before = pending_bytes(OutputDir(out))
+    rec = sorted(OutputDir(out).manifest_records().values(), key=lambda r: r["unit"])[0]
+    line = {"unit": rec["unit"], "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
+            "row": rec["rows"], "crc32": "00000000"}
+    (out / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(line) + "\n")
+    assert pending_bytes(OutputDir(out)) == before
+    line["crc32"] = rec["crc32"]
+    (out / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(line) + "\n")
+    assert pending_bytes(OutputDir(out)) == before - rec["bytes"]
+
+
+def test_a_huge_export_journal_is_refused_not_read_whole(out, tmp_path, monkeypatch):
+    import hsx.sink
+    from hsx.export import JOURNAL, export_specforge
+
+    dest = tmp_path / "dest"
+    export_specforge(out, dest, layout="dflash")
+    limit = max(p.stat().st_size for p in (dest / JOURNAL, dest / "hsx-export.json", out / "hsx.json")) + 100
+    monkeypatch.setattr(hsx.sink, "MAX_RECORD_BYTES", limit)
+    with open(dest / JOURNAL, "a") as f:
+        f.write("\n" * limit)  # (a sparse 100 GB file read whole took the machine's memory)
+    with pytest.raises(HsxError, match=f"{JOURNAL} is damaged: .* more than hsx writes"):
+        export_specforge(out, dest, layout="dflash")
