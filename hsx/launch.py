@@ -13,7 +13,9 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
   killed by a signal (the OOM killer's SIGKILL), one line names it.
 - refused in one line before any process starts: a --config_file (or accelerate's default one) that is missing,
   not a regular file, not a mapping, uses YAML aliases or names a SageMaker job; fewer than 1 process, or more per
-  machine than it has cores; any other value accelerate rejects (its ValueError, not its traceback).
+  machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
+  would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
+  traceback).
 """
 
 from __future__ import annotations
@@ -115,6 +117,16 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
             raise UsageError(f"--{key} must be an integer of at least 1, not {value!r}")
     processes = getattr(args, "num_processes", None) or config.get("num_processes") or 1
     machines = getattr(args, "num_machines", None) or config.get("num_machines") or 1
+    given = getattr(args, "num_processes", None) or config.get("num_processes")
+    if machines > 1 and given is not None and given % machines:  # (accelerate starts given // machines per node)
+        raise UsageError(f"--num_processes {given:,} is the job's total over {machines:,} machines: give a multiple "
+                         f"of {machines:,} (accelerate would start {given // machines:,} on each, "
+                         f"{given // machines * machines:,} in all)")
+    rank = getattr(args, "machine_rank", None)
+    rank = config.get("machine_rank") if rank is None else rank
+    if machines > 1 and rank is not None and not (type(rank) is int and 0 <= rank < machines):
+        raise UsageError(f"--machine_rank {rank!r}: this machine's index among the {machines:,}, 0 to "
+                         f"{machines - 1:,} (a rank outside waits for ever for a machine that is not coming)")
     cores = os.cpu_count() or 1
     if -(-processes // machines) > cores:
         raise UsageError(f"--num_processes {processes:,} over {machines:,} machine(s) starts "

@@ -246,3 +246,32 @@ def test_a_huge_export_journal_is_refused_not_read_whole(out, tmp_path, monkeypa
         f.write("\n" * limit)  # (a sparse 100 GB file read whole took the machine's memory)
     with pytest.raises(HsxError, match=f"{JOURNAL} is damaged: .* more than hsx writes"):
         export_specforge(out, dest, layout="dflash")
+
+
+# ---- hsx launch: options over several machines -------------------------------------------------------------------
+
+@pytest.mark.parametrize("options,needle", [
+    (["--num_machines", "2", "--machine_rank", "2", "--num_processes", "2"], "0 to 1"),
+    (["--num_machines", "2", "--machine_rank", "-1", "--num_processes", "2"], "0 to 1"),
+    (["--num_machines", "2", "--machine_rank", "0", "--num_processes", "3"], "multiple of 2"),
+    (["--num_machines", "2", "--machine_rank", "0", "--num_processes", "1"], "multiple of 2"),
+    (["--config_file", "{two}", "--num_processes", "2"], "0 to 1"),
+])
+def test_launch_refuses_a_machine_rank_or_process_count_the_machines_cannot_run(tmp_path, monkeypatch, capsys,
+                                                                                  options, needle):
+    """A --machine_rank outside --num_machines made torchrun wait for ever for its rendezvous; 3 processes over 2
+    machines started 2 (accelerate gives each machine num_processes // num_machines), 1 over 2 started none."""
+    import accelerate.commands.launch
+
+    from hsx.cli import main
+
+    started = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", started.append)
+    (tmp_path / "two.yaml").write_text("num_machines: 2\nmachine_rank: 7\n")
+    options = [o.format(two=tmp_path / "two.yaml") for o in options]
+    rc = main(["launch", *options, "extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    line = one_error_line(capsys.readouterr().err)
+    assert rc == 2 and needle in line and not started, line
+    rc = main(["launch", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "extract", "--config",
+               "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    assert rc == 0 and len(started) == 1  # (the launch a good command line makes)
