@@ -241,9 +241,8 @@ def _make_class():
                 self.out.state.mkdir(parents=True, exist_ok=True)
                 append_synced(self.ledger, "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
                 self.committed.update({r["unit"]: r["row"] for r in lines})
-            if self.delete_consumed:  # only after the ledger line is on disk
-                for name in whole:
-                    (self.out.data / name).unlink(missing_ok=True)  # (a link `hsx merge` made: the link only)
+            if self.delete_consumed:  # only after the ledger line is on disk; (a link `hsx merge` made: the link)
+                self.out.remove_data_files(whole, links=True)
 
         # ---- rows ----
 
@@ -375,12 +374,23 @@ def _make_class():
             return None
 
         def _finished(self) -> bool:
+            """Whether the job is complete and every unit of this reader was handed out. A complete job whose
+            plan (.hsx/summary.json) is not there, or has units without a manifest line, will never commit
+            them (nothing runs): HsxError, rather than waiting for ever."""
             info = self.out.read_info()
             if info is None or not info.complete:
                 return False
             records, mine = self._manifest(), self._mine()
-            return mine is not None and all(u in records and self.position.get(u, -1) >= records[u]["rows"]
-                                            for u in mine)
+            if mine is None:
+                raise HsxError(f"{self.out.root}: a complete output without its job's plan (.hsx/summary.json: "
+                               "copied or downloaded without .hsx/?): read it with hsx.load or hsx.torch_view")
+            never = [u for u in mine if u not in records]
+            if never:
+                raise HsxError(f"{self.out.root}: hsx.json says the job is complete, but {len(never)} unit(s) of "
+                               f"its plan have no manifest line (train-{never[0]}.arrow"
+                               f"{', ...' if len(never) > 1 else ''}): run the job's `hsx extract` command again "
+                               "to redo them")
+            return all(self.position.get(u, -1) >= records[u]["rows"] for u in mine)
 
         def _recorded(self) -> dict[str, dict[str, Any]]:
             """This consumer's ledger records (every rank's: a resume with another world size finds a unit in

@@ -332,34 +332,44 @@ class OutputDir:
         """A unit of the plan in data/ with no manifest line: a run was killed between its rename and its manifest
         line (or mid-line). Its rows are redone and the redo replaces the file; until then no reader may take it
         for output and no `--max-pending-gb` window may wait for a trainer to consume it, so it goes now. Files
-        that are not units of this job's plan are left alone, and so is anything but a regular file (a link, a
-        folder, a FIFO); names are looked up and removed in data/ opened as the folder it is, never through a
-        link (data/ swapped for a link since the dir was locked deletes nothing elsewhere). A hard-linked leftover
-        loses this name only: its other names keep the bytes."""
+        that are not units of this job's plan are left alone, and so is anything but a regular file
+        (`remove_data_files`: never through a link)."""
         records = self.manifest_records()
-        leftovers = [f"train-{unit}.arrow" for unit in units if unit not in records]
-        if not leftovers:
-            return
+        gone = self.remove_data_files([f"train-{unit}.arrow" for unit in units if unit not in records])
+        if gone:
+            log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
+                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}) removed; they are redone")
+
+    def remove_data_files(self, names: list[str], links: bool = False) -> list[str]:
+        """Remove these names from data/ where each is a regular file (and, with `links`, a symbolic link: the
+        link only, as `hsx merge` makes them); a folder, a FIFO or anything else there is left alone. data/ is
+        opened as the folder it is, never through a link, and each name is looked up and removed in it, so data/
+        swapped for a link after the dir was checked (check_no_links) deletes nothing elsewhere: HsxError. A
+        hard-linked file loses this name only; its other names keep the bytes. Returns the names removed."""
+        if not names:
+            return []
         try:
             folder = os.open(self.data, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError:  # no data/ yet, or data/ is a link or no folder: nothing of this job to remove there
-            return
+        except FileNotFoundError:
+            return []
+        except OSError:
+            raise HsxError(f"{self.data} is a symbolic link or not a folder; hsx never deletes through links in its "
+                           "output dir: put the folder itself there") from None
         gone = []
         try:
-            for name in leftovers:
+            for name in names:
                 try:
-                    if stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                    mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+                    if stat.S_ISREG(mode) or (links and stat.S_ISLNK(mode)):
                         os.unlink(name, dir_fd=folder)
                         gone.append(name)
-                except FileNotFoundError:
+                except FileNotFoundError:  # (gone already: another consumer, a resume)
                     continue
             if gone:
                 os.fsync(folder)
         finally:
             os.close(folder)
-        if gone:
-            log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
-                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}) removed; they are redone")
+        return gone
 
     def check_units(self, all_crc: bool = False) -> list[str]:
         """Check the committed units on disk against their manifest records: the size of every one, and the

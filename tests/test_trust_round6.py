@@ -179,9 +179,23 @@ def test_remove_uncommitted_deletes_nothing_through_a_linked_data_dir(out, tmp_p
     shutil.move(out / "data", elsewhere)
     (out / "data").symlink_to(elsewhere)
     log: list[str] = []
-    OutputDir(out)._remove_uncommitted([unit], log.append)
+    with pytest.raises(HsxError, match="data is a symbolic link or not a folder; hsx never deletes through links"):
+        OutputDir(out)._remove_uncommitted([unit], log.append)
     assert (elsewhere / f"train-{unit}.arrow").is_file()
     assert not log
+
+
+def test_follow_deletes_nothing_through_a_data_dir_swapped_for_a_link(out, tmp_path):
+    """The links are checked when the reader starts; data/ moved elsewhere and linked while the trainer runs
+    (days) made each deletion of a consumed unit go through the link."""
+    f = hsx.follow(out, rows="dict", delete_consumed=True)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(out / "data", elsewhere)
+    (out / "data").symlink_to(elsewhere)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(HsxError, match="symbolic link"):
+        list(f)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
 
 
 def test_remove_uncommitted_removes_only_the_name_of_a_hard_linked_unit(out, tmp_path):
@@ -275,3 +289,17 @@ def test_launch_refuses_a_machine_rank_or_process_count_the_machines_cannot_run(
     rc = main(["launch", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "extract", "--config",
                "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
     assert rc == 0 and len(started) == 1  # (the launch a good command line makes)
+
+
+def test_follow_of_a_complete_job_that_will_never_commit_a_unit_says_so(out, tmp_path):
+    """hsx.json complete, but a planned unit without a manifest line (or no plan at all: a dir copied without
+    .hsx/): nothing will ever commit it, and the reader waited for ever (or until its timeout)."""
+    copy = Path(shutil.copytree(out, tmp_path / "copy"))
+    unit = sorted(OutputDir(out).manifest_records())[-1]
+    _drop_manifest_line(out, unit)
+    with pytest.raises(HsxError, match=f"complete, but 1 unit\\(s\\) of its plan have no manifest line "
+                                       f"\\(train-{unit}.arrow\\)"):
+        list(hsx.follow(out, rows="dict", commit="manual", timeout=30))
+    shutil.rmtree(copy / ".hsx")
+    with pytest.raises(HsxError, match="without its job's plan"):
+        list(hsx.follow(copy, rows="dict", commit="manual", timeout=30))
