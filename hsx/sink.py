@@ -977,8 +977,21 @@ def _size(path: Path) -> int | None:
 
 
 def _open_no_follow(path: Path, flags: int) -> int:
-    """os.open that never opens a link's target: a link at `path` fails (ELOOP) instead of being written through."""
-    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    """os.open of the regular file at `path` (created with O_CREAT) for hsx to write or lock: never a link's
+    target (HsxError, where the link would be written through), and never a FIFO or a device planted at one of
+    its names (opened without waiting: a FIFO with no reader would block the write for ever)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HsxError(f"{path} is a symbolic link; hsx never writes through links") from None
+        if e.errno == errno.ENXIO:  # a FIFO that no process reads
+            raise HsxError(f"{path} is not a regular file; hsx writes only regular files there") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HsxError(f"{path} is not a regular file; hsx writes only regular files there")
+    return fd
 
 
 @contextmanager
@@ -1018,8 +1031,8 @@ def append_synced(path: Path, text: str) -> None:
 
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    if tmp.is_symlink():
-        tmp.unlink()  # (the link, never its target)
+    if tmp.is_symlink() or (os.path.lexists(tmp) and not tmp.is_dir() and not tmp.is_file()):
+        tmp.unlink()  # hsx's own temporary name: a link there goes (the link, never its target), and a FIFO
     _write_synced(tmp, text, os.O_TRUNC)
     os.replace(tmp, path)
     fsync_dir(path.parent)

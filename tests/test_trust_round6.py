@@ -303,3 +303,58 @@ def test_follow_of_a_complete_job_that_will_never_commit_a_unit_says_so(out, tmp
     shutil.rmtree(copy / ".hsx")
     with pytest.raises(HsxError, match="without its job's plan"):
         list(hsx.follow(copy, rows="dict", commit="manual", timeout=30))
+
+
+# ---- FIFOs planted where hsx appends -----------------------------------------------------------------------------
+
+def _finishes(fn, fifo: Path, seconds: float = 60.0):
+    """fn() in a thread: (finished, its exception). A writer blocked opening `fifo` is released afterwards."""
+    import threading
+
+    got: list = []
+
+    def run():
+        try:
+            fn()
+            got.append(None)
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():  # (the old code: blocked in open() until a reader comes)
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        t.join(10)
+        os.close(fd)
+        return False, None
+    return True, got[0]
+
+
+def test_a_fifo_planted_at_the_ledger_after_follow_started_is_refused_not_waited_on(out):
+    f = hsx.follow(out, rows="dict")  # (no ledger yet: nothing to check)
+    ledger = out / ".hsx" / "consumed-trainer-00000.jsonl"
+    os.mkfifo(ledger)
+    done, error = _finishes(lambda: list(f), ledger)
+    assert done and isinstance(error, HsxError) and "not a regular file" in str(error), error
+
+
+def test_a_fifo_at_exported_jsonl_does_not_hang_an_export_that_deletes_its_source(out, tmp_path):
+    from hsx.export import export_specforge
+
+    fifo = out / ".hsx" / "exported.jsonl"
+    os.mkfifo(fifo)
+    units = sorted((out / "data").glob("train-*.arrow"))
+    done, error = _finishes(lambda: export_specforge(out, tmp_path / "dest", layout="dflash", delete_source=True),
+                            fifo)
+    assert done and isinstance(error, HsxError) and "exported.jsonl is not a regular file" in str(error), error
+    assert all(u.is_file() for u in units)  # no unit deleted without its record
+
+
+def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(out):
+    from hsx.sink import atomic_write
+
+    os.mkfifo(out / ".hsx" / ".summary.json.tmp")
+    done, error = _finishes(lambda: atomic_write(out / ".hsx" / "summary.json", "{}\n"),
+                            out / ".hsx" / ".summary.json.tmp")
+    assert done and error is None and (out / ".hsx" / "summary.json").read_text() == "{}\n"
