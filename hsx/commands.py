@@ -85,7 +85,7 @@ def push(args: argparse.Namespace) -> None:
 
     if not (Path(args.output_dir) / "hsx.json").is_file():
         raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
-    out = OutputDir(args.output_dir)
+    out = OutputDir(args.output_dir, given_as="OUTPUT_DIR of `hsx push` (a dir `hsx extract` wrote)")
     out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
     with out.locked():
         push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision,

@@ -392,7 +392,8 @@ def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: boo
     stack.enter_context(_flock(path / LOCK, fcntl.LOCK_EX,
                                f"{path} is in use by another hsx export (lock held on {LOCK})"))
     if delete_source:
-        stack.enter_context(OutputDir(src.root).locked_whole("export --delete-source"))
+        given_as = "OUTPUT_DIR (a dir `hsx extract` wrote)"
+        stack.enter_context(OutputDir(src.root, given_as=given_as).locked_whole("export --delete-source"))
     return stack, path
 
 

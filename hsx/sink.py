@@ -167,9 +167,12 @@ def info_features(info: dict[str, Any]):
 
 
 class OutputDir:
-    def __init__(self, root: str | os.PathLike, rank: int = 0):
+    def __init__(self, root: str | os.PathLike, rank: int = 0, given_as: str = "--output-dir"):
+        """`given_as`: how the user named this dir (`hsx extract --output-dir`, a merge's OUTPUT_DIR or DIR, ...),
+        for the advice of a refusal."""
         self.root = Path(root)
         self.rank = rank
+        self.given_as = given_as
         self.data = self.root / "data"
         self.state = self.root / ".hsx"
         self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
@@ -214,8 +217,8 @@ class OutputDir:
         try:
             self.state.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a read-only file system, a parent that is a file, /proc
-            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose an --output-dir this user "
-                           "can write") from None
+            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose another {self.given_as}, one "
+                           "this user can write") from None
 
     def check_no_links(self) -> None:
         """Refuse a dir where .hsx/, data/, hsx.json, README.md or anything under .hsx/ is a symbolic link: hsx
@@ -233,9 +236,9 @@ class OutputDir:
         # One listing, not an exists() check then a listing: another rank of this job may create .hsx/ between.
         entries = [p.name for p in self.root.iterdir()] if self.root.is_dir() else []
         if entries and ".hsx" not in entries:
-            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
+            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another {self.given_as}")
         if self.root.exists() and not self.root.is_dir():
-            raise HsxError(f"{self.root} is a file, not a folder; choose another --output-dir")
+            raise HsxError(f"{self.root} is a file, not a folder; choose another {self.given_as}")
 
     def has_output(self) -> bool:
         """Whether a job has committed anything here: a manifest record, a data file, or hsx.json. A damaged

@@ -358,3 +358,25 @@ def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(out):
     done, error = _finishes(lambda: atomic_write(out / ".hsx" / "summary.json", "{}\n"),
                             out / ".hsx" / ".summary.json.tmp")
     assert done and error is None and (out / ".hsx" / "summary.json").read_text() == "{}\n"
+
+
+# ---- the advice names the option that gave the dir ----------------------------------------------------------------
+
+def test_a_refused_merge_or_push_dir_is_named_by_its_own_argument_not_output_dir(out, tmp_path):
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    rc, _, err = hsx_main(["merge", str(tmp_path / "merged"), str(out), str(stranger)])
+    line = one_error_line(err)
+    assert rc != 0 and "choose another DIR of `hsx merge`" in line and "--output-dir" not in line, line
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc, _, err = hsx_main(["merge", str(afile), str(out)])
+    line = one_error_line(err)
+    assert rc != 0 and "is a file, not a folder; choose another OUTPUT_DIR of `hsx merge`" in line, line
+    assert afile.read_text() == "x" and (stranger / "notes.txt").read_text() == "mine"
+    hub_copy = tmp_path / "downloaded"  # (an output without .hsx/, as the Hub holds it)
+    shutil.copytree(out, hub_copy, ignore=shutil.ignore_patterns(".hsx"))
+    rc, _, err = hsx_main(["push", str(hub_copy), "someone/states"])
+    line = one_error_line(err)
+    assert rc != 0 and "OUTPUT_DIR of `hsx push`" in line and "--output-dir" not in line, line
