@@ -600,7 +600,8 @@ def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,
     renders and tokenizes in one call there, and a render of hundreds of MB reaching the tokenizer aborts the
     process (an allocation it cannot make). The second render costs about what the first does, a small part of
     tokenizing."""
-    with loss_masks.cpu_time_limit():  # (a batch's normal rows take a fraction of it)
+    # (a batch's normal rows take a fraction of its CPU time)
+    with loss_masks.render_bounds(tokenizer, template_kwargs, tools, max_chars):
         texts = tokenizer.apply_chat_template(convs, tools=tools, tokenize=False, **template_kwargs)
         for text in [texts] if isinstance(texts, str) else texts:
             if len(text) > max_chars:

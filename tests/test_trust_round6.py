@@ -380,3 +380,43 @@ def test_a_refused_merge_or_push_dir_is_named_by_its_own_argument_not_output_dir
     rc, _, err = hsx_main(["push", str(hub_copy), "someone/states"])
     line = one_error_line(err)
     assert rc != 0 and "OUTPUT_DIR of `hsx push`" in line and "--output-dir" not in line, line
+
+
+# ---- a row-level repetition in a chat template --------------------------------------------------------------------
+
+@pytest.mark.parametrize("markers", [False, True])
+def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
+    """`'x' * (message.content | int)`: the static check sees no literal count; a row of '90000000' built 90 MB
+    (a row of '10000000000', 10 GB) before the render's length bound could look at it."""
+    import tracemalloc
+
+    from chat_families import QWEN3, family
+
+    from hsx import data, masks
+
+    bomb = "{%- if message.content is string and message.content[:1] == '9' %}{{ 'x' * (message.content | int) }}" \
+           "{% endif %}"
+    if markers:  # (rendered and tokenized by transformers in one call)
+        from hsx.demo import CHAT_TEMPLATE, build_tokenizer
+
+        template = CHAT_TEMPLATE.replace("{%- for message in messages -%}", "{%- for message in messages -%}" + bomb, 1)
+        tok = build_tokenizer(template)
+    else:
+        template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
+        tok = family("qwen3", template)
+    assert bool(masks.GENERATION_TAG.search(template)) == markers
+    assert masks.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
+    conv = [{"role": "user", "content": "90000000"}, {"role": "assistant", "content": "ok"}]
+    fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    fmt = None if markers else masks.derive_chat_format(tok, {})
+    tracemalloc.start()
+    try:
+        rows = data.chat_tokenize(tok, [fine, conv, fine], {}, None, fmt, masks.render_char_limit(64))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
+    assert rows[0][0] and rows[0] == rows[2]
+    assert peak < 20_000_000, peak  # (the 90 MB string was never built)
+    # outside hsx's render bounds the same compiled template renders as transformers does
+    assert len(tok.apply_chat_template([{"role": "user", "content": "9000"}], tokenize=False)) > 9000
