@@ -11,7 +11,8 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
 - one process (accelerate's plain subprocess): it runs in its own session, as the agent starts ranks, with the same
   four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1);
   killed by a signal (the OOM killer's SIGKILL), one line names it.
-- refused in one line before any process starts: a --config_file (or accelerate's default one) that is missing,
+- refused in one line before any process starts: the hsx command's flags and recipe (`hsx extract`'s whole
+  config, as each rank would read it), a --config_file (or accelerate's default one) that is missing,
   not a regular file, not a mapping, uses YAML aliases or names a SageMaker job; fewer than 1 process, or more per
   machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
   would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
@@ -68,8 +69,16 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     if command not in RANK_COMMANDS:
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
-    hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
+    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
     _check_accelerate_config(args)
+    if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
+        from hsx.commands import config_of  # each with its own line, after the launch (a FIFO recipe: each hung)
+
+        config_of(ns)
+    elif getattr(ns, "config", None):
+        from hsx.config import read_recipe
+
+        read_recipe(ns.config)
     args.module, args.training_script = True, "hsx"
     args.training_script_args = [command, *args.training_script_args]
     return args

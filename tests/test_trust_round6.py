@@ -420,3 +420,26 @@ def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
     assert peak < 20_000_000, peak  # (the 90 MB string was never built)
     # outside hsx's render bounds the same compiled template renders as transformers does
     assert len(tok.apply_chat_template([{"role": "user", "content": "9000"}], tokenize=False)) > 9000
+
+
+def test_launch_reads_the_hsx_recipe_and_flags_once_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """A recipe every rank fails on (a FIFO each rank's read refused, a key with a wrong value, --layers missing)
+    started all the ranks, each printing its own line, then the launcher's."""
+    import accelerate.commands.launch
+
+    from hsx.cli import main
+
+    started = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", started.append)
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "bad.yaml").write_text("layers: [1]\nstorage_dtype: int4\n")
+    for argv, needle in ((["--config", str(tmp_path / "fifo.yaml")], "is not a regular file"),
+                         (["--config", str(tmp_path / "bad.yaml")], "storage_dtype"),
+                         (["--model", "m", "--dataset", "d"], "--layers is required")):
+        rc = main(["launch", "--num_processes", "2", "extract", *argv, "--output-dir", str(tmp_path / "o")])
+        line = one_error_line(capsys.readouterr().err)
+        assert rc != 0 and needle in line and not started, line
+    assert not (tmp_path / "o").exists()
+    rc = main(["launch", "--num_processes", "2", "extract", "--config", "recipes/demo.yaml", "--output-dir",
+               str(tmp_path / "o")])
+    assert rc == 0 and len(started) == 1
