@@ -15,18 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hsx.config import FIELDS, ExtractConfig, load_config
+from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError
-
-
-def config_of(args: argparse.Namespace) -> ExtractConfig:
-    """The job's config from --config and the flags; any problem with them is a usage error (hsx.config)."""
-    return load_config(args.config, config_overrides(args))
-
-
-def config_overrides(args: argparse.Namespace) -> dict:
-    """The config flags given on the command line (an unset flag is None, and leaves the recipe's key)."""
-    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
 
 
 def write_json(dest: str, obj) -> None:

@@ -271,6 +271,17 @@ def config_from(options: Mapping[str, Any], required: tuple[str, ...] = REQUIRED
     return check_config(cfg, required, parsed=options)
 
 
+def config_overrides(args) -> dict[str, Any]:
+    """The config flags given on a command line (argparse's namespace; an unset flag is None, and leaves the
+    recipe's key)."""
+    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+
+
+def config_of(args) -> ExtractConfig:
+    """The job's config from --config and the flags of a command line; any problem with them is a usage error."""
+    return load_config(args.config, config_overrides(args))
+
+
 def load_config(path: str | None, overrides: dict[str, Any], required: tuple[str, ...] = REQUIRED) -> ExtractConfig:
     """Read a YAML recipe (optional), apply flag overrides (None: not given), and check the result. Every problem
     is a UsageError: a recipe or option wrong by itself, found before anything is read (`hsx extract` and

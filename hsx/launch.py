@@ -72,7 +72,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
     _check_accelerate_config(args)
     if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
-        from hsx.commands import config_of  # each with its own line, after the launch (a FIFO recipe: each hung)
+        from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hung)
 
         config_of(ns)
     elif getattr(ns, "config", None):
