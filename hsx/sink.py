@@ -269,6 +269,8 @@ class OutputDir:
         if job_file.exists():
             old = read_json(job_file, JobRecord)
             if old.fingerprint == job["fingerprint"]:
+                if check:  # (the dir's first process, before any rank of this run writes: hsx.job claims in turns)
+                    self.clear_tmp(every_rank=True)
                 return self._resume_state(check_crc, log, check)
             if self.has_output():
                 raise HsxError(f"{self.root} holds a different job (differs in: {describe_difference(old.to_dict(), job)}); "
@@ -575,10 +577,13 @@ class OutputDir:
         append_synced(self.state / f"uploaded-{name}.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n"
                                                                       for r in records))
 
-    def clear_tmp(self) -> None:
-        """Partial units a killed run of this rank left behind (never committed, so never counted)."""
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+    def clear_tmp(self, every_rank: bool = False) -> None:
+        """Partial units a killed run of this rank (`every_rank`: of any rank) left behind, never committed, so
+        never counted. Every rank's once per claim: a resume with fewer ranks left the others' behind, and
+        --max-pending-gb (hsx.follow.pending_bytes) counted them as pending for ever."""
+        folder = self.tmp.parent if every_rank else self.tmp
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
 
     def unit_tmp(self, unit: str) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)

@@ -443,3 +443,20 @@ def test_launch_reads_the_hsx_recipe_and_flags_once_before_any_rank_starts(tmp_p
     rc = main(["launch", "--num_processes", "2", "extract", "--config", "recipes/demo.yaml", "--output-dir",
                str(tmp_path / "o")])
     assert rc == 0 and len(started) == 1
+
+
+def test_a_resume_clears_partial_units_of_ranks_this_run_does_not_have(out):
+    """A job killed on 8 ranks and resumed on 1 left .hsx/tmp/rank-00007/ behind: never committed, never cleared
+    (each rank cleared only its own), and counted by --max-pending-gb's window for ever."""
+    from hsx.follow import pending_bytes
+    from hsx.schema import JobRecord
+    from hsx.sink import read_json
+
+    _drop_manifest_line(out, sorted(OutputDir(out).manifest_records())[0])  # (a resume, not a finished dir)
+    stale = out / ".hsx" / "tmp" / "rank-00007" / "train-zzz-00000.arrow"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x" * 1000)
+    before = pending_bytes(OutputDir(out))
+    job = read_json(out / ".hsx" / "job.json", JobRecord).to_dict()
+    assert OutputDir(out).claim(job, False, log=quiet, check=True) == "resume"
+    assert not stale.exists() and pending_bytes(OutputDir(out)) == before - 1000
