@@ -171,6 +171,9 @@ def _make_class():
                 raise ValueError("give both rank and world_size, or neither")
             if rank is None:
                 rank, world_size = _default_rank()
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size)):
+                raise ValueError(f"rank {rank!r} and world_size {world_size!r}: integers (they name the ledger file "
+                                 "and split the units)")
             if not 0 <= rank < world_size:
                 raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
             if root.exists() and not root.is_dir():  # (a dir not there yet is waited for, as units are)

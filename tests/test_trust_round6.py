@@ -460,3 +460,10 @@ def test_a_resume_clears_partial_units_of_ranks_this_run_does_not_have(out):
     job = read_json(out / ".hsx" / "job.json", JobRecord).to_dict()
     assert OutputDir(out).claim(job, False, log=quiet, check=True) == "resume"
     assert not stale.exists() and pending_bytes(OutputDir(out)) == before - 1000
+
+
+@pytest.mark.parametrize("rank,world_size", [(0.5, 2), ("0", 1), (True, 2), (0, 2.0)])
+def test_follow_takes_only_integer_ranks(out, rank, world_size):
+    """A float rank passed the range check and failed later formatting the ledger's name; True read as rank 1."""
+    with pytest.raises(ValueError, match="integers"):
+        hsx.follow(out, rank=rank, world_size=world_size)
