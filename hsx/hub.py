@@ -267,8 +267,11 @@ def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
     if remote.size > MAX_RECORD_BYTES:  # (not downloaded: a huge file is not hsx's)
         return None, f"its hsx.json is {remote.size:,} bytes, more than hsx writes"
     with tempfile.TemporaryDirectory(prefix="hsx-remote-") as tmp:
-        got = hub.call("download of hsx.json", lambda: hub.api.hf_hub_download(
-            hub.repo_id, "hsx.json", repo_type=REPO_TYPE, revision=hub.revision, local_dir=tmp))
+        try:
+            got = hub.call("download of hsx.json", lambda: hub.api.hf_hub_download(
+                hub.repo_id, "hsx.json", repo_type=REPO_TYPE, revision=hub.revision, local_dir=tmp))
+        except HsxError as e:
+            return None, f"its hsx.json cannot be downloaded ({str(e).split(': ', 1)[-1][:200]})"
         try:
             obj = read_json(Path(got))  # (bounded, a regular file, one key once)
         except HsxError as e:
@@ -288,10 +291,10 @@ def check_remote(hub: _Hub, remote: dict[str, RemoteFile], fingerprint: str | No
     does not claim. Called before anything is uploaded or deleted. With `overwrite`, logs what is replaced."""
     what = None
     if "hsx.json" in remote:
+        if same_info(remote["hsx.json"]):  # this very output's (a re-push): nothing to download
+            return
         theirs, why = _remote_job(hub, remote["hsx.json"])
         if theirs is None or theirs != fingerprint:
-            if same_info(remote["hsx.json"]):
-                return
             what = (f"the output of another job (job {theirs[:12]}; this is job {(fingerprint or '?')[:12]})"
                     if theirs is not None else f"an hsx.json that is not this job's: {why}")
     else:

@@ -318,6 +318,16 @@ def test_push_refuses_a_repo_of_files_it_did_not_push(out, remote):
     assert api.files() == remote and api.commits == []
 
 
+def test_a_remote_hsx_json_that_cannot_be_downloaded_is_not_this_jobs(out):
+    api = FakeHfApi()
+    before = another_job(api, out)
+    api.fail("hf_hub_download", http_error(403, "gated"))
+    with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's: its hsx.json cannot be "
+                                       r"downloaded \(.*HTTP 403"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert api.files() == before and api.commits == []
+
+
 def test_push_into_a_new_repo_with_only_a_card_is_fine(out):
     api = FakeHfApi()
     api.create_repo(REPO, repo_type="dataset", exist_ok=True)
@@ -355,6 +365,14 @@ def test_the_same_job_pushed_again_or_resumed_is_not_refused(out, tmp_path):
     n = len(api.commits)
     push_output(copy, REPO, api=api, log=quiet)
     assert len(api.commits) == n
+    # a re-push of the very output reads no remote file (its hsx.json is compared by blob id); the same job's
+    # hsx.json with other bytes (a resume rewrote it) is read for its fingerprint, and replaced
+    assert not [c for c in api.calls if c[0] == "hf_hub_download"]
+    info = json.loads(api.files()["hsx.json"])
+    api.files()["hsx.json"] = json.dumps({**info, "run": {"seconds": 1}}).encode()
+    push_output(copy, REPO, api=api, log=quiet)
+    assert [c[0] for c in api.calls].count("hf_hub_download") == 1
+    assert api.files() == expected_repo(out)
     # a unit of the same name and size but other bytes is not this job's
     shutil.rmtree(copy / ".hsx")
     (copy / ".hsx").mkdir()
