@@ -467,3 +467,25 @@ def test_follow_takes_only_integer_ranks(out, rank, world_size):
     """A float rank passed the range check and failed later formatting the ledger's name; True read as rank 1."""
     with pytest.raises(ValueError, match="integers"):
         hsx.follow(out, rank=rank, world_size=world_size)
+
+
+# ---- token_frequencies.npy -------------------------------------------------------------------------------------
+
+def test_a_frequencies_file_whose_header_claims_a_huge_array_is_damaged_not_a_memory_error(out, tmp_path):
+    """np.load allocates the shape the .npy header claims: 100 bytes claiming 10**12 int64 were a MemoryError
+    traceback from `hsx vocab` and the speculators export."""
+    import io
+
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<i8", "fortran_order": False, "shape": (10**12,)})
+    (out / "token_frequencies.npy").write_bytes(header.getvalue() + bytes(64))
+    rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
+    line = one_error_line(err)
+    assert rc != 0 and "does not match hsx.json's token_frequencies" in line, line
+    (out / "token_frequencies.npy").unlink()
+    (out / "token_frequencies.npy").symlink_to(tmp_path / "elsewhere.npy")
+    rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
+    assert rc != 0, err
+    one_error_line(err)
