@@ -17,7 +17,7 @@ from typing import Any
 
 # The options that only concern what `hsx extract` writes: the output dir, resuming it, publishing it.
 OUTPUT_OPTIONS = ("output_dir", "overwrite", "check_crc", "push_to_hub", "push_mode", "delete_after_upload",
-                  "hub_private", "hub_revision", "max_pending_gb")
+                  "hub_private", "hub_revision", "hub_overwrite", "max_pending_gb")
 
 
 def _paths_as_text(config, options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -57,9 +57,9 @@ def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
     on. Takes `hsx.extract`'s options, except that it writes nothing:
 
     - the options about the output (`output_dir`, `overwrite`, `check_crc`, `push_to_hub`, `push_mode`,
-      `delete_after_upload`, `hub_private`, `hub_revision`, `max_pending_gb`) given as keywords are an error; the
-      same keys in the recipe are ignored, so an extract recipe streams as it is. `tp_size` > 1 is refused (a whole model copy
-      runs in each process; `gpus_per_copy` spreads one over this process's GPUs).
+      `delete_after_upload`, `hub_private`, `hub_revision`, `hub_overwrite`, `max_pending_gb`) given as keywords
+      are an error; the same keys in the recipe are ignored, so an extract recipe streams as it is. `tp_size` > 1
+      is refused (a whole model copy runs in each process; `gpus_per_copy` spreads one over this process's GPUs).
     - each row is a dict of CPU torch tensors, exactly `hsx.torch_view`'s row of the written output for the same
       options (bit for bit): `sample_id`, `num_tokens`, `input_ids` and `loss_mask` (T,), `hidden_states`
       (T, layers, hidden), `final_hidden_state` (T, hidden) with final_hidden, `topk_*` with topk_logits,

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     pu = command("push", "upload a complete output dir to a Hub dataset repo (resumable)")
     pu.add_argument("output_dir", help="a finished hsx output dir (one with hsx.json)")
     pu.add_argument("repo_id", help="the Hub dataset repo, e.g. me/qwen3-8b-eagle3 (created if missing)")
-    for name in ("hub_revision", "hub_private"):  # the same flags, spelled the same, as `extract --push-to-hub`
+    # the same flags, spelled the same, as `extract --push-to-hub`
+    for name in ("hub_revision", "hub_private", "hub_overwrite"):
         config_flag(pu, name, default=default_of(name))
     sf = command("export-specforge", "write an output as SpecForge's offline EAGLE-3 or DFlash files")
     sf.add_argument("output_dir", help="a finished hsx output dir (eagle3: 3 or more layers and --final-hidden)")

@@ -15,18 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hsx.config import FIELDS, ExtractConfig, load_config
+from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError
-
-
-def config_of(args: argparse.Namespace) -> ExtractConfig:
-    """The job's config from --config and the flags; any problem with them is a usage error (hsx.config)."""
-    return load_config(args.config, config_overrides(args))
-
-
-def config_overrides(args: argparse.Namespace) -> dict:
-    """The config flags given on the command line (an unset flag is None, and leaves the recipe's key)."""
-    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
 
 
 def write_json(dest: str, obj) -> None:
@@ -94,10 +84,11 @@ def push(args: argparse.Namespace) -> None:
 
     if not (Path(args.output_dir) / "hsx.json").is_file():
         raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
-    out = OutputDir(args.output_dir)
+    out = OutputDir(args.output_dir, given_as="OUTPUT_DIR of `hsx push` (a dir `hsx extract` wrote)")
     out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
     with out.locked():
-        push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision)
+        push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision,
+                    overwrite=args.hub_overwrite)
 
 
 def export_specforge(args: argparse.Namespace) -> None:

@@ -106,6 +106,9 @@ class ExtractConfig:
                                      "bigger than the disk)")
     hub_private: bool = _key(True, help="create the repo private, or public (--no-hub-private)")
     hub_revision: str | None = _key(None, help="branch to push to (created if missing)")
+    hub_overwrite: bool = _key(False, help="push even into a repo (or --hub-revision) that holds another job's "
+                               "output or files hsx did not push: replace its hsx.json and README.md and delete its "
+                               "data/train-*.arrow files (refused without it)")
     max_pending_gb: float | None = _key(None, minimum=1e-6, help="train while extracting: before each unit, wait "
                                         "while this many GB of committed units are not yet consumed by a trainer "
                                         "reading the dir with hsx.follow (docs/follow.md)")
@@ -257,8 +260,8 @@ def parse_value(name: str, value: Any) -> Any:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise HsxError(f"{name} must be a JSON object: {e}") from None
+        except (ValueError, RecursionError) as e:  # (a JSONDecodeError, or an int of over 4300 digits)
+            raise HsxError(f"{name} must be a JSON object: {' '.join(str(e).split())[:150]}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise HsxError(f"{name} must be a mapping with string keys, got {_shown(value)}")
     return value
@@ -272,6 +275,17 @@ def config_from(options: Mapping[str, Any], required: tuple[str, ...] = REQUIRED
         raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     cfg = ExtractConfig(**{k: parse_value(k, v) for k, v in options.items()})
     return check_config(cfg, required, parsed=options)
+
+
+def config_overrides(args) -> dict[str, Any]:
+    """The config flags given on a command line (argparse's namespace; an unset flag is None, and leaves the
+    recipe's key)."""
+    return {k: getattr(args, k) for k in FIELDS if getattr(args, k, None) is not None}
+
+
+def config_of(args) -> ExtractConfig:
+    """The job's config from --config and the flags of a command line; any problem with them is a usage error."""
+    return load_config(args.config, config_overrides(args))
 
 
 def load_config(path: str | None, overrides: dict[str, Any], required: tuple[str, ...] = REQUIRED) -> ExtractConfig:
@@ -366,6 +380,8 @@ def read_recipe(path: str) -> dict[str, Any]:
         raw = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise HsxError(f"config {path}: not valid YAML: {_yaml_problem(e)}") from None
+    except (ValueError, OverflowError) as e:  # a scalar YAML matched that does not build (a 5000-digit int)
+        raise HsxError(f"config {path}: not a value hsx reads: {' '.join(str(e).split())[:150]}") from None
     except RecursionError:
         raise HsxError(f"config {path}: nested too deeply to be a recipe") from None
     if raw is None:
@@ -445,6 +461,8 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
                        f"{'it' if len(reserved) == 1 else 'them'} to the template itself")
     if cfg.delete_after_upload and not (cfg.push_to_hub and cfg.push_mode == "stream"):
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
+    if cfg.hub_overwrite and not cfg.push_to_hub:
+        raise HsxError("--hub-overwrite needs --push-to-hub REPO")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
     return cfg

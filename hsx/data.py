@@ -199,8 +199,8 @@ def _json_line(path: Path, e: BaseException) -> str:
                 if line.strip():
                     try:
                         json.loads(line)
-                    except json.JSONDecodeError as bad:
-                        return f" (line {number}: {bad.msg})"
+                    except (ValueError, RecursionError) as bad:
+                        return f" (line {number}: {getattr(bad, 'msg', None) or str(bad)[:100]})"
     except OSError:
         pass
     return ""
@@ -525,7 +525,7 @@ def row_tools(raw: Any) -> list | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):  # (a string nested 100k deep: RecursionError)
+        except (ValueError, RecursionError):  # (nested 100k deep: RecursionError; a 5000-digit int: ValueError)
             return None
     return raw if isinstance(raw, list) and raw else None
 
@@ -589,7 +589,7 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
@@ -600,7 +600,8 @@ def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,
     renders and tokenizes in one call there, and a render of hundreds of MB reaching the tokenizer aborts the
     process (an allocation it cannot make). The second render costs about what the first does, a small part of
     tokenizing."""
-    with loss_masks.cpu_time_limit():  # (a batch's normal rows take a fraction of it)
+    # (a batch's normal rows take a fraction of its CPU time)
+    with loss_masks.render_bounds(tokenizer, template_kwargs, tools, max_chars):
         texts = tokenizer.apply_chat_template(convs, tools=tools, tokenize=False, **template_kwargs)
         for text in [texts] if isinstance(texts, str) else texts:
             if len(text) > max_chars:

@@ -57,8 +57,8 @@ import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import ROW_COLUMNS, Info, dequantize
-from hsx.sink import (CRC_CHUNK, OutputDir, _flock, append_synced, atomic_write, crc32, file_crc32, fsync_dir,
-                      fsync_file, listed_files, read_json)
+from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, _read_bounded, append_synced, atomic_write, crc32,
+                      file_crc32, fsync_dir, fsync_file, listed_files, read_json)
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
@@ -251,10 +251,10 @@ def _read_journal(dest: Path, token: str) -> _Dest:
         return d
     if path.is_symlink() or not path.is_file():
         raise _not_written_here(dest, JOURNAL, " (a link or not a file)")
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+    for number, raw in enumerate(_read_bounded(path).split(b"\n"), 1):  # (no link, no FIFO, at most 1 GiB)
         try:
             line = json.loads(raw.decode("utf-8")) if raw.strip() else None
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # torn (or an int of over 4300 digits, which hsx never writes)
             continue
         if line is None or (isinstance(line, dict) and line.get("token") != token):
             continue
@@ -345,7 +345,7 @@ def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: boo
         shutil.rmtree(t) if t.is_dir() else t.unlink()
     d.files = _check_recorded(d)
     if same and not overwrite:
-        if (dest / JOURNAL).exists() and (dest / JOURNAL).read_bytes()[-1:] not in (b"", b"\n"):
+        if _last_byte(dest / JOURNAL) not in (b"", b"\n"):
             append_synced(dest / JOURNAL, "\n")  # end a torn line, so the next record starts on its own line
         return d
     if same and d.released:
@@ -392,7 +392,8 @@ def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: boo
     stack.enter_context(_flock(path / LOCK, fcntl.LOCK_EX,
                                f"{path} is in use by another hsx export (lock held on {LOCK})"))
     if delete_source:
-        stack.enter_context(OutputDir(src.root).locked_whole("export --delete-source"))
+        given_as = "OUTPUT_DIR (a dir `hsx extract` wrote)"
+        stack.enter_context(OutputDir(src.root, given_as=given_as).locked_whole("export --delete-source"))
     return stack, path
 
 

@@ -66,9 +66,11 @@ def pending_bytes(out, in_flight=()) -> int:
         name = f"train-{unit}.arrow"
         if name not in sizes:
             add(name, out.unit_tmp_path(unit), out.data / name)
+    from hsx.sink import uploaded_matches
+
     consumed = out.consumed()
     for rec in out.manifest_records().values() if out.state.is_dir() else ():
-        if rec["file"] not in consumed and rec["file"] not in sizes:
+        if not uploaded_matches(consumed.get(rec["file"]), rec) and rec["file"] not in sizes:
             add(rec["file"], out.data / rec["file"])
     return sum(sizes.values())
 
@@ -169,6 +171,9 @@ def _make_class():
                 raise ValueError("give both rank and world_size, or neither")
             if rank is None:
                 rank, world_size = _default_rank()
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size)):
+                raise ValueError(f"rank {rank!r} and world_size {world_size!r}: integers (they name the ledger file "
+                                 "and split the units)")
             if not 0 <= rank < world_size:
                 raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
             if root.exists() and not root.is_dir():  # (a dir not there yet is waited for, as units are)
@@ -180,11 +185,12 @@ def _make_class():
             self.dequantize, self.commit_mode, self.poll_seconds = dequantize, commit, poll_seconds
             self.rank, self.world_size, self.timeout = rank, world_size, timeout
             self.ledger = self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl"
-            recorded = self._recorded()
-            self.position: dict[str, int] = {u: r["row"] for u, r in recorded.items()}  # rows handed out, per unit
+            self.unchecked = self._recorded()  # ledger lines not yet checked against their unit's manifest line
+            self.position: dict[str, int] = {u: r["row"] for u, r in self.unchecked.items()}  # rows handed out
             self.committed: dict[str, int] = dict(self.position)  # what the ledger says
             self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
             self.iterating = False
+            self._see(self._manifest())
 
         # ---- position ----
 
@@ -221,9 +227,9 @@ def _make_class():
         def commit(self, state: dict[str, Any] | None = None) -> None:
             """Record the position (`state`, a `state_dict()` the trainer saved, or the current one) in the ledger,
             fsynced, then delete the units it says are wholly consumed (`delete_consumed`)."""
+            if any(u not in self.records for u in (state or self.state_dict())["position"]):
+                self._see(self._manifest())
             position = (state or self.state_dict())["position"]
-            if any(u not in self.records for u in position):
-                self.records.update(self._manifest())
             lines, whole = [], []
             for unit, row in sorted(position.items()):
                 rec = self.records.get(unit)
@@ -238,9 +244,8 @@ def _make_class():
                 self.out.state.mkdir(parents=True, exist_ok=True)
                 append_synced(self.ledger, "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
                 self.committed.update({r["unit"]: r["row"] for r in lines})
-            if self.delete_consumed:  # only after the ledger line is on disk
-                for name in whole:
-                    (self.out.data / name).unlink(missing_ok=True)  # (a link `hsx merge` made: the link only)
+            if self.delete_consumed:  # only after the ledger line is on disk; (a link `hsx merge` made: the link)
+                self.out.remove_data_files(whole, links=True)
 
         # ---- rows ----
 
@@ -333,6 +338,20 @@ def _make_class():
                 return None  # not planned yet
             return [u for i, u in enumerate(summary.unit_names) if i % self.world_size == self.rank]
 
+        def _see(self, records: dict[str, dict[str, Any]]) -> None:
+            """Take these manifest records as the units' own. A ledger line of a unit with other bytes, rows or
+            CRC-32 than its manifest line was about another file (a ledger another job left in the dir, a unit
+            redone with other bytes, a forged line): its position is dropped, so that unit is read, and never
+            deleted as consumed, on its word (hsx.sink.OutputDir.consumed counts it so for the extractor)."""
+            from hsx.sink import uploaded_matches
+
+            self.records.update(records)
+            for unit in [u for u in self.unchecked if u in records]:
+                led, rec = self.unchecked.pop(unit), records[unit]
+                if led["rows"] != rec["rows"] or not uploaded_matches(led, rec):
+                    self.position.pop(unit, None)
+                    self.committed.pop(unit, None)
+
         def _manifest(self) -> dict[str, dict[str, Any]]:
             return self.out.manifest_records() if self.out.state.is_dir() else {}
 
@@ -344,7 +363,7 @@ def _make_class():
             records = self._manifest()
             for unit in sorted(set(mine) & set(records)):
                 rec = records[unit]
-                self.records[unit] = rec
+                self._see({unit: rec})
                 if self.position.get(unit, -1) >= rec["rows"]:
                     continue
                 f = self.out.data / rec["file"]
@@ -358,12 +377,23 @@ def _make_class():
             return None
 
         def _finished(self) -> bool:
+            """Whether the job is complete and every unit of this reader was handed out. A complete job whose
+            plan (.hsx/summary.json) is not there, or has units without a manifest line, will never commit
+            them (nothing runs): HsxError, rather than waiting for ever."""
             info = self.out.read_info()
             if info is None or not info.complete:
                 return False
             records, mine = self._manifest(), self._mine()
-            return mine is not None and all(u in records and self.position.get(u, -1) >= records[u]["rows"]
-                                            for u in mine)
+            if mine is None:
+                raise HsxError(f"{self.out.root}: a complete output without its job's plan (.hsx/summary.json: "
+                               "copied or downloaded without .hsx/?): read it with hsx.load or hsx.torch_view")
+            never = [u for u in mine if u not in records]
+            if never:
+                raise HsxError(f"{self.out.root}: hsx.json says the job is complete, but {len(never)} unit(s) of "
+                               f"its plan have no manifest line (train-{never[0]}.arrow"
+                               f"{', ...' if len(never) > 1 else ''}): run the job's `hsx extract` command again "
+                               "to redo them")
+            return all(self.position.get(u, -1) >= records[u]["rows"] for u in mine)
 
         def _recorded(self) -> dict[str, dict[str, Any]]:
             """This consumer's ledger records (every rank's: a resume with another world size finds a unit in

@@ -38,7 +38,12 @@ How:
   (LFS) or git blob id before it is skipped.
 - `push_output` sends README.md and hsx.json in its last commit (hsx.json's `complete` is the commit point, on the
   Hub as locally) and deletes, in that commit, data/train-*.arrow files of the repo that are not part of this
-  output (an older job's, after --overwrite), so the repo is exactly this output.
+  output, so the repo is exactly this output.
+- Another job's repo is never replaced unless asked (`overwrite`, --hub-overwrite): before anything is uploaded
+  (or, with --delete-after-upload, deleted), `check_remote` reads the repo's hsx.json (at most MAX_RECORD_BYTES)
+  and refuses a job fingerprint other than this one's, an hsx.json that cannot be read, and, in a repo without
+  hsx.json (a push that has not finished), any file but README.md, .gitattributes and this job's units (recorded
+  as uploaded there, identical to the local file, or committed by another node's dir of the job with that size).
 - Token: HfApi() reads HF_TOKEN / `hf auth login` unless a token is given; it is never printed or written (error
   messages are scrubbed of it).
 """
@@ -50,6 +55,7 @@ import os
 import queue
 import random
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -58,8 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.schema import Info, ManifestRecord, human_bytes
-from hsx.sink import OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_jsonl, uploaded_matches
+from hsx.schema import Info, JobRecord, ManifestRecord, human_bytes
+from hsx.sink import (MAX_RECORD_BYTES, OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json,
+                      read_jsonl, uploaded_matches)
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -72,6 +79,7 @@ RETRY_STATUS = {408, 409, 412, 423, 425, 429}  # and every 5xx
 DATA_GLOB = "train-*.arrow"
 TOP_FILES = ("README.md", "token_frequencies.npy", "hsx.json")  # last: hsx.json's `complete` is the commit point
 PUSH_LEDGER = "push"  # .hsx/uploaded-push.jsonl
+NEW_REPO_FILES = ("README.md", ".gitattributes")  # what a repo made on the Hub's site holds: no job's output
 
 
 # ---- errors, retries, secrets -----------------------------------------------------------------------------------
@@ -252,19 +260,72 @@ def _recorded_here(rec: dict | None, hub: _Hub, size: int, manifest: dict | None
     return uploaded_matches(rec, {"bytes": size, "crc32": (manifest or {}).get("crc32")})
 
 
+# ---- whose repo is it --------------------------------------------------------------------------------------------
+
+def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
+    """The job fingerprint the repo's hsx.json records, or (None, why it cannot say)."""
+    if remote.size > MAX_RECORD_BYTES:  # (not downloaded: a huge file is not hsx's)
+        return None, f"its hsx.json is {remote.size:,} bytes, more than hsx writes"
+    with tempfile.TemporaryDirectory(prefix="hsx-remote-") as tmp:
+        try:
+            got = hub.call("download of hsx.json", lambda: hub.api.hf_hub_download(
+                hub.repo_id, "hsx.json", repo_type=REPO_TYPE, revision=hub.revision, local_dir=tmp))
+        except HsxError as e:
+            return None, f"its hsx.json cannot be downloaded ({str(e).split(': ', 1)[-1][:200]})"
+        try:
+            obj = read_json(Path(got))  # (bounded, a regular file, one key once)
+        except HsxError as e:
+            return None, str(e).replace(str(got), "its hsx.json")[:200]
+    fp = obj.get("fingerprint")
+    if not isinstance(fp, str) or not fp:
+        return None, "its hsx.json records no job fingerprint"
+    return fp, ""
+
+
+def check_remote(hub: _Hub, remote: dict[str, RemoteFile], fingerprint: str | None,
+                 ours: Callable[[str, RemoteFile], bool], *, overwrite: bool, log=print,
+                 same_info: Callable[[RemoteFile], bool] = lambda r: False) -> None:
+    """Refuse (HsxError naming the repo and what differs) to push job `fingerprint` into a repo that holds
+    another job's output: an hsx.json of another fingerprint (or one that cannot be read, unless `same_info` finds
+    it identical to this output's), or, without hsx.json, any file but NEW_REPO_FILES that `ours(path, remote)`
+    does not claim. Called before anything is uploaded or deleted. With `overwrite`, logs what is replaced."""
+    what = None
+    if "hsx.json" in remote:
+        if same_info(remote["hsx.json"]):  # this very output's (a re-push): nothing to download
+            return
+        theirs, why = _remote_job(hub, remote["hsx.json"])
+        if theirs is None or theirs != fingerprint:
+            what = (f"the output of another job (job {theirs[:12]}; this is job {(fingerprint or '?')[:12]})"
+                    if theirs is not None else f"an hsx.json that is not this job's: {why}")
+    else:
+        foreign = sorted(p for p, r in remote.items() if p not in NEW_REPO_FILES and not ours(p, r))
+        if foreign:
+            what = (f"{len(foreign)} file(s) and no hsx.json ({foreign[0]}{', ...' if len(foreign) > 1 else ''}) "
+                    "that this job did not push")
+    if what is None:
+        return
+    if overwrite:
+        log(f"hsx: push: {hub.where} holds {what}; replacing it (--hub-overwrite)")
+        return
+    raise HsxError(f"{hub.where} holds {what}; this push would replace them. Push to another repo, or pass "
+                   "--hub-overwrite to replace that output")
+
+
 # ---- a complete dir ---------------------------------------------------------------------------------------------
 
 def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = True, revision: str | None = None,
                 token: str | None = None, api=None, log: Callable[[str], Any] = print,
                 max_files_per_commit: int = MAX_FILES_PER_COMMIT, max_bytes_per_commit: int = MAX_BYTES_PER_COMMIT,
-                retries: int = RETRIES, backoff: float = BACKOFF_SECONDS, prune: bool = True) -> dict[str, Any]:
+                retries: int = RETRIES, backoff: float = BACKOFF_SECONDS, prune: bool = True,
+                overwrite: bool = False) -> dict[str, Any]:
     """Upload a COMPLETE output dir to the Hub dataset repo `repo_id` (created if missing, private by default;
     `revision`: a branch, created if missing): data/train-*.arrow, then README.md and hsx.json in the last commit.
 
     Resumable and idempotent: files the Hub already has (recorded in .hsx/uploaded-*.jsonl, or found identical)
     are skipped, so running it again after a failure uploads only what is missing, and on a pushed dir it only
     checks. Units deleted after upload (--delete-after-upload) must be on the Hub already. With `prune`, the last
-    commit also deletes the repo's data/train-*.arrow files that are not part of this output.
+    commit also deletes the repo's data/train-*.arrow files that are not part of this output. A repo that holds
+    another job's output is refused before anything is uploaded (`check_remote`), unless `overwrite`.
 
     Returns {"uploaded": files, "skipped": files, "deleted": remote files, "commits": n, "bytes": uploaded bytes}."""
     out = OutputDir(out_dir)
@@ -288,6 +349,16 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         raise HsxError(f"{used_up}: push that export, or run `hsx extract` again into another dir")
     hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
     hub.ensure_repo(private)
+
+    def ours(path: str, r: RemoteFile) -> bool:  # a unit of this output: recorded as uploaded here, or identical
+        name = path[len("data/"):] if path.startswith("data/") else None
+        if name not in by_file:
+            return False
+        return (_recorded_here(uploaded.get(path), hub, r.size, by_file[name])
+                or (name in local and local[name].exists() and same_content(local[name], r)))
+
+    check_remote(hub, hub.remote_files(), info.fingerprint, ours, overwrite=overwrite, log=log,
+                 same_info=lambda r: same_content(out.root / "hsx.json", r))
     summary = {"uploaded": [], "skipped": [], "deleted": [], "commits": 0, "bytes": 0}
 
     for round_ in range(3):  # a unit may vanish under us (another rank deleting it after its upload): re-plan
@@ -405,6 +476,18 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
 
 # ---- while the job runs -----------------------------------------------------------------------------------------
 
+def job_files(out: OutputDir, repo_id: str, revision: str | None) -> dict[str, int]:
+    """What this dir knows of the job's files on the Hub, {path in repo: bytes}: the units it recorded as uploaded
+    to `repo_id`@`revision` and the units it committed (a killed run's may be on the Hub without a record). Each
+    node's dir of a multi-node job is gathered into StreamUploader's `known`."""
+    files = {f"data/{rec['file']}": rec["bytes"] for rec in out.manifest_records().values()}
+    here = (repo_id, revision or "main")
+    for path, rec in out.uploaded().items():
+        if (rec.get("repo"), rec.get("revision")) == here and isinstance(rec.get("bytes"), int):
+            files[path] = rec["bytes"]
+    return files
+
+
 def output_records(out: OutputDir, info: Info) -> dict[str, dict[str, Any]]:
     """The files of the output, by name, with size and CRC-32: hsx.json's list (an older hsx's output: the
     manifests, and the empty data file of a job without rows)."""
@@ -460,15 +543,18 @@ class StreamUploader:
     it once the output is complete.
 
     On start it creates the repo (or branch) if needed, so a bad token or name fails before hours of compute,
-    and re-submits this rank's committed units that were never recorded as uploaded (a killed run's last ones)."""
+    refuses a repo that holds another job's output (`check_remote`, unless `overwrite`; `known`: the files the
+    job's other dirs recorded as uploaded there or committed, {path in repo: bytes}, `job_files` of each), and
+    re-submits this rank's committed units that were never recorded as uploaded (a killed run's last ones)."""
 
     def __init__(self, out_dir: str | os.PathLike, repo_id: str, *, rank: int = 0, private: bool = True,
                  revision: str | None = None, delete_after_upload: bool = False, api=None, token: str | None = None,
                  max_units_per_commit: int = MAX_FILES_PER_COMMIT, max_bytes_per_commit: int = MAX_BYTES_PER_COMMIT,
                  min_seconds_between_commits: float | None = None, retries: int = RETRIES,
-                 backoff: float = BACKOFF_SECONDS, log: Callable[[str], Any] = print, resubmit: bool = True):
+                 backoff: float = BACKOFF_SECONDS, log: Callable[[str], Any] = print, resubmit: bool = True,
+                 overwrite: bool = False, known: dict[str, int] | None = None):
         self.out = OutputDir(out_dir, rank=rank)
-        self.repo_id, self.revision, self.private = repo_id, revision, private
+        self.repo_id, self.revision, self.private, self.overwrite = repo_id, revision, private, overwrite
         self.delete_after_upload = delete_after_upload
         self.max_units, self.max_bytes = max(1, max_units_per_commit), max_bytes_per_commit
         self.interval = (MIN_SECONDS_BETWEEN_COMMITS if min_seconds_between_commits is None
@@ -477,6 +563,7 @@ class StreamUploader:
         self.hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
         self.hub.ensure_repo(private)
         self._check_records()
+        self._check_remote(known)
         self.error: BaseException | None = None
         self.stats = {"units": 0, "bytes": 0, "commits": 0, "deleted": 0}
         self._next_commit_at = 0.0
@@ -485,7 +572,7 @@ class StreamUploader:
         self._thread = threading.Thread(target=self._work, name=f"hsx-upload-{rank}", daemon=True)
         self._thread.start()
         if resubmit:
-            self._resubmit_leftovers()
+            self.resubmit_leftovers()
 
     # ---- the caller's side ----
 
@@ -519,6 +606,7 @@ class StreamUploader:
     def finish(self, **kwargs) -> dict[str, Any]:
         """close(), then push_output of the complete dir (README.md, hsx.json, whatever is still missing)."""
         self.close()
+        kwargs.setdefault("overwrite", self.overwrite)
         return push_output(self.out.root, self.repo_id, private=self.private, revision=self.revision,
                            api=self.hub.api, log=self.log, retries=self.hub.retries, backoff=self.hub.backoff,
                            **kwargs)
@@ -613,7 +701,28 @@ class StreamUploader:
                 raise HsxError(f"{self.out.root}: unit {rec['file']} was deleted locally after its upload to "
                                f"{up.get('repo')}@{up.get('revision')}; push this job to that repo and revision")
 
-    def _resubmit_leftovers(self) -> None:
+    def _check_remote(self, known: dict[str, int] | None) -> None:
+        """A repo holding another job's output is refused before this rank uploads (or deletes) anything."""
+        job = self.out.state / "job.json"
+        fingerprint = read_json(job, JobRecord).fingerprint if os.path.lexists(job) else None
+        uploaded = self.out.uploaded()
+        mine = {rec["file"]: rec for rec in self.out.manifest_records().values()}
+        known = job_files(self.out, self.repo_id, self.revision) if known is None else known
+
+        def ours(path: str, r: RemoteFile) -> bool:
+            name = path[len("data/"):] if path.startswith("data/") else None
+            if name is None or "/" in name:
+                return False
+            if _recorded_here(uploaded.get(path), self.hub, r.size, mine.get(name)):
+                return True
+            f = self.out.data / name
+            if name in mine and f.is_file() and not f.is_symlink():  # this dir's unit: the bytes decide
+                return same_content(f, r)
+            return known.get(path) == r.size  # another node's dir's unit (the Hub lists no CRC-32)
+
+        check_remote(self.hub, self.hub.remote_files(), fingerprint, ours, overwrite=self.overwrite, log=self.log)
+
+    def resubmit_leftovers(self) -> None:
         """This rank's committed units that are on disk but not recorded as uploaded here (a killed run's)."""
         manifest = self.out.state / f"manifest-{self.out.rank:05d}.jsonl"
         if not manifest.exists():

@@ -627,4 +627,5 @@ def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> N
 def push(cfg: ExtractConfig, log) -> None:
     from hsx.hub import push_output
 
-    push_output(cfg.output_dir, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision, log=log)
+    push_output(cfg.output_dir, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision, log=log,
+                overwrite=cfg.hub_overwrite)

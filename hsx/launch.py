@@ -11,9 +11,12 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
 - one process (accelerate's plain subprocess): it runs in its own session, as the agent starts ranks, with the same
   four signals forwarded, and its exit status passes through (accelerate itself turns it into a traceback, or 1);
   killed by a signal (the OOM killer's SIGKILL), one line names it.
-- refused in one line before any process starts: a --config_file (or accelerate's default one) that is missing,
+- refused in one line before any process starts: the hsx command's flags and recipe (`hsx extract`'s whole
+  config, as each rank would read it), a --config_file (or accelerate's default one) that is missing,
   not a regular file, not a mapping, uses YAML aliases or names a SageMaker job; fewer than 1 process, or more per
-  machine than it has cores; any other value accelerate rejects (its ValueError, not its traceback).
+  machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
+  would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
+  traceback).
 """
 
 from __future__ import annotations
@@ -66,8 +69,16 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     if command not in RANK_COMMANDS:
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
-    hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
+    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
     _check_accelerate_config(args)
+    if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
+        from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hung)
+
+        config_of(ns)
+    elif getattr(ns, "config", None):
+        from hsx.config import read_recipe
+
+        read_recipe(ns.config)
     args.module, args.training_script = True, "hsx"
     args.training_script_args = [command, *args.training_script_args]
     return args
@@ -97,7 +108,8 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
             raise UsageError(f"accelerate config file {path}: over {MAX_ACCELERATE_CONFIG_BYTES >> 20} MiB")
         try:
             config = yaml.load(blob.decode("utf-8"), Loader=_no_alias_loader(yaml))  # (JSON is YAML)  # noqa: S506
-        except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        # (ValueError: a value YAML matched but cannot build, as a 5000-digit int or the date 2001-13-45)
+        except (UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
             raise UsageError(f"accelerate config file {path}: not valid YAML or JSON "
                              f"({' '.join(str(e).split())[:150]})") from None
         if not isinstance(config, dict):
@@ -114,6 +126,16 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
             raise UsageError(f"--{key} must be an integer of at least 1, not {value!r}")
     processes = getattr(args, "num_processes", None) or config.get("num_processes") or 1
     machines = getattr(args, "num_machines", None) or config.get("num_machines") or 1
+    given = getattr(args, "num_processes", None) or config.get("num_processes")
+    if machines > 1 and given is not None and given % machines:  # (accelerate starts given // machines per node)
+        raise UsageError(f"--num_processes {given:,} is the job's total over {machines:,} machines: give a multiple "
+                         f"of {machines:,} (accelerate would start {given // machines:,} on each, "
+                         f"{given // machines * machines:,} in all)")
+    rank = getattr(args, "machine_rank", None)
+    rank = config.get("machine_rank") if rank is None else rank
+    if machines > 1 and rank is not None and not (type(rank) is int and 0 <= rank < machines):
+        raise UsageError(f"--machine_rank {rank!r}: this machine's index among the {machines:,}, 0 to "
+                         f"{machines - 1:,} (a rank outside waits for ever for a machine that is not coming)")
     cores = os.cpu_count() or 1
     if -(-processes // machines) > cores:
         raise UsageError(f"--num_processes {processes:,} over {machines:,} machine(s) starts "

@@ -31,6 +31,7 @@ renders say is skipped as `mask_template_error`.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import signal
@@ -130,9 +131,70 @@ def cpu_time_limit(seconds: float = RENDER_CPU_SECONDS):
         signal.signal(signal.SIGVTALRM, previous)
 
 
+# The longest `s * n` (characters or items) a render in `render_bounds` may build: its render's own bound.
+_REPEAT_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("hsx_repeat_limit", default=None)
+
+
+@contextmanager
+def render_bounds(tokenizer, template_kwargs: dict[str, Any], tools=None, max_chars: int = RENDER_MIN_CHARS):
+    """The bounds of one render (or one batch's): RENDER_CPU_SECONDS of CPU (`cpu_time_limit`), and every `*`
+    that repeats a string or list checked before it runs: a repetition longer than `max_chars` (the render's own
+    bound) is RenderLimit('chat_template_output_too_long'). `'x' * (message.content | int)` with a row's content
+    of '10000000000' was one allocation of 10 GB, made (or the process killed) before the render's length could
+    be looked at; the static check (`unbounded_step`) sees only literal counts."""
+    _bound_repetitions(tokenizer, template_kwargs, tools)
+    token = _REPEAT_LIMIT.set(max_chars)
+    try:
+        with cpu_time_limit():
+            yield
+    finally:
+        _REPEAT_LIMIT.reset(token)
+
+
+def _bound_repetitions(tokenizer, template_kwargs: dict[str, Any], tools) -> None:
+    """Recompile transformers' cached template for this tokenizer and kwargs (its own sandboxed environment,
+    filters and globals) with `*` intercepted (jinja2's `intercepted_binops`, on that environment only), once per
+    template. Outside `render_bounds` the check lets everything through, so another user of the same template in
+    this process renders as before. Where transformers' internals differ, nothing is changed: the static check
+    and the render's length bound still apply."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        source = tokenizer.get_chat_template(template_kwargs.get("chat_template"), tools or None)
+        compiled = _compile_jinja_template(source)
+        if getattr(compiled, "_hsx_bounded", False):
+            return
+        env = compiled.environment
+        if not getattr(env, "sandboxed", False):
+            return
+        env.intercepted_binops = frozenset(env.intercepted_binops | {"*"})
+        env.call_binop = _checked_binop(env.call_binop)
+        fresh = env.from_string(source)
+        compiled.root_render_func, compiled.blocks = fresh.root_render_func, fresh.blocks
+        compiled._debug_info = getattr(fresh, "_debug_info", getattr(compiled, "_debug_info", ""))
+        compiled._hsx_bounded = True
+    except Exception:  # noqa: BLE001  (no template, another transformers: its own render says so, per row)
+        return
+
+
+def _checked_binop(call_binop):
+    def checked(context, operator, left, right):
+        limit = _REPEAT_LIMIT.get()
+        if limit is not None and operator == "*":
+            for items, times in ((left, right), (right, left)):
+                if (isinstance(items, (str, list, tuple)) and isinstance(times, int) and not isinstance(times, bool)
+                        and len(items) * times > limit):
+                    raise RenderLimit("chat_template_output_too_long",
+                                      f"the chat template repeats {len(items):,} characters or items {times:,} times "
+                                      f"in one render (at most {limit:,} in all)")
+        return call_binop(context, operator, left, right)
+
+    return checked
+
+
 def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any],
             max_chars: int = RENDER_MIN_CHARS) -> str:
-    with cpu_time_limit():
+    with render_bounds(tokenizer, kwargs, tools, max_chars):
         text = tokenizer.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=agp,
                                              **kwargs)
     if not isinstance(text, str):

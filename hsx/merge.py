@@ -40,8 +40,8 @@ def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> di
         if key in seen:
             raise UsageError(f"hsx merge: {d} names the same dir as {seen[key]}; give each node's dir once")
         seen[key] = d
-    out = OutputDir(out_dir)
-    sources = [OutputDir(d) for d in dirs]
+    out = OutputDir(out_dir, given_as="OUTPUT_DIR of `hsx merge` (a new dir, or one of the job's)")
+    sources = [OutputDir(d, given_as="DIR of `hsx merge` (a dir the job's `hsx extract` wrote)") for d in dirs]
     # What a refused merge must not leave behind: the dirs, .hsx/ and data/ it creates (an empty OUT, or a
     # mistyped source dir made just to be locked).
     made = [p for d in [out, *sources] for p in (d.root, d.state, d.data, d.state / "lock", d.state / "busy")

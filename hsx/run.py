@@ -336,10 +336,16 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     stats = RunStats()
     uploader = None
     if cfg.push_to_hub and cfg.push_mode == "stream":
-        from hsx.hub import StreamUploader
+        from hsx.hub import StreamUploader, job_files
 
+        known: dict[str, int] = {}  # the job's units on the Hub as every dir knows them (one dir per node)
+        for files in proc.all_gather(job_files(out, cfg.push_to_hub, cfg.hub_revision) if share.leads else {}):
+            known.update(files)
         uploader = StreamUploader(cfg.output_dir, cfg.push_to_hub, rank=proc.rank, private=cfg.hub_private,
-                                  revision=cfg.hub_revision, delete_after_upload=cfg.delete_after_upload, log=say)
+                                  revision=cfg.hub_revision, delete_after_upload=cfg.delete_after_upload, log=say,
+                                  overwrite=cfg.hub_overwrite, known=known, resubmit=False)
+        proc.barrier()  # every rank checked whose repo it is before any rank uploads
+        uploader.resubmit_leftovers()
     try:
         if mine:
             with Extraction(cfg, proc, job.target, units.ordered, mine, model, say) as extraction:

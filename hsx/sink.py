@@ -82,6 +82,20 @@ def _read_bounded(path: Path) -> bytes:
         return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
 
 
+def _last_byte(path: Path) -> bytes:
+    """The last byte of a ledger hsx appends to (b"" when it is empty or not there), read alone."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        f.seek(size - 1)
+        return f.read(1)
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict, refusing a key given twice: json keeps the last, so a file with two
     `complete`s or two `files` lists would say one thing to one reader and another to the next."""
@@ -105,10 +119,10 @@ def read_json(path: Path, record=None):
         obj = _loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
     except Damaged as e:
         raise HsxError(f"{path} is damaged: {e}") from None
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, or an int of over 4300 digits)
+        raise HsxError(f"{path} is damaged: not valid JSON ({str(e).splitlines()[0][:100]})") from None
     try:
         if not isinstance(obj, dict):
             raise Damaged("not a JSON object")
@@ -131,7 +145,7 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
             continue
         try:
             rec = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # (torn; or an int of over 4300 digits, which hsx never writes)
             continue
         try:
             rec = _loads(raw.decode("utf-8"))  # parsed above: only a key given twice raises here
@@ -153,9 +167,12 @@ def info_features(info: dict[str, Any]):
 
 
 class OutputDir:
-    def __init__(self, root: str | os.PathLike, rank: int = 0):
+    def __init__(self, root: str | os.PathLike, rank: int = 0, given_as: str = "--output-dir"):
+        """`given_as`: how the user named this dir (`hsx extract --output-dir`, a merge's OUTPUT_DIR or DIR, ...),
+        for the advice of a refusal."""
         self.root = Path(root)
         self.rank = rank
+        self.given_as = given_as
         self.data = self.root / "data"
         self.state = self.root / ".hsx"
         self.tmp = self.state / "tmp" / f"rank-{rank:05d}"
@@ -200,8 +217,8 @@ class OutputDir:
         try:
             self.state.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a read-only file system, a parent that is a file, /proc
-            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose an --output-dir this user "
-                           "can write") from None
+            raise HsxError(f"cannot create {self.state}: {e.strerror or e}; choose another {self.given_as}, one "
+                           "this user can write") from None
 
     def check_no_links(self) -> None:
         """Refuse a dir where .hsx/, data/, hsx.json, README.md or anything under .hsx/ is a symbolic link: hsx
@@ -219,9 +236,9 @@ class OutputDir:
         # One listing, not an exists() check then a listing: another rank of this job may create .hsx/ between.
         entries = [p.name for p in self.root.iterdir()] if self.root.is_dir() else []
         if entries and ".hsx" not in entries:
-            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
+            raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another {self.given_as}")
         if self.root.exists() and not self.root.is_dir():
-            raise HsxError(f"{self.root} is a file, not a folder; choose another --output-dir")
+            raise HsxError(f"{self.root} is a file, not a folder; choose another {self.given_as}")
 
     def has_output(self) -> bool:
         """Whether a job has committed anything here: a manifest record, a data file, or hsx.json. A damaged
@@ -252,6 +269,8 @@ class OutputDir:
         if job_file.exists():
             old = read_json(job_file, JobRecord)
             if old.fingerprint == job["fingerprint"]:
+                if check:  # (the dir's first process, before any rank of this run writes: hsx.job claims in turns)
+                    self.clear_tmp(every_rank=True)
                 return self._resume_state(check_crc, log, check)
             if self.has_output():
                 raise HsxError(f"{self.root} holds a different job (differs in: {describe_difference(old.to_dict(), job)}); "
@@ -318,18 +337,44 @@ class OutputDir:
         """A unit of the plan in data/ with no manifest line: a run was killed between its rename and its manifest
         line (or mid-line). Its rows are redone and the redo replaces the file; until then no reader may take it
         for output and no `--max-pending-gb` window may wait for a trainer to consume it, so it goes now. Files
-        that are not units of this job's plan are left alone."""
+        that are not units of this job's plan are left alone, and so is anything but a regular file
+        (`remove_data_files`: never through a link)."""
         records = self.manifest_records()
-        gone = []
-        for unit in units:
-            f = self.data / f"train-{unit}.arrow"
-            if unit not in records and f.is_file() and not f.is_symlink():
-                f.unlink()
-                gone.append(f.name)
+        gone = self.remove_data_files([f"train-{unit}.arrow" for unit in units if unit not in records])
         if gone:
-            fsync_dir(self.data)
             log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
                 f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}) removed; they are redone")
+
+    def remove_data_files(self, names: list[str], links: bool = False) -> list[str]:
+        """Remove these names from data/ where each is a regular file (and, with `links`, a symbolic link: the
+        link only, as `hsx merge` makes them); a folder, a FIFO or anything else there is left alone. data/ is
+        opened as the folder it is, never through a link, and each name is looked up and removed in it, so data/
+        swapped for a link after the dir was checked (check_no_links) deletes nothing elsewhere: HsxError. A
+        hard-linked file loses this name only; its other names keep the bytes. Returns the names removed."""
+        if not names:
+            return []
+        try:
+            folder = os.open(self.data, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return []
+        except OSError:
+            raise HsxError(f"{self.data} is a symbolic link or not a folder; hsx never deletes through links in its "
+                           "output dir: put the folder itself there") from None
+        gone = []
+        try:
+            for name in names:
+                try:
+                    mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+                    if stat.S_ISREG(mode) or (links and stat.S_ISLNK(mode)):
+                        os.unlink(name, dir_fd=folder)
+                        gone.append(name)
+                except FileNotFoundError:  # (gone already: another consumer, a resume)
+                    continue
+            if gone:
+                os.fsync(folder)
+        finally:
+            os.close(folder)
+        return gone
 
     def check_units(self, all_crc: bool = False) -> list[str]:
         """Check the committed units on disk against their manifest records: the size of every one, and the
@@ -416,7 +461,7 @@ class OutputDir:
         for f in sorted((self.state / "ranks" / run_id).glob("*.done")):
             try:
                 record = json.loads(f.read_text() or "{}")
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if isinstance(record, dict):
                 stats.append(record)
@@ -532,10 +577,13 @@ class OutputDir:
         append_synced(self.state / f"uploaded-{name}.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n"
                                                                       for r in records))
 
-    def clear_tmp(self) -> None:
-        """Partial units a killed run of this rank left behind (never committed, so never counted)."""
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+    def clear_tmp(self, every_rank: bool = False) -> None:
+        """Partial units a killed run of this rank (`every_rank`: of any rank) left behind, never committed, so
+        never counted. Every rank's once per claim: a resume with fewer ranks left the others' behind, and
+        --max-pending-gb (hsx.follow.pending_bytes) counted them as pending for ever."""
+        folder = self.tmp.parent if every_rank else self.tmp
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
 
     def unit_tmp(self, unit: str) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -557,7 +605,7 @@ class OutputDir:
         record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc,
                   "session": self.session, **record}
         manifest = self.state / f"manifest-{self.rank:05d}.jsonl"
-        torn = manifest.exists() and manifest.stat().st_size > 0 and not manifest.read_bytes().endswith(b"\n")
+        torn = _last_byte(manifest) not in (b"", b"\n")  # (its last byte only: a manifest grows with the job)
         # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
         append_synced(manifest, ("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
 
@@ -937,8 +985,21 @@ def _size(path: Path) -> int | None:
 
 
 def _open_no_follow(path: Path, flags: int) -> int:
-    """os.open that never opens a link's target: a link at `path` fails (ELOOP) instead of being written through."""
-    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    """os.open of the regular file at `path` (created with O_CREAT) for hsx to write or lock: never a link's
+    target (HsxError, where the link would be written through), and never a FIFO or a device planted at one of
+    its names (opened without waiting: a FIFO with no reader would block the write for ever)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HsxError(f"{path} is a symbolic link; hsx never writes through links") from None
+        if e.errno == errno.ENXIO:  # a FIFO that no process reads
+            raise HsxError(f"{path} is not a regular file; hsx writes only regular files there") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HsxError(f"{path} is not a regular file; hsx writes only regular files there")
+    return fd
 
 
 @contextmanager
@@ -978,8 +1039,8 @@ def append_synced(path: Path, text: str) -> None:
 
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    if tmp.is_symlink():
-        tmp.unlink()  # (the link, never its target)
+    if tmp.is_symlink() or (os.path.lexists(tmp) and not tmp.is_dir() and not tmp.is_file()):
+        tmp.unlink()  # hsx's own temporary name: a link there goes (the link, never its target), and a FIFO
     _write_synced(tmp, text, os.O_TRUNC)
     os.replace(tmp, path)
     fsync_dir(path.parent)

@@ -86,11 +86,32 @@ def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
     if not meta or not path.is_file():
         raise FileNotFoundError(f"{out_dir} has no {FREQUENCIES_FILE} (written by hsx extract when a job "
                                 "finishes; outputs of older versions lack it)")
-    counts = np.load(path, allow_pickle=False)
-    if counts.ndim != 1 or counts.dtype != np.int64 or len(counts) != meta["vocab_size"] \
-            or int(counts.sum()) != meta["supervised_tokens"]:
+    counts = _read_counts(path, meta["vocab_size"])
+    if counts is None or int(counts.sum()) != meta["supervised_tokens"]:
         raise ValueError(f"{path} does not match hsx.json's token_frequencies (damaged or replaced?)")
     return counts
+
+
+def _read_counts(path: Path, vocab_size: int) -> np.ndarray | None:
+    """The (vocab_size,) int64 array of a .npy file hsx wrote, its header checked before any allocation: np.load
+    allocates the shape a header claims (a 100-byte file claiming 10**12 entries was a MemoryError); the file is
+    a regular one reached through no link, of exactly the size that header says. None when it is not."""
+    from hsx.sink import open_regular
+
+    with os.fdopen(open_regular(path), "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                return None
+            shape, fortran, dtype = read_header(f)
+        except (ValueError, SyntaxError, TypeError):
+            return None
+        if shape != (vocab_size,) or dtype != np.dtype("<i8") or \
+                os.fstat(f.fileno()).st_size != f.tell() + 8 * vocab_size:
+            return None
+        return np.fromfile(f, dtype=dtype, count=vocab_size)
 
 
 def draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

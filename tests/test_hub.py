@@ -108,6 +108,14 @@ class FakeHfApi:
                                              if isinstance(op, CommitOperationDelete)]})
         return SimpleNamespace(oid=oid)
 
+    def hf_hub_download(self, repo_id, filename, **kw):
+        self._call("hf_hub_download", repo_id, filename, **kw)
+        data = self.repos[repo_id]["branches"][kw.get("revision") or "main"][filename]  # (KeyError: a 404)
+        path = Path(kw["local_dir"]) / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return str(path)
+
     def upload_folder(self, **kw):  # not used by hsx.hub (create_commit batches); kept for a complete stub
         self._call("upload_folder", **kw)
         raise AssertionError("hsx.hub commits explicit batches; upload_folder should not be called")
@@ -259,13 +267,137 @@ def test_a_commit_that_landed_but_was_not_recorded_is_not_uploaded_again(out):
     assert api.commits[-1]["added"] == [name] and api.files() == expected_repo(out)
 
 
-def test_push_prunes_files_of_another_job(out):
-    api = FakeHfApi()
+def another_job(api: FakeHfApi, out: Path, revision: str = "main") -> dict[str, bytes]:
+    """The repo as another job's finished push left it: its hsx.json (another fingerprint), units, card."""
     api.create_repo(REPO, repo_type="dataset", exist_ok=True)
-    api.files().update({"data/train-099-00000.arrow": b"old job", "data/notes.md": b"kept", "other.txt": b"kept"})
-    summary = push_output(out, REPO, api=api, log=quiet)
+    if revision != "main":
+        api.create_branch(REPO, branch=revision, repo_type="dataset", exist_ok=True)
+    info = json.loads((out / "hsx.json").read_text())
+    clash = sorted(data_files(out))[0]  # a unit name both jobs have
+    files = {"data/train-099-00000.arrow": b"old job", clash: b"old job's unit",
+             "README.md": b"# old job", "hsx.json": json.dumps({**info, "fingerprint": "f" * 32}).encode(),
+             "data/notes.md": b"kept", "other.txt": b"kept"}
+    api.files(revision).update(files)
+    return dict(files)
+
+
+def test_push_refuses_a_repo_holding_another_jobs_output(out):
+    """Its hsx.json records another job fingerprint: nothing is uploaded or deleted, one line names the repo and
+    both jobs; --hub-overwrite (overwrite=True) replaces that output and prunes its units."""
+    api = FakeHfApi()
+    before = another_job(api, out)
+    n = len(api.commits)
+    with pytest.raises(HsxError, match=r"someone/states holds the output of another job \(job ffffffffffff; "
+                                       r"this is job [0-9a-f]{12}\).*--hub-overwrite"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert api.files() == before and len(api.commits) == n
+    assert not (out / ".hsx" / "uploaded-push.jsonl").exists()
+    log: list[str] = []
+    summary = push_output(out, REPO, api=api, log=log.append, overwrite=True)
     assert summary["deleted"] == ["data/train-099-00000.arrow"]
     assert api.files() == {**expected_repo(out), "data/notes.md": b"kept", "other.txt": b"kept"}
+    assert any("replacing it (--hub-overwrite)" in line for line in log)
+    # now it is this job's repo: a re-push without the flag only checks
+    n = len(api.commits)
+    assert push_output(out, REPO, api=api, log=quiet)["commits"] == 0 and len(api.commits) == n
+
+
+@pytest.mark.parametrize("remote", [
+    {"data/train-000-00000.arrow": b"a unit of a push that never finished"},  # no hsx.json
+    {"data/train-000-00000.arrow": b"x", "hsx.json": b"{not json"},  # an unreadable hsx.json
+    {"hsx.json": b'{"complete": true}'},  # an hsx.json without a job fingerprint
+    {"hsx.json": b'{"fingerprint": "a", "fingerprint": "b"}'},  # says two things
+    {"weights.safetensors": b"someone's model"},  # not hsx's at all
+])
+def test_push_refuses_a_repo_of_files_it_did_not_push(out, remote):
+    api = FakeHfApi()
+    api.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    api.files().update(remote)
+    with pytest.raises(HsxError, match=r"^someone/states holds .*(did not push|not this job's).*--hub-overwrite"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert api.files() == remote and api.commits == []
+
+
+def test_a_remote_hsx_json_that_cannot_be_downloaded_is_not_this_jobs(out):
+    api = FakeHfApi()
+    before = another_job(api, out)
+    api.fail("hf_hub_download", http_error(403, "gated"))
+    with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's: its hsx.json cannot be "
+                                       r"downloaded \(.*HTTP 403"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert api.files() == before and api.commits == []
+
+
+def test_push_into_a_new_repo_with_only_a_card_is_fine(out):
+    api = FakeHfApi()
+    api.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    api.files().update({"README.md": b"# made on the site", ".gitattributes": b"*.arrow filter=lfs"})
+    push_output(out, REPO, api=api, log=quiet)
+    assert api.files() == {**expected_repo(out), ".gitattributes": b"*.arrow filter=lfs"}
+
+
+def test_a_huge_remote_hsx_json_is_not_downloaded(out, monkeypatch):
+    import hsx.hub
+
+    api = FakeHfApi()
+    another_job(api, out)
+    monkeypatch.setattr(hsx.hub, "MAX_RECORD_BYTES", 100)
+    with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's: its hsx.json is [\d,]+ bytes"):
+        push_output(out, REPO, api=api, log=quiet)
+    assert not [c for c in api.calls if c[0] == "hf_hub_download"]
+
+
+def test_the_same_job_pushed_again_or_resumed_is_not_refused(out, tmp_path):
+    """A killed push (units there, no hsx.json), with its records or without them (killed before recording), and
+    a copy of the same output pushed from another dir (no records: the bytes match)."""
+    api = FakeHfApi()
+    api.fail("create_commit", None, http_error(403, "forbidden"))
+    with pytest.raises(HsxError, match="HTTP 403"):
+        push_output(out, REPO, api=api, log=quiet, max_files_per_commit=2)
+    assert "hsx.json" not in api.files() and len(api.files()) == 2
+    (out / ".hsx" / "uploaded-push.jsonl").unlink()  # killed between the commit and its record
+    push_output(out, REPO, api=api, log=quiet, max_files_per_commit=2)
+    assert api.files() == expected_repo(out)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / ".hsx")
+    (copy / ".hsx").mkdir()
+    n = len(api.commits)
+    push_output(copy, REPO, api=api, log=quiet)
+    assert len(api.commits) == n
+    # a re-push of the very output reads no remote file (its hsx.json is compared by blob id); the same job's
+    # hsx.json with other bytes (a resume rewrote it) is read for its fingerprint, and replaced
+    assert not [c for c in api.calls if c[0] == "hf_hub_download"]
+    info = json.loads(api.files()["hsx.json"])
+    api.files()["hsx.json"] = json.dumps({**info, "run": {"seconds": 1}}).encode()
+    push_output(copy, REPO, api=api, log=quiet)
+    assert [c[0] for c in api.calls].count("hf_hub_download") == 1
+    assert api.files() == expected_repo(out)
+    # a unit of the same name and size but other bytes is not this job's
+    shutil.rmtree(copy / ".hsx")
+    (copy / ".hsx").mkdir()
+    api2 = FakeHfApi()
+    api2.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    name = sorted(data_files(out))[0]
+    api2.files()[name] = bytes(len(data_files(out)[name]))
+    with pytest.raises(HsxError, match=f"1 file\\(s\\) and no hsx.json \\({name}\\)"):
+        push_output(copy, REPO, api=api2, log=quiet)
+
+
+def test_hsx_push_command_refuses_then_overwrites(out, monkeypatch, capsys):
+    import huggingface_hub
+
+    from hsx.cli import main
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
+    before = another_job(api, out, revision="v2")
+    assert main(["push", str(out), REPO, "--hub-revision", "v2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hsx: error: someone/states@v2 holds the output of another job")
+    assert "Traceback" not in err[0] and api.files("v2") == before
+    assert main(["push", str(out), REPO, "--hub-revision", "v2", "--hub-overwrite"]) == 0
+    assert api.files("v2")["hsx.json"] == (out / "hsx.json").read_bytes()
 
 
 # ---- stream mode ------------------------------------------------------------------------------------------------
@@ -343,6 +475,43 @@ def test_stream_to_another_repo_after_deleting_is_refused(out):
     with pytest.raises(HsxError, match="does not have it"):
         push_output(out, "someone/other", api=api, log=quiet)
     assert push_output(out, REPO, api=api, log=quiet)["uploaded"] == TOP_FILES
+
+
+def test_stream_into_another_jobs_repo_is_refused_before_uploading_or_deleting(out):
+    api = FakeHfApi()
+    before = another_job(api, out)
+    on_disk = data_files(out)
+    with pytest.raises(HsxError, match=r"someone/states holds the output of another job .*--hub-overwrite"):
+        StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet)
+    assert api.files() == before and api.commits == []
+    assert data_files(out) == on_disk  # the leftovers it would have re-submitted (and deleted) are all here
+    up = StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet,
+                        overwrite=True)
+    summary = up.finish()  # the last commit replaces hsx.json and prunes the other job's unit
+    assert summary["deleted"] == ["data/train-099-00000.arrow"]
+    assert {p for p in api.files() if p.startswith("data/train")} == set(on_disk)
+
+
+def test_stream_resumed_on_another_node_knows_the_jobs_units(out, tmp_path):
+    """One dir per node: node 0's units are on the Hub (no hsx.json yet); node 1's uploader is told of them by
+    `known` (run.py gathers each dir's job_files) and is not refused; without it they are foreign."""
+    from hsx.hub import job_files
+
+    api = FakeHfApi()
+    StreamUploader(out, REPO, api=api, min_seconds_between_commits=0, log=quiet).close()
+    node1 = tmp_path / "node1"
+    shutil.copytree(out, node1)
+    for f in (node1 / ".hsx").glob("*.jsonl"):
+        f.unlink()  # a dir that committed none of these units
+    for f in (node1 / "data").glob("*.arrow"):
+        f.unlink()
+    with pytest.raises(HsxError, match="that this job did not push"):
+        StreamUploader(node1, REPO, api=api, log=quiet)
+    known = job_files(OutputDir(out), REPO, None)
+    assert set(known) == set(data_files(out))
+    StreamUploader(node1, REPO, api=api, log=quiet, known=known).close()
+    with pytest.raises(HsxError, match="that this job did not push"):  # other sizes: not the job's units
+        StreamUploader(node1, REPO, api=api, log=quiet, known={k: v + 1 for k, v in known.items()})
 
 
 def test_committer_hands_committed_units_to_the_uploader(tmp_path):
@@ -469,6 +638,30 @@ def test_extract_pushes(tmp_path, model4, chat_data, monkeypatch, mode):
     n = len(api.commits)
     again = extract(load_config(None, values), log=quiet)  # complete: the push only checks
     assert again["complete"] and len(api.commits) == n
+
+
+def test_extract_streaming_into_another_jobs_repo_is_refused(tmp_path, model4, chat_data, monkeypatch, complete):
+    import huggingface_hub
+
+    import hsx.hub
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
+    monkeypatch.setattr(hsx.hub, "MIN_SECONDS_BETWEEN_COMMITS", 0.0)
+    before = another_job(api, complete)
+    root = tmp_path / "out"
+    values = {"output_dir": str(root), "compile": "off", "model": str(model4.path), "dataset": str(chat_data.path),
+              "layers": ["1", "3"], "final_hidden": True, "max_length": 160, "token_budget": 640,
+              "unit_tokens": 300, "push_to_hub": REPO, "push_mode": "stream", "delete_after_upload": True}
+    with pytest.raises(HsxError, match="holds the output of another job"):
+        extract(load_config(None, values), log=quiet)
+    assert api.files() == before and api.commits == []
+    info = extract(load_config(None, {**values, "hub_overwrite": True}), log=quiet)
+    assert api.files()["hsx.json"] == (root / "hsx.json").read_bytes() and info["complete"]
+    assert "data/train-099-00000.arrow" not in api.files()
+    with pytest.raises(HsxError, match="--hub-overwrite needs --push-to-hub"):
+        load_config(None, {**values, "push_to_hub": None, "push_mode": "end", "delete_after_upload": False,
+                           "hub_overwrite": True})
 
 
 def test_push_replans_when_a_unit_vanishes_after_another_rank_uploaded_it(out):
