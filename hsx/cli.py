@@ -219,7 +219,7 @@ def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
 
     def on_term(signum, frame):
         received.append(signum)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(signum)
 
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
@@ -232,13 +232,43 @@ def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def _interrupts_out_of_finalizers() -> Iterator[None]:
+    """A signal handler's exception (KeyboardInterrupt; torch elastic's SignalException in the launcher) raised while
+    a finalizer runs (`__del__`, a weakref callback) cannot leave it: Python prints "Exception ignored ... Traceback"
+    and goes on, so a second Ctrl-C would print a traceback and stop nothing. Within the block such an exception is
+    delivered again to the main thread's handler for its signal, where it can propagate."""
+    import _thread
+    import signal
+    import threading
+
+    previous = sys.unraisablehook
+
+    def unraisable(u):
+        e = u.exc_value
+        signum = getattr(e, "sigval", None) if type(e).__name__ == "SignalException" else (
+            (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
+            if isinstance(e, KeyboardInterrupt) else None)
+        if signum is None:
+            return previous(u)
+        # From another thread, a moment later: called here, the handler would run again inside this very hook.
+        threading.Timer(0.01, _thread.interrupt_main, (int(signum),)).start()
+
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # (the launcher hands its signals to the ranks: hsx.launch)
-        return _main(argv, [])
-    received: list[int] = []
-    with _sigterm_as_interrupt(received):
-        return _main(argv, received)
+    with _interrupts_out_of_finalizers():
+        if argv[:1] == ["launch"]:  # (the launcher hands its signals to the ranks: hsx.launch)
+            return _main(argv, [])
+        received: list[int] = []
+        with _sigterm_as_interrupt(received):
+            return _main(argv, received)
 
 
 def _main(argv: list[str], received: list[int]) -> int:

@@ -246,7 +246,7 @@ def stop_on_signal(log) -> Iterator[StopRequest]:
 
     def handler(signum, frame):
         if stop.is_set():
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(signum)
         stop.set(signum)
         log(f"hsx: {signal.Signals(signum).name}: stopping after the current unit (again to stop now)")
 

@@ -554,3 +554,44 @@ def test_exit_status_of_each_error():
 
     assert [exit_status(e) for e in (UsageError("x"), HsxError("x"), VerifyFailed("x"), Stopped("x", 143))] == [
         2, 1, 1, 143]
+
+
+FINALIZER_SCRIPT = r'''
+import os, signal, sys, time
+import hsx.commands
+from hsx.cli import main
+
+
+class Finalized:
+    def __del__(self):  # the signal's handler runs inside this finalizer
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(0.3)
+
+
+def command(args):
+    x = Finalized()
+    del x
+    time.sleep(5)
+    print("not interrupted")
+
+
+hsx.commands.COMMANDS["verify"] = command
+sys.exit(main(["verify", "out"]))
+'''
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_inside_a_finalizer_still_ends_the_command_with_one_line(tmp_path, sig, code):
+    """A handler's KeyboardInterrupt raised while a `__del__` runs cannot leave it: Python printed "Exception
+    ignored ... Traceback" and went on (a second Ctrl-C under `hsx launch` did, now and then). It is delivered again
+    where it can propagate: the interrupted line, the signal's exit status, no traceback."""
+    from helpers import child_env
+
+    script = tmp_path / "finalizer.py"
+    script.write_text(FINALIZER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert "not interrupted" not in done.stdout
+    assert done.returncode == code, done.stderr
+    assert message_lines(done.stderr)[-1].startswith("hsx: interrupted"), done.stderr
