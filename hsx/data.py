@@ -261,8 +261,10 @@ def row_format(column_names: list[str]) -> str:
     for fmt in ("input_ids", "messages", "conversations", "text", "prompt+completion", "prompt+response"):
         if all(c in column_names for c in fmt.split("+")):
             return fmt
+    alpaca = ("; Alpaca rows (instruction/input/output) are not read: write them as prompt/completion, joining "
+              "instruction and input as your trainer does") if {"instruction", "output"} <= set(column_names) else ""
     raise HsxError(f"dataset has none of the columns messages, conversations, text, input_ids, prompt+completion, "
-                   f"prompt+response (it has: {', '.join(column_names)})")
+                   f"prompt+response (it has: {', '.join(column_names)}){alpaca}")
 
 
 def mask_method(column_names: list[str], tokenizer) -> dict[str, Any]:
