@@ -1,7 +1,8 @@
 """Input rows → token ids and loss masks, once, as a batched `datasets.map` cached under the output dir.
 
 Rows are chat (`messages` or `conversations`, each message {role, content} or ShareGPT {from, value}, plus any
-keys the template reads, and an optional `tools` column; or `prompt` with `completion`/`response`), plain `text`,
+keys the template reads, and optional `tools` and `system` columns; or `prompt` with `completion`/`response`,
+strings or TRL's lists of messages), plain `text`,
 or pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template, one row
 per conversation; the loss mask is what the model generates in each assistant turn, end-of-turn token included
 (hsx.masks: from `{% generation %}` markers, or derived from the template). `text` rows are supervised on every

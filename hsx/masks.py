@@ -16,8 +16,11 @@ masks of two versions):
   turn) through the last end-of-turn token of that message's rendering: a reasoning block the template adds or
   keeps, tool calls, GPT-OSS's analysis and final channels (one turn: it ends at the last `<|end|>`/`<|return|>`/
   `<|call|>`), and not the text after the end token (`\\n` after `<|im_end|>`); a last turn the template leaves
-  open for continuation (no end token) ends with the render. Masks are token masks over the tokenizer's encoding
-  of the whole render: a token counts when any of its characters is generated, so a token that merges the
+  open for continuation (no end token) ends with the render. A template with no end-of-turn token of its own
+  (GLM-4: a turn ends where the next role token starts) gets as end tokens the role tokens that follow an answer
+  (`<|user|>`, `<|observation|>`: the model generates them to stop), so each turn is supervised through the one
+  after it, and its last turn, followed by nothing, through its text. Masks are token masks over the tokenizer's
+  encoding of the whole render: a token counts when any of its characters is generated, so a token that merges the
   header's last character with the answer's first (Llama 2's header ' ' and answer 'hi' -> ' hi') is supervised,
   as transformers does for generation markers. Cost: about 3 renders per assistant turn (measured on one CPU
   core: ~180 rows/s with a Qwen3-style template at 1.6 turns per row; generation markers: ~1,000 rows/s).
@@ -333,6 +336,8 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
     with no branch for it, a role it does not know: the next answer would lose its context); '' otherwise, also
     when the template refuses the check's render. One render, only for a conversation that has such messages or
     calls: each such message's content and each call's function name swapped for a sentinel of its own."""
+    if all(m.get("role") in RENDERED_ROLES and not m.get("tool_calls") for m in conv):
+        return ""
     sentinels = []
     probe = []
     for k, m in enumerate(conv):
