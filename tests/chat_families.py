@@ -310,6 +310,39 @@ DEEPSEEK_V3 = (
     "{%- if add_generation_prompt and not ns.is_tool %}{{- '<｜Assistant｜>' }}{%- endif %}"
 )
 
+# DeepSeek V3-0324 / R1-0528: the user turn renders '<｜Assistant｜>' after itself, so add_generation_prompt adds
+# nothing after a user turn (only after an assistant turn); tool outputs are closed by the next assistant turn.
+DEEPSEEK_V3_0324 = (
+    "{%- set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', "
+    "is_last_user=false) %}"
+    "{%- for message in messages %}{%- if message.role == 'system' %}"
+    "{%- set ns.system_prompt = ns.system_prompt + message.content %}{%- endif %}{%- endfor %}"
+    "{{- bos_token + ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{%- set ns.is_tool = false %}{%- set ns.is_first = false %}"
+    "{%- set ns.is_last_user = true %}{{- '<｜User｜>' + message.content + '<｜Assistant｜>' }}{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined and message.tool_calls is not none %}"
+    "{%- set ns.is_last_user = false %}{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}"
+    "{%- set ns.is_first = false %}{%- set ns.is_tool = false %}{%- set ns.is_output_first = true %}"
+    "{%- for tool in message.tool_calls %}{%- if not ns.is_first %}"
+    "{%- if message.content is none %}{{- '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' }}"
+    "{%- else %}{{- message.content + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' }}{%- endif %}"
+    "{%- set ns.is_first = true %}{%- else %}{{- '\\n<｜tool▁call▁begin｜>' }}{%- endif %}"
+    "{{- tool.type + '<｜tool▁sep｜>' + tool.function.name + '\\n```json\\n' + tool.function.arguments + "
+    "'\\n```<｜tool▁call▁end｜>' }}{%- endfor %}{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}{%- endif %}"
+    "{%- if message.role == 'assistant' and (message.tool_calls is not defined or message.tool_calls is none) %}"
+    "{%- set ns.is_last_user = false %}"
+    "{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' + message.content + '<｜end▁of▁sentence｜>' }}"
+    "{%- set ns.is_tool = false %}{%- else %}{{- message.content + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endif %}"
+    "{%- if message.role == 'tool' %}{%- set ns.is_last_user = false %}{%- set ns.is_tool = true %}"
+    "{%- if ns.is_output_first %}{{- '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message.content + "
+    "'<｜tool▁output▁end｜>' }}{%- set ns.is_output_first = false %}"
+    "{%- else %}{{- '\\n<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}"
+    "{%- if add_generation_prompt and not ns.is_last_user and not ns.is_tool %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+
 # GLM-4 (0414): '[gMASK]<sop>' prefix; '<|role|>\n' headers and no end-of-turn token: a turn ends where the next
 # role token starts (the model stops by generating <|user|> or <|observation|>); tool calls as the function's
 # name and JSON arguments; tool results as <|observation|>.
@@ -376,6 +409,11 @@ FAMILIES = {
                                                 "<|eom_id|>", "<|python_tag|>"), eos="<|eot_id|>",
                      bos="<|begin_of_text|>"),
     "deepseek-v3": dict(template=DEEPSEEK_V3, special=(
+        "<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>"), eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>"),
+    "deepseek-v3-0324": dict(template=DEEPSEEK_V3_0324, special=(
         "<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
         "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
         "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",

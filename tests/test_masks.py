@@ -97,13 +97,17 @@ def masked_runs(tok, conv, kwargs=None, **columns):
     ("smollm3", {"enable_thinking": False}, [U("hi"), A("think")], ["think<|im_end|>"]),  # empty think block:
     # the generation prompt's
     ("smollm3", {}, [{"role": "system", "content": "/no_think"}, U("hi"), A("think")], ["think<|im_end|>"]),
+    # the header is rendered with the user turn; add_generation_prompt adds nothing after it
+    ("deepseek-v3-0324", {}, [SYSTEM, U("hi"), A("Assistant"), U("user"), A("end"), A("two")],
+     ["Assistant<｜end▁of▁sentence｜>", "end<｜end▁of▁sentence｜>two<｜end▁of▁sentence｜>"]),
     ("qwen3", {}, [U("hi"), A("one"), U("user")], ["one<|im_end|>"]),  # ends on a user turn
 ], ids=["qwen3-history", "qwen3-empty-think", "qwen3-no-thinking", "qwen3-no-thinking-reasoning",
         "qwen3-think-in-content", "qwen3.5-history", "qwen3.5-no-reasoning", "qwen3.5-no-thinking", "llama3",
         "gemma3-system-folded", "harmony-channels", "deepseek-r1", "llama2-no-generation-prompt",
         "mistral-system-on-last-user", "mistral-consecutive", "phi3.5", "phi3-header-in-user-turn",
         "qwen2.5-default-system", "llama3.1-date-header", "deepseek-v3", "glm4-no-end-token",
-        "smollm3-thinking", "smollm3-no-thinking-kwarg", "smollm3-no-think-flag", "qwen3-ends-on-user"])
+        "smollm3-thinking", "smollm3-no-thinking-kwarg", "smollm3-no-think-flag", "deepseek-v3-0324",
+        "qwen3-ends-on-user"])
 def test_family_masks(name, kwargs, conv, expected):
     tok = cf.family(name)
     assert not masks.GENERATION_TAG.search(tok.chat_template)
@@ -131,6 +135,20 @@ def test_nothing_but_the_assistant_turns_is_masked():
                 "bye<|eot_id|>"]),
     ("harmony", [' to=functions.get<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
                  "<|channel|>final<|message|>It is sunny.<|end|>", "<|channel|>final<|message|>bye<|return|>"]),
+    ("llama3.1", ['{"name": "get", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>",
+                  "bye<|eot_id|>"]),
+    ("mistral", ['[TOOL_CALLS][{"name": "get", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]</s>',
+                 "It is sunny.</s>", "bye</s>"]),
+    ("qwen2.5", ['<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                 "It is sunny.<|im_end|>", "bye<|im_end|>"]),
+    # the answer after tool outputs has no header: '<｜tool▁outputs▁end｜>' is the prompt's last token
+    ("deepseek-v3", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n{"city": "Paris"}\n```'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>', "It is sunny.<｜end▁of▁sentence｜>",
+                     "bye<｜end▁of▁sentence｜>"]),
+    ("deepseek-v3-0324", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n'
+                          '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+                          "It is sunny.<｜end▁of▁sentence｜>", "bye<｜end▁of▁sentence｜>"]),
+    ("glm4", ['get\n{"city": "Paris"}<|observation|>', "It is sunny.<|user|>", "bye"]),
 ])
 def test_tool_turns_with_null_content(name, expected):
     conv = [U("weather?"), A(None, tool_calls=CALL, thinking="call it", reasoning_content="call it"), TOOL,
