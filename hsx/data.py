@@ -500,12 +500,13 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
         if content_key not in m:
             return [], "missing_content"
         msg = {k: v for k, v in m.items() if v is not None and k not in ("role", "from", "content", "value")}
-        for key in ("tool_calls",):
-            if isinstance(msg.get(key), list):
-                msg[key] = [{k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c
-                            for c in msg[key]]
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [{k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c
+                                 for c in msg["tool_calls"]]
+            if not msg["tool_calls"]:  # `"tool_calls": []` on a plain answer (OpenAI exports): no calls, as vLLM
+                del msg["tool_calls"]  # passes it (Llama 3.1's template takes the key for one call and raises)
         role = SHAREGPT_ROLES.get(str(role).lower(), str(role))
-        content, reason = message_text(m[content_key])
+        content, reason = message_text(m[content_key], role)
         if reason:
             return [], reason
         if role == "function_call":  # ShareGPT (LLaMA-Factory): the assistant's call(s) as JSON in `value`
@@ -526,12 +527,16 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
 TEXT_PART = "text"
 
 
-def message_text(content: Any) -> tuple[Any, str]:
+def message_text(content: Any, role: str = "user") -> tuple[Any, str]:
     """(content, skip reason) of one message: an OpenAI content-part list of text parts becomes their text joined
-    by '\n' (what vLLM renders for a template that takes text); a list with an image, audio or any other
+    by a newline (what vLLM renders for a template that takes text); a list with an image, audio or any other
     non-text part is `non_text_content` (a text-only model would be trained on an answer about something it
-    never saw); a part that is not {type: text, text: str} is `bad_content`. Other content is kept as it is."""
+    never saw); a part that is not {type: text, text: str} is `bad_content`. A tool result's list that is not
+    content parts (no item has a `type`) is structured output, kept for the template (Llama 3.1's `tojson`s it);
+    other content is kept as it is."""
     if not isinstance(content, list):
+        return content, ""
+    if role == "tool" and not any(isinstance(p, dict) and "type" in p for p in content):
         return content, ""
     texts = []
     for part in content:
@@ -646,22 +651,39 @@ def _render_variants(conv: list[dict[str, Any]]):
                 yield v
 
 
+def _with_arguments(call: dict, args: Any) -> dict:
+    """`call` with its arguments replaced (OpenAI's {function: {name, arguments}}, or a flat {name, arguments})."""
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "arguments": args}}
+    return {**call, "arguments": args}
+
+
+def _arguments(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return None
+    fn = call["function"] if isinstance(call.get("function"), dict) else call
+    return fn.get("arguments")
+
+
 def _parsed_arguments(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+    """A call whose arguments are a JSON string of a mapping, with the mapping; '' as {} (as vLLM does)."""
+    args = _arguments(call)
+    if not isinstance(args, str):
         return call
+    if not args.strip():
+        return _with_arguments(call, {})
     try:
-        args = json.loads(fn["arguments"])
+        parsed = json.loads(args)
     except (json.JSONDecodeError, RecursionError):
         return call
-    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+    return _with_arguments(call, parsed) if isinstance(parsed, dict) else call
 
 
 def _text_arguments(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), (dict, list)):
+    args = _arguments(call)
+    if not isinstance(args, (dict, list)):
         return call
-    return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"], ensure_ascii=False)}}
+    return _with_arguments(call, json.dumps(args, ensure_ascii=False))
 
 
 def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,

@@ -348,10 +348,11 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
         if isinstance(m.get("tool_calls"), list):
             calls = []
             for j, c in enumerate(m["tool_calls"]):
-                fn = c.get("function") if isinstance(c, dict) else None
+                nested = isinstance(c, dict) and isinstance(c.get("function"), dict)
+                fn = c["function"] if nested else c  # (OpenAI's {function: {name, ...}}, or a flat {name, ...})
                 if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                     name = f"HsxSentCall{_letters(k)}x{_letters(j)}"
-                    c = {**c, "function": {**fn, "name": name}}
+                    c = {**c, "function": {**fn, "name": name}} if nested else {**c, "name": name}
                     sentinels.append((name, "tool_call_not_rendered"))
                 calls.append(c)
             m["tool_calls"] = calls

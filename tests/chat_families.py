@@ -240,7 +240,7 @@ QWEN25 = (
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for call in message.tool_calls or [] %}{%- set f = call.function %}"
+    "{%- for call in message.tool_calls or [] %}{%- set f = call.function if call.function is defined else call %}"
     "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + f.arguments | tojson + "
     "'}\\n</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"

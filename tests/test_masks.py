@@ -202,6 +202,29 @@ def test_tool_call_arguments_string_or_mapping_render_the_same(name, call_text):
     assert '\\"' not in tok.decode(out["input_ids"][0])
 
 
+def test_openai_export_quirks_render_as_vllm_passes_them():
+    """What OpenAI-style exports hold besides the standard form: `"tool_calls": []` on a plain answer (dropped: Llama
+    3.1's template would take the key for a call and raise), empty arguments (as {}), a flat call {name,
+    arguments} without `function`, a tool result that is a JSON list (kept for the template's `tojson`)."""
+    tok = cf.family("llama3.1")
+    plain = tokenize(tok, [[U("hi"), A("hello")]])
+    out = tokenize(tok, [[U("hi"), A("hello", tool_calls=[])]])
+    assert out["skip_reason"] == [""] and out["input_ids"] == plain["input_ids"]
+    call = [{**CALL[0], "function": {"name": "get", "arguments": ""}}]
+    listed = {**TOOL, "content": [{"temp": 20}]}
+    out = tokenize(tok, [[U("weather?"), A(None, tool_calls=call), listed, A("Warm.")]])
+    assert out["skip_reason"] == [""]
+    assert runs(tok, out["input_ids"][0], out["loss_mask"][0]) == ['{"name": "get", "parameters": {}}<|eot_id|>',
+                                                                   "Warm.<|eot_id|>"]
+    assert '[{"temp": 20}]' in tok.decode(out["input_ids"][0])
+    qwen = cf.family("qwen2.5")
+    flat = tokenize(qwen, [[U("weather?"), A(None, tool_calls=[{"name": "get", "arguments": '{"city": "Paris"}'}]),
+                           TOOL, A("Sunny.")],
+                           [U("weather?"), A(None, tool_calls=[{"name": "get", "arguments": {"city": "Paris"}}]),
+                            TOOL, A("Sunny.")]])
+    assert flat["skip_reason"] == ["", ""] and flat["input_ids"][0] == flat["input_ids"][1]
+
+
 MARKED = ("{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
           "{%- generation -%}{{- m['content'] or '' -}}{%- for c in m.tool_calls or [] -%}"
           "{{- c.function.name + ' ' + c.function.arguments | tojson -}}{%- endfor -%}{{- '<|im_end|>' -}}"
