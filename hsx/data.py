@@ -487,6 +487,10 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     conversation that has none of its own (as LLaMA-Factory reads that column)."""
     if raw is None:
         return [], "missing_value"
+    if isinstance(raw, str):  # a CSV cell (CSV holds no lists), or an export that wrote the list as JSON text
+        raw = _json_list(raw)
+        if raw is None:
+            return [], "bad_conversation"
     if not isinstance(raw, list) or len(raw) == 0:
         return [], "empty_conversation"
     conv = []
@@ -500,9 +504,12 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
         if content_key not in m:
             return [], "missing_content"
         msg = {k: v for k, v in m.items() if v is not None and k not in ("role", "from", "content", "value")}
-        if isinstance(msg.get("tool_calls"), list):
-            msg["tool_calls"] = [{k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c
-                                 for c in msg["tool_calls"]]
+        if "tool_calls" in msg:  # a list of mappings (a JSON string of one is read): templates iterate over it, and
+            calls = msg["tool_calls"]  # over a string or a number they render characters or nothing
+            calls = _json_list(calls) if isinstance(calls, str) else calls
+            if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                return [], "bad_tool_calls"
+            msg["tool_calls"] = [{k: v for k, v in c.items() if v is not None} for c in calls]
             if not msg["tool_calls"]:  # `"tool_calls": []` on a plain answer (OpenAI exports): no calls, as vLLM
                 del msg["tool_calls"]  # passes it (Llama 3.1's template takes the key for one call and raises)
         role = SHAREGPT_ROLES.get(str(role).lower(), str(role))
@@ -522,6 +529,14 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     if isinstance(system, str) and system and conv[0]["role"] != "system":
         conv.insert(0, {"role": "system", "content": system})
     return conv, ""
+
+
+def _json_list(text: str) -> list | None:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
 
 
 TEXT_PART = "text"

@@ -268,6 +268,36 @@ def test_trl_conversational_prompt_completion():
     assert out["input_ids"] == ref["input_ids"] * 2 and out["loss_mask"] == ref["loss_mask"] * 2
 
 
+def test_json_text_conversations_and_tool_calls(tmp_path):
+    """A CSV cell holds no list: a `messages` column of JSON text is read as the list it spells, and so is a
+    `tool_calls` given as JSON text (templates iterate over it: over a string they would render characters, or
+    nothing); what is not such a list is skipped with its reason."""
+    import csv
+    import json
+
+    import chat_families as cf
+
+    tok = cf.family("qwen3")
+    call = [{"type": "function", "function": {"name": "get", "arguments": {"city": "Paris"}}}]
+    conv = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    as_text = [*conv[:1], {**conv[1], "tool_calls": json.dumps(call)}, *conv[2:]]
+    path = tmp_path / "chat.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["messages"])
+        for row in (json.dumps(conv), json.dumps(as_text), "not json", json.dumps({"role": "user"})):
+            w.writerow([row])
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-csv-chat")
+    ref = tok_batch(tok, "messages", [conv])
+    assert out["skip_reason"] == ["", "", "bad_conversation", "bad_conversation"]
+    assert out["input_ids"][0] == out["input_ids"][1] == ref["input_ids"][0]
+    assert out["loss_mask"][0] == ref["loss_mask"][0] and any(ref["loss_mask"][0])
+    bad = [[*conv[:1], {**conv[1], "tool_calls": bad_calls}, *conv[2:]] for bad_calls in (7, "get()", ["get"])]
+    assert tok_batch(tok, "messages", bad)["skip_reason"] == ["bad_tool_calls"] * 3
+
+
 def test_truncation(tokenizer):
     long_answer = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": LONG_USER}]
     long_prompt = [{"role": "user", "content": LONG_USER}, {"role": "assistant", "content": "Yes."}]
