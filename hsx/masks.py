@@ -343,7 +343,7 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
     for k, m in enumerate(conv):
         m = dict(m)
         if m.get("role") not in RENDERED_ROLES:
-            m["content"] = f"HsxSentMsg{_letters(k)}"
+            m["content"] = f"HsxSentMsg{_letters(k)}End"
             sentinels.append((m["content"], "message_not_rendered"))
         if isinstance(m.get("tool_calls"), list):
             calls = []
@@ -351,7 +351,7 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
                 nested = isinstance(c, dict) and isinstance(c.get("function"), dict)
                 fn = c["function"] if nested else c  # (OpenAI's {function: {name, ...}}, or a flat {name, ...})
                 if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-                    name = f"HsxSentCall{_letters(k)}x{_letters(j)}"
+                    name = f"HsxSentCall{_letters(k)}X{_letters(j)}End"
                     c = {**c, "function": {**fn, "name": name}} if nested else {**c, "name": name}
                     sentinels.append((name, "tool_call_not_rendered"))
                 calls.append(c)
@@ -369,10 +369,11 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
 
 
 def _letters(k: int) -> str:
-    """k in letters ('A', 'B', ..., 'BA'): sentinels of letters only, as templates may trim or split digits."""
+    """k in lowercase letters ('a', 'b', ..., 'ba'): sentinels of letters only, as templates may trim or split
+    digits; the sentinels end in capitals, so none is part of another ('...bEnd' is not in '...bbEnd')."""
     out = ""
     while True:
-        out = chr(ord("A") + k % 26) + out
+        out = chr(ord("a") + k % 26) + out
         k //= 26
         if not k:
             return out

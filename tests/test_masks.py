@@ -263,6 +263,20 @@ def test_what_the_template_drops_is_skipped(name, conv, reason):
     assert with_tools["skip_reason"] == [reason]  # (the row-by-row path too)
 
 
+def test_a_dropped_message_is_found_among_many():
+    """Each message's sentinel is no part of another's (message 1's is not inside message 27's)."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(
+        "{%- for m in messages -%}{%- if not (m['role'] == 'tool' and loop.index0 == 1) -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    conv = [U("q"), TOOL] + [A("a") if k % 2 else U("q") for k in range(25)] + [TOOL, A("done")]
+    assert len(conv) == 29 and conv[27] == TOOL
+    assert masks.unrendered(tok, conv, None, {}) == "message_not_rendered"
+    assert masks.unrendered(tok, [U("q"), A("a")] + conv[2:], None, {}) == ""
+
+
 def test_qwen3_agent_turns_keep_reasoning_until_a_later_query():
     """Reasoning of the tool-calling turns after the last user query is kept (and supervised); once a later user
     query exists the template strips it, and the prefix renders no longer match the full one: the turns are found
