@@ -539,14 +539,15 @@ def _json_list(text: str) -> list | None:
     return value if isinstance(value, list) else None
 
 
-TEXT_PART = "text"
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # part type -> the
+# key of its text: Chat Completions' text and refusal parts, the Responses API's input_text / output_text
 
 
 def message_text(content: Any, role: str = "user") -> tuple[Any, str]:
     """(content, skip reason) of one message: an OpenAI content-part list of text parts becomes their text joined
     by a newline (what vLLM renders for a template that takes text); a list with an image, audio or any other
     non-text part is `non_text_content` (a text-only model would be trained on an answer about something it
-    never saw); a part that is not {type: text, text: str} is `bad_content`. A tool result's list that is not
+    never saw); a text part without its text is `bad_content`. A tool result's list that is not
     content parts (no item has a `type`) is structured output, kept for the template (Llama 3.1's `tojson`s it);
     other content is kept as it is."""
     if not isinstance(content, list):
@@ -555,12 +556,14 @@ def message_text(content: Any, role: str = "user") -> tuple[Any, str]:
         return content, ""
     texts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind is not None and kind != TEXT_PART:
-            return None, "non_text_content"
-        if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
+        if not isinstance(part, dict):
             return None, "bad_content"
-        texts.append(part["text"])
+        kind = part.get("type") or "text"
+        if kind not in TEXT_PARTS:
+            return None, "non_text_content"
+        if not isinstance(part.get(TEXT_PARTS[kind]), str):
+            return None, "bad_content"
+        texts.append(part[TEXT_PARTS[kind]])
     return "\n".join(texts), ""
 
 

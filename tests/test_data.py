@@ -202,10 +202,15 @@ def test_openai_content_parts_are_their_text():
     rows = [plain, [U(_parts("hi", "there")), A(_parts("hello"))],
             [U(_parts("hi", "there")), A([{**p, "image_url": None} for p in _parts("hello")])],  # (Arrow's nulls)
             [U(_parts("hi") + [IMAGE]), A("hello")], [U([{"type": "text", "text": None}]), A("hello")],
-            [U(["hi"]), A("hello")]]
+            [U(["hi"]), A("hello")],
+            # the Responses API's parts; an unknown part type is not text
+            [U([{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "there"}]),
+             A([{"type": "output_text", "text": "hello"}])],
+            [U("hi"), A([{"type": "thing", "text": "hello"}])]]
     out = tok_batch(tok, "messages", rows)
-    assert out["skip_reason"] == ["", "", "", "non_text_content", "bad_content", "bad_content"]
-    assert out["input_ids"][1] == out["input_ids"][2] == out["input_ids"][0]
+    assert out["skip_reason"] == ["", "", "", "non_text_content", "bad_content", "bad_content", "",
+                                  "non_text_content"]
+    assert out["input_ids"][1] == out["input_ids"][2] == out["input_ids"][6] == out["input_ids"][0]
     assert out["loss_mask"][1] == out["loss_mask"][0]
     assert tok.decode([i for i, m in zip(out["input_ids"][1], out["loss_mask"][1]) if m]).endswith("hello<|im_end|>")
 
