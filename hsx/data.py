@@ -1,7 +1,8 @@
 """Input rows → token ids and loss masks, once, as a batched `datasets.map` cached under the output dir.
 
 Rows are chat (`messages` or `conversations`, each message {role, content} or ShareGPT {from, value}, plus any
-keys the template reads, and an optional `tools` column; or `prompt` with `completion`/`response`), plain `text`,
+keys the template reads, and optional `tools` and `system` columns; or `prompt` with `completion`/`response`,
+strings or TRL's lists of messages), plain `text`,
 or pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template, one row
 per conversation; the loss mask is what the model generates in each assistant turn, end-of-turn token included
 (hsx.masks: from `{% generation %}` markers, or derived from the template). `text` rows are supervised on every
@@ -28,7 +29,7 @@ TOKENIZED_COLUMNS = (*ROW_COLUMNS, "truncated", "skip_reason")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
-                  "tool": "tool", "observation": "tool"}
+                  "tool": "tool", "observation": "tool", "function_call": "function_call"}
 CHAT_FORMATS = ("messages", "conversations", "prompt+completion", "prompt+response")
 
 
@@ -261,8 +262,10 @@ def row_format(column_names: list[str]) -> str:
     for fmt in ("input_ids", "messages", "conversations", "text", "prompt+completion", "prompt+response"):
         if all(c in column_names for c in fmt.split("+")):
             return fmt
+    alpaca = ("; Alpaca rows (instruction/input/output) are not read: write them as prompt/completion, joining "
+              "instruction and input as your trainer does") if {"instruction", "output"} <= set(column_names) else ""
     raise HsxError(f"dataset has none of the columns messages, conversations, text, input_ids, prompt+completion, "
-                   f"prompt+response (it has: {', '.join(column_names)})")
+                   f"prompt+response (it has: {', '.join(column_names)}){alpaca}")
 
 
 def mask_method(column_names: list[str], tokenizer) -> dict[str, Any]:
@@ -405,11 +408,12 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
         tools: list[list | None] = []
         good = []
         for r in range(n):
+            system = batch["system"][r] if "system" in batch else None
             if fmt in ("messages", "conversations"):
-                conv, reason = normalize_conversation(batch[fmt][r])
+                conv, reason = normalize_conversation(batch[fmt][r], system)
             else:
                 prompt, answer = fmt.split("+")
-                conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r], answer)
+                conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r], answer, system)
             if reason:
                 reasons[r] = reason
             else:
@@ -471,15 +475,22 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     return ""
 
 
-def normalize_conversation(raw: Any) -> tuple[list[dict[str, Any]], str]:
+def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str, Any]], str]:
     """A list of messages the template can take ({role, content} plus every other key a message has:
     reasoning_content, thinking, tool_calls, name, tool_call_id, ...), or a skip reason that says what is wrong.
 
     Each message may be {role, content} or ShareGPT {from, value} (either spelling in either column). Keys whose
     value is null are dropped (an Arrow struct gives every message every key any row has; templates test
-    `'tool_calls' in message`), except `content`: an assistant message with `tool_calls` and null content is valid."""
+    `'tool_calls' in message`), except `content`: an assistant message with `tool_calls` and null content is valid.
+    OpenAI content-part lists become their text (message_text); a ShareGPT `function_call` turn becomes an
+    assistant message with `tool_calls`. `system` (a row's `system` column) is the system prompt of a
+    conversation that has none of its own (as LLaMA-Factory reads that column)."""
     if raw is None:
         return [], "missing_value"
+    if isinstance(raw, str):  # a CSV cell (CSV holds no lists), or an export that wrote the list as JSON text
+        raw = _json_list(raw)
+        if raw is None:
+            return [], "bad_conversation"
     if not isinstance(raw, list) or len(raw) == 0:
         return [], "empty_conversation"
     conv = []
@@ -493,22 +504,85 @@ def normalize_conversation(raw: Any) -> tuple[list[dict[str, Any]], str]:
         if content_key not in m:
             return [], "missing_content"
         msg = {k: v for k, v in m.items() if v is not None and k not in ("role", "from", "content", "value")}
-        for key in ("tool_calls",):
-            if isinstance(msg.get(key), list):
-                msg[key] = [{k: v for k, v in c.items() if v is not None} if isinstance(c, dict) else c
-                            for c in msg[key]]
+        if "tool_calls" in msg:  # a list of mappings (a JSON string of one is read): templates iterate over it, and
+            calls = msg["tool_calls"]  # over a string or a number they render characters or nothing
+            calls = _json_list(calls) if isinstance(calls, str) else calls
+            if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                return [], "bad_tool_calls"
+            msg["tool_calls"] = [{k: v for k, v in c.items() if v is not None} for c in calls]
+            if not msg["tool_calls"]:  # `"tool_calls": []` on a plain answer (OpenAI exports): no calls, as vLLM
+                del msg["tool_calls"]  # passes it (Llama 3.1's template takes the key for one call and raises)
         role = SHAREGPT_ROLES.get(str(role).lower(), str(role))
-        content = m[content_key]
+        content, reason = message_text(m[content_key], role)
+        if reason:
+            return [], reason
+        if role == "function_call":  # ShareGPT (LLaMA-Factory): the assistant's call(s) as JSON in `value`
+            calls = sharegpt_tool_calls(content)
+            if calls is None:
+                return [], "bad_function_call"
+            role, content, msg = "assistant", None, {**msg, "tool_calls": calls}
         if content is None and not (role == "assistant" and msg.get("tool_calls")):
             return [], "null_content"
         conv.append({"role": role, "content": content, **msg})
     if not any(m["role"] == "assistant" for m in conv):
         return [], "no_assistant_turn"
+    if isinstance(system, str) and system and conv[0]["role"] != "system":
+        conv.insert(0, {"role": "system", "content": system})
     return conv, ""
 
 
-def prompt_completion_conversation(prompt: Any, completion: Any,
-                                   answer_column: str = "completion") -> tuple[list[dict[str, Any]], str]:
+def _json_list(text: str) -> list | None:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
+
+
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # part type -> the
+# key of its text: Chat Completions' text and refusal parts, the Responses API's input_text / output_text
+
+
+def message_text(content: Any, role: str = "user") -> tuple[Any, str]:
+    """(content, skip reason) of one message: an OpenAI content-part list of text parts becomes their text joined
+    by a newline (what vLLM renders for a template that takes text); a list with an image, audio or any other
+    non-text part is `non_text_content` (a text-only model would be trained on an answer about something it
+    never saw); a text part without its text is `bad_content`. A tool result's list that is not
+    content parts (no item has a `type`) is structured output, kept for the template (Llama 3.1's `tojson`s it);
+    other content is kept as it is."""
+    if not isinstance(content, list):
+        return content, ""
+    if role == "tool" and not any(isinstance(p, dict) and "type" in p for p in content):
+        return content, ""
+    texts = []
+    for part in content:
+        if not isinstance(part, dict):
+            return None, "bad_content"
+        kind = part.get("type") or "text"
+        if kind not in TEXT_PARTS:
+            return None, "non_text_content"
+        if not isinstance(part.get(TEXT_PARTS[kind]), str):
+            return None, "bad_content"
+        texts.append(part[TEXT_PARTS[kind]])
+    return "\n".join(texts), ""
+
+
+def sharegpt_tool_calls(value: Any) -> list[dict[str, Any]] | None:
+    """A ShareGPT `function_call` value (a JSON object {name, arguments} or a list of them) as OpenAI tool calls,
+    or None if it is not one."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else None
+    except (ValueError, RecursionError):
+        return None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not (isinstance(calls, list) and calls and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c for c in calls)):
+        return None
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
+def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: str = "completion",
+                                   system: Any = None) -> tuple[list[dict[str, Any]], str]:
     """`prompt`/`completion` (or `prompt`/`response`) as chat turns: strings become one user and one assistant
     message; lists of messages (TRL's conversational form) are taken as they are."""
     if prompt is None or completion is None:
@@ -517,7 +591,7 @@ def prompt_completion_conversation(prompt: Any, completion: Any,
     tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     if not isinstance(head, list) or not isinstance(tail, list):
         return [], "empty_conversation"
-    return normalize_conversation(head + tail)
+    return normalize_conversation(head + tail, system)
 
 
 def row_tools(raw: Any) -> list | None:
@@ -537,12 +611,21 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
     them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
     rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
     render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`) as
-    `chat_template_timeout` / `chat_template_output_too_long`."""
+    `chat_template_timeout` / `chat_template_output_too_long`. A row whose tool calls or messages of a role other
+    than user, assistant and system the template renders nothing of is skipped as `tool_call_not_rendered` /
+    `message_not_rendered` (hsx.masks.unrendered): its mask or its context would be wrong."""
     tools = tools or [None] * len(convs)
+
+    def checked(row: loss_masks.Row, conv, row_tools) -> loss_masks.Row:
+        reason = row[2] or loss_masks.unrendered(tokenizer, conv, row_tools, template_kwargs, max_chars)
+        return ([], [], reason) if reason else row
+
     if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
         if not any(tools):
+            firsts = [next(_render_variants(conv)) for conv in convs]
             try:
-                return _generation_mask_tokenize(tokenizer, convs, template_kwargs, None, max_chars)
+                rows = _generation_mask_tokenize(tokenizer, firsts, template_kwargs, None, max_chars)
+                return [checked(row, conv, None) for row, conv in zip(rows, firsts)]
             except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
                 pass
 
@@ -557,7 +640,7 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
     for conv, row_tools in zip(convs, tools):
         for variant in _render_variants(conv):
             try:
-                results.append(one(variant, row_tools))
+                results.append(checked(one(variant, row_tools), variant, row_tools))
                 break
             except loss_masks.RenderLimit as e:  # (another variant would run as long)
                 results.append(([], [], e.reason))
@@ -570,28 +653,55 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
 
 
 def _render_variants(conv: list[dict[str, Any]]):
-    """The conversation, then (only if the template refused it) the same with null content as '' and with
-    tool-call arguments given as a JSON string parsed into a mapping: templates differ in what they accept
-    (Qwen3's cannot render null content, Qwen3.5's iterates over the arguments)."""
-    yield conv
-    blank = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in conv]
-    if blank != conv:
-        yield blank
-    parsed = [{**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list)
-              else m for m in blank]
-    if parsed != blank:
-        yield parsed
+    """The conversation with tool-call arguments given as a JSON string parsed into a mapping (as vLLM passes
+    them: templates such as Llama 3.1's, Mistral's and Qwen2.5's apply `tojson` to them, which would render a
+    string as a quoted string), then (only if the template refused it) with the arguments as a JSON string
+    (DeepSeek V3 concatenates them), and each with null content as '' (Qwen3's cannot render null content)."""
+    parsed = [{**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]}
+              if isinstance(m.get("tool_calls"), list) else m for m in conv]
+    as_text = [{**m, "tool_calls": [_text_arguments(c) for c in m["tool_calls"]]}
+               if isinstance(m.get("tool_calls"), list) else m for m in conv]
+    seen: list[list[dict[str, Any]]] = []
+    for variant in (parsed, as_text):
+        for v in (variant, [{**m, "content": "" if m.get("content") is None else m["content"]} for m in variant]):
+            if v not in seen:
+                seen.append(v)
+                yield v
+
+
+def _with_arguments(call: dict, args: Any) -> dict:
+    """`call` with its arguments replaced (OpenAI's {function: {name, arguments}}, or a flat {name, arguments})."""
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "arguments": args}}
+    return {**call, "arguments": args}
+
+
+def _arguments(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return None
+    fn = call["function"] if isinstance(call.get("function"), dict) else call
+    return fn.get("arguments")
 
 
 def _parsed_arguments(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+    """A call whose arguments are a JSON string of a mapping, with the mapping; '' as {} (as vLLM does)."""
+    args = _arguments(call)
+    if not isinstance(args, str):
         return call
+    if not args.strip():
+        return _with_arguments(call, {})
     try:
-        args = json.loads(fn["arguments"])
-    except (ValueError, RecursionError):
+        parsed = json.loads(args)
+    except (ValueError, RecursionError):  # (a 5000-digit int: ValueError)
         return call
-    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+    return _with_arguments(call, parsed) if isinstance(parsed, dict) else call
+
+
+def _text_arguments(call: Any) -> Any:
+    args = _arguments(call)
+    if not isinstance(args, (dict, list)):
+        return call
+    return _with_arguments(call, json.dumps(args, ensure_ascii=False))
 
 
 def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,

@@ -16,8 +16,11 @@ masks of two versions):
   turn) through the last end-of-turn token of that message's rendering: a reasoning block the template adds or
   keeps, tool calls, GPT-OSS's analysis and final channels (one turn: it ends at the last `<|end|>`/`<|return|>`/
   `<|call|>`), and not the text after the end token (`\\n` after `<|im_end|>`); a last turn the template leaves
-  open for continuation (no end token) ends with the render. Masks are token masks over the tokenizer's encoding
-  of the whole render: a token counts when any of its characters is generated, so a token that merges the
+  open for continuation (no end token) ends with the render. A template with no end-of-turn token of its own
+  (GLM-4: a turn ends where the next role token starts) gets as end tokens the role tokens that follow an answer
+  (`<|user|>`, `<|observation|>`: the model generates them to stop), so each turn is supervised through the one
+  after it, and its last turn, followed by nothing, through its text. Masks are token masks over the tokenizer's
+  encoding of the whole render: a token counts when any of its characters is generated, so a token that merges the
   header's last character with the answer's first (Llama 2's header ' ' and answer 'hi' -> ' hi') is supervised,
   as transformers does for generation markers. Cost: about 3 renders per assistant turn (measured on one CPU
   core: ~180 rows/s with a Qwen3-style template at 1.6 turns per row; generation markers: ~1,000 rows/s).
@@ -44,8 +47,9 @@ import numpy as np
 
 from hsx.config import HsxError
 
-MASK_VERSION = 3  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
-# 3: a turn end that is text, not a special token, is supervised through its own text only
+MASK_VERSION = 4  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
+# 3: a turn end that is text, not a special token, is supervised through its own text only; 4: tool-call arguments
+# rendered as mappings, content-part lists as text, ShareGPT function_call turns and a `system` column read
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Row = tuple[list[int], list[int], str]
 
@@ -381,6 +385,60 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
     raise HsxError(f"{problem}: no special token ends an assistant turn, and the text after an answer "
                    f"({', '.join(sorted(map(repr, set(texts)))) or 'none'}) is not one turn end, so the end of a turn "
                    f"cannot be derived{_FIX}")
+
+
+RENDERED_ROLES = ("user", "assistant", "system")  # every template renders these (a system prompt may be folded)
+
+
+def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
+               max_chars: int = RENDER_MIN_CHARS) -> str:
+    """'tool_call_not_rendered' when the template renders nothing of one of the conversation's tool calls (a
+    template without tool support: the turn would be supervised as an empty answer), 'message_not_rendered' when
+    it renders nothing of a message of another role than user, assistant or system (a tool result in a template
+    with no branch for it, a role it does not know: the next answer would lose its context); '' otherwise, also
+    when the template refuses the check's render. One render, only for a conversation that has such messages or
+    calls: each such message's content and each call's function name swapped for a sentinel of its own."""
+    if all(m.get("role") in RENDERED_ROLES and not m.get("tool_calls") for m in conv):
+        return ""
+    sentinels = []
+    probe = []
+    for k, m in enumerate(conv):
+        m = dict(m)
+        if m.get("role") not in RENDERED_ROLES:
+            m["content"] = f"HsxSentMsg{_letters(k)}End"
+            sentinels.append((m["content"], "message_not_rendered"))
+        if isinstance(m.get("tool_calls"), list):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                nested = isinstance(c, dict) and isinstance(c.get("function"), dict)
+                fn = c["function"] if nested else c  # (OpenAI's {function: {name, ...}}, or a flat {name, ...})
+                if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                    name = f"HsxSentCall{_letters(k)}X{_letters(j)}End"
+                    c = {**c, "function": {**fn, "name": name}} if nested else {**c, "name": name}
+                    sentinels.append((name, "tool_call_not_rendered"))
+                calls.append(c)
+            m["tool_calls"] = calls
+        probe.append(m)
+    if not sentinels:
+        return ""
+    try:
+        text = _render(tokenizer, probe, tools, False, template_kwargs, max_chars)
+    except RenderLimit:
+        raise
+    except Exception:  # noqa: BLE001  (a template that checks names against its tools: nothing to tell)
+        return ""
+    return next((reason for sentinel, reason in sentinels if sentinel not in text), "")
+
+
+def _letters(k: int) -> str:
+    """k in lowercase letters ('a', 'b', ..., 'ba'): sentinels of letters only, as templates may trim or split
+    digits; the sentinels end in capitals, so none is part of another ('...bEnd' is not in '...bbEnd')."""
+    out = ""
+    while True:
+        out = chr(ord("a") + k % 26) + out
+        k //= 26
+        if not k:
+            return out
 
 
 def _specials_in(tokenizer, text: str, special: set[int]) -> list[str]:

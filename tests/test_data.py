@@ -181,6 +181,128 @@ def test_chat_bad_rows(tokenizer):
     assert out["num_tokens"][-1] > 0 and out["num_tokens"][:-1] == [0] * 6
 
 
+def _parts(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+
+def test_openai_content_parts_are_their_text():
+    """OpenAI content-part lists: text parts are the message's text (joined by '\\n', as vLLM renders them for a
+    template that takes text); a row with an image (a text-only model would learn an answer about a picture it
+    never saw) or a malformed part is skipped with its reason. A template that renders only string content
+    (Qwen3's own, for assistant turns) would otherwise supervise an empty answer."""
+    import chat_families as cf
+
+    tok = cf.family("qwen3")
+    U = lambda c: {"role": "user", "content": c}  # noqa: E731
+    A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+    plain = [U("hi\nthere"), A("hello")]
+    rows = [plain, [U(_parts("hi", "there")), A(_parts("hello"))],
+            [U(_parts("hi", "there")), A([{**p, "image_url": None} for p in _parts("hello")])],  # (Arrow's nulls)
+            [U(_parts("hi") + [IMAGE]), A("hello")], [U([{"type": "text", "text": None}]), A("hello")],
+            [U(["hi"]), A("hello")],
+            # the Responses API's parts; an unknown part type is not text
+            [U([{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "there"}]),
+             A([{"type": "output_text", "text": "hello"}])],
+            [U("hi"), A([{"type": "thing", "text": "hello"}])]]
+    out = tok_batch(tok, "messages", rows)
+    assert out["skip_reason"] == ["", "", "", "non_text_content", "bad_content", "bad_content", "",
+                                  "non_text_content"]
+    assert out["input_ids"][1] == out["input_ids"][2] == out["input_ids"][6] == out["input_ids"][0]
+    assert out["loss_mask"][1] == out["loss_mask"][0]
+    assert tok.decode([i for i, m in zip(out["input_ids"][1], out["loss_mask"][1]) if m]).endswith("hello<|im_end|>")
+
+
+def test_content_parts_read_through_datasets(tmp_path):
+    import chat_families as cf
+
+    tok = cf.family("qwen3")
+    rows = [{"messages": [{"role": "user", "content": _parts("hi")}, {"role": "assistant", "content": _parts("yes")}]},
+            {"messages": [{"role": "user", "content": _parts("look") + [IMAGE]},
+                          {"role": "assistant", "content": _parts("a cat")}]}]
+    path = write_jsonl(tmp_path / "parts.jsonl", rows)
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-parts")
+    assert out["skip_reason"] == ["", "non_text_content"]
+    direct = tok_batch(tok, "messages", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]])
+    assert out["input_ids"][0] == direct["input_ids"][0] and out["loss_mask"][0] == direct["loss_mask"][0]
+
+
+def test_sharegpt_function_call_observation_and_system_column():
+    """LLaMA-Factory's ShareGPT: a `function_call` turn (JSON {name, arguments} in `value`) is the assistant's
+    tool call, `observation` the tool's answer, and the `system` column the system prompt of a conversation
+    without its own: the same row as the OpenAI messages."""
+    import json
+
+    import chat_families as cf
+
+    tok = cf.family("qwen3")
+    call = {"name": "get", "arguments": {"city": "Paris"}}
+    share = [{"from": "human", "value": "weather?"}, {"from": "function_call", "value": json.dumps(call)},
+             {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "It is sunny."}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    ref = tok_batch(tok, "messages", [messages])
+    own_system = [{"from": "system", "value": "Be brief."}] + share
+    bad = [share[0], {"from": "function_call", "value": "get(city='Paris')"}, *share[2:]]
+    out = data.tokenize_batch({"conversations": [share, own_system, bad], "system": ["Be brief.", "Other.", "x"]},
+                              [0, 1, 2], tok, "conversations", 4096, {})
+    assert out["skip_reason"] == ["", "", "bad_function_call"]
+    assert out["input_ids"][0] == out["input_ids"][1] == ref["input_ids"][0]  # the conversation's own system wins
+    assert out["loss_mask"][0] == ref["loss_mask"][0]
+    assert tok.decode([i for i, m in zip(out["input_ids"][0], out["loss_mask"][0]) if m]).startswith(
+        '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
+
+
+def test_trl_conversational_prompt_completion():
+    """TRL's conversational prompt-completion: `prompt` (system and user turns) and `completion` (assistant
+    turns, tool calls included) are lists of messages: the same row as `messages`; the `system` column too."""
+    import chat_families as cf
+
+    tok = cf.family("llama3.1")
+    call = [{"type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}}]
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"}]
+    completion = [{"role": "assistant", "content": None, "tool_calls": call}]
+    ref = tok_batch(tok, "messages", [prompt + completion])
+    out = data.tokenize_batch({"prompt": [prompt, prompt[1:]], "completion": [completion, completion],
+                               "system": [None, "Be brief."]}, [0, 1], tok, "prompt+completion", 4096, {})
+    assert out["skip_reason"] == ["", ""] and ref["skip_reason"] == [""]
+    assert out["input_ids"] == ref["input_ids"] * 2 and out["loss_mask"] == ref["loss_mask"] * 2
+
+
+def test_json_text_conversations_and_tool_calls(tmp_path):
+    """A CSV cell holds no list: a `messages` column of JSON text is read as the list it spells, and so is a
+    `tool_calls` given as JSON text (templates iterate over it: over a string they would render characters, or
+    nothing); what is not such a list is skipped with its reason."""
+    import csv
+    import json
+
+    import chat_families as cf
+
+    tok = cf.family("qwen3")
+    call = [{"type": "function", "function": {"name": "get", "arguments": {"city": "Paris"}}}]
+    conv = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    as_text = [*conv[:1], {**conv[1], "tool_calls": json.dumps(call)}, *conv[2:]]
+    path = tmp_path / "chat.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["messages"])
+        for row in (json.dumps(conv), json.dumps(as_text), "not json", json.dumps({"role": "user"})):
+            w.writerow([row])
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-csv-chat")
+    ref = tok_batch(tok, "messages", [conv])
+    assert out["skip_reason"] == ["", "", "bad_conversation", "bad_conversation"]
+    assert out["input_ids"][0] == out["input_ids"][1] == ref["input_ids"][0]
+    assert out["loss_mask"][0] == ref["loss_mask"][0] and any(ref["loss_mask"][0])
+    bad = [[*conv[:1], {**conv[1], "tool_calls": bad_calls}, *conv[2:]] for bad_calls in (7, "get()", ["get"])]
+    assert tok_batch(tok, "messages", bad)["skip_reason"] == ["bad_tool_calls"] * 3
+
+
 def test_truncation(tokenizer):
     long_answer = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": LONG_USER}]
     long_prompt = [{"role": "user", "content": LONG_USER}, {"role": "assistant", "content": "Yes."}]
@@ -256,6 +378,8 @@ def test_row_format():
     assert data.row_format(["input_ids", "text"]) == "input_ids"
     with pytest.raises(HsxError, match="messages"):
         data.row_format(["prompt", "answer"])
+    with pytest.raises(HsxError, match="Alpaca rows .* write them as prompt/completion"):
+        data.row_format(["instruction", "input", "output"])
 
 
 def test_chat_template_sha256(tokenizer, tokenizer_no_generation):

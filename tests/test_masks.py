@@ -78,9 +78,36 @@ def masked_runs(tok, conv, kwargs=None, **columns):
                          A("<think>model</think>end")],
      ["\n\nhi<｜end▁of▁sentence｜>", "end<｜end▁of▁sentence｜>"]),  # every turn's reasoning dropped by the template
     ("llama2", {}, [SYSTEM, U("hi"), A("hi"), U("user"), A(" assistant ")], [" hi </s>", " assistant </s>"]),
+    # the system prompt moves to the last user turn, so the earlier turns' prefix renders differ from the full one
+    ("mistral", {}, [SYSTEM, U("hi"), A("hi"), U("user"), A(" INST ")], ["hi</s>", " INST </s>"]),
+    ("mistral", {}, [U("hi"), A("one"), A("two")], ["one</s>two</s>"]),  # consecutive turns, no header between
+    ("phi3.5", {}, [SYSTEM, U("hi"), A("hi"), U("user"), A("end")], ["hi<|end|>", "end<|end|>"]),  # eos not
+    ("phi3", {}, [U("hi"), A("assistant"), U("user"), A("end")], ["assistant<|end|>", "end<|end|>"]),  # header
+    # after every user turn, none added by add_generation_prompt
+    ("qwen2.5", {}, [U("hi"), A("Qwen"), U("user"), A("end")], ["Qwen<|im_end|>", "end<|im_end|>"]),  # default
+    # system prompt
+    ("llama3.1", {}, [SYSTEM, U("hi"), A("Cutting"), U("user"), A("assistant")],
+     ["Cutting<|eot_id|>", "assistant<|eot_id|>"]),
+    ("deepseek-v3", {}, [SYSTEM, U("hi"), A("User"), U("user"), A("end")],
+     ["User<｜end▁of▁sentence｜>", "end<｜end▁of▁sentence｜>"]),
+    # no end-of-turn token: a turn ends with the role token the model generates to stop (<|user|>); the last turn,
+    # followed by nothing, with its text
+    ("glm4", {}, [SYSTEM, U("hi"), A("hi"), U("user"), A("assistant")], ["hi<|user|>", "assistant"]),
+    ("smollm3", {}, [U("hi"), A("think"), U("user"), A("end")], ["think<|im_end|>", "end<|im_end|>"]),
+    ("smollm3", {"enable_thinking": False}, [U("hi"), A("think")], ["think<|im_end|>"]),  # empty think block:
+    # the generation prompt's
+    ("smollm3", {}, [{"role": "system", "content": "/no_think"}, U("hi"), A("think")], ["think<|im_end|>"]),
+    # the header is rendered with the user turn; add_generation_prompt adds nothing after it
+    ("deepseek-v3-0324", {}, [SYSTEM, U("hi"), A("Assistant"), U("user"), A("end"), A("two")],
+     ["Assistant<｜end▁of▁sentence｜>", "end<｜end▁of▁sentence｜>two<｜end▁of▁sentence｜>"]),
+    ("qwen3", {}, [U("hi"), A("one"), U("user")], ["one<|im_end|>"]),  # ends on a user turn
 ], ids=["qwen3-history", "qwen3-empty-think", "qwen3-no-thinking", "qwen3-no-thinking-reasoning",
         "qwen3-think-in-content", "qwen3.5-history", "qwen3.5-no-reasoning", "qwen3.5-no-thinking", "llama3",
-        "gemma3-system-folded", "harmony-channels", "deepseek-r1", "llama2-no-generation-prompt"])
+        "gemma3-system-folded", "harmony-channels", "deepseek-r1", "llama2-no-generation-prompt",
+        "mistral-system-on-last-user", "mistral-consecutive", "phi3.5", "phi3-header-in-user-turn",
+        "qwen2.5-default-system", "llama3.1-date-header", "deepseek-v3", "glm4-no-end-token",
+        "smollm3-thinking", "smollm3-no-thinking-kwarg", "smollm3-no-think-flag", "deepseek-v3-0324",
+        "qwen3-ends-on-user"])
 def test_family_masks(name, kwargs, conv, expected):
     tok = cf.family(name)
     assert not masks.GENERATION_TAG.search(tok.chat_template)
@@ -108,6 +135,20 @@ def test_nothing_but_the_assistant_turns_is_masked():
                 "bye<|eot_id|>"]),
     ("harmony", [' to=functions.get<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
                  "<|channel|>final<|message|>It is sunny.<|end|>", "<|channel|>final<|message|>bye<|return|>"]),
+    ("llama3.1", ['{"name": "get", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>",
+                  "bye<|eot_id|>"]),
+    ("mistral", ['[TOOL_CALLS][{"name": "get", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]</s>',
+                 "It is sunny.</s>", "bye</s>"]),
+    ("qwen2.5", ['<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                 "It is sunny.<|im_end|>", "bye<|im_end|>"]),
+    # the answer after tool outputs has no header: '<｜tool▁outputs▁end｜>' is the prompt's last token
+    ("deepseek-v3", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n{"city": "Paris"}\n```'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>', "It is sunny.<｜end▁of▁sentence｜>",
+                     "bye<｜end▁of▁sentence｜>"]),
+    ("deepseek-v3-0324", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n'
+                          '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+                          "It is sunny.<｜end▁of▁sentence｜>", "bye<｜end▁of▁sentence｜>"]),
+    ("glm4", ['get\n{"city": "Paris"}<|observation|>', "It is sunny.<|user|>", "bye"]),
 ])
 def test_tool_turns_with_null_content(name, expected):
     conv = [U("weather?"), A(None, tool_calls=CALL, thinking="call it", reasoning_content="call it"), TOOL,
@@ -118,6 +159,122 @@ def test_tool_turns_with_null_content(name, expected):
     out = tokenize(tok, [conv])
     assert out["skip_reason"] == [""]
     assert runs(tok, out["input_ids"][0], out["loss_mask"][0]) == expected
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("qwen3", ["<|im_end|>", "<think>\n\n</think>\n\nbye<|im_end|>"]),
+    ("llama3.1", ["<|eot_id|>", "bye<|eot_id|>"]),
+    ("mistral", ["</s>", "bye</s>"]),
+    ("glm4", ["<|user|>", "bye"]),
+    ("qwen2.5", "mask_template_error"),  # '<|im_start|>assistant<|im_end|>': the turn lacks the generation prompt's
+    # '\n', so where it starts is not known
+])
+def test_empty_assistant_turn(name, expected):
+    """An empty answer is its end token alone, or (where the template renders it without the header the model
+    is prompted with) a skipped row, never a mask that reaches into the header."""
+    tok = cf.family(name)
+    out = tokenize(tok, [[U("hi"), A(""), U("more"), A("bye")]])
+    if isinstance(expected, str):
+        assert out["skip_reason"] == [expected]
+    else:
+        assert out["skip_reason"] == [""] and runs(tok, out["input_ids"][0], out["loss_mask"][0]) == expected
+
+
+@pytest.mark.parametrize("name, call_text", [
+    ("llama3.1", '{"name": "get", "parameters": {"city": "Paris"}}<|eot_id|>'),
+    ("mistral", '[TOOL_CALLS][{"name": "get", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]</s>'),
+    ("qwen2.5", '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'),
+    ("deepseek-v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n{"city": "Paris"}\n```'
+                    '<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'),
+    ("glm4", 'get\n{"city": "Paris"}<|observation|>'),
+], ids=["llama3.1", "mistral", "qwen2.5", "deepseek-v3", "glm4"])
+def test_tool_call_arguments_string_or_mapping_render_the_same(name, call_text):
+    """OpenAI rows give arguments as a JSON string, HF rows as a mapping: both render as the model generates the
+    call. Templates that `tojson` the arguments (Llama 3.1, Mistral, Qwen2.5, GLM-4) get a mapping (a string would
+    render quoted and escaped); DeepSeek V3's, which concatenates them, gets the string back."""
+    tok = cf.family(name)
+    as_mapping = [{**CALL[0], "function": {"name": "get", "arguments": {"city": "Paris"}}}]
+    rows = [[U("weather?"), A(None, tool_calls=calls), TOOL, A("It is sunny.")] for calls in (CALL, as_mapping)]
+    out = tokenize(tok, rows)
+    assert out["skip_reason"] == ["", ""]
+    assert out["input_ids"][0] == out["input_ids"][1] and out["loss_mask"][0] == out["loss_mask"][1]
+    assert runs(tok, out["input_ids"][0], out["loss_mask"][0])[0] == call_text
+    assert '\\"' not in tok.decode(out["input_ids"][0])
+
+
+def test_openai_export_quirks_render_as_vllm_passes_them():
+    """What OpenAI-style exports hold besides the standard form: `"tool_calls": []` on a plain answer (dropped: Llama
+    3.1's template would take the key for a call and raise), empty arguments (as {}), a flat call {name,
+    arguments} without `function`, a tool result that is a JSON list (kept for the template's `tojson`)."""
+    tok = cf.family("llama3.1")
+    plain = tokenize(tok, [[U("hi"), A("hello")]])
+    out = tokenize(tok, [[U("hi"), A("hello", tool_calls=[])]])
+    assert out["skip_reason"] == [""] and out["input_ids"] == plain["input_ids"]
+    call = [{**CALL[0], "function": {"name": "get", "arguments": ""}}]
+    listed = {**TOOL, "content": [{"temp": 20}]}
+    out = tokenize(tok, [[U("weather?"), A(None, tool_calls=call), listed, A("Warm.")]])
+    assert out["skip_reason"] == [""]
+    assert runs(tok, out["input_ids"][0], out["loss_mask"][0]) == ['{"name": "get", "parameters": {}}<|eot_id|>',
+                                                                   "Warm.<|eot_id|>"]
+    assert '[{"temp": 20}]' in tok.decode(out["input_ids"][0])
+    qwen = cf.family("qwen2.5")
+    flat = tokenize(qwen, [[U("weather?"), A(None, tool_calls=[{"name": "get", "arguments": '{"city": "Paris"}'}]),
+                           TOOL, A("Sunny.")],
+                           [U("weather?"), A(None, tool_calls=[{"name": "get", "arguments": {"city": "Paris"}}]),
+                            TOOL, A("Sunny.")]])
+    assert flat["skip_reason"] == ["", ""] and flat["input_ids"][0] == flat["input_ids"][1]
+
+
+MARKED = ("{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+          "{%- generation -%}{{- m['content'] or '' -}}{%- for c in m.tool_calls or [] -%}"
+          "{{- c.function.name + ' ' + c.function.arguments | tojson -}}{%- endfor -%}{{- '<|im_end|>' -}}"
+          "{%- endgeneration -%}{{- '\\n' -}}{%- elif m['role'] in ['system', 'user'] -%}"
+          "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_tool_call_arguments_are_mappings_with_generation_markers():
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(MARKED)
+    out = tokenize(tok, [[U("weather?"), A(None, tool_calls=CALL), U("ok"), A("fine")]])
+    assert out["skip_reason"] == [""]
+    assert runs(tok, out["input_ids"][0], out["loss_mask"][0])[0] == 'get {"city": "Paris"}<|im_end|>'
+
+
+@pytest.mark.parametrize("name, conv, reason", [
+    ("phi3", [U("weather?"), A(None, tool_calls=CALL), TOOL, A("It is sunny.")], "tool_call_not_rendered"),
+    ("phi3.5", [U("weather?"), A("Let me look.", tool_calls=CALL), U("ok"), A("fine")], "tool_call_not_rendered"),
+    ("smollm3", [U("weather?"), A("It is sunny."), TOOL, A("Yes.")], "message_not_rendered"),
+    ("qwen3", [U("weather?"), {"role": "developer", "content": "be brief"}, A("Sunny.")], "message_not_rendered"),
+    ("markers", [U("weather?"), A(None, tool_calls=CALL), TOOL, A("It is sunny.")], "message_not_rendered"),
+], ids=["phi3-tool-call", "phi3.5-tool-call-with-content", "smollm3-tool-result", "qwen3-developer", "markers"])
+def test_what_the_template_drops_is_skipped(name, conv, reason):
+    """A template without tool support renders an assistant turn's tool calls as nothing (the turn would be
+    supervised as an empty answer), one without a branch for a role drops that message (the next answer would
+    lose its context): the row is skipped with a reason, on derived masks and on generation markers alike."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(MARKED) if name == "markers" else cf.family(name)
+    out = tokenize(tok, [conv, [U("hi"), A("hello")]])
+    assert out["skip_reason"] == [reason, ""]
+    assert out["input_ids"][0] == [] and out["input_ids"][1]
+    with_tools = tokenize(tok, [conv], tools=[[{"type": "function", "function": {"name": "get"}}]])
+    assert with_tools["skip_reason"] == [reason]  # (the row-by-row path too)
+
+
+def test_a_dropped_message_is_found_among_many():
+    """Each message's sentinel is no part of another's (message 1's is not inside message 27's)."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(
+        "{%- for m in messages -%}{%- if not (m['role'] == 'tool' and loop.index0 == 1) -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    conv = [U("q"), TOOL] + [A("a") if k % 2 else U("q") for k in range(25)] + [TOOL, A("done")]
+    assert len(conv) == 29 and conv[27] == TOOL
+    assert masks.unrendered(tok, conv, None, {}) == "message_not_rendered"
+    assert masks.unrendered(tok, [U("q"), A("a")] + conv[2:], None, {}) == ""
 
 
 def test_qwen3_agent_turns_keep_reasoning_until_a_later_query():
