@@ -252,7 +252,10 @@ def _interrupts_out_of_finalizers() -> Iterator[None]:
         if signum is None:
             return previous(u)
         # From another thread, a moment later: called here, the handler would run again inside this very hook.
-        threading.Timer(0.01, _thread.interrupt_main, (int(signum),)).start()
+        try:
+            threading.Timer(0.01, _thread.interrupt_main, (int(signum),)).start()
+        except RuntimeError:  # no new thread at interpreter shutdown: the process is ending anyway
+            pass
 
     sys.unraisablehook = unraisable
     try:
