@@ -658,8 +658,8 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     import torch
 
     from hsx import fp8
-    from hsx.config import HsxError
     from hsx.cost import shape_config
+    from hsx.errors import HsxError
     from hsx.model import text_config_of
 
     if not torch.cuda.is_available() or not fp8.has_fp8_tensor_cores(torch.device("cuda")):
@@ -707,8 +707,8 @@ def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> d
             continue
         run = fp8.gemm(name)[0]
         try:
-            got = run(xq, xs, wq, ws)[:256].float()
-            row[f"{name}_error"] = ((got - want).norm() / want.norm()).item()
+            got = run(xq, xs, wq, ws)[:256]
+            row[f"{name}_error"] = fp8.relative_error(got, want)
             row[name] = _tflops(lambda: run(xq, xs, wq, ws), tokens, n, k, device)
         except Exception as e:  # noqa: BLE001  (a shape or build the GEMM does not take: reported, not fatal)
             row[name] = f"{type(e).__name__}: {one_line(e, 120)}"
