@@ -41,7 +41,8 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# hsx.fp8's block-scaled GEMMs, fastest first after auto (auto: the first that works on the device)
+# hsx.fp8's block-scaled GEMMs after auto (auto: the first that works on the device), in the order hsx tries them
+# (docs/fp8.md: cuBLAS faster than Triton on an H200; fbgemm first, its speed not yet measured)
 FP8_GEMM_CHOICES = ("auto", "fbgemm", "cublas", "triton")
 
 

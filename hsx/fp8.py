@@ -435,7 +435,7 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-GEMMS = FP8_GEMM_CHOICES[1:]  # fastest first (docs/fp8.md); Triton, last, runs any shape
+GEMMS = FP8_GEMM_CHOICES[1:]  # in the order tried (docs/fp8.md); Triton, last, runs any shape
 _GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
                "triton": "hsx's Triton block GEMM"}
 _BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
