@@ -749,7 +749,7 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
     if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
         out["gemm_by_shape"] = by_shape
-    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
+    experts = [m for m in base.modules() if is_experts_module(m)]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
         held = [m for m in experts if _holds_e4m3(m)]
@@ -758,6 +758,12 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
                           else "transformers fp8" if held else "dequantized by transformers")
         out["fp8_experts"] = len(ours)
     return out
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether `module` is an experts module of transformers' fused layout, which its ExpertsInterface dispatches
+    (hsx.moe.use_experts puts hsx's grouped path there)."""
+    return type(module).__name__.endswith("Experts") and hasattr(module, "has_gate")
 
 
 def _holds_e4m3(experts: torch.nn.Module) -> bool:
@@ -772,8 +778,7 @@ def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
     left to it or the kernel loads."""
     linears = [m for m in base.modules() if type(m).__name__ == "FP8Linear"
                and getattr(getattr(m, "weight", None), "dtype", None) == FP8_DTYPE]
-    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")
-               and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
+    experts = [m for m in base.modules() if is_experts_module(m) and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
     if not (linears or experts):
         return None
     try:
@@ -846,7 +851,7 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
         decoder.set_submodule(name, Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
                                               torch.nn.Parameter(s, requires_grad=False), bias))
     for m in decoder.modules():
-        if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate"):
+        if is_experts_module(m):
             _random_fp8_experts(m, device, std)
     _materialize(causal, device)
     with torch.no_grad():

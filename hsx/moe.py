@@ -900,7 +900,7 @@ def has_experts(base: torch.nn.Module) -> bool:
 
 
 def _dispatched(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("Experts") and hasattr(module, "has_gate")
+    return fp8.is_experts_module(module)
 
 
 def resolve_experts(requested: str, cuda: bool) -> str | None:
