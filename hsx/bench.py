@@ -179,10 +179,6 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
         causal = fp8.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
-        if _num_experts(text):  # e4m3 experts run on hsx's grouped path only ((a) and (b) included)
-            from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
-
-            use_experts(causal, EXPERTS_IMPLEMENTATION)
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -193,10 +189,12 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     causal.config.use_cache = False
     if args.model and on_fp8 and len(proc.devices) == 1:
         fp8.install(causal)
-        if _num_experts(text):  # as for random FP8 weights: e4m3 experts on hsx's grouped path (drift included)
-            from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
+    if on_fp8 and len(proc.devices) == 1 and _num_experts(text):
+        # e4m3 experts on hsx's grouped path, a checkpoint's as random ones: in (a) and (b) too, and the drift
+        # column's bf16 forward switches only experts on that path
+        from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
 
-            use_experts(causal, EXPERTS_IMPLEMENTATION)
+        use_experts(causal, EXPERTS_IMPLEMENTATION)
     if on_fp8:
         log(f"  FP8 GEMM: {fp8.use_gemm(device, args.fp8_gemm)}")
     build_s = time.perf_counter() - t0
