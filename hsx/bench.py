@@ -179,10 +179,6 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
         causal = fp8.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
-        if _num_experts(text):  # e4m3 experts run on hsx's grouped path only ((a) and (b) included)
-            from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
-
-            use_experts(causal, EXPERTS_IMPLEMENTATION)
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -193,10 +189,12 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     causal.config.use_cache = False
     if args.model and on_fp8 and len(proc.devices) == 1:
         fp8.install(causal)
-        if _num_experts(text):  # as for random FP8 weights: e4m3 experts on hsx's grouped path (drift included)
-            from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
+    if on_fp8 and len(proc.devices) == 1 and _num_experts(text):
+        # e4m3 experts on hsx's grouped path, a checkpoint's as random ones: in (a) and (b) too, and the drift
+        # column's bf16 forward switches only experts on that path
+        from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
 
-            use_experts(causal, EXPERTS_IMPLEMENTATION)
+        use_experts(causal, EXPERTS_IMPLEMENTATION)
     if on_fp8:
         log(f"  FP8 GEMM: {fp8.use_gemm(device, args.fp8_gemm)}")
     build_s = time.perf_counter() - t0
@@ -658,8 +656,8 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     import torch
 
     from hsx import fp8
-    from hsx.config import HsxError
     from hsx.cost import shape_config
+    from hsx.errors import HsxError
     from hsx.model import text_config_of
 
     if not torch.cuda.is_available() or not fp8.has_fp8_tensor_cores(torch.device("cuda")):
@@ -707,8 +705,8 @@ def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> d
             continue
         run = fp8.gemm(name)[0]
         try:
-            got = run(xq, xs, wq, ws)[:256].float()
-            row[f"{name}_error"] = ((got - want).norm() / want.norm()).item()
+            got = run(xq, xs, wq, ws)[:256]
+            row[f"{name}_error"] = fp8.relative_error(got, want)
             row[name] = _tflops(lambda: run(xq, xs, wq, ws), tokens, n, k, device)
         except Exception as e:  # noqa: BLE001  (a shape or build the GEMM does not take: reported, not fatal)
             row[name] = f"{type(e).__name__}: {one_line(e, 120)}"

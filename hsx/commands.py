@@ -20,7 +20,7 @@ from hsx.errors import HsxError
 
 
 def write_json(dest: str, obj) -> None:
-    """`--json` for plan and bench alike: "-" is stdout, anything else a file path."""
+    """`--json` for plan, bench and verify alike: "-" is stdout, anything else a file path."""
     text = json.dumps(obj, indent=2) + "\n"
     if dest == "-":
         sys.stdout.write(text)
@@ -29,6 +29,12 @@ def write_json(dest: str, obj) -> None:
             Path(dest).write_text(text)
         except OSError as e:  # a folder, a missing parent, a read-only file system
             raise HsxError(f"cannot write --json {dest}: {e.strerror or e}") from None
+
+
+def log_beside_json(dest: str | None):
+    """The command's print: with `--json -` stdout is the JSON (as `hsx plan --json`), so lines and tables go to
+    stderr."""
+    return (lambda *a, **k: print(*a, **k, file=sys.stderr)) if dest == "-" else print
 
 
 def extract(args: argparse.Namespace) -> None:
@@ -57,8 +63,7 @@ def bench(args: argparse.Namespace) -> None:
         check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high)
     for flag, low, high in (("mean", 1, 2**31 - 1), ("spread", 0, 100), ("tail", 0, 1), ("storage_gb", 0, None)):
         check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high, integer=False)
-    # `--json` alone: stdout is the JSON (as `hsx plan --json`), so the lines and the table go to stderr
-    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
+    log = log_beside_json(args.json)
     if args.gemms is not None:
         from hsx.bench import bench_gemms
 
@@ -125,8 +130,7 @@ def verify(args: argparse.Namespace) -> None:
     elif args.json:
         raise UsageError("--json writes the --against-bf16 report: give --against-bf16 N")
     samples = args.samples if args.samples is not None else (0 if against else 8)
-    # `--json` alone: stdout is the JSON, so the lines and the table go to stderr
-    log = (lambda *a, **k: print(*a, **k, file=sys.stderr)) if args.json == "-" else print
+    log = log_beside_json(args.json)
     run_verify(args.output_dir, samples=samples, tolerance=args.tolerance, seed=args.seed, model=args.model,
                trust_remote_code=args.trust_remote_code, log=log)
     if against:

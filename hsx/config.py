@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from hsx.errors import HsxError, UsageError  # noqa: F401  (raised here; also imported from here)
+from hsx.errors import HsxError, UsageError, one_line  # noqa: F401  (raised here; also imported from here)
 from hsx.schema import COMPUTE_DTYPES, DEFAULT_STORAGE_DTYPE, STORAGE_DTYPES
 
 LAYER_CONVENTION = (
@@ -41,7 +41,8 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# hsx.fp8's block-scaled GEMMs, fastest first after auto (auto: the first that works on the device)
+# hsx.fp8's block-scaled GEMMs after auto (auto: the first that works on the device), in the order hsx tries them
+# (docs/fp8.md: cuBLAS faster than Triton on an H200; fbgemm first, its speed not yet measured)
 FP8_GEMM_CHOICES = ("auto", "fbgemm", "cublas", "triton")
 
 
@@ -261,7 +262,7 @@ def parse_value(name: str, value: Any) -> Any:
         try:
             value = json.loads(value)
         except (ValueError, RecursionError) as e:  # (a JSONDecodeError, or an int of over 4300 digits)
-            raise HsxError(f"{name} must be a JSON object: {' '.join(str(e).split())[:150]}") from None
+            raise HsxError(f"{name} must be a JSON object: {one_line(e, 150)}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise HsxError(f"{name} must be a mapping with string keys, got {_shown(value)}")
     return value
@@ -381,7 +382,7 @@ def read_recipe(path: str) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise HsxError(f"config {path}: not valid YAML: {_yaml_problem(e)}") from None
     except (ValueError, OverflowError) as e:  # a scalar YAML matched that does not build (a 5000-digit int)
-        raise HsxError(f"config {path}: not a value hsx reads: {' '.join(str(e).split())[:150]}") from None
+        raise HsxError(f"config {path}: not a value hsx reads: {one_line(e, 150)}") from None
     except RecursionError:
         raise HsxError(f"config {path}: nested too deeply to be a recipe") from None
     if raw is None:

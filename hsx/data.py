@@ -531,11 +531,17 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     return conv, ""
 
 
-def _json_list(text: str) -> list | None:
+def _json(text: str) -> Any:
+    """The value JSON text in a row spells, or None where it is not JSON hsx reads (nested 100k deep:
+    RecursionError; an int of over 4300 digits: ValueError). Every caller takes a JSON null as nothing too."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError):
         return None
+
+
+def _json_list(text: str) -> list | None:
+    value = _json(text)
     return value if isinstance(value, list) else None
 
 
@@ -570,10 +576,7 @@ def message_text(content: Any, role: str = "user") -> tuple[Any, str]:
 def sharegpt_tool_calls(value: Any) -> list[dict[str, Any]] | None:
     """A ShareGPT `function_call` value (a JSON object {name, arguments} or a list of them) as OpenAI tool calls,
     or None if it is not one."""
-    try:
-        calls = json.loads(value) if isinstance(value, str) else None
-    except (ValueError, RecursionError):
-        return None
+    calls = _json(value) if isinstance(value, str) else None
     calls = [calls] if isinstance(calls, dict) else calls
     if not (isinstance(calls, list) and calls and all(
             isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c for c in calls)):
@@ -597,10 +600,7 @@ def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: 
 def row_tools(raw: Any) -> list | None:
     """A row's `tools` column for the template: a list of tool schemas (a JSON string of one is parsed)."""
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except (ValueError, RecursionError):  # (nested 100k deep: RecursionError; a 5000-digit int: ValueError)
-            return None
+        raw = _json(raw)
     return raw if isinstance(raw, list) and raw else None
 
 
@@ -690,10 +690,7 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     if not args.strip():
         return _with_arguments(call, {})
-    try:
-        parsed = json.loads(args)
-    except (ValueError, RecursionError):  # (a 5000-digit int: ValueError)
-        return call
+    parsed = _json(args)
     return _with_arguments(call, parsed) if isinstance(parsed, dict) else call
 
 

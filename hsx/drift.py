@@ -64,8 +64,7 @@ class _Sums:
             ref = self.ref[(c, name, m)]
             if c != comparison or m != masked or ref == 0.0:  # (no token: no number, rather than a 0)
                 continue
-            v = math.sqrt(e / ref) if math.isfinite(e) and math.isfinite(ref) else float("inf")
-            out[name] = v if math.isfinite(v) else float("inf")
+            out[name] = math.sqrt(e / ref) if math.isfinite(e) and math.isfinite(ref) else float("inf")
         return out
 
 

@@ -41,6 +41,10 @@ BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints'
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
 BF16_REFERENCE = "_hsx_bf16_reference"  # set on such a module by `bf16_reference`: its experts run dequantized
 SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
+# Every check of an FP8 kernel (GEMMs here, hsx.moe's expert kernels) against its float32 reference: Frobenius
+# relative error below this. A right kernel differs by accumulation order (6.9e-4 on Qwen3-8B's shapes,
+# docs/benchmarks.md); a wrong scale layout or tile is off by far more.
+CHECK_TOLERANCE = 1e-2
 # The official `-FP8` checkpoints' quantization_config (the layout hsx's kernels run)
 CHECKPOINT_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
                            "fmt": "e4m3"}
@@ -290,7 +294,7 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
 
 def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor, rows: tuple[int, ...] = (16, 200)) -> str | None:
     """Why GEMM `name`'s products of `rows` random activation rows with (w, ws) are not the float32 reference's
-    (relative error < 1e-2, as every FP8 kernel check of hsx), None when they are."""
+    (`relative_error` < CHECK_TOLERANCE), None when they are."""
     g = torch.Generator(device=w.device).manual_seed(1)
     for m in rows:
         x = torch.randn(m, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
@@ -302,10 +306,16 @@ def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor, rows: tuple[int, ..
             return f"{type(e).__name__}: {one_line(e, 160)}"
         if got.shape != want.shape:
             return f"its product has shape {tuple(got.shape)}, not {tuple(want.shape)}"
-        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
-        if not err < 1e-2:
+        err = relative_error(got, want)
+        if not err < CHECK_TOLERANCE:
             return f"relative error {err:.3g} against the float32 product at {m} rows"
     return None
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got − want|| / ||want|| (Frobenius, in float32): what every FP8 kernel check compares to CHECK_TOLERANCE."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
 @fp8_linear.register_fake
@@ -425,7 +435,7 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-GEMMS = FP8_GEMM_CHOICES[1:]  # fastest first (docs/fp8.md); Triton, last, runs any shape
+GEMMS = FP8_GEMM_CHOICES[1:]  # in the order tried (docs/fp8.md); Triton, last, runs any shape
 _GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
                "triton": "hsx's Triton block GEMM"}
 _BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
@@ -739,7 +749,7 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
     if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
         out["gemm_by_shape"] = by_shape
-    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
+    experts = [m for m in base.modules() if is_experts_module(m)]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
         held = [m for m in experts if _holds_e4m3(m)]
@@ -748,6 +758,12 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
                           else "transformers fp8" if held else "dequantized by transformers")
         out["fp8_experts"] = len(ours)
     return out
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether `module` is an experts module of transformers' fused layout, which its ExpertsInterface dispatches
+    (hsx.moe.use_experts puts hsx's grouped path there)."""
+    return type(module).__name__.endswith("Experts") and hasattr(module, "has_gate")
 
 
 def _holds_e4m3(experts: torch.nn.Module) -> bool:
@@ -762,8 +778,7 @@ def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
     left to it or the kernel loads."""
     linears = [m for m in base.modules() if type(m).__name__ == "FP8Linear"
                and getattr(getattr(m, "weight", None), "dtype", None) == FP8_DTYPE]
-    experts = [m for m in base.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")
-               and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
+    experts = [m for m in base.modules() if is_experts_module(m) and _holds_e4m3(m) and not getattr(m, FP8_EXPERTS, False)]
     if not (linears or experts):
         return None
     try:
@@ -836,7 +851,7 @@ def random_causal_lm(config, device: torch.device, attn_implementation: str | No
         decoder.set_submodule(name, Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
                                               torch.nn.Parameter(s, requires_grad=False), bias))
     for m in decoder.modules():
-        if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate"):
+        if is_experts_module(m):
             _random_fp8_experts(m, device, std)
     _materialize(causal, device)
     with torch.no_grad():

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, UsageError
+from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, UsageError, one_line
 
 RANK_COMMANDS = ("extract", "bench")  # the commands that split their work over the ranks of a launch
 # What torch.distributed.elastic's agent catches (its default TORCHELASTIC_SIGNALS_TO_HANDLE) and passes to ranks.
@@ -72,7 +72,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
     _check_accelerate_config(args)
     if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
-        from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hung)
+        from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hangs)
 
         config_of(ns)
     elif getattr(ns, "config", None):
@@ -111,7 +111,7 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
         # (ValueError: a value YAML matched but cannot build, as a 5000-digit int or the date 2001-13-45)
         except (UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
             raise UsageError(f"accelerate config file {path}: not valid YAML or JSON "
-                             f"({' '.join(str(e).split())[:150]})") from None
+                             f"({one_line(e, 150)})") from None
         if not isinstance(config, dict):
             raise UsageError(f"accelerate config file {path}: expected a mapping of keys to values, got "
                              f"{type(config).__name__}")

@@ -144,8 +144,8 @@ def render_bounds(tokenizer, template_kwargs: dict[str, Any], tools=None, max_ch
     """The bounds of one render (or one batch's): RENDER_CPU_SECONDS of CPU (`cpu_time_limit`), and every `*`
     that repeats a string or list checked before it runs: a repetition longer than `max_chars` (the render's own
     bound) is RenderLimit('chat_template_output_too_long'). `'x' * (message.content | int)` with a row's content
-    of '10000000000' was one allocation of 10 GB, made (or the process killed) before the render's length could
-    be looked at; the static check (`unbounded_step`) sees only literal counts."""
+    of '10000000000' would be one allocation of 10 GB, made (or the process killed) before the render's length
+    could be looked at; the static check (`unbounded_step`) sees only literal counts."""
     _bound_repetitions(tokenizer, template_kwargs, tools)
     token = _REPEAT_LIMIT.set(max_chars)
     try:

@@ -508,8 +508,8 @@ _FP8_KERNEL_CHECKS: dict[tuple, bool] = {}  # (device, op, weight shape) → the
 def _fp8_kernels_take(w: torch.Tensor, ws: torch.Tensor, op: str) -> bool:
     """Whether the Triton kernel runs `op` ("gate_up" or "down") for experts of this weight shape: on its first
     call for (device, shape), 192 tokens routed 2 each over the first experts of these very weights must agree with
-    the reference (relative error < 1e-2), else (a compile error, a wrong result) one warning and the reference
-    runs from then on: slow, never wrong."""
+    the reference (`fp8.relative_error` < fp8.CHECK_TOLERANCE), else (a compile error, a wrong result) one warning
+    and the reference runs from then on: slow, never wrong."""
     key = (w.device.index, op, *w.shape)
     if key not in _FP8_KERNEL_CHECKS:
         experts, n, hidden = w.shape
@@ -533,7 +533,7 @@ def _fp8_kernels_take(w: torch.Tensor, ws: torch.Tensor, op: str) -> bool:
                 xq, xs = fp8.fp8_quantize(x.repeat_interleave(k, 0))  # one row per pair, as after gate/up
                 want = _fp8_down_reference(xq, xs, order, offsets, weights, w, ws, torch.float32)
                 got = _fp8_down_cuda(xq, xs, order, offsets, weights, w, ws, torch.float32)
-            ok = bool(((got - want).norm() / want.norm().clamp(min=1e-30)).item() < 1e-2)
+            ok = fp8.relative_error(got, want) < fp8.CHECK_TOLERANCE
             why = "its product differs from the reference"
         except Exception as e:  # noqa: BLE001  (a Triton compile or launch error on this GPU)
             ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -900,7 +900,7 @@ def has_experts(base: torch.nn.Module) -> bool:
 
 
 def _dispatched(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("Experts") and hasattr(module, "has_gate")
+    return fp8.is_experts_module(module)
 
 
 def resolve_experts(requested: str, cuda: bool) -> str | None:

@@ -579,8 +579,8 @@ class OutputDir:
 
     def clear_tmp(self, every_rank: bool = False) -> None:
         """Partial units a killed run of this rank (`every_rank`: of any rank) left behind, never committed, so
-        never counted. Every rank's once per claim: a resume with fewer ranks left the others' behind, and
-        --max-pending-gb (hsx.follow.pending_bytes) counted them as pending for ever."""
+        never counted. Every rank's once per claim: a resume on fewer ranks would leave the others' behind, and
+        --max-pending-gb (hsx.follow.pending_bytes) would count them as pending for ever."""
         folder = self.tmp.parent if every_rank else self.tmp
         if folder.is_dir() and not folder.is_symlink():
             shutil.rmtree(folder, ignore_errors=True)

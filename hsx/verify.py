@@ -27,6 +27,11 @@ import numpy as np
 from hsx.errors import HsxError, VerifyFailed
 from hsx.schema import Info
 
+TRUST_NEEDS_MODEL = ("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
+                     "command line, never from the one OUT's hsx.json names")
+RAN_REMOTE_CODE = ("the job ran the model's own code (trust_remote_code), and verify takes no trust from hsx.json: "
+                   "pass --model PATH --trust-remote-code")
+
 
 def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 0, log=print,
            model: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -44,8 +49,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     check_range("tolerance", tolerance, 0, integer=False)
 
     if trust_remote_code and not model:
-        raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
-                       "command line, never from the one OUT's hsx.json names")
+        raise HsxError(TRUST_NEEDS_MODEL)
     out = OutputDir(out_dir)
     problems: list[str] = []
     try:
@@ -118,8 +122,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     if samples and len(ds):
         recorded = info.model_path
         if not model and info.config.get("trust_remote_code") is not False:
-            problems.append("cannot recompute rows: the job ran the model's own code (trust_remote_code), and "
-                            "verify takes no trust from hsx.json: pass --model PATH --trust-remote-code")
+            problems.append(f"cannot recompute rows: {RAN_REMOTE_CODE}")
         elif not model and not (isinstance(recorded, str) and recorded and Path(recorded).is_dir()):
             problems.append(f"cannot recompute rows: model folder {recorded!r} is not here; pass --model PATH")
         else:
@@ -234,8 +237,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
 
     check_range("--against-bf16", rows, 1, 2**31 - 1)
     if trust_remote_code and not model:
-        raise HsxError("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
-                       "command line, never from the one OUT's hsx.json names")
+        raise HsxError(TRUST_NEEDS_MODEL)
     out = OutputDir(out_dir)
     info = out.read_info()
     if info is None or not info.complete:
@@ -251,8 +253,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
         raise HsxError(f"model folder {folder!r} is not here" + ("" if model else
                        " (hsx.json records it); pass --model PATH, a folder with the same files"))
     if not model and info.config.get("trust_remote_code") is not False:
-        raise HsxError("the job ran the model's own code (trust_remote_code), and verify takes no trust from "
-                       "hsx.json: pass --model PATH --trust-remote-code")
+        raise HsxError(RAN_REMOTE_CODE)
     _check_model_identity(job, info, folder, trust_remote_code, log)
     full = read_model_config(folder, folder, trust_remote_code)
     quant = fp8.quantization_of(fp8.carry_quantization(full, text_config_of(full)))  # (the folder decides)

@@ -94,7 +94,7 @@ def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
 
 def _read_counts(path: Path, vocab_size: int) -> np.ndarray | None:
     """The (vocab_size,) int64 array of a .npy file hsx wrote, its header checked before any allocation: np.load
-    allocates the shape a header claims (a 100-byte file claiming 10**12 entries was a MemoryError); the file is
+    allocates the shape a header claims (a 100-byte file claiming 10**12 entries: a MemoryError); the file is
     a regular one reached through no link, of exactly the size that header says. None when it is not."""
     from hsx.sink import open_regular
 

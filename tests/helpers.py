@@ -268,6 +268,16 @@ def assert_one_error_line(rc: int, err: str, *needles: str, prefix: str = "hsx: 
     return lines[0]
 
 
+def the_error_line(err: str) -> str:
+    """The one `hsx: error:` (or `hsx: verify failed:`) line of a command's stderr, which holds no traceback; other
+    `hsx:` lines (warnings, progress) may come with it."""
+    assert "Traceback" not in err, err[-2000:]
+    lines = [line for line in message_lines(err) if line.startswith("hsx: ")]
+    errors = [line for line in lines if line.startswith(("hsx: error: ", "hsx: verify failed: "))]
+    assert len(errors) == 1, err[-2000:]
+    return errors[0]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment of an hsx subprocess: offline, one thread per process, no leftover launcher variables."""
     env = dict(os.environ)

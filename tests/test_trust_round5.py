@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_env, fault_argv, hsx_main, message_lines
+from helpers import child_env, fault_argv, hsx_main, the_error_line
 
 import hsx
 from hsx.config import HsxError
@@ -26,14 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def quiet(*a, **k):
     pass
-
-
-def one_error_line(err: str) -> str:
-    assert "Traceback" not in err, err[-2000:]
-    lines = [line for line in message_lines(err) if line.startswith("hsx: ")]
-    errors = [line for line in lines if line.startswith(("hsx: error: ", "hsx: verify failed: "))]
-    assert len(errors) == 1, err[-2000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +53,12 @@ def test_a_key_given_twice_in_hsx_json_or_job_json_is_refused(out, model4, small
     with pytest.raises(HsxError, match="key 'complete' given twice"):
         hsx.load(out)
     rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
-    assert rc == 1 and "given twice" in one_error_line(err)
+    assert rc == 1 and "given twice" in the_error_line(err)
     shutil.copy(out / "hsx.json", out / "hsx.json.bak")
     (out / "hsx.json").write_text((out / "hsx.json").read_text().replace('"complete": false, ', "", 1))
     with_key_twice(out / ".hsx" / "job.json", "fingerprint", "0" * 64)
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
-    assert rc == 1 and "job.json is damaged: key 'fingerprint' given twice" in one_error_line(err)
+    assert rc == 1 and "job.json is damaged: key 'fingerprint' given twice" in the_error_line(err)
 
 
 def test_a_manifest_line_with_a_key_given_twice_is_damaged(out):
@@ -82,7 +74,7 @@ def test_verify_and_push_of_a_used_up_output_say_where_its_rows_went(out, tmp_pa
     dest = tmp_path / "moved"
     export_specforge(out, dest, layout="dflash", delete_source=True, log=quiet)
     rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc == 1 and "export-specforge --delete-source" in line and str(dest.resolve()) in line, line
     assert "missing" not in line
     api = FakeHfApi()
@@ -131,7 +123,7 @@ def test_a_config_that_does_not_build_the_model_is_one_line_naming_the_key(tmp_p
         config["hidden_act"], needle = "nope", "KeyError: 'nope'"
     (model / "config.json").write_text(json.dumps(config))
     rc, _, err = hsx_main(fault_argv(model, small_chat_path, tmp_path / "o"))
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc == 1 and needle in line, line
 
 
@@ -171,7 +163,7 @@ def test_launch_refuses_bad_process_counts_and_config_files_in_one_line(accelera
     options = [o.format(**accelerate_files) for o in options]
     rc = main(["launch", *options, "extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert rc == 2 and needle in one_error_line(err), err
+    assert rc == 2 and needle in the_error_line(err), err
     assert not (tmp_path / "o").exists()
 
 
@@ -182,7 +174,7 @@ def test_a_recipe_that_is_a_fifo_or_a_folder_is_one_line(tmp_path, capsys):
     for recipe in (tmp_path / "fifo.yaml", tmp_path):
         rc = main(["extract", "--config", str(recipe), "--output-dir", str(tmp_path / "o")])
         err = capsys.readouterr().err
-        assert rc == 2 and "is not a regular file" in one_error_line(err), err
+        assert rc == 2 and "is not a regular file" in the_error_line(err), err
 
 
 def test_an_unusable_datasets_cache_is_named_not_the_dataset(tmp_path, model4, small_chat_path, monkeypatch):
@@ -194,7 +186,7 @@ def test_an_unusable_datasets_cache_is_named_not_the_dataset(tmp_path, model4, s
     afile.write_text("")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", afile / "datasets")
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "o"))
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc == 1 and f"datasets' cache {afile / 'datasets'} cannot be used" in line, line
 
 
@@ -202,11 +194,11 @@ def test_an_output_dir_or_dest_that_cannot_be_made_is_one_line(tmp_path, finishe
     afile = tmp_path / "afile"
     afile.write_text("")
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, afile / "out"))
-    assert rc == 1 and "cannot create" in one_error_line(err)
+    assert rc == 1 and "cannot create" in the_error_line(err)
     rc, _, err = hsx_main(["merge", str(afile / "merged"), str(finished)])
-    assert rc == 1 and "cannot create" in one_error_line(err)
+    assert rc == 1 and "cannot create" in the_error_line(err)
     rc, _, err = hsx_main(["export-specforge", "--layout", "dflash", str(finished), str(afile / "dest")])
-    assert rc == 1 and "cannot create" in one_error_line(err)
+    assert rc == 1 and "cannot create" in the_error_line(err)
     assert afile.read_text() == ""
 
 
@@ -251,7 +243,7 @@ def test_a_json_path_that_cannot_be_written_is_one_line(tmp_path, model4):
     """`hsx plan --json` into a folder or under a missing parent was an OSError traceback."""
     for dest in (tmp_path, tmp_path / "missing" / "plan.json"):
         rc, _, err = hsx_main(["plan", "--model", str(model4.path), "--layers", "1", "--json", str(dest)])
-        assert rc == 1 and "cannot write --json" in one_error_line(err), err
+        assert rc == 1 and "cannot write --json" in the_error_line(err), err
 
 
 def test_one_launched_process_killed_by_a_signal_is_named(monkeypatch, capsys):
@@ -266,7 +258,7 @@ def test_one_launched_process_killed_by_a_signal_is_named(monkeypatch, capsys):
     with launch._one_process_forwarding() as status:
         accelerate_launch.simple_launcher(None)
     assert status == [137]
-    assert one_error_line(capsys.readouterr().err) == (
+    assert the_error_line(capsys.readouterr().err) == (
         "hsx: error: the process was killed by SIGKILL; finished units are kept: run the same command to continue")
 
 
@@ -299,5 +291,5 @@ def test_verify_of_an_output_a_trainer_consumed_says_so(out):
          "crc32": rec.get("crc32")}) + "\n")
     (out / "data" / rec["file"]).unlink()
     rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc == 1 and "deleted once a trainer consumed them" in line and "missing" not in line, line

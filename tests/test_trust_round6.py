@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import fault_argv, hsx_main, message_lines
+from helpers import fault_argv, hsx_main, the_error_line
 
 import hsx
 from hsx.config import HsxError
@@ -23,14 +23,6 @@ LONG = "1" * 5000  # past Python's 4300-digit limit for int(str): json.loads and
 
 def quiet(*a, **k):
     pass
-
-
-def one_error_line(err: str) -> str:
-    assert "Traceback" not in err, err[-2000:]
-    lines = [line for line in message_lines(err) if line.startswith("hsx: ")]
-    errors = [line for line in lines if line.startswith(("hsx: error: ", "hsx: verify failed: "))]
-    assert len(errors) == 1, err[-2000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +53,7 @@ def test_launch_config_with_a_value_yaml_cannot_build_is_one_line(tmp_path, text
     path.write_text(text)
     rc = main(["launch", "--config_file", str(path), "extract", "--config", "recipes/demo.yaml",
                "--output-dir", str(tmp_path / "o")])
-    line = one_error_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     assert rc == 2 and needle in line and str(path) in line, line
     assert not (tmp_path / "o").exists()
 
@@ -73,11 +65,11 @@ def test_a_recipe_with_a_number_too_long_is_one_line(tmp_path, capsys):
     recipe.write_text(f"layers: [1]\nlimit: {LONG}\n")
     rc = main(["extract", "--config", str(recipe), "--model", "m", "--dataset", "d", "--output-dir",
                str(tmp_path / "o")])
-    line = one_error_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     assert rc == 2 and str(recipe) in line, line
     rc = main(["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir", str(tmp_path / "o"),
                "--chat-template-kwargs", f'{{"x": {LONG}}}'])
-    line = one_error_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     assert rc == 2 and "chat_template_kwargs" in line, line
 
 
@@ -93,7 +85,7 @@ def test_a_number_too_long_in_what_hsx_wrote_is_one_line(out, model4, small_chat
         target.write_text(target.read_text().replace("{", f'{{"x": {LONG}, ', 1))
         argv = fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200")  # the same job: a resume
     rc, _, err = hsx_main(argv)
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc != 0 and "damaged" in line and target.name in line, line
 
 
@@ -284,7 +276,7 @@ def test_launch_refuses_a_machine_rank_or_process_count_the_machines_cannot_run(
     (tmp_path / "two.yaml").write_text("num_machines: 2\nmachine_rank: 7\n")
     options = [o.format(two=tmp_path / "two.yaml") for o in options]
     rc = main(["launch", *options, "extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
-    line = one_error_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     assert rc == 2 and needle in line and not started, line
     rc = main(["launch", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "extract", "--config",
                "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
@@ -367,18 +359,18 @@ def test_a_refused_merge_or_push_dir_is_named_by_its_own_argument_not_output_dir
     stranger.mkdir()
     (stranger / "notes.txt").write_text("mine")
     rc, _, err = hsx_main(["merge", str(tmp_path / "merged"), str(out), str(stranger)])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc != 0 and "choose another DIR of `hsx merge`" in line and "--output-dir" not in line, line
     afile = tmp_path / "afile"
     afile.write_text("x")
     rc, _, err = hsx_main(["merge", str(afile), str(out)])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc != 0 and "is a file, not a folder; choose another OUTPUT_DIR of `hsx merge`" in line, line
     assert afile.read_text() == "x" and (stranger / "notes.txt").read_text() == "mine"
     hub_copy = tmp_path / "downloaded"  # (an output without .hsx/, as the Hub holds it)
     shutil.copytree(out, hub_copy, ignore=shutil.ignore_patterns(".hsx"))
     rc, _, err = hsx_main(["push", str(hub_copy), "someone/states"])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc != 0 and "OUTPUT_DIR of `hsx push`" in line and "--output-dir" not in line, line
 
 
@@ -437,7 +429,7 @@ def test_launch_reads_the_hsx_recipe_and_flags_once_before_any_rank_starts(tmp_p
                          (["--config", str(tmp_path / "bad.yaml")], "storage_dtype"),
                          (["--model", "m", "--dataset", "d"], "--layers is required")):
         rc = main(["launch", "--num_processes", "2", "extract", *argv, "--output-dir", str(tmp_path / "o")])
-        line = one_error_line(capsys.readouterr().err)
+        line = the_error_line(capsys.readouterr().err)
         assert rc != 0 and needle in line and not started, line
     assert not (tmp_path / "o").exists()
     rc = main(["launch", "--num_processes", "2", "extract", "--config", "recipes/demo.yaml", "--output-dir",
@@ -482,10 +474,10 @@ def test_a_frequencies_file_whose_header_claims_a_huge_array_is_damaged_not_a_me
     np.lib.format.write_array_header_1_0(header, {"descr": "<i8", "fortran_order": False, "shape": (10**12,)})
     (out / "token_frequencies.npy").write_bytes(header.getvalue() + bytes(64))
     rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
-    line = one_error_line(err)
+    line = the_error_line(err)
     assert rc != 0 and "does not match hsx.json's token_frequencies" in line, line
     (out / "token_frequencies.npy").unlink()
     (out / "token_frequencies.npy").symlink_to(tmp_path / "elsewhere.npy")
     rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
     assert rc != 0, err
-    one_error_line(err)
+    the_error_line(err)
