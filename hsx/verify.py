@@ -106,6 +106,10 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     if len(np.unique(ids)) != len(ids):
         problems.append(f"{len(ids) - len(np.unique(ids))} sample_id(s) repeat")
     num_tokens = ds.data.column("num_tokens").to_numpy()
+    if len(num_tokens) and int(num_tokens.max()) > info.max_length:  # (hsx cuts every row at it: not hsx's rows,
+        longer = int((num_tokens > info.max_length).sum())          # and the recompute would run them whole)
+        problems.append(f"{longer} row(s) are longer than the job's max_length {info.max_length} (up to "
+                        f"{int(num_tokens.max()):,} tokens)")
     if int(num_tokens.sum()) != info.counts.tokens_written:
         problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info.counts.tokens_written}")
     for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
