@@ -285,7 +285,7 @@ def _checked_attribute(get):
     """`env.getattr` / `env.getitem` handing out a str's growing methods checked (`_method_size`) before they run."""
     def checked(obj, attribute):
         value = get(obj, attribute)
-        if isinstance(obj, str) and attribute in _METHODS and callable(value):
+        if isinstance(attribute, str) and attribute in _METHODS and isinstance(obj, str) and callable(value):
             def method(*args, **kwargs):
                 if _REPEAT_LIMIT.get() is not None:
                     _too_long(_method_size(attribute, obj, args, kwargs), f"builds a string (str.{attribute})")

@@ -91,9 +91,9 @@ def test_the_checked_steps_render_as_before_within_the_bound_and_outside_it():
     small = ("{{ 'x'.center(5) }}|{{ 'ab'|center(6) }}|{{ '%*s' % (4, 'y') }}|{{ '{:>{}}'.format('z', 3) }}|"
              "{{ 'a\\nb'|indent(2) }}|{{ ['a', 'b']|join('-') }}|{{ 'x' ~ 'y' ~ 1 }}|{{ 'p' + 'q' }}|"
              "{{ 'aXa'.replace('X', 'yy') }}|{{ (['a', 'b', 'c']|batch(2, 'z')|list)|length }}|"
-             "{{ '%s-%d'|format('s', 7) }}|{{ 'abc'.translate({98: 'BB'}) }}|{{ [1] * 3 }}"
+             "{{ '%s-%d'|format('s', 7) }}|{{ 'abc'.translate({98: 'BB'}) }}|{{ [1] * 3 }}|{{ 'abc'[[1]] }}|"
              "{% for m in messages %}{{ m.content }}{% endfor %}")
-    want = "  x  |  ab  |   y|  z|a\n  b|a-b|xy1|pq|ayya|2|s-7|aBBc|[1, 1, 1]hihello"
+    want = "  x  |  ab  |   y|  z|a\n  b|a-b|xy1|pq|ayya|2|s-7|aBBc|[1, 1, 1]||hihello"
     tok = family("qwen3", small)
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     with masks.render_bounds(tok, {}, None):
