@@ -189,3 +189,69 @@ def test_hostile_row_formats_are_a_reason_or_a_render(raw, system, reason):
         tok = family("qwen3")
         rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), masks.render_char_limit(64))
         assert rows[0][2] in ("", "chat_template_output_too_long"), rows[0][2]
+
+
+# ---- hsx verify --against-bf16: the model hsx.json names -----------------------------------------------------
+
+def test_against_bf16_never_runs_code_of_the_model_folder_hsx_json_names(finished, tmp_path):
+    """hsx.json (and a job fingerprint forged to name a Hub id, which checks no files) point --against-bf16 at a
+    folder with `auto_map` code: transformers is never told to trust it, so its code does not run (one line, no
+    marker file); hsx.json saying trust_remote_code is refused without --model; a model path that is a FIFO, the
+    root folder or a file is one line (the job's record says it is no FP8 target), and no run waits on a FIFO."""
+    import os
+
+    out = Path(shutil.copytree(finished, tmp_path / "out"))
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    marker = tmp_path / "ran"
+    (evil / "config.json").write_text(json.dumps({
+        "model_type": "evil-hsx", "architectures": ["EvilForCausalLM"], "num_hidden_layers": 4,
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel",
+                     "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (evil / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    job = json.loads((out / ".hsx" / "job.json").read_text())
+    job["inputs"]["model"] = "someone/evil"
+    job["inputs"].pop("revision", None)
+    (out / ".hsx" / "job.json").write_text(json.dumps(job))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "afile").write_text("x")
+    info = json.loads((out / "hsx.json").read_text())
+    for path, trust, needle in ((evil, False, "cannot read the config"), (evil, True, "--trust-remote-code"),
+                                (fifo, False, "not an FP8 checkpoint"), ("/", False, "cannot read the config"),
+                                (tmp_path / "afile", False, "not an FP8 checkpoint")):
+        info["model_path"] = str(path)
+        info["config"]["trust_remote_code"] = trust
+        (out / "hsx.json").write_text(json.dumps(info))
+        rc, _, err = hsx_main(["verify", str(out), "--against-bf16", "2"])
+        line = one_error_line(err)
+        assert rc != 0 and needle in line, (path, line)
+        assert not marker.exists()
+    rc, _, err = hsx_main(["verify", str(out), "--against-bf16", "2", "--model", "someone/model"])  # (offline)
+    line = one_error_line(err)
+    assert rc != 0 and "'someone/model' is not here" in line, line
+
+
+# ---- hub push: the remote hsx.json ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("remote", [
+    b"[1, 2, 3]",  # JSON, not an object
+    b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's depth
+    b'{"fingerprint": ' + b"1" * 5000 + b"}",  # a number int() refuses
+    b'{"fingerprint": {"a": "b"}}',  # not a string
+    b'{"fingerprint": ""}',
+    b"\xff\xfe{}",  # not UTF-8
+])
+def test_push_reads_a_hostile_remote_hsx_json_as_not_this_jobs(finished, tmp_path, remote):
+    from test_hub import REPO, FakeHfApi
+
+    from hsx.config import HsxError
+    from hsx.hub import push_output
+
+    out = Path(shutil.copytree(finished, tmp_path / "out"))
+    api = FakeHfApi()
+    api.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    api.files().update({"hsx.json": remote})
+    with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's.*--hub-overwrite"):
+        push_output(out, REPO, api=api, log=lambda *a: None)
+    assert api.files() == {"hsx.json": remote} and api.commits == []
