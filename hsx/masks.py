@@ -206,13 +206,21 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _chars(x: Any) -> int:
-    """Characters of a string, or of the strings a list or tuple holds (one level: what `*` or `+` copies)."""
+def _chars(x: Any, depth: int = 8, memo: dict[int, int] | None = None) -> int:
+    """Characters (and items) of a string, or of the strings lists, tuples and mappings hold at any depth to 8,
+    each object counted as often as it is referenced: what serializing the value (`|tojson`, `|string`, `~`) would
+    write. `[{'a': big}] * 1000` holds 1000 references to one string; written out, they are 1000 copies of it.
+    Each object is measured once (`memo`), so a list of n references costs n additions."""
     if isinstance(x, str):
         return len(x)
-    if isinstance(x, (list, tuple)):
-        return len(x) + sum(len(v) for v in x if isinstance(v, str))
-    return 0
+    if not isinstance(x, (list, tuple, dict)) or depth == 0:
+        return 0
+    memo = {} if memo is None else memo
+    if id(x) not in memo:
+        memo[id(x)] = 0  # (a structure holding itself: counted once)
+        items = [*x.keys(), *x.values()] if isinstance(x, dict) else x
+        memo[id(x)] = len(items) + sum(_chars(v, depth - 1, memo) for v in items)
+    return memo[id(x)]
 
 
 _PERCENT_SPEC = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")

@@ -46,6 +46,9 @@ STEPS = {
     "|wordwrap": "{{ ('x' * (%s // 1000))|wordwrap(1, true, 'y' * 1000)|length }}" % N,
     "|join of a repeated list": "{%% set big = 'x' * (%s // 1000) %%}{{ ([big] * 1000)|join|length }}" % N,
     "|tojson of a repeated list": "{%% set big = 'x' * (%s // 1000) %%}{{ ([big] * 1000)|tojson|length }}" % N,
+    "|tojson of a repeated mapping": "{%% set d = {'a': 'x' * (%s // 1000)} %%}{{ ([d] * 1000)|tojson|length }}" % N,
+    "|string of nested repeated lists": "{%% set big = ['x' * (%s // 1000000)] %%}{%% set l = [big] * 1000 %%}"
+                                        "{{ ([l] * 1000)|string|length }}" % N,
     "~ doubling": "{%- set ns = namespace(s='xxxxxxxxxx') %}{%- for i in range(22) %}{%- set ns.s = ns.s ~ ns.s %}"
                   "{%- endfor %}{{ ns.s|length }}",
     "+ doubling": "{%- set ns = namespace(s='xxxxxxxxxx') %}{%- for i in range(22) %}{%- set ns.s = ns.s + ns.s %}"
