@@ -39,6 +39,7 @@ import json
 import re
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,30 @@ def cpu_time_limit(seconds: float = RENDER_CPU_SECONDS):
         signal.signal(signal.SIGVTALRM, previous)
 
 
+ROW_CPU_SECONDS = 60.0  # all renders of one row: derived masks render each prefix (~3 per turn), so a row's cost
+# grows with turns × length: 1,000 one-letter turns (a 40 KB row) took 98 s on one core, 100 such turns ~1 s
+_ROW_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("hsx_row_deadline", default=None)
+
+
+@contextmanager
+def row_budget(seconds: float | None = None):
+    """Within it, the renders of one row together may spend `seconds` (ROW_CPU_SECONDS) of this thread's CPU: a
+    render that starts after that is RenderLimit('chat_template_timeout'). Each render is bounded by itself
+    (`cpu_time_limit`); this bounds how many renders one row can ask for."""
+    token = _ROW_DEADLINE.set(time.thread_time() + (ROW_CPU_SECONDS if seconds is None else seconds))
+    try:
+        yield
+    finally:
+        _ROW_DEADLINE.reset(token)
+
+
+def _check_row_budget() -> None:
+    deadline = _ROW_DEADLINE.get()
+    if deadline is not None and time.thread_time() > deadline:
+        raise RenderLimit("chat_template_timeout", "the chat template's renders of one row ran over "
+                          f"{ROW_CPU_SECONDS:g} s of CPU together")
+
+
 # The longest `s * n` (characters or items) a render in `render_bounds` may build: its render's own bound.
 _REPEAT_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("hsx_repeat_limit", default=None)
 
@@ -146,6 +171,7 @@ def render_bounds(tokenizer, template_kwargs: dict[str, Any], tools=None, max_ch
     bound) is RenderLimit('chat_template_output_too_long'). `'x' * (message.content | int)` with a row's content
     of '10000000000' was one allocation of 10 GB, made (or the process killed) before the render's length could
     be looked at; the static check (`unbounded_step`) sees only literal counts."""
+    _check_row_budget()
     _bound_repetitions(tokenizer, template_kwargs, tools)
     token = _REPEAT_LIMIT.set(max_chars)
     try:
@@ -623,7 +649,11 @@ def unrendered(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, An
         raise
     except Exception:  # noqa: BLE001  (a template that checks names against its tools: nothing to tell)
         return ""
-    return next((reason for sentinel, reason in sentinels if sentinel not in text), "")
+    found = set(_SENTINEL.findall(text))  # (one pass: a search per sentinel was quadratic, 39 s for 80,000 results)
+    return next((reason for sentinel, reason in sentinels if sentinel not in found), "")
+
+
+_SENTINEL = re.compile(r"HsxSent(?:Msg[a-z]+|Call[a-z]+X[a-z]+)End")  # unrendered's sentinels: none overlaps another
 
 
 def _letters(k: int) -> str:

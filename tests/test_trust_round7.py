@@ -258,3 +258,48 @@ def test_push_reads_a_hostile_remote_hsx_json_as_not_this_jobs(finished, tmp_pat
     with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's.*--hub-overwrite"):
         push_output(out, REPO, api=api, log=lambda *a: None)
     assert api.files() == {"hsx.json": remote} and api.commits == []
+
+
+# ---- many turns: derived masks render every prefix ---------------------------------------------------------------
+
+def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
+    """Derived masks render each turn's prefixes, so a row's renders grow with turns × length: 1,000 one-letter
+    turns (a 40 KB row) took 98 s of CPU, each render well within its own bound. The renders of one row share a
+    budget (ROW_CPU_SECONDS, here 0.5 s): past it the row is a counted chat_template_timeout, and the next row
+    gets its own budget."""
+    import time
+
+    from chat_families import family
+
+    monkeypatch.setattr(masks, "ROW_CPU_SECONDS", 0.5, raising=False)
+    tok = family("qwen3")
+    fmt = masks.derive_chat_format(tok, {})
+    many = [m for _ in range(300) for m in ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})]
+    fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    start = time.process_time()
+    rows = data.chat_tokenize(tok, [fine, many, fine], {}, None, fmt, masks.render_char_limit(131072))
+    spent = time.process_time() - start
+    assert [r[2] for r in rows] == ["", "chat_template_timeout", ""]
+    assert rows[0][0] and rows[0] == rows[2]
+    assert spent < 5, spent  # (unbounded: ~10 s)
+
+
+def test_unrendered_finds_its_sentinels_in_one_pass():
+    """masks.unrendered searched the render once per sentinel: 80,000 tool results (a 2.4 MB row) took 39 s after
+    the render. One pass over the render finds them all; a message the template drops is still named."""
+    import time
+
+    from chat_families import family
+
+    tok = family("qwen3")
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    conv = [{"role": "user", "content": "hi"}, call, *[{"role": "tool", "content": "r"}] * 50_000,
+            {"role": "assistant", "content": "ok"}]
+    start = time.process_time()
+    assert masks.unrendered(tok, conv, None, {}, max_chars=64 * 131072) == ""
+    spent = time.process_time() - start
+    assert spent < 5, spent  # (a search per sentinel: ~15 s here)
+    dropped = family("qwen3", "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}"
+                              "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endif %}{% endfor %}")
+    assert masks.unrendered(dropped, conv[:3] + conv[-1:], None, {}) == "message_not_rendered"
