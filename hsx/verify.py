@@ -3,10 +3,10 @@
 Checks, in order: hsx.json says complete; its file list, the manifests, the counts and data/ agree, and no
 file is a link but those `hsx merge` makes; the schema matches the recorded layers and hidden size; each data
 file matches its manifest line (size, CRC-32, rows); the row and token counts match hsx.json; no `sample_id`
-repeats; no row is longer than the job's max_length; every row's columns have `num_tokens` entries; and K random rows recomputed by the reference — the
-full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for layer i < N-1, a hook for the pre-norm
-output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree within a relative error (Frobenius,
-per layer). Any mismatch is a non-zero exit.
+repeats; no row is longer than the job's max_length; every row's columns have `num_tokens` entries; and K random
+rows recomputed by the reference — the full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for
+layer i < N-1, a hook for the pre-norm output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree
+within a relative error (Frobenius, per layer). Any mismatch is a non-zero exit.
 
 Trust comes from the command line only: OUT is data, and its hsx.json may name any folder and say
 `trust_remote_code: true`. The reference is `--model PATH` when given, else the folder hsx.json records, and its

@@ -300,6 +300,6 @@ def test_unrendered_finds_its_sentinels_in_one_pass():
     assert masks.unrendered(tok, conv, None, {}, max_chars=64 * 131072) == ""
     spent = time.process_time() - start
     assert spent < 5, spent  # (a search per sentinel: ~15 s here)
-    dropped = family("qwen3", "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}"
-                              "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endif %}{% endfor %}")
+    dropped = family("qwen3", "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}{% for c in "
+                              "m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endif %}{% endfor %}")
     assert masks.unrendered(dropped, conv[:3] + conv[-1:], None, {}) == "message_not_rendered"
