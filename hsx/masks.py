@@ -363,9 +363,7 @@ def _checked_filter(f, size):
     """A filter checked (`size` of its value and arguments) before it runs; its jinja `pass_*` marker kept."""
     import functools
 
-    from jinja2.utils import _PassArg
-
-    passed = _PassArg.from_obj(f) is not None  # (context, eval context or environment comes first)
+    passed = getattr(f, "jinja_pass_arg", None) is not None  # (@pass_context & co.: that comes first)
 
     @functools.wraps(f)
     def checked(*args, **kwargs):
