@@ -203,8 +203,7 @@ def _bound_repetitions(tokenizer, template_kwargs: dict[str, Any], tools) -> Non
             return
         env.intercepted_binops = frozenset(env.intercepted_binops | {"*", "+", "%"})
         env.call_binop = _checked_binop(env.call_binop)
-        env.getattr = _checked_attribute(env.getattr)
-        env.getitem = _checked_attribute(env.getitem)
+        env.call = _checked_call(env.call)
         for name, size in _FILTER_SIZES.items():
             if name in env.filters:
                 env.filters[name] = _checked_filter(env.filters[name], size)
@@ -315,17 +314,16 @@ def _method_size(method: str, s: str, args: tuple, kwargs: dict) -> int:
     return 0
 
 
-def _checked_attribute(get):
-    """`env.getattr` / `env.getitem` handing out a str's growing methods checked (`_method_size`) before they run."""
-    def checked(obj, attribute):
-        value = get(obj, attribute)
-        if isinstance(attribute, str) and attribute in _METHODS and isinstance(obj, str) and callable(value):
-            def method(*args, **kwargs):
-                if _REPEAT_LIMIT.get() is not None:
-                    _too_long(_method_size(attribute, obj, args, kwargs), f"builds a string (str.{attribute})")
-                return value(*args, **kwargs)
-            return method
-        return value
+def _checked_call(call):
+    """`env.call` (every call a template makes) checking a str's growing methods (`_method_size`) before they run
+    (jinja's sandboxed `format` wrapper names the method it wraps in `__wrapped__`)."""
+    def checked(*args, **kwargs):
+        if _REPEAT_LIMIT.get() is not None and len(args) >= 2:
+            method = getattr(args[1], "__wrapped__", args[1])
+            s, name = getattr(method, "__self__", None), getattr(method, "__name__", None)
+            if isinstance(s, str) and name in _METHODS:
+                _too_long(_method_size(name, s, args[2:], kwargs), f"builds a string (str.{name})")
+        return call(*args, **kwargs)
 
     return checked
 
@@ -393,10 +391,15 @@ def _checked_join(join):
 def _bounded_output(root):
     """The template's render function, its output counted as it comes (before `concat` or the caller joins it)."""
     def bounded(context):
+        limit = _REPEAT_LIMIT.get()
+        if limit is None:
+            yield from root(context)
+            return
         total = 0
         for piece in root(context):
             total += len(piece)
-            _too_long(total, "outputs a render")
+            if total > limit:
+                _too_long(total, "outputs a render")
             yield piece
 
     return bounded
