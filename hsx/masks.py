@@ -204,6 +204,7 @@ def _bound_repetitions(tokenizer, template_kwargs: dict[str, Any], tools) -> Non
         env.intercepted_binops = frozenset(env.intercepted_binops | {"*", "+", "%"})
         env.call_binop = _checked_binop(env.call_binop)
         env.call = _checked_call(env.call)
+        env.concat = _checked_join(env.concat)  # (a macro's, a `{% set %}` block's, a `{% filter %}` block's output)
         for name, size in _FILTER_SIZES.items():
             if name in env.filters:
                 env.filters[name] = _checked_filter(env.filters[name], size)

@@ -53,6 +53,10 @@ STEPS = {
                   "{%- endfor %}{{ ns.s|length }}",
     "+ doubling": "{%- set ns = namespace(s='xxxxxxxxxx') %}{%- for i in range(22) %}{%- set ns.s = ns.s + ns.s %}"
                   "{%- endfor %}{{ ns.s|length }}",
+    "a macro emitting one string": "{%% macro m(big) %%}{%% for i in range(1000) %%}{{ big }}{%% endfor %%}"
+                                   "{%% endmacro %%}{{ m('x' * (%s // 1000))|length }}" % N,
+    "a set block emitting one string": "{%% set big = 'x' * (%s // 1000) %%}{%% set s %%}{%% for i in range(1000) %%}"
+                                       "{{ big }}{%% endfor %%}{%% endset %%}{{ s|length }}" % N,
     "a loop emitting one string": "{%% set big = 'x' * (%s // 1000) %%}{%% for i in range(1000) %%}{{ big }}"
                                   "{%% endfor %%}" % N,
 }
