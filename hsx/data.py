@@ -638,17 +638,18 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
             return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt, max_chars)
     results = []
     for conv, row_tools in zip(convs, tools):
-        for variant in _render_variants(conv):
-            try:
-                results.append(checked(one(variant, row_tools), variant, row_tools))
-                break
-            except loss_masks.RenderLimit as e:  # (another variant would run as long)
-                results.append(([], [], e.reason))
-                break
-            except Exception:  # noqa: BLE001
-                continue
-        else:
-            results.append(([], [], "chat_template_error"))
+        with loss_masks.row_budget():  # (every render of the row, its variants and checks, together)
+            for variant in _render_variants(conv):
+                try:
+                    results.append(checked(one(variant, row_tools), variant, row_tools))
+                    break
+                except loss_masks.RenderLimit as e:  # (another variant would run as long)
+                    results.append(([], [], e.reason))
+                    break
+                except Exception:  # noqa: BLE001
+                    continue
+            else:
+                results.append(([], [], "chat_template_error"))
     return results
 
 

@@ -127,6 +127,23 @@ class Process:
             self.store.wait([key + "/open"])
 
 
+MAX_THREADS = 1 << 16  # torch.set_num_threads takes an int32; no machine has this many cores per process
+
+
+def env_int(name: str, default: int, low: int = 0, environ=os.environ) -> int:
+    """A launcher's integer environment variable (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, LOCAL_RANK), `default` when
+    unset or empty; HsxError naming it unless it is an integer in [low, 2**31): WORLD_SIZE=0 ran as a world of no
+    process, and 'abc' was a ValueError traceback."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    value = int(raw) if raw.lstrip("+-").isdecimal() and len(raw) <= 12 else None
+    if value is None or not low <= value < 2**31:
+        raise HsxError(f"environment variable {name}={raw[:40]!r} is not an integer of at least {low} (the launcher "
+                       "sets it: accelerate launch, torchrun); unset it to run one process")
+    return value
+
+
 def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
     comes from accelerate. hsx needs it only for barriers and for what the ranks must agree on (`all_gather`:
@@ -138,11 +155,11 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
 
     import torch
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = env_int("WORLD_SIZE", 1, low=1)
     if world % tp_size:
         raise HsxError(f"--tp-size {tp_size} with {world} processes: each model copy is sharded over --tp-size "
                        "processes, so launch a multiple of --tp-size processes")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = env_int("LOCAL_WORLD_SIZE", world, low=1)
     if tp_size > 1 and per_node % tp_size:  # copies are consecutive ranks: one would straddle two machines
         raise HsxError(f"--tp-size {tp_size} with {per_node} processes per machine: a model copy would span two "
                        "machines (its every layer waiting on the network); launch a multiple of --tp-size per machine")
@@ -153,7 +170,7 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
     state = store = tp_control = None
     rank = local = 0
     if world > 1 and tp_size > 1:
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        rank, local = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
         if cuda:
             torch.cuda.set_device(local)  # before NCCL meets this rank (--gpus-per-copy is 1 with --tp-size)
         store, tp_control = _copy_world(rank, tp_size, world, "nccl" if cuda else "gloo", timeout)
@@ -162,7 +179,7 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
 
         state = PartialState(cpu=True, timeout=timeout)
         rank, world = state.process_index, state.num_processes
-        local = int(os.environ.get("LOCAL_RANK", state.local_process_index))
+        local = env_int("LOCAL_RANK", state.local_process_index)
     if not cuda:
         if gpus_per_copy > 1:
             raise HsxError(f"--gpus-per-copy {gpus_per_copy} spreads a model copy over GPUs, and this machine has "
@@ -188,7 +205,8 @@ def cpu_threads(local_processes: int, cpu_device: bool, environ=os.environ) -> i
     left to the map thread, which writes while the producer thread computes. torch's default (every core, in
     every process) oversubscribes: the README demo on a 2-core machine busy with other jobs (load 7-9) took
     120-185 s of extraction with 2 threads and 19-23 s with 1; idle, 4.8 s and 5.3 s."""
-    if (env := environ.get("OMP_NUM_THREADS", "").strip()).isdigit() and int(env) > 0:
+    env = environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdecimal() and len(env) <= 6 and 0 < int(env) <= MAX_THREADS:  # (20 digits: no count torch takes)
         return int(env)
     from hsx.data import cpu_count
 
@@ -450,7 +468,7 @@ def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> I
     if cfg.tp_size > 1:
         raise UsageError("hsx.stream runs a whole model copy in each process, next to the training loop: "
                          "--tp-size is for hsx extract (--gpus-per-copy spreads a copy over this process's GPUs)")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (torch.distributed.is_available()
+    if env_int("WORLD_SIZE", 1, low=1) > 1 and not (torch.distributed.is_available()
                                                           and torch.distributed.is_initialized()):
         raise UsageError("hsx.stream under a launcher: create your Accelerator (or torch.distributed process group) "
                          "before reading the stream; its ranks share the work through that group")

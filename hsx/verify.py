@@ -3,10 +3,10 @@
 Checks, in order: hsx.json says complete; its file list, the manifests, the counts and data/ agree, and no
 file is a link but those `hsx merge` makes; the schema matches the recorded layers and hidden size; each data
 file matches its manifest line (size, CRC-32, rows); the row and token counts match hsx.json; no `sample_id`
-repeats; every row's columns have `num_tokens` entries; and K random rows recomputed by the reference — the
-full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for layer i < N-1, a hook for the pre-norm
-output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree within a relative error (Frobenius,
-per layer). Any mismatch is a non-zero exit.
+repeats; no row is longer than the job's max_length; every row's columns have `num_tokens` entries; and K random
+rows recomputed by the reference — the full-depth model on one sample, unpadded: `output_hidden_states[i+1]` for
+layer i < N-1, a hook for the pre-norm output of layer N-1, `hidden_states[N]` for `final_hidden_state` — agree
+within a relative error (Frobenius, per layer). Any mismatch is a non-zero exit.
 
 Trust comes from the command line only: OUT is data, and its hsx.json may name any folder and say
 `trust_remote_code: true`. The reference is `--model PATH` when given, else the folder hsx.json records, and its
@@ -110,6 +110,10 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     if len(np.unique(ids)) != len(ids):
         problems.append(f"{len(ids) - len(np.unique(ids))} sample_id(s) repeat")
     num_tokens = ds.data.column("num_tokens").to_numpy()
+    if len(num_tokens) and int(num_tokens.max()) > info.max_length:  # (hsx cuts every row at it: not hsx's rows,
+        longer = int((num_tokens > info.max_length).sum())          # and the recompute would run them whole)
+        problems.append(f"{longer} row(s) are longer than the job's max_length {info.max_length} (up to "
+                        f"{int(num_tokens.max()):,} tokens)")
     if int(num_tokens.sum()) != info.counts.tokens_written:
         problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info.counts.tokens_written}")
     for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
