@@ -166,11 +166,12 @@ _REPEAT_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("hsx_
 
 @contextmanager
 def render_bounds(tokenizer, template_kwargs: dict[str, Any], tools=None, max_chars: int = RENDER_MIN_CHARS):
-    """The bounds of one render (or one batch's): RENDER_CPU_SECONDS of CPU (`cpu_time_limit`), and every `*`
-    that repeats a string or list checked before it runs: a repetition longer than `max_chars` (the render's own
-    bound) is RenderLimit('chat_template_output_too_long'). `'x' * (message.content | int)` with a row's content
-    of '10000000000' would be one allocation of 10 GB, made (or the process killed) before the render's length
-    could be looked at; the static check (`unbounded_step`) sees only literal counts."""
+    """The bounds of one render (or one batch's): the row's CPU budget left (`row_budget`), RENDER_CPU_SECONDS of
+    CPU (`cpu_time_limit`), and every step that can build a long string or list checked before it runs
+    (`_bound_repetitions`): one longer than `max_chars` (the render's own bound) is
+    RenderLimit('chat_template_output_too_long'). `'x' * (message.content | int)` with a row's content of
+    '10000000000' would be one allocation of 10 GB, made (or the process killed) before the render's length could
+    be looked at; the static check (`unbounded_step`) sees only literal counts."""
     _check_row_budget()
     _bound_repetitions(tokenizer, template_kwargs, tools)
     token = _REPEAT_LIMIT.set(max_chars)
