@@ -294,10 +294,37 @@ def _main(argv: list[str], received: list[int]) -> int:
     except Stopped as e:
         print(f"hsx: {e}", file=sys.stderr)
         return exit_status(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(INTERRUPTED, file=sys.stderr)
-        return 128 + received[0] if received else EXIT_INTERRUPTED
+        return _interrupted_status(e, received)
+    except Exception as e:
+        interrupt = _interrupt_behind(e)
+        if interrupt is None:
+            raise
+        # Raised by clean-up code the interrupt ran through (datasets' writer finalizing a file the interrupt
+        # had closed, say): the command ended because of the signal, and says so in one line.
+        print(INTERRUPTED, file=sys.stderr)
+        return _interrupted_status(interrupt, received)
     return 0
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that `e` was raised while handling (its __context__ chain), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen and len(seen) < 64:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__context__
+    return None
+
+
+def _interrupted_status(e: KeyboardInterrupt, received: list[int]) -> int:
+    """128 + the signal: the one the interrupt carries (hsx's handlers raise KeyboardInterrupt(signum)), else
+    the SIGTERM `_sigterm_as_interrupt` turned into it, else SIGINT's."""
+    if e.args and type(e.args[0]) is int and 0 < e.args[0] < 128:
+        return 128 + e.args[0]
+    return 128 + received[0] if received else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -595,3 +595,28 @@ def test_a_signal_inside_a_finalizer_still_ends_the_command_with_one_line(tmp_pa
     assert "not interrupted" not in done.stdout
     assert done.returncode == code, done.stderr
     assert message_lines(done.stderr)[-1].startswith("hsx: interrupted"), done.stderr
+
+
+def test_an_error_raised_while_an_interrupt_unwinds_is_the_interrupted_line(monkeypatch, capsys):
+    """A second Ctrl-C raised inside datasets' map: its clean-up (the writer finalizing a file the interrupt had
+    closed) raised ValueError over the KeyboardInterrupt, and the rank printed that traceback. The command ended
+    because of the signal: one line, 128 + its number; an error with no interrupt behind it still propagates."""
+    import hsx.commands
+
+    def interrupted_then_cleanup_fails(args):
+        try:
+            raise KeyboardInterrupt(15)  # as hsx.run's handler raises the second SIGTERM
+        finally:
+            raise ValueError("I/O operation on closed file")
+
+    monkeypatch.setitem(hsx.commands.COMMANDS, "verify", interrupted_then_cleanup_fails)
+    assert main(["verify", "out"]) == 143
+    err = capsys.readouterr().err
+    assert message_lines(err) == ["hsx: interrupted; finished units are kept: run the same command to continue"], err
+
+    def plain_failure(args):
+        raise ValueError("a bug")
+
+    monkeypatch.setitem(hsx.commands.COMMANDS, "verify", plain_failure)
+    with pytest.raises(ValueError, match="a bug"):
+        main(["verify", "out"])
