@@ -521,3 +521,18 @@ def torn_manifest_copy(ref: FaultReference, out: Path) -> None:
     manifest.write_text("\n".join(lines[:k]) + "\n" + lines[k][: len(lines[k]) // 2])
     for line in lines[k + 1:]:
         (out / "data" / json.loads(line)["file"]).unlink()
+
+
+def chat_tokenize_peak(tok, conversations, fmt):
+    """hsx.data.chat_tokenize of `conversations` (no kwargs, no tools) within the render bounds of a 64-token
+    max_length, and the peak of Python's allocations (tracemalloc) while it ran: (rows, peak bytes)."""
+    import tracemalloc
+
+    from hsx import data, masks
+
+    tracemalloc.start()
+    try:
+        rows = data.chat_tokenize(tok, conversations, {}, None, fmt, masks.render_char_limit(64))
+        return rows, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import fault_argv, hsx_main, the_error_line
+from helpers import chat_tokenize_peak, fault_argv, hsx_main, the_error_line
 
 import hsx
 from hsx.config import HsxError
@@ -380,11 +380,9 @@ def test_a_refused_merge_or_push_dir_is_named_by_its_own_argument_not_output_dir
 def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
     """`'x' * (message.content | int)`: the static check sees no literal count; a row of '90000000' built 90 MB
     (a row of '10000000000', 10 GB) before the render's length bound could look at it."""
-    import tracemalloc
-
     from chat_families import QWEN3, family
 
-    from hsx import data, masks
+    from hsx import masks
 
     bomb = "{%- if message.content is string and message.content[:1] == '9' %}{{ 'x' * (message.content | int) }}" \
            "{% endif %}"
@@ -401,12 +399,7 @@ def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
     conv = [{"role": "user", "content": "90000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = None if markers else masks.derive_chat_format(tok, {})
-    tracemalloc.start()
-    try:
-        rows = data.chat_tokenize(tok, [fine, conv, fine], {}, None, fmt, masks.render_char_limit(64))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    rows, peak = chat_tokenize_peak(tok, [fine, conv, fine], fmt)
     assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
     assert rows[0][0] and rows[0] == rows[2]
     assert peak < 20_000_000, peak  # (the 90 MB string was never built)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from helpers import fault_argv, hsx_main, message_lines
+from helpers import chat_tokenize_peak, fault_argv, hsx_main, message_lines
 
 from hsx import data, masks
 
@@ -77,12 +76,7 @@ def test_a_step_a_row_sizes_is_refused_before_it_allocates(step):
     conv = [{"role": "user", "content": "20000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = masks.derive_chat_format(tok, {})
-    tracemalloc.start()
-    try:
-        rows = data.chat_tokenize(tok, [fine, conv, fine], {}, None, fmt, masks.render_char_limit(64))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    rows, peak = chat_tokenize_peak(tok, [fine, conv, fine], fmt)
     assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
     assert rows[0][0] and rows[0] == rows[2]
     assert peak < 10_000_000, peak  # (the tens of MB were never built)
