@@ -144,11 +144,12 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw.decode("utf-8"))
+            rec = _loads(raw.decode("utf-8"))
+        except Damaged as e:  # (a key given twice: a whole line, written by something else)
+            raise HsxError(f"{path}: line {number} is damaged: {e}") from None
         except (ValueError, RecursionError):  # (torn; or an int of over 4300 digits, which hsx never writes)
             continue
         try:
-            rec = _loads(raw.decode("utf-8"))  # parsed above: only a key given twice raises here
             if not isinstance(rec, dict):
                 raise Damaged("not a JSON object")
             if record is not None:
