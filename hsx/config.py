@@ -43,7 +43,7 @@ LAYER_CONVENTION = (
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 # hsx.fp8's block-scaled GEMMs after auto (auto: the first that works on the device), in the order hsx tries them
 # (docs/fp8.md: cuBLAS faster than Triton on an H200; fbgemm first, its speed not yet measured)
-FP8_GEMM_CHOICES = ("auto", "fbgemm", "cublas", "triton")
+FP8_GEMM_CHOICES = ("auto", "cublas", "fbgemm", "triton")
 
 
 # The largest value of an integer key, and why (a value above it is refused in one line, before anything
@@ -131,9 +131,10 @@ class ExtractConfig:
                                        "grouped GEMMs, hsx.moe), grouped_mm (transformers'), eager (a loop over "
                                        "experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, help="FP8 targets on CUDA: the block-scaled GEMM "
-                         "(fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed; cublas: torch's _scaled_mm; "
-                         "triton: hsx's, slower than bf16); each checked against a float32 product before use, the "
-                         "next one running where it fails (one warning); auto: the first of those that works")
+                         "(cublas: torch's _scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, "
+                         "~25% slower on an H200; triton: hsx's, slower than bf16); each checked against a float32 "
+                         "product before use, the next fastest running where it fails (one warning); auto: the "
+                         "first of those that works")
     packing: str = _key("auto", choices=("auto", "varlen", "none"), help="varlen: each batch as one packed sequence "
                         "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
                         "copy where the model allows it, else none")

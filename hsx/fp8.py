@@ -12,8 +12,9 @@ transformers loads such a checkpoint as stored (its FP8Linear modules hold the e
 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
 their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies
 (`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
-fp8_gemm): fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (not yet run on a GPU),
-torch's cuBLAS `_scaled_mm` (~1,100 TFLOP/s on an H200 at 16k tokens), a Triton kernel (609-663: a fallback).
+fp8_gemm): torch's cuBLAS `_scaled_mm` (1,120-1,270 TFLOP/s on an H200 at 16k tokens, against 650-770 for bf16),
+fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (790-975), a Triton kernel
+(609-663: a fallback).
 In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
 merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
 (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
@@ -265,8 +266,7 @@ def _block_mm(xq, xs, w, ws):
 def _runs(w: torch.Tensor, ws: torch.Tensor) -> str:
     """The GEMM that multiplies by (w, ws): the device's (`use_gemm`) where its check for this weight's shape passed,
     else the next of GEMMS whose does (Triton, last, runs any)."""
-    chosen = backend_of(w.device)
-    for name in GEMMS[GEMMS.index(chosen):-1]:
+    for name in _gemms_from(backend_of(w.device))[:-1]:
         if _takes(name, w, ws):
             return name
     return GEMMS[-1]
@@ -278,15 +278,18 @@ _SHAPES: dict[tuple, bool] = {}  # (GEMM, device, N, K) → its product with suc
 def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
     """Whether GEMM `name` multiplies by this weight's shape: on the first call for (device, N, K), products with
     these very weights (16 and 200 rows: fbgemm runs another kernel at M <= 16) agree with the reference; else one
-    warning and the next GEMM runs such weights from then on. cuBLAS and fbgemm tile N by whole scale blocks."""
-    if w.shape[0] % BLOCK:
+    warning and the next GEMM runs such weights from then on. cuBLAS and fbgemm tile N by whole scale blocks; cuBLAS
+    takes K in multiples of 512 only (`_cublas_mm`): other weights go to the next GEMM without a word (hsx.json's
+    `gemm_by_shape` lists them)."""
+    if (w.shape[0] % BLOCK or (name == "cublas" and (w.shape[1] // BLOCK) % CUBLAS_K_BLOCKS)
+            or _missing(name, "auto") is not None):  # (an fbgemm_gpu that is not installed: nothing to say)
         return False
     key = (name, w.device.index, *w.shape)
     if key not in _SHAPES:
         why = _disagrees(name, w, ws)
         _SHAPES[key] = why is None
         if why is not None:
-            after = ", else ".join(_GEMM_NAMES[g] for g in GEMMS[GEMMS.index(name) + 1:])
+            after = ", else ".join(_GEMM_NAMES[g] for g in _gemms_from(name)[1:])
             warnings.warn(f"hsx: {_GEMM_NAMES[name]} failed its check for {w.shape[0]}×{w.shape[1]} FP8 weights on "
                           f"{w.device} ({why}); {after} runs weights of this shape", stacklevel=2)
     return _SHAPES[key]
@@ -323,9 +326,16 @@ def _(x, w, ws):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
+CUBLAS_K_BLOCKS = 4  # cuBLAS's 128×128 scales need K/128 a multiple of this (real models' K are multiples of 512)
+
+
 def _cublas_mm(xq, xs, w, ws):
-    # cuBLAS reads the 1×128 scales M-major (outer-dimension-major, as `_quantize_activation_cuda` writes them)
-    # and the 128×128 ones as (K/128, N/128)
+    # cuBLAS reads the 1×128 scales M-major (outer-dimension-major, as `_quantize_activation_cuda` writes them; M is
+    # padded to 16) and the 128×128 ones as (K/128, N/128). With K/128 not a multiple of 4 (K = 256, 640, 768) torch
+    # 2.11 returned wrong products on an H200 (relative error 4 to 5e7), and refused scales padded to 4 blocks
+    # ("Invalid scaling configuration"): such weights are not cuBLAS's (`_takes`).
+    if ws.shape[1] % CUBLAS_K_BLOCKS:
+        raise ValueError(f"cuBLAS's block-scaled GEMM needs K/128 a multiple of {CUBLAS_K_BLOCKS} (K = {w.shape[1]})")
     if xs.stride(0) != 1:
         xs = xs.t().contiguous().t()
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
@@ -435,7 +445,13 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-GEMMS = FP8_GEMM_CHOICES[1:]  # in the order tried (docs/fp8.md); Triton, last, runs any shape
+GEMMS = FP8_GEMM_CHOICES[1:]  # fastest first (docs/fp8.md's GEMM table); Triton, last, runs any shape
+
+
+def _gemms_from(first: str) -> list[str]:
+    """The GEMMs tried in turn when `first` is asked for (or runs a device's linears): it, then the others of GEMMS
+    fastest first (Triton, last, runs any shape)."""
+    return [first] + [g for g in GEMMS if g != first]
 _GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
                "triton": "hsx's Triton block GEMM"}
 _BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
@@ -449,8 +465,8 @@ def _gemm(name: str):
 def use_gemm(device: torch.device, choice: str = "auto") -> str:
     """Choose the block-scaled GEMM of `device`'s FP8 linears (config key fp8_gemm): `choice`, or with "auto" the
     first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512) agrees with the float32
-    reference, else the next that does, with one warning saying which runs instead (none when auto finds no
-    fbgemm_gpu installed: the usual case). Each weight shape is checked again at its first use (`_takes`)."""
+    reference, else the next that does (`_gemms_from`), with one warning saying which runs instead (none for an
+    fbgemm_gpu that is not installed unless it was asked for). Each weight shape is checked again at its first use (`_takes`)."""
     if choice not in FP8_GEMM_CHOICES:
         raise HsxError(f"fp8_gemm {choice!r} is not one of {', '.join(FP8_GEMM_CHOICES)}")
     if _CHOSEN.get(device.index) == choice and device.index in _BACKEND:
@@ -460,7 +476,7 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
     g = torch.Generator(device=device).manual_seed(0)
     wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
     failed = []
-    for name in GEMMS[GEMMS.index(choice) if choice != "auto" else 0:]:
+    for name in _gemms_from(GEMMS[0] if choice == "auto" else choice):
         why = _missing(name, choice)
         if why is None:
             why = _disagrees(name, wq, ws)

@@ -616,9 +616,13 @@ def test_fp8_expert_kernels_equal_the_reference(tokens):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with FP8 tensor cores")
 @pytest.mark.parametrize("kind", MOE_KINDS)
-def test_fp8_moe_states_equal_transformers_fp8_forward(tmp_path, kind):
-    """On CUDA hsx loads the FP8 MoE checkpoint as stored and runs its experts on the FP8 kernels: its states (eager
-    and padded, one row at a time) are as close to transformers' own FP8 forward as the dense test asks."""
+def test_fp8_moe_blocks_equal_transformers_fp8_forward(tmp_path, kind):
+    """On CUDA hsx loads the FP8 MoE checkpoint as stored and runs its experts on the FP8 kernels: each MoE block
+    (router, e4m3 experts, shared expert), given the very input transformers' own FP8 forward gave it, returns what
+    transformers' block returned. Block by block, not the model's states: in a random MoE, activation quantization
+    turns a last-bit difference upstream (one attention or delta-rule kernel's rounding against another's) into
+    flipped e4m3 values and flipped expert choices downstream (on an H200 transformers' own eager and SDPA forwards
+    of this model are 8% apart at its second layer), which would hide the experts' own error."""
     import transformers
 
     from hsx import moe
@@ -632,28 +636,34 @@ def test_fp8_moe_states_equal_transformers_fp8_forward(tmp_path, kind):
     report = kernel_report(loaded.base)["quantization"]
     assert report["experts"] == "hsx fp8 grouped (triton)" and report["fp8_experts"] == 2, report
     ref = transformers.AutoModel.from_pretrained(str(folder), device_map={"": device}, dtype=torch.bfloat16).eval()
+    seen = []  # (layer, the block's input, its output) as transformers' forward ran it
+    for i, layer in enumerate(ref.layers):
+        layer.mlp.register_forward_hook(lambda m, args, out, i=i: seen.append(
+            (i, args[0].detach().clone(), (out[0] if isinstance(out, tuple) else out).detach().clone())))
     rng = np.random.default_rng(0)
-    got, want = [], []
     with torch.inference_mode():
         for n in (17, 200, 5):
             ids = torch.from_numpy(rng.integers(3, 500, n))[None].to(device)
-            got.append(torch.cat(loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[1:3], -1))
             try:
-                out = ref(input_ids=ids, output_hidden_states=True)
+                ref(input_ids=ids)
             except (ImportError, RuntimeError):  # its FP8 kernels come from the Hub (`kernels`): offline, emulated
                 from transformers.integrations import finegrained_fp8 as hf_fp8
 
+                seen.clear()
                 for m in ref.modules():
                     if type(m).__name__ == "FP8Linear":
                         m.forward = _emulated_fp8_linear_forward.__get__(m)
                     elif isinstance(m, hf_fp8.FP8Experts):
                         m.linear = _emulated_fp8_experts_linear.__get__(m)
                 moe.use_experts(ref, "eager")  # (the loop that calls `linear`)
-                out = ref(input_ids=ids, output_hidden_states=True)
-            want.append(torch.cat(out.hidden_states[1:3], -1))
-    rel = _rel(torch.cat(got, 1), torch.cat(want, 1))
-    print(f"hsx FP8 experts vs transformers' FP8 forward ({kind}): relative error {rel:.2e}")
-    assert rel < 1e-2, rel
+                ref(input_ids=ids)
+        assert len(seen) == 2 * 3
+        for i, x, want in seen:
+            out = loaded.base.layers[i].mlp(x)
+            got = out[0] if isinstance(out, tuple) else out
+            rel = _rel(got, want)
+            print(f"hsx FP8 MoE block {i} vs transformers' FP8 forward ({kind}, {x.shape[1]} tokens): {rel:.2e}")
+            assert want.float().abs().max() > 0 and rel < 2e-2, (i, x.shape, rel)
 
 
 def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_reference(monkeypatch):
@@ -709,6 +719,9 @@ def _fbgemm_contract(calls):
     return op
 
 
+CUBLAS_MM = fp8._cublas_mm  # (gemm_state stands in for it)
+
+
 @pytest.fixture
 def gemm_state(monkeypatch):
     """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
@@ -734,7 +747,7 @@ def test_fbgemm_runs_the_gemm_where_it_agrees_with_the_reference(gemm_state):
     monkeypatch.setattr(fp8, "_FBGEMM", [(_fbgemm_contract(calls), None)])
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "fbgemm" and fp8.backend_of(cpu) == "fbgemm"
+        assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm" and fp8.backend_of(cpu) == "fbgemm"
     assert not seen and calls  # checked on a small product (16 and 200 rows), silently
     w, ws = _weights()
     xq, xs = fp8.quantize_activation_padded(torch.randn(37, 384), fp8.ROW_ALIGN)  # rows padded: M = 48
@@ -755,14 +768,14 @@ def test_a_wrong_or_failing_fbgemm_falls_back_to_cublas_with_one_warning(gemm_st
     monkeypatch.setattr(fp8, "_FBGEMM", [(scales_row_major, None)])
     with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise: relative error .* cuBLAS's block-scaled "
                                          r"_scaled_mm instead") as seen:
-        assert fp8.use_gemm(cpu) == "cublas"
+        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
     assert len(seen) == 1
     with warnings_recorded() as again:
-        assert fp8.use_gemm(cpu) == "cublas" and fp8.backend_of(cpu) == "cublas"  # decided once
-        w, ws = _weights()
-        xq, xs = fp8.quantize_activation_padded(torch.randn(5, 384), fp8.ROW_ALIGN)
+        assert fp8.use_gemm(cpu, "fbgemm") == "cublas" and fp8.backend_of(cpu) == "cublas"  # decided once
+        w, ws = _weights(256, 512)
+        xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
         fp8._block_mm(xq, xs, w, ws)
-    assert not again and cublas[-1] == (256, 384)
+    assert not again and cublas[-1] == (256, 512)
 
     def raises(*a):
         raise RuntimeError("cutlass cannot initialize\nmore")
@@ -775,10 +788,33 @@ def test_a_wrong_or_failing_fbgemm_falls_back_to_cublas_with_one_warning(gemm_st
     assert len(seen) == 1
 
 
-def test_no_fbgemm_installed_means_cublas_without_a_word_unless_asked_for(gemm_state):
-    monkeypatch, _ = gemm_state
-    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
+def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(gemm_state):
+    monkeypatch, cublas = gemm_state
+    calls = []
+    monkeypatch.setattr(fp8, "_FBGEMM", [(_fbgemm_contract(calls), None)])
     cpu = torch.device("cpu")
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu) == "cublas"  # fbgemm installed and right, but slower: not even checked
+    assert not seen and not calls and cublas
+
+    def cublas_fails(*a):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
+    monkeypatch.setattr(fp8, "_cublas_mm", cublas_fails)
+    with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on fbgemm's"):
+        assert fp8.use_gemm(cpu) == "fbgemm"  # the next fastest
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
+    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
+    monkeypatch.setattr(fp8, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
+    with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on hsx's Triton") as seen:
+        assert fp8.use_gemm(cpu) == "triton"
+    assert "fbgemm" not in str(seen[0].message)  # not installed, not asked for: not a word
+    monkeypatch.setattr(fp8, "_cublas_mm", lambda *a: cublas.append(a[2].shape) or fp8.reference_mm(*a))
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
     with warnings_recorded() as seen:
         assert fp8.use_gemm(cpu) == "cublas"
     assert not seen
@@ -787,7 +823,7 @@ def test_no_fbgemm_installed_means_cublas_without_a_word_unless_asked_for(gemm_s
     with warnings_recorded() as seen:
         assert fp8.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
     assert not seen
-    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, fbgemm, cublas, triton"):
+    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, fbgemm, triton"):
         fp8.use_gemm(cpu, "fast")
 
 
@@ -797,20 +833,40 @@ def test_a_weight_shape_fbgemm_gets_wrong_runs_on_cublas_and_the_report_says_so(
     monkeypatch.setattr(fp8, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
                                                                                        else 1.0), None)])
     cpu = torch.device("cpu")
-    assert fp8.use_gemm(cpu) == "fbgemm"  # its check's shape (384 × 512) is right
-    (w1, s1), (w2, s2) = _weights(256, 384), _weights(512, 256, seed=1)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 256), fp8.ROW_ALIGN)
-    with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise failed its check for 512×256 FP8 weights on "
+    assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm"  # its check's shape (384 × 512) is right
+    (w1, s1), (w2, s2) = _weights(256, 512), _weights(512, 512, seed=1)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
+    with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise failed its check for 512×512 FP8 weights on "
                                          r"cpu \(relative error .*\); cuBLAS's block-scaled _scaled_mm, else hsx's "
                                          r"Triton block GEMM runs weights of this shape") as seen:
         fp8._block_mm(xq, xs, w2, s2)
-    assert len(seen) == 1 and cublas[-1] == (512, 256)
+    assert len(seen) == 1 and cublas[-1] == (512, 512)
     with warnings_recorded() as again:
         fp8._block_mm(xq, xs, w2, s2)
     assert not again
     layers = torch.nn.Sequential(fp8.Fp8Linear(w1, s1, None), fp8.Fp8Linear(w2, s2, None))
     report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
-    assert report["linear"] == "hsx fp8 (fbgemm)" and report["gemm_by_shape"] == {"512x256": "cublas"}
+    assert report["linear"] == "hsx fp8 (fbgemm)" and report["gemm_by_shape"] == {"512x512": "cublas"}
+
+
+def test_weights_whose_k_cublas_cannot_scale_run_on_the_next_gemm_without_a_word(gemm_state):
+    """cuBLAS's 128×128 scales need K/128 a multiple of 4: torch 2.11 returned wrong products for K = 256 on an
+    H200 and refused padded scales, so such weights go to the next GEMM unasked, and hsx.json's record says so."""
+    monkeypatch, cublas = gemm_state
+    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
+    monkeypatch.setattr(fp8, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
+    cpu = torch.device("cpu")
+    assert fp8.use_gemm(cpu) == "cublas"
+    (w1, s1), (w2, s2) = _weights(256, 512), _weights(256, 256, seed=1)
+    with warnings_recorded() as seen:
+        assert fp8._runs(w1, s1) == "cublas" and fp8._runs(w2, s2) == "triton"
+    assert not seen and (256, 256) not in cublas
+    layers = torch.nn.Sequential(fp8.Fp8Linear(w1, s1, None), fp8.Fp8Linear(w2, s2, None))
+    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["linear"] == "hsx fp8 (cublas)" and report["gemm_by_shape"] == {"256x256": "triton"}
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 256), fp8.ROW_ALIGN)
+    with pytest.raises(ValueError, match="K/128 a multiple of 4"):  # never a wrong product, even called directly
+        CUBLAS_MM(xq, xs, w2, s2)
 
 
 def test_fbgemm_import_keeps_the_root_logger_unconfigured_and_a_missing_op_is_named(tmp_path, monkeypatch, capfd):
@@ -1254,8 +1310,9 @@ def test_verify_against_bf16_on_an_fp8_moe_output(tmp_path, monkeypatch, kind):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with FP8 tensor cores")
 def test_verify_against_bf16_on_an_fp8_gpu(tmp_path):
-    """On an FP8 GPU (not yet run): extracted with hsx's FP8 kernels, the stored states are within bf16 and kernel
-    rounding of a fresh FP8 forward, and away from the bf16 model's by about the FP8 drift."""
+    """On an FP8 GPU: extracted with hsx's FP8 kernels (packed), the stored states are nearer a fresh FP8 forward
+    (one row at a time) than that is to the bf16 model's: within what activation quantization makes of the two
+    paths' last-bit differences (on an H200 1.6-2.2e-2 against a drift of 5.8e-2)."""
     from helpers import hsx_main
 
     folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
@@ -1269,5 +1326,5 @@ def test_verify_against_bf16_on_an_fp8_gpu(tmp_path):
     assert report["switched"] == 4 * 7 and report["runs_here"]["linear"].startswith("hsx fp8"), report
     rel = report["relative_error"]
     for name in ("1", "2", "final_hidden_state"):
-        assert rel["stored_vs_fp8"][name] < 2e-2, rel
+        assert rel["stored_vs_fp8"][name] < 0.5 * rel["fp8_vs_bf16"][name], rel
         assert 1e-3 < rel["fp8_vs_bf16"][name] < 0.5 and 1e-3 < rel["stored_vs_bf16"][name] < 0.5, rel
