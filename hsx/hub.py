@@ -40,7 +40,7 @@ How:
   Hub as locally) and deletes, in that commit, data/train-*.arrow files of the repo that are not part of this
   output, so the repo is exactly this output.
 - Another job's repo is never replaced unless asked (`overwrite`, --hub-overwrite): before anything is uploaded
-  (or, with --delete-after-upload, deleted), `check_remote` reads the repo's hsx.json (at most MAX_RECORD_BYTES)
+  (or, with --delete-after-upload, deleted), `check_remote` reads the repo's hsx.json (at most MAX_INFO_BYTES)
   and refuses a job fingerprint other than this one's, an hsx.json that cannot be read, and, in a repo without
   hsx.json (a push that has not finished), any file but README.md, .gitattributes and this job's units (recorded
   as uploaded there, identical to the local file, or committed by another node's dir of the job with that size).
@@ -64,9 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.schema import Info, JobRecord, ManifestRecord, human_bytes
-from hsx.sink import (MAX_RECORD_BYTES, OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json,
-                      read_jsonl, uploaded_matches)
+from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_bytes
+from hsx.sink import (OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json, read_jsonl,
+                      uploaded_matches)
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -264,7 +264,7 @@ def _recorded_here(rec: dict | None, hub: _Hub, size: int, manifest: dict | None
 
 def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
     """The job fingerprint the repo's hsx.json records, or (None, why it cannot say)."""
-    if remote.size > MAX_RECORD_BYTES:  # (not downloaded: a huge file is not hsx's)
+    if remote.size > MAX_INFO_BYTES:  # (not downloaded: a huge file is not hsx's)
         return None, f"its hsx.json is {remote.size:,} bytes, more than hsx writes"
     with tempfile.TemporaryDirectory(prefix="hsx-remote-") as tmp:
         try:
@@ -273,7 +273,7 @@ def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
         except HsxError as e:
             return None, f"its hsx.json cannot be downloaded ({str(e).split(': ', 1)[-1][:200]})"
         try:
-            obj = read_json(Path(got))  # (bounded, a regular file, one key once)
+            obj = read_json(Path(got), limit=MAX_INFO_BYTES)  # (bounded, a regular file, one key once)
         except HsxError as e:
             return None, str(e).replace(str(got), "its hsx.json")[:200]
     fp = obj.get("fingerprint")

@@ -341,7 +341,7 @@ def test_a_huge_remote_hsx_json_is_not_downloaded(out, monkeypatch):
 
     api = FakeHfApi()
     another_job(api, out)
-    monkeypatch.setattr(hsx.hub, "MAX_RECORD_BYTES", 100)
+    monkeypatch.setattr(hsx.hub, "MAX_INFO_BYTES", 100)
     with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's: its hsx.json is [\d,]+ bytes"):
         push_output(out, REPO, api=api, log=quiet)
     assert not [c for c in api.calls if c[0] == "hf_hub_download"]
