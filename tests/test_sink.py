@@ -250,3 +250,16 @@ def test_a_ledger_is_read_a_line_at_a_time(tmp_path):
     manifest.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "session": "s" * MAX_LEDGER_LINE_BYTES}) + "\n")
     with pytest.raises(HsxError, match=r"manifest-00000.jsonl: line 2 is damaged: over [\d,]+ bytes"):
         out.manifest_records()
+
+
+def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
+    """Like compile, sdpa_backend and packing, the experts kernel and the FP8 GEMM (numerically different
+    kernels, allowed to change on a resume) are in the job's `run`, not only under each rank's."""
+    from hsx.sink import combine_rank_stats
+
+    rank = {"seconds": 1.0, "tokens": 10, "padded_tokens": 12, "gpu_seconds": 0.5, "sdpa_backend": "flash",
+            "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas"}
+    run = combine_rank_stats([{**rank, "rank": 0}, {**rank, "rank": 1}])
+    assert {k: run[k] for k in ("sdpa_backend", "packing", "compile", "experts_implementation", "fp8_gemm")} == {
+        "sdpa_backend": "flash", "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped",
+        "fp8_gemm": "cublas"}
