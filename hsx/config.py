@@ -121,7 +121,9 @@ class ExtractConfig:
     check_crc: bool = _key(False, help="on resume or rerun, check the CRC-32 of every unit kept (off: sizes of "
                            "all, CRC-32 of the units of the interrupted run)")
     # How fast. None changes which rows, tokens or masks are written; packing and tensor parallelism change the
-    # states only within bf16 rounding (dtype, part of the job's fingerprint, by its own precision).
+    # states only within bf16 rounding (dtype, part of the job's fingerprint, by its own precision), as do the
+    # kernels chosen here. Outside the fingerprint, so a resume may change them: hsx.json's `run` records what the
+    # run that finished the job used (compile, sdpa_backend, packing, experts_implementation, fp8_gemm).
     dtype: str = _key("bfloat16", choices=COMPUTE_DTYPES, help="compute dtype of the model")
     attn_implementation: str = _key("sdpa", help="transformers attention implementation")
     sdpa_backend: str = _key("flash", choices=("flash", "cudnn", "efficient", "default"),

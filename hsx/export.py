@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
-from hsx.schema import ROW_COLUMNS, Info, dequantize
+from hsx.schema import MAX_INFO_BYTES, ROW_COLUMNS, Info, dequantize
 from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, _read_bounded, append_synced, atomic_write, crc32,
                       file_crc32, fsync_dir, fsync_file, listed_files, read_json)
 
@@ -66,6 +66,9 @@ RECORD = "hsx-export.json"
 JOURNAL = "hsx-export.jsonl"
 LOCK = "hsx-export.lock"
 RECORD_VERSION = 1
+# The journal: a line per source unit listing every file written for it (in the SpecForge layout a file per row,
+# ~80 bytes of journal each: ~13M rows).
+MAX_JOURNAL_BYTES = 1 << 30
 _TOKEN = re.compile(r"[0-9a-f]{12}")
 _RECORDED_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)?")  # no dot files, no ..
 _SPECFORGE_DIRS = re.compile(r"rows_\d+-\d+")
@@ -234,7 +237,7 @@ def _read_record(dest: Path) -> dict[str, Any] | None:
         return None
     if path.is_symlink() or not path.is_file():
         raise _not_written_here(dest, RECORD, " (a link or not a file)")
-    record = read_json(path)
+    record = read_json(path, limit=MAX_INFO_BYTES)  # (it lists the source's units, as its hsx.json does)
     if record.get("version") != RECORD_VERSION or not isinstance(record.get("token"), str) \
             or not _TOKEN.fullmatch(record["token"]):
         raise ValueError(f"{path} is not an hsx export record (damaged, or another program's): move it away or "
@@ -251,7 +254,7 @@ def _read_journal(dest: Path, token: str) -> _Dest:
         return d
     if path.is_symlink() or not path.is_file():
         raise _not_written_here(dest, JOURNAL, " (a link or not a file)")
-    for number, raw in enumerate(_read_bounded(path).split(b"\n"), 1):  # (no link, no FIFO, at most 1 GiB)
+    for number, raw in enumerate(_read_bounded(path, MAX_JOURNAL_BYTES).split(b"\n"), 1):  # (no link, no FIFO)
         try:
             line = json.loads(raw.decode("utf-8")) if raw.strip() else None
         except (ValueError, RecursionError):  # torn (or an int of over 4300 digits, which hsx never writes)

@@ -40,7 +40,8 @@ How:
   Hub as locally) and deletes, in that commit, data/train-*.arrow files of the repo that are not part of this
   output, so the repo is exactly this output.
 - Another job's repo is never replaced unless asked (`overwrite`, --hub-overwrite): before anything is uploaded
-  (or, with --delete-after-upload, deleted), `check_remote` reads the repo's hsx.json (at most MAX_RECORD_BYTES)
+  (or, with --delete-after-upload, deleted), and with --push-mode end also when the job starts (`check_end_push`:
+  not after hours of extraction), `check_remote` reads the repo's hsx.json (at most MAX_INFO_BYTES)
   and refuses a job fingerprint other than this one's, an hsx.json that cannot be read, and, in a repo without
   hsx.json (a push that has not finished), any file but README.md, .gitattributes and this job's units (recorded
   as uploaded there, identical to the local file, or committed by another node's dir of the job with that size).
@@ -64,9 +65,9 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.schema import Info, JobRecord, ManifestRecord, human_bytes
-from hsx.sink import (MAX_RECORD_BYTES, OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json,
-                      read_jsonl, uploaded_matches)
+from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_bytes
+from hsx.sink import (OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json, read_jsonl,
+                      uploaded_matches)
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -264,7 +265,7 @@ def _recorded_here(rec: dict | None, hub: _Hub, size: int, manifest: dict | None
 
 def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
     """The job fingerprint the repo's hsx.json records, or (None, why it cannot say)."""
-    if remote.size > MAX_RECORD_BYTES:  # (not downloaded: a huge file is not hsx's)
+    if remote.size > MAX_INFO_BYTES:  # (not downloaded: a huge file is not hsx's)
         return None, f"its hsx.json is {remote.size:,} bytes, more than hsx writes"
     with tempfile.TemporaryDirectory(prefix="hsx-remote-") as tmp:
         try:
@@ -273,7 +274,7 @@ def _remote_job(hub: _Hub, remote: RemoteFile) -> tuple[str | None, str]:
         except HsxError as e:
             return None, f"its hsx.json cannot be downloaded ({str(e).split(': ', 1)[-1][:200]})"
         try:
-            obj = read_json(Path(got))  # (bounded, a regular file, one key once)
+            obj = read_json(Path(got), limit=MAX_INFO_BYTES)  # (bounded, a regular file, one key once)
         except HsxError as e:
             return None, str(e).replace(str(got), "its hsx.json")[:200]
     fp = obj.get("fingerprint")
@@ -309,6 +310,46 @@ def check_remote(hub: _Hub, remote: dict[str, RemoteFile], fingerprint: str | No
         return
     raise HsxError(f"{hub.where} holds {what}; this push would replace them. Push to another repo, or pass "
                    "--hub-overwrite to replace that output")
+
+
+def check_destination(out: OutputDir, hub: _Hub, *, overwrite: bool, log: Callable[[str], Any],
+                      known: dict[str, int] | None = None) -> None:
+    """`check_remote` for the job writing `out` (its job.json's fingerprint), before the job uploads anything: the
+    repo's files this job may have put there are its units recorded as uploaded there, its units here with the
+    same bytes, and `known` ({path in repo: bytes}: `job_files` of the job's dirs; default this dir's)."""
+    job = out.state / "job.json"
+    fingerprint = read_json(job, JobRecord).fingerprint if os.path.lexists(job) else None
+    uploaded = out.uploaded()
+    mine = {rec["file"]: rec for rec in out.manifest_records().values()}
+    known = job_files(out, hub.repo_id, hub.revision) if known is None else known
+
+    def ours(path: str, r: RemoteFile) -> bool:
+        name = path[len("data/"):] if path.startswith("data/") else None
+        if name is None or "/" in name:
+            return False
+        if _recorded_here(uploaded.get(path), hub, r.size, mine.get(name)):
+            return True
+        f = out.data / name
+        if name in mine and f.is_file() and not f.is_symlink():  # this dir's unit: the bytes decide
+            return same_content(f, r)
+        return known.get(path) == r.size  # another node's dir's unit (the Hub lists no CRC-32)
+
+    check_remote(hub, hub.remote_files(), fingerprint, ours, overwrite=overwrite, log=log)
+
+
+def check_end_push(out_dir: str | os.PathLike, repo_id: str, *, revision: str | None = None, overwrite: bool = False,
+                   token: str | None = None, api=None, log: Callable[[str], Any] = print, retries: int = RETRIES,
+                   backoff: float = BACKOFF_SECONDS) -> None:
+    """At the start of a job that pushes once complete (--push-mode end): refuse now, not after hours of
+    extraction, a repo (or --hub-revision) that holds another job's output (`check_destination`; `push_output`
+    checks again before it uploads). Nothing is created: a repo or revision that does not exist yet holds nothing."""
+    hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
+    if not hub.call("repo_exists", lambda: hub.api.repo_exists(repo_id, repo_type=REPO_TYPE)):
+        return
+    if revision and not hub.call("revision_exists", lambda: hub.api.revision_exists(repo_id, revision,
+                                                                                    repo_type=REPO_TYPE)):
+        return
+    check_destination(OutputDir(out_dir), hub, overwrite=overwrite, log=log)
 
 
 # ---- a complete dir ---------------------------------------------------------------------------------------------
@@ -703,24 +744,7 @@ class StreamUploader:
 
     def _check_remote(self, known: dict[str, int] | None) -> None:
         """A repo holding another job's output is refused before this rank uploads (or deletes) anything."""
-        job = self.out.state / "job.json"
-        fingerprint = read_json(job, JobRecord).fingerprint if os.path.lexists(job) else None
-        uploaded = self.out.uploaded()
-        mine = {rec["file"]: rec for rec in self.out.manifest_records().values()}
-        known = job_files(self.out, self.repo_id, self.revision) if known is None else known
-
-        def ours(path: str, r: RemoteFile) -> bool:
-            name = path[len("data/"):] if path.startswith("data/") else None
-            if name is None or "/" in name:
-                return False
-            if _recorded_here(uploaded.get(path), self.hub, r.size, mine.get(name)):
-                return True
-            f = self.out.data / name
-            if name in mine and f.is_file() and not f.is_symlink():  # this dir's unit: the bytes decide
-                return same_content(f, r)
-            return known.get(path) == r.size  # another node's dir's unit (the Hub lists no CRC-32)
-
-        check_remote(self.hub, self.hub.remote_files(), fingerprint, ours, overwrite=self.overwrite, log=self.log)
+        check_destination(self.out, self.hub, overwrite=self.overwrite, log=self.log, known=known)
 
     def resubmit_leftovers(self) -> None:
         """This rank's committed units that are on disk but not recorded as uploaded here (a killed run's)."""

@@ -316,6 +316,8 @@ class RunStats:
     writes: bool | None = None
     sdpa_backend: str | None = None
     packing: str | None = None
+    experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
+    fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
@@ -353,8 +355,9 @@ class Extraction:
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
         quant = fp8.quantization_of(loaded.text_config)
         instead = fp8.runs_instead(quant, device) if quant is not None else None
+        gemm = None
         if quant is not None and instead is None:
-            fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
+            gemm = fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
         blocker = fp8.transformers_fp8_blocker(loaded.base) if quant is not None else None
         if blocker:
             raise HsxError(blocker)
@@ -400,7 +403,9 @@ class Extraction:
         self.per_layer = layer_params(loaded.text_config)
         self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),
                               tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,
-                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=packing, kernels=kernels)
+                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=packing,
+                              experts_implementation=kernels.get("experts_implementation"), fp8_gemm=gemm,
+                              kernels=kernels)
         max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)
         self.bar = tqdm(total=sum(u.tokens for u in units), unit="tok", unit_scale=True, desc="extracting",
                         disable=not (progress and proc.is_main), dynamic_ncols=True,

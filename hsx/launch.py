@@ -17,6 +17,9 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
   machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
   would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
   traceback).
+- --debug (or `debug: true` in the config file) still sets ACCELERATE_DEBUG_MODE in the ranks; a failure still
+  ends as above (accelerate's launchers, with --debug and ACCELERATE_ENABLE_RICH set, print the launcher's stack
+  trace in place of raising it: the command exited 0 with its ranks failed).
 """
 
 from __future__ import annotations
@@ -243,6 +246,22 @@ def _one_process_forwarding() -> Iterator[list[int]]:
         accelerate_launch.simple_launcher = original
 
 
+@contextlib.contextmanager
+def _failures_raised() -> Iterator[None]:
+    """accelerate's launchers, with --debug and ACCELERATE_ENABLE_RICH set, catch the torch.distributed launcher's
+    exception and print it with rich instead of raising (the command exited 0 with every rank failed): for the
+    `launch_command` call they see no rich, so they raise, and `launch` ends with its line and the ranks' exit
+    status."""
+    import accelerate.commands.launch as accelerate_launch
+
+    original = accelerate_launch.is_rich_available
+    accelerate_launch.is_rich_available = lambda: False
+    try:
+        yield
+    finally:
+        accelerate_launch.is_rich_available = original
+
+
 def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
     """`hsx launch ARGV`; returns the exit status."""
     args = parse(argv, hsx_parser)
@@ -251,7 +270,7 @@ def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _one_process_forwarding() as status:
+        with _one_process_forwarding() as status, _failures_raised():
             launch_command(args)
     except SignalException as e:
         _ignore_signals()

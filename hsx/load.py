@@ -269,11 +269,20 @@ def read_info(path: str | os.PathLike) -> Info:
 
 
 def hub_info(repo_id: str, revision: str | None = None) -> Info:
-    """hsx.json of a Hub repo (one small download, cached by huggingface_hub)."""
-    from huggingface_hub import hf_hub_download
+    """hsx.json of a Hub repo (one small download, cached by huggingface_hub). Its size is asked first: one bigger
+    than hsx writes (hsx.schema.MAX_INFO_BYTES) is refused, not downloaded into the cache."""
+    from huggingface_hub import HfApi, constants, hf_hub_download
 
+    from hsx.config import HsxError
+    from hsx.schema import MAX_INFO_BYTES
     from hsx.sink import read_json
 
+    if not constants.HF_HUB_OFFLINE:  # (offline: only a copy already in the cache is read, as read_json bounds it)
+        listed = HfApi().get_paths_info(repo_id, ["hsx.json"], repo_type="dataset", revision=revision)
+        size = next((getattr(f, "size", None) for f in listed), None)
+        if isinstance(size, int) and size > MAX_INFO_BYTES:
+            raise HsxError(f"{repo_id}: its hsx.json is {size:,} bytes, more than hsx writes ({MAX_INFO_BYTES:,} at "
+                           "most); not downloaded")
     return read_json(Path(hf_hub_download(repo_id, "hsx.json", repo_type="dataset", revision=revision)), Info)
 
 

@@ -339,6 +339,11 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         return info
     if "resume" in states or "complete" in states:
         say(f"hsx: continuing the job in {cfg.output_dir}")
+    if cfg.push_to_hub and cfg.push_mode == "end" and proc.is_main and share.whole:
+        from hsx.hub import check_end_push  # (a dir holding a node's share is pushed after `hsx merge`, not here)
+
+        check_end_push(cfg.output_dir, cfg.push_to_hub, revision=cfg.hub_revision, overwrite=cfg.hub_overwrite,
+                       log=say)
     tokenized = job.tokenize_into(out, share.leads)
     job.check_strict(tokenized)
     if stop.is_set():

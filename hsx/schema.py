@@ -248,6 +248,24 @@ class Damaged(ValueError):
     """A record is not what hsx writes (the message says what is wrong, in a few words)."""
 
 
+# How big a record hsx writes can be: each grows with what it lists (hsx.json and summary.json a unit per entry,
+# job.json an input file per entry, a ledger a line per unit), sized here from generous counts. A bigger file is
+# not hsx's (damaged or forged) and is refused before it is parsed: parsed whole, 1 GiB of JSON such as
+# `[[],[],...]` is ~20 GB of Python objects.
+MAX_UNITS = 1_000_000  # units of one job: 2 PB at the default ~2 GiB per unit, and ten times the files the Hub
+# advises one repo to hold (each unit is a file there)
+MAX_INPUT_FILES = 1_000_000  # files of a local dataset folder, each in job.json with its size and sha256
+UNIT_ENTRY_BYTES = 320  # a unit's entry in hsx.json (~155 bytes, indented), its manifest line (~230; 262 at most)
+INPUT_FILE_ENTRY_BYTES = 256  # an input file's entry in job.json: ~100 bytes and its path in the folder
+RECORD_REST_BYTES = 16 << 20  # the rest of a record: its config, kernels, every rank's numbers (~2 KB each)
+MAX_INFO_BYTES = MAX_UNITS * UNIT_ENTRY_BYTES + RECORD_REST_BYTES  # hsx.json, summary.json: 337 MB
+MAX_JOB_BYTES = MAX_INPUT_FILES * INPUT_FILE_ENTRY_BYTES + RECORD_REST_BYTES  # job.json: 272 MB
+# A ledger: a line per unit and as many again (a unit redone after damage, a trainer's partial progress); read a
+# line at a time, each at most MAX_LEDGER_LINE_BYTES (exported.jsonl's lines name a destination path).
+MAX_LEDGER_BYTES = 2 * MAX_UNITS * UNIT_ENTRY_BYTES  # 640 MB
+MAX_LEDGER_LINE_BYTES = 64 << 10
+
+
 UNIT_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]*")  # a unit's name, and a file name under data/: never a path
 
 
@@ -388,6 +406,8 @@ def _output_fields(d: dict[str, Any], checks: dict[str, tuple[Any, str]], counts
 
 @dataclass(frozen=True)
 class _Output:
+    MAX_BYTES = MAX_INFO_BYTES  # (a class constant: hsx.sink.read_json's bound)
+
     model: str
     layers: list[int]
     hidden_size: int
@@ -458,6 +478,8 @@ class Summary(_Output):
 @dataclass(frozen=True)
 class JobRecord:
     """.hsx/job.json: the fingerprint of what decides the output (hsx.sink.job_fingerprint)."""
+    MAX_BYTES = MAX_JOB_BYTES
+
     fingerprint: str
     inputs: dict[str, Any]
     given: dict[str, Any] = field(default_factory=dict)

@@ -51,8 +51,9 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
-from hsx.schema import (DEFAULT_STORAGE_DTYPE, ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord,
-                        OutputFormat, Summary, UploadRecord)
+from hsx.schema import (DEFAULT_STORAGE_DTYPE, MAX_LEDGER_BYTES, MAX_LEDGER_LINE_BYTES, RECORD_REST_BYTES,
+                        ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord, OutputFormat, Summary,
+                        UploadRecord)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -66,20 +67,23 @@ DATASETS_CACHE_FILES = "cache-*.arrow"
 
 # ---- reading what hsx wrote (which may be damaged, or not hsx's at all) -----------------------------------------
 
-MAX_RECORD_BYTES = 1 << 30  # hsx.json of a million units is ~0.2 GB; a manifest line ~0.3 KB per unit
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a JSON file hsx wrote: a regular file reached through no link (a FIFO there would block
+    forever, a link read another file), and at most `limit` bytes (hsx.schema's bound for that file: a bigger
+    one is not hsx's; read whole it would take the machine's memory)."""
+    with _open_bounded(path, limit) as f:  # (read(n) allocates n bytes up front: n is the file's size, not limit)
+        return f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)[:limit]
 
 
-def _read_bounded(path: Path) -> bytes:
-    """The bytes of a JSON file or ledger hsx wrote: a regular file reached through no link (a FIFO there would
-    block forever, a link read another file), and at most MAX_RECORD_BYTES (a huge file is not hsx's; read whole
-    it would take the machine's memory)."""
+def _open_bounded(path: Path, limit: int):
+    """`path` opened for reading as `_read_bounded` reads it: HsxError naming it when it is over `limit` bytes."""
     fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size > MAX_RECORD_BYTES:
-            raise HsxError(f"{path} is damaged: {size:,} bytes, more than hsx writes there "
-                           f"({MAX_RECORD_BYTES:,} at most)")
-        return f.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES]
+    f = os.fdopen(fd, "rb")
+    size = os.fstat(fd).st_size
+    if size > limit:
+        f.close()
+        raise HsxError(f"{path} is damaged: {size:,} bytes, more than hsx writes there ({limit:,} at most)")
+    return f
 
 
 def _last_byte(path: Path) -> bytes:
@@ -111,12 +115,15 @@ def _loads(text: str) -> Any:
     return json.loads(text, object_pairs_hook=_unique_keys)
 
 
-def read_json(path: Path, record=None):
+def read_json(path: Path, record=None, *, limit: int | None = None):
     """A JSON object hsx wrote (hsx.json, .hsx/job.json, .hsx/summary.json) as its typed record
-    (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, not UTF-8 JSON, not an object, or
-    a key missing or of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
+    (`record.from_dict`, hsx.schema; the dict itself without one). Unreadable, over `limit` bytes (default: the
+    record's MAX_BYTES; without a record `limit` must be given), not UTF-8 JSON, not an object, or a key missing or
+    of the wrong type: HsxError in one line naming the file, never a KeyError three calls later."""
+    if limit is None:
+        limit = record.MAX_BYTES
     try:
-        obj = _loads(_read_bounded(path).decode("utf-8"))
+        obj = _loads(_read_bounded(path, limit).decode("utf-8"))
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except Damaged as e:
@@ -135,12 +142,21 @@ def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
     """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl), as the
     dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not JSON is a torn append from
     a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
-    written by something else: HsxError naming file and line."""
+    written by something else: HsxError naming file and line. Read a line at a time: the file is at most
+    MAX_LEDGER_BYTES, a line at most MAX_LEDGER_LINE_BYTES (hsx.schema)."""
     try:
-        blob = _read_bounded(path)
+        f = _open_bounded(path, MAX_LEDGER_BYTES)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
-    for number, raw in enumerate(blob.split(b"\n"), 1):
+    with f:
+        yield from _ledger_records(path, f, record)
+
+
+def _ledger_records(path: Path, f, record) -> Iterator[dict[str, Any]]:
+    for number, raw in enumerate(iter(lambda: f.readline(MAX_LEDGER_LINE_BYTES + 1), b""), 1):
+        if len(raw) > MAX_LEDGER_LINE_BYTES:
+            raise HsxError(f"{path}: line {number} is damaged: over {MAX_LEDGER_LINE_BYTES:,} bytes, longer than "
+                           "any line hsx writes")
         if not raw.strip():
             continue
         try:
@@ -460,9 +476,9 @@ class OutputDir:
         """What each rank of run `run_id` recorded when it finished, in rank order."""
         stats = []
         for f in sorted((self.state / "ranks" / run_id).glob("*.done")):
-            try:
-                record = json.loads(f.read_text() or "{}")
-            except (OSError, ValueError, RecursionError):
+            try:  # (a rank's numbers: a few hundred bytes, well within the rest of a record)
+                record = json.loads(_read_bounded(f, RECORD_REST_BYTES) or b"{}")
+            except (OSError, ValueError, RecursionError, HsxError):
                 continue
             if isinstance(record, dict):
                 stats.append(record)
@@ -638,7 +654,7 @@ class OutputDir:
         a partial merge's links stay readable once the job's `hsx extract` finishes the dir (its hsx.json's
         `run.merged_from` is this list)."""
         path = self.state / "merged-from.json"
-        known = read_json(path).get("dirs") if path.exists() else []
+        known = read_json(path, limit=RECORD_REST_BYTES).get("dirs") if path.exists() else []  # (a path per dir)
         if not isinstance(known, list) or not all(isinstance(d, str) for d in known):
             raise HsxError(f"{path} is damaged (its `dirs` is not a list of paths); remove it and merge again")
         if add:
@@ -882,7 +898,8 @@ def combine_rank_stats(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     if len(peaks) == len(working) and all("flops" in r for r in writers):
         run["flops"] = sum(r["flops"] for r in writers)
         run["mfu"] = run["flops"] / seconds / (sum(peaks) * 1e12)
-    for key in ("token_budget", "compile", "sdpa_backend", "packing", "device", "tp_size", "model_copies"):
+    for key in ("token_budget", "compile", "sdpa_backend", "packing", "experts_implementation", "fp8_gemm", "device",
+                "tp_size", "model_copies"):
         if key in working[0]:
             run[key] = working[0][key]
     run["ranks"] = ranks

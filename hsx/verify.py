@@ -258,7 +258,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
                        " (hsx.json records it); pass --model PATH, a folder with the same files"))
     if not model and info.config.get("trust_remote_code") is not False:
         raise HsxError(RAN_REMOTE_CODE)
-    _check_model_identity(job, info, folder, trust_remote_code, log)
+    _check_model_identity(job, out.state / "job.json", info, folder, trust_remote_code, log)
     full = read_model_config(folder, folder, trust_remote_code)
     quant = fp8.quantization_of(fp8.carry_quantization(full, text_config_of(full)))  # (the folder decides)
     if quant is None:
@@ -334,9 +334,10 @@ def _recorded_quantization(info: Info, job) -> dict | bool | None:
     return None
 
 
-def _check_model_identity(job, info: Info, folder: str, trust_remote_code: bool, log) -> None:
-    """HsxError unless `folder` holds the files (by size and sha256) the job's fingerprint records for its model;
-    a job that named a Hub model records its id and commit: the folder must be that commit's snapshot."""
+def _check_model_identity(job, job_file, info: Info, folder: str, trust_remote_code: bool, log) -> None:
+    """HsxError unless `folder` holds the files (by size and sha256) the job's fingerprint (`job`, read from
+    `job_file`) records for its model; a job that named a Hub model records its id and commit: the folder must be
+    that commit's snapshot. A record that says neither is refused, never taken as leave to skip the check."""
     from hsx.fingerprint import MODEL_SUFFIXES, differing_files, folder_identity
 
     recorded = job.inputs.get("model") if job is not None else None
@@ -348,9 +349,15 @@ def _check_model_identity(job, info: Info, folder: str, trust_remote_code: bool,
                            f"fingerprint: {', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
     elif isinstance(recorded, str):
         revision = job.inputs.get("revision")
-        if isinstance(revision, str) and revision and Path(folder).resolve().name != revision:
+        if not (isinstance(revision, str) and revision):  # (hsx records a Hub model's commit with its id, always)
+            raise HsxError(f"{job_file}: the model {recorded[:100]!r} is recorded without its commit, so model "
+                           f"folder {folder} cannot be checked against it; the job record is damaged")
+        if Path(folder).resolve().name != revision:
             raise HsxError(f"model folder {folder} is not the snapshot of {recorded} at commit {revision} that the "
                            "output was extracted from")
+    elif job is not None:  # (hsx records a local model folder by its files, a Hub model by its id)
+        raise HsxError(f"{job_file}: its model is neither a Hub id nor a folder's files, so model folder {folder} "
+                       "cannot be checked against it; the job record is damaged")
     else:
         log(f"hsx verify: {info.model}: the output records no fingerprint of its model; {folder} is used unchecked")
 

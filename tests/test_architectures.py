@@ -641,6 +641,10 @@ def test_end_to_end(name, dtype, tmp_path_factory, tmp_path, tokenizer):
                              "token_budget": 256, "dtype": dtype, "compile": "off"})
     info = extract(cfg, log=lambda *a: None)
     assert info["layers"] == layers and info["num_model_layers"] == n and info["hidden_size"] == 64
+    # the experts kernel that ran is in the run's record, as sdpa_backend and packing are (none without experts)
+    ran = info["run"]["kernels"]["experts_implementation"]
+    assert info["run"].get("experts_implementation") == ran and (ran is not None) == (name in MOE)
+    assert "fp8_gemm" not in info["run"]  # (no FP8 target)
     view = hsx.torch_view(str(tmp_path / "out"))
     assert len(view) == info["counts"]["rows_written"] > 0
     model = fam.model if dtype == "float32" else type(fam.model).from_pretrained(fam.path, dtype=torch.bfloat16)

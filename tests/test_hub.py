@@ -41,7 +41,8 @@ def http_error(status: int, message: str = "", retry_after: str | None = None) -
 
 
 class FakeHfApi:
-    """Records create_repo / create_branch / create_commit / upload_folder / list_repo_tree calls (each checked
+    """Records create_repo / create_branch / create_commit / upload_folder / list_repo_tree / repo_exists /
+    revision_exists calls (each checked
     against the real HfApi signature) and keeps each branch's files in a dict. `fail(method, *errors)` makes the
     next calls of `method` raise those errors in turn (None: that call succeeds)."""
 
@@ -80,6 +81,14 @@ class FakeHfApi:
         self._call("create_branch", repo_id, **kw)
         branches = self.repos[repo_id]["branches"]
         branches.setdefault(kw["branch"], dict(branches["main"]))
+
+    def repo_exists(self, repo_id, **kw):
+        self._call("repo_exists", repo_id, **kw)
+        return repo_id in self.repos
+
+    def revision_exists(self, repo_id, revision, **kw):
+        self._call("revision_exists", repo_id, revision, **kw)
+        return repo_id in self.repos and revision in self.repos[repo_id]["branches"]
 
     def list_repo_tree(self, repo_id, path_in_repo=None, **kw):
         self._call("list_repo_tree", repo_id, path_in_repo, **kw)
@@ -341,7 +350,7 @@ def test_a_huge_remote_hsx_json_is_not_downloaded(out, monkeypatch):
 
     api = FakeHfApi()
     another_job(api, out)
-    monkeypatch.setattr(hsx.hub, "MAX_RECORD_BYTES", 100)
+    monkeypatch.setattr(hsx.hub, "MAX_INFO_BYTES", 100)
     with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's: its hsx.json is [\d,]+ bytes"):
         push_output(out, REPO, api=api, log=quiet)
     assert not [c for c in api.calls if c[0] == "hf_hub_download"]
@@ -662,6 +671,36 @@ def test_extract_streaming_into_another_jobs_repo_is_refused(tmp_path, model4, c
     with pytest.raises(HsxError, match="--hub-overwrite needs --push-to-hub"):
         load_config(None, {**values, "push_to_hub": None, "push_mode": "end", "delete_after_upload": False,
                            "hub_overwrite": True})
+
+
+def test_extract_pushing_at_the_end_into_another_jobs_repo_is_refused_before_extracting(tmp_path, model4, chat_data,
+                                                                                        monkeypatch, complete):
+    """--push-mode end found a repo (or --hub-revision) holding another job's output only at push time, after the
+    whole extraction. Now at the start too, before any unit is written, creating nothing on the Hub (a repo or
+    branch that does not exist yet is not checked further); --hub-overwrite goes on and replaces it at the end."""
+    import huggingface_hub
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
+    root = tmp_path / "out"
+    values = {"output_dir": str(root), "compile": "off", "model": str(model4.path), "dataset": str(chat_data.path),
+              "layers": ["1", "3"], "final_hidden": True, "max_length": 160, "token_budget": 640,
+              "unit_tokens": 300, "push_to_hub": REPO, "push_mode": "end", "hub_revision": "v1"}
+    api.create_repo(REPO, repo_type="dataset")  # the repo exists, the branch does not: nothing to check there
+    before = another_job(api, complete)  # ... and main holds another job's output
+    api.calls.clear()
+    with pytest.raises(HsxError, match="no usable rows"):  # (stopped later, for another reason: it got past)
+        extract(load_config(None, {**values, "max_length": 1}), log=quiet)
+    assert [c[0] for c in api.calls] == ["repo_exists", "revision_exists"]
+    values.pop("hub_revision")
+    with pytest.raises(HsxError, match="someone/states holds the output of another job"):
+        extract(load_config(None, values), log=quiet)
+    assert not OutputDir(root).manifest_records() and api.files() == before and api.commits == []
+    assert not [c for c in api.calls if c[0] in ("create_repo", "create_branch")]
+    log: list[str] = []
+    info = extract(load_config(None, {**values, "hub_overwrite": True}), log=log.append)
+    assert info["complete"] and api.files()["hsx.json"] == (root / "hsx.json").read_bytes()
+    assert sum("replacing it (--hub-overwrite)" in line for line in log) == 2  # at the start, and at the push
 
 
 def test_push_replans_when_a_unit_vanishes_after_another_rank_uploaded_it(out):

@@ -144,3 +144,24 @@ def test_the_line_for_failed_ranks():
     line, code = failed_ranks_line({0: failure(-9, 20), 3: failure(2, 10)})
     assert line.startswith("hsx: error: rank 3 exited with 2, rank 0 was killed by SIGKILL (") and code == 2
     assert failed_ranks_line({1: failure(-15, 0)})[1] == 143  # as a shell gives it
+
+
+def test_debug_still_ends_with_the_failed_ranks_line_and_status(tmp_path, monkeypatch, capsys):
+    """--debug with ACCELERATE_ENABLE_RICH made accelerate's multi-process launcher print torch's ChildFailedError
+    with rich instead of raising it: `hsx launch` exited 0 with its ranks failed, without the line naming them."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hsx.cli import main
+
+    def ranks_fail(args):
+        raise ChildFailedError("hsx", {1: ProcessFailure(local_rank=1, pid=1, exitcode=3, error_file="")})
+
+    monkeypatch.setattr(torch.distributed.run, "run", ranks_fail)
+    monkeypatch.setenv("ACCELERATE_ENABLE_RICH", "1")
+    rc = main(["launch", "--debug", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+               "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), "extract", "--config",
+               "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert last_line(err).startswith("hsx: error: rank 1 exited with 3 ("), err

@@ -442,3 +442,36 @@ def test_every_stored_column_comes_back(tmp_path, model4, small_chat_path):
     assert batch["topk_ids"].shape == (2, width, 3) and batch["topk_logits"].dtype == torch.bfloat16
     assert torch.equal(batch["topk_ids"][0, :n0], view[0]["topk_ids"]) and not batch["topk_ids"][0, n0:].any()
     assert batch["has_nonfinite"].tolist() == [False, False]
+
+
+def test_a_hub_hsx_json_bigger_than_hsx_writes_is_not_downloaded(monkeypatch, tmp_path):
+    """hsx.load(REPO, layers=...) downloaded the repo's hsx.json whatever its size (into the HF cache) before the
+    read refused it: its size is asked first, and a forged one is one line, with nothing downloaded."""
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from hsx.config import HsxError
+    from hsx.load import hub_info
+    from hsx.schema import MAX_INFO_BYTES
+
+    asked, downloaded = [], []
+
+    class Api:
+        def get_paths_info(self, repo_id, paths, **kw):
+            asked.append((repo_id, paths, kw.get("revision")))
+            return [SimpleNamespace(path="hsx.json", size=MAX_INFO_BYTES + 1)]
+
+    cached = tmp_path / "hsx.json"  # (what an earlier download left in the cache)
+    with open(cached, "wb") as f:
+        f.truncate(MAX_INFO_BYTES + 1)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: Api())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: downloaded.append(a) or str(cached))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(HsxError, match=r"someone/states: its hsx.json is [\d,]+ bytes, more than hsx writes"):
+        hub_info("someone/states", "v2")
+    assert asked == [("someone/states", ["hsx.json"], "v2")] and not downloaded
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # only the cache: its copy is bounded
+    with pytest.raises(HsxError, match=r"hsx.json is damaged: [\d,]+ bytes, more than hsx writes there"):
+        hub_info("someone/states", "v2")
+    assert len(asked) == 1 and len(downloaded) == 1

@@ -166,3 +166,100 @@ def test_load_silences_the_read_only_warning_only_where_it_happens():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"
+
+
+# ---- how much of a record is read ----------------------------------------------------------------------------------
+
+def _sparse(path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)  # (no data blocks: cheap to make, and old code read it whole)
+
+
+def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
+    """hsx.json, summary.json and job.json were read up to 1 GiB and parsed (1 GiB of `[[],...]`: ~20 GB of
+    Python objects); each is now bounded by what the record can list (hsx.schema) and a bigger one is one line
+    naming it, read no further."""
+    import tracemalloc
+
+    from hsx.load import read_info
+    from hsx.schema import MAX_INFO_BYTES, MAX_JOB_BYTES
+
+    out = OutputDir(tmp_path / "out")
+    _sparse(out.root / "hsx.json", MAX_INFO_BYTES + 1)
+    _sparse(out.state / "summary.json", MAX_INFO_BYTES + 1)
+    _sparse(out.state / "job.json", MAX_JOB_BYTES + 1)
+    for name, read in (("hsx.json", lambda: read_info(out.root)), ("summary.json", out.read_summary),
+                       ("job.json", lambda: out.claim({"fingerprint": "f" * 32, "inputs": {}}, overwrite=False))):
+        tracemalloc.start()
+        try:
+            with pytest.raises(HsxError, match=rf"{name} is damaged: [\d,]+ bytes, more than hsx writes there"):
+                read()
+            assert tracemalloc.get_traced_memory()[1] < 1 << 20, name
+        finally:
+            tracemalloc.stop()
+    from hsx.schema import JobRecord
+    from hsx.sink import read_json
+
+    (out.state / "job.json").write_text(json.dumps({"fingerprint": "f" * 32, "inputs": {}}))
+    tracemalloc.start()
+    try:  # a record of a few bytes is read in a few bytes (not a buffer of its bound: 1 GiB before)
+        assert read_json(out.state / "job.json", JobRecord).fingerprint == "f" * 32
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_record_bounds_hold_a_job_of_max_units_and_input_files():
+    """The bounds are sized per unit and per input file: what hsx writes for one, at its longest, fits in them
+    (a real output is never refused)."""
+    from hsx.schema import INPUT_FILE_ENTRY_BYTES, MAX_LEDGER_LINE_BYTES, UNIT_ENTRY_BYTES, FileEntry
+
+    entry = FileEntry("train-999-99999.arrow", 2**40, "ffffffff", "999-99999", 2**31).to_dict()
+    grows = len(json.dumps({"files": [entry] * 2}, indent=2)) - len(json.dumps({"files": [entry]}, indent=2))
+    assert grows <= UNIT_ENTRY_BYTES  # hsx.json (OutputDir.finalize's indent), summary.json's unit name less
+    line = json.dumps({"unit": "999-99999", "file": "train-999-99999.arrow", "bytes": 2**40, "crc32": "ffffffff",
+                       "session": "f" * 12, "rows": 2**31, "tokens": 2**40, "skipped_oom": 2**31,
+                       "skipped_nonfinite": 2**31, "nonfinite_kept": 2**31}, sort_keys=True) + "\n"
+    assert len(line) <= UNIT_ENTRY_BYTES  # a manifest line (OutputDir.commit)
+    one = {"files": {"data/" + "x" * 120 + ".parquet": [2**40, "f" * 64]}}
+    grows = len(json.dumps({**one, "files": {**one["files"], "y": [2**40, "f" * 64]}}, indent=2, sort_keys=True))
+    assert grows - len(json.dumps(one, indent=2, sort_keys=True)) <= INPUT_FILE_ENTRY_BYTES  # job.json
+    assert len(json.dumps({"file": "train-999-99999.arrow", "dest": "/" + "d" * 4096, "bytes": 2**40,
+                           "crc32": "ffffffff", "command": "export-speculators"})) < MAX_LEDGER_LINE_BYTES
+
+
+def test_a_ledger_is_read_a_line_at_a_time(tmp_path):
+    """A ledger was read whole and split (8 MB of newlines: a list of 8M lines); now a line at a time, each at
+    most MAX_LEDGER_LINE_BYTES: a longer one (which hsx never writes) is one line naming the file and line."""
+    import tracemalloc
+
+    from hsx.schema import MAX_LEDGER_LINE_BYTES
+
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    rec = {"unit": "000-00000", "file": "train-000-00000.arrow", "bytes": 1, "rows": 1, "tokens": 1}
+    manifest = out.state / "manifest-00000.jsonl"
+    manifest.write_text("\n" * (8 << 20) + json.dumps(rec) + "\n")
+    tracemalloc.start()
+    try:
+        assert list(out.manifest_records()) == ["000-00000"]
+        assert tracemalloc.get_traced_memory()[1] < 2 << 20
+    finally:
+        tracemalloc.stop()
+    manifest.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "session": "s" * MAX_LEDGER_LINE_BYTES}) + "\n")
+    with pytest.raises(HsxError, match=r"manifest-00000.jsonl: line 2 is damaged: over [\d,]+ bytes"):
+        out.manifest_records()
+
+
+def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
+    """Like compile, sdpa_backend and packing, the experts kernel and the FP8 GEMM (numerically different
+    kernels, allowed to change on a resume) are in the job's `run`, not only under each rank's."""
+    from hsx.sink import combine_rank_stats
+
+    rank = {"seconds": 1.0, "tokens": 10, "padded_tokens": 12, "gpu_seconds": 0.5, "sdpa_backend": "flash",
+            "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas"}
+    run = combine_rank_stats([{**rank, "rank": 0}, {**rank, "rank": 1}])
+    assert {k: run[k] for k in ("sdpa_backend", "packing", "compile", "experts_implementation", "fp8_gemm")} == {
+        "sdpa_backend": "flash", "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped",
+        "fp8_gemm": "cublas"}

@@ -241,13 +241,13 @@ def test_the_window_counts_a_unit_whose_ledger_line_is_of_other_bytes(out):
 
 
 def test_a_huge_export_journal_is_refused_not_read_whole(out, tmp_path, monkeypatch):
-    import hsx.sink
+    import hsx.export
     from hsx.export import JOURNAL, export_specforge
 
     dest = tmp_path / "dest"
     export_specforge(out, dest, layout="dflash")
-    limit = max(p.stat().st_size for p in (dest / JOURNAL, dest / "hsx-export.json", out / "hsx.json")) + 100
-    monkeypatch.setattr(hsx.sink, "MAX_RECORD_BYTES", limit)
+    limit = (dest / JOURNAL).stat().st_size + 100
+    monkeypatch.setattr(hsx.export, "MAX_JOURNAL_BYTES", limit)
     with open(dest / JOURNAL, "a") as f:
         f.write("\n" * limit)  # (a sparse 100 GB file read whole took the machine's memory)
     with pytest.raises(HsxError, match=f"{JOURNAL} is damaged: .* more than hsx writes"):

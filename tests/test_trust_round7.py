@@ -157,6 +157,25 @@ def test_verify_refuses_rows_longer_than_the_jobs_max_length(finished, tmp_path)
     assert rc != 0 and "max_length 4" in line and "longer" in line, line
 
 
+def test_against_bf16_refuses_a_job_record_that_cannot_check_the_model_folder(finished, tmp_path, model4):
+    """A job record naming a Hub model without its commit (hsx records both, always), or a model that is neither
+    an id nor a folder's files: --against-bf16 skipped its check of the model folder and compared the stored
+    states with whatever model hsx.json named. One line naming job.json, before the model is read."""
+    out = Path(shutil.copytree(finished, tmp_path / "out"))
+    info = json.loads((out / "hsx.json").read_text())
+    info["model_path"] = str(model4.path)
+    (out / "hsx.json").write_text(json.dumps(info))
+    job = json.loads((out / ".hsx" / "job.json").read_text())
+    for model, revision, needle in (("someone/model", None, "recorded without its commit"),
+                                    ("someone/model", "", "recorded without its commit"),
+                                    (42, "abc", "neither a Hub id nor a folder's files")):
+        job["inputs"].update(model=model, revision=revision)
+        (out / ".hsx" / "job.json").write_text(json.dumps(job))
+        rc, _, err = hsx_main(["verify", str(out), "--against-bf16", "2"])
+        line = one_error_line(err)
+        assert rc != 0 and needle in line and "job.json" in line, line
+
+
 # ---- row formats that were already refused or rendered -----------------------------------------------------------
 
 DEEP = '{"a":' * 980 + "1" + "}" * 980
@@ -212,18 +231,18 @@ def test_against_bf16_never_runs_code_of_the_model_folder_hsx_json_names(finishe
     (evil / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     job = json.loads((out / ".hsx" / "job.json").read_text())
     job["inputs"]["model"] = "someone/evil"
-    job["inputs"].pop("revision", None)
-    (out / ".hsx" / "job.json").write_text(json.dumps(job))
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     (tmp_path / "afile").write_text("x")
     info = json.loads((out / "hsx.json").read_text())
     for path, trust, needle in ((evil, False, "cannot read the config"), (evil, True, "--trust-remote-code"),
-                                (fifo, False, "not an FP8 checkpoint"), ("/", False, "cannot read the config"),
+                                (fifo, False, "not an FP8 checkpoint"), ("/", False, "is not the snapshot"),
                                 (tmp_path / "afile", False, "not an FP8 checkpoint")):
         info["model_path"] = str(path)
         info["config"]["trust_remote_code"] = trust
         (out / "hsx.json").write_text(json.dumps(info))
+        job["inputs"]["revision"] = Path(path).name or "main"  # (the folder passes as that commit's snapshot)
+        (out / ".hsx" / "job.json").write_text(json.dumps(job))
         rc, _, err = hsx_main(["verify", str(out), "--against-bf16", "2"])
         line = one_error_line(err)
         assert rc != 0 and needle in line, (path, line)
