@@ -25,7 +25,7 @@ masks of two versions):
   as transformers does for generation markers. Cost: about 3 renders per assistant turn (measured on one CPU
   core: ~180 rows/s with a Qwen3-style template at 1.6 turns per row; generation markers: ~1,000 rows/s).
 - `given`: pre-tokenized rows bring their own `loss_mask` (`all_tokens` for `text` rows and `input_ids` without
-  one).
+  one; `completion` for string prompt/completion rows read as plain text, hsx.data).
 
 A template whose turns cannot be derived stops the job before anything is extracted (one line: what is missing,
 and how to supply markers or a pre-tokenized `loss_mask`); a row whose turn does not sit where the template's

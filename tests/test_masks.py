@@ -541,6 +541,31 @@ def test_mask_method_in_hsx_json_and_fingerprint(tmp_path, model4, tokenizer_no_
     assert job["inputs"]["loss_mask"] == {"method": "derived", "version": masks.MASK_VERSION}
 
 
+def test_plain_prompt_completion_job(tmp_path, model4):
+    """`--prompt-completion text` through `hsx extract`: string prompt/completion rows are written as plain text
+    (`completion` in hsx.json), a job other than the default chat one (its fingerprint differs)."""
+    from hsx import load
+
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "The sky is", "completion": " blue."}])
+    infos = {}
+    for label, extra in [("chat", []), ("text", ["--prompt-completion", "text"])]:
+        rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(path), "--layers", "1",
+                               "--output-dir", str(tmp_path / label), "--compile", "off", *extra])
+        assert rc == 0, err
+        infos[label] = json.loads((tmp_path / label / "hsx.json").read_text())
+    assert infos["text"]["loss_mask"] == {"method": "completion", "version": masks.MASK_VERSION}
+    assert infos["chat"]["loss_mask"]["method"] == "markers"
+    assert infos["text"]["fingerprint"] != infos["chat"]["fingerprint"]
+    row = load(str(tmp_path / "text"))[0]
+    assert "<|im_start|>" not in tok_text(model4, row["input_ids"]) and row["loss_mask"][-1] == 1
+
+
+def tok_text(model, ids):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.path).decode(ids)
+
+
 def test_job_stops_before_extracting_when_no_header_can_be_derived(tmp_path, model4):
     from hsx.demo import build_tokenizer
 
