@@ -321,6 +321,9 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
     check_columns(ds, fmt, cfg.dataset)
     chat_format = None
     plain = plain_completion(ds, cfg)
+    if plain and not getattr(tokenizer, "is_fast", True):  # (the mask is read off character offsets)
+        raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} is not a fast (tokenizers) one, so it gives no "
+                       "character offsets to find the completion's tokens by; give --tokenizer a fast one")
     developer_as = "developer"
     if fmt in CHAT_FORMATS and not plain:
         if not chat_template_text(tokenizer):
