@@ -41,9 +41,10 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# hsx.fp8's block-scaled GEMMs after auto (auto: the first that works on the device), in the order hsx tries them
-# (docs/fp8.md: cuBLAS faster than Triton on an H200; fbgemm first, its speed not yet measured)
+# hsx.fp8's block-scaled GEMMs after auto (auto: the first that works on the device), in the order hsx tries them:
+# fastest first (docs/fp8.md: on an H200 cuBLAS 1,120-1,270 TFLOP/s, fbgemm 790-975, Triton 609-663)
 FP8_GEMM_CHOICES = ("auto", "cublas", "fbgemm", "triton")
+PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 
 
 # The largest value of an integer key, and why (a value above it is refused in one line, before anything
@@ -89,6 +90,10 @@ class ExtractConfig:
     max_length: int = _key(4096, minimum=1, maximum=TOKENS_INT32, help="longer rows are truncated (and counted)")
     chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
                                                 "template, e.g. '{\"enable_thinking\": false}'")
+    prompt_completion: str = _key("chat", choices=PROMPT_COMPLETION_FORMATS, help="rows whose prompt and "
+                                  "completion are strings (TRL's standard form): chat, a user and an assistant turn "
+                                  "through the chat template (what a chat server renders); text, prompt + completion + "
+                                  "eos as plain text, loss on the completion (TRL's SFT). Lists of messages are chat")
     # Where it goes.
     output_dir: str = _key("", help="where the Arrow dataset goes; rerunning the same command there continues "
                            "the job")

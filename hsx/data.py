@@ -2,10 +2,13 @@
 
 Rows are chat (`messages` or `conversations`, each message {role, content} or ShareGPT {from, value}, plus any
 keys the template reads, and optional `tools` and `system` columns; or `prompt` with `completion`/`response`,
-strings or TRL's lists of messages), plain `text`,
+TRL's lists of messages, or strings), plain `text`,
 or pre-tokenized `input_ids` (+ optional `loss_mask`). Chat rows go through the tokenizer's chat template, one row
 per conversation; the loss mask is what the model generates in each assistant turn, end-of-turn token included
-(hsx.masks: from `{% generation %}` markers, or derived from the template). `text` rows are supervised on every
+(hsx.masks: from `{% generation %}` markers, or derived from the template); of a prompt/completion row, only the
+completion's turns. String prompt/completion rows are a user and an assistant turn, or with `prompt_completion:
+text` (TRL's standard form, as its SFT reads it) plain text, prompt + completion + eos, supervised on the
+completion and eos. `text` rows are supervised on every
 token. Rows longer than `max_length` are truncated (and counted); rows that cannot be used get a `skip_reason`
 instead of being dropped, so every input row is accounted for. `sample_id` is the row's index in the input
 (after concatenating files).
@@ -268,11 +271,30 @@ def row_format(column_names: list[str]) -> str:
                    f"prompt+response (it has: {', '.join(column_names)}){alpaca}")
 
 
-def mask_method(column_names: list[str], tokenizer) -> dict[str, Any]:
-    """How this job's loss masks are made ({"method": markers | derived | given | all_tokens, "version"}): part
-    of the job fingerprint (so of the tokenization cache key) and of hsx.json."""
+def mask_method(column_names: list[str], tokenizer, plain: bool = False) -> dict[str, Any]:
+    """How this job's loss masks are made ({"method": markers | derived | given | all_tokens | completion,
+    "version"}): part of the job fingerprint (so of the tokenization cache key) and of hsx.json. `plain`: the
+    rows are string prompt/completion pairs read as plain text (plain_completion)."""
     fmt = row_format(column_names)
-    return {"method": loss_masks.mask_method(fmt, tokenizer, column_names), "version": loss_masks.MASK_VERSION}
+    return {"method": loss_masks.mask_method(fmt, tokenizer, column_names, plain), "version": loss_masks.MASK_VERSION}
+
+
+def plain_completion(ds, cfg: ExtractConfig) -> bool:
+    """Whether the job reads its rows as plain-text prompt/completion pairs: `prompt_completion: text` and both
+    columns hold strings (TRL's standard form; lists of messages are chat whatever the key says). HsxError for a
+    `system` or `tools` column beside them: plain text has no place for either."""
+    fmt = row_format(ds.column_names)
+    if cfg.prompt_completion != "text" or not fmt.startswith("prompt+"):
+        return False
+    if not all(getattr(ds.features.get(c), "dtype", None) in ("string", "large_string", "null")
+               for c in fmt.split("+")):
+        return False
+    extra = [c for c in ("system", "tools") if c in ds.column_names]
+    if extra:
+        raise HsxError(f"dataset {cfg.dataset}: a {' and a '.join(extra)} column needs the chat template, and "
+                       "prompt_completion text reads prompt and completion as plain text; use prompt_completion chat "
+                       "or drop the column")
+    return True
 
 
 def chat_template_text(tokenizer) -> str | None:
@@ -298,10 +320,18 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
     fmt = row_format(ds.column_names)
     check_columns(ds, fmt, cfg.dataset)
     chat_format = None
-    if fmt in CHAT_FORMATS:
+    plain = plain_completion(ds, cfg)
+    if plain and not getattr(tokenizer, "is_fast", True):  # (the mask is read off character offsets)
+        raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} is not a fast (tokenizers) one, so it gives no "
+                       "character offsets to find the completion's tokens by; give --tokenizer a fast one")
+    developer_as = "developer"
+    if fmt in CHAT_FORMATS and not plain:
         if not chat_template_text(tokenizer):
+            hint = (", --prompt-completion text for string prompts and completions (plain text)"
+                    if fmt.startswith("prompt+") else "")
             raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
-                           f"{fmt!r} rows; give --tokenizer one that has, or pre-tokenized input_ids")
+                           f"{fmt!r} rows as chat; give --tokenizer one that has{hint}, or pre-tokenized input_ids")
+        developer_as = loss_masks.developer_role(tokenizer, dict(cfg.chat_template_kwargs))
         if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be
             chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
                                                         name=cfg.tokenizer or cfg.model)
@@ -327,7 +357,8 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
         features=features,
         fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "max_length": cfg.max_length,
                    "template_kwargs": dict(cfg.chat_template_kwargs), "vocab_size": vocab_size,
-                   "chat_format": chat_format},
+                   "chat_format": chat_format, "prompt_completion": "text" if plain else "chat",
+                   "developer_as": developer_as},
         num_proc=num_proc,
         cache_file_name=cache_file,
         new_fingerprint=fingerprint,
@@ -383,7 +414,11 @@ def cpu_count() -> int:
 
 def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: str, max_length: int,
                    template_kwargs: dict[str, Any], vocab_size: int | None = None,
-                   chat_format: loss_masks.ChatFormat | None = None) -> dict[str, list]:
+                   chat_format: loss_masks.ChatFormat | None = None, prompt_completion: str = "chat",
+                   developer_as: str = "developer") -> dict[str, list]:
+    """The rows of one batch. `prompt_completion` "text": string prompt/completion rows as plain text
+    (plain_completion_tokenize); `developer_as`: the role `developer` messages are rendered as
+    (hsx.masks.developer_role)."""
     n = len(indices)
     ids: list[list[int]] = [[] for _ in range(n)]
     masks: list[list[int]] = [[] for _ in range(n)]
@@ -406,24 +441,44 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
     else:
         convs: list[list[dict[str, Any]]] = []
         tools: list[list | None] = []
-        good = []
+        prompt_turns: list[int] = []  # messages of a prompt that holds assistant turns (0: none to unsupervise)
+        good, plain = [], []
         for r in range(n):
             system = batch["system"][r] if "system" in batch else None
+            prompt_len = 0
             if fmt in ("messages", "conversations"):
                 conv, reason = normalize_conversation(batch[fmt][r], system)
             else:
                 prompt, answer = fmt.split("+")
+                if (prompt_completion == "text" and isinstance(batch[prompt][r], str)
+                        and isinstance(batch[answer][r], str)):
+                    plain.append(r)
+                    continue
                 conv, reason = prompt_completion_conversation(batch[prompt][r], batch[answer][r], answer, system)
+                if not reason:  # (normalizing keeps each message, and may add a system one first)
+                    completion = batch[answer][r]
+                    prompt_len = len(conv) - (len(completion) if isinstance(completion, list) else 1)
             if reason:
                 reasons[r] = reason
-            else:
-                good.append(r)
-                convs.append(conv)
-                tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
+                continue
+            if developer_as != "developer":
+                conv = [{**m, "role": developer_as} if m["role"] == "developer" else m for m in conv]
+            good.append(r)
+            convs.append(conv)
+            tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
+            prompt_turns.append(prompt_len if any(m["role"] == "assistant" for m in conv[:prompt_len]) else 0)
         if good:
-            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format,
-                                 loss_masks.render_char_limit(max_length))
-            for r, (row_ids, row_mask, reason) in zip(good, rows):
+            max_chars = loss_masks.render_char_limit(max_length)
+            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars)
+            for r, row, conv, row_tools_, k in zip(good, rows, convs, tools, prompt_turns):
+                if k:
+                    row = unsupervised_prompt(tokenizer, row, conv[:k], row_tools_, template_kwargs, max_chars)
+                ids[r], masks[r], reasons[r] = row
+        if plain:
+            prompt, answer = fmt.split("+")
+            rows = plain_completion_tokenize(tokenizer, [batch[prompt][r] for r in plain],
+                                             [batch[answer][r] for r in plain])
+            for r, (row_ids, row_mask, reason) in zip(plain, rows):
                 ids[r], masks[r], reasons[r] = row_ids, row_mask, reason
     truncated = [False] * n
     for r in range(n):
@@ -484,7 +539,8 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     `'tool_calls' in message`), except `content`: an assistant message with `tool_calls` and null content is valid.
     OpenAI content-part lists become their text (message_text); a ShareGPT `function_call` turn becomes an
     assistant message with `tool_calls`. `system` (a row's `system` column) is the system prompt of a
-    conversation that has none of its own (as LLaMA-Factory reads that column)."""
+    conversation that has none of its own, neither a system nor a developer message first (as LLaMA-Factory reads
+    that column)."""
     if raw is None:
         return [], "missing_value"
     if isinstance(raw, str):  # a CSV cell (CSV holds no lists), or an export that wrote the list as JSON text
@@ -526,7 +582,7 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
         conv.append({"role": role, "content": content, **msg})
     if not any(m["role"] == "assistant" for m in conv):
         return [], "no_assistant_turn"
-    if isinstance(system, str) and system and conv[0]["role"] != "system":
+    if isinstance(system, str) and system and conv[0]["role"] not in ("system", "developer"):
         conv.insert(0, {"role": "system", "content": system})
     return conv, ""
 
@@ -587,7 +643,8 @@ def sharegpt_tool_calls(value: Any) -> list[dict[str, Any]] | None:
 def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: str = "completion",
                                    system: Any = None) -> tuple[list[dict[str, Any]], str]:
     """`prompt`/`completion` (or `prompt`/`response`) as chat turns: strings become one user and one assistant
-    message; lists of messages (TRL's conversational form) are taken as they are."""
+    message; lists of messages (TRL's conversational form) are taken as they are (the prompt's own assistant turns
+    are then context, not supervised: unsupervised_prompt)."""
     if prompt is None or completion is None:
         return [], "missing_prompt" if prompt is None else f"missing_{answer_column}"
     head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -595,6 +652,55 @@ def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: 
     if not isinstance(head, list) or not isinstance(tail, list):
         return [], "empty_conversation"
     return normalize_conversation(head + tail, system)
+
+
+def unsupervised_prompt(tokenizer, row: loss_masks.Row, prompt: list[dict[str, Any]], tools, template_kwargs,
+                        max_chars: int = loss_masks.RENDER_MIN_CHARS) -> loss_masks.Row:
+    """`row` with the assistant turns of its prompt not supervised (TRL's conversational prompt-completion trains
+    on the completion only): every run of supervised tokens that starts where the row's tokens are still those of
+    the prompt rendered alone. A prompt the template cannot render alone skips the row as `chat_template_error`."""
+    ids, mask, reason = row
+    if reason:
+        return row
+    for variant in _render_variants(prompt):  # (the forms chat_tokenize tries, in its order)
+        try:
+            with loss_masks.row_budget():
+                prompt_ids = loss_masks.render_ids(tokenizer, variant, tools, template_kwargs, max_chars)
+            break
+        except loss_masks.RenderLimit as e:
+            return [], [], e.reason
+        except Exception:  # noqa: BLE001
+            continue
+    else:
+        return [], [], "chat_template_error"
+    shared = 0
+    while shared < min(len(ids), len(prompt_ids)) and ids[shared] == prompt_ids[shared]:
+        shared += 1
+    out = list(mask)
+    k = 0
+    while k < shared:
+        if out[k]:
+            while k < len(out) and out[k]:
+                out[k] = 0
+                k += 1
+        k += 1
+    return ids, out, ""
+
+
+def plain_completion_tokenize(tokenizer, prompts: list[str], completions: list[str]) -> list[loss_masks.Row]:
+    """TRL's standard prompt-completion, as its SFT trainer reads it: prompt + completion as plain text, eos
+    appended to a completion that does not end with it (the model learns to stop), tokenized as `text` rows are
+    (the tokenizer's own special tokens added); supervised is every token holding a character of the completion."""
+    eos = tokenizer.eos_token or ""
+    texts = [p + (c if not eos or c.endswith(eos) else c + eos) for p, c in zip(prompts, completions)]
+    if not texts:
+        return []
+    enc = tokenizer(texts, add_special_tokens=True, return_offsets_mapping=True)
+    rows = []
+    for row_ids, offsets, prompt in zip(enc["input_ids"], enc["offset_mapping"], prompts):
+        start = len(prompt)
+        rows.append((list(row_ids), [int(e > start and e > s) for s, e in offsets], ""))
+    return rows
 
 
 def row_tools(raw: Any) -> list | None:

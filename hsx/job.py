@@ -117,7 +117,7 @@ class Job:
                                        cfg.storage_dtype, cfg.topk_logits).bytes_per_token
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
-        mask = data.mask_method(raw.column_names, tokenizer)
+        mask = data.mask_method(raw.column_names, tokenizer, data.plain_completion(raw, cfg))
         # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache. Where the
         # dir holds a job already, the fingerprint decides whether it continues: no digest older than this
         # launch stands in for reading the files (hsx.fingerprint).

@@ -25,7 +25,7 @@ masks of two versions):
   as transformers does for generation markers. Cost: about 3 renders per assistant turn (measured on one CPU
   core: ~180 rows/s with a Qwen3-style template at 1.6 turns per row; generation markers: ~1,000 rows/s).
 - `given`: pre-tokenized rows bring their own `loss_mask` (`all_tokens` for `text` rows and `input_ids` without
-  one).
+  one; `completion` for string prompt/completion rows read as plain text, hsx.data).
 
 A template whose turns cannot be derived stops the job before anything is extracted (one line: what is missing,
 and how to supply markers or a pre-tokenized `loss_mask`); a row whose turn does not sit where the template's
@@ -48,9 +48,11 @@ import numpy as np
 
 from hsx.config import HsxError
 
-MASK_VERSION = 4  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
+MASK_VERSION = 5  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
 # 3: a turn end that is text, not a special token, is supervised through its own text only; 4: tool-call arguments
-# rendered as mappings, content-part lists as text, ShareGPT function_call turns and a `system` column read
+# rendered as mappings, content-part lists as text, ShareGPT function_call turns and a `system` column read;
+# 5: `developer` messages as `system` where the template has no developer role (developer_role), and the assistant
+# turns of a prompt given as messages not supervised (only the completion's)
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Row = tuple[list[int], list[int], str]
 
@@ -62,8 +64,11 @@ _FIX = ("; add {% generation %} markers to the template (tokenizer_config.json /
         "or give pre-tokenized input_ids with a loss_mask column")
 
 
-def mask_method(fmt: str, tokenizer, column_names: list[str]) -> str:
-    """Which method makes the masks of a job whose rows are `fmt` (see the module docstring)."""
+def mask_method(fmt: str, tokenizer, column_names: list[str], plain_completion: bool = False) -> str:
+    """Which method makes the masks of a job whose rows are `fmt` (see the module docstring); `plain_completion`:
+    string prompt/completion rows read as plain text (`completion`: the completion's tokens)."""
+    if plain_completion:
+        return "completion"
     if fmt == "input_ids":
         return "given" if "loss_mask" in column_names else "all_tokens"
     if fmt == "text":
@@ -420,6 +425,13 @@ def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any
     return text
 
 
+def render_ids(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
+               max_chars: int = RENDER_MIN_CHARS) -> list[int]:
+    """The token ids of the template's render of `conv` (no generation prompt), encoded as a whole row's render is."""
+    text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 SMALL_EXPONENT = 64  # `b ** e` of two literal numbers, e this small: fast for any literal b (4,300 digits at most)
 MAX_REPEAT = 10**8  # `s * n` with a literal n above this: one allocation of gigabytes, whatever s is
 
@@ -610,6 +622,35 @@ def derive_chat_format(tokenizer, template_kwargs: dict[str, Any], name: str = "
     raise HsxError(f"{problem}: no special token ends an assistant turn, and the text after an answer "
                    f"({', '.join(sorted(map(repr, set(texts)))) or 'none'}) is not one turn end, so the end of a turn "
                    f"cannot be derived{_FIX}")
+
+
+_ROLE = "hsxsentrole"  # a role no template knows: rendered as it is only by a template that renders any role name
+
+
+def developer_role(tokenizer, template_kwargs: dict[str, Any]) -> str:
+    """The role `developer` messages (OpenAI's o1+ / GPT-5 system prompt) are given to the template: 'developer'
+    where the template renders that role as one of its own (GPT-OSS's harmony template: its developer message),
+    else 'system', as llama.cpp and vLLM's Responses API map it: most templates have no developer role and drop it
+    (Qwen3), refuse it (Qwen3.5, Mistral, Gemma 3) or write it as an unknown header the model never saw (Llama 3,
+    ChatML that takes any role name). Read off renders of a developer, a system and an unknown role's message, not
+    off the model's name: a template that renders the unknown role the way it renders `developer`, the role's
+    name swapped, takes any role name and has no developer role."""
+    def render(role: str) -> str | None:
+        conv = [{"role": role, "content": _USER2}, {"role": "user", "content": _USER},
+                {"role": "assistant", "content": _ANSWER}]
+        try:
+            text = _render(tokenizer, conv, None, False, template_kwargs)
+        except Exception:  # noqa: BLE001  (a template that refuses the role)
+            return None
+        return text if _USER2 in text else None
+
+    developer = render("developer")
+    if developer is None:
+        return "system"
+    unknown = render(_ROLE)
+    if unknown is not None and unknown.lower().replace(_ROLE, "developer") == developer.lower():
+        return "system"
+    return "developer"
 
 
 RENDERED_ROLES = ("user", "assistant", "system")  # every template renders these (a system prompt may be folded)

@@ -131,13 +131,15 @@ GEMMA3 = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
-# GPT-OSS harmony: a system block; the last assistant turn (training form) renders its analysis channel and
+# GPT-OSS harmony: a system block; a first system or developer message is the developer message (later ones are
+# dropped); the last assistant turn (training form) renders its analysis channel and
 # ends with <|return|>, earlier turns only their final channel ending with <|end|>; a tool call goes to the
 # commentary channel and ends with <|call|> (its analysis is dropped once a later final message exists).
 HARMONY = (
     "{{- '<|start|>system<|message|>You are a model.\\nReasoning: medium\\n\\n# Valid channels: analysis, "
     "commentary, final.<|end|>' }}"
-    "{%- if messages[0].role == 'system' %}{{- '<|start|>developer<|message|># Instructions\\n\\n' + "
+    "{%- if messages[0].role in ('system', 'developer') %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + "
     "messages[0].content + '<|end|>' }}{%- set loop_messages = messages[1:] %}"
     "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
     "{%- set last = namespace(name=none) %}"

@@ -493,3 +493,86 @@ def test_load_input_csv(tmp_path):
     (tmp_path / "d" / "rows.csv").write_text('text\nhello\n"two, with a comma"\n')
     assert data.load_input(cfg_for(tmp_path / "d" / "rows.csv"))["text"] == ["hello", "two, with a comma"]
     assert data.load_input(cfg_for(tmp_path / "d"))["text"] == ["hello", "two, with a comma"]
+
+
+# ---- prompt / completion ----------------------------------------------------------------------------------------
+
+PLAIN_ROWS = [{"prompt": "The sky is", "completion": " blue."},
+              {"prompt": "Q: what is the weather?\nA:", "completion": " sunny<|im_end|>"},  # (eos already there)
+              {"prompt": None, "completion": " x"}]
+
+
+def test_standard_prompt_completion_as_plain_text(tmp_path):
+    """`prompt_completion: text`: TRL's standard prompt-completion read as its SFT trainer reads it: prompt +
+    completion + eos as plain text, no chat template needed, supervised on the completion and the eos only."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(None)  # (a base model's: no chat template)
+    path = write_jsonl(tmp_path / "pc.jsonl", PLAIN_ROWS)
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
+    ds = data.load_input(cfg)
+    assert data.plain_completion(ds, cfg)
+    assert data.mask_method(ds.column_names, tok, data.plain_completion(ds, cfg))["method"] == "completion"
+    out = data.tokenize(ds, tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-plain")
+    assert out["skip_reason"] == ["", "", "missing_prompt"]
+    for k, (prompt, completion) in enumerate([("The sky is", " blue.<|im_end|>"),
+                                              ("Q: what is the weather?\nA:", " sunny<|im_end|>")]):
+        ids, mask = out["input_ids"][k], out["loss_mask"][k]
+        assert ids == tok(prompt + completion)["input_ids"]
+        assert tok.decode([i for i, m in zip(ids, mask) if m]) == completion  # the eos once, and nothing before
+        assert mask[-1] == 1 and not any(mask[:len(tok(prompt)["input_ids"]) - 1])
+
+
+def test_standard_prompt_completion_default_is_chat(tmp_path, tokenizer):
+    """By default string prompt/completion rows are a user and an assistant turn through the chat template (what a
+    chat server renders for the drafter's target); a tokenizer without a template says which key reads them as text."""
+    from hsx.demo import build_tokenizer
+
+    assert ExtractConfig().prompt_completion == "chat"
+    path = write_jsonl(tmp_path / "pc.jsonl", PLAIN_ROWS[:1])
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    ds = data.load_input(cfg)
+    assert not data.plain_completion(ds, cfg)
+    out = data.tokenize(ds, tokenizer, cfg, str(tmp_path / "t.arrow"), fingerprint="test-chat-pc")
+    ref = tok_batch(tokenizer, "messages", [[{"role": "user", "content": "The sky is"},
+                                             {"role": "assistant", "content": " blue."}]])
+    assert out["input_ids"][0] == ref["input_ids"][0] and out["loss_mask"][0] == ref["loss_mask"][0]
+    with pytest.raises(HsxError, match="no chat template.*--prompt-completion text"):
+        data.tokenize(ds, build_tokenizer(None), cfg, str(tmp_path / "u.arrow"), fingerprint="test-chat-pc-none")
+
+
+def test_plain_text_prompt_completion_takes_messages_as_chat_and_refuses_system(tmp_path, tokenizer):
+    """TRL's conversational form (lists of messages) is chat whatever prompt_completion says; a `system` column
+    beside string prompts has no place in plain text: one error line, not a dropped system prompt."""
+    conv = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "hello"}]}
+    path = write_jsonl(tmp_path / "conv.jsonl", [conv])
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
+    ds = data.load_input(cfg)
+    assert not data.plain_completion(ds, cfg)
+    out = data.tokenize(ds, tokenizer, cfg, str(tmp_path / "t.arrow"), fingerprint="test-conv-text")
+    assert out["input_ids"][0] == tok_batch(tokenizer, "messages", [conv["prompt"] + conv["completion"]])["input_ids"][0]
+    path = write_jsonl(tmp_path / "sys.jsonl", [{**PLAIN_ROWS[0], "system": "Be brief."}])
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
+    with pytest.raises(HsxError, match="system column needs the chat template"):
+        data.plain_completion(data.load_input(cfg), cfg)
+
+
+@pytest.mark.parametrize("name", ["markers", "qwen3", "llama3.1", "harmony", "mistral"])
+def test_conversational_prompt_completion_supervises_the_completion_only(name):
+    """TRL trains a conversational prompt-completion row on the completion: an assistant turn inside the prompt
+    (few-shot, an earlier exchange) is context, not supervised; the same conversation as `messages` supervises
+    both turns."""
+    import chat_families as cf
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer() if name == "markers" else cf.family(name)
+    prompt = [{"role": "user", "content": "first?"}, {"role": "assistant", "content": "one"},
+              {"role": "user", "content": "second?"}]
+    completion = [{"role": "assistant", "content": "two"}]
+    whole = tok_batch(tok, "messages", [prompt + completion])
+    out = data.tokenize_batch({"prompt": [prompt], "completion": [completion]}, [0], tok, "prompt+completion",
+                              4096, {})
+    assert out["skip_reason"] == [""] and out["input_ids"] == whole["input_ids"]
+    supervised = [tok.decode(whole["input_ids"][0][a:b]) for a, b in runs(whole["loss_mask"][0])]
+    assert len(supervised) == 2 and "one" in supervised[0] and "two" in supervised[1]
+    assert [tok.decode(out["input_ids"][0][a:b]) for a, b in runs(out["loss_mask"][0])] == supervised[1:]

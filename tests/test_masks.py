@@ -246,9 +246,11 @@ def test_tool_call_arguments_are_mappings_with_generation_markers():
     ("phi3", [U("weather?"), A(None, tool_calls=CALL), TOOL, A("It is sunny.")], "tool_call_not_rendered"),
     ("phi3.5", [U("weather?"), A("Let me look.", tool_calls=CALL), U("ok"), A("fine")], "tool_call_not_rendered"),
     ("smollm3", [U("weather?"), A("It is sunny."), TOOL, A("Yes.")], "message_not_rendered"),
-    ("qwen3", [U("weather?"), {"role": "developer", "content": "be brief"}, A("Sunny.")], "message_not_rendered"),
+    # (GPT-OSS keeps its developer role: a developer message after the first is dropped)
+    ("harmony", [U("weather?"), {"role": "developer", "content": "be brief"}, A("Sunny.")], "message_not_rendered"),
     ("markers", [U("weather?"), A(None, tool_calls=CALL), TOOL, A("It is sunny.")], "message_not_rendered"),
-], ids=["phi3-tool-call", "phi3.5-tool-call-with-content", "smollm3-tool-result", "qwen3-developer", "markers"])
+], ids=["phi3-tool-call", "phi3.5-tool-call-with-content", "smollm3-tool-result", "harmony-late-developer",
+        "markers"])
 def test_what_the_template_drops_is_skipped(name, conv, reason):
     """A template without tool support renders an assistant turn's tool calls as nothing (the turn would be
     supervised as an empty answer), one without a branch for a role drops that message (the next answer would
@@ -402,6 +404,69 @@ def test_underivable_template_is_one_line(template, problem):
     assert "{% generation %}" in message and "loss_mask" in message
 
 
+# ---- the developer role ----------------------------------------------------------------------------------------
+
+DEV = {"role": "developer", "content": "Be brief."}
+CHATML_ANY_ROLE = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+                   "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+CHATML_DEVELOPER = (  # a template with a developer role of its own, refusing roles it does not know
+    "{%- for m in messages -%}{%- if m['role'] not in ('system', 'developer', 'user', 'assistant') -%}"
+    "{{- raise_exception('unknown role') -}}{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+@pytest.mark.parametrize("name, role", [
+    ("qwen3", "system"),  # drops a role it does not know
+    ("mistral", "system"),  # refuses it
+    ("gemma3", "system"),  # refuses it (roles must alternate from the first)
+    ("llama3.1", "system"),  # renders any role name as a header: `developer` would be a header it never saw
+    ("any-role", "system"),  # ChatML taking any role name
+    ("harmony", "developer"),  # GPT-OSS: its developer message
+    ("own-developer", "developer"),  # a developer role rendered apart from system
+])
+def test_developer_role_is_read_off_the_template(name, role):
+    """OpenAI's `developer` message (o1+ / GPT-5 datasets) stays `developer` where the template renders that
+    role as its own, and is the system prompt where it has none: the same row as with a system message."""
+    from hsx.demo import build_tokenizer
+
+    tok = {"any-role": lambda: build_tokenizer(CHATML_ANY_ROLE),
+           "own-developer": lambda: build_tokenizer(CHATML_DEVELOPER)}.get(name, lambda: cf.family(name))()
+    assert masks.developer_role(tok, {}) == role
+    fmt = masks.derive_chat_format(tok, {})
+    rows = [[DEV, U("hi"), A("hello")], [{**DEV, "role": "system"}, U("hi"), A("hello")]]
+    out = data.tokenize_batch({"messages": rows}, [0, 1], tok, "messages", 4096, {}, chat_format=fmt,
+                              developer_as=role)
+    assert out["skip_reason"] == ["", ""]
+    text = tok.decode(out["input_ids"][0])
+    supervised = runs(tok, out["input_ids"][0], out["loss_mask"][0])
+    assert "Be brief." in text and len(supervised) == 1 and "hello" in supervised[0] and "brief" not in supervised[0]
+    if name == "own-developer":
+        assert "<|im_start|>developer\nBe brief." in text
+    else:  # (GPT-OSS renders a first system message as its developer message too)
+        assert out["input_ids"][0] == out["input_ids"][1] and out["loss_mask"][0] == out["loss_mask"][1]
+    if name == "harmony":
+        assert "<|start|>developer<|message|># Instructions\n\nBe brief." in text
+
+
+def test_developer_rows_in_a_job(tmp_path):
+    """Through data.tokenize, as a job runs: on Qwen3 (no developer role) a developer row is the system row (it was
+    `message_not_rendered`), on Mistral (which refuses the role) too (it was `chat_template_error`); a `system`
+    column does not add a second system prompt before a developer message."""
+    from hsx.config import ExtractConfig
+
+    rows = [{"messages": [DEV, U("hi"), A("hello")], "system": "Other."},
+            {"messages": [{**DEV, "role": "system"}, U("hi"), A("hello")], "system": None}]
+    path = write_jsonl(tmp_path / "dev.jsonl", rows)
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    for name in ("qwen3", "mistral"):
+        tok = cf.family(name)
+        out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / f"{name}.arrow"), fingerprint=f"dev-{name}")
+        assert out["skip_reason"] == ["", ""]
+        assert out["input_ids"][0] == out["input_ids"][1] and out["loss_mask"][0] == out["loss_mask"][1]
+        assert "Other." not in tok.decode(out["input_ids"][0])
+
+
 # ---- input formats ---------------------------------------------------------------------------------------------
 
 def test_conversation_formats_are_the_same_rows(tokenizer):
@@ -474,6 +539,31 @@ def test_mask_method_in_hsx_json_and_fingerprint(tmp_path, model4, tokenizer_no_
     assert infos["markers"]["fingerprint"] != infos["derived"]["fingerprint"]
     job = json.loads((tmp_path / "derived" / ".hsx" / "job.json").read_text())
     assert job["inputs"]["loss_mask"] == {"method": "derived", "version": masks.MASK_VERSION}
+
+
+def test_plain_prompt_completion_job(tmp_path, model4):
+    """`--prompt-completion text` through `hsx extract`: string prompt/completion rows are written as plain text
+    (`completion` in hsx.json), a job other than the default chat one (its fingerprint differs)."""
+    from hsx import load
+
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "The sky is", "completion": " blue."}])
+    infos = {}
+    for label, extra in [("chat", []), ("text", ["--prompt-completion", "text"])]:
+        rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(path), "--layers", "1",
+                               "--output-dir", str(tmp_path / label), "--compile", "off", *extra])
+        assert rc == 0, err
+        infos[label] = json.loads((tmp_path / label / "hsx.json").read_text())
+    assert infos["text"]["loss_mask"] == {"method": "completion", "version": masks.MASK_VERSION}
+    assert infos["chat"]["loss_mask"]["method"] == "markers"
+    assert infos["text"]["fingerprint"] != infos["chat"]["fingerprint"]
+    row = load(str(tmp_path / "text"))[0]
+    assert "<|im_start|>" not in tok_text(model4, row["input_ids"]) and row["loss_mask"][-1] == 1
+
+
+def tok_text(model, ids):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.path).decode(ids)
 
 
 def test_job_stops_before_extracting_when_no_header_can_be_derived(tmp_path, model4):
