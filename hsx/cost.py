@@ -51,9 +51,10 @@ PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-
 # writer table). A plan's rate is never more than this many bytes per second of output: a small model's FLOPs would
 # otherwise promise hundreds of GB/s of writes.
 WRITER_BYTES_PER_S = 4.79e9
-PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6%, qwen3.6-27b-fp8 51.4% (H200)
-# FP8 mixtures of experts, of the FP8 matmul rate: not measured yet, so planned at the bf16 MoE rate
-# (PLAN_MFU_MOE × 790 / 1419), no faster than the bf16 checkpoint
+PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6-53.4%, qwen3.6-27b-fp8 51.4-55.7%
+# (H200, two sessions)
+# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × 790 / 1419), no
+# faster than the bf16 checkpoint: qwen3-30b-a3b-fp8 measured 24.2-24.3%, 0.94× the bf16 shape's tok/s (H200)
 PLAN_MFU_MOE_FP8 = 0.22
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -135,10 +136,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs;
 # docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default.
-# qwen3-30b-a3b: 39-48% from VM to VM (median of 3 on one: 47.0%); below the best for a plan. gpt-oss-20b: median
-# of 3, 52.9%. qwen3.6-35b-a3b: 34.9%. FP8 shapes: of the FP8 matmul rate.
+# qwen3-30b-a3b: 39-48% from VM to VM (medians of 3 on two: 47.0%, 47.3%); below the best for a plan. gpt-oss-20b:
+# medians of 3, 52.9% and 52.5%. qwen3.6-35b-a3b: 34.9%. FP8 shapes, of the FP8 matmul rate (2,000 rows, the bf16
+# shape in the same call): qwen3-8b-fp8 53.4% (1.35×), qwen3.6-27b-fp8 55.7% (1.44×), qwen3-30b-a3b-fp8 24.2%.
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.52,
-                                  "qwen3.6-35b-a3b": 0.35, "qwen3-8b-fp8": 0.56, "qwen3.6-27b-fp8": 0.51}
+                                  "qwen3.6-35b-a3b": 0.35, "qwen3-8b-fp8": 0.53, "qwen3.6-27b-fp8": 0.55,
+                                  "qwen3-30b-a3b-fp8": 0.24}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.
 HUB_SHAPES: dict[str, str] = {
