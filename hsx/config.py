@@ -139,9 +139,9 @@ class ExtractConfig:
                                        "experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, help="FP8 targets on CUDA: the block-scaled GEMM "
                          "(cublas: torch's _scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, "
-                         "a quarter slower on an H200; triton: hsx's, slower than bf16); each checked against a float32 "
-                         "product before use, the next fastest running where it fails (one warning); auto: the "
-                         "first of those that works")
+                         "a quarter slower on an H200; triton: hsx's, slower than bf16); each checked against a "
+                         "float32 product before use, the next fastest running where it fails (one warning); auto: "
+                         "the first of those that works")
     packing: str = _key("auto", choices=("auto", "varlen", "none"), help="varlen: each batch as one packed sequence "
                         "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
                         "copy where the model allows it, else none")
