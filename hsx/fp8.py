@@ -40,6 +40,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
 BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
+FP8_EXPERTS_RUN_ON = "_hsx_fp8_experts_run_on"  # set beside it: "triton" where both kernels passed their checks
 BF16_REFERENCE = "_hsx_bf16_reference"  # set on such a module by `bf16_reference`: its experts run dequantized
 SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
 # Every check of an FP8 kernel (GEMMs here, hsx.moe's expert kernels) against its float32 reference: Frobenius
@@ -769,8 +770,8 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]
         held = [m for m in experts if _holds_e4m3(m)]
-        on_cuda = bool(ours) and ours[0].gate_up_proj.is_cuda
-        out["experts"] = (f"hsx fp8 grouped ({'triton' if on_cuda else 'torch reference'})" if ours
+        run_on = sorted({getattr(m, FP8_EXPERTS_RUN_ON, "torch reference") for m in ours})
+        out["experts"] = (f"hsx fp8 grouped ({', '.join(run_on)})" if ours
                           else "transformers fp8" if held else "dequantized by transformers")
         out["fp8_experts"] = len(ours)
     return out

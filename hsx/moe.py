@@ -544,6 +544,17 @@ def _fp8_kernels_take(w: torch.Tensor, ws: torch.Tensor, op: str) -> bool:
     return _FP8_KERNEL_CHECKS[key]
 
 
+def fp8_experts_run_on(module: torch.nn.Module, cuda: bool) -> str:
+    """What runs an FP8 experts module's products: "triton" where both kernels pass their checks for its weight
+    shapes (run now, once per shape: hsx.json's record says what ran, not what was meant to), else "torch
+    reference"."""
+    if not cuda:
+        return "torch reference"
+    ok = (_fp8_kernels_take(module.gate_up_proj, module.gate_up_proj_scale_inv, "gate_up")
+          and _fp8_kernels_take(module.down_proj, module.down_proj_scale_inv, "down"))
+    return "triton" if ok else "torch reference"
+
+
 def _dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 (M, K) = e4m3 (M, K) times its (M, K/128) 1×128 block scales."""
     m, k = q.shape
@@ -925,6 +936,8 @@ def use_experts(base: torch.nn.Module, name: str | None) -> None:
         if _dispatched(m):
             setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m))
             setattr(m, FP8_EXPERTS, name == EXPERTS_IMPLEMENTATION and _fp8_experts_form(m))
+            if getattr(m, FP8_EXPERTS):
+                setattr(m, fp8.FP8_EXPERTS_RUN_ON, fp8_experts_run_on(m, m.gate_up_proj.is_cuda))
     if name == EXPERTS_IMPLEMENTATION:
         register()
     configs = {id(m.config): m.config for m in base.modules() if _dispatched(m) and getattr(m, "config", None)}

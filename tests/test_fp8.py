@@ -687,6 +687,41 @@ def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_refere
         assert not moe._fp8_kernels_take(down, down_scale, "down")
 
 
+def test_the_record_says_which_fp8_experts_ran_on_the_reference_after_a_failed_check(monkeypatch):
+    """hsx.json's `experts` names what ran: an FP8 experts module whose kernel failed its check runs (and is
+    recorded as) the torch reference, not "triton"."""
+    from hsx import moe
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4 * 256, 256, generator=g))
+    down, down_scale = fp8.quantize_weight(torch.randn(4 * 256, 128, generator=g))
+
+    class TinyExperts(torch.nn.Module):  # the attributes report and the checks read
+        has_gate = True
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.gate_up_proj_scale_inv = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
+            self.down_proj, self.down_proj_scale_inv = down.view(4, 256, 128), down_scale.view(4, 2, 1)
+
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe, "_fp8_gate_up_cuda", moe._fp8_gate_up_reference)  # (CPU tensors: the kernels' maths)
+    monkeypatch.setattr(moe, "_fp8_down_cuda", moe._fp8_down_reference)
+    right = TinyExperts()
+    assert moe.fp8_experts_run_on(right, cuda=True) == "triton"
+    assert moe.fp8_experts_run_on(right, cuda=False) == "torch reference"
+    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
+    with pytest.warns(UserWarning, match="down kernel failed its check"):
+        assert moe.fp8_experts_run_on(right, cuda=True) == "torch reference"
+    layers = torch.nn.ModuleList([TinyExperts(), TinyExperts()])
+    for m, ran in zip(layers, ("triton", "torch reference")):
+        setattr(m, fp8.FP8_EXPERTS, True)
+        setattr(m, fp8.FP8_EXPERTS_RUN_ON, ran)
+    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["experts"] == "hsx fp8 grouped (torch reference, triton)" and report["fp8_experts"] == 2
+
+
 # ---- the block-scaled GEMM's choice (fbgemm, cuBLAS, Triton) ---------------------------------------------------------
 
 class warnings_recorded:
