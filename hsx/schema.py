@@ -264,6 +264,16 @@ MAX_JOB_BYTES = MAX_INPUT_FILES * INPUT_FILE_ENTRY_BYTES + RECORD_REST_BYTES  # 
 # line at a time, each at most MAX_LEDGER_LINE_BYTES (exported.jsonl's lines name a destination path).
 MAX_LEDGER_BYTES = 2 * MAX_UNITS * UNIT_ENTRY_BYTES  # 640 MB
 MAX_LEDGER_LINE_BYTES = 64 << 10
+# An export's journal (hsx.export's DEST/hsx-export.jsonl), read a line at a time as a ledger is: a line per source
+# unit listing every file written for it (in the SpecForge and speculators layouts a file per row) and a line per
+# unit a --delete-source export released.
+MAX_EXPORT_FILES = 10_000_000  # files of one export: a file per row, each MBs of states at real hidden sizes
+MAX_EXPORT_FILES_PER_UNIT = 1_000_000  # rows of one unit: a default unit (~2 GiB of states) of a million rows
+# holds ~2 KiB of states per row, one token of a 1024-wide model
+EXPORT_FILE_ENTRY_BYTES = 128  # a file's entry in its line: path, bytes and CRC-32 (~60 bytes; +9 per 256 MiB)
+JOURNAL_UNIT_BYTES = 256  # a unit's line without its files, and its release line (~80 bytes each)
+MAX_JOURNAL_LINE_BYTES = MAX_EXPORT_FILES_PER_UNIT * EXPORT_FILE_ENTRY_BYTES + JOURNAL_UNIT_BYTES  # 128 MB
+MAX_JOURNAL_BYTES = MAX_EXPORT_FILES * EXPORT_FILE_ENTRY_BYTES + MAX_UNITS * JOURNAL_UNIT_BYTES  # 1.5 GB
 
 
 UNIT_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]*")  # a unit's name, and a file name under data/: never a path

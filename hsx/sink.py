@@ -138,24 +138,26 @@ def read_json(path: Path, record=None, *, limit: int | None = None):
         raise HsxError(f"{path} is damaged: {e}") from None
 
 
-def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
-    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl), as the
-    dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not JSON is a torn append from
-    a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
-    written by something else: HsxError naming file and line. Read a line at a time: the file is at most
-    MAX_LEDGER_BYTES, a line at most MAX_LEDGER_LINE_BYTES (hsx.schema)."""
+def read_jsonl(path: Path, record=None, *, limit: int = MAX_LEDGER_BYTES,
+               line_limit: int = MAX_LEDGER_LINE_BYTES) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl, an
+    export's journal), as the dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not
+    JSON is a torn append from a kill (its unit is redone) and is passed over; a whole JSON line that is not a
+    valid record was damaged or written by something else: HsxError naming file and line. Read a line at a time:
+    the file is at most `limit` bytes, a line at most `line_limit` (hsx.schema's bounds for that file; a
+    ledger's by default)."""
     try:
-        f = _open_bounded(path, MAX_LEDGER_BYTES)
+        f = _open_bounded(path, limit)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     with f:
-        yield from _ledger_records(path, f, record)
+        yield from _ledger_records(path, f, record, line_limit)
 
 
-def _ledger_records(path: Path, f, record) -> Iterator[dict[str, Any]]:
-    for number, raw in enumerate(iter(lambda: f.readline(MAX_LEDGER_LINE_BYTES + 1), b""), 1):
-        if len(raw) > MAX_LEDGER_LINE_BYTES:
-            raise HsxError(f"{path}: line {number} is damaged: over {MAX_LEDGER_LINE_BYTES:,} bytes, longer than "
+def _ledger_records(path: Path, f, record, line_limit: int) -> Iterator[dict[str, Any]]:
+    for number, raw in enumerate(iter(lambda: f.readline(line_limit + 1), b""), 1):
+        if len(raw) > line_limit:
+            raise HsxError(f"{path}: line {number} is damaged: over {line_limit:,} bytes, longer than "
                            "any line hsx writes")
         if not raw.strip():
             continue
