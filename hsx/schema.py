@@ -572,3 +572,47 @@ class ConsumedRecord:
             raise Damaged(f"row {d['row']} is past the unit's {d['rows']} rows")
         crc = d.get("crc32")
         return cls(unit, d["file"], d["bytes"], d["rows"], d["row"], crc if isinstance(crc, str) else None)
+
+
+# How a run computed the states, outside the job's fingerprint (a resume may change them: hsx.config says why):
+# each run's values are in its rank's .hsx/runs-<rank>.jsonl, and hsx.json's run.values_used lists every value the
+# runs that wrote the output's units used.
+RUN_VARIANT_KEYS = ("compile", "sdpa_backend", "packing", "experts_implementation", "fp8_gemm")
+
+
+def _is_setting(v: Any) -> bool:
+    return isinstance(v, (bool, int)) or (isinstance(v, str) and len(v) <= 200)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One line of .hsx/runs-<rank>.jsonl: the RUN_VARIANT_KEYS values one run (`session`, as in its manifest
+    lines) of that rank extracted with, recorded before its first unit is committed."""
+    session: str
+    settings: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RunRecord":
+        _check(d, {"session": (lambda v: isinstance(v, str), "a string")})
+        for key in RUN_VARIANT_KEYS:
+            if key in d and not _is_setting(d[key]):
+                raise Damaged(f"{key} must be a name or a flag, got {str(d[key])[:60]!r}")
+        return cls(d["session"], {k: d[k] for k in RUN_VARIANT_KEYS if k in d})
+
+
+def values_used(records: list[RunRecord]) -> dict[str, list]:
+    """Every value each RUN_VARIANT_KEYS key took over `records`, each once (True is not 1), in their order."""
+    used: dict[str, list] = {}
+    seen: set[tuple[str, str, Any]] = set()
+    for rec in records:
+        for key, value in rec.settings.items():
+            if (key, type(value).__name__, value) not in seen:
+                seen.add((key, type(value).__name__, value))
+                used.setdefault(key, []).append(value)
+    return {k: used[k] for k in RUN_VARIANT_KEYS if k in used}
+
+
+def merged_values(*values: dict[str, list]) -> dict[str, list]:
+    """values_used's union of several of its results (each value once, in their order)."""
+    return values_used([RunRecord("", {k: v}) for used in values for k, vs in used.items() for v in vs])
+

@@ -209,3 +209,56 @@ def test_a_slow_tokenizer_still_tokenizes_text_rows(tmp_path):
     rows = data.tokenize(data.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),
                          fingerprint="test-slow-text")
     assert rows[0]["input_ids"] == [6, 9, 7] and rows[0]["loss_mask"] == [1, 1, 1]
+
+
+# ---- a resume that computes otherwise: said, and recorded -------------------------------------------------------
+
+def _resume(out: Path, model4, small_chat_path, *extra: str) -> tuple[dict, list[str]]:
+    """Delete one unit of the finished `out` and run the job again (it redoes that unit) with `extra` flags."""
+    next((out / "data").glob("train-*.arrow")).unlink()
+    rc, stdout, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200", *extra))
+    assert rc == 0, err
+    notices = [line for line in message_lines(stdout + "\n" + err) if line.startswith("hsx: notice:")]
+    return json.loads((out / "hsx.json").read_text()), notices
+
+
+def test_a_resume_with_other_packing_says_so_and_hsx_json_lists_every_value(out, model4, small_chat_path):
+    """compile, sdpa_backend, packing and the kernels are outside the fingerprint (a resume may change them), and
+    hsx.json's run kept only the last run's: an output of units packed and units padded said `packing varlen`.
+    The resume says in one notice which key differs, and run.values_used lists every value its units ran with."""
+    first = json.loads((out / "hsx.json").read_text())["run"]
+    assert first["packing"] == "none" and first["values_used"]["packing"] == ["none"]
+    info, notices = _resume(out, model4, small_chat_path, "--packing", "varlen")
+    assert len(notices) == 1 and "packing varlen" in notices[0] and "packing none" in notices[0], notices
+    assert "compile" not in notices[0]
+    assert info["run"]["packing"] == "varlen"  # (the last run's, as readers always read it)
+    assert info["run"]["values_used"]["packing"] == ["none", "varlen"]
+    assert info["run"]["values_used"]["compile"] == [False]
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    assert rc == 0, err
+    hsx.load(str(out))
+
+
+def test_a_resume_with_the_same_settings_says_nothing_and_lists_one_value(out, model4, small_chat_path):
+    info, notices = _resume(out, model4, small_chat_path)
+    assert notices == [] and info["run"]["values_used"]["packing"] == ["none"]
+
+
+def test_units_of_an_hsx_that_kept_no_run_ledger_are_compared_with_hsx_json(out, model4, small_chat_path):
+    """Units written before the run ledger: hsx.json's run (the last run's values) is what they ran with."""
+    for ledger in (out / ".hsx").glob("runs-*.jsonl"):
+        ledger.unlink()
+    info = json.loads((out / "hsx.json").read_text())
+    del info["run"]["values_used"]
+    (out / "hsx.json").write_text(json.dumps(info))
+    info, notices = _resume(out, model4, small_chat_path, "--packing", "varlen")
+    assert len(notices) == 1 and "packing none" in notices[0], notices
+    assert info["run"]["values_used"]["packing"] == ["none", "varlen"]
+
+
+def test_a_damaged_run_ledger_is_one_line(out, model4, small_chat_path):
+    (out / ".hsx" / "runs-00000.jsonl").write_text(json.dumps({"session": "x", "packing": ["a"] * 3}) + "\n")
+    next((out / "data").glob("train-*.arrow")).unlink()
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
+    line = one_error_line(err)
+    assert rc != 0 and "runs-00000.jsonl: line 1 is damaged: packing must be" in line, line
