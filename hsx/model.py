@@ -74,7 +74,7 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
     # transformers 5 validates configs as huggingface_hub strict dataclasses (e.g. layer_types' length against
     # num_hidden_layers), raising its own error class, not a ValueError
     invalid = getattr(huggingface_hub.errors, "StrictDataclassError", ValueError)
-    _check_layer_count(Path(source) / "config.json", name)
+    _check_layer_count(Path(source) / "config.json" if Path(source).is_dir() else _hub_config(source, revision), name)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
@@ -119,12 +119,25 @@ def read_model_json(path: Path, limit: int) -> bytes | None:
     return data
 
 
-def _check_layer_count(config_file: Path, name: str) -> None:
-    """HsxError unless a local config.json is at most MAX_CONFIG_BYTES and its num_hidden_layers (its own, and
-    its text_config's) is an integer in [1, MAX_MODEL_LAYERS], checked before transformers reads it: its config
+def _hub_config(repo: str, revision: str | None) -> Path | None:
+    """A Hub id's config.json in the HF cache (fetched as transformers would), so it is checked before it is
+    parsed; None where there is none (transformers' own reading then says why)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def _check_layer_count(config_file: Path | None, name: str) -> None:
+    """HsxError unless a config.json (a folder's, or a Hub id's in the HF cache) is at most MAX_CONFIG_BYTES and
+    its num_hidden_layers (its own, and its text_config's) is an integer in [1, MAX_MODEL_LAYERS], checked before
+    transformers reads it: its config
     classes build per-layer lists (layer_types) from that count, so 99,999,999,999 never returns."""
-    if not Path(config_file).parent.is_dir():
-        return  # (a Hub id: transformers reads its config)
+    if config_file is None or not config_file.parent.is_dir():
+        return  # (none to read: transformers says what is missing)
     data = read_model_json(config_file, MAX_CONFIG_BYTES)
     if data is None:
         return

@@ -262,3 +262,22 @@ def test_a_damaged_run_ledger_is_one_line(out, model4, small_chat_path):
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
     line = one_error_line(err)
     assert rc != 0 and "runs-00000.jsonl: line 1 is damaged: packing must be" in line, line
+
+
+def test_a_hub_ids_config_json_is_bounded_too(tmp_path, monkeypatch):
+    """A Hub id's config.json (what `hsx plan` and the benchmark read by id) is checked in the HF cache before
+    transformers parses it, as a folder's is."""
+    import huggingface_hub
+
+    import hsx.model
+
+    snapshot = tmp_path / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    _big_json(snapshot / "config.json", 2 << 20, {"model_type": "llama", "num_hidden_layers": 2})
+    monkeypatch.setattr(hsx.model, "MAX_CONFIG_BYTES", 1 << 20)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **k: str(snapshot / name))
+    with pytest.raises(HsxError, match=re.escape(str(snapshot / "config.json")) + " is [\\d,]+ bytes, more than any"):
+        hsx.model.read_model_config("someone/model", "someone/model", False)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 10**11}))
+    with pytest.raises(HsxError, match="num_hidden_layers = 100000000000"):
+        hsx.model.read_model_config("someone/model", "someone/model", False)
