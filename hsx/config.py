@@ -127,8 +127,10 @@ class ExtractConfig:
                            "all, CRC-32 of the units of the interrupted run)")
     # How fast. None changes which rows, tokens or masks are written; packing and tensor parallelism change the
     # states only within bf16 rounding (dtype, part of the job's fingerprint, by its own precision), as do the
-    # kernels chosen here. Outside the fingerprint, so a resume may change them: hsx.json's `run` records what the
-    # run that finished the job used (compile, sdpa_backend, packing, experts_implementation, fp8_gemm).
+    # kernels chosen here. Outside the fingerprint, so a resume may change them (hsx.schema.RUN_VARIANT_KEYS: a
+    # resume that does says so in a notice): hsx.json's `run` records what the run that finished the job used
+    # (compile, sdpa_backend, packing, experts_implementation, fp8_gemm), and run.values_used every value the
+    # runs that wrote its units used.
     dtype: str = _key("bfloat16", choices=COMPUTE_DTYPES, help="compute dtype of the model")
     attn_implementation: str = _key("sdpa", help="transformers attention implementation")
     sdpa_backend: str = _key("flash", choices=("flash", "cudnn", "efficient", "default"),

@@ -321,18 +321,17 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
     check_columns(ds, fmt, cfg.dataset)
     chat_format = None
     plain = plain_completion(ds, cfg)
-    if plain and not getattr(tokenizer, "is_fast", True):  # (the mask is read off character offsets)
-        raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} is not a fast (tokenizers) one, so it gives no "
-                       "character offsets to find the completion's tokens by; give --tokenizer a fast one")
+    method = loss_masks.mask_method(fmt, tokenizer, ds.column_names, plain)
+    if fmt in CHAT_FORMATS and not plain and not chat_template_text(tokenizer):
+        hint = (", --prompt-completion text for string prompts and completions (plain text)"
+                if fmt.startswith("prompt+") else "")
+        raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
+                       f"{fmt!r} rows as chat; give --tokenizer one that has{hint}, or pre-tokenized input_ids")
+    loss_masks.check_offsets(method, tokenizer, cfg.tokenizer or cfg.model)
     developer_as = "developer"
     if fmt in CHAT_FORMATS and not plain:
-        if not chat_template_text(tokenizer):
-            hint = (", --prompt-completion text for string prompts and completions (plain text)"
-                    if fmt.startswith("prompt+") else "")
-            raise HsxError(f"tokenizer {cfg.tokenizer or cfg.model} has no chat template, so it cannot tokenize "
-                           f"{fmt!r} rows as chat; give --tokenizer one that has{hint}, or pre-tokenized input_ids")
         developer_as = loss_masks.developer_role(tokenizer, dict(cfg.chat_template_kwargs))
-        if loss_masks.mask_method(fmt, tokenizer, ds.column_names) == "derived":  # stops here if it cannot be
+        if method == "derived":  # stops here if it cannot be
             chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
                                                         name=cfg.tokenizer or cfg.model)
         else:  # (derive_chat_format checks this too)

@@ -56,9 +56,10 @@ from typing import Any
 import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
-from hsx.schema import MAX_INFO_BYTES, ROW_COLUMNS, Info, dequantize
-from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, _read_bounded, append_synced, atomic_write, crc32,
-                      file_crc32, fsync_dir, fsync_file, listed_files, read_json)
+from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
+                        dequantize)
+from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, append_synced, atomic_write, crc32, file_crc32,
+                      fsync_dir, fsync_file, listed_files, read_json, read_jsonl)
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
@@ -66,9 +67,6 @@ RECORD = "hsx-export.json"
 JOURNAL = "hsx-export.jsonl"
 LOCK = "hsx-export.lock"
 RECORD_VERSION = 1
-# The journal: a line per source unit listing every file written for it (in the SpecForge layout a file per row,
-# ~80 bytes of journal each: ~13M rows).
-MAX_JOURNAL_BYTES = 1 << 30
 _TOKEN = re.compile(r"[0-9a-f]{12}")
 _RECORDED_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)?")  # no dot files, no ..
 _SPECFORGE_DIRS = re.compile(r"rows_\d+-\d+")
@@ -245,30 +243,36 @@ def _read_record(dest: Path) -> dict[str, Any] | None:
     return record
 
 
+@dataclass(frozen=True)
+class _JournalLine:
+    """read_jsonl's check of a journal line of the export `token` (another token's lines are passed over)."""
+    token: str
+
+    def from_dict(self, line: dict[str, Any]) -> None:
+        if line.get("token") != self.token:
+            return
+        files = line.get("files", {})
+        if not (isinstance(files, dict) and all(
+                isinstance(rel, str) and _RECORDED_PATH.fullmatch(rel) and isinstance(v, list) and len(v) == 2
+                and type(v[0]) is int and isinstance(v[1], str) for rel, v in files.items())
+                and isinstance(line.get("released", ""), str) and isinstance(line.get("unit") or "", str)
+                and isinstance(line.get("part") or "", str) and type(line.get("skipped", 0)) is int):
+            raise Damaged("not an hsx export record (move it away or choose another folder)")
+
+
 def _read_journal(dest: Path, token: str) -> _Dest:
     """What the record's journal says was written (its own token's lines; a torn last line is passed over: its
-    files never got their names)."""
+    files never got their names). Read a line at a time (hsx.schema bounds the file and its lines)."""
     d = _Dest(dest, token, {})
     path = dest / JOURNAL
     if not os.path.lexists(path):
         return d
     if path.is_symlink() or not path.is_file():
         raise _not_written_here(dest, JOURNAL, " (a link or not a file)")
-    for number, raw in enumerate(_read_bounded(path, MAX_JOURNAL_BYTES).split(b"\n"), 1):  # (no link, no FIFO)
-        try:
-            line = json.loads(raw.decode("utf-8")) if raw.strip() else None
-        except (ValueError, RecursionError):  # torn (or an int of over 4300 digits, which hsx never writes)
+    for line in read_jsonl(path, _JournalLine(token), limit=MAX_JOURNAL_BYTES, line_limit=MAX_JOURNAL_LINE_BYTES):
+        if line.get("token") != token:
             continue
-        if line is None or (isinstance(line, dict) and line.get("token") != token):
-            continue
-        files = line.get("files", {}) if isinstance(line, dict) else None
-        if not (isinstance(files, dict) and all(
-                isinstance(rel, str) and _RECORDED_PATH.fullmatch(rel) and isinstance(v, list) and len(v) == 2
-                and type(v[0]) is int and isinstance(v[1], str) for rel, v in files.items())
-                and isinstance(line.get("released", ""), str) and isinstance(line.get("unit") or "", str)
-                and isinstance(line.get("part") or "", str) and type(line.get("skipped", 0)) is int):
-            raise ValueError(f"{path} is damaged (line {number} is not an hsx export record): move it away or "
-                             "choose another folder")
+        files = line.get("files", {})
         d.files.update(files)
         if line.get("released"):
             d.released.add(line["released"])

@@ -25,7 +25,7 @@ from typing import Any
 from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import ROW_COLUMNS, JobRecord, OutputFormat
+from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord, OutputFormat, merged_values
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
@@ -550,6 +550,26 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
             datasets.enable_progress_bars()
 
 
+def record_run(out: OutputDir, stats: RunStats, say, compare: bool = True) -> None:
+    """Before this run commits a unit: with `compare` (one process per job), one notice naming each
+    RUN_VARIANT_KEYS key whose value differs from the ones the units already in `out` were computed with (those
+    keys are outside the job's fingerprint, so a resume may change them, and the output then holds units whose
+    states differ by the compute dtype's rounding: hsx.json's run.values_used lists every value); then this run's
+    values, recorded in the dir."""
+    mine = {k: v for k, v in stats.as_dict().items() if k in RUN_VARIANT_KEYS}
+    done = out.done_units() if compare else {}
+    before = out.run_values(done)
+    if before:
+        now = merged_values(before, {k: [v] for k, v in mine.items()})
+        changed = [k for k in mine if k in before and len(now[k]) > len(before[k])]
+        if changed:
+            say(f"hsx: notice: this run computes with {', '.join(f'{k} {mine[k]}' for k in changed)}; the "
+                f"{len(done)} unit(s) already in {out.root} were computed with "
+                f"{', '.join(f'{k} ' + ' or '.join(map(str, before[k])) for k in changed)}: the output holds units "
+                "whose states differ by the compute dtype's rounding (hsx.json's run.values_used lists every value)")
+    out.record_run(mine)
+
+
 # ---- finish ------------------------------------------------------------------------------------------------------
 
 def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, share,
@@ -589,6 +609,9 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
             return out.read_info().to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
+        used = out.run_values(done)  # (the keys above are the last run's; these, every run's)
+        if used:
+            stats = {**stats, "values_used": used}
         merged = out.merged_sources()  # dirs a `hsx merge --partial` linked units from: readers follow only those
         info = complete_info(summary, done, proc.world_size, {**stats, "merged_from": merged} if merged else stats)
         info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))

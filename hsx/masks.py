@@ -76,6 +76,20 @@ def mask_method(fmt: str, tokenizer, column_names: list[str], plain_completion: 
     return "markers" if GENERATION_TAG.search(_template_text(tokenizer)) else "derived"
 
 
+# The methods that read the tokenizer's character offsets (derived turns and plain-text completions by
+# return_offsets_mapping, generation markers by transformers' char_to_token): a fast (tokenizers) tokenizer's only.
+OFFSET_METHODS = ("markers", "derived", "completion")
+
+
+def check_offsets(method: str, tokenizer, name: str) -> None:
+    """HsxError in one line, before any row is tokenized, when `method` needs character offsets and `tokenizer`
+    (named `name` in the message) is a slow one, which has none (a traceback from inside datasets.map else)."""
+    if method in OFFSET_METHODS and not getattr(tokenizer, "is_fast", True):
+        raise HsxError(f"tokenizer {name} is a slow (Python) one ({type(tokenizer).__name__}): it gives no "
+                       f"character offsets, which the {method!r} loss masks are read off; give --tokenizer a fast one "
+                       "(a folder with tokenizer.json), or pre-tokenized input_ids with a loss_mask column")
+
+
 def _template_text(tokenizer) -> str:
     t = getattr(tokenizer, "chat_template", None) or ""
     return json.dumps(t, sort_keys=True) if isinstance(t, dict) else t

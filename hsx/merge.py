@@ -18,7 +18,7 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.errors import UsageError
-from hsx.schema import JobRecord
+from hsx.schema import JobRecord, merged_values
 from hsx.sink import OutputDir, atomic_write, complete_info, info_features, read_json
 
 
@@ -135,8 +135,10 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
             f"(symlinked, nothing copied); {len(missing)} missing: run the job's `hsx extract` with --output-dir "
             f"{out.root} to write them")
         return {"complete": False, "units": len(lines), "missing": len(missing)}
+    dirs_used = {id(d): d for d, _ in done.values()}.values()
+    used = merged_values(*(d.run_values({u: rec for u, (s, rec) in done.items() if s is d}) for d in dirs_used))
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
-                         run={"merged_from": sources_now})
+                         run={"merged_from": sources_now, **({"values_used": used} if used else {})})
     from hsx.card import dataset_card
     from hsx.vocab import write_token_frequencies
 

@@ -13,6 +13,7 @@ import inspect
 import json
 import re
 import signal
+import stat
 import sys
 import threading
 import weakref
@@ -45,6 +46,9 @@ class LoadedModel:
     lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k target logits
 
 
+HUB_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot's folder name: the commit it holds, as job.json records it
+
+
 def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool) -> tuple[str, str | None]:
     """A local folder and the commit hash it holds (None for a plain local folder)."""
     if Path(model).is_dir():
@@ -70,7 +74,7 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
     # transformers 5 validates configs as huggingface_hub strict dataclasses (e.g. layer_types' length against
     # num_hidden_layers), raising its own error class, not a ValueError
     invalid = getattr(huggingface_hub.errors, "StrictDataclassError", ValueError)
-    _check_layer_count(Path(source) / "config.json", name)
+    _check_layer_count(Path(source) / "config.json" if Path(source).is_dir() else _hub_config(source, revision), name)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
@@ -79,17 +83,67 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
 
 
 MAX_MODEL_LAYERS = 10_000  # the deepest released LMs have ~200; a config past this is damaged or hostile
+# The JSON files hsx reads from a model folder, refused past these sizes before it or transformers parses them
+# (parsed whole, 1 GB of JSON such as `[[],[],...]` is ~20 GB of Python objects). Real ones are far smaller:
+MAX_CONFIG_BYTES = 16 << 20  # config.json: a few KB, a vision-language model's (text and vision configs) < 1 MB
+MAX_CHECKPOINT_TENSORS = 1_000_000  # tensors one checkpoint lists: the largest released (1T-parameter MoEs with
+# FP8 scales, thousands of shards) list ~10^5
+INDEX_ENTRY_BYTES = 160  # a tensor's entry in model.safetensors.index.json: its name and its shard (~100 bytes)
+MAX_INDEX_BYTES = MAX_CHECKPOINT_TENSORS * INDEX_ENTRY_BYTES + (1 << 20)  # 161 MB (with its metadata)
+CHECKPOINT_INDEX = "model.safetensors.index.json"
 
 
-def _check_layer_count(config_file: Path, name: str) -> None:
-    """HsxError unless a local config.json's num_hidden_layers (its own, and its text_config's) is an integer in
-    [1, MAX_MODEL_LAYERS], checked before transformers reads it: its config classes build per-layer lists
-    (layer_types) from that count, so 99,999,999,999 never returns."""
-    if not config_file.is_file():
+def read_model_json(path: Path, limit: int) -> bytes | None:
+    """The bytes of a JSON file of a model folder (None when there is none): HsxError in one line naming it when
+    it is not a regular file or over `limit` bytes. Links are followed (a Hub snapshot's files are links to the
+    cache's blobs)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HsxError(f"{path} is not a regular file; the model folder is damaged")
+    if st.st_size > limit:
+        raise HsxError(f"{path} is {st.st_size:,} bytes, more than any {path.name} is ({limit:,} at most); the "
+                       "model folder is damaged or not a model's")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > limit:  # (it grew since the stat)
+        raise HsxError(f"{path} is more than {limit:,} bytes, more than any {path.name} is; the model folder is "
+                       "damaged or not a model's")
+    return data
+
+
+def _hub_config(repo: str, revision: str | None) -> Path | None:
+    """A Hub id's config.json in the HF cache (fetched as transformers would), so it is checked before it is
+    parsed; None where there is none (transformers' own reading then says why)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def _check_layer_count(config_file: Path | None, name: str) -> None:
+    """HsxError unless a config.json (a folder's, or a Hub id's in the HF cache) is at most MAX_CONFIG_BYTES and
+    its num_hidden_layers (its own, and its text_config's) is an integer in [1, MAX_MODEL_LAYERS], checked before
+    transformers reads it: its config
+    classes build per-layer lists (layer_types) from that count, so 99,999,999,999 never returns."""
+    if config_file is None or not config_file.parent.is_dir():
+        return  # (none to read: transformers says what is missing)
+    data = read_model_json(config_file, MAX_CONFIG_BYTES)
+    if data is None:
         return
     try:
-        config = json.loads(config_file.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        config = json.loads(data)
+    except (ValueError, RecursionError):
         return  # (transformers' own reading says what is wrong, caught in read_model_config)
     for part in (config, config.get("text_config")) if isinstance(config, dict) else ():
         layers = part.get("num_hidden_layers") if isinstance(part, dict) else None
@@ -215,9 +269,8 @@ def load_lm_head(path: str, text_config, base: torch.nn.Module, device: torch.de
     if not keys:
         raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits needs the output projection")
     key = min(keys, key=len)
-    index = Path(path) / "model.safetensors.index.json"
-    files = ([Path(path) / json.loads(index.read_text())["weight_map"][key]] if index.is_file()
-             else sorted(Path(path).glob("*.safetensors")))
+    shard = _index_weight_map(Path(path)).get(key)
+    files = [Path(path) / shard] if isinstance(shard, str) else sorted(Path(path).glob("*.safetensors"))
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as st:
             if key in st.keys():
@@ -242,12 +295,8 @@ def supported_attn_implementation(text_config, requested: str | None) -> str | N
 def checkpoint_keys(path: str) -> list[str]:
     """The tensor names of a local safetensors checkpoint (from the index, else the files' headers)."""
     folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return list(json.loads(index.read_text()).get("weight_map", {}))
-        except (OSError, ValueError):
-            return []
+    if (folder / CHECKPOINT_INDEX).exists():
+        return list(_index_weight_map(folder))
     from safetensors import safe_open
 
     keys: list[str] = []
@@ -258,6 +307,17 @@ def checkpoint_keys(path: str) -> list[str]:
         except (OSError, ValueError, RuntimeError):
             continue
     return keys
+
+
+def _index_weight_map(folder: Path) -> dict[str, Any]:
+    """The checkpoint index's weight_map (tensor name -> shard file), {} without an index or a readable one (the
+    files' own headers, or transformers, say what is there); HsxError when it is over MAX_INDEX_BYTES."""
+    data = read_model_json(folder / CHECKPOINT_INDEX, MAX_INDEX_BYTES)
+    try:
+        weight_map = json.loads(data).get("weight_map") if data is not None else None
+    except (ValueError, RecursionError, AttributeError):
+        return {}
+    return weight_map if isinstance(weight_map, dict) else {}
 
 
 def text_weights_prefix(keys: list[str]) -> str | None:

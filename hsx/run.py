@@ -21,7 +21,8 @@ from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
 from hsx.errors import Stopped, disk_full
-from hsx.job import Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, refuse_empty
+from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
+                     refuse_empty)
 from hsx.sink import OutputDir
 
 
@@ -372,6 +373,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     try:
         if mine:
             with Extraction(cfg, proc, job.target, units.ordered, mine, model, say) as extraction:
+                record_run(out, extraction.stats, say, compare=proc.is_main)
                 commit_units(extraction, proc, out, mine, stop,
                              on_commit=uploader.submit if uploader is not None else None)
             stats = extraction.stats

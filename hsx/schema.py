@@ -264,6 +264,16 @@ MAX_JOB_BYTES = MAX_INPUT_FILES * INPUT_FILE_ENTRY_BYTES + RECORD_REST_BYTES  # 
 # line at a time, each at most MAX_LEDGER_LINE_BYTES (exported.jsonl's lines name a destination path).
 MAX_LEDGER_BYTES = 2 * MAX_UNITS * UNIT_ENTRY_BYTES  # 640 MB
 MAX_LEDGER_LINE_BYTES = 64 << 10
+# An export's journal (hsx.export's DEST/hsx-export.jsonl), read a line at a time as a ledger is: a line per source
+# unit listing every file written for it (in the SpecForge and speculators layouts a file per row) and a line per
+# unit a --delete-source export released.
+MAX_EXPORT_FILES = 10_000_000  # files of one export: a file per row, each MBs of states at real hidden sizes
+MAX_EXPORT_FILES_PER_UNIT = 1_000_000  # rows of one unit: a default unit (~2 GiB of states) of a million rows
+# holds ~2 KiB of states per row, one token of a 1024-wide model
+EXPORT_FILE_ENTRY_BYTES = 128  # a file's entry in its line: path, bytes and CRC-32 (~60 bytes; +9 per 256 MiB)
+JOURNAL_UNIT_BYTES = 256  # a unit's line without its files, and its release line (~80 bytes each)
+MAX_JOURNAL_LINE_BYTES = MAX_EXPORT_FILES_PER_UNIT * EXPORT_FILE_ENTRY_BYTES + JOURNAL_UNIT_BYTES  # 128 MB
+MAX_JOURNAL_BYTES = MAX_EXPORT_FILES * EXPORT_FILE_ENTRY_BYTES + MAX_UNITS * JOURNAL_UNIT_BYTES  # 1.5 GB
 
 
 UNIT_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]*")  # a unit's name, and a file name under data/: never a path
@@ -562,3 +572,47 @@ class ConsumedRecord:
             raise Damaged(f"row {d['row']} is past the unit's {d['rows']} rows")
         crc = d.get("crc32")
         return cls(unit, d["file"], d["bytes"], d["rows"], d["row"], crc if isinstance(crc, str) else None)
+
+
+# How a run computed the states, outside the job's fingerprint (a resume may change them: hsx.config says why):
+# each run's values are in its rank's .hsx/runs-<rank>.jsonl, and hsx.json's run.values_used lists every value the
+# runs that wrote the output's units used.
+RUN_VARIANT_KEYS = ("compile", "sdpa_backend", "packing", "experts_implementation", "fp8_gemm")
+
+
+def _is_setting(v: Any) -> bool:
+    return isinstance(v, (bool, int)) or (isinstance(v, str) and len(v) <= 200)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One line of .hsx/runs-<rank>.jsonl: the RUN_VARIANT_KEYS values one run (`session`, as in its manifest
+    lines) of that rank extracted with, recorded before its first unit is committed."""
+    session: str
+    settings: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RunRecord":
+        _check(d, {"session": (lambda v: isinstance(v, str), "a string")})
+        for key in RUN_VARIANT_KEYS:
+            if key in d and not _is_setting(d[key]):
+                raise Damaged(f"{key} must be a name or a flag, got {str(d[key])[:60]!r}")
+        return cls(d["session"], {k: d[k] for k in RUN_VARIANT_KEYS if k in d})
+
+
+def values_used(records: list[RunRecord]) -> dict[str, list]:
+    """Every value each RUN_VARIANT_KEYS key took over `records`, each once (True is not 1), in their order."""
+    used: dict[str, list] = {}
+    seen: set[tuple[str, str, Any]] = set()
+    for rec in records:
+        for key, value in rec.settings.items():
+            if (key, type(value).__name__, value) not in seen:
+                seen.add((key, type(value).__name__, value))
+                used.setdefault(key, []).append(value)
+    return {k: used[k] for k in RUN_VARIANT_KEYS if k in used}
+
+
+def merged_values(*values: dict[str, list]) -> dict[str, list]:
+    """values_used's union of several of its results (each value once, in their order)."""
+    return values_used([RunRecord("", {k: v}) for used in values for k, vs in used.items() for v in vs])
+

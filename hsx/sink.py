@@ -52,12 +52,13 @@ from typing import Any
 from hsx.config import HsxError
 from hsx.fingerprint import differing_files
 from hsx.schema import (DEFAULT_STORAGE_DTYPE, MAX_LEDGER_BYTES, MAX_LEDGER_LINE_BYTES, RECORD_REST_BYTES,
-                        ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord, OutputFormat, Summary,
-                        UploadRecord)
+                        RUN_VARIANT_KEYS, ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord,
+                        OutputFormat, RunRecord, Summary, UploadRecord, values_used)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
 CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
+RUNS = "runs-*.jsonl"  # what each run of a rank computed the states with (hsx.schema.RunRecord): one per rank
 EXPORTED = "exported.jsonl"  # units an export with --delete-source deleted (hsx.export), and where to
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
 # What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
@@ -138,24 +139,26 @@ def read_json(path: Path, record=None, *, limit: int | None = None):
         raise HsxError(f"{path} is damaged: {e}") from None
 
 
-def read_jsonl(path: Path, record=None) -> Iterator[dict[str, Any]]:
-    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl), as the
-    dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not JSON is a torn append from
-    a kill (its unit is redone) and is passed over; a whole JSON line that is not a valid record was damaged or
-    written by something else: HsxError naming file and line. Read a line at a time: the file is at most
-    MAX_LEDGER_BYTES, a line at most MAX_LEDGER_LINE_BYTES (hsx.schema)."""
+def read_jsonl(path: Path, record=None, *, limit: int = MAX_LEDGER_BYTES,
+               line_limit: int = MAX_LEDGER_LINE_BYTES) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines ledger hsx appends to (.hsx/manifest-*.jsonl, .hsx/uploaded-*.jsonl, an
+    export's journal), as the dicts written, each checked by `record.from_dict` (hsx.schema). A line that is not
+    JSON is a torn append from a kill (its unit is redone) and is passed over; a whole JSON line that is not a
+    valid record was damaged or written by something else: HsxError naming file and line. Read a line at a time:
+    the file is at most `limit` bytes, a line at most `line_limit` (hsx.schema's bounds for that file; a
+    ledger's by default)."""
     try:
-        f = _open_bounded(path, MAX_LEDGER_BYTES)
+        f = _open_bounded(path, limit)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     with f:
-        yield from _ledger_records(path, f, record)
+        yield from _ledger_records(path, f, record, line_limit)
 
 
-def _ledger_records(path: Path, f, record) -> Iterator[dict[str, Any]]:
-    for number, raw in enumerate(iter(lambda: f.readline(MAX_LEDGER_LINE_BYTES + 1), b""), 1):
-        if len(raw) > MAX_LEDGER_LINE_BYTES:
-            raise HsxError(f"{path}: line {number} is damaged: over {MAX_LEDGER_LINE_BYTES:,} bytes, longer than "
+def _ledger_records(path: Path, f, record, line_limit: int) -> Iterator[dict[str, Any]]:
+    for number, raw in enumerate(iter(lambda: f.readline(line_limit + 1), b""), 1):
+        if len(raw) > line_limit:
+            raise HsxError(f"{path}: line {number} is damaged: over {line_limit:,} bytes, longer than "
                            "any line hsx writes")
         if not raw.strip():
             continue
@@ -523,6 +526,43 @@ class OutputDir:
                     self.state / "damaged" / rec["file"]).exists():  # (gone after its upload, not moved aside)
                 done[unit] = rec
         return done
+
+    def record_run(self, settings: dict[str, Any]) -> None:
+        """Append this run's RUN_VARIANT_KEYS values to .hsx/runs-<rank>.jsonl (fsynced, before its first commit):
+        its units' manifest lines name its session, so what computed each unit is known after any kill."""
+        self.state.mkdir(parents=True, exist_ok=True)
+        line = {"session": self.session, **{k: settings[k] for k in RUN_VARIANT_KEYS if k in settings}}
+        path = self.state / f"runs-{self.rank:05d}.jsonl"
+        torn = _last_byte(path) not in (b"", b"\n")  # (a kill mid-append: end that line first)
+        append_synced(path, ("\n" if torn else "") + json.dumps(line, sort_keys=True) + "\n")
+
+    def run_values(self, units: dict[str, dict[str, Any]]) -> dict[str, list]:
+        """Every RUN_VARIANT_KEYS value the runs that committed `units` (manifest records, as done_units gives)
+        computed with: their records in .hsx/runs-*.jsonl, and for units of an older hsx, which kept none, the
+        values hsx.json's run records (the last run's)."""
+        sessions = {rec.get("session") for rec in units.values()}
+        runs = []
+        for ledger in sorted(self.state.glob(RUNS)) if units else ():
+            runs += [RunRecord.from_dict(rec) for rec in read_jsonl(ledger, RunRecord) if rec["session"] in sessions]
+        older = sessions - {r.session for r in runs}
+        return values_used((self._recorded_run_values() if older else []) + runs)
+
+    def _recorded_run_values(self) -> list[RunRecord]:
+        """hsx.json's run values (its values_used, else the last run's) as records; none where it has none."""
+        try:
+            info = self.read_info()
+        except HsxError:
+            return []
+        run = info.raw.get("run") if info is not None else None
+        if not isinstance(run, dict):
+            return []
+        used = run.get("values_used")
+        pairs = ([(k, v) for k, vs in used.items() if k in RUN_VARIANT_KEYS and isinstance(vs, list) for v in vs]
+                 if isinstance(used, dict) else [(k, run[k]) for k in RUN_VARIANT_KEYS if k in run])
+        try:
+            return [RunRecord.from_dict({"session": "", k: v}) for k, v in pairs]
+        except Damaged:
+            return []
 
     # ---- upload bookkeeping (hsx.hub) ----
 

@@ -339,6 +339,7 @@ def _check_model_identity(job, job_file, info: Info, folder: str, trust_remote_c
     `job_file`) records for its model; a job that named a Hub model records its id and commit: the folder must be
     that commit's snapshot. A record that says neither is refused, never taken as leave to skip the check."""
     from hsx.fingerprint import MODEL_SUFFIXES, differing_files, folder_identity
+    from hsx.model import HUB_COMMIT
 
     recorded = job.inputs.get("model") if job is not None else None
     if isinstance(recorded, dict):
@@ -349,9 +350,11 @@ def _check_model_identity(job, job_file, info: Info, folder: str, trust_remote_c
                            f"fingerprint: {', '.join(files[:3])}{', ...' if len(files) > 3 else ''})")
     elif isinstance(recorded, str):
         revision = job.inputs.get("revision")
-        if not (isinstance(revision, str) and revision):  # (hsx records a Hub model's commit with its id, always)
-            raise HsxError(f"{job_file}: the model {recorded[:100]!r} is recorded without its commit, so model "
-                           f"folder {folder} cannot be checked against it; the job record is damaged")
+        if not (isinstance(revision, str) and HUB_COMMIT.fullmatch(revision)):  # (hsx records a Hub model's
+            # commit with its id, always: its snapshot folder's name)
+            raise HsxError(f"{job_file}: the model {recorded[:100]!r} is recorded without its commit (a 40-digit hex "
+                           f"hash, not {str(revision)[:60]!r}), so model folder {folder} cannot be checked against "
+                           "it; the job record is damaged")
         if Path(folder).resolve().name != revision:
             raise HsxError(f"model folder {folder} is not the snapshot of {recorded} at commit {revision} that the "
                            "output was extracted from")

@@ -57,6 +57,17 @@ def test_merge_equals_the_single_dir_output(reference, tmp_path):
     assert sum(1 for _ in streamed) == info["counts"]["rows_written"]
 
 
+def test_a_merged_hsx_json_lists_the_values_every_nodes_runs_used(reference, tmp_path):
+    """Nodes that ran with other packing (or kernels, or compile): the merged run.values_used lists both."""
+    dirs = split_like_two_nodes(reference, tmp_path)
+    for node, (d, packing) in enumerate(zip(dirs, ("none", "varlen"))):
+        sessions = {json.loads(line)["session"] for line in (d / ".hsx" / f"manifest-{node:05d}.jsonl").open()}
+        (d / ".hsx" / f"runs-{node:05d}.jsonl").write_text(
+            "".join(json.dumps({"session": s, "compile": False, "packing": packing}) + "\n" for s in sessions))
+    info = merge(str(dirs[0]), [str(d) for d in dirs], log=lambda *a: None)
+    assert info["run"]["values_used"] == {"compile": [False], "packing": ["none", "varlen"]}
+
+
 def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
     node0, node1 = split_like_two_nodes(reference, tmp_path)
     merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)

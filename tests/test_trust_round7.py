@@ -221,7 +221,7 @@ def test_against_bf16_never_runs_code_of_the_model_folder_hsx_json_names(finishe
     import os
 
     out = Path(shutil.copytree(finished, tmp_path / "out"))
-    evil = tmp_path / "evil"
+    evil = tmp_path / ("e" * 40)  # (named as a Hub snapshot is: its commit)
     evil.mkdir()
     marker = tmp_path / "ran"
     (evil / "config.json").write_text(json.dumps({
@@ -241,7 +241,8 @@ def test_against_bf16_never_runs_code_of_the_model_folder_hsx_json_names(finishe
         info["model_path"] = str(path)
         info["config"]["trust_remote_code"] = trust
         (out / "hsx.json").write_text(json.dumps(info))
-        job["inputs"]["revision"] = Path(path).name or "main"  # (the folder passes as that commit's snapshot)
+        job["inputs"]["revision"] = Path(path).name if len(Path(path).name) == 40 else "0" * 40  # (the evil folder
+        # passes as that commit's snapshot)
         (out / ".hsx" / "job.json").write_text(json.dumps(job))
         rc, _, err = hsx_main(["verify", str(out), "--against-bf16", "2"])
         line = one_error_line(err)
