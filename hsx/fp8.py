@@ -282,11 +282,13 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
     warning and the next GEMM runs such weights from then on. cuBLAS and fbgemm tile N by whole scale blocks; cuBLAS
     takes K in multiples of 512 only (`_cublas_mm`): other weights go to the next GEMM without a word (hsx.json's
     `gemm_by_shape` lists them)."""
+    key = (name, w.device.index, *w.shape)
+    if key in _SHAPES:  # (every call of a linear asks: decided once per shape)
+        return _SHAPES[key]
     if (w.shape[0] % BLOCK or (name == "cublas" and (w.shape[1] // BLOCK) % CUBLAS_K_BLOCKS)
             or _missing(name, "auto") is not None):  # (an fbgemm_gpu that is not installed: nothing to say)
-        return False
-    key = (name, w.device.index, *w.shape)
-    if key not in _SHAPES:
+        _SHAPES[key] = False
+    else:
         why = _disagrees(name, w, ws)
         _SHAPES[key] = why is None
         if why is not None:
