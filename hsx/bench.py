@@ -562,9 +562,10 @@ def read_baseline(path: str, results: dict[str, Any]) -> float:
     """The one-process tok/s of `path`, the JSON of the same bench (`--scaling-baseline`): checked before
     anything is measured (a file given by the user: one clear line if it is not what it should be)."""
     from hsx.config import HsxError
+    from hsx.schema import RECORD_REST_BYTES
     from hsx.sink import read_json
 
-    base = read_json(Path(path))
+    base = read_json(Path(path), limit=RECORD_REST_BYTES)  # (a bench's JSON: its config and numbers, a few KB)
     one = base["c"].get("tok_per_s") if isinstance(base.get("c"), dict) else None
     if not isinstance(one, (int, float)) or one <= 0 or base.get("processes", 1) != 1:
         raise HsxError(f"{path} is not the JSON of a one-process `hsx bench` run (--json): it has no positive "
