@@ -238,6 +238,7 @@ class UnitFile:
         elif mode == "mapped":
             self.spare = spares.take(self.path) if spares is not None else None
             self.fd = self.spare.fd if self.spare is not None else os.open(self.path, flags, 0o644)
+            self.pending = bytearray()  # small writes gathered (see write)
         else:
             self.fd = os.open(self.path, flags, 0o644)
             self.pending = bytearray()
@@ -262,13 +263,17 @@ class UnitFile:
         view = memoryview(data).cast("B")
         n = len(view)
         if self.mode == "mapped":
-            if self.spare is not None:
-                self.spare.passed = self.size + n
-            try:
-                wait_all(self.crc.feed(view, self._put))
-            except BaseException as e:
-                self.error = self.error or e.with_traceback(None)  # (sticky: the file has a hole now)
-                raise
+            # A record batch comes as ~17 writes, all but its states' buffer small (IPC framing, padding, the
+            # offsets, token and row columns). Each store is a ctypes memmove and a CRC-32, and each lets go of the
+            # GIL, which the GPU thread then holds for up to a switch interval: the small ones are gathered and
+            # stored as one piece ahead of the next big write (or at close).
+            if n < SMALL:
+                self.pending += view
+                if len(self.pending) >= SMALL:
+                    self._store_pending()
+            else:
+                self._store_pending()
+                self._store(view)
             self.size += n
             return n
         futures = self.crc.feed(view)
@@ -331,6 +336,21 @@ class UnitFile:
             view = view[os.write(self.fd, view):]
 
     # mapped
+    def _store(self, view: memoryview) -> None:
+        """Copy `view` (the next bytes of the stream) into the file and checksum it; back once both are done."""
+        if self.spare is not None:
+            self.spare.passed = self.crc.pos + len(view)
+        try:
+            wait_all(self.crc.feed(view, self._put))
+        except BaseException as e:
+            self.error = self.error or e.with_traceback(None)  # (sticky: the file has a hole now)
+            raise
+
+    def _store_pending(self) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, bytearray()
+            self._store(memoryview(pending))
+
     def _put(self, piece: memoryview, offset: int) -> int:
         """Store `piece` at `offset` (a copy into the spare's pages where they are ready, else pwrite); its CRC-32.
         Runs on the checksum threads, several at once on different pieces."""
@@ -342,9 +362,13 @@ class UnitFile:
         return sink.crc32(piece)
 
     def _finish_mapped(self) -> None:
-        if self.spare is not None:
-            self.spare.stop()  # its preparation done with before the size is set (fallocate would extend it)
-        os.ftruncate(self.fd, self.size)  # a spare is longer than its unit
+        try:
+            if self.error is None:
+                self._store_pending()
+        finally:
+            if self.spare is not None:
+                self.spare.stop()  # its preparation done with before the size is set (fallocate would extend it)
+            os.ftruncate(self.fd, self.size)  # a spare is longer than its unit
         self._raise_io_error()
 
     # direct
@@ -559,6 +583,7 @@ class DirectStages:
 # ---- memory filesystems: a unit's pages allocated ahead --------------------------------------------------------
 
 SPARE_CHUNK = 64 << 20  # a spare is prepared in steps of this size, a few at once
+POPULATE_STEP = 2 << 20  # pages faulted in per madvise call (each holds the mmap lock that mmap/munmap wait for)
 SPARE_THREADS = 3  # preparing threads (fallocate takes the file's lock; the page faults run in parallel)
 SPARE_NAME = ".hsx-spare"  # in the unit folder, while prepared (then renamed to the unit's file)
 SPARE_MARGIN = 1.01  # a spare is this much longer than the unit's estimate (+ 4 MiB); close cuts the rest
@@ -622,10 +647,16 @@ class Spare:
             room = stat.f_bavail * stat.f_frsize
         except OSError:
             room = 0
-        if (room - n < self.reserve or lib.fallocate(self.fd, 0, offset, n) != 0
-                or lib.madvise(self.addr + offset, n, MADV_POPULATE_WRITE) != 0):
+        if room - n < self.reserve or lib.fallocate(self.fd, 0, offset, n) != 0:
             self.stopped = True  # (the rest is written by pwrite, which reports a full filesystem as ENOSPC)
             return
+        # A populate holds the process's mmap lock (shared) for its whole range, and every mmap or munmap waits
+        # for it: the map thread does several at each unit boundary (Dataset.from_file, the next spare, datasets
+        # unmapping the tables before), so they are kept short.
+        for at in range(offset, offset + n, POPULATE_STEP):
+            if lib.madvise(self.addr + at, min(POPULATE_STEP, offset + n - at), MADV_POPULATE_WRITE) != 0:
+                self.stopped = True
+                return
         self._done[i] = True
 
     def covers(self, offset: int, n: int) -> bool:
@@ -805,6 +836,10 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | D
 
     original = arrow_dataset.ArrowWriter
     folder = os.path.realpath(folder)
+    if mode == "auto" and isinstance(spares, (Spares, DirectStages)):
+        # spares_for resolved the mode: resolving it again probes the folder at every unit (in tmpfs a file
+        # mapped and unmapped, which waits for the next unit's spare preparation: ~10 ms a unit, measured)
+        mode = "mapped" if isinstance(spares, Spares) else "direct"
     resolve_mode(folder, mode) if mode != "auto" else None  # (a wrong mode fails here, not inside map)
     written = Written()
 
