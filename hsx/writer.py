@@ -121,10 +121,11 @@ class StreamCrc:
         self.pos = 0
         self.chunks: list[list[tuple[int | Future, int]]] = []  # per chunk: (crc or its future, length)
 
-    def feed(self, view: memoryview, put=None) -> list[Future]:
+    def feed(self, view: memoryview, put=None, on_pool: bool = False) -> list[Future]:
         """Account for `view` (the next bytes of the stream); returns the futures still reading it: the caller
         waits for them before the memory may change. `put(piece, offset)`, if given, stores a piece at its offset
-        in the stream and returns its CRC-32: run on the pool for big pieces (copy and checksum in parallel)."""
+        in the stream and returns its CRC-32: run on the pool for big pieces (copy and checksum in parallel), and
+        for small ones too with `on_pool`."""
         futures: list[Future] = []
         at = 0
         try:
@@ -134,7 +135,7 @@ class StreamCrc:
                     self.chunks.append([])
                 n = min(len(view) - at, self.chunk - inside, CRC_PIECE)
                 piece = view[at:at + n]
-                if n < SMALL:
+                if n < SMALL and not on_pool:
                     self.chunks[chunk].append((sink.crc32(piece) if put is None else put(piece, self.pos), n))
                 else:
                     f = self.pool.submit(sink.crc32, piece) if put is None else self.pool.submit(put, piece, self.pos)
@@ -264,16 +265,16 @@ class UnitFile:
         n = len(view)
         if self.mode == "mapped":
             # A record batch comes as ~17 writes, all but its states' buffer small (IPC framing, padding, the
-            # offsets, token and row columns). Each store is a ctypes memmove and a CRC-32, and each lets go of the
-            # GIL, which the GPU thread then holds for up to a switch interval: the small ones are gathered and
-            # stored as one piece ahead of the next big write (or at close).
+            # offsets, token and row columns). Stored one by one on this thread, each is a ctypes memmove and a
+            # CRC-32 that let go of the GIL, which the GPU thread may then keep for a switch interval (measured
+            # beside a busy Python thread: 12 ms a batch): the small ones are gathered and handed to the pool with
+            # the next big write, one wait for both (or stored at close).
             if n < SMALL:
                 self.pending += view
                 if len(self.pending) >= SMALL:
-                    self._store_pending()
+                    self._store(self._take_pending())
             else:
-                self._store_pending()
-                self._store(view)
+                self._store(self._take_pending(), view)
             self.size += n
             return n
         futures = self.crc.feed(view)
@@ -336,20 +337,25 @@ class UnitFile:
             view = view[os.write(self.fd, view):]
 
     # mapped
-    def _store(self, view: memoryview) -> None:
-        """Copy `view` (the next bytes of the stream) into the file and checksum it; back once both are done."""
-        if self.spare is not None:
-            self.spare.passed = self.crc.pos + len(view)
+    def _store(self, *views: memoryview) -> None:
+        """Copy `views` (the next bytes of the stream, in order) into the file and checksum them, on the pool's
+        threads; back once every piece is done."""
+        futures: list[Future] = []
         try:
-            wait_all(self.crc.feed(view, self._put))
+            try:
+                for view in views:
+                    if self.spare is not None:
+                        self.spare.passed = self.crc.pos + len(view)
+                    futures += self.crc.feed(view, self._put, on_pool=True)
+            finally:
+                wait_all(futures)  # (an error too waits: no piece still reads the caller's memory)
         except BaseException as e:
             self.error = self.error or e.with_traceback(None)  # (sticky: the file has a hole now)
             raise
 
-    def _store_pending(self) -> None:
-        if self.pending:
-            pending, self.pending = self.pending, bytearray()
-            self._store(memoryview(pending))
+    def _take_pending(self) -> memoryview:
+        pending, self.pending = self.pending, bytearray()
+        return memoryview(pending)
 
     def _put(self, piece: memoryview, offset: int) -> int:
         """Store `piece` at `offset` (a copy into the spare's pages where they are ready, else pwrite); its CRC-32.
@@ -363,8 +369,8 @@ class UnitFile:
 
     def _finish_mapped(self) -> None:
         try:
-            if self.error is None:
-                self._store_pending()
+            if self.error is None and self.pending:
+                self._store(self._take_pending())
         finally:
             if self.spare is not None:
                 self.spare.stop()  # its preparation done with before the size is set (fallocate would extend it)
