@@ -16,7 +16,8 @@ back at commit would be a second pass over every byte. `UnitFile` takes the same
   (`UnitFile._prefetch`);
 - in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock, so `Spares`
   prepares the next unit's file while the one before is written (fallocate, then MADV_POPULATE_WRITE, on 3
-  threads) and the checksum threads copy the big buffers into its mapped pages as they checksum them.
+  threads, a madvise call per POPULATE_STEP) and the checksum threads copy the big buffers into its mapped pages
+  as they checksum them; a record batch's small writes are gathered and handed to them with its big one.
 
 One `checksum_pool` serves a job's units: a pool per unit cost each unit's close its threads' exits, each waiting
 for the GIL. The rates behind these choices are in docs/storage.md.
