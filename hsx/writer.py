@@ -16,7 +16,8 @@ back at commit would be a second pass over every byte. `UnitFile` takes the same
   (`UnitFile._prefetch`);
 - in memory (tmpfs), "mapped": a write call there allocates every new page under the file's lock, so `Spares`
   prepares the next unit's file while the one before is written (fallocate, then MADV_POPULATE_WRITE, on 3
-  threads) and the checksum threads copy the big buffers into its mapped pages as they checksum them.
+  threads, a madvise call per POPULATE_STEP) and the checksum threads copy the big buffers into its mapped pages
+  as they checksum them; a record batch's small writes are gathered and handed to them with its big one.
 
 One `checksum_pool` serves a job's units: a pool per unit cost each unit's close its threads' exits, each waiting
 for the GIL. The rates behind these choices are in docs/storage.md.
@@ -121,10 +122,11 @@ class StreamCrc:
         self.pos = 0
         self.chunks: list[list[tuple[int | Future, int]]] = []  # per chunk: (crc or its future, length)
 
-    def feed(self, view: memoryview, put=None) -> list[Future]:
+    def feed(self, view: memoryview, put=None, on_pool: bool = False) -> list[Future]:
         """Account for `view` (the next bytes of the stream); returns the futures still reading it: the caller
         waits for them before the memory may change. `put(piece, offset)`, if given, stores a piece at its offset
-        in the stream and returns its CRC-32: run on the pool for big pieces (copy and checksum in parallel)."""
+        in the stream and returns its CRC-32: run on the pool for big pieces (copy and checksum in parallel), and
+        for small ones too with `on_pool`."""
         futures: list[Future] = []
         at = 0
         try:
@@ -134,7 +136,7 @@ class StreamCrc:
                     self.chunks.append([])
                 n = min(len(view) - at, self.chunk - inside, CRC_PIECE)
                 piece = view[at:at + n]
-                if n < SMALL:
+                if n < SMALL and not on_pool:
                     self.chunks[chunk].append((sink.crc32(piece) if put is None else put(piece, self.pos), n))
                 else:
                     f = self.pool.submit(sink.crc32, piece) if put is None else self.pool.submit(put, piece, self.pos)
@@ -238,6 +240,7 @@ class UnitFile:
         elif mode == "mapped":
             self.spare = spares.take(self.path) if spares is not None else None
             self.fd = self.spare.fd if self.spare is not None else os.open(self.path, flags, 0o644)
+            self.pending = bytearray()  # small writes gathered (see write)
         else:
             self.fd = os.open(self.path, flags, 0o644)
             self.pending = bytearray()
@@ -262,13 +265,17 @@ class UnitFile:
         view = memoryview(data).cast("B")
         n = len(view)
         if self.mode == "mapped":
-            if self.spare is not None:
-                self.spare.passed = self.size + n
-            try:
-                wait_all(self.crc.feed(view, self._put))
-            except BaseException as e:
-                self.error = self.error or e.with_traceback(None)  # (sticky: the file has a hole now)
-                raise
+            # A record batch comes as ~17 writes, all but its states' buffer small (IPC framing, padding, the
+            # offsets, token and row columns). Stored one by one on this thread, each is a ctypes memmove and a
+            # CRC-32 that let go of the GIL, which the GPU thread may then keep for a switch interval (measured
+            # beside a busy Python thread: 12 ms a batch): the small ones are gathered and handed to the pool with
+            # the next big write, one wait for both (or stored at close).
+            if n < SMALL:
+                self.pending += view
+                if len(self.pending) >= SMALL:
+                    self._store(self._take_pending())
+            else:
+                self._store(self._take_pending(), view)
             self.size += n
             return n
         futures = self.crc.feed(view)
@@ -331,6 +338,26 @@ class UnitFile:
             view = view[os.write(self.fd, view):]
 
     # mapped
+    def _store(self, *views: memoryview) -> None:
+        """Copy `views` (the next bytes of the stream, in order) into the file and checksum them, on the pool's
+        threads; back once every piece is done."""
+        futures: list[Future] = []
+        try:
+            try:
+                for view in views:
+                    if self.spare is not None:
+                        self.spare.passed = self.crc.pos + len(view)
+                    futures += self.crc.feed(view, self._put, on_pool=True)
+            finally:
+                wait_all(futures)  # (an error too waits: no piece still reads the caller's memory)
+        except BaseException as e:
+            self.error = self.error or e.with_traceback(None)  # (sticky: the file has a hole now)
+            raise
+
+    def _take_pending(self) -> memoryview:
+        pending, self.pending = self.pending, bytearray()
+        return memoryview(pending)
+
     def _put(self, piece: memoryview, offset: int) -> int:
         """Store `piece` at `offset` (a copy into the spare's pages where they are ready, else pwrite); its CRC-32.
         Runs on the checksum threads, several at once on different pieces."""
@@ -342,9 +369,13 @@ class UnitFile:
         return sink.crc32(piece)
 
     def _finish_mapped(self) -> None:
-        if self.spare is not None:
-            self.spare.stop()  # its preparation done with before the size is set (fallocate would extend it)
-        os.ftruncate(self.fd, self.size)  # a spare is longer than its unit
+        try:
+            if self.error is None and self.pending:
+                self._store(self._take_pending())
+        finally:
+            if self.spare is not None:
+                self.spare.stop()  # its preparation done with before the size is set (fallocate would extend it)
+            os.ftruncate(self.fd, self.size)  # a spare is longer than its unit
         self._raise_io_error()
 
     # direct
@@ -559,6 +590,8 @@ class DirectStages:
 # ---- memory filesystems: a unit's pages allocated ahead --------------------------------------------------------
 
 SPARE_CHUNK = 64 << 20  # a spare is prepared in steps of this size, a few at once
+POPULATE_STEP = 16 << 20  # per madvise call: each holds the mmap lock that mmap/munmap wait for, and each next
+# call waits for the GIL (smaller steps measured: more of a unit written by pwrite beside a GIL-busy thread)
 SPARE_THREADS = 3  # preparing threads (fallocate takes the file's lock; the page faults run in parallel)
 SPARE_NAME = ".hsx-spare"  # in the unit folder, while prepared (then renamed to the unit's file)
 SPARE_MARGIN = 1.01  # a spare is this much longer than the unit's estimate (+ 4 MiB); close cuts the rest
@@ -622,10 +655,16 @@ class Spare:
             room = stat.f_bavail * stat.f_frsize
         except OSError:
             room = 0
-        if (room - n < self.reserve or lib.fallocate(self.fd, 0, offset, n) != 0
-                or lib.madvise(self.addr + offset, n, MADV_POPULATE_WRITE) != 0):
+        if room - n < self.reserve or lib.fallocate(self.fd, 0, offset, n) != 0:
             self.stopped = True  # (the rest is written by pwrite, which reports a full filesystem as ENOSPC)
             return
+        # A populate holds the process's mmap lock (shared) for its whole range, and every mmap or munmap waits
+        # for it: the map thread does several at each unit boundary (Dataset.from_file, the next spare, datasets
+        # unmapping the tables before), so they are kept short.
+        for at in range(offset, offset + n, POPULATE_STEP):
+            if lib.madvise(self.addr + at, min(POPULATE_STEP, offset + n - at), MADV_POPULATE_WRITE) != 0:
+                self.stopped = True
+                return
         self._done[i] = True
 
     def covers(self, offset: int, n: int) -> bool:
@@ -805,6 +844,10 @@ def unit_files(folder: str | os.PathLike, mode: str = "auto", spares: Spares | D
 
     original = arrow_dataset.ArrowWriter
     folder = os.path.realpath(folder)
+    if mode == "auto" and isinstance(spares, (Spares, DirectStages)):
+        # spares_for resolved the mode: resolving it again probes the folder at every unit (in tmpfs a file
+        # mapped and unmapped, which waits for the next unit's spare preparation: ~10 ms a unit, measured)
+        mode = "mapped" if isinstance(spares, Spares) else "direct"
     resolve_mode(folder, mode) if mode != "auto" else None  # (a wrong mode fails here, not inside map)
     written = Written()
 

@@ -457,6 +457,88 @@ def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, folder_for, 
     assert sorted(p.name for p in folder.iterdir()) == ["u0.arrow", "u1.arrow"]  # the spares are gone
 
 
+def test_mapped_small_writes_are_stored_as_one_piece(shm, monkeypatch):
+    """In tmpfs a record batch's small writes (IPC framing, offsets, the token columns) are gathered and stored
+    as one piece before its big one (and the trailing ones at close): each store lets go of the GIL, which the
+    GPU thread may keep for a switch interval. The file and its CRC-32s are the bytes written, in order."""
+    monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # (a gathered piece may straddle a chunk)
+    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    data = np.random.default_rng(3).integers(0, 256, 9 << 20, dtype=np.uint8)
+    small = [b"\xff\xff\xff\xff", bytes(range(200)), b"\x00" * 7, memoryview(data)[:5000], b"abc" * 100]
+    parts = small + [memoryview(data)[5000:(3 << 20) - 7]] + small + [pa.py_buffer(data[3 << 20:])] + small[:2]
+    expected = b"".join(bytes(memoryview(p)) for p in parts)
+    spares = Spares(shm, [len(expected)])
+    _wait_prepared(spares.next)
+    stores = []
+    real_put = UnitFile._put
+    monkeypatch.setattr(UnitFile, "_put", lambda self, piece, offset: stores.append((offset, len(piece)))
+                        or real_put(self, piece, offset))
+    try:
+        with UnitFile(shm / "u.arrow", "mapped", spares=spares) as f:
+            for p in parts:
+                f.write(p)
+            assert f.tell() == len(expected)
+    finally:
+        spares.close()
+    assert (shm / "u.arrow").read_bytes() == expected
+    assert f.crc32() == file_crc32(shm / "u.arrow")
+    small_bytes = sum(len(memoryview(p)) for p in small)
+    groups = [(0, small_bytes), (small_bytes + (3 << 20) - 7 - 5000, small_bytes), (len(expected) - 204, 204)]
+    assert sum(n for _, n in stores) == len(expected)  # every byte stored once
+    for start, n in groups:  # each run of small writes: one store
+        assert [s for s in stores if start <= s[0] < start + n] == [(start, n)]
+
+
+def test_unit_files_take_the_mode_from_the_spares(shm, rows, monkeypatch):
+    """With spares_for's Spares, each unit's writer is "mapped" without probing the folder again: the probe maps
+    and unmaps a file, which waits for the next unit's spare being prepared (milliseconds at every unit)."""
+    folder = shm / "unit"
+    spares = writer.spares_for(folder, [1 << 20] * 2)
+    assert isinstance(spares, Spares)
+    probes = []
+    monkeypatch.setattr(writer, "supports_mapped", lambda f: probes.append(f) or True)
+    monkeypatch.setattr(writer, "supports_direct", lambda f: probes.append(f) or False)
+    try:
+        for name in ("u0.arrow", "u1.arrow"):
+            with unit_files(folder, spares=spares) as written:
+                _map(rows, str(folder / name))
+            assert [f.mode for f in written.files] == ["mapped"]
+            assert written.crc32(folder / name) == file_crc32(folder / name)
+    finally:
+        spares.close()
+    assert probes == []
+
+
+def test_spare_populates_in_steps(shm, monkeypatch):
+    """A spare's pages are faulted in POPULATE_STEP at a time (each madvise holds the mmap lock that map's
+    mmap and munmap calls wait for), all of them, and only inside the spare."""
+    monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
+    monkeypatch.setattr(writer, "POPULATE_STEP", 256 << 10)
+    lib = writer._libc()
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def madvise(self, addr, n, advice):
+            calls.append((addr, n, advice))
+            return lib.madvise(addr, n, advice)
+
+    monkeypatch.setattr(writer, "_libc", lambda: Recording())
+    spares = Spares(shm, [(2 << 20) + 100])
+    try:
+        spare = spares.next
+        _wait_prepared(spare)
+        populated = sorted((a - spare.addr, n) for a, n, advice in calls if advice == writer.MADV_POPULATE_WRITE)
+    finally:
+        spares.close()
+    assert populated and max(n for _, n in populated) <= 256 << 10
+    assert [a for a, _ in populated] == list(range(0, spare.size, 256 << 10))  # every page, once, in steps
+    assert sum(n for _, n in populated) == spare.size
+
+
 def test_mapped_copy_error_surfaces(shm, monkeypatch):
     """A copy thread's error (here ENOSPC from pwrite past the spare) is raised by that write, by every later
     one and by close, after every piece handed out has finished (none still reads the caller's memory)."""
