@@ -590,8 +590,10 @@ class DirectStages:
 # ---- memory filesystems: a unit's pages allocated ahead --------------------------------------------------------
 
 SPARE_CHUNK = 64 << 20  # a spare is prepared in steps of this size, a few at once
-POPULATE_STEP = 16 << 20  # per madvise call: each holds the mmap lock that mmap/munmap wait for, and each next
-# call waits for the GIL (smaller steps measured: more of a unit written by pwrite beside a GIL-busy thread)
+# Per madvise call: each holds the mmap lock that mmap/munmap wait for (16 MiB cut map's time at unit boundaries
+# on a 2-core VM, but more of each unit then went by pwrite, its spare not ready: kept at one call per chunk until
+# an H200 run decides; docs/storage.md)
+POPULATE_STEP = SPARE_CHUNK
 SPARE_THREADS = 3  # preparing threads (fallocate takes the file's lock; the page faults run in parallel)
 SPARE_NAME = ".hsx-spare"  # in the unit folder, while prepared (then renamed to the unit's file)
 SPARE_MARGIN = 1.01  # a spare is this much longer than the unit's estimate (+ 4 MiB); close cuts the rest
