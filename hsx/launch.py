@@ -270,8 +270,17 @@ def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _one_process_forwarding() as status, _failures_raised():
-            launch_command(args)
+        try:
+            with _one_process_forwarding() as status, _failures_raised():
+                launch_command(args)
+        except SystemExit as e:
+            # accelerate 1.16 ends its torchrun launcher with sys.exit(128 + signal) for the agent's SignalException
+            # (130 for a KeyboardInterrupt, 1 after printing a ChildFailedError with --quiet): the exception it
+            # handled is the exit's context, taken up here as if it had been raised
+            cause = e.__context__
+            if isinstance(cause, (SignalException, ChildFailedError, KeyboardInterrupt)):
+                raise cause from None
+            raise
     except SignalException as e:
         _ignore_signals()
         first = _first_signal(e)
