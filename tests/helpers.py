@@ -536,3 +536,16 @@ def chat_tokenize_peak(tok, conversations, fmt):
         return rows, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def finished_job(tmp_path_factory, model, chat_path, name: str) -> Path:
+    """A finished extract of `chat_path` on `model` in 200-token units (the trust rounds' shared subject)."""
+    out = tmp_path_factory.mktemp(name) / "finished"
+    rc, _, err = hsx_main(fault_argv(model.path, chat_path, out, "--unit-tokens", "200"))
+    assert rc == 0, err
+    return out
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    """A test's own copy of a finished output dir (links kept as links)."""
+    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_env, fault_argv, hsx_main, the_error_line
+from helpers import child_env, copy_of, fault_argv, finished_job, hsx_main, the_error_line
 
 import hsx
 from hsx.config import HsxError
@@ -30,15 +30,12 @@ def quiet(*a, **k):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, model4, small_chat_path) -> Path:
-    out = tmp_path_factory.mktemp("round5") / "finished"
-    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
-    assert rc == 0, err
-    return out
+    return finished_job(tmp_path_factory, model4, small_chat_path, "round5")
 
 
 @pytest.fixture
 def out(finished, tmp_path) -> Path:
-    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))
+    return copy_of(finished, tmp_path)
 
 
 def with_key_twice(path: Path, key: str, value) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import fault_argv, hsx_main, message_lines, write_jsonl
+from helpers import copy_of, fault_argv, finished_job, hsx_main, message_lines, write_jsonl
 
 import hsx
 from hsx.config import ExtractConfig, HsxError
@@ -27,15 +27,12 @@ def one_error_line(err: str) -> str:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, model4, small_chat_path) -> Path:
-    out = tmp_path_factory.mktemp("round8") / "finished"
-    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
-    assert rc == 0, err
-    return out
+    return finished_job(tmp_path_factory, model4, small_chat_path, "round8")
 
 
 @pytest.fixture
 def out(finished, tmp_path) -> Path:
-    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))
+    return copy_of(finished, tmp_path)
 
 
 # ---- the export journal: a line at a time ------------------------------------------------------------------------
