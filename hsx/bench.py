@@ -499,7 +499,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
             for i, t in enumerate(tables):
                 run(i, t)
             torch.cuda.synchronize()
-    Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+    Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80,
                                                           max_name_column_width=160))
 
 
