@@ -136,7 +136,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     from hsx import fp8
     from hsx import model as hsx_model
     from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
-    from hsx.cost import _num_experts, flops, layer_params, measure_matmul_tflops, shape_config
+    from hsx.cost import _num_experts, budget_cap, flops, layer_params, measure_matmul_tflops, shape_config
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
 
@@ -273,11 +273,16 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     else:
         work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
     out_dir = Path(args.output_dir) if args.output_dir else work / "out"
-    warm_idx = np.argsort(lengths)[:: max(1, args.count // 96)]
+    order = np.argsort(lengths, kind="stable")
+    # Warm-up: a stratified slice of the rows (every length bucket's batch shapes) and a batch's worth of rows around
+    # the median length, so that torch.compile's sample is a batch as large as the timed run's (CompileAhead).
+    middle = len(order) // 2
+    block = order[middle:middle + int(np.searchsorted(np.cumsum(lengths[order[middle:]]),
+                                                      args.token_budget or budget_cap(text))) + 1]
+    warm_idx = np.union1d(order[:: max(1, args.count // 96)], block)
     if proc.is_main:
         work.mkdir(parents=True, exist_ok=True)
         datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
-        # Warm-up: a stratified slice of the rows (every length bucket's batch shapes), timed apart.
         datasets.Dataset.from_dict({"input_ids": [rows[i] for i in warm_idx]}).save_to_disk(str(work / "warm"))
     proc.barrier()
     common = dict(model=results["model"], dataset=str(work / "input"), layers=layers, final_hidden=final_hidden,

@@ -258,7 +258,7 @@ class Extractor:
         with gdn.packed_rows(gdn_rows):
             states = self._forward(ids, index, packed)
         if self.compiler is not None:
-            self.compiler.start(self.device)  # the first forward recorded each layer kind's inputs
+            self.compiler.start(self.device, padded, self.token_cap)  # forwards recorded each kind's inputs
         result.segment_tokens.append(n)
         self.store.clear()
         # NaN/Inf per row, on the device (one read of the output, ~0.1% of the batch's time): tokens → rows.

@@ -4,11 +4,11 @@ transformers' own GatedDeltaNet forward runs its short convolution as `F.conv1d`
 fallback: measured on an H200, the 27B shape ran at 35.5% MFU), its gated RMSNorm and gating as separate elementwise
 ops, and it ignores sequence boundaries: in a packed batch every row's recurrent state and convolution window leak
 into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the forward
-of each such layer with `fla_forward`: fla's Triton causal_conv1d, one Triton kernel for the q/k l2norm,
-chunk_gated_delta_rule with the gate and beta sigmoid fused in, and fla's fused gated RMSNorm. For a packed batch
-(`packed_rows`, set by hsx.engine around each forward) the row boundaries go to both the convolution and the delta
-rule, so each row starts from a zero state and a zero convolution window: the packed forward equals one forward
-per row. Right-padded batches need no boundaries (causal: padding sits after every real token).
+of each such layer with `fla_forward`: one Triton kernel for the short convolution, the q/k l2norm and the
+q, k, v layout the delta rule reads (`conv_qkv`), fla's chunk_gated_delta_rule with the gate and beta sigmoid
+fused in, and one Triton kernel for the gated RMSNorm (`gated_rms_norm`). For a packed batch (`packed_rows`, set
+by hsx.engine around each forward) the row boundaries go to both the convolution and the delta rule, so each
+row starts from a zero state and a zero convolution window: the packed forward equals one forward per row. Right-padded batches need no boundaries (causal: padding sits after every real token).
 
 fla's first forward autotunes its kernels (40 s on a fresh H200 at the 27B shape); `settle_autotuning` hands
 them the configs that run chose, so the first forward compiles one per kernel (6.3 s).
@@ -113,13 +113,13 @@ def install(base: torch.nn.Module) -> bool:
 
 
 # ---- fla's autotuning, settled ahead --------------------------------------------------------------------------
-# fla autotunes seven kernels on the first packed forward of a Gated DeltaNet layer: on a fresh H200 that compiled
-# and timed 59 configs in 40.0 s of the 27B shape's warm-up (one compile per kernel: 6.3 s). These are the winners
-# of that run (fla 0.6.0, Triton 3.6, H200, Qwen3.5/3.6 head sizes: keys 128, values 128, conv width 4, packed
-# rows). On the GPUs they were tuned for (compute capability 9.0) `settle_autotuning` narrows each kernel's
-# candidate list to its winner when the key matches, heads and channels aside: still a config fla would time
-# itself (`early_config_prune`, Triton's own hook), so nothing but the choice of tile changes; any other key,
-# kernel or GPU autotunes as before.
+# fla autotunes its kernels on the first packed forward of a Gated DeltaNet layer: on a fresh H200 that compiled and
+# timed 59 configs in 40.0 s of the 27B shape's warm-up (one compile per kernel: 6.3 s). These are the winners of
+# that run (fla 0.6.0, Triton 3.6, H200, Qwen3.5/3.6 head sizes: keys 128, values 128, conv width 4, packed rows)
+# for the five kernels hsx still runs (its own took the convolution and the gated norm). On the GPUs they were tuned
+# for (compute capability 9.0) `settle_autotuning` narrows each kernel's candidate list to its winner when the key
+# matches, heads and channels aside: still a config fla would time itself (`early_config_prune`, Triton's own hook),
+# so nothing but the choice of tile changes; any other key, kernel or GPU autotunes as before.
 
 @dataclass(frozen=True)
 class TunedConfig:
@@ -134,8 +134,6 @@ class TunedConfig:
 TUNED_ON = (9, 0)  # compute capability of the GPU they were measured on (an H200; H100s share it)
 _HEADS = ("H", "HV")
 TUNED_CONFIGS: tuple[TunedConfig, ...] = (
-    TunedConfig("fla.modules.causal_conv1d.ops:causal_conv1d_fwd_kernel", (("D", 10240), ("W", 4)), ("D",),
-                (("BD", 32),), 4, 3),
     TunedConfig("fla.ops.gated_delta_rule.gate:gdn_gate_chunk_cumsum_scalar_kernel",
                 (("H", 48), ("BT", 64), ("IS_VARLEN", True), ("REVERSE", False)), ("H",), (), 4, 3),
     TunedConfig("fla.ops.gated_delta_rule.chunk_fwd:chunk_gated_delta_rule_fwd_kkt_solve_kernel",
@@ -149,9 +147,6 @@ TUNED_CONFIGS: tuple[TunedConfig, ...] = (
     TunedConfig("fla.ops.common.chunk_o:chunk_fwd_kernel_o",
                 (("H", 16), ("HV", 48), ("K", 128), ("V", 128), ("BT", 64), ("STATE_V_FIRST", False)), _HEADS,
                 (("BK", 64), ("BV", 64)), 4, 3),
-    TunedConfig("fla.modules.norm.fused_norm_gate:layer_norm_gated_fwd_kernel",
-                (("D", 128), ("NB", 1), ("IS_RMS_NORM", True), ("STORE_RESIDUAL_OUT", False), ("HAS_RESIDUAL", False),
-                 ("HAS_WEIGHT", True)), ("NB",), (("BT", 32),), 8, 3),
 )
 _SETTLED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # fla's autotuners narrowed by `settle_autotuning`
 
@@ -229,7 +224,6 @@ def installed(base: torch.nn.Module) -> bool:
 def fla_importable() -> bool:
     try:
         from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated  # noqa: F401
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception:  # noqa: BLE001 - a broken optional kernel package (e.g. no Triton) is the same as none
         return False
@@ -256,8 +250,6 @@ def _projections(self, x: torch.Tensor):
 
 def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """transformers' GatedDeltaNet forward without a cache, on fla's kernels, packed rows kept apart."""
-    from fla.modules.causal_conv1d import causal_conv1d
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     rows = _ROWS.get()
@@ -272,16 +264,13 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     varlen = {} if rows is None else {"cu_seqlens": rows.cu_seqlens, "cu_seqlens_cpu": rows.cu_seqlens_cpu,
                                       "chunk_indices": rows.chunk_indices}
     mixed, z, b, a = _projections(self, hidden_states)
-    mixed, _ = causal_conv1d(mixed, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias,
-                             activation=self.activation, **varlen)
-    q, k = qk_l2norm(mixed, self.key_dim, self.head_k_dim)
-    v = mixed[..., 2 * self.key_dim:].reshape(batch, seq, -1, self.head_v_dim)
+    q, k, v = conv_qkv(self, mixed, rows)
     # g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b), as transformers computes them, inside the kernel.
     out, _ = chunk_gated_delta_rule(q, k, v, g=a, beta=b, use_gate_in_kernel=True,
                                     A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                                     **varlen)
     eps = getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6))
-    out = _gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, eps)
+    out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, eps)
     return self.out_proj(out.reshape(batch, seq, -1))
 
 
@@ -338,12 +327,159 @@ def _qk_l2norm_kernel():
     return qk_l2norm_kernel
 
 
-NORM_ROWS = 65536  # fla's fused norm kernels compile one variant per ceil(rows / 65536): feed them one block size
+def conv_qkv(self, mixed: torch.Tensor, rows: PackedRows | None):
+    """(q, k, v), each (B, T, heads, head dim) and contiguous, from the projections' q|k|v columns `mixed`
+    (B, T, 2·key_dim + value_dim): the causal depthwise convolution (SiLU), q and k l2-normalised per head, each
+    packed row starting from a zero window. On CUDA one Triton kernel (`_conv_qkv_kernel`) reads `mixed` once and
+    writes the three tensors the delta rule reads: fla's causal_conv1d, `qk_l2norm` and the copy fla's
+    chunk_gated_delta_rule makes of the strided v took 423 + 298 + 281 µs a Qwen3.6-35B-A3B layer at 32k tokens
+    on an H200, three passes over ~0.5 GB each. Its arithmetic is fla's convolution's (float32 taps in order, the
+    bias, SiLU, one rounding), then `qk_l2norm`'s. Elsewhere, or for shapes it does not take, those three steps."""
+    batch, seq, _ = mixed.shape
+    weight = self.conv1d.weight.squeeze(1)
+    if _conv_qkv_takes(self, mixed, weight):
+        return _conv_qkv_cuda(mixed, weight, self.conv1d.bias, self.activation, self.key_dim, self.head_k_dim,
+                              self.head_v_dim, rows)
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    varlen = {} if rows is None else {"cu_seqlens": rows.cu_seqlens, "cu_seqlens_cpu": rows.cu_seqlens_cpu,
+                                      "chunk_indices": rows.chunk_indices}
+    mixed, _ = causal_conv1d(mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, **varlen)
+    q, k = qk_l2norm(mixed, self.key_dim, self.head_k_dim)
+    return q, k, mixed[..., 2 * self.key_dim:].reshape(batch, seq, -1, self.head_v_dim)
 
 
-def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight · rmsnorm(x) · silu(gate) per head (rows of head_v_dim), fla's fused kernel on blocks of NORM_ROWS."""
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+def _power_of_2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
 
-    return torch.cat([rms_norm_gated(x[a:a + NORM_ROWS], gate[a:a + NORM_ROWS], weight, None, activation="swish",
-                                     eps=eps) for a in range(0, x.shape[0], NORM_ROWS)])
+
+def _conv_qkv_takes(self, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One head size for q, k and v column blocks (a power of two, at most 256), a contiguous bf16/fp16 input, SiLU
+    or no activation: Qwen3.5/3.6 and Qwen3-Next (heads of 128)."""
+    d = int(self.head_k_dim)
+    value_dim = mixed.shape[-1] - 2 * int(self.key_dim)
+    return (mixed.is_cuda and mixed.dtype in (torch.bfloat16, torch.float16) and mixed.is_contiguous()
+            and _power_of_2(d) and d <= 256 and int(self.key_dim) % d == 0 and value_dim > 0 and value_dim % d == 0
+            and int(self.head_v_dim) * (value_dim // int(self.head_v_dim)) == value_dim
+            and weight.dim() == 2 and weight.shape[0] == mixed.shape[-1]
+            and self.activation in (None, "silu", "swish"))
+
+
+CONV_TOKENS = 64  # tokens per program: fla's chunk, so a packed row's chunks (PackedRows.chunk_indices) are the tiles
+
+
+def _conv_qkv_cuda(mixed, weight, bias, activation, key_dim: int, head_k_dim: int, head_v_dim: int,
+                   rows: PackedRows | None):
+    batch, seq, channels = mixed.shape
+    value_dim = channels - 2 * key_dim
+    tokens = batch * seq
+    out = torch.empty(tokens * channels, device=mixed.device, dtype=mixed.dtype)
+    q = out[:tokens * key_dim].view(batch, seq, key_dim // head_k_dim, head_k_dim)
+    k = out[tokens * key_dim:2 * tokens * key_dim].view(batch, seq, key_dim // head_k_dim, head_k_dim)
+    v = out[2 * tokens * key_dim:].view(batch, seq, value_dim // head_v_dim, head_v_dim)
+    if tokens:
+        weight = weight.contiguous()
+        varlen = rows is not None
+        grid = ((rows.chunk_indices.shape[0] if varlen else -(-seq // CONV_TOKENS)), channels // head_k_dim,
+                1 if varlen else batch)
+        _conv_qkv_kernel()[grid](
+            mixed, weight, weight if bias is None else bias, q, k, v,
+            rows.cu_seqlens if varlen else mixed, rows.chunk_indices if varlen else mixed,
+            seq, channels, key_dim, value_dim, 1e-6, D=head_k_dim, W=weight.shape[1], BT=CONV_TOKENS,
+            HAS_BIAS=bias is not None, SILU=activation is not None, VARLEN=varlen, num_warps=4)
+    return q, k, v
+
+
+@functools.cache
+def _conv_qkv_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["seq"])
+    def conv_qkv_kernel(x, w, bias, q, k, v, cu_seqlens, chunk_indices, seq, channels, key_dim, value_dim, eps,
+                        D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SILU: tl.constexpr, VARLEN: tl.constexpr):
+        i_t, i_c = tl.program_id(0), tl.program_id(1)
+        if VARLEN:  # (row, chunk within it) pairs: a tile never crosses a row's start
+            row = tl.load(chunk_indices + 2 * i_t).to(tl.int64)
+            i_t = tl.load(chunk_indices + 2 * i_t + 1)
+            start = tl.load(cu_seqlens + row).to(tl.int64)
+            length = tl.load(cu_seqlens + row + 1).to(tl.int64) - start
+        else:
+            start = tl.program_id(2).to(tl.int64) * seq
+            length = seq
+        t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+        d = tl.arange(0, D)
+        col = i_c * D + d
+        acc = tl.zeros((BT, D), dtype=tl.float32)
+        for j in tl.static_range(W):  # tap j reads token t - (W - 1 - j); before the row's start: zero
+            src = t - (W - 1 - j)
+            x_j = tl.load(x + (start + src)[:, None] * channels + col[None, :],
+                          mask=((src >= 0) & (src < length))[:, None], other=0.0).to(tl.float32)
+            acc += x_j * tl.load(w + col * W + j).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias + col).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        y = acc.to(q.dtype.element_ty)
+        live = (t < length)[:, None]
+        c0 = i_c * D
+        token = start + t
+        if c0 < 2 * key_dim:  # a q or k head: l2-normalised from the rounded convolution, as qk_l2norm
+            yf = y.to(tl.float32)
+            y = (yf * tl.math.rsqrt(tl.sum(yf * yf, 1) + eps)[:, None]).to(q.dtype.element_ty)
+            if c0 < key_dim:
+                tl.store(q + token[:, None] * key_dim + (c0 + d)[None, :], y, mask=live)
+            else:
+                tl.store(k + token[:, None] * key_dim + (c0 - key_dim + d)[None, :], y, mask=live)
+        else:
+            tl.store(v + token[:, None] * value_dim + (c0 - 2 * key_dim + d)[None, :], y, mask=live)
+
+    return conv_qkv_kernel
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' gated RMSNorm of Qwen3.5/3.6 and Qwen3-Next per head (rows of head_v_dim): x normalised in
+    float32 and rounded, times the weight (rounded as torch's product of the two is), times SiLU(gate) in float32,
+    rounded once more. On CUDA one Triton kernel over all rows: fla's fused kernel, fed blocks of 65,536 rows (it
+    compiles one variant per ceil(rows / 65,536)) and concatenated, took 205 + 107 µs a Qwen3.6-35B-A3B layer at
+    32k tokens on an H200. Elsewhere, or for a head size that is not a power of two, the same in torch."""
+    rows, dim = x.shape
+    if not (x.is_cuda and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate.is_contiguous()
+            and gate.shape == x.shape and weight.shape == (dim,)):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = weight * h.to(x.dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+    out = torch.empty_like(x)
+    if rows:
+        rounds = torch.promote_types(weight.dtype, x.dtype) != torch.float32
+        _gated_norm_kernel()[(-(-rows // _NORM_ROWS),)](x, gate, weight, out, rows, eps, D=dim, BR=_NORM_ROWS,
+                                                        ROUND_WEIGHTED=rounds, num_warps=4)
+    return out
+
+
+_NORM_ROWS = 16  # rows per program (16 × 128 values for Qwen's heads), no autotuning
+
+
+@functools.cache
+def _gated_norm_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows"])
+    def gated_norm_kernel(x, gate, w, y, rows, eps, D: tl.constexpr, BR: tl.constexpr,
+                          ROUND_WEIGHTED: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        live = (r < rows)[:, None]
+        d = tl.arange(0, D)
+        at = r[:, None] * D + d[None, :]
+        h = tl.load(x + at, mask=live, other=0.0).to(tl.float32)
+        h = (h * tl.math.rsqrt(tl.sum(h * h, 1) / D + eps)[:, None]).to(y.dtype.element_ty).to(tl.float32)
+        h = h * tl.load(w + d).to(tl.float32)[None, :]
+        if ROUND_WEIGHTED:
+            h = h.to(y.dtype.element_ty).to(tl.float32)
+        g = tl.load(gate + at, mask=live, other=0.0).to(tl.float32)
+        tl.store(y + at, (h * (g * tl.sigmoid(g))).to(y.dtype.element_ty), mask=live)
+
+    return gated_norm_kernel

@@ -422,6 +422,84 @@ def test_qk_l2norm_kernel_equals_the_reference():
         assert (q == rq).float().mean() > 0.99 and (k == rk).float().mean() > 0.99
 
 
+def _gdn_module(key_dim, value_dim, head_dim, width=4, bias=False):
+    """The attributes `gdn.conv_qkv` reads from a Gated DeltaNet layer, with a random depthwise convolution."""
+    import types
+
+    channels = 2 * key_dim + value_dim
+    conv = torch.nn.Conv1d(channels, channels, width, groups=channels, bias=bias, padding=width - 1,
+                           device="cuda", dtype=torch.bfloat16)
+    return types.SimpleNamespace(conv1d=conv, activation="silu", key_dim=key_dim, head_k_dim=head_dim,
+                                 head_v_dim=head_dim)
+
+
+def test_conv_qkv_kernel_equals_fla_convolution_and_qk_l2norm():
+    """The fused convolution + q/k l2norm + v layout equals fla's causal_conv1d followed by `qk_l2norm` and the
+    v slice (what fla_forward ran before): packed rows with ragged chunks and one-token rows, and a right-padded
+    batch of three; at most a rare one-ulp difference (fused multiply-adds), and every row starts from a zero
+    window (the first token of a row depends on nothing before it)."""
+    pytest.importorskip("fla")
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    from hsx import gdn
+
+    torch.manual_seed(0)
+    for key_dim, value_dim, bias in ((2048, 4096, False), (256, 512, True)):
+        m = _gdn_module(key_dim, value_dim, 128, bias=bias)
+        weight = m.conv1d.weight.squeeze(1)
+        lengths = [1, 63, 64, 65, 500, 3, 2000, 1]
+        bounds = np.r_[0, np.cumsum(lengths)]
+        tokens = int(bounds[-1])
+        chunks = gdn.chunk_indices(bounds, np.empty(2 * (tokens + len(lengths) + 2), np.int32))
+        rows = gdn.PackedRows(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device="cuda"),
+                              cu_seqlens_cpu=torch.tensor(bounds), chunk_indices=torch.tensor(chunks, device="cuda"))
+        for mixed, packed in ((torch.randn(1, tokens, 2 * key_dim + value_dim, device="cuda") * 2, rows),
+                              (torch.randn(3, 301, 2 * key_dim + value_dim, device="cuda") * 2, None)):
+            mixed = mixed.to(torch.bfloat16)
+            assert gdn._conv_qkv_takes(m, mixed, weight)
+            q, k, v = gdn.conv_qkv(m, mixed, packed)
+            varlen = {} if packed is None else {"cu_seqlens": packed.cu_seqlens,
+                                                "cu_seqlens_cpu": packed.cu_seqlens_cpu,
+                                                "chunk_indices": packed.chunk_indices}
+            conv, _ = causal_conv1d(mixed, weight=weight, bias=m.conv1d.bias, activation="silu", **varlen)
+            rq, rk = gdn.qk_l2norm(conv, key_dim, 128)
+            rv = conv[..., 2 * key_dim:].reshape(v.shape)
+            for got, ref in ((q, rq), (k, rk), (v, rv)):
+                assert got.shape == ref.shape and got.is_contiguous()
+                ulp = ref.float().abs().clamp_min(2 ** -100) * 2 ** -7
+                assert ((got.float() - ref.float()).abs() <= ulp).all(), (key_dim, packed is None)
+                assert (got == ref).float().mean() > 0.99
+            if packed is not None:  # a row's first token: its window holds only itself
+                first = torch.tensor(bounds[:-1], device="cuda")
+                alone, _ = causal_conv1d(mixed[:, first], weight=weight, bias=m.conv1d.bias, activation="silu",
+                                         cu_seqlens=torch.arange(len(first) + 1, device="cuda", dtype=torch.int32))
+                alone_v = alone[0, :, 2 * key_dim:].reshape(len(first), -1, 128)
+                assert torch.allclose(v[0, first].float(), alone_v.float(), rtol=2 ** -7, atol=0)
+
+
+def test_gated_rms_norm_kernel_equals_transformers():
+    """The Triton gated RMSNorm rounds where transformers' Qwen3_5RMSNormGated does (normalised x, weight × x),
+    with a bf16 and a float32 weight, on a packed-sized and a ragged number of rows."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from hsx import gdn
+
+    torch.manual_seed(0)
+    for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37, torch.float32)):
+        norm = Qwen3_5RMSNormGated(128, eps=1e-6).to("cuda", weight_dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16) * 4
+        gate = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16) * 2
+        got = gdn.gated_rms_norm(x, gate, norm.weight, 1e-6)
+        ref = norm(x, gate)
+        assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+        assert (got == ref).float().mean() > 0.99
+        assert torch.equal(gdn.gated_rms_norm(x.cpu(), gate.cpu(), norm.weight.cpu(), 1e-6),
+                           norm.cpu()(x.cpu(), gate.cpu()))  # the torch path is transformers' formula
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_grouped_experts_equal_eager_in_bf16_on_cuda(family):
     """hsx_grouped (torch grouped GEMMs), eager and compiled, against transformers' eager experts loop."""
