@@ -250,6 +250,9 @@ def _model_facts(cfg: ExtractConfig):
 def _tokenizer(cfg: ExtractConfig, model_path: str):
     from transformers import AutoTokenizer
 
+    from hsx.model import check_model_files
+
+    check_model_files(cfg.tokenizer or model_path)  # (its files' sizes, before transformers reads them whole)
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer or model_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
