@@ -1,8 +1,10 @@
 """A ninth round: a Hub model's config.json size asked before it is downloaded; the other small files transformers
-reads from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them."""
+reads from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them; and the resume
+notice naming the rank of an earlier run that computed with other flags."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import fault_argv, hsx_main, message_lines
+from helpers import copy_of, fault_argv, finished_job, hsx_main, message_lines
 
 import hsx.model
 from hsx.config import ExtractConfig, HsxError
@@ -213,3 +215,45 @@ def test_a_hub_tokenizers_templates_folder_is_asked_too(online, monkeypatch):
         _tokenizer(_cfg("someone/model", tokenizer="someone/tok"), "/unused")
     assert hub.calls == [("list_repo_tree", "someone/tok", None, None),
                          ("list_repo_tree", "someone/tok", "additional_chat_templates", None)]
+
+
+# ---- the resume notice: every rank's recorded values count --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, model4, small_chat_path) -> Path:
+    return finished_job(tmp_path_factory, model4, small_chat_path, "round9")
+
+
+def test_a_resume_names_a_rank_of_an_earlier_run_that_computed_with_other_flags(finished, tmp_path, model4,
+                                                                              small_chat_path):
+    """The notice said only that this run's values were new to the dir: an earlier run whose rank 1 packed its
+    units (rank 0 padded) and a resume that pads said nothing, though the output mixes both. Every rank's ledger
+    counts, and the rank that computed otherwise is named."""
+    out = copy_of(finished, tmp_path)
+    state = out / ".hsx"
+    manifest = state / "manifest-00000.jsonl"
+    lines = manifest.read_text().splitlines()
+    assert len(lines) >= 3
+    moved = json.loads(lines[-1])  # (rank 1 committed this unit, with packing varlen)
+    manifest.write_text("\n".join(lines[:-1]) + "\n")
+    (state / "manifest-00001.jsonl").write_text(json.dumps({**moved, "session": "rank1run"}) + "\n")
+    ours = json.loads((state / "runs-00000.jsonl").read_text().splitlines()[-1])
+    (state / "runs-00001.jsonl").write_text(json.dumps({**ours, "session": "rank1run", "packing": "varlen"}) + "\n")
+    redo = json.loads(lines[0])["file"]
+    (out / "data" / redo).unlink()
+    rc, stdout, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
+    assert rc == 0, err
+    notices = [line for line in message_lines(stdout + "\n" + err) if line.startswith("hsx: notice:")]
+    assert len(notices) == 1, notices
+    assert "this run computes with packing none" in notices[0] and "packing varlen (rank 1)" in notices[0], notices
+    assert "rank 0" not in notices[0] and "compile" not in notices[0]
+    info = json.loads((out / "hsx.json").read_text())
+    assert info["run"]["values_used"]["packing"] == ["none", "varlen"]
+
+
+def test_the_notice_names_ranks_and_older_units_in_a_bounded_line():
+    from hsx.job import _named
+
+    assert _named(["rank 1"]) == "rank 1"
+    assert _named([f"rank {i}" for i in range(20)] + ["hsx.json"]) == (
+        "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 12 more; as hsx.json records")
