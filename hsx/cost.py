@@ -730,8 +730,11 @@ def _offline_tokenizer(cfg):
     """The job's tokenizer from a local folder or the Hugging Face cache; None if that needs the Hub."""
     from transformers import AutoTokenizer
 
+    from hsx.model import check_model_files
+
     source = cfg.tokenizer or cfg.model
     kwargs = {} if Path(source).is_dir() else {"revision": cfg.revision, "local_files_only": True}
+    check_model_files(source, cfg.revision, local_files_only=True)  # (bounded before transformers reads them)
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError):

@@ -25,7 +25,7 @@ from typing import Any
 from hsx.version import __version__
 from hsx.buckets import Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord, OutputFormat, merged_values
+from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord, OutputFormat
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
@@ -250,6 +250,9 @@ def _model_facts(cfg: ExtractConfig):
 def _tokenizer(cfg: ExtractConfig, model_path: str):
     from transformers import AutoTokenizer
 
+    from hsx.model import check_model_files
+
+    check_model_files(cfg.tokenizer or model_path)  # (its files' sizes, before transformers reads them whole)
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer or model_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
@@ -552,22 +555,35 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
 
 def record_run(out: OutputDir, stats: RunStats, say, compare: bool = True) -> None:
     """Before this run commits a unit: with `compare` (one process per job), one notice naming each
-    RUN_VARIANT_KEYS key whose value differs from the ones the units already in `out` were computed with (those
-    keys are outside the job's fingerprint, so a resume may change them, and the output then holds units whose
-    states differ by the compute dtype's rounding: hsx.json's run.values_used lists every value); then this run's
-    values, recorded in the dir."""
+    RUN_VARIANT_KEYS key whose value differs from one the units already in `out` were computed with, and which
+    ranks computed them (every rank's .hsx/runs-<rank>.jsonl counts: a rank of an earlier run that ran with other
+    flags is named even where other ranks ran with this run's). Those keys are outside the job's fingerprint, so a
+    resume may change them, and the output then holds units whose states differ by the compute dtype's rounding
+    (hsx.json's run.values_used lists every value). Then this run's values, recorded in the dir."""
     mine = {k: v for k, v in stats.as_dict().items() if k in RUN_VARIANT_KEYS}
     done = out.done_units() if compare else {}
-    before = out.run_values(done)
-    if before:
-        now = merged_values(before, {k: [v] for k, v in mine.items()})
-        changed = [k for k in mine if k in before and len(now[k]) > len(before[k])]
-        if changed:
-            say(f"hsx: notice: this run computes with {', '.join(f'{k} {mine[k]}' for k in changed)}; the "
-                f"{len(done)} unit(s) already in {out.root} were computed with "
-                f"{', '.join(f'{k} ' + ' or '.join(map(str, before[k])) for k in changed)}: the output holds units "
-                "whose states differ by the compute dtype's rounding (hsx.json's run.values_used lists every value)")
+    other: dict[str, dict[tuple[str, Any], tuple[Any, list[str]]]] = {}  # key -> value -> (value, whose)
+    for whose, used in out.run_values_by_rank(done).items():
+        for k, values in used.items():
+            for v in values:
+                if k in mine and not (type(v) is type(mine[k]) and v == mine[k]):
+                    other.setdefault(k, {}).setdefault((type(v).__name__, v), (v, []))[1].append(whose)
+    if other:
+        say(f"hsx: notice: this run computes with {', '.join(f'{k} {mine[k]}' for k in other)}; units among the "
+            f"{len(done)} already in {out.root} were computed with "
+            f"{'; '.join(f'{k} ' + ' or '.join(f'{v} ({_named(w)})' for v, w in other[k].values()) for k in other)}"
+            ": the output holds units whose states differ by the compute dtype's rounding (hsx.json's "
+            "run.values_used lists every value)")
     out.record_run(mine)
+
+
+def _named(whose: list[str], most: int = 8) -> str:
+    """'rank 3', 'ranks 0, 2, 5', 'as hsx.json records' (units of an older hsx), at most `most` ranks named."""
+    ranks = [w.removeprefix("rank ") for w in whose if w.startswith("rank ")]
+    parts = [("rank " if len(ranks) == 1 else "ranks ") + ", ".join(ranks[:most])
+             + (f" and {len(ranks) - most} more" if len(ranks) > most else "")] if ranks else []
+    parts += ["as hsx.json records" if w == "hsx.json" else w for w in whose if not w.startswith("rank ")]
+    return "; ".join(parts)
 
 
 # ---- finish ------------------------------------------------------------------------------------------------------

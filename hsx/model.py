@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import os
 import re
 import signal
 import stat
@@ -56,6 +57,7 @@ def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    check_model_files(model, revision)  # (its sizes on the Hub, before any file is downloaded)
     patterns = WEIGHT_PATTERNS + (["*.py"] if trust_remote_code else [])
     try:
         path = snapshot_download(model, revision=revision, allow_patterns=patterns)
@@ -93,21 +95,33 @@ MAX_INDEX_BYTES = MAX_CHECKPOINT_TENSORS * INDEX_ENTRY_BYTES + (1 << 20)  # 161 
 CHECKPOINT_INDEX = "model.safetensors.index.json"
 
 
-def read_model_json(path: Path, limit: int) -> bytes | None:
-    """The bytes of a JSON file of a model folder (None when there is none): HsxError in one line naming it when
-    it is not a regular file or over `limit` bytes. Links are followed (a Hub snapshot's files are links to the
+def check_model_file(path: Path, limit: int) -> bool:
+    """Whether a file of a model folder is there (False when it is not): HsxError in one line naming it when it
+    is not a regular file or over `limit` bytes. Links are followed (a Hub snapshot's files are links to the
     cache's blobs)."""
     try:
         st = path.stat()
     except FileNotFoundError:
-        return None
+        return False
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise HsxError(f"{path} is not a regular file; the model folder is damaged")
+        raise HsxError(f"{_shown(str(path))} is not a regular file; the model folder is damaged")
     if st.st_size > limit:
-        raise HsxError(f"{path} is {st.st_size:,} bytes, more than any {path.name} is ({limit:,} at most); the "
-                       "model folder is damaged or not a model's")
+        raise HsxError(f"{_shown(str(path))} is {st.st_size:,} bytes, more than any {_shown(path.name)} is "
+                       f"({limit:,} at most); the model folder is damaged or not a model's")
+    return True
+
+
+def _shown(name: str) -> str:
+    """A file name as one printable line (a folder's or a Hub repo's names are read, not chosen)."""
+    return name if name.isprintable() else ascii(name)
+
+
+def read_model_json(path: Path, limit: int) -> bytes | None:
+    """The bytes of a JSON file of a model folder (None when there is none), checked by `check_model_file`."""
+    if not check_model_file(path, limit):
+        return None
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
@@ -121,14 +135,111 @@ def read_model_json(path: Path, limit: int) -> bytes | None:
 
 def _hub_config(repo: str, revision: str | None) -> Path | None:
     """A Hub id's config.json in the HF cache (fetched as transformers would), so it is checked before it is
-    parsed; None where there is none (transformers' own reading then says why)."""
-    from huggingface_hub import hf_hub_download
+    parsed; None where there is none (transformers' own reading then says why). Its size is asked first: one
+    past MAX_CONFIG_BYTES is refused, not downloaded (offline, the cache's copy is bounded as it is read)."""
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    if not constants.HF_HUB_OFFLINE:
+        _refuse_oversize_on_hub(repo, _hub_entries(
+            lambda api: api.get_paths_info(repo, ["config.json"], revision=revision)))
     try:
         return Path(hf_hub_download(repo, "config.json", revision=revision))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
         return None
+
+
+# The other small files transformers reads from a model folder (or a tokenizer's) before any weight, bounded by
+# name before it opens them: a hostile folder's 50 GB tokenizer.json is a memory blow-up inside transformers, not
+# one line. Two kinds of bound, each far above real files. Vocabulary-sized files: a tokenizer.json is 2-35 MB
+# (Gemma 3's 262k tokens: 33 MB), a sentencepiece tokenizer.model a few MB (Gemma 3's: 4.7 MB), vocab.json and
+# merges.txt a few MB; tokenizer_config.json and added_tokens.json may list every added token (Gemma 3's: 1.2 MB).
+MAX_TOKENIZER_BYTES = 512 << 20
+TOKENIZER_SIZED = frozenset({"tokenizer.json", "tokenizer_config.json", "added_tokens.json", "vocab.json",
+                             "vocab.txt", "merges.txt", "tekken.json"})  # (and any *.model, *.tiktoken)
+# Config-sized, held to MAX_CONFIG_BYTES: generation_config.json is ~1 KB, special_tokens_map.json a few KB, a chat
+# template (chat_template.jinja / .json, additional_chat_templates/*.jinja) < 100 KB.
+CONFIG_SIZED = frozenset({"config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja",
+                          "chat_template.json"})
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one *.jinja each (transformers reads all)
+
+
+def model_file_limit(path: str) -> int | None:
+    """The bound of a file of a model folder (`path` in the folder, '/'-separated) that transformers reads before
+    any weight; None for the others (weights, code, the checkpoint index: bounded where they are read)."""
+    folder, _, name = path.rpartition("/")
+    if folder == CHAT_TEMPLATE_DIR and name.endswith(".jinja"):
+        return MAX_CONFIG_BYTES
+    if folder:
+        return None
+    if name in CONFIG_SIZED:
+        return MAX_CONFIG_BYTES
+    if name in TOKENIZER_SIZED or name.endswith((".model", ".tiktoken")) or (  # (spm.model, tiktoken.model)
+            name.startswith("tokenizer.") and name.endswith(".json")):  # (versioned: tokenizer.<version>.json)
+        return MAX_TOKENIZER_BYTES
+    return None
+
+
+def check_model_files(source: str, revision: str | None = None, local_files_only: bool = False) -> None:
+    """HsxError in one line when a file that transformers reads from `source` (a model or tokenizer folder, or a
+    Hub id) before any weight is over its bound (`model_file_limit`) or not a regular file, before transformers
+    opens it: a folder's files are stat'ed; a Hub id's sizes are asked of the Hub before anything is downloaded,
+    or, offline (HF_HUB_OFFLINE, `local_files_only`), its snapshot in the HF cache is stat'ed."""
+    if Path(source).is_dir():
+        _check_folder_files(Path(source))
+        return
+    from huggingface_hub import constants, snapshot_download
+
+    if constants.HF_HUB_OFFLINE or local_files_only:
+        try:
+            folder = snapshot_download(source, revision=revision, local_files_only=True)
+        except Exception:  # noqa: BLE001 - nothing cached (or not a Hub id): transformers says what is missing
+            return
+        _check_folder_files(Path(folder))
+        return
+
+    def listing(api):
+        entries = list(api.list_repo_tree(source, revision=revision))
+        if any(e.path == CHAT_TEMPLATE_DIR and getattr(e, "size", None) is None for e in entries):
+            entries += api.list_repo_tree(source, path_in_repo=CHAT_TEMPLATE_DIR, revision=revision)
+        return entries
+
+    _refuse_oversize_on_hub(source, _hub_entries(listing))
+
+
+def _check_folder_files(folder: Path) -> None:
+    for sub in ("", CHAT_TEMPLATE_DIR):
+        try:
+            with os.scandir(folder / sub) as entries:
+                names = [e.name for e in entries]
+        except OSError:
+            continue  # (no such folder: nothing transformers would read there)
+        for name in names:
+            limit = model_file_limit(f"{sub}/{name}" if sub else name)
+            if limit is not None:
+                check_model_file(folder / sub / name, limit)
+
+
+def _hub_entries(list_files) -> list:
+    """What `list_files(HfApi())` lists (RepoFile-like: path, size); [] when the Hub cannot say (the download that
+    follows says why, and what it brings is bounded as it is read)."""
+    from huggingface_hub import HfApi
+
+    try:
+        return list(list_files(HfApi()))
+    except Exception:  # noqa: BLE001 - metadata unavailable (offline mode, network, a gated or unknown repo)
+        return []
+
+
+def _refuse_oversize_on_hub(repo: str, entries: list) -> None:
+    for entry in entries:
+        path = getattr(entry, "path", None)
+        limit = model_file_limit(path) if isinstance(path, str) else None
+        sizes = [getattr(entry, "size", None), getattr(getattr(entry, "lfs", None), "size", None)]
+        size = max((s for s in sizes if type(s) is int), default=None)  # (an LFS file's: its object's)
+        if limit is not None and size is not None and size > limit:
+            raise HsxError(f"{repo}: its {_shown(path)} on the Hub is {size:,} bytes, more than any "
+                           f"{_shown(path.rpartition('/')[2])} is ({limit:,} at most); not downloaded")
 
 
 def _check_layer_count(config_file: Path | None, name: str) -> None:

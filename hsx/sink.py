@@ -53,7 +53,7 @@ from hsx.config import HsxError
 from hsx.fingerprint import differing_files
 from hsx.schema import (DEFAULT_STORAGE_DTYPE, MAX_LEDGER_BYTES, MAX_LEDGER_LINE_BYTES, RECORD_REST_BYTES,
                         RUN_VARIANT_KEYS, ConsumedRecord, Damaged, FileEntry, Info, JobRecord, ManifestRecord,
-                        OutputFormat, RunRecord, Summary, UploadRecord, values_used)
+                        OutputFormat, RunRecord, Summary, UploadRecord, merged_values, values_used)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
@@ -540,12 +540,24 @@ class OutputDir:
         """Every RUN_VARIANT_KEYS value the runs that committed `units` (manifest records, as done_units gives)
         computed with: their records in .hsx/runs-*.jsonl, and for units of an older hsx, which kept none, the
         values hsx.json's run records (the last run's)."""
+        return merged_values(*self.run_values_by_rank(units).values())
+
+    def run_values_by_rank(self, units: dict[str, dict[str, Any]]) -> dict[str, dict[str, list]]:
+        """`run_values` by whose they are: "rank N" for the records of .hsx/runs-<N>.jsonl (every rank's ledger,
+        each read bounded, as read_jsonl reads), "hsx.json" for units of an older hsx; only those with values."""
         sessions = {rec.get("session") for rec in units.values()}
-        runs = []
+        found: set[str] = set()
+        by_rank: dict[str, list[RunRecord]] = {}
         for ledger in sorted(self.state.glob(RUNS)) if units else ():
-            runs += [RunRecord.from_dict(rec) for rec in read_jsonl(ledger, RunRecord) if rec["session"] in sessions]
-        older = sessions - {r.session for r in runs}
-        return values_used((self._recorded_run_values() if older else []) + runs)
+            runs = [RunRecord.from_dict(rec) for rec in read_jsonl(ledger, RunRecord) if rec["session"] in sessions]
+            found |= {r.session for r in runs}
+            rank = ledger.name[len("runs-"):-len(".jsonl")]
+            by_rank.setdefault(f"rank {int(rank)}" if rank.isdigit() and len(rank) < 10 else ascii(ledger.name),
+                               []).extend(runs)
+        older = self._recorded_run_values() if sessions - found else []
+        whose = {"hsx.json": values_used(older)} if older else {}
+        whose.update({k: values_used(runs) for k, runs in by_rank.items()})
+        return {k: v for k, v in whose.items() if v}
 
     def _recorded_run_values(self) -> list[RunRecord]:
         """hsx.json's run values (its values_used, else the last run's) as records; none where it has none."""

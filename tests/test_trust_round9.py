@@ -1,0 +1,259 @@
+"""A ninth round: a Hub model's config.json size asked before it is downloaded; the other small files transformers
+reads from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them; and the resume
+notice naming the rank of an earlier run that computed with other flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import copy_of, fault_argv, finished_job, hsx_main, message_lines
+
+import hsx.model
+from hsx.config import ExtractConfig, HsxError
+
+
+def _sparse(path: Path, size: int) -> Path:
+    """A file of `size` bytes that takes no disk (a hostile folder's can be many GB)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def _cfg(model: str, **extra) -> ExtractConfig:
+    return ExtractConfig(model=model, dataset="d", layers=[1], output_dir="o", dtype="float32", **extra)
+
+
+# ---- a model folder's tokenizer files and small configs, bounded before transformers opens them ----------------
+
+@pytest.mark.parametrize("name,bound", [
+    ("tokenizer.json", "MAX_TOKENIZER_BYTES"), ("tokenizer_config.json", "MAX_TOKENIZER_BYTES"),
+    ("spm.model", "MAX_TOKENIZER_BYTES"), ("merges.txt", "MAX_TOKENIZER_BYTES"),
+    ("chat_template.jinja", "MAX_CONFIG_BYTES"), ("generation_config.json", "MAX_CONFIG_BYTES"),
+    ("special_tokens_map.json", "MAX_CONFIG_BYTES"), ("additional_chat_templates/tool_use.jinja", "MAX_CONFIG_BYTES"),
+])
+def test_a_tokenizer_file_past_its_bound_is_one_line_before_transformers_reads_it(model4, tmp_path, monkeypatch,
+                                                                                   name, bound):
+    """Nothing bounded these: a folder's 20 GB tokenizer.json was read whole inside transformers (a memory blow-up,
+    not one line). Each is stat'ed first; the bound is generous (512 MB for vocabulary-sized files, 16 MB for
+    configs and templates), so the files here are sparse."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    limit = getattr(hsx.model, bound)
+    _sparse(model / name, limit + 1)
+    opened = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
+    with pytest.raises(HsxError, match=re.escape(f"{model / name} is {limit + 1:,} bytes, more than any "
+                                                 f"{Path(name).name} is ({limit:,} at most)")):
+        _tokenizer(_cfg(str(model)), str(model))
+    assert not opened
+    _sparse(model / name, limit)  # (at the bound: handed to transformers)
+    _tokenizer(_cfg(str(model)), str(model))
+    assert len(opened) == 1
+
+
+def test_an_oversize_tokenizer_is_one_error_line_from_the_command_line(model4, small_chat_path, tmp_path):
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    _sparse(model / "tokenizer.json", (512 << 20) + 1)
+    rc, _, err = hsx_main(fault_argv(model, small_chat_path, tmp_path / "out"))
+    assert rc != 0 and "Traceback" not in err, err[-2000:]
+    errors = [line for line in message_lines(err) if line.startswith("hsx: error: ")]
+    assert len(errors) == 1 and "tokenizer.json is 536,870,913 bytes, more than any tokenizer.json" in errors[0]
+
+
+def test_a_tokenizer_file_linked_out_of_the_folder_counts_at_its_target_size(model4, tmp_path, monkeypatch):
+    """Links are followed (a Hub snapshot's files are links into the cache's blobs), so a link is bounded by what
+    transformers would read through it; a link to a fifo (which a read would wait on forever) is refused."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    big = _sparse(tmp_path / "elsewhere" / "blob", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(big)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("opened"))
+    with pytest.raises(HsxError, match=re.escape(str(model / "tokenizer.json")) + r" is 536,870,913 bytes"):
+        _tokenizer(_cfg(str(model)), str(model))
+    os.mkfifo(tmp_path / "elsewhere" / "fifo")
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(tmp_path / "elsewhere" / "fifo")
+    with pytest.raises(HsxError, match="tokenizer.json is not a regular file"):
+        _tokenizer(_cfg(str(model)), str(model))
+
+
+def test_a_separate_tokenizer_folder_is_bounded_too(model4, tmp_path, monkeypatch):
+    """--tokenizer: its folder's files are what transformers reads, not the model's."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
+    _sparse(tok / "vocab.json", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("opened"))
+    with pytest.raises(HsxError, match=re.escape(str(tok / "vocab.json")) + " is 536,870,913 bytes"):
+        _tokenizer(_cfg(str(model4.path), tokenizer=str(tok)), str(model4.path))
+
+
+def test_the_plans_offline_tokenizer_from_the_hf_cache_is_bounded(model4, tmp_path, monkeypatch):
+    """`hsx plan` reads a Hub id's tokenizer from the HF cache only: the cached snapshot's files are bounded."""
+    import huggingface_hub
+
+    from hsx.cost import _offline_tokenizer
+
+    snapshot = Path(shutil.copytree(model4.path, tmp_path / "snapshots" / ("a" * 40)))
+    _sparse(snapshot / "tokenizer.json", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **k: asked.append((repo, k)) or str(snapshot))
+    with pytest.raises(HsxError, match=re.escape(str(snapshot / "tokenizer.json")) + " is 536,870,913 bytes"):
+        _offline_tokenizer(_cfg("someone/model", revision="v1"))
+    assert asked == [("someone/model", {"revision": "v1", "local_files_only": True})]
+
+
+def test_real_sized_tokenizer_files_are_within_the_bounds():
+    from hsx.model import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, model_file_limit
+
+    assert MAX_TOKENIZER_BYTES >= 10 * (35 << 20) and MAX_CONFIG_BYTES >= 100 * (100 << 10)
+    assert model_file_limit("tokenizer.json") == MAX_TOKENIZER_BYTES
+    assert model_file_limit("tiktoken.model") == model_file_limit("qwen.tiktoken") == MAX_TOKENIZER_BYTES
+    assert model_file_limit("additional_chat_templates/rag.jinja") == MAX_CONFIG_BYTES
+    assert model_file_limit("model-00001-of-00002.safetensors") is None
+    assert model_file_limit("sub/tokenizer.json") is None  # (transformers reads the folder's top level)
+
+
+# ---- a Hub id: sizes asked before anything is downloaded ----------------------------------------------------------
+
+class FakeHub:
+    """HfApi's metadata calls, from a dict of path -> size (None: a folder)."""
+
+    def __init__(self, sizes: dict[str, int | None], fail: bool = False):
+        self.sizes, self.fail, self.calls = sizes, fail, []
+
+    def _entry(self, path: str):
+        size = self.sizes[path]
+        return SimpleNamespace(path=path) if size is None else SimpleNamespace(path=path, size=size, lfs=None)
+
+    def get_paths_info(self, repo_id, paths, **kw):
+        self.calls.append(("get_paths_info", repo_id, list(paths), kw.get("revision")))
+        return [self._entry(p) for p in paths if p in self.sizes]
+
+    def list_repo_tree(self, repo_id, path_in_repo=None, **kw):
+        self.calls.append(("list_repo_tree", repo_id, path_in_repo, kw.get("revision")))
+        if self.fail:
+            raise OSError("no network")
+        prefix = f"{path_in_repo}/" if path_in_repo else ""
+        return [self._entry(p) for p in self.sizes if p.startswith(prefix) and "/" not in p[len(prefix):]]
+
+
+@pytest.fixture
+def online(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def use(hub: FakeHub) -> list:
+        monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: hub)
+        downloads: list = []
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: downloads.append(a) or "/none")
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: downloads.append(a) or "/none/x")
+        return downloads
+
+    return use
+
+
+def test_a_hub_ids_config_json_size_is_asked_before_it_is_downloaded(online):
+    """It was checked only once downloaded into the HF cache: a 40 GB config.json filled the disk first."""
+    hub = FakeHub({"config.json": hsx.model.MAX_CONFIG_BYTES + 1})
+    downloads = online(hub)
+    with pytest.raises(HsxError, match=re.escape(
+            f"someone/model: its config.json on the Hub is {hsx.model.MAX_CONFIG_BYTES + 1:,} bytes, more than any "
+            f"config.json is ({hsx.model.MAX_CONFIG_BYTES:,} at most); not downloaded")):
+        hsx.model.read_model_config("someone/model", "someone/model", False, "v2")
+    assert hub.calls == [("get_paths_info", "someone/model", ["config.json"], "v2")] and downloads == []
+
+
+def test_a_hub_model_with_an_oversize_tokenizer_file_is_refused_before_its_snapshot_is_downloaded(online):
+    hub = FakeHub({"config.json": 700, "model.safetensors": 50 << 30, "tokenizer.json": 600 << 20})
+    downloads = online(hub)
+    with pytest.raises(HsxError, match=r"someone/model: its tokenizer.json on the Hub is 629,145,600 bytes, more "
+                                       r"than any tokenizer.json is \(536,870,912 at most\); not downloaded"):
+        hsx.model.resolve_model_path("someone/model", "v2", False)
+    assert downloads == [] and hub.calls == [("list_repo_tree", "someone/model", None, "v2")]
+    hub.sizes["tokenizer.json"] = 30 << 20  # (real-sized; the 50 GB of weights are not bounded here)
+    assert hsx.model.resolve_model_path("someone/model", "v2", False) == ("/none", "none")
+    assert downloads == [("someone/model",)]
+    hub.sizes["tokenizer.json"], hub.fail = 600 << 20, True  # no metadata: the download says why, if it fails
+    hsx.model.resolve_model_path("someone/model", "v2", False)
+    assert len(downloads) == 2
+
+
+def test_a_hub_tokenizers_templates_folder_is_asked_too(online, monkeypatch):
+    """--tokenizer as a Hub id: transformers downloads and reads it in one go, so only the Hub's sizes can bound it;
+    the additional_chat_templates/ folder's templates are listed as transformers lists them."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    hub = FakeHub({"tokenizer.json": 9 << 20, "additional_chat_templates": None,
+                   "additional_chat_templates/tool_use.jinja": 20 << 20})
+    online(hub)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("opened"))
+    with pytest.raises(HsxError, match="someone/tok: its additional_chat_templates/tool_use.jinja on the Hub is "
+                                       "20,971,520 bytes, more than any tool_use.jinja is"):
+        _tokenizer(_cfg("someone/model", tokenizer="someone/tok"), "/unused")
+    assert hub.calls == [("list_repo_tree", "someone/tok", None, None),
+                         ("list_repo_tree", "someone/tok", "additional_chat_templates", None)]
+
+
+# ---- the resume notice: every rank's recorded values count --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, model4, small_chat_path) -> Path:
+    return finished_job(tmp_path_factory, model4, small_chat_path, "round9")
+
+
+def test_a_resume_names_a_rank_of_an_earlier_run_that_computed_with_other_flags(finished, tmp_path, model4,
+                                                                              small_chat_path):
+    """The notice said only that this run's values were new to the dir: an earlier run whose rank 1 packed its
+    units (rank 0 padded) and a resume that pads said nothing, though the output mixes both. Every rank's ledger
+    counts, and the rank that computed otherwise is named."""
+    out = copy_of(finished, tmp_path)
+    state = out / ".hsx"
+    manifest = state / "manifest-00000.jsonl"
+    lines = manifest.read_text().splitlines()
+    assert len(lines) >= 3
+    moved = json.loads(lines[-1])  # (rank 1 committed this unit, with packing varlen)
+    manifest.write_text("\n".join(lines[:-1]) + "\n")
+    (state / "manifest-00001.jsonl").write_text(json.dumps({**moved, "session": "rank1run"}) + "\n")
+    ours = json.loads((state / "runs-00000.jsonl").read_text().splitlines()[-1])
+    (state / "runs-00001.jsonl").write_text(json.dumps({**ours, "session": "rank1run", "packing": "varlen"}) + "\n")
+    redo = json.loads(lines[0])["file"]
+    (out / "data" / redo).unlink()
+    rc, stdout, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
+    assert rc == 0, err
+    notices = [line for line in message_lines(stdout + "\n" + err) if line.startswith("hsx: notice:")]
+    assert len(notices) == 1, notices
+    assert "this run computes with packing none" in notices[0] and "packing varlen (rank 1)" in notices[0], notices
+    assert "rank 0" not in notices[0] and "compile" not in notices[0]
+    info = json.loads((out / "hsx.json").read_text())
+    assert info["run"]["values_used"]["packing"] == ["none", "varlen"]
+
+
+def test_the_notice_names_ranks_and_older_units_in_a_bounded_line():
+    from hsx.job import _named
+
+    assert _named(["rank 1"]) == "rank 1"
+    assert _named([f"rank {i}" for i in range(20)] + ["hsx.json"]) == (
+        "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 12 more; as hsx.json records")
