@@ -494,11 +494,11 @@ def test_gated_rms_norm_kernel_equals_transformers():
         got = gdn.gated_rms_norm(x, gate, norm.weight, 1e-6)
         ref = norm(x, gate)
         assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
-        # rsqrt's last bit can round the normalised x the other way, and the weight's product once more: at most
-        # two bf16 ulps (2^-6 relative at the bottom of a binade), rarely
+        # rsqrt's last bit can round the normalised x the other way, and the products after it round that
+        # difference again: on an H200, 2 of 134M values were 3 bf16 ulps apart (1/60 relative), the rest equal
         err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item()
         same = (got == ref).float().mean().item()
-        assert err <= 2 ** -6 and same > 0.99, (rows, weight_dtype, err, same)
+        assert err <= 2 ** -5 and same > 0.999, (rows, weight_dtype, err, same)
         assert torch.equal(gdn.gated_rms_norm(x.cpu(), gate.cpu(), norm.weight.cpu(), 1e-6),
                            norm.cpu()(x.cpu(), gate.cpu()))  # the torch path is transformers' formula
 
