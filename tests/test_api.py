@@ -171,7 +171,8 @@ def test_extract_leaves_no_thread_running(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(torch, "compile", slow_compile)
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8, seed=3))
-    keys = {**DEMO_KEYS, "dataset": str(data), "compile": "on", "max_length": 128}
+    # (a small budget: the compile starts after a forward of half of it, CompileAhead's representative sample)
+    keys = {**DEMO_KEYS, "dataset": str(data), "compile": "on", "max_length": 128, "token_budget": 256}
     assert _hsx_threads() == []
     with one_torch_thread():
         ds = hsx.extract(**keys, output_dir=str(tmp_path / "ok"))
