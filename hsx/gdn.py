@@ -3,12 +3,13 @@
 transformers' own GatedDeltaNet forward runs its short convolution as `F.conv1d` without causal-conv1d (a torch
 fallback: measured on an H200, the 27B shape ran at 35.5% MFU), its gated RMSNorm and gating as separate elementwise
 ops, and it ignores sequence boundaries: in a packed batch every row's recurrent state and convolution window leak
-into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the forward
-of each such layer with `fla_forward`: one Triton kernel for the short convolution, the q/k l2norm and the
-q, k, v layout the delta rule reads (`conv_qkv`), fla's chunk_gated_delta_rule with the gate and beta sigmoid
-fused in, and one Triton kernel for the gated RMSNorm (`gated_rms_norm`). For a packed batch (`packed_rows`, set
-by hsx.engine around each forward) the row boundaries go to both the convolution and the delta rule, so each
-row starts from a zero state and a zero convolution window: the packed forward equals one forward per row. Right-padded batches need no boundaries (causal: padding sits after every real token).
+into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the
+forward of each such layer with `fla_forward`: one Triton kernel for the short convolution, the q/k l2norm and the
+q, k, v layout the delta rule reads (`conv_qkv`), fla's chunk_gated_delta_rule with the gate and beta sigmoid fused
+in, and one Triton kernel for the gated RMSNorm (`gated_rms_norm`). For a packed batch (`packed_rows`, set by
+hsx.engine around each forward) the row boundaries go to both the convolution and the delta rule, so each row starts
+from a zero state and a zero convolution window: the packed forward equals one forward per row. Right-padded batches
+need no boundaries (causal: padding sits after every real token).
 
 fla's first forward autotunes its kernels (40 s on a fresh H200 at the 27B shape); `settle_autotuning` hands
 them the configs that run chose, so the first forward compiles one per kernel (6.3 s).
@@ -328,13 +329,13 @@ def _qk_l2norm_kernel():
 
 
 def conv_qkv(self, mixed: torch.Tensor, rows: PackedRows | None):
-    """(q, k, v), each (B, T, heads, head dim) and contiguous, from the projections' q|k|v columns `mixed`
-    (B, T, 2·key_dim + value_dim): the causal depthwise convolution (SiLU), q and k l2-normalised per head, each
-    packed row starting from a zero window. On CUDA one Triton kernel (`_conv_qkv_kernel`) reads `mixed` once and
-    writes the three tensors the delta rule reads: fla's causal_conv1d, `qk_l2norm` and the copy fla's
-    chunk_gated_delta_rule makes of the strided v took 423 + 298 + 281 µs a Qwen3.6-35B-A3B layer at 32k tokens
-    on an H200, three passes over ~0.5 GB each. Its arithmetic is fla's convolution's (float32 taps in order, the
-    bias, SiLU, one rounding), then `qk_l2norm`'s. Elsewhere, or for shapes it does not take, those three steps."""
+    """(q, k, v), each (B, T, heads, head dim) and contiguous, from the projections' q|k|v columns `mixed` (B, T,
+    2·key_dim + value_dim): the causal depthwise convolution (SiLU), q and k l2-normalised per head, each packed row
+    starting from a zero window. On CUDA one Triton kernel (`_conv_qkv_kernel`) reads `mixed` once and writes the
+    three tensors the delta rule reads: fla's causal_conv1d, `qk_l2norm` and the copy fla's chunk_gated_delta_rule
+    makes of the strided v took 423 + 298 + 281 µs a Qwen3.6-35B-A3B layer at 32k tokens on an H200, three passes
+    over ~0.5 GB each; fused, 568 µs. Its arithmetic is fla's convolution's (float32 taps in order, the bias, SiLU,
+    one rounding), then `qk_l2norm`'s. Elsewhere, or for shapes it does not take, those three steps."""
     batch, seq, _ = mixed.shape
     weight = self.conv1d.weight.squeeze(1)
     if _conv_qkv_takes(self, mixed, weight):
@@ -439,11 +440,11 @@ def _conv_qkv_kernel():
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' gated RMSNorm of Qwen3.5/3.6 and Qwen3-Next per head (rows of head_v_dim): x normalised in
-    float32 and rounded, times the weight (rounded as torch's product of the two is), times SiLU(gate) in float32,
-    rounded once more. On CUDA one Triton kernel over all rows: fla's fused kernel, fed blocks of 65,536 rows (it
-    compiles one variant per ceil(rows / 65,536)) and concatenated, took 205 + 107 µs a Qwen3.6-35B-A3B layer at
-    32k tokens on an H200. Elsewhere, or for a head size that is not a power of two, the same in torch."""
+    """transformers' gated RMSNorm of Qwen3.5/3.6 and Qwen3-Next per head (rows of head_v_dim): x normalised in float32
+    and rounded, times the weight (rounded as torch's product of the two is), times SiLU(gate) in float32, rounded
+    once more. On CUDA one Triton kernel over all rows: fla's fused kernel, fed blocks of 65,536 rows (it compiles
+    one variant per ceil(rows / 65,536)) and concatenated, took 205 + 107 µs a Qwen3.6-35B-A3B layer at 32k tokens
+    on an H200; this kernel 161 µs. Elsewhere, or for a head size that is not a power of two, the same in torch."""
     rows, dim = x.shape
     if not (x.is_cuda and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate.is_contiguous()
             and gate.shape == x.shape and weight.shape == (dim,)):
