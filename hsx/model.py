@@ -162,22 +162,20 @@ MAX_TOKENIZER_BYTES = 512 << 20
 CONFIG_SIZED = frozenset({"config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja",
                           "chat_template.json"})
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one *.jinja each (transformers reads all)
-# Every other file is held to MAX_TOKENIZER_BYTES but weights and code (by extension): which files a tokenizer reads
-# is its class's (spiece.model, bpe.codes, source.spm, entity_vocab.json, emoji.json, ...) and its config's to
-# name, so no list of names covers them, and a Hub id's download (transformers', or resolve_model_path's patterns,
-# which match at any depth) brings whatever is named. Bounding every file but these refuses only a repo or folder
-# holding a non-weight, non-code file past 512 MB, which no tokenizer is near; restricting the download to known
-# names instead would break the tokenizers whose class reads other names.
-WEIGHT_OR_CODE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".ggml", ".msgpack", ".h5",
-                           ".onnx", ".onnx_data", ".ot", ".tflite", ".npy", ".npz", ".nemo", ".pkl", ".py")
+# Every other file a tokenizer or config reader can open as text is held to MAX_TOKENIZER_BYTES, whatever its name:
+# which files a tokenizer reads is its class's (spiece.model, bpe.codes, source.spm, entity_vocab.json, emoji.json,
+# vocab.bpe, ...) and its config's to name, so no list of names covers them, while their kinds are few
+# (READABLE_SUFFIXES); resolve_model_path's download patterns, which match at any depth, are among them. Other files
+# (weights, code, archives, data, images, a README) are neither downloaded by hsx nor opened before the weights:
+# not bounded here, so a repo or folder holding a large one is not refused for it.
+READABLE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".spm", ".codes", ".vocab", ".bpe")
 
 
 def model_file_limit(path: str) -> int | None:
     """The bound of a file of a model folder or Hub repo (`path` in it, '/'-separated) before transformers reads
-    or downloads it; None for weights and code (WEIGHT_OR_CODE_SUFFIXES: safetensors are mapped, not read whole,
-    the other weights never read; code runs only when trusted)."""
+    or downloads it; None for files no tokenizer or config reader opens as text (READABLE_SUFFIXES)."""
     folder, _, name = path.rpartition("/")
-    if name.lower().endswith(WEIGHT_OR_CODE_SUFFIXES):
+    if not name.lower().endswith(READABLE_SUFFIXES):
         return None
     if (folder == CHAT_TEMPLATE_DIR and name.endswith(".jinja")) or (not folder and name in CONFIG_SIZED):
         return MAX_CONFIG_BYTES

@@ -266,7 +266,8 @@ def test_verify_asks_a_hub_models_sizes_before_it_is_downloaded(finished, online
 
 def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, monkeypatch):
     """A tokenizer class reads files of its own names (bpe.codes, source.spm, emoji.json, ...), which transformers
-    fetched unchecked: every file of the repo but weights and code, at any depth, is held to MAX_TOKENIZER_BYTES."""
+    fetched unchecked: every file of the repo a reader opens as text (READABLE_SUFFIXES), at any depth, is held to
+    MAX_TOKENIZER_BYTES; weights, code, data and archives are not (a repo is not refused for a large one)."""
     import transformers
 
     from hsx.job import _tokenizer
@@ -274,7 +275,8 @@ def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, 
     big = hsx.model.MAX_TOKENIZER_BYTES + 1
     hub = FakeHub({"tokenizer.json": 9 << 20, "bpe.codes": big, "model.safetensors": 50 << 30,
                    "pytorch_model.bin": 50 << 30, "original": None, "original/consolidated.00.pth": 50 << 30,
-                   "tokenization_mine.py": 1 << 10})
+                   "tokenization_mine.py": 1 << 10, "train.parquet": 4 << 30, "images/plot.png": big,
+                   "backup.tar": 3 << 30})
     online(hub)
     opened = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
@@ -286,7 +288,7 @@ def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, 
     with pytest.raises(HsxError, match="its original/notes.txt on the Hub is"):
         _tokenizer(cfg, "/unused")
     del hub.sizes["original/notes.txt"]
-    _tokenizer(cfg, "/unused")  # (50 GB of weights and the code are not a tokenizer's to bound)
+    _tokenizer(cfg, "/unused")  # (weights, code, data and archives are no tokenizer's to bound)
     assert opened == [("someone/tok",)]
 
 
@@ -306,15 +308,19 @@ def test_a_folders_files_of_any_name_are_bounded_and_its_weights_and_subfolders_
     (tok / "source.spm").unlink()
     _sparse(tok / "pytorch_model.bin", hsx.model.MAX_TOKENIZER_BYTES + 1)
     _sparse(tok / "original" / "big.txt", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
-    (tok / "loop").symlink_to(tok / "loop")  # (cannot be stat'ed: said, not a way to skip the others)
-    with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop'}")):
+    _sparse(tok / "backup.tar", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
+    (tok / "loop.json").symlink_to(tok / "loop.json")  # (cannot be stat'ed: said, not a way to skip the others)
+    with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop.json'}")):
         _tokenizer(cfg, str(model4.path))
-    (tok / "loop").unlink()
+    (tok / "loop.json").unlink()
     _tokenizer(cfg, str(model4.path))
     assert len(opened) == 1
     assert hsx.model.model_file_limit("sub/tokenizer.json") == hsx.model.MAX_TOKENIZER_BYTES
     assert hsx.model.model_file_limit("model.safetensors.index.json") == hsx.model.MAX_INDEX_BYTES
     assert hsx.model.model_file_limit("Model.SafeTensors") is hsx.model.model_file_limit("x/y.gguf") is None
+    assert hsx.model.model_file_limit("data.parquet") is hsx.model.model_file_limit("README.md") is None
+    assert hsx.model.model_file_limit("vocab.bpe") == hsx.model.model_file_limit("Tokenizer.MODEL") == (
+        hsx.model.MAX_TOKENIZER_BYTES)
 
 
 # ---- the Hub's listing: only the Hub's not answering is skipped -----------------------------------------------------
