@@ -144,8 +144,9 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     device = proc.device
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    if args.model:
-        full_config = hsx_model.read_model_config(args.model, args.model, trust_remote_code=False)
+    if args.model:  # as extract loads it: its small files and its config.json bounded before transformers reads
+        model_path, _ = hsx_model.resolve_model_path(args.model, None, trust_remote_code=False)
+        full_config = hsx_model.read_model_config(model_path, args.model, trust_remote_code=False)
     else:
         full_config = shape_config(args.shape)
     text = hsx_model.text_config_of(full_config)
@@ -173,8 +174,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     if args.model:
-        causal = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, use_safetensors=True,
-                                                      **hsx_model.group_device_map(proc.devices))
+        causal = AutoModelForCausalLM.from_pretrained(model_path, config=full_config, dtype=dtype,
+                                                      use_safetensors=True, **hsx_model.group_device_map(proc.devices))
     elif quant is not None:  # e4m3 weights built directly, layer by layer: never a bf16 copy of the model
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")

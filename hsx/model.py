@@ -51,13 +51,15 @@ HUB_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot's folder name: the co
 
 
 def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool) -> tuple[str, str | None]:
-    """A local folder and the commit hash it holds (None for a plain local folder)."""
+    """A local folder and the commit hash it holds (None for a plain local folder). Every command that hands a
+    model to transformers' from_pretrained resolves it here first: its files but weights and code are bounded
+    (`check_model_files`: a folder's stat'ed, a Hub id's sizes asked before anything is downloaded)."""
+    check_model_files(model, revision)
     if Path(model).is_dir():
         return str(Path(model).resolve()), revision
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    check_model_files(model, revision)  # (its sizes on the Hub, before any file is downloaded)
     patterns = WEIGHT_PATTERNS + (["*.py"] if trust_remote_code else [])
     try:
         path = snapshot_download(model, revision=revision, allow_patterns=patterns)
@@ -149,42 +151,55 @@ def _hub_config(repo: str, revision: str | None) -> Path | None:
         return None
 
 
-# The other small files transformers reads from a model folder (or a tokenizer's) before any weight, bounded by
-# name before it opens them: a hostile folder's 50 GB tokenizer.json is a memory blow-up inside transformers, not
-# one line. Two kinds of bound, each far above real files. Vocabulary-sized files: a tokenizer.json is 2-35 MB
-# (Gemma 3's 262k tokens: 33 MB), a sentencepiece tokenizer.model a few MB (Gemma 3's: 4.7 MB), vocab.json and
-# merges.txt a few MB; tokenizer_config.json and added_tokens.json may list every added token (Gemma 3's: 1.2 MB).
+# The other files transformers reads from a model folder (or a tokenizer's) before any weight, bounded before it
+# opens them: a hostile folder's 50 GB tokenizer.json is a memory blow-up inside transformers, not one line. Two
+# kinds of bound, each far above real files. Vocabulary-sized files: a tokenizer.json is 2-35 MB (Gemma 3's 262k
+# tokens: 33 MB), a sentencepiece tokenizer.model a few MB (Gemma 3's: 4.7 MB), vocab.json and merges.txt a few MB;
+# tokenizer_config.json and added_tokens.json may list every added token (Gemma 3's: 1.2 MB).
 MAX_TOKENIZER_BYTES = 512 << 20
-TOKENIZER_SIZED = frozenset({"tokenizer.json", "tokenizer_config.json", "added_tokens.json", "vocab.json",
-                             "vocab.txt", "merges.txt", "tekken.json"})  # (and any *.model, *.tiktoken)
 # Config-sized, held to MAX_CONFIG_BYTES: generation_config.json is ~1 KB, special_tokens_map.json a few KB, a chat
 # template (chat_template.jinja / .json, additional_chat_templates/*.jinja) < 100 KB.
 CONFIG_SIZED = frozenset({"config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja",
                           "chat_template.json"})
 CHAT_TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one *.jinja each (transformers reads all)
+# Every other file a tokenizer or config reader can open as text is held to MAX_TOKENIZER_BYTES, whatever its name:
+# which files a tokenizer reads is its class's (spiece.model, bpe.codes, source.spm, entity_vocab.json, emoji.json,
+# vocab.bpe, ...) and its config's to name, so no list of names covers them, while their kinds are few
+# (READABLE_SUFFIXES); resolve_model_path's download patterns, which match at any depth, are among them. Other files
+# (weights, code, archives, data, images, a README) are neither downloaded by hsx nor opened before the weights:
+# not bounded here, so a repo or folder holding a large one is not refused for it.
+READABLE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".spm", ".codes", ".vocab", ".bpe")
 
 
 def model_file_limit(path: str) -> int | None:
-    """The bound of a file of a model folder (`path` in the folder, '/'-separated) that transformers reads before
-    any weight; None for the others (weights, code, the checkpoint index: bounded where they are read)."""
+    """The bound of a file of a model folder or Hub repo (`path` in it, '/'-separated) before transformers reads
+    or downloads it; None for files no tokenizer or config reader opens as text (READABLE_SUFFIXES)."""
     folder, _, name = path.rpartition("/")
-    if folder == CHAT_TEMPLATE_DIR and name.endswith(".jinja"):
-        return MAX_CONFIG_BYTES
-    if folder:
+    if not name.lower().endswith(READABLE_SUFFIXES):
         return None
-    if name in CONFIG_SIZED:
+    if (folder == CHAT_TEMPLATE_DIR and name.endswith(".jinja")) or (not folder and name in CONFIG_SIZED):
         return MAX_CONFIG_BYTES
-    if name in TOKENIZER_SIZED or name.endswith((".model", ".tiktoken")) or (  # (spm.model, tiktoken.model)
-            name.startswith("tokenizer.") and name.endswith(".json")):  # (versioned: tokenizer.<version>.json)
-        return MAX_TOKENIZER_BYTES
-    return None
+    if not folder and name == CHECKPOINT_INDEX:
+        return MAX_INDEX_BYTES
+    return MAX_TOKENIZER_BYTES
+
+
+def _hub_unreachable() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the Hub cannot say (then the download that follows says why, and what it brings
+    is bounded as it is read): an HTTP error (an unknown, gated or private repo or revision), the HTTP client's
+    connection errors and timeouts (huggingface_hub.errors imports that client's HTTPError, their base), OSError
+    (offline mode, nothing cached, sockets), a source that is not a repo id. Anything else is a bug, not hidden."""
+    from huggingface_hub import errors
+
+    return errors.HfHubHTTPError, getattr(errors, "HTTPError", OSError), OSError, errors.HFValidationError
 
 
 def check_model_files(source: str, revision: str | None = None, local_files_only: bool = False) -> None:
-    """HsxError in one line when a file that transformers reads from `source` (a model or tokenizer folder, or a
-    Hub id) before any weight is over its bound (`model_file_limit`) or not a regular file, before transformers
-    opens it: a folder's files are stat'ed; a Hub id's sizes are asked of the Hub before anything is downloaded,
-    or, offline (HF_HUB_OFFLINE, `local_files_only`), its snapshot in the HF cache is stat'ed."""
+    """HsxError in one line when a file that transformers may read from `source` (a model or tokenizer folder, or
+    a Hub id) is over its bound (`model_file_limit`) or not a regular file, before transformers opens it: a
+    folder's files (its top level and CHAT_TEMPLATE_DIR, where transformers reads) are stat'ed; a Hub id's sizes,
+    every file of the repo, are asked of the Hub before anything is downloaded, or, offline (HF_HUB_OFFLINE,
+    `local_files_only`), its snapshot in the HF cache is stat'ed."""
     if Path(source).is_dir():
         _check_folder_files(Path(source))
         return
@@ -193,25 +208,19 @@ def check_model_files(source: str, revision: str | None = None, local_files_only
     if constants.HF_HUB_OFFLINE or local_files_only:
         try:
             folder = snapshot_download(source, revision=revision, local_files_only=True)
-        except Exception:  # noqa: BLE001 - nothing cached (or not a Hub id): transformers says what is missing
+        except _hub_unreachable():  # nothing cached (or not a Hub id): transformers says what is missing
             return
         _check_folder_files(Path(folder))
         return
-
-    def listing(api):
-        entries = list(api.list_repo_tree(source, revision=revision))
-        if any(e.path == CHAT_TEMPLATE_DIR and getattr(e, "size", None) is None for e in entries):
-            entries += api.list_repo_tree(source, path_in_repo=CHAT_TEMPLATE_DIR, revision=revision)
-        return entries
-
-    _refuse_oversize_on_hub(source, _hub_entries(listing))
+    _refuse_oversize_on_hub(source, _hub_entries(
+        lambda api: api.list_repo_tree(source, recursive=True, revision=revision)))
 
 
 def _check_folder_files(folder: Path) -> None:
     for sub in ("", CHAT_TEMPLATE_DIR):
         try:
             with os.scandir(folder / sub) as entries:
-                names = [e.name for e in entries]
+                names = [e.name for e in entries if not _is_folder(e)]  # (a folder is no file transformers reads)
         except OSError:
             continue  # (no such folder: nothing transformers would read there)
         for name in names:
@@ -220,14 +229,23 @@ def _check_folder_files(folder: Path) -> None:
                 check_model_file(folder / sub / name, limit)
 
 
+def _is_folder(entry: os.DirEntry) -> bool:
+    """Whether an entry is a folder, links followed (as transformers' opening would); one that cannot be stat'ed
+    (a link loop) is left to check_model_file, which says why, so it cannot hide the others."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
 def _hub_entries(list_files) -> list:
-    """What `list_files(HfApi())` lists (RepoFile-like: path, size); [] when the Hub cannot say (the download that
-    follows says why, and what it brings is bounded as it is read)."""
+    """What `list_files(HfApi())` lists (RepoFile-like: path, size); [] when the Hub cannot say (`_hub_unreachable`:
+    the download that follows says why, and what it brings is bounded as it is read)."""
     from huggingface_hub import HfApi
 
     try:
         return list(list_files(HfApi()))
-    except Exception:  # noqa: BLE001 - metadata unavailable (offline mode, network, a gated or unknown repo)
+    except _hub_unreachable():
         return []
 
 

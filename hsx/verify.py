@@ -167,11 +167,14 @@ def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,
     import torch
     from transformers import AutoModel
 
-    from hsx.model import TORCH_DTYPES, decoder_layers
+    from hsx.model import TORCH_DTYPES, decoder_layers, read_model_config, resolve_model_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # as extract loads it: its small files and its config.json bounded before transformers reads them (HsxError)
+    path, _ = resolve_model_path(model_path, None, trust_remote_code)
+    config = read_model_config(path, model_path, trust_remote_code)
     try:
-        model = AutoModel.from_pretrained(model_path, dtype=TORCH_DTYPES[info.config.dtype],
+        model = AutoModel.from_pretrained(path, config=config, dtype=TORCH_DTYPES[info.config.dtype],
                                           use_safetensors=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise VerifyFailed(f"cannot load the reference model {model_path}: {str(e).strip().splitlines()[0]}"

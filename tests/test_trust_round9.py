@@ -1,6 +1,7 @@
-"""A ninth round: a Hub model's config.json size asked before it is downloaded; the other small files transformers
-reads from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them; and the resume
-notice naming the rank of an earlier run that computed with other flags."""
+"""A ninth round: a Hub model's config.json size asked before it is downloaded; the other files transformers reads
+from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them (every file but weights
+and code, for extract, verify and bench alike; the Hub's listing skipped only when the Hub cannot say); and the
+resume notice naming the rank of an earlier run that computed with other flags."""
 
 from __future__ import annotations
 
@@ -130,15 +131,15 @@ def test_real_sized_tokenizer_files_are_within_the_bounds():
     assert model_file_limit("tiktoken.model") == model_file_limit("qwen.tiktoken") == MAX_TOKENIZER_BYTES
     assert model_file_limit("additional_chat_templates/rag.jinja") == MAX_CONFIG_BYTES
     assert model_file_limit("model-00001-of-00002.safetensors") is None
-    assert model_file_limit("sub/tokenizer.json") is None  # (transformers reads the folder's top level)
 
 
 # ---- a Hub id: sizes asked before anything is downloaded ----------------------------------------------------------
 
 class FakeHub:
-    """HfApi's metadata calls, from a dict of path -> size (None: a folder)."""
+    """HfApi's metadata calls, from a dict of path -> size (None: a folder); `fail`: what listing raises (True:
+    OSError)."""
 
-    def __init__(self, sizes: dict[str, int | None], fail: bool = False):
+    def __init__(self, sizes: dict[str, int | None], fail: bool | BaseException = False):
         self.sizes, self.fail, self.calls = sizes, fail, []
 
     def _entry(self, path: str):
@@ -149,12 +150,13 @@ class FakeHub:
         self.calls.append(("get_paths_info", repo_id, list(paths), kw.get("revision")))
         return [self._entry(p) for p in paths if p in self.sizes]
 
-    def list_repo_tree(self, repo_id, path_in_repo=None, **kw):
-        self.calls.append(("list_repo_tree", repo_id, path_in_repo, kw.get("revision")))
+    def list_repo_tree(self, repo_id, path_in_repo=None, *, recursive=False, **kw):
+        self.calls.append(("list_repo_tree", repo_id, path_in_repo, recursive, kw.get("revision")))
         if self.fail:
-            raise OSError("no network")
+            raise OSError("no network") if self.fail is True else self.fail
         prefix = f"{path_in_repo}/" if path_in_repo else ""
-        return [self._entry(p) for p in self.sizes if p.startswith(prefix) and "/" not in p[len(prefix):]]
+        return [self._entry(p) for p in self.sizes
+                if p.startswith(prefix) and (recursive or "/" not in p[len(prefix):])]
 
 
 @pytest.fixture
@@ -190,7 +192,7 @@ def test_a_hub_model_with_an_oversize_tokenizer_file_is_refused_before_its_snaps
     with pytest.raises(HsxError, match=r"someone/model: its tokenizer.json on the Hub is 629,145,600 bytes, more "
                                        r"than any tokenizer.json is \(536,870,912 at most\); not downloaded"):
         hsx.model.resolve_model_path("someone/model", "v2", False)
-    assert downloads == [] and hub.calls == [("list_repo_tree", "someone/model", None, "v2")]
+    assert downloads == [] and hub.calls == [("list_repo_tree", "someone/model", None, True, "v2")]
     hub.sizes["tokenizer.json"] = 30 << 20  # (real-sized; the 50 GB of weights are not bounded here)
     assert hsx.model.resolve_model_path("someone/model", "v2", False) == ("/none", "none")
     assert downloads == [("someone/model",)]
@@ -201,7 +203,7 @@ def test_a_hub_model_with_an_oversize_tokenizer_file_is_refused_before_its_snaps
 
 def test_a_hub_tokenizers_templates_folder_is_asked_too(online, monkeypatch):
     """--tokenizer as a Hub id: transformers downloads and reads it in one go, so only the Hub's sizes can bound it;
-    the additional_chat_templates/ folder's templates are listed as transformers lists them."""
+    the additional_chat_templates/ folder's templates are in the listing, which is recursive."""
     import transformers
 
     from hsx.job import _tokenizer
@@ -213,8 +215,144 @@ def test_a_hub_tokenizers_templates_folder_is_asked_too(online, monkeypatch):
     with pytest.raises(HsxError, match="someone/tok: its additional_chat_templates/tool_use.jinja on the Hub is "
                                        "20,971,520 bytes, more than any tool_use.jinja is"):
         _tokenizer(_cfg("someone/model", tokenizer="someone/tok"), "/unused")
-    assert hub.calls == [("list_repo_tree", "someone/tok", None, None),
-                         ("list_repo_tree", "someone/tok", "additional_chat_templates", None)]
+    assert hub.calls == [("list_repo_tree", "someone/tok", None, True, None)]  # (one listing, every folder's)
+
+
+# ---- verify and bench load a model as extract does: its small files and config.json bounded first ---------------
+
+def _bench_argv(model: str) -> list[str]:
+    return ["bench", "--model", model, "--layers", "1", "--count", "4", "--max-length", "64", "--skip", "a,b",
+            "--storage-gb", "0", "--compile", "off"]
+
+
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_verify_and_bench_bound_a_model_folders_files_before_transformers_loads_it(command, finished, model4,
+                                                                                     tmp_path, monkeypatch):
+    """`hsx verify --model` and `hsx bench --model` handed the folder to from_pretrained unchecked: a 16 MB+
+    generation_config.json (or tokenizer.json, ...) and a config.json hsx refuses were read inside transformers.
+    Both resolve the model as extract does (resolve_model_path, read_model_config) before it loads anything."""
+    import transformers
+
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    _sparse(model / "generation_config.json", hsx.model.MAX_CONFIG_BYTES + 1)
+    for auto in (transformers.AutoModel, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(auto, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    argv = ["verify", str(finished), "--samples", "2", "--model", str(model)] if command == "verify" else \
+        _bench_argv(str(model))
+    rc, _, err = hsx_main(argv)
+    errors = message_lines(err)
+    assert rc == 1 and len(errors) == 1, err[-2000:]
+    assert errors[0].startswith("hsx: error: ") and (
+        f"generation_config.json is {hsx.model.MAX_CONFIG_BYTES + 1:,} bytes, more than any") in errors[0], errors
+    (model / "generation_config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    rc, _, err = hsx_main(argv)
+    assert rc == 1 and "num_hidden_layers = 0; hsx takes models of 1 to 10,000" in err, err[-2000:]
+
+
+def test_verify_asks_a_hub_models_sizes_before_it_is_downloaded(finished, online, monkeypatch):
+    import transformers
+
+    hub = FakeHub({"config.json": 700, "model.safetensors": 50 << 30, "tokenizer.json": 600 << 20})
+    downloads = online(hub)
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    rc, _, err = hsx_main(["verify", str(finished), "--samples", "2", "--model", "someone/model"])
+    assert rc == 1 and "someone/model: its tokenizer.json on the Hub is 629,145,600 bytes" in err, err[-2000:]
+    assert downloads == [] and hub.calls == [("list_repo_tree", "someone/model", None, True, None)]
+
+
+# ---- any file a Hub id's download could bring, not only the names hsx knows ----------------------------------------
+
+def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, monkeypatch):
+    """A tokenizer class reads files of its own names (bpe.codes, source.spm, emoji.json, ...), which transformers
+    fetched unchecked: every file of the repo a reader opens as text (READABLE_SUFFIXES), at any depth, is held to
+    MAX_TOKENIZER_BYTES; weights, code, data and archives are not (a repo is not refused for a large one)."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    big = hsx.model.MAX_TOKENIZER_BYTES + 1
+    hub = FakeHub({"tokenizer.json": 9 << 20, "bpe.codes": big, "model.safetensors": 50 << 30,
+                   "pytorch_model.bin": 50 << 30, "original": None, "original/consolidated.00.pth": 50 << 30,
+                   "tokenization_mine.py": 1 << 10, "train.parquet": 4 << 30, "images/plot.png": big,
+                   "backup.tar": 3 << 30})
+    online(hub)
+    opened = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
+    cfg = _cfg("someone/model", tokenizer="someone/tok")
+    with pytest.raises(HsxError, match=f"someone/tok: its bpe.codes on the Hub is {big:,} bytes, more than any "
+                                       f"bpe.codes is \\({hsx.model.MAX_TOKENIZER_BYTES:,} at most\\); not downloaded"):
+        _tokenizer(cfg, "/unused")
+    hub.sizes.update({"bpe.codes": 1 << 20, "original/notes.txt": big})  # (a download's patterns match any depth)
+    with pytest.raises(HsxError, match="its original/notes.txt on the Hub is"):
+        _tokenizer(cfg, "/unused")
+    del hub.sizes["original/notes.txt"]
+    _tokenizer(cfg, "/unused")  # (weights, code, data and archives are no tokenizer's to bound)
+    assert opened == [("someone/tok",)]
+
+
+def test_a_folders_files_of_any_name_are_bounded_and_its_weights_and_subfolders_are_not(model4, tmp_path,
+                                                                                        monkeypatch):
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
+    _sparse(tok / "source.spm", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    opened = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
+    cfg = _cfg(str(model4.path), tokenizer=str(tok))
+    with pytest.raises(HsxError, match=re.escape(str(tok / "source.spm")) + " is 536,870,913 bytes"):
+        _tokenizer(cfg, str(model4.path))
+    (tok / "source.spm").unlink()
+    _sparse(tok / "pytorch_model.bin", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    _sparse(tok / "original" / "big.txt", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
+    _sparse(tok / "backup.tar", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
+    (tok / "loop.json").symlink_to(tok / "loop.json")  # (cannot be stat'ed: said, not a way to skip the others)
+    with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop.json'}")):
+        _tokenizer(cfg, str(model4.path))
+    (tok / "loop.json").unlink()
+    _tokenizer(cfg, str(model4.path))
+    assert len(opened) == 1
+    assert hsx.model.model_file_limit("sub/tokenizer.json") == hsx.model.MAX_TOKENIZER_BYTES
+    assert hsx.model.model_file_limit("model.safetensors.index.json") == hsx.model.MAX_INDEX_BYTES
+    assert hsx.model.model_file_limit("Model.SafeTensors") is hsx.model.model_file_limit("x/y.gguf") is None
+    assert hsx.model.model_file_limit("data.parquet") is hsx.model.model_file_limit("README.md") is None
+    assert hsx.model.model_file_limit("vocab.bpe") == hsx.model.model_file_limit("Tokenizer.MODEL") == (
+        hsx.model.MAX_TOKENIZER_BYTES)
+
+
+# ---- the Hub's listing: only the Hub's not answering is skipped -----------------------------------------------------
+
+def _client_error(name: str, *args, **kwargs) -> BaseException:
+    """An error of the HTTP client huggingface_hub uses (httpx, or the module its errors import)."""
+    import importlib
+
+    from huggingface_hub import errors
+
+    return getattr(importlib.import_module(errors.HTTPError.__module__.split(".")[0]), name)(*args, **kwargs)
+
+
+def test_the_hub_listing_skips_only_when_the_hub_cannot_say(online):
+    """Any exception of the listing was taken as "the Hub cannot say" and the check skipped: a bug in hsx (or in a
+    huggingface_hub it misreads) silently dropped the bound. HTTP, connection and OS errors still skip (the
+    download says why); anything else is raised."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    request = _client_error("Request", "GET", "https://huggingface.co/api/models/someone/model/tree/main")
+    response = _client_error("Response", 404, request=request)
+    hub = FakeHub({"tokenizer.json": 600 << 20})
+    downloads = online(hub)
+    for unreachable in (HfHubHTTPError("404 Client Error", response=response),
+                        _client_error("ConnectError", "connection refused"), OSError("no network")):
+        hub.fail = unreachable
+        hsx.model.resolve_model_path("someone/model", None, False)
+    assert len(downloads) == 3
+    hub.fail = TypeError("list_repo_tree() got an unexpected keyword argument 'recursive'")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        hsx.model.resolve_model_path("someone/model", None, False)
+    assert len(downloads) == 3
 
 
 # ---- the resume notice: every rank's recorded values count --------------------------------------------------------
