@@ -468,10 +468,8 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
             prompt_turns.append(prompt_len if any(m["role"] == "assistant" for m in conv[:prompt_len]) else 0)
         if good:
             max_chars = loss_masks.render_char_limit(max_length)
-            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars)
-            for r, row, conv, row_tools_, k in zip(good, rows, convs, tools, prompt_turns):
-                if k:
-                    row = unsupervised_prompt(tokenizer, row, conv[:k], row_tools_, template_kwargs, max_chars)
+            rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars, prompt_turns)
+            for r, row in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row
         if plain:
             prompt, answer = fmt.split("+")
@@ -643,7 +641,7 @@ def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: 
                                    system: Any = None) -> tuple[list[dict[str, Any]], str]:
     """`prompt`/`completion` (or `prompt`/`response`) as chat turns: strings become one user and one assistant
     message; lists of messages (TRL's conversational form) are taken as they are (the prompt's own assistant turns
-    are then context, not supervised: unsupervised_prompt)."""
+    are then context, not supervised: chat_tokenize's `contexts`)."""
     if prompt is None or completion is None:
         return [], "missing_prompt" if prompt is None else f"missing_{answer_column}"
     head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -651,39 +649,6 @@ def prompt_completion_conversation(prompt: Any, completion: Any, answer_column: 
     if not isinstance(head, list) or not isinstance(tail, list):
         return [], "empty_conversation"
     return normalize_conversation(head + tail, system)
-
-
-def unsupervised_prompt(tokenizer, row: loss_masks.Row, prompt: list[dict[str, Any]], tools, template_kwargs,
-                        max_chars: int = loss_masks.RENDER_MIN_CHARS) -> loss_masks.Row:
-    """`row` with the assistant turns of its prompt not supervised (TRL's conversational prompt-completion trains
-    on the completion only): every run of supervised tokens that starts where the row's tokens are still those of
-    the prompt rendered alone. A prompt the template cannot render alone skips the row as `chat_template_error`."""
-    ids, mask, reason = row
-    if reason:
-        return row
-    for variant in _render_variants(prompt):  # (the forms chat_tokenize tries, in its order)
-        try:
-            with loss_masks.row_budget():
-                prompt_ids = loss_masks.render_ids(tokenizer, variant, tools, template_kwargs, max_chars)
-            break
-        except loss_masks.RenderLimit as e:
-            return [], [], e.reason
-        except Exception:  # noqa: BLE001
-            continue
-    else:
-        return [], [], "chat_template_error"
-    shared = 0
-    while shared < min(len(ids), len(prompt_ids)) and ids[shared] == prompt_ids[shared]:
-        shared += 1
-    out = list(mask)
-    k = 0
-    while k < shared:
-        if out[k]:
-            while k < len(out) and out[k]:
-                out[k] = 0
-                k += 1
-        k += 1
-    return ids, out, ""
 
 
 def plain_completion_tokenize(tokenizer, prompts: list[str], completions: list[str]) -> list[loss_masks.Row]:
@@ -711,42 +676,61 @@ def row_tools(raw: Any) -> list | None:
 
 def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs: dict[str, Any],
                   tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None,
-                  max_chars: int = loss_masks.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
+                  max_chars: int = loss_masks.RENDER_MIN_CHARS,
+                  contexts: list[int] | None = None) -> list[loss_masks.Row]:
     """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
-    them, else by turns derived from the template (hsx.masks). A conversation the template refuses (a role it
+    them, else by turns derived from the template (hsx.masks); the assistant turns among a conversation's first
+    `contexts` messages (a prompt/completion row's prompt) are not supervised, each told in the render of the whole
+    conversation (masks.derived_mask_tokenize, masks.context_unsupervised: `prompt_turn_unattributed` where a
+    marker template's run cannot be told). A conversation the template refuses (a role it
     rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
     render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`) as
     `chat_template_timeout` / `chat_template_output_too_long`. A row whose tool calls or messages of a role other
     than user, assistant and system the template renders nothing of is skipped as `tool_call_not_rendered` /
     `message_not_rendered` (hsx.masks.unrendered): its mask or its context would be wrong."""
     tools = tools or [None] * len(convs)
+    contexts = contexts or [0] * len(convs)
 
     def checked(row: loss_masks.Row, conv, row_tools) -> loss_masks.Row:
         reason = row[2] or loss_masks.unrendered(tokenizer, conv, row_tools, template_kwargs, max_chars)
         return ([], [], reason) if reason else row
 
     if loss_masks.GENERATION_TAG.search(chat_template_text(tokenizer) or ""):
+        def context_free(row, conv, row_tools, context):
+            return loss_masks.context_unsupervised(tokenizer, row, conv, context, row_tools, template_kwargs,
+                                                   max_chars)
+
         if not any(tools):
             firsts = [next(_render_variants(conv)) for conv in convs]
             try:
                 rows = _generation_mask_tokenize(tokenizer, firsts, template_kwargs, None, max_chars)
-                return [checked(row, conv, None) for row, conv in zip(rows, firsts)]
             except Exception:  # noqa: BLE001  (one bad row fails the whole batch: find it row by row)
-                pass
+                rows = None
+            if rows is not None:
+                results = []
+                for row, conv, context in zip(rows, firsts, contexts):
+                    with loss_masks.row_budget():
+                        try:
+                            results.append(checked(context_free(row, conv, None, context), conv, None))
+                        except loss_masks.RenderLimit as e:
+                            results.append(([], [], e.reason))
+                return results
 
-        def one(conv, row_tools):
-            return _generation_mask_tokenize(tokenizer, [conv], template_kwargs, row_tools, max_chars)[0]
+        def one(conv, row_tools, context):
+            row = _generation_mask_tokenize(tokenizer, [conv], template_kwargs, row_tools, max_chars)[0]
+            return context_free(row, conv, row_tools, context)
     else:
         fmt = chat_format or loss_masks.derive_chat_format(tokenizer, template_kwargs)
 
-        def one(conv, row_tools):
-            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt, max_chars)
+        def one(conv, row_tools, context):
+            return loss_masks.derived_mask_tokenize(tokenizer, conv, row_tools, template_kwargs, fmt, max_chars,
+                                                    context)
     results = []
-    for conv, row_tools in zip(convs, tools):
+    for conv, row_tools, context in zip(convs, tools, contexts):
         with loss_masks.row_budget():  # (every render of the row, its variants and checks, together)
             for variant in _render_variants(conv):
                 try:
-                    results.append(checked(one(variant, row_tools), variant, row_tools))
+                    results.append(checked(one(variant, row_tools, context), variant, row_tools))
                     break
                 except loss_masks.RenderLimit as e:  # (another variant would run as long)
                     results.append(([], [], e.reason))

@@ -30,6 +30,12 @@ masks of two versions):
 A template whose turns cannot be derived stops the job before anything is extracted (one line: what is missing,
 and how to supply markers or a pre-tokenized `loss_mask`); a row whose turn does not sit where the template's
 renders say is skipped as `mask_template_error`.
+
+A prompt/completion row supervises its completion's turns only; its prompt's are told in the render of the whole
+row, not by the prompt rendered alone (which Qwen3 and any template that looks at later messages renders
+otherwise): derived masks skip them by message index; marker masks attribute each span by a render with a sentinel
+in each message's text (`context_unsupervised`), and a span that could be either side's skips the row as
+`prompt_turn_unattributed`.
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ import numpy as np
 
 from hsx.config import HsxError
 
-MASK_VERSION = 5  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
+MASK_VERSION = 6  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
 # 3: a turn end that is text, not a special token, is supervised through its own text only; 4: tool-call arguments
 # rendered as mappings, content-part lists as text, ShareGPT function_call turns and a `system` column read;
 # 5: `developer` messages as `system` where the template has no developer role (developer_role), and the assistant
-# turns of a prompt given as messages not supervised (only the completion's)
+# turns of a prompt given as messages not supervised (only the completion's); 6: those turns told in the render of
+# the whole row, not by the prefix it shares with the prompt rendered alone (a prompt turn after where they part
+# was supervised: Qwen3's, a header that counts messages), and `prompt_turn_unattributed`
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Row = tuple[list[int], list[int], str]
 
@@ -439,13 +447,6 @@ def _render(tokenizer, conv: list[dict], tools, agp: bool, kwargs: dict[str, Any
     return text
 
 
-def render_ids(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
-               max_chars: int = RENDER_MIN_CHARS) -> list[int]:
-    """The token ids of the template's render of `conv` (no generation prompt), encoded as a whole row's render is."""
-    text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 SMALL_EXPONENT = 64  # `b ** e` of two literal numbers, e this small: fast for any literal b (4,300 digits at most)
 MAX_REPEAT = 10**8  # `s * n` with a literal n above this: one allocation of gigabytes, whatever s is
 
@@ -731,9 +732,11 @@ def _specials_in(tokenizer, text: str, special: set[int]) -> list[str]:
 
 
 def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any],
-                          fmt: ChatFormat, max_chars: int = RENDER_MIN_CHARS) -> Row:
+                          fmt: ChatFormat, max_chars: int = RENDER_MIN_CHARS, context: int = 0) -> Row:
     """(input_ids, loss_mask, skip_reason) of one conversation: the encoding of the template's render of it, and
-    1 on the tokens of each assistant turn from its header's end through its last end-of-turn token. Raises
+    1 on the tokens of each assistant turn from its header's end through its last end-of-turn token, except the
+    turns among the first `context` messages (a prompt/completion row's prompt: each turn is located in the render
+    of the whole conversation, so a template that renders the prompt alone otherwise changes nothing). Raises
     whatever the template raises (the caller counts it as `chat_template_error`, or a RenderLimit's reason)."""
     text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -763,7 +766,7 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
 
     spans = []
     for i, m in enumerate(conv):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < context:
             continue
         start = _content_start(tokenizer, text, i, prefix, swapped, fmt)
         if start is None:
@@ -786,6 +789,164 @@ def derived_mask_tokenize(tokenizer, conv: list[dict], tools, template_kwargs: d
     for s, e in spans:
         mask |= (offsets[:, 1] > s) & (offsets[:, 0] < e) & (offsets[:, 1] > offsets[:, 0])
     return ids, mask.astype(np.int8).tolist(), ""
+
+
+UNATTRIBUTED = "prompt_turn_unattributed"  # the skip reason of a row whose prompt's turns cannot be told apart
+_TURN = re.compile(r"HsxSentTurn[a-z]+X[a-z]+End")  # context_unsupervised's sentinels
+
+
+def context_unsupervised(tokenizer, row: Row, conv: list[dict], context: int, tools, template_kwargs: dict[str, Any],
+                         max_chars: int = RENDER_MIN_CHARS) -> Row:
+    """`row`, a generation-marker mask of `conv`, with the supervised tokens of the first `context` messages (a
+    prompt/completion row's prompt) not supervised, told in the render of the whole conversation, never in the
+    prompt's own, which a template may render otherwise (Qwen3's last turn, a header that counts messages).
+
+    One more render marks points of each message: a sentinel at the end of each assistant message's content,
+    reasoning and tool-call names, and inside each user or tool message's content; the render less its sentinels
+    must be the row's, each sentinel at most once, in message order (else again without the tool-call sentinels,
+    which a template may look up among its tools, then without the user and tool ones). Templates render messages
+    in order, so a span of supervised text belongs to an assistant message from the one of the last point before
+    it to the one of the first point after it; a `{% generation %}` block (transformers' renderer records them)
+    lies in one message, so one holding a point is that point's message's. A supervised token that may be either
+    side's (a prompt that ends with an answer where the renderer's blocks are not to be had, or a think block of
+    its own there) skips the row as `prompt_turn_unattributed`: never a mask that supervises the prompt's turns or
+    drops the completion's. Costs three renders and an encoding, only for rows whose prompt has assistant turns."""
+    ids, mask, reason = row
+    if reason or not any(m["role"] == "assistant" for m in conv[:context]):
+        return row
+    text = _render(tokenizer, conv, tools, False, template_kwargs, max_chars)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(ids):
+        return [], [], UNATTRIBUTED
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    supervised = np.asarray(mask, dtype=bool)
+    blocks = _generation_blocks(tokenizer, conv, tools, template_kwargs, text, max_chars)
+    if blocks is None:  # the runs of supervised tokens, each maybe more than one block
+        edges = np.diff(np.r_[0, supervised.astype(np.int8), 0])
+        blocks = [(int(offsets[a, 0]), int(offsets[b - 1, 1]))
+                  for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1))]
+        whole = False
+    else:
+        whole = True
+    for names, others in ((True, True), (False, True), (False, False)):
+        probe, owners = _turn_probe(conv, names, others)
+        try:
+            other = _render(tokenizer, probe, tools, False, template_kwargs, max_chars + sum(map(len, owners)))
+        except RenderLimit:
+            raise
+        except Exception:  # noqa: BLE001  (a template that refuses the sentinels: the next probe, or the skip)
+            continue
+        points = _turn_points(text, other, owners)
+        if points is None:
+            continue
+        prompt = np.zeros(len(ids), dtype=bool)
+        completion = np.zeros(len(ids), dtype=bool)
+        for (a, b), side in zip(blocks, _block_sides(blocks, points, conv, context, whole)):
+            tokens = (offsets[:, 0] < b) & (offsets[:, 1] > a)
+            if side is not None:
+                (prompt if side else completion)[tokens] = True
+            else:
+                prompt[tokens] = completion[tokens] = True
+        if np.any(supervised & (prompt == completion)):  # both sides', or no block's (fewer points tell no more)
+            break
+        return ids, (supervised & completion).astype(np.int8).tolist(), ""
+    return [], [], UNATTRIBUTED
+
+
+def _generation_blocks(tokenizer, conv: list[dict], tools, template_kwargs: dict[str, Any], text: str,
+                       max_chars: int) -> list[tuple[int, int]] | None:
+    """The characters of each `{% generation %}` block of `text`, the template's render of `conv`, as
+    transformers' renderer records them for return_assistant_tokens_mask; None where that renderer is not there or
+    renders otherwise (it is not a public function)."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = tokenizer.get_chat_template(None, tools or None)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in conv]  # (as apply_chat_template does)
+        with render_bounds(tokenizer, template_kwargs, tools, max_chars):
+            rendered, blocks = render_jinja_template(
+                conversations=[messages], tools=tools or None, chat_template=template,
+                return_assistant_tokens_mask=True, **{**tokenizer.special_tokens_map, **template_kwargs})
+        spans = [(int(a), int(b)) for a, b in blocks[0]]
+    except RenderLimit:
+        raise
+    except Exception:  # noqa: BLE001
+        return None
+    if rendered != [text] or any(not 0 <= a <= b <= len(text) for a, b in spans):
+        return None
+    return spans
+
+
+def _turn_probe(conv: list[dict], names: bool, others: bool) -> tuple[list[dict], dict[str, int]]:
+    """`conv` with a sentinel at the end of (before the trailing whitespace of, which templates trim) each assistant
+    message's content and reasoning, with `names` of its tool-call names, and with `others` in the middle of each
+    user or tool message's content (templates test how a tool result in a user turn starts and ends; not in a
+    system or developer prompt, which templates move); and which message each sentinel marks. Empty text is left
+    empty (templates test it)."""
+    owners: dict[str, int] = {}
+
+    def mark(s: str, k: int, at: int | None = None) -> str:
+        sentinel = f"HsxSentTurn{_letters(k)}X{_letters(len(owners))}End"
+        owners[sentinel] = k
+        at = len(s.rstrip()) if at is None else at
+        return s[:at] + sentinel + s[at:]
+
+    probe = []
+    for k, m in enumerate(conv):
+        m = dict(m)
+        if m["role"] == "assistant":
+            for key in ("reasoning_content", "thinking", "content"):
+                if isinstance(m.get(key), str) and m[key].strip():
+                    m[key] = mark(m[key], k)
+            if names and isinstance(m.get("tool_calls"), list):
+                calls = []
+                for c in m["tool_calls"]:
+                    nested = isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    fn = c["function"] if nested else c
+                    if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"].strip():
+                        name = mark(fn["name"], k)
+                        c = {**c, "function": {**fn, "name": name}} if nested else {**c, "name": name}
+                    calls.append(c)
+                m["tool_calls"] = calls
+        elif (others and m["role"] not in ("system", "developer") and isinstance(m.get("content"), str)
+              and m["content"].strip()):
+            m["content"] = mark(m["content"], k, len(m["content"]) // 2)
+        probe.append(m)
+    return probe, owners
+
+
+def _turn_points(text: str, other: str, owners: dict[str, int]) -> list[tuple[int, int]] | None:
+    """(position in `text`, message) of each sentinel of the probe render `other`, in order; None unless `other` less
+    its sentinels is `text`, each sentinel is rendered at most once, and their messages come in order."""
+    points: list[tuple[int, int]] = []
+    removed = 0
+    seen: set[str] = set()
+    for found in _TURN.finditer(other):
+        sentinel = found.group()
+        if sentinel not in owners or sentinel in seen:
+            return None
+        seen.add(sentinel)
+        points.append((found.start() - removed, owners[sentinel]))
+        removed += len(sentinel)
+    if _TURN.sub("", other) != text or any(b[1] < a[1] for a, b in zip(points, points[1:])):
+        return None
+    return points
+
+
+def _block_sides(blocks: list[tuple[int, int]], points: list[tuple[int, int]], conv: list[dict], context: int,
+                 whole: bool) -> list[bool | None]:
+    """For each block (characters of the render), whether it belongs to the first `context` messages; None if it
+    cannot be told. `whole`: each block lies in one message (a generation block, not a run of several)."""
+    sides: list[bool | None] = []
+    for a, b in blocks:
+        owners = {k for p, k in points if a <= p <= b} if whole else set()
+        if not owners:  # an assistant message from the last point's before it to the first point's after it
+            lo = max([k for p, k in points if p <= a], default=0)
+            hi = min([k for p, k in points if p >= b], default=len(conv) - 1)
+            owners = {k for k in range(lo, hi + 1) if conv[k]["role"] == "assistant"}
+        side = {k < context for k in owners}
+        sides.append(side.pop() if len(side) == 1 else None)
+    return sides
 
 
 def _content_start(tokenizer, text: str, i: int, prefix, swapped, fmt: ChatFormat) -> int | None:

@@ -576,3 +576,118 @@ def test_conversational_prompt_completion_supervises_the_completion_only(name):
     supervised = [tok.decode(whole["input_ids"][0][a:b]) for a, b in runs(whole["loss_mask"][0])]
     assert len(supervised) == 2 and "one" in supervised[0] and "two" in supervised[1]
     assert [tok.decode(out["input_ids"][0][a:b]) for a, b in runs(out["loss_mask"][0])] == supervised[1:]
+
+
+# Templates with generation markers whose prompt rendered alone is not a prefix of the whole row's render: the
+# last assistant turn gets an (empty) think block, as Qwen3's does; the same with the whole turn, header and newline
+# included, one generation block (as TRL's training templates wrap it: two answers in a row are one run of tokens);
+# a system header counts the messages; the same header, and an answer, its tool calls and the last turn's think
+# block in generation blocks apart (a newline outside them); the same, refusing a tool it does not know.
+_LAST_THINKS = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}{%- generation %}"
+    "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- m.content + '<|im_end|>' }}"
+    "{%- endgeneration %}{{- '\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+_WHOLE_TURN = (_LAST_THINKS.replace("{{- '<|im_start|>assistant\\n' }}{%- generation %}",
+                                    "{%- generation %}{{- '<|im_start|>assistant\\n' }}")
+               .replace("{%- endgeneration %}{{- '\\n' }}", "{{- '\\n' }}{%- endgeneration %}"))
+_COUNTED = ("{{- '<|im_start|>system\\n' + (messages | length | string) + ' messages<|im_end|>\\n' }}"
+            + _LAST_THINKS.replace("loop.last", "false"))
+_SPLIT_BLOCKS = (
+    "{{- '<|im_start|>system\\n' + (messages | length | string) + ' messages<|im_end|>\\n' }}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.last %}{%- generation %}{{- '<think>\\n\\n</think>' }}{%- endgeneration %}{{- '\\n' }}{%- endif %}"
+    "{%- generation %}{{- m.content or '' }}{%- endgeneration %}"
+    "{%- for c in m.tool_calls or [] %}{{- '\\n' }}{%- generation %}"
+    "{{- '<tool_call>' + c.function.name + '</tool_call>' }}{%- endgeneration %}{%- endfor %}"
+    "{%- generation %}{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+_KNOWN_TOOLS = _SPLIT_BLOCKS.replace("{%- for c in m.tool_calls or [] %}", "{%- for c in m.tool_calls or [] %}"
+                                     "{%- if c.function.name != 'get' %}{{- raise_exception('no such tool') }}"
+                                     "{%- endif %}")
+_MARKED = {"last_thinks": _LAST_THINKS, "whole_turn": _WHOLE_TURN, "counted": _COUNTED,
+           "split_blocks": _SPLIT_BLOCKS, "known_tools": _KNOWN_TOOLS}
+_FEW_SHOT = [{"role": "user", "content": "first?"}, {"role": "assistant", "content": "one"},
+             {"role": "user", "content": "second?"}, {"role": "assistant", "content": "two"}]
+_ASKED = [*_FEW_SHOT, {"role": "user", "content": "third?"}]
+_CALL = [{"type": "function", "function": {"name": "get", "arguments": "{}"}}]
+_TOOL_PROMPT = [{"role": "user", "content": "first?"}, {"role": "assistant", "content": "one"},
+                {"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": _CALL},
+                {"role": "tool", "content": "sunny"}]
+_COMPLETION = [{"role": "assistant", "content": "three"}]
+
+
+def completion_only(name, prompt):
+    """(tokenizer, the row as `messages`, the mask that supervises only the completion's turn): the tokens of the
+    `messages` mask from the completion's header on (every template here is ChatML)."""
+    import chat_families as cf
+    from hsx.demo import build_tokenizer
+
+    tok = cf.family(name) if name in cf.FAMILIES else build_tokenizer(_MARKED[name])
+    whole = tok_batch(tok, "messages", [prompt + _COMPLETION])
+    assert whole["skip_reason"] == [""]
+    text = tok.apply_chat_template(prompt + _COMPLETION, tokenize=False)
+    assert not text.startswith(tok.apply_chat_template(prompt, tokenize=False))  # the case: they diverge
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == whole["input_ids"][0]
+    header = text.rindex("<|im_start|>assistant")
+    expected = [int(m and s >= header) for m, (s, _) in zip(whole["loss_mask"][0], enc["offset_mapping"])]
+    assert 0 < sum(expected) < sum(whole["loss_mask"][0])  # the prompt's turns are supervised as `messages`
+    assert tok.decode([i for i, m in zip(whole["input_ids"][0], expected) if m]).removeprefix(
+        "<|im_start|>assistant\n").replace("<think>\n\n</think>", "").strip("\n") == "three<|im_end|>"
+    return tok, whole, expected
+
+
+def completion_row(tok, prompt):
+    return data.tokenize_batch({"prompt": [prompt], "completion": [_COMPLETION]}, [0], tok, "prompt+completion",
+                               4096, {})
+
+
+@pytest.mark.parametrize("name, prompt", [("qwen3", _FEW_SHOT), ("last_thinks", _FEW_SHOT), ("whole_turn", _FEW_SHOT),
+                                          ("counted", _FEW_SHOT), ("counted", _ASKED), ("split_blocks", _TOOL_PROMPT),
+                                          ("known_tools", _TOOL_PROMPT)])
+def test_prompt_turns_unsupervised_where_the_prompt_alone_renders_otherwise(name, prompt):
+    """The prompt's assistant turns are context even where the template renders the prompt alone differently from
+    the same turns inside the whole row (Qwen3 gives the last turn a think block; a header that counts messages):
+    the mask is exactly the completion's part of the mask the same conversation gets as `messages`, each span
+    told to its message in the whole row's render, not by a prefix shared with the prompt rendered alone. A
+    generation block that holds only a think block or an end token is told by the messages around it."""
+    tok, whole, expected = completion_only(name, prompt)
+    out = completion_row(tok, prompt)
+    assert out["skip_reason"] == [""] and out["input_ids"] == whole["input_ids"]
+    ids = whole["input_ids"][0]
+    assert out["loss_mask"][0] == expected, [tok.decode(ids[a:b]) for a, b in runs(out["loss_mask"][0])]
+    if name in _MARKED:  # a row with tools takes the markers' row-by-row path: the same mask
+        tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {}}}}]
+        batch = {"prompt": [prompt], "completion": [_COMPLETION], "tools": [tools]}
+        assert data.tokenize_batch(batch, [0], tok, "prompt+completion", 4096, {})["loss_mask"] == out["loss_mask"]
+
+
+@pytest.mark.parametrize("name, prompt, told", [("counted", _ASKED, True), ("split_blocks", _TOOL_PROMPT, True),
+                                                ("whole_turn", _FEW_SHOT, False), ("counted", _FEW_SHOT, False)])
+def test_prompt_turns_told_without_the_renderers_blocks(monkeypatch, name, prompt, told):
+    """Where transformers' renderer gives no generation blocks (it is not a public function), the runs of supervised
+    tokens are told by the messages around them: a prompt that ends with a user turn or a tool result is told; one
+    that ends with an answer is skipped (its run and the completion's may be one run), not guessed."""
+    tok, whole, expected = completion_only(name, prompt)
+    monkeypatch.setattr(masks, "_generation_blocks", lambda *a, **k: None)
+    out = completion_row(tok, prompt)
+    if told:
+        assert out["skip_reason"] == [""] and out["loss_mask"][0] == expected
+    else:
+        assert out["skip_reason"] == ["prompt_turn_unattributed"]
+
+
+def test_prompt_turn_not_attributable_is_skipped():
+    """A supervised block no message's text can be told to: the last turn's think block is a generation block of
+    its own, after the prompt's last turn (an answer) and before the completion's text, and the prompt alone
+    renders otherwise (a header counts the messages). The row is skipped with its reason, never kept with a mask
+    that may supervise the prompt's turn or drop the completion's; a prompt ending with a tool result (which comes
+    between the two turns) is told apart."""
+    from hsx.demo import build_tokenizer
+
+    tok = build_tokenizer(_SPLIT_BLOCKS)
+    out = data.tokenize_batch({"prompt": [_FEW_SHOT, _TOOL_PROMPT], "completion": [_COMPLETION] * 2}, [0, 1], tok,
+                              "prompt+completion", 4096, {})
+    assert out["skip_reason"] == ["prompt_turn_unattributed", ""]

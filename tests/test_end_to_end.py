@@ -101,7 +101,7 @@ def test_hsx_json(main_run, model8, chat_data, expected):
     assert info["max_length"] == MAX_LENGTH
     assert info["chat_template_sha256"] == hashlib.sha256(model8.tokenizer.chat_template.encode()).hexdigest()
     assert info["hsx_version"] == hsx.__version__
-    assert info["loss_mask"] == {"method": "markers", "version": 5}  # the demo template has generation markers
+    assert info["loss_mask"] == {"method": "markers", "version": 6}  # the demo template has generation markers
     assert info["complete"] is True
     c = info["counts"]
     assert set(c) == {"rows_in", "rows_written", "tokens_written", "truncated", "skipped", "nonfinite"}
