@@ -75,7 +75,7 @@ def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.cost.SHAPES)")
-    p.add_argument("--model", help="a local model folder instead of --shape (its weights are used)")
+    p.add_argument("--model", help="a model (local folder or Hub id) instead of --shape (its weights are used)")
     config_flag(p, "layers", "as for extract: ", default=["dflash"])
     config_flag(p, "final_hidden", "as for extract: ", default=False)
     p.add_argument("--count", type=int, default=2000, help="rows")
