@@ -368,3 +368,43 @@ def test_a_second_ctrl_c_while_joining_the_compile_worker_ends_it_first():
             state.thread.join()
     assert not alive and stop.is_set()
     assert compiled == ["a"]  # the signal stopped the worker after its kind
+
+
+def test_the_compile_waits_for_a_representative_batch_and_takes_the_largest():
+    """Inductor picks its kernels' tiles for the sample's sizes, so the compile runs on the largest forward seen:
+    it starts after a forward of at least half the token budget, or after SAMPLE_FORWARDS forwards, or when `wait`
+    asks for it (a benchmark's warm-up), never on a small first batch alone."""
+    import torch
+
+    from hsx import model
+    from hsx.model import CompileAhead
+
+    ran = []
+    cpu = torch.device("cpu")
+
+    def compiling(state):
+        state.layers = [(("a",), lambda h, **kw: ran.append(h.shape[1]))]
+        return state
+
+    state = compiling(CompileAhead(log=lambda *a: None))
+    for tokens in (16, 900, 300):  # forwards under half a 4,096 budget: recorded, not compiled
+        state.record(("a",), (torch.zeros(1, tokens, 4),), {})
+        state.start(cpu, tokens, 4096)
+    assert state.thread is None and state.samples[("a",)][3] == 900
+    state.record(("a",), (torch.zeros(1, 2048, 4),), {})
+    state.start(cpu, 2048, 4096)  # half the budget: the compile starts, on the largest sample
+    state.thread.join(30)
+    assert state.ready.is_set() and ran == [2048]
+
+    state = compiling(CompileAhead(log=lambda *a: None))
+    for i in range(model.SAMPLE_FORWARDS):
+        state.record(("a",), (torch.zeros(1, 10 + i % 3, 4),), {})
+        state.start(cpu, 10 + i % 3, 4096)
+        assert (state.thread is None) == (i < model.SAMPLE_FORWARDS - 1)  # small batches only: the 16th starts it
+    state.thread.join(30)
+    assert ran[-1] == 12
+
+    state = compiling(CompileAhead(log=lambda *a: None))
+    state.record(("a",), (torch.zeros(1, 40, 4),), {})
+    state.start(cpu, 40, 4096)
+    assert state.thread is None and state.wait(30) and ran[-1] == 40  # the warm-up's wait starts it
