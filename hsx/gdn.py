@@ -355,15 +355,20 @@ def _power_of_2(n: int) -> bool:
 
 
 def _conv_qkv_takes(self, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One head size for q, k and v column blocks (a power of two, at most 256), a contiguous bf16/fp16 input, SiLU
-    or no activation: Qwen3.5/3.6 and Qwen3-Next (heads of 128)."""
-    d = int(self.head_k_dim)
-    value_dim = mixed.shape[-1] - 2 * int(self.key_dim)
+    """A contiguous bf16/fp16 CUDA input of a layer `conv_kernel` names "hsx" for."""
     return (mixed.is_cuda and mixed.dtype in (torch.bfloat16, torch.float16) and mixed.is_contiguous()
-            and _power_of_2(d) and d <= 256 and int(self.key_dim) % d == 0 and value_dim > 0 and value_dim % d == 0
-            and int(self.head_v_dim) * (value_dim // int(self.head_v_dim)) == value_dim
-            and weight.dim() == 2 and weight.shape[0] == mixed.shape[-1]
-            and self.activation in (None, "silu", "swish"))
+            and weight.dim() == 2 and weight.shape[0] == mixed.shape[-1] and conv_kernel(self) == "hsx")
+
+
+def conv_kernel(self) -> str:
+    """Which kernel runs this layer's short convolution on CUDA: "hsx" (`conv_qkv`'s) for one head size over the q,
+    k and v column blocks (a power of two, at most 256) and SiLU or no activation (Qwen3.5/3.6, Qwen3-Next: heads
+    of 128), else "fla" (its causal_conv1d, then `qk_l2norm`)."""
+    d, key_dim, head_v = int(self.head_k_dim), int(self.key_dim), int(self.head_v_dim)
+    value_dim = int(self.conv1d.weight.shape[0]) - 2 * key_dim
+    takes = (_power_of_2(d) and d <= 256 and key_dim % d == 0 and value_dim > 0 and value_dim % d == 0
+             and value_dim % head_v == 0 and self.activation in (None, "silu", "swish"))
+    return "hsx" if takes else "fla"
 
 
 CONV_TOKENS = 64  # tokens per program: fla's chunk, so a packed row's chunks (PackedRows.chunk_indices) are the tiles

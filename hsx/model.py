@@ -742,13 +742,14 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     attn_implementation: transformers' attention path (and attn_implementation_requested, what the job asked for;
     they differ when the model has no SDPA path, e.g. GPT-OSS runs eager). experts_implementation: the MoE experts'
     path (None without experts). For hybrid models with Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next):
-    linear_attention_forward is "hsx fla" when hsx.gdn runs them on fla's kernels (CUDA with flash-linear-attention;
-    linear_attention and causal_conv1d are then both "fla"), else "transformers", with linear_attention_note saying
-    why and linear_attention / causal_conv1d naming what transformers' own forward binds: "fla" / "causal_conv1d"
-    for those packages' kernels, "torch fallback" for its reference PyTorch code (correct for right-padded batches,
-    much slower); on fla's kernels fla_autotune says how their tiles are chosen (`gdn.autotuning_note`). All are
-    None without such layers. packing_safe: whether packed (padding-free) batches would keep sequences apart
-    (`--packing`)."""
+    linear_attention_forward is "hsx fla" when hsx.gdn runs them on fla's delta rule (CUDA with
+    flash-linear-attention; linear_attention is then "fla" and causal_conv1d "hsx", `gdn.conv_kernel`: hsx's kernel
+    for the convolution, q/k l2norm and layout, or "fla" for head layouts it does not take), else "transformers",
+    with linear_attention_note saying why and linear_attention / causal_conv1d naming what transformers' own forward
+    binds: "fla" / "causal_conv1d" for those packages' kernels, "torch fallback" for its reference PyTorch code
+    (correct for right-padded batches, much slower); on fla's kernels fla_autotune says how their tiles are chosen
+    (`gdn.autotuning_note`). All are None without such layers. packing_safe: whether packed (padding-free) batches
+    would keep sequences apart (`--packing`)."""
     config = base.config
     modules = list(base.modules())
     has_experts = any(type(m).__name__.endswith("Experts") for m in modules)
@@ -764,7 +765,9 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     if linear:
         blocker = None if gdn.installed(base) else gdn.fla_blocker(linear)
         if blocker is None:
-            report.update(linear_attention="fla", causal_conv1d="fla", linear_attention_forward="hsx fla",
+            conv = {gdn.conv_kernel(m) for m in linear}
+            report.update(linear_attention="fla", causal_conv1d=conv.pop() if len(conv) == 1 else "hsx, fla",
+                          linear_attention_forward="hsx fla",
                           fla_autotune=gdn.autotuning_note(linear[0].conv1d.weight.device))
         else:
             kernels = _fallback_kernels(linear)

@@ -80,3 +80,24 @@ def test_a_users_fla_config_cache_and_other_gpus_are_left_alone(monkeypatch):
     monkeypatch.delenv("FLA_CACHE_MODE")
     monkeypatch.setenv("FLA_CONFIG_DIR", "/somewhere")
     assert gdn.autotuning_note().startswith("fla's config cache") and gdn.settle_autotuning() == 0
+
+
+def test_the_convolution_kernel_is_named_by_the_layers_head_layout():
+    """hsx.json's run.kernels says which kernel ran the short convolution: hsx's fused one for Qwen3.5/3.6 and
+    Qwen3-Next's layout (one power-of-two head size over q, k and v, SiLU), fla's for layouts it does not take."""
+    import types
+
+    import torch
+
+    def layer(head_k=128, head_v=128, key_heads=16, value_heads=32, activation="silu"):
+        channels = 2 * key_heads * head_k + value_heads * head_v
+        return types.SimpleNamespace(conv1d=types.SimpleNamespace(weight=torch.empty(channels, 1, 4)),
+                                     head_k_dim=head_k, head_v_dim=head_v, key_dim=key_heads * head_k,
+                                     activation=activation)
+
+    assert gdn.conv_kernel(layer()) == "hsx"  # Qwen3.6-35B-A3B
+    assert gdn.conv_kernel(layer(value_heads=48)) == "hsx"  # Qwen3.6-27B
+    assert gdn.conv_kernel(layer(head_k=96, head_v=96)) == "fla"  # not a power of two
+    assert gdn.conv_kernel(layer(head_k=512, head_v=512)) == "fla"  # past one tile
+    assert gdn.conv_kernel(layer(head_v=192, value_heads=3)) == "fla"  # values not in key-head-sized blocks
+    assert gdn.conv_kernel(layer(activation="gelu")) == "fla"

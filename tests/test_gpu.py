@@ -160,6 +160,7 @@ def test_packed_hybrid_equals_one_row_reference():
         assert _rel(got, ref) < 2e-2, (packing, compile_model, _rel(got, ref))
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
+    assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
 
 
 def test_packed_hybrid_row_ignores_its_neighbours():
