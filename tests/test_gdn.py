@@ -101,3 +101,20 @@ def test_the_convolution_kernel_is_named_by_the_layers_head_layout():
     assert gdn.conv_kernel(layer(head_k=512, head_v=512)) == "fla"  # past one tile
     assert gdn.conv_kernel(layer(head_v=192, value_heads=3)) == "fla"  # values not in key-head-sized blocks
     assert gdn.conv_kernel(layer(activation="gelu")) == "fla"
+
+
+def test_the_gated_norm_off_cuda_is_transformers_formula():
+    """`gated_rms_norm` away from CUDA (and for heads the kernel does not take) is transformers'
+    Qwen3_5RMSNormGated bit for bit, with a bf16 weight (its product rounded) and a float32 one (not)."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    torch.manual_seed(0)
+    for dim, weight_dtype in ((128, torch.bfloat16), (96, torch.float32)):
+        norm = Qwen3_5RMSNormGated(dim, eps=1e-6).to(weight_dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(37, dim, dtype=torch.bfloat16) * 4
+        gate = torch.randn(37, dim, dtype=torch.bfloat16) * 2
+        got = gdn.gated_rms_norm(x, gate, norm.weight, 1e-6)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, norm(x, gate))
