@@ -274,13 +274,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     else:
         work = Path(tempfile.mkdtemp(prefix="hsx-bench-"))
     out_dir = Path(args.output_dir) if args.output_dir else work / "out"
-    order = np.argsort(lengths, kind="stable")
-    # Warm-up: a stratified slice of the rows (every length bucket's batch shapes) and a batch's worth of rows around
-    # the median length, so that torch.compile's sample is a batch as large as the timed run's (CompileAhead).
-    middle = len(order) // 2
-    block = order[middle:middle + int(np.searchsorted(np.cumsum(lengths[order[middle:]]),
-                                                      args.token_budget or budget_cap(text))) + 1]
-    warm_idx = np.union1d(order[:: max(1, args.count // 96)], block)
+    warm_idx = warmup_rows(lengths, args.token_budget or budget_cap(text))
     if proc.is_main:
         work.mkdir(parents=True, exist_ok=True)
         datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(work / "input"))
@@ -458,6 +452,16 @@ def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any
     if "writer_gb_per_s" in c:
         s["writer_share"] = c["writer_gb_per_s"] / s["best_gb_per_s"]
     return s
+
+
+def warmup_rows(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The rows of (c)'s warm-up, sorted: a stratified slice of ~96 (every length bucket's batch shapes) and a
+    budget's worth of rows around the median length, so that torch.compile's sample is a batch as large as the timed
+    run's (CompileAhead starts on a forward of half the budget)."""
+    order = np.argsort(lengths, kind="stable")
+    middle = order[len(order) // 2:]
+    block = middle[:int(np.searchsorted(np.cumsum(lengths[middle]), budget)) + 1]
+    return np.union1d(order[:: max(1, len(order) // 96)], block)
 
 
 def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget: int, path: str,

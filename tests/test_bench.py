@@ -216,3 +216,21 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     lines.clear()
     d = bench_drift(causal.model, [0, 1], True, rows, torch.device("cpu"), lines.append)
     assert set(d) == {"not_measured"} and "no bf16 reference" in lines[0]
+
+
+def test_the_warm_up_holds_a_budget_of_median_rows_and_every_length():
+    """(c)'s warm-up reaches a batch as large as the timed run's (the compile's sample: CompileAhead starts on a
+    forward of half the budget) and still spans the length distribution (every bucket's batch shapes)."""
+    import numpy as np
+
+    from hsx.bench import warmup_rows
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(344), 0.8, 2000), 16, 4096).astype(np.int64)
+    warm = warmup_rows(lengths, 16384)
+    assert np.all(np.diff(warm) > 0) and warm.min() >= 0 and warm.max() < 2000
+    median = np.median(lengths)
+    near = warm[np.abs(lengths[warm] - median) <= 0.25 * median]
+    assert lengths[near].sum() >= 16384  # one budget of median-length rows: a bucket's full batch
+    assert lengths[warm].min() == lengths.min() and lengths[warm].max() >= np.quantile(lengths, 0.99)
+    assert len(warm) < 400  # a warm-up, not a second run
