@@ -262,8 +262,7 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     if rows is None and kwargs.get("cu_seq_lens_q") is not None:
         raise ValueError("hsx: a packed batch reached a Gated DeltaNet layer without its row bounds (packed_rows)")
     batch, seq, _ = hidden_states.shape
-    varlen = {} if rows is None else {"cu_seqlens": rows.cu_seqlens, "cu_seqlens_cpu": rows.cu_seqlens_cpu,
-                                      "chunk_indices": rows.chunk_indices}
+    varlen = _fla_varlen(rows)
     mixed, z, b, a = _projections(self, hidden_states)
     q, k, v = conv_qkv(self, mixed, rows)
     # g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b), as transformers computes them, inside the kernel.
@@ -273,6 +272,12 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
     eps = getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6))
     out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, eps)
     return self.out_proj(out.reshape(batch, seq, -1))
+
+
+def _fla_varlen(rows: PackedRows | None) -> dict[str, torch.Tensor]:
+    """fla's keyword arguments for a packed batch's row bounds (none for a right-padded batch)."""
+    return {} if rows is None else {"cu_seqlens": rows.cu_seqlens, "cu_seqlens_cpu": rows.cu_seqlens_cpu,
+                                    "chunk_indices": rows.chunk_indices}
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -343,9 +348,8 @@ def conv_qkv(self, mixed: torch.Tensor, rows: PackedRows | None):
                               self.head_v_dim, rows)
     from fla.modules.causal_conv1d import causal_conv1d
 
-    varlen = {} if rows is None else {"cu_seqlens": rows.cu_seqlens, "cu_seqlens_cpu": rows.cu_seqlens_cpu,
-                                      "chunk_indices": rows.chunk_indices}
-    mixed, _ = causal_conv1d(mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, **varlen)
+    mixed, _ = causal_conv1d(mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation,
+                             **_fla_varlen(rows))
     q, k = qk_l2norm(mixed, self.key_dim, self.head_k_dim)
     return q, k, mixed[..., 2 * self.key_dim:].reshape(batch, seq, -1, self.head_v_dim)
 

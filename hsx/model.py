@@ -52,7 +52,7 @@ HUB_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot's folder name: the co
 
 def resolve_model_path(model: str, revision: str | None, trust_remote_code: bool) -> tuple[str, str | None]:
     """A local folder and the commit hash it holds (None for a plain local folder). Every command that hands a
-    model to transformers' from_pretrained resolves it here first: its files but weights and code are bounded
+    model to transformers' from_pretrained resolves it here first: the files a reader opens as text are bounded
     (`check_model_files`: a folder's stat'ed, a Hub id's sizes asked before anything is downloaded)."""
     check_model_files(model, revision)
     if Path(model).is_dir():
