@@ -371,11 +371,12 @@ def conv_kernel(self) -> str:
     d, key_dim, head_v = int(self.head_k_dim), int(self.key_dim), int(self.head_v_dim)
     value_dim = int(self.conv1d.weight.shape[0]) - 2 * key_dim
     takes = (_power_of_2(d) and d <= 256 and key_dim % d == 0 and value_dim > 0 and value_dim % d == 0
-             and value_dim % head_v == 0 and getattr(self, "activation", "") in (None, "silu", "swish"))
+             and head_v > 0 and value_dim % head_v == 0
+             and getattr(self, "activation", "") in (None, "silu", "swish"))
     return "hsx" if takes else "fla"
 
 
-CONV_TOKENS = 64  # tokens per program: fla's chunk, so a packed row's chunks (PackedRows.chunk_indices) are the tiles
+CONV_TOKENS = FLA_CHUNK  # tokens per program: a packed row's chunks (PackedRows.chunk_indices) are the tiles
 
 
 def _conv_qkv_cuda(mixed, weight, bias, activation, key_dim: int, head_k_dim: int, head_v_dim: int,

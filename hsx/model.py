@@ -661,7 +661,7 @@ class CompileAhead:
         return True
 
 
-SAMPLE_FORWARDS = 16  # forwards a compile waits for a representative batch, eager: seconds of a job's first minute
+SAMPLE_FORWARDS = 16  # forwards (run eager) a compile waits for a representative batch before it takes the largest
 
 
 def _call_tokens(args, kwargs) -> int:

@@ -101,6 +101,9 @@ def test_the_convolution_kernel_is_named_by_the_layers_head_layout():
     assert gdn.conv_kernel(layer(head_k=512, head_v=512)) == "fla"  # past one tile
     assert gdn.conv_kernel(layer(head_v=192, value_heads=3)) == "fla"  # values not in key-head-sized blocks
     assert gdn.conv_kernel(layer(activation="gelu")) == "fla"
+    damaged = layer()
+    damaged.head_v_dim = 0
+    assert gdn.conv_kernel(damaged) == "fla"  # a damaged config: named, not a ZeroDivisionError
 
 
 def test_the_gated_norm_off_cuda_is_transformers_formula():
