@@ -656,14 +656,16 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
-GEMM_BENCH = ("bf16", "cublas", "fbgemm")  # bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
+# bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
+GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
-    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8's cuBLAS and
-    fbgemm block-scaled GEMMs (activations already quantized: the GEMM alone, the weight scales' transposed copy
-    fbgemm takes included), best of 3 × 20 calls; each FP8 product's relative error against the float32 product on
-    its first 256 rows; and the time of all the model's linears per `tokens` tokens."""
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8's cuBLAS,
+    DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already quantized: the GEMM alone, the weight
+    scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
+    3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time
+    of all the model's linears per `tokens` tokens."""
     import torch
 
     from hsx import fp8
@@ -739,13 +741,14 @@ def format_gemms(shape: str, tokens: int, rows: list[dict[str, Any]], totals: di
         return "–" if v is None else "failed"
 
     lines = [f"{shape}, M = {tokens:,} tokens: TFLOP/s (relative error against float32)",
-             "| N × K | per model | bf16 | cuBLAS block-scaled | fbgemm groupwise |", "|---|---|---|---|---|"]
+             "| N × K | per model | bf16 | cuBLAS block-scaled | DeepGEMM | fbgemm groupwise |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['n']} × {row['k']} | {row['count']} | "
                      + " | ".join(rate(row, name) for name in GEMM_BENCH) + " |")
     base = totals["bf16"]
     cells = [f"{t * 1e3:,.1f} ms" + (f" ({base / t:.2f}×)" if base and name != "bf16" else "")
-             if t else "–" for name, t in totals.items()]
+             if t else "–" for name, t in ((name, totals.get(name)) for name in GEMM_BENCH)]
     lines.append("| all linears | | " + " | ".join(cells) + " |")
     failed = [f"{row['n']}×{row['k']} {name}: {row[name]}" for row in rows for name in GEMM_BENCH
               if isinstance(row.get(name), str)]

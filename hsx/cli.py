@@ -106,8 +106,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="FP8 targets: before (c), the captured layers' relative error against the bf16 forward of "
                         "the same (dequantized) weights on this many rows (0: skip)")
     p.add_argument("--gemms", nargs="?", const="", metavar="SHAPES",
-                   help="instead of (a)-(c): TFLOP/s of bf16 and of each FP8 block-scaled GEMM (cuBLAS, fbgemm) on "
-                        "every FP8 linear shape of these comma-separated shapes (alone: --shape), then exit")
+                   help="instead of (a)-(c): TFLOP/s of bf16 and of each FP8 block-scaled GEMM (cuBLAS; DeepGEMM, "
+                        "fbgemm where installed) on every FP8 linear shape of these comma-separated shapes (alone: "
+                        "--shape), then exit")
     p.add_argument("--gemm-tokens", type=int, default=16384, help="--gemms: rows (tokens) of each product")
 
 

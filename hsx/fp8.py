@@ -14,7 +14,8 @@ their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), th
 (`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
 fp8_gemm): torch's cuBLAS `_scaled_mm` (1,120-1,270 TFLOP/s on an H200 at 16k tokens, against 650-770 for bf16),
 fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (790-975), a Triton kernel
-(609-663: a fallback).
+(609-663: a fallback); when asked for, DeepGEMM's `fp8_gemm_nt` where it is installed (1,283-1,464 on an H100,
+cuBLAS 1,135-1,301 in the same call: all of Qwen3-8B's linears 1.91× bf16, cuBLAS 1.63×).
 In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
 merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
 (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
@@ -261,13 +262,16 @@ def _(gate, up):
 
 
 def _block_mm(xq, xs, w, ws):
-    return _gemm(_runs(w, ws))(xq, xs, w, ws)
+    return _gemm(_runs(w, ws, xq.shape[0]))(xq, xs, w, ws)
 
 
-def _runs(w: torch.Tensor, ws: torch.Tensor) -> str:
-    """The GEMM that multiplies by (w, ws): the device's (`use_gemm`) where its check for this weight's shape passed,
-    else the next of GEMMS whose does (Triton, last, runs any)."""
+def _runs(w: torch.Tensor, ws: torch.Tensor, rows: int | None = None) -> str:
+    """The GEMM that multiplies `rows` activation rows (None: a full batch's) by (w, ws): the device's (`use_gemm`)
+    where its check for this weight's shape passed, else the next of GEMMS whose does (Triton, last, runs any);
+    DeepGEMM only from DEEPGEMM_MIN_ROWS rows."""
     for name in _gemms_from(backend_of(w.device))[:-1]:
+        if name == "deepgemm" and rows is not None and rows < DEEPGEMM_MIN_ROWS:
+            continue
         if _takes(name, w, ws):
             return name
     return GEMMS[-1]
@@ -298,11 +302,12 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
     return _SHAPES[key]
 
 
-def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor, rows: tuple[int, ...] = (16, 200)) -> str | None:
-    """Why GEMM `name`'s products of `rows` random activation rows with (w, ws) are not the float32 reference's
-    (`relative_error` < CHECK_TOLERANCE), None when they are."""
+def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor) -> str | None:
+    """Why GEMM `name`'s products of random activation rows with (w, ws) are not the float32 reference's
+    (`relative_error` < CHECK_TOLERANCE), None when they are: 16 and 200 rows (fbgemm runs another kernel at
+    M <= 16), DEEPGEMM_MIN_ROWS for DeepGEMM (the kernel it compiles for every larger M)."""
     g = torch.Generator(device=w.device).manual_seed(1)
-    for m in rows:
+    for m in (DEEPGEMM_MIN_ROWS,) if name == "deepgemm" else (16, 200):
         x = torch.randn(m, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
         xq, xs = fp8_quantize(x)
         want = reference_mm(xq, xs, w, ws, torch.float32)
@@ -401,6 +406,53 @@ def _fbgemm_mm(xq, xs, w, ws):
     return op(xq.contiguous(), w.contiguous(), xs_t, ws.t().contiguous())
 
 
+DEEPGEMM_MODULE = "deep_gemm"  # DeepSeek's DeepGEMM: JIT-compiled SM90 FP8 GEMMs with 1×128 / 128×128 float32 scales
+_DEEPGEMM: list = []  # [(the module or None, why not or None)], imported once
+
+
+def _deepgemm_module():
+    """(deep_gemm, None) where DeepGEMM imports with its FP8 GEMM; (None, None) where it is not installed; (None, why)
+    where it is but cannot run."""
+    if not _DEEPGEMM:
+        _DEEPGEMM.append(_load_deepgemm())
+    return _DEEPGEMM[0]
+
+
+def _load_deepgemm():
+    import importlib
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(DEEPGEMM_MODULE) is None:
+            return None, None
+        module = importlib.import_module(DEEPGEMM_MODULE)
+    except Exception as e:  # noqa: BLE001  (a build for another torch or CUDA, no CUDA compiler for its JIT)
+        return None, f"deep_gemm does not import: {type(e).__name__}: {one_line(e, 160)}"
+    if not callable(getattr(module, "fp8_gemm_nt", None)):
+        return None, "this deep_gemm has no fp8_gemm_nt"
+    return module, None
+
+
+# DeepGEMM picks a tile shape per product from M, N and K (its heuristic's cost model), and compiles a kernel (nvcc,
+# 2-5 s on an H200) for each tile shape it has not built yet. Below a few thousand rows nearly every M picks another
+# one (13 kernels for M = 128, 256, ..., 1,920 at 4096 × 4096, measured): a bench run of small warm-up batches stalled
+# for minutes. From 8,192 rows, that heuristic (emulated in Python; it reproduced those measurements exactly) picks
+# 1-3 tile shapes per weight shape up to 32,768 rows for Qwen3-8B's and Qwen3.6-27B's linears: 6 and 9 kernels in
+# all. Smaller products, the few short batches of a job, run on the next GEMM.
+DEEPGEMM_MIN_ROWS = 8192
+
+
+def _deepgemm_mm(xq, xs, w, ws):
+    # DeepGEMM's SM90 kernel (recipe (1, 128, 128)) reads the 1×128 scales MN-major and TMA-aligned (M' rows, a
+    # multiple of 4: `_quantize_activation_cuda` writes them so, M padded to 16) and the 128×128 ones as the
+    # checkpoint stores them, (N/128, K/128) K-major; it compiles a kernel per (N, K) and tile shape on first use
+    # and keeps it on disk (DG_JIT_CACHE_DIR, default ~/.deep_gemm).
+    dg = _deepgemm_module()[0]
+    out = torch.empty((xq.shape[0], w.shape[0]), device=xq.device, dtype=torch.bfloat16)
+    dg.fp8_gemm_nt((xq.contiguous(), xs), (w.contiguous(), ws.contiguous()), out)
+    return out
+
+
 ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned
 _QUANT_KERNEL = None
 
@@ -448,7 +500,11 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-GEMMS = FP8_GEMM_CHOICES[1:]  # fastest first (docs/fp8.md's GEMM table); Triton, last, runs any shape
+# What auto tries, fastest first (docs/fp8.md's GEMM table); Triton, last, runs any shape. DeepGEMM, faster than
+# cuBLAS per product, runs only when asked for (fp8_gemm: deepgemm): it compiles its kernels with nvcc as they are
+# first needed, and its end-to-end rate in hsx is not measured yet.
+GEMMS = ("cublas", "fbgemm", "triton")
+OPT_IN_GEMMS = ("deepgemm",)
 
 
 def _gemms_from(first: str) -> list[str]:
@@ -456,20 +512,22 @@ def _gemms_from(first: str) -> list[str]:
     fastest first (Triton, last, runs any shape)."""
     return [first] + [g for g in GEMMS if g != first]
 _GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
+               "deepgemm": "DeepGEMM's fp8_gemm_nt",
                "triton": "hsx's Triton block GEMM"}
 _BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
 _CHOSEN: dict[int | None, str] = {}  # device index → the choice that _BACKEND's entry answers
 
 
 def _gemm(name: str):
-    return {"fbgemm": _fbgemm_mm, "cublas": _cublas_mm, "triton": _triton_mm}[name]
+    return {"fbgemm": _fbgemm_mm, "cublas": _cublas_mm, "deepgemm": _deepgemm_mm, "triton": _triton_mm}[name]
 
 
 def use_gemm(device: torch.device, choice: str = "auto") -> str:
     """Choose the block-scaled GEMM of `device`'s FP8 linears (config key fp8_gemm): `choice`, or with "auto" the
-    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512) agrees with the float32
-    reference, else the next that does (`_gemms_from`), with one warning saying which runs instead (none for an
-    fbgemm_gpu that is not installed unless it was asked for). Each weight shape is checked again at its first use (`_takes`)."""
+    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512; DeepGEMM: DEEPGEMM_MIN_ROWS
+    rows) agrees with the float32 reference, else the next that does (`_gemms_from`), with one warning saying which
+    runs instead (none for an fbgemm_gpu or deep_gemm that is not installed unless it was asked for). Each weight
+    shape is checked again at its first use (`_takes`)."""
     if choice not in FP8_GEMM_CHOICES:
         raise HsxError(f"fp8_gemm {choice!r} is not one of {', '.join(FP8_GEMM_CHOICES)}")
     if _CHOSEN.get(device.index) == choice and device.index in _BACKEND:
@@ -497,12 +555,17 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
 
 def _missing(name: str, choice: str) -> str | None:
     """Why GEMM `name` is not there to run ("": not there, nothing to say), None when it is."""
-    if name != "fbgemm":
+    if name == "fbgemm":
+        op, why = _fbgemm_op()
+        hint = "fbgemm_gpu is not installed (pip install fbgemm-gpu-genai)"
+    elif name == "deepgemm":
+        op, why = _deepgemm_module()
+        hint = "deep_gemm is not installed (github.com/deepseek-ai/DeepGEMM)"
+    else:
         return None
-    op, why = _fbgemm_op()
     if op is not None:
         return None
-    return why or ("fbgemm_gpu is not installed (pip install fbgemm-gpu-genai)" if choice == name else "")
+    return why or (hint if choice == name else "")
 
 
 def _check_quantization(device: torch.device) -> None:
@@ -768,6 +831,9 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
     if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
         out["gemm_by_shape"] = by_shape
+    if mods and how == "hsx fp8 (deepgemm)":
+        out["gemm_under_rows"] = {"rows": DEEPGEMM_MIN_ROWS, "gemm": _runs(mods[0].weight, mods[0].weight_scale_inv,
+                                                                           DEEPGEMM_MIN_ROWS - 1)}
     experts = [m for m in base.modules() if is_experts_module(m)]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]

@@ -858,7 +858,7 @@ def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(
     with warnings_recorded() as seen:
         assert fp8.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
     assert not seen
-    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, fbgemm, triton"):
+    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, triton"):
         fp8.use_gemm(cpu, "fast")
 
 
@@ -927,6 +927,116 @@ def test_fbgemm_import_keeps_the_root_logger_unconfigured_and_a_missing_op_is_na
     assert "no entry" not in capfd.readouterr().err
 
 
+def _deepgemm_contract(calls):
+    """A stand-in for the deep_gemm module holding its callers to fp8_gemm_nt's SM90 contract (recipe (1, 128, 128),
+    DeepGEMM 2.6): a (M, K) and b (N, K) e4m3, K-major; sfa float32 (M, K/128) MN-major with M a multiple of 4 (TMA
+    alignment); sfb float32 (N/128, K/128) K-major, contiguous; d bf16 (M, N) row-major, written in place."""
+    def fp8_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk",
+                    disable_ue8m0_cast=False):
+        (xq, xs), (wq, ws) = a, b
+        (m, k), n = xq.shape, wq.shape[0]
+        assert xq.dtype == wq.dtype == torch.float8_e4m3fn and xq.stride(-1) == 1 and wq.stride(-1) == 1
+        assert xs.dtype == ws.dtype == torch.float32 and c is None and recipe is None
+        assert xs.shape == (m, k // 128) and xs.stride(0) == 1 and m % 4 == 0, (xs.shape, xs.stride())
+        assert ws.shape == (n // 128, k // 128) and ws.is_contiguous()
+        assert d.dtype == torch.bfloat16 and d.shape == (m, n) and d.is_contiguous()
+        calls.append((m, n, k))
+        d.copy_(fp8.reference_mm(xq, xs, wq, ws))
+    return SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt)
+
+
+def test_deepgemm_runs_when_asked_from_its_row_floor_and_the_next_gemm_below(gemm_state):
+    """DeepGEMM compiles a kernel per tile shape, which its heuristic picks from M: products of fewer than
+    DEEPGEMM_MIN_ROWS rows run on the next GEMM, and its checks multiply that many rows (the kernel larger ones run)."""
+    monkeypatch, cublas = gemm_state
+    calls = []
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    cpu, floor = torch.device("cpu"), fp8.DEEPGEMM_MIN_ROWS
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu, "deepgemm") == "deepgemm" and fp8.backend_of(cpu) == "deepgemm"
+    assert not seen and calls == [(floor, 384, 512)] and not cublas  # the device's check: the floor's rows
+    w, ws = _weights(256, 512)
+    # (rows padded to ROW_ALIGN decide: floor - 1 rows are the floor's)
+    for rows, runs_on in ((37, "cublas"), (floor - fp8.ROW_ALIGN, "cublas"), (floor - 1, "deepgemm"),
+                          (floor + 5, "deepgemm")):
+        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8.ROW_ALIGN)
+        calls.clear(), cublas.clear()
+        y = fp8._block_mm(xq, xs, w, ws)
+        assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == "deepgemm" else \
+            (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
+        torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
+    layers = torch.nn.Sequential(fp8.Fp8Linear(w, ws, None))
+    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["linear"] == "hsx fp8 (deepgemm)" and "gemm_by_shape" not in report
+    assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
+
+
+def test_auto_never_tries_deepgemm_and_one_asked_for_but_missing_or_failing_is_said_once(gemm_state):
+    monkeypatch, cublas = gemm_state
+    calls = []
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    cpu = torch.device("cpu")
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu) == "cublas"  # installed and right, but opt-in: not even checked
+    assert not seen and not calls
+    w, ws = _weights(256, 512)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8.DEEPGEMM_MIN_ROWS, 512), fp8.ROW_ALIGN)
+    fp8._block_mm(xq, xs, w, ws)
+    assert not calls and cublas[-1] == (256, 512)  # auto's linears never reach it, whatever their rows
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(None, None)])
+    with pytest.warns(UserWarning, match=r"deep_gemm is not installed \(github.com/deepseek-ai/DeepGEMM\); FP8 "
+                                         r"linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
+        assert fp8.use_gemm(cpu, "deepgemm") == "cublas"
+    assert len(seen) == 1
+
+    def no_compiler(a, b, d, **kw):  # DeepGEMM's JIT without nvcc (or a kernel its nvcc cannot build)
+        raise RuntimeError("Assertion error (compiler.hpp:228): false and \"NVCC compilation failed\"")
+
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, name, {})
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(SimpleNamespace(fp8_gemm_nt=no_compiler), None)])
+    with pytest.warns(UserWarning, match=r"DeepGEMM's fp8_gemm_nt: RuntimeError: .*NVCC compilation failed.*; FP8 "
+                                         r"linears run on cuBLAS's") as seen:
+        assert fp8.use_gemm(cpu, "deepgemm") == "cublas"
+    assert len(seen) == 1
+
+
+def test_every_fp8_gemm_choice_is_tried_by_auto_or_opt_in_and_each_has_a_name():
+    from hsx.config import FP8_GEMM_CHOICES
+
+    assert sorted(fp8.GEMMS + fp8.OPT_IN_GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8.GEMMS[-1] == "triton"
+    assert not set(fp8.GEMMS) & set(fp8.OPT_IN_GEMMS)
+    assert all(name in fp8._GEMM_NAMES and callable(fp8._gemm(name)) for name in FP8_GEMM_CHOICES[1:])
+    assert fp8._gemms_from("deepgemm") == ["deepgemm", "cublas", "fbgemm", "triton"]
+
+
+def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_path, monkeypatch):
+    import sys
+
+    def load(init: str | None):
+        for name in [m for m in sys.modules if m == "deep_gemm" or m.startswith("deep_gemm.")]:
+            monkeypatch.delitem(sys.modules, name)
+        if init is not None:
+            root = tmp_path / str(len(list(tmp_path.iterdir())))
+            (root / "deep_gemm").mkdir(parents=True)
+            (root / "deep_gemm" / "__init__.py").write_text(init)
+            monkeypatch.syspath_prepend(str(root))
+        try:
+            return fp8._load_deepgemm()
+        finally:
+            for name in [m for m in sys.modules if m == "deep_gemm" or m.startswith("deep_gemm.")]:
+                del sys.modules[name]
+
+    if __import__("importlib").util.find_spec("deep_gemm") is None:
+        assert load(None) == (None, None)
+    assert load("x = 1\n") == (None, "this deep_gemm has no fp8_gemm_nt")
+    assert load("assert False, 'no CUDA home'\n") == (None, "deep_gemm does not import: AssertionError: no CUDA home")
+    module, why = load("def fp8_gemm_nt(a, b, d):\n    pass\n")
+    assert why is None and callable(module.fp8_gemm_nt)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel)")
@@ -959,6 +1069,40 @@ def test_fbgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
     assert fp8._runs(w, ws) == "fbgemm"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an SM90 CUDA GPU (DeepGEMM's kernels)")
+def test_deepgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
+    """DeepGEMM's fp8_gemm_nt as hsx calls it (hsx's scales, M padded to 16) against the float32 product at Qwen3-8B's
+    and Qwen3.6-27B's linear shapes, from DEEPGEMM_MIN_ROWS rows; chosen by use_gemm, it runs hsx::fp8_linear's
+    products of that many rows and leaves smaller ones to cuBLAS. Skipped where deep_gemm is not installed."""
+    run, why = fp8.gemm("deepgemm")
+    if run is None:
+        pytest.skip(why)
+    device = torch.device("cuda", 0)
+    g = torch.Generator(device=device).manual_seed(0)
+    floor = fp8.DEEPGEMM_MIN_ROWS
+    for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
+        w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
+        for m in (floor, floor + 333):
+            xq, xs = fp8.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
+            got = run(xq, xs, w, ws)
+            want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, name, {})
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(device, "deepgemm") == "deepgemm"
+    assert not seen, [str(s.message) for s in seen]
+    w, ws = fp8.quantize_weight(torch.randn(4096, 4096, device=device, generator=g) * 0.02)
+    for m, runs_on in ((77, "cublas"), (floor, "deepgemm")):
+        x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
+        xq, xs = fp8.quantize_activation(x)
+        assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
+        assert fp8._runs(w, ws, m) == runs_on
+
+
 def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_gpu(capsys):
     from hsx.bench import format_gemms
     from hsx.cli import main
@@ -971,8 +1115,9 @@ def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_
     rows = [{"n": 4096, "k": 4096, "count": 2, "bf16": 700.0, "cublas": 1000.0, "cublas_error": 7e-4,
              "fbgemm": "RuntimeError: cutlass cannot run"}]
     table = format_gemms("x", 16384, rows, {"bf16": 2e-3, "cublas": 1e-3, "fbgemm": None})
-    assert "| 4096 × 4096 | 2 | 700 | 1,000 (7.0e-04) | failed |" in table
-    assert "| all linears | | 2.0 ms | 1.0 ms (2.00×) | – |" in table and "4096×4096 fbgemm: RuntimeError" in table
+    assert "| N × K | per model | bf16 | cuBLAS block-scaled | DeepGEMM | fbgemm groupwise |" in table
+    assert "| 4096 × 4096 | 2 | 700 | 1,000 (7.0e-04) | – | failed |" in table  # DeepGEMM not run: "–"
+    assert "| all linears | | 2.0 ms | 1.0 ms (2.00×) | – | – |" in table and "4096×4096 fbgemm: RuntimeError" in table
     if not torch.cuda.is_available():
         assert main(["bench", "--gemms", "qwen3-8b,qwen3.6-27b"]) != 0
         assert "hsx: error: --gemms measures FP8 GEMMs: it needs a CUDA GPU" in capsys.readouterr().err
