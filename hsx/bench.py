@@ -558,14 +558,10 @@ def _free(device) -> None:
 
 
 def _versions() -> dict[str, str]:
-    import datasets
-    import torch
-    import transformers
-
+    from hsx.model import library_versions
     from hsx.version import __version__
 
-    return {"hsx": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "datasets": datasets.__version__}
+    return {"hsx": __version__, **library_versions()}
 
 
 def read_baseline(path: str, results: dict[str, Any]) -> float:

@@ -322,6 +322,7 @@ class RunStats:
     experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
     fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
+    versions: dict[str, str] | None = None  # hsx.model.library_versions: the libraries that computed the states
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
     write_seconds: float | None = None
@@ -347,7 +348,7 @@ class Extraction:
         from hsx.cost import (auto_token_budget, check_token_budget, layer_params, measure_matmul_tflops,
                               memory_bytes)
         from hsx.engine import Extractor, Pipeline
-        from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
+        from hsx.model import kernel_report, library_versions, load_model, prepare_model, resolve_packing
         from hsx.moe import resolve_experts, use_experts
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
@@ -408,7 +409,7 @@ class Extraction:
                               tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,
                               sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=packing,
                               experts_implementation=kernels.get("experts_implementation"), fp8_gemm=gemm,
-                              kernels=kernels)
+                              kernels=kernels, versions=library_versions())
         max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)
         self.bar = tqdm(total=sum(u.tokens for u in units), unit="tok", unit_scale=True, desc="extracting",
                         disable=not (progress and proc.is_main), dynamic_ncols=True,

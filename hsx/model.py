@@ -736,6 +736,32 @@ LINEAR_ATTENTION_KERNEL = "chunk_gated_delta_rule"  # Gated DeltaNet over a whol
 CONV_KERNEL = "causal_conv1d_fn"  # its short causal convolution (causal-conv1d when installed)
 
 
+# The libraries whose code computes or writes the states (pip's distribution name → module): kernels differ by version
+# in their last bits, so a run's record names them. Optional ones not installed are left out.
+STATE_LIBRARIES = {"torch": "torch", "transformers": "transformers", "datasets": "datasets",
+                   "accelerate": "accelerate", "triton": "triton", "flash-linear-attention": "fla",
+                   "causal-conv1d": "causal_conv1d", "kernels": "kernels", "deep_gemm": "deep_gemm",
+                   "fbgemm-gpu-genai": "fbgemm_gpu"}
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of STATE_LIBRARIES present (as pip reports them; for a module imported from a source tree, with
+    no distribution, its __version__), and "cuda": the CUDA torch was built for. Nothing is imported here."""
+    from importlib import metadata
+
+    found: dict[str, str] = {}
+    for dist, module in STATE_LIBRARIES.items():
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = getattr(sys.modules.get(module), "__version__", None)
+            if isinstance(version, str):
+                found[dist] = version
+    if torch.version.cuda:
+        found["cuda"] = torch.version.cuda
+    return found
+
+
 def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     """Which code paths the model's forward runs, for hsx.json and the run summary.
 

@@ -951,7 +951,7 @@ def combine_rank_stats(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         run["flops"] = sum(r["flops"] for r in writers)
         run["mfu"] = run["flops"] / seconds / (sum(peaks) * 1e12)
     for key in ("token_budget", "compile", "sdpa_backend", "packing", "experts_implementation", "fp8_gemm", "device",
-                "tp_size", "model_copies"):
+                "tp_size", "model_copies", "kernels", "versions"):
         if key in working[0]:
             run[key] = working[0][key]
     run["ranks"] = ranks

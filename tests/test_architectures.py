@@ -645,6 +645,8 @@ def test_end_to_end(name, dtype, tmp_path_factory, tmp_path, tokenizer):
     ran = info["run"]["kernels"]["experts_implementation"]
     assert info["run"].get("experts_implementation") == ran and (ran is not None) == (name in MOE)
     assert "fp8_gemm" not in info["run"]  # (no FP8 target)
+    versions = info["run"]["versions"]  # the libraries that computed the states, as pip names them
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
     view = hsx.torch_view(str(tmp_path / "out"))
     assert len(view) == info["counts"]["rows_written"] > 0
     model = fam.model if dtype == "float32" else type(fam.model).from_pretrained(fam.path, dtype=torch.bfloat16)

@@ -1508,3 +1508,28 @@ def test_verify_against_bf16_on_an_fp8_gpu(tmp_path):
     for name in ("1", "2", "final_hidden_state"):
         assert rel["stored_vs_fp8"][name] < 0.5 * rel["fp8_vs_bf16"][name], rel
         assert 1e-3 < rel["fp8_vs_bf16"][name] < 0.5 and 1e-3 < rel["stored_vs_bf16"][name] < 0.5, rel
+
+
+def test_library_versions_name_the_kernel_packages_present_and_a_source_tree_module_by_its_version(monkeypatch):
+    """hsx.json's run.versions (and the bench JSON's versions): pip's versions; DeepGEMM built in its source tree has
+    no distribution, so an imported deep_gemm is named by its __version__; absent packages are left out."""
+    import sys
+    from importlib import metadata
+
+    from hsx.model import STATE_LIBRARIES, library_versions
+
+    found = library_versions()
+    assert found["torch"] == torch.__version__ and found["datasets"] == metadata.version("datasets")
+    assert ("cuda" in found) == (torch.version.cuda is not None)
+    real = metadata.version
+
+    def version(dist):
+        if dist in ("deep_gemm", "triton"):
+            raise metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setitem(sys.modules, "deep_gemm", SimpleNamespace(__version__="2.6.1"))
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace())  # no version to say: left out
+    found = library_versions()
+    assert found["deep_gemm"] == "2.6.1" and "triton" not in found and set(found) <= set(STATE_LIBRARIES) | {"cuda"}

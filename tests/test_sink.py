@@ -258,8 +258,10 @@ def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
     from hsx.sink import combine_rank_stats
 
     rank = {"seconds": 1.0, "tokens": 10, "padded_tokens": 12, "gpu_seconds": 0.5, "sdpa_backend": "flash",
-            "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas"}
+            "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas",
+            "kernels": {"linear_attention": "fla"}, "versions": {"torch": "2.11.0", "deep_gemm": "2.6.1"}}
     run = combine_rank_stats([{**rank, "rank": 0}, {**rank, "rank": 1}])
     assert {k: run[k] for k in ("sdpa_backend", "packing", "compile", "experts_implementation", "fp8_gemm")} == {
         "sdpa_backend": "flash", "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped",
         "fp8_gemm": "cublas"}
+    assert run["kernels"] == rank["kernels"] and run["versions"] == rank["versions"]  # (README: run.kernels)
