@@ -596,6 +596,22 @@ def scaling(results: dict[str, Any], baseline: float | None) -> dict[str, Any]:
     return out
 
 
+WRITER_WAIT_NOTED = 0.05  # the GPU waited for the writer this share of its time or more: the summary says so
+
+
+def _writer_note(c: dict[str, Any]) -> list[str]:
+    """A line when (c)'s GPU waited for the writer WRITER_WAIT_NOTED of its time or more: how long, the writer's
+    rate, and where its checksums ran on zlib, that zlib-ng (the gpu extra) computes them about twice as fast."""
+    pipe = c.get("pipeline") or {}
+    waited, gpu = pipe.get("gpu_waited_for_writer_seconds"), pipe.get("gpu_seconds")
+    if not (waited and gpu) or waited < WRITER_WAIT_NOTED * gpu:
+        return []
+    rate = f" (busy at {c['writer_gb_per_s']:.2f} GB/s)" if "writer_gb_per_s" in c else ""
+    hint = ("; its CRC-32 ran on zlib: pip install zlib-ng (hsx's gpu extra) checksums about twice as fast"
+            if c.get("crc32") == "zlib" else "")
+    return [f"(c): the GPU waited {waited:.2f} s of {gpu:.2f} s for the writer{rate}{hint}"]
+
+
 def format_table(r: dict[str, Any]) -> str:
     lines = ["| run | rows | tok/s | MFU | padding | peak GiB | vs (c) |", "|---|---|---|---|---|---|---|"]
     for key, name in (("a", "(a) batch 1, output_hidden_states"), ("b", "(b) padded 32, dataset order"),
@@ -617,6 +633,7 @@ def format_table(r: dict[str, Any]) -> str:
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+    lines += _writer_note(c)
     if "scaling" in r:
         sc = r["scaling"]
         each = ", ".join(f"{x:,.0f}" for x in sc["per_process_tok_per_s"])

@@ -164,7 +164,14 @@ def test_gpu_clocks_reports_busy_samples_only(monkeypatch):
         "rows": 1, "tok_per_s": 1.0, "mfu": 0.5, "padding": 0.0, "gpu_idle": 0.0, "output_gb_per_s": 1.0,
         "compile_warmup_seconds": 1.0, "compile": True, "sdpa_backend": "flash", "token_budget": 1,
         "layers_run": 2, "gpu_clocks": stats}})
-    assert "SM clock" in line and "of 1980 MHz" in line
+    assert "SM clock" in line and "of 1980 MHz" in line and "waited" not in line
+    writer_bound = {"pipeline": {"gpu_seconds": 11.98, "gpu_waited_for_writer_seconds": 3.43},
+                    "writer_gb_per_s": 2.59, "crc32": "zlib"}  # (an H100 run's numbers)
+    assert bench._writer_note(writer_bound) == [
+        "(c): the GPU waited 3.43 s of 11.98 s for the writer (busy at 2.59 GB/s); its CRC-32 ran on zlib: pip "
+        "install zlib-ng (hsx's gpu extra) checksums about twice as fast"]
+    assert bench._writer_note({**writer_bound, "crc32": "zlib-ng"})[0].endswith("for the writer (busy at 2.59 GB/s)")
+    assert bench._writer_note({"pipeline": {"gpu_seconds": 16.13, "gpu_waited_for_writer_seconds": 0.44}}) == []
 
     def missing(name):
         raise OSError("libnvidia-ml.so.1: cannot open shared object file")
