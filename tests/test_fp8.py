@@ -1039,44 +1039,14 @@ def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel)")
-def test_fbgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
-    """fbgemm-gpu-genai's f8f8bf16_groupwise as hsx calls it (hsx's scales, M padded to 16) against the float32
-    product, at Qwen3-8B's and Qwen3.6-27B's linear shapes and row counts on both of its kernels (M <= 16 and
-    larger); then chosen by use_gemm and run through hsx::fp8_linear. Skipped where fbgemm_gpu is not installed."""
-    run, why = fp8.gemm("fbgemm")
-    if run is None:
-        pytest.skip(why)
-    device = torch.device("cuda", 0)
-    g = torch.Generator(device=device).manual_seed(0)
-    for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
-        w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
-        for m in (1, 16, 17, 300, 2048):
-            xq, xs = fp8.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
-            got = run(xq, xs, w, ws)
-            want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
-            assert got.dtype == torch.bfloat16 and got.shape == want.shape
-            assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
-    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-        monkeypatch.setattr(fp8, name, {})
-    with warnings_recorded() as seen:
-        assert fp8.use_gemm(device, "fbgemm") == "fbgemm"
-    assert not seen, [str(s.message) for s in seen]
-    x = torch.randn(77, 4096, device=device, generator=g, dtype=torch.bfloat16)
-    w, ws = fp8.quantize_weight(torch.randn(4096, 4096, device=device, generator=g) * 0.02)
-    xq, xs = fp8.quantize_activation(x)
-    assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
-    assert fp8._runs(w, ws) == "fbgemm"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an SM90 CUDA GPU (DeepGEMM's kernels)")
-def test_deepgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
-    """DeepGEMM's fp8_gemm_nt as hsx calls it (hsx's scales, M padded to 16) against the float32 product at Qwen3-8B's
-    and Qwen3.6-27B's linear shapes, from DEEPGEMM_MIN_ROWS rows; chosen by use_gemm, it runs hsx::fp8_linear's
-    products of that many rows and leaves smaller ones to cuBLAS. Skipped where deep_gemm is not installed."""
-    run, why = fp8.gemm("deepgemm")
+                    reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel, DeepGEMM's kernels)")
+@pytest.mark.parametrize("name", ["fbgemm", "deepgemm"])
+def test_optional_gemm_equals_the_float32_product_on_cuda(name, monkeypatch):
+    """fbgemm-gpu-genai's f8f8bf16_groupwise and DeepGEMM's fp8_gemm_nt as hsx calls them (hsx's scales, M padded to
+    16) against the float32 product, at Qwen3-8B's and Qwen3.6-27B's linear shapes: fbgemm at row counts on both of
+    its kernels (M <= 16 and larger), DeepGEMM from DEEPGEMM_MIN_ROWS rows; then chosen by use_gemm and run through
+    hsx::fp8_linear (DeepGEMM's smaller products on cuBLAS). Skipped where the package is not installed."""
+    run, why = fp8.gemm(name)
     if run is None:
         pytest.skip(why)
     device = torch.device("cuda", 0)
@@ -1084,23 +1054,23 @@ def test_deepgemm_gemm_equals_the_float32_product_on_cuda(monkeypatch):
     floor = fp8.DEEPGEMM_MIN_ROWS
     for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
         w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
-        for m in (floor, floor + 333):
+        for m in (1, 16, 17, 300, 2048) if name == "fbgemm" else (floor, floor + 333):
             xq, xs = fp8.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
             got = run(xq, xs, w, ws)
             want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
-    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-        monkeypatch.setattr(fp8, name, {})
+    for state in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, state, {})
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(device, "deepgemm") == "deepgemm"
+        assert fp8.use_gemm(device, name) == name
     assert not seen, [str(s.message) for s in seen]
     w, ws = fp8.quantize_weight(torch.randn(4096, 4096, device=device, generator=g) * 0.02)
-    for m, runs_on in ((77, "cublas"), (floor, "deepgemm")):
+    for m in (77, floor):
         x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
         xq, xs = fp8.quantize_activation(x)
         assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
-        assert fp8._runs(w, ws, m) == runs_on
+        assert fp8._runs(w, ws, m) == (name if name == "fbgemm" or m >= floor else "cublas")
 
 
 def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_gpu(capsys):
