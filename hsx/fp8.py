@@ -434,7 +434,7 @@ def _load_deepgemm():
 
 
 # DeepGEMM picks a tile shape per product from M, N and K (its heuristic's cost model), and compiles a kernel (nvcc,
-# 2-5 s on an H200) for each tile shape it has not built yet. Below a few thousand rows nearly every M picks another
+# 1.9-5.7 s on an H200) for each tile shape it has not built yet. Below a few thousand rows nearly every M picks another
 # one (13 kernels for M = 128, 256, ..., 1,920 at 4096 × 4096, measured): a bench run of small warm-up batches stalled
 # for minutes. From 8,192 rows, that heuristic (emulated in Python; it reproduced those measurements exactly) picks
 # 1-3 tile shapes per weight shape up to 32,768 rows for Qwen3-8B's and Qwen3.6-27B's linears: 6 and 9 kernels in
