@@ -27,6 +27,7 @@ hsx.moe's grouped path (`fp8_experts_forward`).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -451,6 +452,37 @@ def _deepgemm_mm(xq, xs, w, ws):
     out = torch.empty((xq.shape[0], w.shape[0]), device=xq.device, dtype=torch.bfloat16)
     dg.fp8_gemm_nt((xq.contiguous(), xs), (w.contiguous(), ws.contiguous()), out)
     return out
+
+
+DEEPGEMM_ROW_STEP = 64  # DeepGEMM's SM90 tile choice reads M only as ceil(M / block_m), block_m 64, 128 or 256 (M > 32)
+
+
+def build_deepgemm_kernels(base: torch.nn.Module, max_rows: int) -> tuple[int, int, float]:
+    """Have DeepGEMM build, before the first batch, every kernel it will pick for this model's FP8 linears that it
+    runs (`_runs`) at DEEPGEMM_MIN_ROWS..`max_rows` rows: one product per weight shape and multiple of
+    DEEPGEMM_ROW_STEP, as every M in between picks the tile shape of the next multiple. Otherwise each kernel is
+    compiled (seconds) by the first batch that wants it, in the middle of the run (a 7 s stall at 27B, measured).
+    Kernels already in DeepGEMM's disk cache (DG_JIT_CACHE_DIR) load without compiling. (weight shapes, products,
+    seconds); (0, 0, 0.0) when DeepGEMM runs none of them."""
+    step = DEEPGEMM_ROW_STEP
+    shapes = {}
+    if max_rows >= DEEPGEMM_MIN_ROWS:
+        for m in base.modules():
+            if isinstance(m, Fp8Linear) and _runs(m.weight, m.weight_scale_inv, max_rows) == "deepgemm":
+                shapes.setdefault((m.weight.device, *m.weight.shape), m)
+    if not shapes:
+        return 0, 0, 0.0
+    rows = range(-(-DEEPGEMM_MIN_ROWS // step) * step, -(-max_rows // step) * step + 1, step)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for (device, _, k), m in shapes.items():
+            x = torch.zeros(rows[-1], k, device=device, dtype=torch.bfloat16)
+            for r in rows:
+                _deepgemm_mm(*fp8_quantize(x[:r]), m.weight, m.weight_scale_inv)
+            del x
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return len(shapes), len(shapes) * len(rows), time.perf_counter() - t0
 
 
 ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned

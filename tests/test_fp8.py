@@ -971,6 +971,27 @@ def test_deepgemm_runs_when_asked_from_its_row_floor_and_the_next_gemm_below(gem
     assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
 
 
+def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a_batch_can_have(gemm_state):
+    """DeepGEMM picks a tile shape (and compiles its kernel) from ceil(M / block_m), block_m 64, 128 or 256: one
+    product per weight shape DeepGEMM runs and per multiple of 64 rows from its floor to the job's largest batch
+    builds them all; weights it does not run (N not whole scale blocks) and row counts under the floor are left."""
+    monkeypatch, cublas = gemm_state
+    calls = []
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    cpu, floor = torch.device("cpu"), fp8.DEEPGEMM_MIN_ROWS
+    assert fp8.use_gemm(cpu, "deepgemm") == "deepgemm"
+    layers = torch.nn.Sequential(*(fp8.Fp8Linear(*_weights(n, k), None)
+                                   for n, k in ((256, 512), (128, 512), (256, 512), (200, 512))))
+    calls.clear()
+    assert fp8.build_deepgemm_kernels(layers, floor - 1) == (0, 0, 0.0) and not calls
+    assert [fp8._runs(m.weight, m.weight_scale_inv, floor) for m in layers] == ["deepgemm"] * 3 + ["triton"]
+    calls.clear()  # (each weight shape's check multiplied `floor` rows)
+    shapes, products, seconds = fp8.build_deepgemm_kernels(layers, floor + 100)
+    rows = [floor, floor + 64, floor + 128]  # 8,292 rows pick the tile shape of 8,320
+    assert (shapes, products) == (2, 6) and seconds >= 0 and not cublas
+    assert calls == [(m, n, 512) for n in (256, 128) for m in rows], calls
+
+
 def test_auto_never_tries_deepgemm_and_one_asked_for_but_missing_or_failing_is_said_once(gemm_state):
     monkeypatch, cublas = gemm_state
     calls = []
