@@ -41,8 +41,9 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# hsx.fp8's block-scaled GEMMs after auto (auto: the first of cublas, fbgemm, triton that works on the device, fastest
-# first; docs/fp8.md: on an H200 cuBLAS 1,120-1,270 TFLOP/s, fbgemm 790-975, Triton 609-663); deepgemm only when named
+# hsx.fp8's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works on the device,
+# fastest first; docs/fp8.md: DeepGEMM 1,283-1,464 TFLOP/s on an H100, on an H200 cuBLAS 1,120-1,270, fbgemm 790-975,
+# Triton 609-663)
 FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "triton")
 PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 
@@ -140,12 +141,12 @@ class ExtractConfig:
                                        "grouped GEMMs, hsx.moe), grouped_mm (transformers'), eager (a loop over "
                                        "experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, help="FP8 targets on CUDA: the block-scaled GEMM "
-                         "(cublas: torch's _scaled_mm; deepgemm: DeepSeek's DeepGEMM where installed, compiling "
-                         "its kernels with nvcc at first use, for products of 8192 rows or more; fbgemm: "
-                         "fbgemm-gpu-genai's CUTLASS kernel where installed, a quarter slower on an H200; triton: "
-                         "hsx's, slower than bf16); each checked against a float32 product before use, the next "
-                         "fastest running where it fails (one warning); auto: the first of cublas, fbgemm, triton "
-                         "that works")
+                         "(deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "
+                         "the first batch, for products of 8192 rows or more, cuBLAS below; cublas: torch's "
+                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, a quarter slower "
+                         "on an H200; triton: hsx's, slower than bf16); each checked against a float32 product "
+                         "before use, the next fastest running where it fails (one warning); auto: the first of "
+                         "deepgemm, cublas, fbgemm, triton that works")
     packing: str = _key("auto", choices=("auto", "varlen", "none"), help="varlen: each batch as one packed sequence "
                         "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
                         "copy where the model allows it, else none")

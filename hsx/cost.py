@@ -138,7 +138,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 # docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default. qwen3-30b-a3b: 39-48% from VM
 # to VM (medians of 3 on two: 47.0%, 47.3%); below the best for a plan. gpt-oss-20b: medians of 3, 52.9% and 52.5%.
 # qwen3.6-35b-a3b: 37.4% and 36.5% on two VMs. FP8 shapes, of the FP8 matmul rate (2,000 rows, the bf16 shape in the
-# same call): qwen3-8b-fp8 53.4% (1.35×), qwen3.6-27b-fp8 55.7% (1.44×), qwen3-30b-a3b-fp8 24.2%.
+# same call), on cuBLAS's GEMM (hsx's default without DeepGEMM installed): qwen3-8b-fp8 53.4% (1.35×), qwen3.6-27b-fp8
+# 55.7% (1.44×), qwen3-30b-a3b-fp8 24.2%; with DeepGEMM 60.0% (1.53×) and 58.9% (1.49×), not planned on.
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.52,
                                   "qwen3.6-35b-a3b": 0.37, "qwen3-8b-fp8": 0.53, "qwen3.6-27b-fp8": 0.55,
                                   "qwen3-30b-a3b-fp8": 0.24}

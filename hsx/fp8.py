@@ -12,10 +12,11 @@ transformers loads such a checkpoint as stored (its FP8Linear modules hold the e
 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
 their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies
 (`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
-fp8_gemm): torch's cuBLAS `_scaled_mm` (1,120-1,270 TFLOP/s on an H200 at 16k tokens, against 650-770 for bf16),
-fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed (790-975), a Triton kernel
-(609-663: a fallback); when asked for, DeepGEMM's `fp8_gemm_nt` where it is installed (1,283-1,464 on an H100,
-cuBLAS 1,135-1,301 in the same call: all of Qwen3-8B's linears 1.91× bf16, cuBLAS 1.63×).
+fp8_gemm): DeepGEMM's `fp8_gemm_nt` where it is installed, for products of DEEPGEMM_MIN_ROWS rows or more
+(1,283-1,464 TFLOP/s on an H100 at 16k tokens, cuBLAS 1,135-1,301 in the same call: all of Qwen3-8B's linears
+1.91× bf16, cuBLAS 1.63×; end to end on an H200 qwen3.6-27b-fp8 1.49× bf16, cuBLAS 1.44×), torch's cuBLAS
+`_scaled_mm` (1,120-1,270 on an H200, against 650-770 for bf16), fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise`
+where that package is installed (790-975), a Triton kernel (609-663: a fallback).
 In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
 merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
 (`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
@@ -297,7 +298,8 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
         why = _disagrees(name, w, ws)
         _SHAPES[key] = why is None
         if why is not None:
-            after = ", else ".join(_GEMM_NAMES[g] for g in _gemms_from(name)[1:])
+            after = ", else ".join(_GEMM_NAMES[g] + (f" (from {DEEPGEMM_MIN_ROWS:,} rows)" if g == "deepgemm" else "")
+                                   for g in _gemms_from(name)[1:] if _missing(g, "auto") is None)
             warnings.warn(f"hsx: {_GEMM_NAMES[name]} failed its check for {w.shape[0]}×{w.shape[1]} FP8 weights on "
                           f"{w.device} ({why}); {after} runs weights of this shape", stacklevel=2)
     return _SHAPES[key]
@@ -532,11 +534,10 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
     return q, s.t()
 
 
-# What auto tries, fastest first (docs/fp8.md's GEMM table); Triton, last, runs any shape. DeepGEMM, faster than
-# cuBLAS per product, runs only when asked for (fp8_gemm: deepgemm): it compiles its kernels with nvcc as they are
-# first needed, and its end-to-end rate in hsx is not measured yet.
-GEMMS = ("cublas", "fbgemm", "triton")
-OPT_IN_GEMMS = ("deepgemm",)
+# What auto tries, fastest first (docs/fp8.md's GEMM tables); Triton, last, runs any shape. DeepGEMM and fbgemm run
+# where their packages are installed (neither is a dependency of hsx); DeepGEMM's products of fewer than
+# DEEPGEMM_MIN_ROWS rows run on the next.
+GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")
 
 
 def _gemms_from(first: str) -> list[str]:

@@ -403,11 +403,14 @@ class Extraction:
                                    nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
                                    topk_logits=cfg.topk_logits)
         if gemm == "deepgemm":
-            shapes, products, seconds = fp8.build_deepgemm_kernels(loaded.base, max(budget, cfg.max_length or 0))
+            rows = max(budget, cfg.max_length or 0)
+            shapes, products, seconds = fp8.build_deepgemm_kernels(loaded.base, rows)
             if shapes:
-                log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8.DEEPGEMM_MIN_ROWS:,}-"
-                    f"{max(budget, cfg.max_length or 0):,} rows ready in {seconds:.1f} s ({products} products; "
-                    f"compiled kernels stay in DG_JIT_CACHE_DIR, default ~/.deep_gemm)")
+                kernels["deepgemm_build"] = {"weight_shapes": shapes, "rows": [fp8.DEEPGEMM_MIN_ROWS, rows],
+                                             "products": products, "seconds": round(seconds, 1)}
+                log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
+                    f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
+                    f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)")
         self.features = fmt.features()
         self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
         self.per_layer = layer_params(loaded.text_config)

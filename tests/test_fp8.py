@@ -992,21 +992,27 @@ def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a
     assert calls == [(m, n, 512) for n in (256, 128) for m in rows], calls
 
 
-def test_auto_never_tries_deepgemm_and_one_asked_for_but_missing_or_failing_is_said_once(gemm_state):
+def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_only_when_asked_for(gemm_state):
     monkeypatch, cublas = gemm_state
     calls = []
     monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "cublas"  # installed and right, but opt-in: not even checked
-    assert not seen and not calls
-    w, ws = _weights(256, 512)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8.DEEPGEMM_MIN_ROWS, 512), fp8.ROW_ALIGN)
-    fp8._block_mm(xq, xs, w, ws)
-    assert not calls and cublas[-1] == (256, 512)  # auto's linears never reach it, whatever their rows
+        assert fp8.use_gemm(cpu) == "deepgemm"  # installed and right: auto's first
+    assert not seen and calls == [(fp8.DEEPGEMM_MIN_ROWS, 384, 512)] and not cublas
     for name in ("_BACKEND", "_CHOSEN"):
         monkeypatch.setattr(fp8, name, {})
     monkeypatch.setattr(fp8, "_DEEPGEMM", [(None, None)])
+    with warnings_recorded() as seen:
+        assert fp8.use_gemm(cpu) == "cublas"  # not installed: auto goes on without a word
+    assert not seen
+    w, ws = _weights(256, 512)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8.DEEPGEMM_MIN_ROWS, 512), fp8.ROW_ALIGN)
+    calls.clear()
+    fp8._block_mm(xq, xs, w, ws)
+    assert not calls and cublas[-1] == (256, 512)
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8, name, {})
     with pytest.warns(UserWarning, match=r"deep_gemm is not installed \(github.com/deepseek-ai/DeepGEMM\); FP8 "
                                          r"linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
         assert fp8.use_gemm(cpu, "deepgemm") == "cublas"
@@ -1015,20 +1021,20 @@ def test_auto_never_tries_deepgemm_and_one_asked_for_but_missing_or_failing_is_s
     def no_compiler(a, b, d, **kw):  # DeepGEMM's JIT without nvcc (or a kernel its nvcc cannot build)
         raise RuntimeError("Assertion error (compiler.hpp:228): false and \"NVCC compilation failed\"")
 
-    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-        monkeypatch.setattr(fp8, name, {})
     monkeypatch.setattr(fp8, "_DEEPGEMM", [(SimpleNamespace(fp8_gemm_nt=no_compiler), None)])
-    with pytest.warns(UserWarning, match=r"DeepGEMM's fp8_gemm_nt: RuntimeError: .*NVCC compilation failed.*; FP8 "
-                                         r"linears run on cuBLAS's") as seen:
-        assert fp8.use_gemm(cpu, "deepgemm") == "cublas"
-    assert len(seen) == 1
+    for choice in ("auto", "deepgemm"):  # installed but failing: said either way
+        for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+            monkeypatch.setattr(fp8, name, {})
+        with pytest.warns(UserWarning, match=r"DeepGEMM's fp8_gemm_nt: RuntimeError: .*NVCC compilation failed.*; "
+                                             r"FP8 linears run on cuBLAS's") as seen:
+            assert fp8.use_gemm(cpu, choice) == "cublas"
+        assert len(seen) == 1
 
 
-def test_every_fp8_gemm_choice_is_tried_by_auto_or_opt_in_and_each_has_a_name():
+def test_every_fp8_gemm_choice_is_tried_by_auto_and_each_has_a_name():
     from hsx.config import FP8_GEMM_CHOICES
 
-    assert sorted(fp8.GEMMS + fp8.OPT_IN_GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8.GEMMS[-1] == "triton"
-    assert not set(fp8.GEMMS) & set(fp8.OPT_IN_GEMMS)
+    assert sorted(fp8.GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8.GEMMS[-1] == "triton"
     assert all(name in fp8._GEMM_NAMES and callable(fp8._gemm(name)) for name in FP8_GEMM_CHOICES[1:])
     assert fp8._gemms_from("deepgemm") == ["deepgemm", "cublas", "fbgemm", "triton"]
 
