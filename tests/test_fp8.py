@@ -884,6 +884,23 @@ def test_a_weight_shape_fbgemm_gets_wrong_runs_on_cublas_and_the_report_says_so(
     assert report["linear"] == "hsx fp8 (fbgemm)" and report["gemm_by_shape"] == {"512x512": "cublas"}
 
 
+def test_the_fallback_warning_names_only_gemms_that_are_installed_and_deepgemm_from_its_row_floor(gemm_state):
+    monkeypatch, cublas = gemm_state
+    right = _fbgemm_contract([])
+    monkeypatch.setattr(fp8, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
+                                                                                       else 1.0), None)])
+    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract([]), None)])
+    cpu = torch.device("cpu")
+    assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm"
+    w2, s2 = _weights(512, 512, seed=1)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
+    with pytest.warns(UserWarning, match=r"512×512 FP8 weights on cpu \(relative error .*\); DeepGEMM's fp8_gemm_nt "
+                                         r"\(from 8,192 rows\), else cuBLAS's block-scaled _scaled_mm, else hsx's "
+                                         r"Triton block GEMM runs weights of this shape") as seen:
+        fp8._block_mm(xq, xs, w2, s2)  # (5 rows: cuBLAS multiplies them)
+    assert len(seen) == 1 and cublas[-1] == (512, 512)
+
+
 def test_weights_whose_k_cublas_cannot_scale_run_on_the_next_gemm_without_a_word(gemm_state):
     """cuBLAS's 128×128 scales need K/128 a multiple of 4: torch 2.11 returned wrong products for K = 256 on an
     H200 and refused padded scales, so such weights go to the next GEMM unasked, and hsx.json's record says so."""
