@@ -1547,3 +1547,40 @@ def test_library_versions_name_the_kernel_packages_present_and_a_source_tree_mod
     monkeypatch.setitem(sys.modules, "triton", SimpleNamespace())  # no version to say: left out
     found = library_versions()
     assert found["deep_gemm"] == "2.6.1" and "triton" not in found and set(found) <= set(STATE_LIBRARIES) | {"cuda"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an SM90 CUDA GPU (DeepGEMM's kernels)")
+def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(monkeypatch):
+    """After `build_deepgemm_kernels(model, R)`, products of any row count from DEEPGEMM_MIN_ROWS to R compile
+    nothing more (DeepGEMM's disk cache holds no new kernel) and equal the float32 product. Skipped where DeepGEMM is
+    not installed."""
+    import os
+    from pathlib import Path
+
+    run, why = fp8.gemm("deepgemm")
+    if run is None:
+        pytest.skip(why)
+    for state in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+        monkeypatch.setattr(fp8, state, {})
+    device = torch.device("cuda", 0)
+    g = torch.Generator(device=device).manual_seed(0)
+    assert fp8.use_gemm(device, "deepgemm") == "deepgemm"
+    layers = torch.nn.Sequential(*(fp8.Fp8Linear(*fp8.quantize_weight(torch.randn(n, k, device=device, generator=g)
+                                                                       * 0.02), None)
+                                   for n, k in ((1024, 4096), (4096, 4096), (1024, 4096))))
+    floor, top = fp8.DEEPGEMM_MIN_ROWS, fp8.DEEPGEMM_MIN_ROWS + 1000
+    shapes, products, _ = fp8.build_deepgemm_kernels(layers, top)
+    assert (shapes, products) == (2, 2 * len(range(floor, -(-top // 64) * 64 + 1, 64)))
+    cache = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache"
+    built = sorted(p.name for p in cache.glob("kernel.*"))
+    assert built, f"no DeepGEMM kernel under {cache}"
+    for m in range(floor + 1, top + 1, 37):
+        for layer in layers[:2]:
+            x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
+            xq, xs = fp8.fp8_quantize(x)
+            want = fp8.reference_mm(xq, xs, layer.weight, layer.weight_scale_inv, torch.float32)
+            assert fp8._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == "deepgemm"
+            assert _rel(fp8._block_mm(xq, xs, layer.weight, layer.weight_scale_inv), want) < 1e-2, m
+    assert sorted(p.name for p in cache.glob("kernel.*")) == built  # nothing compiled after the build
