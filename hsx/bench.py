@@ -627,9 +627,11 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
                      f"{peak} | {ratio} |")
     c = r["c"]
+    built = (c.get("kernels") or {}).get("deepgemm_build")  # (hsx.job: DeepGEMM's kernels, inside the warm-up)
+    dg = f", DeepGEMM's kernels {built['seconds']:.1f} s" if built else ""
     lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}"
-                 f"{', compiled' if c.get('compiled') else ''}), sdpa {c['sdpa_backend']}, "
+                 f"{', compiled' if c.get('compiled') else ''}{dg}), sdpa {c['sdpa_backend']}, "
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
                  f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
