@@ -402,7 +402,7 @@ class Extraction:
         self.extractor = Extractor(loaded, device, budget, prepared, sdpa_backend=cfg.sdpa_backend,
                                    nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
                                    topk_logits=cfg.topk_logits)
-        if gemm == "deepgemm":
+        if gemm is not None:  # (DeepGEMM may run some shapes as the fallback of another device choice too)
             rows = max(budget, cfg.max_length or 0)
             shapes, products, seconds = fp8.build_deepgemm_kernels(loaded.base, rows)
             if shapes:
