@@ -760,7 +760,7 @@ CUBLAS_MM = fp8._cublas_mm  # (gemm_state stands in for it)
 @pytest.fixture
 def gemm_state(monkeypatch):
     """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
-    for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
         monkeypatch.setattr(fp8, name, {})
     cublas = []
 
@@ -1007,6 +1007,10 @@ def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a
     rows = [floor, floor + 64, floor + 128]  # 8,292 rows pick the tile shape of 8,320
     assert (shapes, products) == (2, 6) and seconds >= 0 and not cublas
     assert calls == [(m, n, 512) for n in (256, 128) for m in rows], calls
+    calls.clear()  # a second job in this process: nothing built again, only row counts it had not reached
+    assert fp8.build_deepgemm_kernels(layers, floor + 100)[:2] == (2, 0) and not calls
+    assert fp8.build_deepgemm_kernels(layers, floor + 150)[:2] == (2, 2)
+    assert calls == [(floor + 192, n, 512) for n in (256, 128)], calls
 
 
 def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_only_when_asked_for(gemm_state):
@@ -1562,7 +1566,7 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
     run, why = fp8.gemm("deepgemm")
     if run is None:
         pytest.skip(why)
-    for state in ("_BACKEND", "_CHOSEN", "_SHAPES"):
+    for state in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
         monkeypatch.setattr(fp8, state, {})
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
