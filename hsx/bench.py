@@ -505,12 +505,16 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
         for i, t in enumerate(tables[:2]):
             run(i, t)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for i, t in enumerate(tables):
                 run(i, t)
             torch.cuda.synchronize()
-    Path(path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80,
-                                                          max_name_column_width=160))
+    # kernels first; then the ops by input shape, which tells apart the GEMMs that one kernel name covers
+    Path(path).write_text(
+        prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=160)
+        + "\n\nBy input shape (ops that ran on the GPU, by their device time):\n"
+        + prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=60,
+                                                              max_name_column_width=60, max_shapes_column_width=120))
 
 
 def random_model_over(config, dtype, devices):
