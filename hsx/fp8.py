@@ -515,7 +515,9 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
         import triton.language as tl
         from torch._inductor.runtime.triton_helpers import libdevice
 
-        @triton.jit
+        # Not specialized on the row count: Triton would build a second kernel for M % 16 == 0, compiled mid-run
+        # by the first batch whose token count is such (~1 in 16); M_pad is always a multiple of 16.
+        @triton.jit(do_not_specialize=["M"])
         def act_quant(x, u, q, s, M, M_pad, K, stride_xm, stride_um, EPS: tl.constexpr, QMAX: tl.constexpr,
                       BM: tl.constexpr, GATED: tl.constexpr):
             rm = tl.program_id(0) * BM + tl.arange(0, BM)

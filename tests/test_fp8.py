@@ -296,6 +296,26 @@ def _emulated_fp8_linear_forward(self, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton quantization kernel)")
+def test_activation_quantization_builds_one_kernel_for_every_row_count_on_cuda():
+    """The quantization kernel is built once for all row counts (a batch's token count is any number): a variant
+    per M % 16 would be compiled mid-run by the first batch of a multiple-of-16 length. Each result is the torch
+    quantization's."""
+    device = torch.device("cuda", 0)
+    g = torch.Generator(device=device).manual_seed(4)
+    for m in (17, 32, 33, 48, 1000, 1024):
+        x = torch.randn(m, 512, device=device, generator=g, dtype=torch.bfloat16)
+        q, s = fp8.fp8_quantize(x)
+        want_q, want_s = fp8.quantize_activation_padded(x, fp8.ROW_ALIGN)
+        assert q.shape == want_q.shape and torch.allclose(s, want_s, rtol=1e-6, atol=0), m
+        assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 1e-3, m  # (division's last bit)
+    kernel = fp8._QUANT_KERNEL
+    caches = getattr(kernel, "device_caches", None)
+    built = caches[device.index][0] if caches is not None else kernel.cache[device.index]
+    assert len(built) == 1, list(built)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with FP8 tensor cores")
 @pytest.mark.parametrize("compile_model", [False, True])
