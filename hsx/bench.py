@@ -287,8 +287,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
                   fp8_gemm=args.fp8_gemm, overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     t0 = time.perf_counter()
-    extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
-            log=quiet, model=loaded)
+    warm_info = extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
+                        log=quiet, model=loaded)
     warm_extract_s = time.perf_counter() - t0
     compiler = hsx_model.compiled_state(loaded.base)
     if compiler:  # compiled ahead in a worker: the timed run starts on compiled layers (or gives up, one line)
@@ -316,6 +316,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
         "gpus_per_copy": args.gpus_per_copy,
         "storage_dtype": args.storage_dtype, "packing": run.get("packing"), "kernels": run.get("kernels"),
+        # (the warm-up's job built DeepGEMM's kernels; the timed one, in the same process, had none left to build)
+        "deepgemm_build": ((warm_info or {}).get("run", {}).get("kernels") or {}).get("deepgemm_build"),
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
@@ -631,7 +633,7 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
                      f"{peak} | {ratio} |")
     c = r["c"]
-    built = (c.get("kernels") or {}).get("deepgemm_build")  # (hsx.job: DeepGEMM's kernels, inside the warm-up)
+    built = c.get("deepgemm_build")  # (hsx.job: DeepGEMM's kernels, inside the warm-up)
     dg = f", DeepGEMM's kernels {built['seconds']:.1f} s" if built else ""
     lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}"
