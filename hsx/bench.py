@@ -287,8 +287,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
                   fp8_gemm=args.fp8_gemm, overwrite=True)
     quiet = lambda *a, **k: None  # noqa: E731
     t0 = time.perf_counter()
-    warm_info = extract(ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")}),
-                        log=quiet, model=loaded)
+    warm = ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")})
+    warm_info = extract(warm, log=quiet, model=loaded)
     warm_extract_s = time.perf_counter() - t0
     compiler = hsx_model.compiled_state(loaded.base)
     if compiler:  # compiled ahead in a worker: the timed run starts on compiled layers (or gives up, one line)

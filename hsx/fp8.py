@@ -459,6 +459,11 @@ def _deepgemm_mm(xq, xs, w, ws):
 DEEPGEMM_ROW_STEP = 64  # DeepGEMM's SM90 tile choice reads M only as ceil(M / block_m), block_m 64, 128 or 256 (M > 32)
 
 
+# (device, N, K) → the most rows `build_deepgemm_kernels` has run for such weights in this process: a second job in
+# one process (the bench's timed run after its warm-up, a notebook's next extract) builds only what is new
+_DEEPGEMM_BUILT: dict[tuple, int] = {}
+
+
 def build_deepgemm_kernels(base: torch.nn.Module, max_rows: int) -> tuple[int, int, float]:
     """Have DeepGEMM build, before the first batch, every kernel it will pick for this model's FP8 linears that it
     runs (`_runs`) at DEEPGEMM_MIN_ROWS..`max_rows` rows: one product per weight shape and multiple of
@@ -475,13 +480,13 @@ def build_deepgemm_kernels(base: torch.nn.Module, max_rows: int) -> tuple[int, i
                 shapes.setdefault((m.weight.device, *m.weight.shape), m)
     if not shapes:
         return 0, 0, 0.0
-    top = -(-max_rows // step) * step
+    floor, top = -(-DEEPGEMM_MIN_ROWS // step) * step, -(-max_rows // step) * step
     t0 = time.perf_counter()
     products = 0
     with torch.inference_mode():
         for key, m in shapes.items():
             device, _, k = key
-            rows = range(max(-(-DEEPGEMM_MIN_ROWS // step) * step, _DEEPGEMM_BUILT.get(key, 0) + step), top + 1, step)
+            rows = range(max(floor, _DEEPGEMM_BUILT.get(key, 0) + step), top + 1, step)
             if not rows:
                 continue
             x = torch.zeros(rows[-1], k, device=device, dtype=torch.bfloat16)
@@ -493,11 +498,6 @@ def build_deepgemm_kernels(base: torch.nn.Module, max_rows: int) -> tuple[int, i
             products += len(rows)
             _DEEPGEMM_BUILT[key] = top
     return len(shapes), products, time.perf_counter() - t0
-
-
-# (device, N, K) → the most rows `build_deepgemm_kernels` has run for such weights in this process: a second job in
-# one process (the bench's timed run after its warm-up, a notebook's next extract) builds only what is new
-_DEEPGEMM_BUILT: dict[tuple, int] = {}
 
 
 ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned

@@ -410,7 +410,8 @@ class Extraction:
                                              "products": products, "seconds": round(seconds, 1)}
                 log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
                     + (f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
-                       f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products else "rows: built earlier in this process"))
+                       f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products
+                       else "rows: built earlier in this process"))
         self.features = fmt.features()
         self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
         self.per_layer = layer_params(loaded.text_config)
