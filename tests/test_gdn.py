@@ -121,3 +121,72 @@ def test_the_gated_norm_off_cuda_is_transformers_formula():
         gate = torch.randn(37, dim, dtype=torch.bfloat16) * 2
         got = gdn.gated_rms_norm(x, gate, norm.weight, 1e-6)
         assert got.dtype == torch.bfloat16 and torch.equal(got, norm(x, gate))
+
+
+def _qwen3_5_linear_attention(dtype=torch.float32):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    torch.manual_seed(0)
+    return Qwen3_5GatedDeltaNet(config, layer_idx=0).to(dtype)
+
+
+def test_merged_projections_are_one_weight_the_modules_view():
+    """Qwen3.5/3.6's four input projections become one weight (the four modules' weights its row blocks, no second
+    copy, the state dict unchanged) and one product gives what the four gave."""
+    m = _qwen3_5_linear_attention()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(2, 5, 64)
+    separate = [getattr(m, n)(x) for n in gdn.QWEN3_5_PROJECTIONS]
+    assert gdn.merge_projections(m) and not gdn.merge_projections(m)  # once
+    merged = getattr(m, gdn.MERGED_PROJECTIONS)
+    assert merged.shape == (sum(t.shape[-1] for t in separate), 64)
+    assert all(getattr(m, n).weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+               for n in gdn.QWEN3_5_PROJECTIONS)
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    mixed, z, b, a = gdn._projections(m, x)
+    assert torch.allclose(mixed, separate[0], atol=1e-5) and torch.allclose(b, separate[2], atol=1e-5)
+    assert torch.allclose(a, separate[3], atol=1e-5)
+    assert z.shape == (2, 5, 4, 16) and torch.allclose(z, separate[1].reshape(2, 5, 4, 16), atol=1e-5)
+    # a weight written in place (load_state_dict copies into the views) reaches the merged product
+    with torch.no_grad():
+        m.in_proj_b.weight.mul_(2)
+    assert torch.allclose(gdn._projections(m, x)[2], 2 * separate[2], atol=1e-5)
+
+
+def test_parted_or_unmergeable_projections_run_as_the_modules():
+    """After a `.to()` that parts the views from the merged weight the layer runs its four modules as they are;
+    quantized or biased projections (not plain bias-free Linears) are not merged."""
+    m = _qwen3_5_linear_attention()
+    assert gdn.merge_projections(m)
+    m.to(torch.float64)
+    with torch.no_grad():
+        m.in_proj_a.weight.zero_()  # only in the module's own weight now
+    x = torch.randn(1, 3, 64, dtype=torch.float64)
+    assert gdn._merged_weight(m) is None
+    assert torch.equal(gdn._projections(m, x)[3], torch.zeros(1, 3, 4, dtype=torch.float64))
+
+    class QuantizedLinear(torch.nn.Linear):
+        pass
+
+    odd = _qwen3_5_linear_attention()
+    odd.in_proj_z = QuantizedLinear(64, 64, bias=False)
+    assert not gdn.merge_projections(odd) and not hasattr(odd, gdn.MERGED_PROJECTIONS)
+    biased = _qwen3_5_linear_attention()
+    biased.in_proj_b = torch.nn.Linear(64, 4, bias=True)
+    assert not gdn.merge_projections(biased)
+
+
+def test_the_gated_norm_reads_a_gate_of_heads_from_a_wider_product():
+    """(tokens, heads, dim) with the gate a view of a wider row (z in the merged product) is the 2-d norm's result."""
+    torch.manual_seed(0)
+    weight = torch.rand(16) + 0.5
+    x = torch.randn(7, 4, 16, dtype=torch.bfloat16)
+    wide = torch.randn(7, 100, dtype=torch.bfloat16)
+    gate = wide[:, 20:84].unflatten(-1, (4, 16))
+    got = gdn.gated_rms_norm(x, gate, weight, 1e-6)
+    flat = gdn.gated_rms_norm(x.reshape(-1, 16), gate.reshape(-1, 16), weight, 1e-6)
+    assert got.shape == x.shape and torch.equal(got.reshape(-1, 16), flat)

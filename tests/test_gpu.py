@@ -459,6 +459,10 @@ def test_conv_qkv_kernel_equals_fla_convolution_and_qk_l2norm():
             mixed = mixed.to(torch.bfloat16)
             assert gdn._conv_qkv_takes(m, mixed, weight)
             q, k, v = gdn.conv_qkv(m, mixed, packed)
+            # read in place from a wider product (the merged projections': q|k|v, then z, b, a): the same bytes
+            wide = torch.cat([mixed, torch.randn_like(mixed[..., :200])], dim=-1)[..., :mixed.shape[-1]]
+            assert not wide.is_contiguous() and gdn._conv_qkv_takes(m, wide, weight)
+            assert all(torch.equal(x, y) for x, y in zip(gdn.conv_qkv(m, wide, packed), (q, k, v)))
             varlen = {} if packed is None else {"cu_seqlens": packed.cu_seqlens,
                                                 "cu_seqlens_cpu": packed.cu_seqlens_cpu,
                                                 "chunk_indices": packed.chunk_indices}
@@ -486,7 +490,7 @@ def test_gated_rms_norm_kernel_equals_transformers():
     from hsx import gdn
 
     torch.manual_seed(0)
-    for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37, torch.float32)):
+    for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37 * 4, torch.float32)):
         norm = Qwen3_5RMSNormGated(128, eps=1e-6).to("cuda", weight_dtype)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
@@ -500,6 +504,11 @@ def test_gated_rms_norm_kernel_equals_transformers():
         err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item()
         same = (got == ref).float().mean().item()
         assert err <= 2 ** -5 and same > 0.999, (rows, weight_dtype, err, same)
+        # per head (tokens, heads, dim), the gate read in place from a wider row (z in the merged projections)
+        wide = torch.cat([gate.reshape(-1, 4 * 128), torch.randn_like(gate[: rows // 4, :40])], dim=-1)
+        strided = wide[:, :4 * 128].unflatten(-1, (4, 128))
+        assert torch.equal(gdn.gated_rms_norm(x.reshape(-1, 4, 128), strided, norm.weight, 1e-6),
+                           got.reshape(-1, 4, 128))
         assert torch.equal(gdn.gated_rms_norm(x.cpu(), gate.cpu(), norm.weight.cpu(), 1e-6),
                            norm.cpu()(x.cpu(), gate.cpu()))  # the torch path is transformers' formula
 

@@ -287,3 +287,44 @@ def test_fused_gate_up_only_where_it_applies():
     # A biased gate of another form is not GPT-OSS's.
     gpt_experts._apply_gate = lambda y: torch.nn.functional.silu(y[..., ::2]) * y[..., 1::2]
     assert moe._clamped_gate(gpt_experts) is None and not moe._gate_up_fusable(gpt_experts)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe", "qwen2_moe"])
+def test_shared_expert_projections_run_as_one_product_and_back(name):
+    """hsx_grouped runs a shared-expert sparse block (Qwen2-MoE, Qwen3-Next, Qwen3.5/3.6-MoE) with the shared
+    expert's gate and up projections and its gate score as one product: the block's output is its class forward's;
+    switching back restores transformers' forward; a block whose projections are not plain bias-free Linears, or
+    whose class forward is another, is left alone."""
+    from hsx import moe
+
+    if name == "qwen2_moe":
+        CONFIGS[name] = lambda: T.Qwen2MoeConfig(**COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    model = _model(name)
+    block = model.layers[0].mlp
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        use_experts(model, "eager")
+        ref = block(x)
+        use_experts(model, EXPERTS_IMPLEMENTATION)
+        assert block.forward.__func__ is moe.shared_expert_forward
+        blocks = [m for m in model.modules() if type(m) is type(block)]
+        assert len(blocks) == 2 and all("forward" in m.__dict__ for m in blocks)
+        torch.testing.assert_close(block(x), type(block).forward(block, x), rtol=1e-6, atol=1e-6)
+        assert block(x).abs().max() > 1e-3
+        use_experts(model, "eager")
+        assert "forward" not in block.__dict__ and torch.equal(block(x), ref)
+
+        biased = _model(name)
+        biased.layers[0].mlp.shared_expert_gate = torch.nn.Linear(64, 1, bias=True)
+        use_experts(biased, EXPERTS_IMPLEMENTATION)
+        assert "forward" not in biased.layers[0].mlp.__dict__ and "forward" in biased.layers[1].mlp.__dict__
+
+        class OtherBlock(type(block)):
+            def forward(self, hidden_states):
+                return super().forward(hidden_states) * 2
+
+        other = _model(name)
+        other.layers[0].mlp.__class__ = OtherBlock
+        use_experts(other, EXPERTS_IMPLEMENTATION)
+        assert "forward" not in other.layers[0].mlp.__dict__
