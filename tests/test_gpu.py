@@ -161,6 +161,9 @@ def test_packed_hybrid_equals_one_row_reference():
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
     assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
+    from hsx import gdn
+
+    assert all(gdn._merged_weight(m) is not None for m in gdn.linear_attention_modules(causal.model))  # one GEMM
 
 
 def test_packed_hybrid_row_ignores_its_neighbours():
@@ -259,6 +262,7 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     moe.use_experts(causal.model, moe.EXPERTS_IMPLEMENTATION)
     block = causal.model.layers[0].mlp
     assert getattr(block.experts, moe.FUSED_GATE_UP) and block.gate.forward.__func__ is moe.routed_forward
+    assert block.forward.__func__ is moe.shared_expert_forward
     base_err = _rel(ref16, ref32)
     for packing, compile_model in (("none", False), ("varlen", False), ("varlen", True)):
         got = _states(causal, layers, compile_model, rows, packing=packing)[0]
