@@ -246,6 +246,9 @@ def _supported_layout(m: torch.nn.Module) -> bool:
 
 QWEN3_5_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one input, in this order
 MERGED_PROJECTIONS = "_hsx_in_proj"  # the buffer `merge_projections` registers on a layer
+# zero rows pad the merged weight to a multiple of 8 rows: the product's rows stay 16-byte aligned for any head
+# count (cuBLAS falls back to a slow unaligned kernel otherwise)
+MERGED_ROWS_ALIGN = 8
 
 
 def merge_projections(m: torch.nn.Module) -> bool:
@@ -262,8 +265,9 @@ def merge_projections(m: torch.nn.Module) -> bool:
     weights = [lin.weight for lin in linears]
     if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1 or weights[0].is_meta:
         return False
+    pad = -sum(w.shape[0] for w in weights) % MERGED_ROWS_ALIGN
     with torch.no_grad():
-        merged = torch.cat([w.detach() for w in weights])
+        merged = torch.cat([w.detach() for w in weights] + [weights[0].new_zeros(pad, weights[0].shape[1])])
     start = 0
     for lin, w in zip(linears, weights):
         lin.weight = torch.nn.Parameter(merged[start:start + w.shape[0]], requires_grad=w.requires_grad)
@@ -295,7 +299,8 @@ def _projections(self, x: torch.Tensor):
         merged = _merged_weight(self)
         if merged is not None:
             widths = [getattr(self, n).weight.shape[0] for n in QWEN3_5_PROJECTIONS]
-            mixed, z, b, a = torch.nn.functional.linear(x, merged).split(widths, dim=-1)
+            widths.append(merged.shape[0] - sum(widths))  # the padding
+            mixed, z, b, a, _ = torch.nn.functional.linear(x, merged).split(widths, dim=-1)
             return mixed, z.unflatten(-1, (-1, self.head_v_dim)), b, a
         z = self.in_proj_z(x).reshape(batch, seq, -1, self.head_v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

@@ -904,6 +904,9 @@ def use_router(base: torch.nn.Module, fused: bool) -> None:
 # a full pass over it as transformers runs them. `shared_expert_forward` computes the three as one product, their
 # weights concatenated at each call (~4 MB a layer, against the 2 of 3 passes over a 67 MB input it saves at 16k
 # tokens): nothing kept beside the modules' own weights, so nothing to go stale.
+# The product's width is padded with zero rows to a multiple of 8: with 2·512 + 1 columns its rows were not 16-byte
+# aligned and cuBLAS fell back to an sm75 CUTLASS kernel (align1), 1.45 ms a layer call at 32k tokens on an H200.
+SHARED_ROWS_ALIGN = 8
 SHARED_BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock")
 SHARED_BLOCK_STEPS = (
     "hidden_states_reshaped = hidden_states.view(-1, hidden_dim)",
@@ -952,9 +955,11 @@ def shared_expert_forward(self: torch.nn.Module, hidden_states: torch.Tensor) ->
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     x = hidden_states.view(-1, hidden_dim)
     mlp = self.shared_expert
-    weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight, self.shared_expert_gate.weight])
-    width = mlp.gate_proj.out_features
-    gate, up, score = torch.nn.functional.linear(x, weight).split((width, mlp.up_proj.out_features, 1), dim=-1)
+    widths = [mlp.gate_proj.out_features, mlp.up_proj.out_features, 1]
+    pad = -sum(widths) % SHARED_ROWS_ALIGN
+    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, self.shared_expert_gate.weight]
+    weight = torch.cat(weights + [weights[0].new_zeros(pad, weights[0].shape[1])] if pad else weights)
+    gate, up, score = torch.nn.functional.linear(x, weight).split(widths + [pad] if pad else widths, dim=-1)[:3]
     shared = mlp.down_proj(mlp.act_fn(gate) * up)
     _, routing_weights, selected_experts = self.gate(x)
     out = self.experts(x, selected_experts, routing_weights)

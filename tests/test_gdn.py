@@ -142,7 +142,8 @@ def test_merged_projections_are_one_weight_the_modules_view():
     separate = [getattr(m, n)(x) for n in gdn.QWEN3_5_PROJECTIONS]
     assert gdn.merge_projections(m) and not gdn.merge_projections(m)  # once
     merged = getattr(m, gdn.MERGED_PROJECTIONS)
-    assert merged.shape == (sum(t.shape[-1] for t in separate), 64)
+    width = sum(t.shape[-1] for t in separate)  # 16·2·2 + 64 + 4 + 4 = 136, a multiple of 8: no padding
+    assert merged.shape == (width, 64)
     assert all(getattr(m, n).weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
                for n in gdn.QWEN3_5_PROJECTIONS)
     after = m.state_dict()
@@ -190,3 +191,23 @@ def test_the_gated_norm_reads_a_gate_of_heads_from_a_wider_product():
     got = gdn.gated_rms_norm(x, gate, weight, 1e-6)
     flat = gdn.gated_rms_norm(x.reshape(-1, 16), gate.reshape(-1, 16), weight, 1e-6)
     assert got.shape == x.shape and torch.equal(got.reshape(-1, 16), flat)
+
+
+def test_merged_projections_keep_the_products_rows_aligned():
+    """An odd number of value heads (b and a one column each) would leave the product's rows unaligned: zero rows
+    pad the merged weight to a multiple of 8, and the four outputs are still the modules'."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=1, linear_num_value_heads=3,
+                               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    torch.manual_seed(0)
+    m = Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    x = torch.randn(1, 4, 64)
+    separate = [getattr(m, n)(x) for n in gdn.QWEN3_5_PROJECTIONS]
+    assert gdn.merge_projections(m)
+    merged = getattr(m, gdn.MERGED_PROJECTIONS)
+    width = sum(t.shape[-1] for t in separate)  # 16·2 + 48 + 48 + 3 + 3 = 134
+    assert merged.shape[0] == 136 and width == 134 and not merged[width:].any()
+    for got, want in zip(gdn._projections(m, x), separate):
+        assert torch.allclose(got.reshape(want.shape), want, atol=1e-5)
