@@ -14,10 +14,6 @@ need no boundaries (causal: padding sits after every real token).
 fla's first forward autotunes its kernels (40 s on a fresh H200 at the 27B shape); `settle_autotuning` hands
 them the configs that run chose, so the first forward compiles one per kernel (6.3 s).
 
-Qwen3.5/3.6's four input projections (q|k|v, z, b, a) run as one GEMM over a merged weight the four modules' weights
-become views of (`merge_projections`): the layer's input is read once, not four times, and the convolution and the
-gated norm read their columns of that product in place.
-
 Nothing is changed at import time or in transformers' classes (installed modules are kept in a weak set); a cached
 (generation) call or an attention mask falls back to transformers' forward. Without fla, or on CPU, the modules
 keep transformers' forward (exact for hsx's right-padded batches) and packing is refused.
@@ -112,7 +108,6 @@ def install(base: torch.nn.Module) -> bool:
     for m in modules:
         if m not in _INSTALLED:  # the instance's forward, as accelerate's hooks and torch.compile replace it
             m.forward = types.MethodType(fla_forward, m)
-            merge_projections(m)
             _INSTALLED.add(m)
     settle_autotuning(modules[0].conv1d.weight.device)
     return True
@@ -244,64 +239,10 @@ def _supported_layout(m: torch.nn.Module) -> bool:
                                                     or all(hasattr(m, a) for a in qwen3_next))
 
 
-QWEN3_5_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one input, in this order
-MERGED_PROJECTIONS = "_hsx_in_proj"  # the buffer `merge_projections` registers on a layer
-# zero rows pad the merged weight to a multiple of 8 rows: the product's rows stay 16-byte aligned for any head
-# count (cuBLAS falls back to a slow unaligned kernel otherwise)
-MERGED_ROWS_ALIGN = 8
-
-
-def merge_projections(m: torch.nn.Module) -> bool:
-    """Qwen3.5/3.6's four input projections (q|k|v, z, b, a: one input) as one weight, registered on the layer as a
-    non-persistent buffer, whose row blocks the four modules' weights become views of (no second copy in memory;
-    the state dict is unchanged). One GEMM then reads the layer's input once instead of four times: b and a are
-    one column per value head (32 to 48), each a full pass over the input for almost no work. Only plain bias-free
-    `nn.Linear`s of one device and dtype are merged (not FP8 or other quantized modules); False when not merged."""
-    if not all(hasattr(m, n) for n in QWEN3_5_PROJECTIONS) or hasattr(m, MERGED_PROJECTIONS):
-        return False
-    linears = [getattr(m, n) for n in QWEN3_5_PROJECTIONS]
-    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
-        return False
-    weights = [lin.weight for lin in linears]
-    if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1 or weights[0].is_meta:
-        return False
-    pad = -sum(w.shape[0] for w in weights) % MERGED_ROWS_ALIGN
-    with torch.no_grad():
-        merged = torch.cat([w.detach() for w in weights] + [weights[0].new_zeros(pad, weights[0].shape[1])])
-    start = 0
-    for lin, w in zip(linears, weights):
-        lin.weight = torch.nn.Parameter(merged[start:start + w.shape[0]], requires_grad=w.requires_grad)
-        start += w.shape[0]
-    m.register_buffer(MERGED_PROJECTIONS, merged, persistent=False)
-    return True
-
-
-def _merged_weight(self) -> torch.Tensor | None:
-    """The layer's merged projection weight while the four modules' weights are still its views (a later `.to()`
-    or weight swap parts them: then the modules run as they are)."""
-    merged = getattr(self, MERGED_PROJECTIONS, None)
-    if merged is None:
-        return None
-    base, start = merged.untyped_storage().data_ptr(), merged.storage_offset()
-    for n in QWEN3_5_PROJECTIONS:
-        w = getattr(self, n).weight
-        if w.untyped_storage().data_ptr() != base or w.storage_offset() != start or w.dtype != merged.dtype:
-            return None
-        start += w.numel()
-    return merged
-
-
 def _projections(self, x: torch.Tensor):
-    """(conv input q|k|v (B, T, 2·key_dim + value_dim), z (B, T, HV, dv), b (B, T, HV), a (B, T, HV)); views of
-    one product when the layer's projections are merged (`merge_projections`)."""
+    """(conv input q|k|v (B, T, 2·key_dim + value_dim), z (B, T, HV, dv), b (B, T, HV), a (B, T, HV))."""
     batch, seq, _ = x.shape
     if hasattr(self, "in_proj_qkv"):  # Qwen3.5/3.6
-        merged = _merged_weight(self)
-        if merged is not None:
-            widths = [getattr(self, n).weight.shape[0] for n in QWEN3_5_PROJECTIONS]
-            widths.append(merged.shape[0] - sum(widths))  # the padding
-            mixed, z, b, a, _ = torch.nn.functional.linear(x, merged).split(widths, dim=-1)
-            return mixed, z.unflatten(-1, (-1, self.head_v_dim)), b, a
         z = self.in_proj_z(x).reshape(batch, seq, -1, self.head_v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
     q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x), self.in_proj_ba(x))  # Qwen3-Next
@@ -329,9 +270,7 @@ def fla_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Ten
                                     A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                                     **varlen)
     eps = getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6))
-    heads = z.shape[-2]
-    out = gated_rms_norm(out.reshape(-1, heads, self.head_v_dim), z.reshape(-1, heads, self.head_v_dim),
-                         self.norm.weight, eps)
+    out = gated_rms_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight, eps)
     return self.out_proj(out.reshape(batch, seq, -1))
 
 
@@ -419,16 +358,9 @@ def _power_of_2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-def _rows_of_tokens(x: torch.Tensor) -> bool:
-    """Whether (B, T, C) `x` is one row per token in memory: contiguous channels, tokens a fixed stride apart
-    (contiguous, or the leading columns of a wider product such as the merged projections')."""
-    return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) >= x.shape[2]
-            and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1)))
-
-
 def _conv_qkv_takes(self, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A bf16/fp16 CUDA input, one row per token (`_rows_of_tokens`), of a layer `conv_kernel` names "hsx" for."""
-    return (mixed.is_cuda and mixed.dtype in (torch.bfloat16, torch.float16) and _rows_of_tokens(mixed)
+    """A contiguous bf16/fp16 CUDA input of a layer `conv_kernel` names "hsx" for."""
+    return (mixed.is_cuda and mixed.dtype in (torch.bfloat16, torch.float16) and mixed.is_contiguous()
             and weight.dim() == 2 and weight.shape[0] == mixed.shape[-1] and conv_kernel(self) == "hsx")
 
 
@@ -464,7 +396,7 @@ def _conv_qkv_cuda(mixed, weight, bias, activation, key_dim: int, head_k_dim: in
         _conv_qkv_kernel()[grid](
             mixed, weight, weight if bias is None else bias, q, k, v,
             rows.cu_seqlens if varlen else mixed, rows.chunk_indices if varlen else mixed,
-            seq, mixed.stride(1), key_dim, value_dim, 1e-6, D=head_k_dim, W=weight.shape[1], BT=CONV_TOKENS,
+            seq, channels, key_dim, value_dim, 1e-6, D=head_k_dim, W=weight.shape[1], BT=CONV_TOKENS,
             HAS_BIAS=bias is not None, SILU=activation is not None, VARLEN=varlen, num_warps=4)
     return q, k, v
 
@@ -475,7 +407,7 @@ def _conv_qkv_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["seq"])
-    def conv_qkv_kernel(x, w, bias, q, k, v, cu_seqlens, chunk_indices, seq, stride_x, key_dim, value_dim, eps,
+    def conv_qkv_kernel(x, w, bias, q, k, v, cu_seqlens, chunk_indices, seq, channels, key_dim, value_dim, eps,
                         D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SILU: tl.constexpr, VARLEN: tl.constexpr):
         i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -493,7 +425,7 @@ def _conv_qkv_kernel():
         acc = tl.zeros((BT, D), dtype=tl.float32)
         for j in tl.static_range(W):  # tap j reads token t - (W - 1 - j); before the row's start: zero
             src = t - (W - 1 - j)
-            x_j = tl.load(x + (start + src)[:, None] * stride_x + col[None, :],
+            x_j = tl.load(x + (start + src)[:, None] * channels + col[None, :],
                           mask=((src >= 0) & (src < length))[:, None], other=0.0).to(tl.float32)
             acc += x_j * tl.load(w + col * W + j).to(tl.float32)[None, :]
         if HAS_BIAS:
@@ -520,27 +452,21 @@ def _conv_qkv_kernel():
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' gated RMSNorm of Qwen3.5/3.6 and Qwen3-Next per head (rows of head_v_dim): x normalised in float32
     and rounded, times the weight (rounded as torch's product of the two is), times SiLU(gate) in float32, rounded
-    once more. `x` and `gate` are (rows, dim) or (tokens, heads, dim); a 3-d gate may have tokens any stride apart
-    (z read in place from the merged projections' product). On CUDA one Triton kernel over all rows: fla's fused
-    kernel, fed blocks of 65,536 rows (it compiles one variant per ceil(rows / 65,536)) and concatenated, took 205 +
-    107 µs a Qwen3.6-35B-A3B layer at 32k tokens on an H200; this kernel 161 µs. Elsewhere, or for a head size that
-    is not a power of two, the same in torch."""
-    dim = x.shape[-1]
-    heads = x.shape[1] if x.dim() == 3 else 1
-    gate_rows = ((gate.dim() == 3 and gate.stride(2) == 1 and gate.stride(1) == dim)
-                 or (gate.dim() == 2 and gate.is_contiguous()))
-    if not (x.is_cuda and x.dim() in (2, 3) and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate_rows
+    once more. On CUDA one Triton kernel over all rows: fla's fused kernel, fed blocks of 65,536 rows (it compiles
+    one variant per ceil(rows / 65,536)) and concatenated, took 205 + 107 µs a Qwen3.6-35B-A3B layer at 32k tokens
+    on an H200; this kernel 161 µs. Elsewhere, or for a head size that is not a power of two, the same in torch."""
+    rows, dim = x.shape
+    if not (x.is_cuda and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate.is_contiguous()
             and gate.shape == x.shape and weight.shape == (dim,)):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         h = weight * h.to(x.dtype)
         return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
     out = torch.empty_like(x)
-    rows = x.numel() // dim
     if rows:
         rounds = torch.promote_types(weight.dtype, x.dtype) != torch.float32
-        _gated_norm_kernel()[(-(-rows // _NORM_ROWS),)](x, gate, weight, out, rows, heads, gate.stride(0), eps,
-                                                        D=dim, BR=_NORM_ROWS, ROUND_WEIGHTED=rounds, num_warps=4)
+        _gated_norm_kernel()[(-(-rows // _NORM_ROWS),)](x, gate, weight, out, rows, eps, D=dim, BR=_NORM_ROWS,
+                                                        ROUND_WEIGHTED=rounds, num_warps=4)
     return out
 
 
@@ -552,20 +478,19 @@ def _gated_norm_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["rows", "stride_gate"])
-    def gated_norm_kernel(x, gate, w, y, rows, heads, stride_gate, eps, D: tl.constexpr, BR: tl.constexpr,
+    @triton.jit(do_not_specialize=["rows"])
+    def gated_norm_kernel(x, gate, w, y, rows, eps, D: tl.constexpr, BR: tl.constexpr,
                           ROUND_WEIGHTED: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         live = (r < rows)[:, None]
         d = tl.arange(0, D)
         at = r[:, None] * D + d[None, :]
-        gate_at = ((r // heads) * stride_gate + (r % heads) * D)[:, None] + d[None, :]
         h = tl.load(x + at, mask=live, other=0.0).to(tl.float32)
         h = (h * tl.math.rsqrt(tl.sum(h * h, 1) / D + eps)[:, None]).to(y.dtype.element_ty).to(tl.float32)
         h = h * tl.load(w + d).to(tl.float32)[None, :]
         if ROUND_WEIGHTED:
             h = h.to(y.dtype.element_ty).to(tl.float32)
-        g = tl.load(gate + gate_at, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(gate + at, mask=live, other=0.0).to(tl.float32)
         tl.store(y + at, (h * (g * tl.sigmoid(g))).to(y.dtype.element_ty), mask=live)
 
     return gated_norm_kernel

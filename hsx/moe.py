@@ -21,9 +21,7 @@ traffic around them:
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
   on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
 With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`:
-13 µs at 16k tokens × 128 experts on an H200, against 148 µs for transformers' softmax + `torch.topk` + division),
-and blocks with a gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5/3.6-MoE) compute its gate and up projections
-and its gate score as one product (`shared_expert_forward`).
+13 µs at 16k tokens × 128 experts on an H200, against 148 µs for transformers' softmax + `torch.topk` + division).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
 FP8 experts (the `-FP8` checkpoints' e4m3 experts with 128×128 block scales, transformers' FP8Experts) run block-scaled
@@ -898,85 +896,6 @@ def use_router(base: torch.nn.Module, fused: bool) -> None:
             m.__dict__.pop("forward", None)
 
 
-# ---- the shared expert's projections in one GEMM ----------------------------------------------------------------
-# Qwen2-MoE, Qwen3-Next and Qwen3.5/3.6-MoE add a shared expert, gated per token by a one-column linear, to the routed
-# ones: three projections of the block's input (gate 512, up 512, the gate score 1 at Qwen3.6-35B-A3B's width), each
-# a full pass over it as transformers runs them. `shared_expert_forward` computes the three as one product, their
-# weights concatenated at each call (~4 MB a layer, against the 2 of 3 passes over a 67 MB input it saves at 16k
-# tokens): nothing kept beside the modules' own weights, so nothing to go stale.
-# The product's width is padded with zero rows to a multiple of 8: with 2·512 + 1 columns its rows were not 16-byte
-# aligned and cuBLAS fell back to an sm75 CUTLASS kernel (align1), 1.45 ms a layer call at 32k tokens on an H200.
-SHARED_ROWS_ALIGN = 8
-SHARED_BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock")
-SHARED_BLOCK_STEPS = (
-    "hidden_states_reshaped = hidden_states.view(-1, hidden_dim)",
-    "shared_expert_output = self.shared_expert(hidden_states_reshaped)",
-    "_, routing_weights, selected_experts = self.gate(hidden_states_reshaped)",
-    "expert_output = self.experts(hidden_states_reshaped, selected_experts, routing_weights)",
-    "shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states_reshaped)) * shared_expert_output",
-    "expert_output = expert_output + shared_expert_output",
-    "expert_output = expert_output.reshape(batch_size, sequence_length, hidden_dim)",
-    "return expert_output")
-SHARED_MLP_FORMS = (["down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"],
-                    ["return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"])
-
-
-def _source_lines(function) -> list[str] | None:
-    import inspect
-
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return None
-    return [line.strip() for line in source.splitlines() if line.strip() and not line.strip().startswith("#")]
-
-
-def _shared_expert_mergeable(block: torch.nn.Module) -> bool:
-    """A sparse block of the shared-expert form above (its forward and its MLP's, as this transformers writes them)
-    whose gate, up and gate-score projections are plain bias-free Linears of one dtype and device."""
-    if type(block).__name__ not in SHARED_BLOCKS:
-        return False
-    mlp, score = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
-    linears = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), score]
-    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
-        return False
-    if len({(lin.weight.device, lin.weight.dtype, lin.in_features) for lin in linears}) != 1 or score.out_features != 1:
-        return False
-    block_lines, mlp_lines = _source_lines(type(block).forward), _source_lines(type(mlp).forward)
-    if block_lines is None or mlp_lines is None:
-        return False
-    return (block_lines[1:] == ["batch_size, sequence_length, hidden_dim = hidden_states.shape", *SHARED_BLOCK_STEPS]
-            and mlp_lines[1:] in SHARED_MLP_FORMS)
-
-
-def shared_expert_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The shared-expert sparse block's forward with the shared expert's gate and up projections and its gate score
-    as one product (`_shared_expert_mergeable` checked the form); the rest as transformers runs it."""
-    batch_size, sequence_length, hidden_dim = hidden_states.shape
-    x = hidden_states.view(-1, hidden_dim)
-    mlp = self.shared_expert
-    widths = [mlp.gate_proj.out_features, mlp.up_proj.out_features, 1]
-    pad = -sum(widths) % SHARED_ROWS_ALIGN
-    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, self.shared_expert_gate.weight]
-    weight = torch.cat(weights + [weights[0].new_zeros(pad, weights[0].shape[1])] if pad else weights)
-    gate, up, score = torch.nn.functional.linear(x, weight).split(widths + [pad] if pad else widths, dim=-1)[:3]
-    shared = mlp.down_proj(mlp.act_fn(gate) * up)
-    _, routing_weights, selected_experts = self.gate(x)
-    out = self.experts(x, selected_experts, routing_weights)
-    out = out + torch.sigmoid(score) * shared
-    return out.reshape(batch_size, sequence_length, hidden_dim)
-
-
-def use_shared_expert(base: torch.nn.Module, merged: bool) -> None:
-    """Run shared-expert sparse blocks through `shared_expert_forward` (merged) or their class's forward again."""
-    for m in base.modules():
-        if not merged:
-            if getattr(m.__dict__.get("forward"), "__func__", None) is shared_expert_forward:
-                del m.forward
-        elif _shared_expert_mergeable(m):
-            m.forward = shared_expert_forward.__get__(m)
-
-
 def register() -> None:
     """Make "hsx_grouped" a transformers experts implementation (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -1013,7 +932,6 @@ def use_experts(base: torch.nn.Module, name: str | None) -> None:
     if name is None or not has_experts(base):
         return
     use_router(base, name == EXPERTS_IMPLEMENTATION)
-    use_shared_expert(base, name == EXPERTS_IMPLEMENTATION)
     for m in base.modules():
         if _dispatched(m):
             setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m))

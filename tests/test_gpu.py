@@ -161,9 +161,6 @@ def test_packed_hybrid_equals_one_row_reference():
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
     assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
-    from hsx import gdn
-
-    assert all(gdn._merged_weight(m) is not None for m in gdn.linear_attention_modules(causal.model))  # one GEMM
 
 
 def test_packed_hybrid_row_ignores_its_neighbours():
@@ -262,7 +259,6 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     moe.use_experts(causal.model, moe.EXPERTS_IMPLEMENTATION)
     block = causal.model.layers[0].mlp
     assert getattr(block.experts, moe.FUSED_GATE_UP) and block.gate.forward.__func__ is moe.routed_forward
-    assert block.forward.__func__ is moe.shared_expert_forward
     base_err = _rel(ref16, ref32)
     for packing, compile_model in (("none", False), ("varlen", False), ("varlen", True)):
         got = _states(causal, layers, compile_model, rows, packing=packing)[0]
@@ -463,10 +459,6 @@ def test_conv_qkv_kernel_equals_fla_convolution_and_qk_l2norm():
             mixed = mixed.to(torch.bfloat16)
             assert gdn._conv_qkv_takes(m, mixed, weight)
             q, k, v = gdn.conv_qkv(m, mixed, packed)
-            # read in place from a wider product (the merged projections': q|k|v, then z, b, a): the same bytes
-            wide = torch.cat([mixed, torch.randn_like(mixed[..., :200])], dim=-1)[..., :mixed.shape[-1]]
-            assert not wide.is_contiguous() and gdn._conv_qkv_takes(m, wide, weight)
-            assert all(torch.equal(x, y) for x, y in zip(gdn.conv_qkv(m, wide, packed), (q, k, v)))
             varlen = {} if packed is None else {"cu_seqlens": packed.cu_seqlens,
                                                 "cu_seqlens_cpu": packed.cu_seqlens_cpu,
                                                 "chunk_indices": packed.chunk_indices}
@@ -494,7 +486,7 @@ def test_gated_rms_norm_kernel_equals_transformers():
     from hsx import gdn
 
     torch.manual_seed(0)
-    for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37 * 4, torch.float32)):
+    for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37, torch.float32)):
         norm = Qwen3_5RMSNormGated(128, eps=1e-6).to("cuda", weight_dtype)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
@@ -508,11 +500,6 @@ def test_gated_rms_norm_kernel_equals_transformers():
         err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item()
         same = (got == ref).float().mean().item()
         assert err <= 2 ** -5 and same > 0.999, (rows, weight_dtype, err, same)
-        # per head (tokens, heads, dim), the gate read in place from a wider row (z in the merged projections)
-        wide = torch.cat([gate.reshape(-1, 4 * 128), torch.randn_like(gate[: rows // 4, :40])], dim=-1)
-        strided = wide[:, :4 * 128].unflatten(-1, (4, 128))
-        assert torch.equal(gdn.gated_rms_norm(x.reshape(-1, 4, 128), strided, norm.weight, 1e-6),
-                           got.reshape(-1, 4, 128))
         assert torch.equal(gdn.gated_rms_norm(x.cpu(), gate.cpu(), norm.weight.cpu(), 1e-6),
                            norm.cpu()(x.cpu(), gate.cpu()))  # the torch path is transformers' formula
 
