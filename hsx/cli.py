@@ -239,30 +239,55 @@ def _interrupts_out_of_finalizers() -> Iterator[None]:
     a finalizer runs (`__del__`, a weakref callback) cannot leave it: Python prints "Exception ignored ... Traceback"
     and goes on, so a second Ctrl-C would print a traceback and stop nothing. Within the block such an exception is
     delivered again to the main thread's handler for its signal, where it can propagate."""
-    import _thread
-    import signal
-    import threading
-
     previous = sys.unraisablehook
 
     def unraisable(u):
-        e = u.exc_value
-        signum = getattr(e, "sigval", None) if type(e).__name__ == "SignalException" else (
-            (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
-            if isinstance(e, KeyboardInterrupt) else None)
+        signum = _signal_of(u.exc_value)
         if signum is None:
             return previous(u)
-        # From another thread, a moment later: called here, the handler would run again inside this very hook.
         try:
-            threading.Timer(0.01, _thread.interrupt_main, (int(signum),)).start()
-        except RuntimeError:  # no new thread at interpreter shutdown: the process is ending anyway
-            pass
+            _interrupt_main_later(signum)
+        except BaseException as e:  # the interrupt landed in this hook after all (a loaded machine): once more
+            again = _signal_of(e)
+            if again is None:
+                raise
+            _interrupt_main_later(again)
 
     sys.unraisablehook = unraisable
     try:
         yield
     finally:
         sys.unraisablehook = previous
+
+
+def _signal_of(e: BaseException) -> int | None:
+    """The signal a handler's exception stands for (KeyboardInterrupt: its number if it carries one, else SIGINT;
+    torch elastic's SignalException: its sigval), None for any other exception."""
+    import signal
+
+    if type(e).__name__ == "SignalException":
+        return int(e.sigval) if getattr(e, "sigval", None) is not None else None
+    if isinstance(e, KeyboardInterrupt):
+        return int(e.args[0]) if e.args and isinstance(e.args[0], int) else int(signal.SIGINT)
+    return None
+
+
+def _interrupt_main_later(signum: int, delay: float = 0.01) -> None:
+    """Run the main thread's handler for `signum` again, from another thread, `delay` seconds from now: called at once,
+    the handler would run inside the very hook that asks for it. The caller does not wait for that thread to start
+    (threading.Thread.start does): on a loaded machine the interrupt could land while it waited, inside the hook,
+    and be lost ("Exception ignored in sys.unraisablehook"; 2 of 60 runs with the CPUs busy)."""
+    import _thread
+    import time
+
+    def later():
+        time.sleep(delay)
+        _thread.interrupt_main(signum)
+
+    try:
+        _thread.start_new_thread(later, ())
+    except RuntimeError:  # no new thread at interpreter shutdown: the process is ending anyway
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,8 +171,11 @@ def _signal_name(signum: int) -> str:
 def failed_ranks_line(failures: dict) -> tuple[str, int]:
     """The line for ranks that failed (ChildFailedError's failures: global rank -> ProcessFailure, with `exitcode`
     and `timestamp`), the first failure first, and the exit status to end with: the first failure's. The others
-    may be ranks the agent stopped after it (SIGTERM: 143 once hsx handles it, killed by SIGTERM before)."""
-    order = sorted(failures, key=lambda r: (failures[r].timestamp, r))
+    may be ranks the agent stopped after it (SIGTERM: 143 once hsx handles it, killed by SIGTERM before): those come
+    after any other failure, because a timestamp without an error file is the second the agent collected the
+    failures, the same for all of them (a loaded machine ended with 143, the stopped rank 0, over rank 1's 1)."""
+    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
+    order = sorted(failures, key=lambda r: (failures[r].exitcode in stopped, failures[r].timestamp, r))
     parts = []
     for rank in order:
         code = failures[rank].exitcode

@@ -144,6 +144,11 @@ def test_the_line_for_failed_ranks():
     line, code = failed_ranks_line({0: failure(-9, 20), 3: failure(2, 10)})
     assert line.startswith("hsx: error: rank 3 exited with 2, rank 0 was killed by SIGKILL (") and code == 2
     assert failed_ranks_line({1: failure(-15, 0)})[1] == 143  # as a shell gives it
+    # the same second (no error files): the rank the launcher stopped (SIGTERM, handled or not) after the failure
+    line, code = failed_ranks_line({0: failure(143, 7), 1: failure(1, 7)})
+    assert line.startswith("hsx: error: rank 1 exited with 1, rank 0 exited with 143 (") and code == 1
+    assert failed_ranks_line({0: failure(-15, 7), 1: failure(1, 9)})[1] == 1
+    assert failed_ranks_line({0: failure(143, 7), 1: failure(143, 7)})[1] == 143  # only stopped ranks: as before
 
 
 def test_debug_still_ends_with_the_failed_ranks_line_and_status(tmp_path, monkeypatch, capsys):
