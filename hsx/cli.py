@@ -268,8 +268,13 @@ def _signal_of(e: BaseException) -> int | None:
     if type(e).__name__ == "SignalException":
         return int(e.sigval) if getattr(e, "sigval", None) is not None else None
     if isinstance(e, KeyboardInterrupt):
-        return int(e.args[0]) if e.args and isinstance(e.args[0], int) else int(signal.SIGINT)
+        return _carried_signal(e) or int(signal.SIGINT)
     return None
+
+
+def _carried_signal(e: KeyboardInterrupt) -> int | None:
+    """The signal number a KeyboardInterrupt carries (hsx's handlers raise KeyboardInterrupt(signum)), else None."""
+    return e.args[0] if e.args and type(e.args[0]) is int and 0 < e.args[0] < 128 else None
 
 
 def _interrupt_main_later(signum: int, delay: float = 0.01) -> None:
@@ -348,8 +353,9 @@ def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
 def _interrupted_status(e: KeyboardInterrupt, received: list[int]) -> int:
     """128 + the signal: the one the interrupt carries (hsx's handlers raise KeyboardInterrupt(signum)), else
     the SIGTERM `_sigterm_as_interrupt` turned into it, else SIGINT's."""
-    if e.args and type(e.args[0]) is int and 0 < e.args[0] < 128:
-        return 128 + e.args[0]
+    carried = _carried_signal(e)
+    if carried:
+        return 128 + carried
     return 128 + received[0] if received else EXIT_INTERRUPTED
 
 

@@ -174,8 +174,10 @@ def failed_ranks_line(failures: dict) -> tuple[str, int]:
     may be ranks the agent stopped after it (SIGTERM: 143 once hsx handles it, killed by SIGTERM before): those come
     after any other failure, because a timestamp without an error file is the second the agent collected the
     failures, the same for all of them (a loaded machine ended with 143, the stopped rank 0, over rank 1's 1)."""
-    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
-    order = sorted(failures, key=lambda r: (failures[r].exitcode in stopped, failures[r].timestamp, r))
+    def stopped(rank: int) -> bool:
+        return exit_code(failures[rank].exitcode) == 128 + signal.SIGTERM
+
+    order = sorted(failures, key=lambda r: (stopped(r), failures[r].timestamp, r))
     parts = []
     for rank in order:
         code = failures[rank].exitcode
