@@ -1,6 +1,8 @@
 """GPU checks (skipped without CUDA): compiled equals eager, the real path on CUDA equals the reference, and packed
 batches equal right-padded ones."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -15,27 +17,41 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def _states(causal, layers, compile_model, rows, packing="none", device=torch.device("cuda", 0)):
+def _table(rows, first=0):
+    return pa.table({
+        "sample_id": pa.array(np.arange(first, first + len(rows)), pa.int64()),
+        "input_ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([[1] * len(r) for r in rows], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
+    })
+
+
+def _states(causal, layers, compile_model, rows, packing="none", device=torch.device("cuda", 0), cuts=()):
+    """Hidden and final-norm states (bf16, flat) of `rows`, one table, or tables cut at `cuts` (row indices) that
+    then run through one Pipeline, as a unit's batches do."""
     loaded: LoadedModel = truncated_view(causal, causal.config, layers, final_hidden=True)
     ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, packing, compile_model, cuda=True))
     lengths = np.array([len(r) for r in rows])
-    table = pa.table({
-        "sample_id": pa.array(np.arange(len(rows)), pa.int64()),
-        "input_ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
-        "loss_mask": pa.array([[1] * len(r) for r in rows], pa.list_(pa.int8())),
-        "num_tokens": pa.array(lengths, pa.int32()),
-    })
+    table = _table(rows)
     if compile_model:  # layers compile ahead in a worker (eager meanwhile): wait, then take the compiled path
         warm = Pipeline(ex, iter([table]), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
         warm(table)
         warm.close()
         assert ex.compiler.wait(600) and ex.compiler.ready.is_set()
-    pipe = Pipeline(ex, iter([table]), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
-    out = pipe(table)
-    hs = out.column("hidden_states").combine_chunks().flatten().flatten().to_numpy().copy()
-    fin = out.column("final_hidden_state").combine_chunks().flatten().flatten().to_numpy().copy()
-    pipe.close()
-    return torch.from_numpy(hs).view(torch.bfloat16), torch.from_numpy(fin).view(torch.bfloat16)
+    edges = [0, *cuts, len(rows)]
+    tables = [_table(rows[a:z], a) for a, z in zip(edges[:-1], edges[1:])]
+    pipe = Pipeline(ex, iter(tables), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
+    hs, fin = [], []
+    try:
+        for t in tables:
+            out = pipe(t)
+            assert out.column("sample_id").to_pylist() == t.column("sample_id").to_pylist()
+            hs.append(out.column("hidden_states").combine_chunks().flatten().flatten().to_numpy().copy())
+            fin.append(out.column("final_hidden_state").combine_chunks().flatten().flatten().to_numpy().copy())
+    finally:
+        pipe.close()
+    return (torch.from_numpy(np.concatenate(hs)).view(torch.bfloat16),
+            torch.from_numpy(np.concatenate(fin)).view(torch.bfloat16))
 
 
 def test_compiled_equals_eager_and_reference_on_cuda():
@@ -163,6 +179,31 @@ def test_packed_hybrid_equals_one_row_reference():
     assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
 
 
+def test_packed_tables_sharing_a_forward_equal_the_one_row_reference():
+    """Packed batches small enough to share one forward (a bucket's last, a small bucket: `Pipeline` joins them)
+    come back as their own tables, each row equal to transformers' one-row forward, eager and compiled, on the
+    hybrid model: fla's chunk indices and the convolution run over the joined row bounds."""
+    pytest.importorskip("fla")
+    causal = _hybrid()
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
+    layers = [0, 3, 6]
+    ref = _one_row_reference(causal, layers, rows)
+    forwards = []
+    for compile_model in (False, True):
+        got = _states(causal, layers, compile_model, rows, packing="varlen", cuts=(2, 3, 5))[0]
+        assert _rel(got, ref) < 2e-2, (compile_model, _rel(got, ref))
+    from hsx.engine import Extractor as E
+
+    joined = E.run_tables
+    try:  # the four tables (484 tokens, a 1,024-token cap) ran as one forward
+        E.run_tables = lambda self, tables, slot: forwards.append(len(tables)) or joined(self, tables, slot)
+        _states(causal, layers, False, rows, packing="varlen", cuts=(2, 3, 5))
+    finally:
+        E.run_tables = joined
+    assert forwards == [4], forwards
+
+
 def test_packed_hybrid_row_ignores_its_neighbours():
     """A row's states do not depend on the rows packed around it (no recurrent state or convolution window leaks
     across cu_seqlens); a packed batch that reached a Gated DeltaNet layer without its bounds is refused."""
@@ -211,21 +252,31 @@ def _hybrid_moe(num_layers=8, seed=0):
     return model
 
 
-def _torch_delta_rule(causal) -> int:
-    """Give the Gated DeltaNet layers transformers' torch delta rule where its modeling module defines one (the
-    layers bind fla's or it per instance when built): a float32 reference in float32 throughout, and no autotuning
-    of fla's kernels for float32 inputs (with fla, both references autotuned and the test ran past 170 s). The
-    number of layers rebound; 0 where this transformers has no such function of its own."""
+@contextmanager
+def _torch_delta_rule(causal):
+    """Run the Gated DeltaNet layers on transformers' torch delta rule while inside: a float32 reference in float32
+    throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
+    chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). transformers up to 5.x
+    bound the rule to each layer when built; later ones call a module-level function that dispatches to fla when fla
+    is installed, its `__wrapped__` the torch rule. Both are rebound, and restored after."""
     import sys
 
     modeling = sys.modules[type(causal).__module__]
-    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    dispatch = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    rule = getattr(dispatch, "__wrapped__", dispatch)
     if rule is None or getattr(rule, "__module__", None) != modeling.__name__:
-        return 0
-    layers = [m for m in causal.modules() if hasattr(m, "chunk_gated_delta_rule")]
-    for m in layers:
+        yield
+        return
+    bound = [(m, m.chunk_gated_delta_rule) for m in causal.modules() if hasattr(m, "chunk_gated_delta_rule")]
+    for m, _ in bound:
         m.chunk_gated_delta_rule = rule
-    return len(layers)
+    modeling.torch_chunk_gated_delta_rule = rule
+    try:
+        yield
+    finally:
+        modeling.torch_chunk_gated_delta_rule = dispatch
+        for m, f in bound:
+            m.chunk_gated_delta_rule = f
 
 
 def test_packed_hybrid_moe_equals_one_row_reference():
@@ -248,8 +299,8 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     layers = [0, 3, 7]
     wide = copy.deepcopy(causal).float()
     moe.use_experts(wide.model, "eager")
-    _torch_delta_rule(wide)
-    ref32 = _one_row_reference(wide, layers, rows)
+    with _torch_delta_rule(wide):
+        ref32 = _one_row_reference(wide, layers, rows)
     del wide
     # transformers' bf16 layers call fla's delta rule: settled before that reference, its kernels compile one config
     # each instead of autotuning (hsx's own forward settles them anyway).
