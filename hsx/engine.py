@@ -8,8 +8,9 @@ causal attention the real tokens are exact and SDPA takes its fastest path; with
 go back to back in one sequence, with per-row positions and row bounds: hsx.model), gathers the captured layers'
 real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only waits
 for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and returns it;
-`datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has written its
-table (the call after the one that returned it).
+`datasets` writes it while the GPU works on the next batches. Packed batches that fit the token cap together (a
+bucket's last, a small bucket) share one forward and one slot (`Pipeline`). A slot is reused only after `map` has
+written every table in it (the call after the one that returned the last).
 
 A batch that runs out of GPU memory is split in halves and retried, and the token cap for later batches shrinks;
 only a single row that cannot fit alone is dropped, with reason `oom`.
