@@ -159,10 +159,12 @@ def _rel(a, b):
 HYBRID_LENGTHS = (17, 64, 5, 130, 3, 200, 65)  # rows across fla's 64-token chunk boundaries
 
 
-def test_packed_hybrid_equals_one_row_reference():
+def test_packed_hybrid_equals_one_row_reference(monkeypatch):
     """--packing varlen on a hybrid model (fla's conv and delta rule get the batch's cu_seqlens; full attention
     the varlen kernel) equals transformers' one-row forward within bf16 tolerance, eager and compiled; so do
-    right-padded batches on the same fla forward."""
+    right-padded batches on the same fla forward, and packed batches small enough to share one forward (`Pipeline`
+    joins them: a bucket's last, a small bucket), each back as its own table, the chunk indices and the convolution
+    over the joined row bounds."""
     pytest.importorskip("fla")
     from hsx.model import kernel_report
 
@@ -171,37 +173,19 @@ def test_packed_hybrid_equals_one_row_reference():
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
     layers = [0, 3, 6]
     ref = _one_row_reference(causal, layers, rows)
-    for packing, compile_model in (("none", False), ("varlen", False), ("varlen", True)):
-        got = _states(causal, layers, compile_model, rows, packing=packing)[0]
-        assert _rel(got, ref) < 2e-2, (packing, compile_model, _rel(got, ref))
+    forwards: list[int] = []  # tables per forward
+    run_tables = Extractor.run_tables
+    monkeypatch.setattr(Extractor, "run_tables",
+                        lambda self, tables, slot: forwards.append(len(tables)) or run_tables(self, tables, slot))
+    four = (2, 3, 5)  # four tables of 484 tokens in all, a 1,024-token cap: one forward
+    for packing, compile_model, cuts in (("none", False, ()), ("varlen", False, ()), ("varlen", True, ()),
+                                         ("varlen", False, four), ("varlen", True, four)):
+        got = _states(causal, layers, compile_model, rows, packing=packing, cuts=cuts)[0]
+        assert _rel(got, ref) < 2e-2, (packing, compile_model, cuts, _rel(got, ref))
+        assert forwards[-1] == (4 if cuts else 1), forwards
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
     assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
-
-
-def test_packed_tables_sharing_a_forward_equal_the_one_row_reference():
-    """Packed batches small enough to share one forward (a bucket's last, a small bucket: `Pipeline` joins them)
-    come back as their own tables, each row equal to transformers' one-row forward, eager and compiled, on the
-    hybrid model: fla's chunk indices and the convolution run over the joined row bounds."""
-    pytest.importorskip("fla")
-    causal = _hybrid()
-    rng = np.random.default_rng(5)
-    rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
-    layers = [0, 3, 6]
-    ref = _one_row_reference(causal, layers, rows)
-    forwards = []
-    for compile_model in (False, True):
-        got = _states(causal, layers, compile_model, rows, packing="varlen", cuts=(2, 3, 5))[0]
-        assert _rel(got, ref) < 2e-2, (compile_model, _rel(got, ref))
-    from hsx.engine import Extractor as E
-
-    joined = E.run_tables
-    try:  # the four tables (484 tokens, a 1,024-token cap) ran as one forward
-        E.run_tables = lambda self, tables, slot: forwards.append(len(tables)) or joined(self, tables, slot)
-        _states(causal, layers, False, rows, packing="varlen", cuts=(2, 3, 5))
-    finally:
-        E.run_tables = joined
-    assert forwards == [4], forwards
 
 
 def test_packed_hybrid_row_ignores_its_neighbours():
