@@ -8,9 +8,8 @@ causal attention the real tokens are exact and SDPA takes its fastest path; with
 go back to back in one sequence, with per-row positions and row bounds: hsx.model), gathers the captured layers'
 real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only waits
 for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and returns it;
-`datasets` writes it while the GPU works on the next batches. Packed batches that fit the token cap together (a
-bucket's last, a small bucket) share one forward and one slot (`Pipeline`). A slot is reused only after `map` has
-written every table in it (the call after the one that returned the last).
+`datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has written its
+table (the call after the one that returned it).
 
 A batch that runs out of GPU memory is split in halves and retried, and the token cap for later batches shrinks;
 only a single row that cannot fit alone is dropped, with reason `oom`.
@@ -27,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from hsx.buckets import PAD_MULTIPLE
@@ -48,7 +46,6 @@ class Slot:
     chunks: torch.Tensor  # int32: packed batches' fla chunk indices (Gated DeltaNet layers)
     nonfinite: torch.Tensor  # int32 per row: tokens with a NaN/Inf anywhere in their states
     done: torch.cuda.Event | None = None
-    holders: int = 0  # tables whose output still reads this slot (more than one when tables share a forward)
 
 
 @dataclass
@@ -62,10 +59,6 @@ class Result:
     gpu_events: list = field(default_factory=list)  # (start, end) CUDA event pairs of the forwards
     seconds: float = 0.0  # host time of the forwards (CPU runs)
     nonfinite_rows: int = 0  # rows whose states hold NaN/Inf (dropped or flagged)
-    # Where this table sits in its slot when it shared a forward with its neighbours (`Extractor.run_tables`): its
-    # first row, and its kept tokens [first, stop) among the slot's. None: the whole slot is this table's.
-    row_at: int = 0
-    token_range: tuple[int, int] | None = None
 
 
 class Extractor:
@@ -216,38 +209,6 @@ class Extractor:
             slot.done.record(self.copy_stream)
         return result
 
-    def packed_cost(self, table: pa.Table) -> int | None:
-        """Tokens one packed forward of `table` computes (its rows back to back, padded to the pack multiple); None
-        for right-padded batches, which are never joined (rows of another bucket would pad to its longest)."""
-        if self.packing == "none":
-            return None
-        n = pc.sum(pc.list_value_length(table.column("input_ids"))).as_py() or 0
-        return -(-n // self.pack_multiple) * self.pack_multiple
-
-    def run_tables(self, tables: list[pa.Table], slot: Slot) -> list[Result]:
-        """`run_batch` over consecutive tables joined into one forward, each table with a Result of its own over its
-        rows and tokens of the shared slot. `Pipeline` joins packed tables that fit the token cap together: the last
-        batch of a bucket and the whole of a small one, which alone would run at the host's pace, not the GPU's."""
-        slot.holders = len(tables)
-        if len(tables) == 1:
-            return [self.run_batch(tables[0], slot)]
-        whole = self.run_batch(pa.concat_tables(tables), slot)
-        results, row, token = [], 0, 0
-        for k, table in enumerate(tables):
-            rows = table.num_rows
-            kept = whole.kept[row:row + rows]
-            lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
-            tokens = int(lengths[kept].sum())
-            last = k == len(tables) - 1
-            results.append(Result(
-                sample_ids=whole.sample_ids[row:row + rows], slot=slot, kept=kept, tokens=tokens,
-                padded_tokens=tokens + (whole.padded_tokens - whole.tokens if last else 0),
-                segment_tokens=whole.segment_tokens,
-                gpu_events=whole.gpu_events if k == 0 else [], seconds=whole.seconds if k == 0 else 0.0,
-                row_at=row, token_range=(token, token + tokens)))
-            row, token = row + rows, token + tokens
-        return results
-
     def _launch(self, values: np.ndarray, lengths: np.ndarray, padded: int, slot: Slot, at: int, row_at: int,
                 result: Result) -> None:
         b, n = len(lengths), int(lengths.sum())
@@ -337,16 +298,13 @@ class Extractor:
 
         Rows dropped by an OOM have no states in the slot; rows with NaN/Inf states are dropped (a copy of the
         remaining states, only for such a batch) or kept with `has_nonfinite` set, as configured."""
-        at = result.row_at
-        nonfinite = result.slot.nonfinite[at:at + len(result.kept)].numpy()[result.kept] > 0
+        nonfinite = result.slot.nonfinite[: len(result.kept)].numpy()[result.kept] > 0
         if not result.kept.all():
             table = table.filter(pa.array(result.kept))
         lengths = table.column("num_tokens").to_numpy().astype(np.int64)
         n = int(lengths.sum())
-        first, stop = result.token_range or (0, n)
-        if stop - first != n:
-            raise RuntimeError(f"hsx: a batch's rows hold {n} tokens, its states {stop - first}")
-        values = _split_columns(result.slot.states.numpy(), result.segment_tokens, first, stop, self.columns)
+        flat = result.slot.states[: n * self.per_token].numpy()
+        values = _split_columns(flat, result.segment_tokens, self.columns)
         result.nonfinite_rows = int(nonfinite.sum())
         if result.nonfinite_rows and self.nonfinite == "skip":
             keep_tokens = np.repeat(~nonfinite, lengths)
@@ -373,24 +331,22 @@ def _nested(values: np.ndarray, offsets: pa.Array, column: Column) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, column.width))
 
 
-def _split_columns(states: np.ndarray, segment_tokens: list[int], first: int, stop: int,
-                   columns: list[Column]) -> list[np.ndarray]:
-    """Each column's bytes for tokens [first, stop) of a slot whose launched segments hold their tokens' bytes
-    column after column.
+def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list[Column]) -> list[np.ndarray]:
+    """Each launched segment holds its tokens' bytes column after column; return each column's bytes.
 
-    The common case, one segment per forward and the range inside it (a table alone, or sharing a forward): zero-copy
-    views. A range over several segments (a split after an OOM) is rare and takes one copy."""
+    The common case is one segment per batch: zero-copy views. Split batches (after an OOM) are rare and take
+    one copy."""
+    if len(segment_tokens) <= 1:
+        n = int(sum(segment_tokens))
+        edges = np.cumsum([0] + [n * c.nbytes for c in columns])
+        return [flat[a:z] for a, z in zip(edges[:-1], edges[1:])]
     pieces: list[list[np.ndarray]] = [[] for _ in columns]
-    at = start = 0  # the segment's first byte and first token
+    at = 0
     for t in segment_tokens:
-        lo, hi = max(first, start) - start, min(stop, start + t) - start
-        col = at
         for k, c in enumerate(columns):
-            if lo < hi:
-                pieces[k].append(states[col + lo * c.nbytes:col + hi * c.nbytes])
-            col += t * c.nbytes
-        at, start = col, start + t
-    return [p[0] if len(p) == 1 else np.concatenate(p) if p else states[:0] for p in pieces]
+            pieces[k].append(flat[at:at + t * c.nbytes])
+            at += t * c.nbytes
+    return [np.concatenate(p) for p in pieces]
 
 
 def sdpa_backend(name: str, cuda: bool):
@@ -409,12 +365,7 @@ def sdpa_backend(name: str, cuda: bool):
 
 
 class Pipeline:
-    """Runs `Extractor.run_tables` over a fixed sequence of batches in a thread, a few batches ahead of `map`.
-
-    Packed batches that fit the token cap together share one forward: with 2,000 rows of the default lengths, 32 of
-    the 65 batches are a bucket's last or only one, under 10k tokens, and a forward costs ~90 ms of host time however
-    few its tokens (Qwen3.6-35B-A3B shape on an H200: those batches ran at half the full ones' rate). Each table
-    still gets its own Result, in order, so `map` and the output are as before."""
+    """Runs `Extractor.run_batch` over a fixed sequence of batches in a thread, a few batches ahead of `map`."""
 
     def __init__(self, extractor: Extractor, batches: Iterator[pa.Table], max_batch_tokens: int):
         self.ex = extractor
@@ -442,40 +393,17 @@ class Pipeline:
                 # (measured on 2 H200s: rank 1 wrote garbage, 810 of 2,000 rows flagged NaN).
                 torch.cuda.set_device(self.ex.device)
             with torch.inference_mode(), sdpa_backend(self.ex.sdpa_backend, self.ex.cuda), self.ex.capturing():
-                group: list[pa.Table] = []
-                tokens = 0
                 for table in batches:
-                    cost = self.ex.packed_cost(table)
-                    if group and (cost is None or tokens + cost > self.ex.token_cap):
-                        if not self._run(group):
-                            return
-                        group, tokens = [], 0
-                    group.append(table)
-                    tokens += cost or 0
-                if group:
-                    self._run(group)
+                    t0 = time.perf_counter()
+                    slot = self.ex.free.get()
+                    self.wait_seconds += time.perf_counter() - t0
+                    if slot is None or self.stop.is_set():
+                        return
+                    self.results.put(self.ex.run_batch(table, slot))
         except BaseException as e:  # surfaced in the map function, on the main thread
             self.results.put(e)
         finally:
             self.results.put(None)
-
-    def _run(self, group: list[pa.Table]) -> bool:
-        """One forward over `group` in a free slot, each table's Result queued in order; False once stopped."""
-        t0 = time.perf_counter()
-        slot = self.ex.free.get()
-        self.wait_seconds += time.perf_counter() - t0
-        if slot is None or self.stop.is_set():
-            return False
-        for result in self.ex.run_tables(group, slot):
-            self.results.put(result)
-        return True
-
-    def _give_back(self) -> None:
-        """The table returned last is written: its slot is free once no other table reads it."""
-        slot, self.returned = self.returned, None
-        slot.holders -= 1
-        if slot.holders <= 0:
-            self.ex.free.put(slot)
 
     def __call__(self, table: pa.Table) -> pa.Table:
         """The function given to `datasets.map` (batched, arrow-formatted)."""
@@ -483,7 +411,8 @@ class Pipeline:
         if self._returned_at is not None:
             self.write_seconds += t0 - self._returned_at
         if self.returned is not None:
-            self._give_back()  # datasets wrote the previous table before calling us again
+            self.ex.free.put(self.returned)  # datasets wrote the previous table before calling us again
+            self.returned = None
         result = self.results.get()
         if isinstance(result, BaseException):
             raise result
@@ -507,7 +436,8 @@ class Pipeline:
             self.write_seconds += time.perf_counter() - self._returned_at
             self._returned_at = None
         if self.returned is not None:
-            self._give_back()
+            self.ex.free.put(self.returned)
+            self.returned = None
 
     def close(self) -> None:
         """Stop the producer after the batch it is running and join it (no deadline: a thread left inside a CUDA

@@ -227,8 +227,7 @@ def run_hsx(fam: Family, layers, final_hidden: bool, dtype: str = "float32", pac
     """load_model → Extractor + Pipeline over two right-padded (or packed) batches; records each forward's hooked
     layer outputs and final-norm output (the compute dtype, before the bf16 conversion for storage)."""
     loaded = load_model(make_cfg(fam, layers, final_hidden, dtype), CPU)
-    # 96 tokens: a right-padded batch (3 rows × 32) fits, two packed batches (64 + 56) do not share a forward
-    ex = Extractor(loaded, CPU, 96, prepare_model(loaded.base, packing))
+    ex = Extractor(loaded, CPU, 1 << 16, prepare_model(loaded.base, packing))
     calls: list[tuple] = []
     final: dict[str, torch.Tensor] = {}
     if final_hidden:

@@ -243,92 +243,15 @@ def test_capture_hooks_removed(model8):
 
 def test_packed_batches_match_reference(model8, ids_lists):
     """Each batch runs as ONE sequence (rows back to back, padding to a multiple of 8 as a sequence of its own);
-    stored rows equal the one-sample reference, as with right padding. Here the cap holds each batch but not both."""
+    stored rows equal the one-sample reference, as with right padding."""
     layers = [1, 4, 7]
     loaded = load_model(make_cfg(model8, layers, True), CPU)
     batches = [as_table(ids_lists[:4]), as_table(ids_lists[4:], first_id=4)]
-    sizes = [sum(b.column("num_tokens").to_pylist()) for b in batches]
-    ex, rec, tables = run_pipeline(loaded, batches, max(sizes) + 8, packing="varlen")
-    assert len(rec.calls) == 2
-    for batch, call, n in zip(batches, rec.calls, sizes):
+    ex, rec, tables = run_pipeline(loaded, batches, 1 << 16, packing="varlen")
+    for batch, call in zip(batches, rec.calls):
+        n = sum(batch.column("num_tokens").to_pylist())
         assert call["ids"].shape == (1, -(-n // 8) * 8)
         assert call["ids"][0, :n].tolist() == [t for ids in batch.column("input_ids").to_pylist() for t in ids]
-    for table in tables:
-        check_table_against_reference(model8, table, layers, final=True)
-
-
-def test_packed_batches_that_fit_the_cap_together_share_one_forward(model8, ids_lists):
-    """Consecutive packed batches (a bucket's last, a small bucket) that fit the token cap together run as one
-    forward; each batch still comes back as its own table, in order, equal to the reference, and the run's counts
-    are the same as if they ran alone."""
-    layers = [1, 4, 7]
-    loaded = load_model(make_cfg(model8, layers, True), CPU)
-    batches = [as_table(ids_lists[:2]), as_table(ids_lists[2:3], first_id=2), as_table(ids_lists[3:], first_id=3)]
-    sizes = [sum(b.column("num_tokens").to_pylist()) for b in batches]
-    ex = Extractor(loaded, CPU, sum(-(-n // 8) * 8 for n in sizes[:2]), prepare_model(loaded.base, "varlen"))
-    rec = Recorder(ex)
-    pipe = Pipeline(ex, iter(batches), max(sizes) + 8)
-    try:
-        tables, results = [], []
-        for t in batches:
-            tables.append(pipe(t))
-            results.append(pipe.last)
-    finally:
-        pipe.close()
-    assert [c["ids"].shape[1] for c in rec.calls] == [-(-(sizes[0] + sizes[1]) // 8) * 8, -(-sizes[2] // 8) * 8]
-    assert [t.column("sample_id").to_pylist() for t in tables] == [[0, 1], [2], [3, 4, 5, 6]]
-    for table in tables:
-        check_table_against_reference(model8, table, layers, final=True)
-    assert [r.tokens for r in results] == sizes
-    assert sum(r.padded_tokens for r in results) == sum(c["ids"].shape[1] for c in rec.calls)
-    assert results[0].slot is results[1].slot and results[2].slot is not results[0].slot
-
-
-def test_a_shared_slot_is_reused_only_after_every_table_in_it_is_written(model8, ids_lists):
-    """With one slot, two batches sharing a forward and a third after them: the third cannot run (it would
-    overwrite the slot) until map has called again after the second batch, not merely after the first."""
-    import time
-
-    layers = [2]
-    loaded = load_model(make_cfg(model8, layers, False), CPU)
-    batches = [as_table(ids_lists[:1]), as_table(ids_lists[1:2], first_id=1), as_table(ids_lists[2:5], first_id=2)]
-    sizes = [sum(b.column("num_tokens").to_pylist()) for b in batches]
-    ex = Extractor(loaded, CPU, -(-(sizes[0] + sizes[1]) // 8) * 8 + 8, prepare_model(loaded.base, "varlen"),
-                   slots=1)
-    rec = Recorder(ex)
-    pipe = Pipeline(ex, iter(batches), max(sizes) + 8)
-    try:
-        first = pipe(batches[0])
-        second = pipe(batches[1])  # gives the first table's share of the slot back
-        time.sleep(0.5)
-        assert len(rec.calls) == 1 and pipe.results.empty()  # the third batch still waits for the slot
-        check_table_against_reference(model8, first, layers, final=False)
-        check_table_against_reference(model8, second, layers, final=False)
-        third = pipe(batches[2])
-        assert len(rec.calls) == 2
-        check_table_against_reference(model8, third, layers, final=False)
-    finally:
-        pipe.close()
-
-
-def test_shared_forward_split_by_oom_drops_only_the_row_that_cannot_fit(model8, ids_lists):
-    """Two batches sharing a forward that runs out of memory: it splits across the batches' boundary, the one row
-    that cannot run alone is dropped from its own batch, and every other row lands in its batch, exact."""
-    layers = [2, 7]
-    loaded = load_model(make_cfg(model8, layers, True), CPU)
-    longest = max(range(len(ids_lists)), key=lambda r: len(ids_lists[r]))
-    ordered = [ids for r, ids in enumerate(ids_lists) if r != longest] + [ids_lists[longest]]
-    batches = [as_table(ordered[:3]), as_table(ordered[3:], first_id=3)]
-    lengths = [len(ids) for ids in ordered]
-    victim = len(ordered) - 1  # the longest row, in the second batch
-    victim_len = -(-lengths[victim] // 8) * 8
-
-    def fail(ids):
-        return ids.shape[1] >= victim_len
-
-    ex, rec, tables = run_pipeline(loaded, batches, 1 << 16, fail=fail, packing="varlen")
-    assert [t.column("sample_id").to_pylist() for t in tables] == [[0, 1, 2], [r for r in range(3, 7)
-                                                                           if r != victim]]
     for table in tables:
         check_table_against_reference(model8, table, layers, final=True)
 
@@ -362,9 +285,6 @@ def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
     batch = as_table(ids_lists[:4])
     lengths = batch.column("num_tokens").to_pylist()
     a, z = sum(lengths[:2]), sum(lengths[:3])  # row 2's tokens in the packed sequence
-    # sharing a forward with the batch before it: its rows, and row 2's tokens, sit further along the slot
-    before = as_table(ids_lists[4:6], first_id=10)
-    a, z = a + sum(before.column("num_tokens").to_pylist()), z + sum(before.column("num_tokens").to_pylist())
 
     def poison(module, args, output):
         output[0, a:z] = float("nan")
@@ -372,13 +292,10 @@ def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
 
     handle = decoder_layers(loaded.base)[0].register_forward_hook(poison)
     try:
-        ex, rec, (first, table) = run_pipeline(loaded, [before, batch], 1 << 16, packing="varlen")
+        ex, rec, (table,) = run_pipeline(loaded, [batch], 1 << 16, packing="varlen")
     finally:
         handle.remove()
-    assert len(rec.calls) == 1
-    assert first.column("sample_id").to_pylist() == [10, 11]
     assert table.column("sample_id").to_pylist() == [0, 1, 3]
-    check_table_against_reference(model8, first, layers, final=False)
     check_table_against_reference(model8, table, layers, final=False)
 
 

@@ -17,41 +17,27 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def _table(rows, first=0):
-    return pa.table({
-        "sample_id": pa.array(np.arange(first, first + len(rows)), pa.int64()),
-        "input_ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
-        "loss_mask": pa.array([[1] * len(r) for r in rows], pa.list_(pa.int8())),
-        "num_tokens": pa.array([len(r) for r in rows], pa.int32()),
-    })
-
-
-def _states(causal, layers, compile_model, rows, packing="none", device=torch.device("cuda", 0), cuts=()):
-    """Hidden and final-norm states (bf16, flat) of `rows`, one table, or tables cut at `cuts` (row indices) that
-    then run through one Pipeline, as a unit's batches do."""
+def _states(causal, layers, compile_model, rows, packing="none", device=torch.device("cuda", 0)):
     loaded: LoadedModel = truncated_view(causal, causal.config, layers, final_hidden=True)
     ex = Extractor(loaded, device, 1024, prepare_model(loaded.base, packing, compile_model, cuda=True))
     lengths = np.array([len(r) for r in rows])
-    table = _table(rows)
+    table = pa.table({
+        "sample_id": pa.array(np.arange(len(rows)), pa.int64()),
+        "input_ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([[1] * len(r) for r in rows], pa.list_(pa.int8())),
+        "num_tokens": pa.array(lengths, pa.int32()),
+    })
     if compile_model:  # layers compile ahead in a worker (eager meanwhile): wait, then take the compiled path
         warm = Pipeline(ex, iter([table]), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
         warm(table)
         warm.close()
         assert ex.compiler.wait(600) and ex.compiler.ready.is_set()
-    edges = [0, *cuts, len(rows)]
-    tables = [_table(rows[a:z], a) for a, z in zip(edges[:-1], edges[1:])]
-    pipe = Pipeline(ex, iter(tables), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
-    hs, fin = [], []
-    try:
-        for t in tables:
-            out = pipe(t)
-            assert out.column("sample_id").to_pylist() == t.column("sample_id").to_pylist()
-            hs.append(out.column("hidden_states").combine_chunks().flatten().flatten().to_numpy().copy())
-            fin.append(out.column("final_hidden_state").combine_chunks().flatten().flatten().to_numpy().copy())
-    finally:
-        pipe.close()
-    return (torch.from_numpy(np.concatenate(hs)).view(torch.bfloat16),
-            torch.from_numpy(np.concatenate(fin)).view(torch.bfloat16))
+    pipe = Pipeline(ex, iter([table]), max_batch_tokens=int(lengths.max()) * len(rows) + 64)
+    out = pipe(table)
+    hs = out.column("hidden_states").combine_chunks().flatten().flatten().to_numpy().copy()
+    fin = out.column("final_hidden_state").combine_chunks().flatten().flatten().to_numpy().copy()
+    pipe.close()
+    return torch.from_numpy(hs).view(torch.bfloat16), torch.from_numpy(fin).view(torch.bfloat16)
 
 
 def test_compiled_equals_eager_and_reference_on_cuda():
@@ -159,12 +145,10 @@ def _rel(a, b):
 HYBRID_LENGTHS = (17, 64, 5, 130, 3, 200, 65)  # rows across fla's 64-token chunk boundaries
 
 
-def test_packed_hybrid_equals_one_row_reference(monkeypatch):
+def test_packed_hybrid_equals_one_row_reference():
     """--packing varlen on a hybrid model (fla's conv and delta rule get the batch's cu_seqlens; full attention
     the varlen kernel) equals transformers' one-row forward within bf16 tolerance, eager and compiled; so do
-    right-padded batches on the same fla forward, and packed batches small enough to share one forward (`Pipeline`
-    joins them: a bucket's last, a small bucket), each back as its own table, the chunk indices and the convolution
-    over the joined row bounds."""
+    right-padded batches on the same fla forward."""
     pytest.importorskip("fla")
     from hsx.model import kernel_report
 
@@ -173,16 +157,9 @@ def test_packed_hybrid_equals_one_row_reference(monkeypatch):
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
     layers = [0, 3, 6]
     ref = _one_row_reference(causal, layers, rows)
-    forwards: list[int] = []  # tables per forward
-    run_tables = Extractor.run_tables
-    monkeypatch.setattr(Extractor, "run_tables",
-                        lambda self, tables, slot: forwards.append(len(tables)) or run_tables(self, tables, slot))
-    four = (2, 3, 5)  # four tables of 484 tokens in all, a 1,024-token cap: one forward
-    for packing, compile_model, cuts in (("none", False, ()), ("varlen", False, ()), ("varlen", True, ()),
-                                         ("varlen", False, four), ("varlen", True, four)):
-        got = _states(causal, layers, compile_model, rows, packing=packing, cuts=cuts)[0]
-        assert _rel(got, ref) < 2e-2, (packing, compile_model, cuts, _rel(got, ref))
-        assert forwards[-1] == (4 if cuts else 1), forwards
+    for packing, compile_model in (("none", False), ("varlen", False), ("varlen", True)):
+        got = _states(causal, layers, compile_model, rows, packing=packing)[0]
+        assert _rel(got, ref) < 2e-2, (packing, compile_model, _rel(got, ref))
     report = kernel_report(causal.model)
     assert report["linear_attention_forward"] == "hsx fla" and report["packing_safe"], report
     assert report["causal_conv1d"] == "hsx", report  # (heads of 64: conv_qkv's)
@@ -240,9 +217,9 @@ def _hybrid_moe(num_layers=8, seed=0):
 def _torch_delta_rule(causal):
     """Run the Gated DeltaNet layers on transformers' torch delta rule while inside: a float32 reference in float32
     throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
-    chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). transformers up to 5.x
-    bound the rule to each layer when built; later ones call a module-level function that dispatches to fla when fla
-    is installed, its `__wrapped__` the torch rule. Both are rebound, and restored after."""
+    chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). Older transformers
+    bound the rule to each layer when built; later ones (5.17 here) call a module-level function that dispatches to
+    fla when fla is installed, its `__wrapped__` the torch rule. Both are rebound, and restored after."""
     import sys
 
     modeling = sys.modules[type(causal).__module__]
