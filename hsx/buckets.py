@@ -2,11 +2,19 @@
 
 Rows are grouped into narrow length buckets (upper bounds grow by 1/16 and are multiples of 8), so a right-padded
 batch wastes ~3% on padding instead of the ~75% of dataset-order batches (measured on an H200, Qwen3-8B shape,
-lognormal lengths around 250 tokens). Each bucket gets one batch size from the token budget, padding counted:
-`budget // bucket_upper_bound`. Within a bucket rows keep `sample_id` order, so the output order — bucket, then
-sample_id — does not depend on the budget, the device or the number of processes. Buckets are cut into units of at
-most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`), the grain of commit and
+lognormal lengths around 250 tokens). Within a bucket rows keep `sample_id` order, so the output order — bucket,
+then sample_id — does not depend on the budget, the device or the number of processes. Buckets are cut into units of
+at most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`), the grain of commit and
 resume, and the grain work is shared across ranks.
+
+A unit's rows go in the fewest batches the token budget allows, padding counted (at most `budget // upper_bound`
+rows each), spread evenly over them. A forward costs a fixed host time however few its tokens (~90 ms at the
+Qwen3.6-35B-A3B shape on an H200, where a batch under 10k tokens ran at half the rate of a full one), and filling
+batches in turn left most units a small last one: 100,000 rows of the bench's lengths, with the 35B's 32,768-token
+budget and units, made 189 of 1,435 batches under 10k tokens; spread evenly, 7. A unit's batches depend on the unit
+and the budget only, never on which rank runs it or what ran before it, so a row's states are the same bits
+whatever the number of processes (batches joined across units measured faster on small jobs but broke that:
+docs/benchmarks.md, session 17).
 """
 
 from __future__ import annotations
@@ -30,7 +38,12 @@ class Unit:
     tokens: int
 
     def batch_size(self, token_budget: int) -> int:
-        return max(1, token_budget // self.upper_bound)
+        """Rows per batch (`datasets.map`'s batch_size): the unit's rows over the fewest batches of at most
+        `token_budget // upper_bound` rows, as evenly as one batch size allows (the last batch is at most
+        batches - 1 rows short)."""
+        most = max(1, token_budget // self.upper_bound)
+        rows = self.stop - self.start
+        return -(-rows // -(-rows // most))
 
 
 def bucket_bounds(max_length: int) -> np.ndarray:

@@ -98,8 +98,25 @@ def test_plan_units_batch_size_counts_padding():
     tok = np.array([100, 101, 3, 97], dtype=np.int64)
     _, units = plan_units(sid, tok, 4096, 1 << 20)
     big = [u for u in units if u.tokens > 10][0]
-    assert big.batch_size(1000) == 1000 // big.upper_bound
+    assert big.stop - big.start == 3 and big.upper_bound > 101
+    assert big.batch_size(1000) == 3  # all three rows, padded to the bucket's bound, fit the budget
+    assert big.batch_size(2 * big.upper_bound) == 2  # two fit: batches of 2 and 1
     assert big.batch_size(1) == 1  # never zero
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 63, 64, 65, 100, 127, 1000])
+@pytest.mark.parametrize("most", [1, 2, 3, 8, 64, 999])
+def test_batches_of_a_unit_are_the_fewest_and_even(rows, most):
+    """A unit runs in the fewest batches the budget allows (`most` rows each at its upper bound), none over the
+    budget, and its last batch is not a small remainder: at most batches - 1 rows shorter than the others (65 rows
+    at 64 a batch run as 33 + 32, not 64 + 1)."""
+    upper = 16
+    unit = Unit(name="000-00000", bucket=0, upper_bound=upper, start=5, stop=5 + rows, tokens=rows * upper)
+    size = unit.batch_size(most * upper + upper // 2)
+    batches = [len(range(rows)[a:a + size]) for a in range(0, rows, size)]
+    assert sum(batches) == rows and size <= most
+    assert len(batches) == -(-rows // most)
+    assert batches[-1] >= size - (len(batches) - 1)
 
 
 def test_unit_token_cap():
