@@ -816,21 +816,36 @@ def _packing(report: dict[str, Any], config) -> tuple[bool, str]:
     return True, ""
 
 
+def fallback_closure(obj, depth: int = 3) -> dict[str, Any] | None:
+    """The variables the function `use_kernel_func_from_hub_with_fallback` made for `obj` closes over (`func_name`,
+    `is_new_implementation`, `torch_function`: 5.17 to 5.25 at least), or None when `obj` is not one. With the
+    `kernels` package installed (a dependency of transformers from 5.25) that function is wrapped once more, in an
+    nn.Module whose forward closes over it as `func`."""
+    if depth == 0:
+        return None
+    if isinstance(obj, torch.nn.Module):
+        obj = getattr(type(obj), "forward", None)
+    if not callable(obj) or not hasattr(obj, "__code__"):
+        return None
+    try:
+        free = inspect.getclosurevars(obj).nonlocals
+    except (TypeError, ValueError):
+        return None
+    if "is_new_implementation" in free and isinstance(free.get("func_name"), str):
+        return free
+    return fallback_closure(free.get("func"), depth - 1)
+
+
 def _fallback_kernels(modules: list[torch.nn.Module]) -> dict[str, bool]:
     """{kernel name: True when its package's implementation is used} for the functions that transformers wraps with
-    `use_kernel_func_from_hub_with_fallback` in the modules' modeling files (5.17 to 5.24 at least: the wrapper
-    closes over `func_name` and `is_new_implementation`). Older layouts keep the kernel as a module attribute."""
+    `use_kernel_func_from_hub_with_fallback` in the modules' modeling files (`fallback_closure`). Older layouts keep
+    the kernel as a module attribute."""
     found: dict[str, bool] = {}
     for mod_name in {type(m).__module__ for m in modules}:
         namespace = vars(sys.modules.get(mod_name, object()))
         for obj in list(namespace.values()):
-            if not callable(obj) or not hasattr(obj, "__code__"):
-                continue
-            try:
-                free = inspect.getclosurevars(obj).nonlocals
-            except (TypeError, ValueError):
-                continue
-            if "is_new_implementation" in free and isinstance(free.get("func_name"), str):
+            free = fallback_closure(obj)
+            if free is not None:
                 found[free["func_name"]] = bool(free["is_new_implementation"])
     for m in modules:  # older transformers: self.chunk_gated_delta_rule = fla's or torch's
         for attr, key in ((LINEAR_ATTENTION_KERNEL, LINEAR_ATTENTION_KERNEL), (CONV_KERNEL, CONV_KERNEL)):

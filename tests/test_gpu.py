@@ -218,13 +218,16 @@ def _torch_delta_rule(causal):
     """Run the Gated DeltaNet layers on transformers' torch delta rule while inside: a float32 reference in float32
     throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
     chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). Older transformers
-    bound the rule to each layer when built; later ones (5.17 here) call a module-level function that dispatches to
-    fla when fla is installed, its `__wrapped__` the torch rule. Both are rebound, and restored after."""
+    bound the rule to each layer when built; later ones (5.17 on) call a module-level function that dispatches to
+    fla when fla is installed (`hsx.model.fallback_closure` finds its torch rule). Both are rebound, and restored
+    after."""
     import sys
+
+    from hsx.model import fallback_closure
 
     modeling = sys.modules[type(causal).__module__]
     dispatch = getattr(modeling, "torch_chunk_gated_delta_rule", None)
-    rule = getattr(dispatch, "__wrapped__", dispatch)
+    rule = (fallback_closure(dispatch) or {}).get("torch_function", dispatch)
     if rule is None or getattr(rule, "__module__", None) != modeling.__name__:
         yield
         return
