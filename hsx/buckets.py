@@ -43,7 +43,8 @@ class Unit:
         batches - 1 rows short)."""
         most = max(1, token_budget // self.upper_bound)
         rows = self.stop - self.start
-        return -(-rows // -(-rows // most))
+        batches = -(-rows // most)  # the fewest that hold the unit's rows
+        return -(-rows // batches)
 
 
 def bucket_bounds(max_length: int) -> np.ndarray:
