@@ -3,17 +3,24 @@
 Rows are grouped into narrow length buckets (upper bounds grow by 1/16 and are multiples of 8), so a right-padded
 batch wastes ~3% on padding instead of the ~75% of dataset-order batches (measured on an H200, Qwen3-8B shape,
 lognormal lengths around 250 tokens). Within a bucket rows keep `sample_id` order, so the output order — bucket,
-then sample_id — does not depend on the budget, the device or the number of processes. Buckets are cut into units of
-at most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`), the grain of commit and
-resume, and the grain work is shared across ranks.
+then sample_id — does not depend on the budget, the device or the number of processes. That order is cut into units
+of at most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`, named by its first
+row's bucket), the grain of commit and resume, and the grain work is shared across ranks.
+
+A unit runs on from one bucket into the next ones while their upper bounds stay within `UNIT_SPAN` (1.5×) of its
+first bucket's. Cut at every bucket, a small job's long tail is dozens of nearly empty units, each at least one
+forward, and a forward costs a fixed host time however few its tokens (~90 ms at the Qwen3.6-35B-A3B shape on an
+H200, where a batch under 10k tokens ran at half the rate of a full one): the bench's 2,000 rows with the 35B's
+budget and units ran 65 forwards, 32 of them under 10k tokens; units spanning 1.5× run them in 35 forwards, 3 under
+10k, for padding (right-padded targets only) of 7.4% instead of 3.1%. A large job hardly changes (100,000 rows:
+1,435 forwards → 1,421, padding 3.2% → 3.4%). The units depend on the lengths, sample ids, `max_length` and
+`unit_tokens` only, never on the budget, the device or the number of processes.
 
 A unit's rows go in the fewest batches the token budget allows, padding counted (at most `budget // upper_bound`
-rows each), spread evenly over them. A forward costs a fixed host time however few its tokens (~90 ms at the
-Qwen3.6-35B-A3B shape on an H200, where a batch under 10k tokens ran at half the rate of a full one), and filling
-batches in turn left most units a small last one: 100,000 rows of the bench's lengths, with the 35B's 32,768-token
-budget and units, made 189 of 1,435 batches under 10k tokens; spread evenly, 7. A unit's batches depend on the unit
-and the budget only, never on which rank runs it or what ran before it, so a row's states are the same bits
-whatever the number of processes (batches joined across units measured faster on small jobs but broke that:
+rows each), spread evenly over them: filled in turn, most units ended in a small last batch (100,000 rows, the 35B's
+budget and units: 189 of 1,435 batches under 10k tokens; spread evenly, 7). A unit's batches depend on the unit and
+the budget only, never on which rank runs it or what ran before it, so a row's states are the same bits whatever
+the number of processes (batches joined across units measured faster on small jobs but broke that:
 docs/benchmarks.md, session 17).
 """
 
@@ -26,13 +33,17 @@ import numpy as np
 
 PAD_MULTIPLE = 8  # batch lengths are padded to this, so kernels see aligned shapes and few distinct shapes
 BUCKET_GROWTH = 1.0625
+UNIT_SPAN = 1.5  # a unit's last bucket bound is at most this times its first's
+# How rows are cut into units, in the job's fingerprint: an output dir planned another way is another job's (its
+# unit names would not hold the same rows), refused on resume instead of skipping rows its units never held.
+UNIT_PLAN = f"buckets-{BUCKET_GROWTH}-span-{UNIT_SPAN}"
 
 
 @dataclass(frozen=True)
 class Unit:
-    name: str  # "<bucket>-<chunk>", zero-padded so names sort in output order
-    bucket: int
-    upper_bound: int  # longest row the bucket may hold, in tokens
+    name: str  # "<bucket>-<chunk>": its first row's bucket, zero-padded so names sort in output order
+    bucket: int  # its first row's bucket
+    upper_bound: int  # longest row its last bucket may hold, in tokens
     start: int  # rows [start, stop) of the ordered dataset
     stop: int
     tokens: int
@@ -59,7 +70,8 @@ def bucket_bounds(max_length: int) -> np.ndarray:
 
 def plan_units(sample_ids: np.ndarray, num_tokens: np.ndarray, max_length: int,
                unit_tokens: int) -> tuple[np.ndarray, list[Unit]]:
-    """Order usable rows by (bucket, sample_id) and cut buckets into units.
+    """Order usable rows by (bucket, sample_id) and cut that order into units: each as many rows as fit in
+    `unit_tokens` (at least one row, which may be larger), from buckets within `UNIT_SPAN` of its first row's.
 
     Returns the permutation (positions into the input arrays) and the units over the permuted rows."""
     bounds = bucket_bounds(max_length)
@@ -68,21 +80,19 @@ def plan_units(sample_ids: np.ndarray, num_tokens: np.ndarray, max_length: int,
     bucket_sorted = bucket[order]
     tokens_sorted = np.asarray(num_tokens, dtype=np.int64)[order]
     cum = np.r_[0, np.cumsum(tokens_sorted)].tolist()  # cum[i]: tokens in rows [0, i)
+    # span_end[b]: the first row past the buckets a unit starting in bucket b may take
+    last_bucket = np.searchsorted(bounds, bounds * UNIT_SPAN, side="right") - 1
+    span_end = np.searchsorted(bucket_sorted, last_bucket, side="right").tolist()
     units: list[Unit] = []
-    edges = np.flatnonzero(np.diff(bucket_sorted)) + 1
-    for lo, hi in zip(np.r_[0, edges].tolist(), np.r_[edges, len(order)].tolist()):
-        if hi <= lo:
-            continue
-        b = int(bucket_sorted[lo])
-        upper = int(bounds[b])
-        # Greedy: each unit takes as many rows as fit in unit_tokens (at least one row, which may be larger):
-        # one binary search per unit over the cumulative totals, no Python per row.
-        a, chunk = lo, 0
-        while a < hi:
-            z = max(a + 1, bisect_right(cum, cum[a] + unit_tokens, a + 1, hi + 1) - 1)
-            units.append(Unit(name=f"{b:03d}-{chunk:05d}", bucket=b, upper_bound=upper, start=a, stop=z,
-                              tokens=cum[z] - cum[a]))
-            a, chunk = z, chunk + 1
+    a, n, chunks = 0, len(order), {}
+    # One binary search per unit over the cumulative totals, no Python per row.
+    while a < n:
+        b = int(bucket_sorted[a])
+        z = max(a + 1, bisect_right(cum, cum[a] + unit_tokens, a + 1, span_end[b] + 1) - 1)
+        chunk = chunks[b] = chunks.get(b, -1) + 1
+        units.append(Unit(name=f"{b:03d}-{chunk:05d}", bucket=b, upper_bound=int(bounds[bucket_sorted[z - 1]]),
+                          start=a, stop=z, tokens=cum[z] - cum[a]))
+        a = z
     return order, units
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx.version import __version__
-from hsx.buckets import Unit, plan_units
+from hsx.buckets import UNIT_PLAN, Unit, plan_units
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
 from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord, OutputFormat
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
@@ -218,7 +218,7 @@ def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None,
         "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
         # unit_tokens as given: the derived default follows from layers, dtype and model, already in here (so
         # changing only --layers reports `differs in: layers`, not unit_tokens too)
-        "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "nonfinite": cfg.nonfinite,
+        "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "unit_plan": UNIT_PLAN, "nonfinite": cfg.nonfinite,
         "topk_logits": cfg.topk_logits,
         "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
         **_quantization_identity(target.text),

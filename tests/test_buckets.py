@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hsx.buckets import PAD_MULTIPLE, Unit, bucket_bounds, padded_length, plan_units
+from hsx.buckets import PAD_MULTIPLE, UNIT_SPAN, Unit, bucket_bounds, padded_length, plan_units
 
 
 @pytest.mark.parametrize("max_length", [1, 5, 8, 9, 16, 17, 100, 512, 4096, 32768, 131072])
@@ -51,12 +51,11 @@ def check_plan(sample_ids, num_tokens, max_length, unit_tokens):
         assert u.start == at and u.stop > u.start
         covered[u.start:u.stop] += 1
         at = u.stop
-        # one bucket per unit, and every row fits under its upper bound and above the previous one
-        assert set(bucket[u.start:u.stop].tolist()) == {u.bucket}
-        assert u.upper_bound == bounds[u.bucket]
+        # named by its first row's bucket; its rows' buckets within UNIT_SPAN of that one, its upper bound its
+        # last row's bucket's (so every row fits under it)
+        assert bucket[u.start] == u.bucket
+        assert u.upper_bound == bounds[bucket[u.stop - 1]] <= UNIT_SPAN * bounds[u.bucket]
         assert tok[u.start:u.stop].max() <= u.upper_bound
-        if u.bucket > 0:
-            assert tok[u.start:u.stop].min() > bounds[u.bucket - 1]
         assert u.tokens == int(tok[u.start:u.stop].sum())
     assert at == n
     assert np.all(covered == 1)
@@ -140,20 +139,51 @@ def test_unit_token_cap_minimal():
 
 
 def test_units_are_greedy():
-    """Each unit is as full as the cap allows: the next row of its bucket would not have fitted (so units are
-    not cut needlessly small), and an exact fit stays one unit."""
+    """Each unit is as full as the cap and the span allow: the next row would not have fitted, or its bucket is
+    past the span (so units are not cut needlessly small), and an exact fit stays one unit."""
     rng = np.random.default_rng(11)
     sid = np.arange(2000, dtype=np.int64)
     tok = rng.integers(1, 1025, size=2000).astype(np.int64)
     for unit_tokens in (1, 100, 700, 5000, 1 << 30):
         order, units = check_plan(sid, tok, 1024, unit_tokens)
         t = tok[order]
+        bounds = bucket_bounds(1024)
         for u, nxt in zip(units, units[1:]):
             assert u.tokens <= unit_tokens or u.stop - u.start == 1
-            if nxt.bucket == u.bucket:
+            next_bound = bounds[np.searchsorted(bounds, t[nxt.start])]
+            if next_bound <= UNIT_SPAN * bounds[u.bucket]:
                 assert u.tokens + t[nxt.start] > unit_tokens, (unit_tokens, u, nxt)
     _, units = plan_units(np.arange(6, dtype=np.int64), np.full(6, 50, dtype=np.int64), 64, 100)
     assert [(u.start, u.stop, u.tokens) for u in units] == [(0, 2, 100), (2, 4, 100), (4, 6, 100)]
+
+
+def test_small_buckets_share_a_unit_within_the_span():
+    """A few rows in each of many buckets (a small job's long tail) make a few units, not one per bucket: a unit
+    takes in the next buckets while their bounds stay within UNIT_SPAN of its first's, so 1,000 rows over 200-4,000
+    tokens run in a handful of forwards, and no unit holds lengths further apart than the span."""
+    rng = np.random.default_rng(3)
+    tok = np.sort(rng.integers(200, 4001, size=1000)).astype(np.int64)
+    order, units = check_plan(np.arange(1000, dtype=np.int64), tok, 4096, 1 << 30)
+    bounds = bucket_bounds(4096)
+    buckets = np.unique(np.searchsorted(bounds, tok))
+    assert len(buckets) > 40
+    assert len(units) <= 8  # log(4000 / 200) / log(1.5) = 7.4 spans
+    for u in units:
+        t = tok[order][u.start:u.stop]
+        assert t.max() <= UNIT_SPAN * bounds[u.bucket]
+    # each unit except the last stops where the next row's bucket leaves the span
+    for u, nxt in zip(units, units[1:]):
+        assert bounds[np.searchsorted(bounds, tok[order][nxt.start])] > UNIT_SPAN * bounds[u.bucket]
+
+
+def test_spans_are_measured_from_a_units_first_bucket():
+    """Lengths 100, 140, 190 (bounds 104, 144, 192 apart by more than 1.5x end to end): the first unit takes 100 and
+    140 (144 <= 1.5 x 104), the second starts at 190's bucket."""
+    tok = np.array([190, 100, 140, 100, 190], dtype=np.int64)
+    order, units = check_plan(np.arange(5, dtype=np.int64), tok, 4096, 1 << 20)
+    assert [tok[order][u.start:u.stop].tolist() for u in units] == [[100, 100, 140], [190, 190]]
+    assert [u.upper_bound for u in units] == [144, 192]
+    assert units[0].batch_size(3 * 144) == 3 and units[0].batch_size(3 * 144 - 1) == 2  # sized for its longest
 
 
 def test_rows_larger_than_a_unit_get_one_unit_each():

@@ -512,6 +512,19 @@ def test_changing_only_layers_names_only_layers(tmp_path, capsys, model4, small_
     assert "(differs in: layers)" in line
 
 
+def test_a_dir_planned_another_way_is_refused(tmp_path, capsys, model4, small_chat_path, monkeypatch):
+    """The rule that cuts rows into units is part of the job: a dir whose units were cut another way (an older hsx)
+    holds other rows under the same unit names, so resuming it would skip rows; it is refused, naming the plan."""
+    out = tmp_path / "out"
+    monkeypatch.setattr("hsx.job.UNIT_PLAN", "buckets-1.0625-span-1.0")
+    assert main(base_args(model4, small_chat_path, out, "1")) == 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    line = assert_one_error_line(main(base_args(model4, small_chat_path, out, "1")), capsys.readouterr().err,
+                                 "different job")
+    assert "(differs in: unit_plan)" in line
+
+
 def test_export_specforge_error_speaks_flags(tmp_path, capsys, monkeypatch, cli_run):
     out = cli_run["out"]  # layers 1 and 3 of 4, no final norm state: refused before any file is written
     rc = main(["export-specforge", str(out), str(tmp_path / "sf")])

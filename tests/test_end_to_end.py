@@ -21,6 +21,7 @@ import yaml
 
 import hsx
 from helpers import bf16_ulps, bucket_of, expected_tokenization, rel_err, write_jsonl
+from hsx.buckets import UNIT_SPAN, bucket_bounds
 from hsx.config import LAYER_CONVENTION, HsxError, load_config
 from hsx.run import extract
 
@@ -126,12 +127,14 @@ def test_output_files(main_run, main_ds):
     names = sorted(p.name for p in data_dir.iterdir())
     assert names and all(re.fullmatch(r"train-[0-9]+(-[0-9]+)*\.arrow", n) for n in names), names
     assert not any("-of-" in n for n in names)
-    # several units (small unit_tokens), each one bucket: all rows of a file share a bucket
+    # several units (small unit_tokens), each named by its first row's bucket, its rows' lengths within the span
     assert len(names) > 3
+    bounds = bucket_bounds(MAX_LENGTH)
     for name in names:
         part = Dataset.from_file(str(data_dir / name))
-        b = set(bucket_of(np.asarray(part["num_tokens"]), MAX_LENGTH).tolist())
-        assert len(b) == 1, (name, b)
+        b = bucket_of(np.asarray(part["num_tokens"]), MAX_LENGTH)
+        assert b[0] == int(name.split("-")[1]) and np.all(np.diff(b) >= 0), (name, b)
+        assert bounds[b[-1]] <= UNIT_SPAN * bounds[b[0]], (name, b)
     # top level: the card, hsx.json, the supervised-token counts, data/ and the dot-folder only
     assert {p.name for p in main_run.out.iterdir()} <= {"README.md", "hsx.json", "token_frequencies.npy", "data",
                                                         ".hsx"}
