@@ -13,9 +13,9 @@ forward, and a forward costs a fixed host time however few its tokens (~90 ms at
 H200, where a batch under 10k tokens ran at half the rate of a full one): the bench's 2,000 rows with the 35B's
 budget and units ran 65 forwards, 32 of them under 10k tokens; units spanning 1.5× run them in 35 forwards, 3 under
 10k (measured in one H200 call: 36.9% → 46.5% MFU), for padding (right-padded targets only) of 7.4% instead of 3.1%
-(the CPU demo's 96 rows: 14.5% instead of 2.9%, 7 files instead of 31, and faster). A large job hardly changes (100,000 rows:
-1,435 forwards → 1,421, padding 3.2% → 3.4%). The units depend on the lengths, sample ids, `max_length` and
-`unit_tokens` only, never on the budget, the device or the number of processes.
+(the CPU demo's 96 rows: 14.5% instead of 2.9%, 7 files instead of 31, and faster). A large job hardly changes
+(100,000 rows: 1,435 forwards → 1,421, padding 3.2% → 3.4%). The units depend on the lengths, sample ids,
+`max_length` and `unit_tokens` only, never on the budget, the device or the number of processes.
 
 A unit's rows go in the fewest batches the token budget allows, padding counted (at most `budget // upper_bound`
 rows each), spread evenly over them: filled in turn, most units ended in a small last batch (100,000 rows, the 35B's
