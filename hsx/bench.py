@@ -147,6 +147,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     if args.model:  # as extract loads it: its small files and its config.json bounded before transformers reads
         model_path, _ = hsx_model.resolve_model_path(args.model, None, trust_remote_code=False)
         full_config = hsx_model.read_model_config(model_path, args.model, trust_remote_code=False)
+        hsx_model.check_checkpoint(model_path, args.model,
+                                   fp8.carry_quantization(full_config, hsx_model.text_config_of(full_config)))
     else:
         full_config = shape_config(args.shape)
     text = hsx_model.text_config_of(full_config)

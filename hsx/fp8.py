@@ -42,6 +42,7 @@ from hsx.errors import HsxError, one_line
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value
 BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
+MAX_BLOCK = 1 << 16  # a weight_block_size side past this is no block layout (a matrix side is rarely larger)
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
 FP8_EXPERTS_RUN_ON = "_hsx_fp8_experts_run_on"  # set beside it: "triton" where both kernels passed their checks
 BF16_REFERENCE = "_hsx_bf16_reference"  # set on such a module by `bf16_reference`: its experts run dequantized
@@ -85,21 +86,25 @@ class Fp8Config:
 
 def quantization_of(config) -> Fp8Config | None:
     """The fp8 quantization a model config declares (on the text config or, for vision-language checkpoints, the
-    outer one), None for an unquantized model or another quant_method (transformers' own loader handles those).
-    A malformed fp8 entry is an HsxError: loading it would make wrong weights silently."""
+    outer one), None for an unquantized model or another quant_method transformers knows (its own loader handles
+    those). A malformed fp8 entry, or a quant_method transformers does not know (it would load the weights as if
+    unquantized, warning only: "FP8" among them, its methods being lower case), is an HsxError: loading it would
+    make wrong weights silently."""
     q = getattr(config, "quantization_config", None)
     if q is None:
         return None
     d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else vars(q))
     if not isinstance(d, dict):
         raise HsxError(f"quantization_config is a {type(q).__name__}, not a mapping")
-    method = str(d.get("quant_method", "")).lower()
+    method = d.get("quant_method")
+    method = getattr(method, "value", method)  # (a config object's to_dict gives transformers' QuantizationMethod)
     if method != "fp8":
+        _check_known_method(d, method)
         return None
     block = d.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise HsxError(f"quantization_config: weight_block_size {block!r} is not two positive integers")
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
+        raise HsxError(f"quantization_config: weight_block_size {block!r} is not two integers in [1, {MAX_BLOCK:,}]")
     skip = d.get("modules_to_not_convert") or []
     if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
         raise HsxError("quantization_config: modules_to_not_convert is not a list of names")
@@ -115,6 +120,23 @@ def quantization_of(config) -> Fp8Config | None:
                      **fields)
 
 
+def _check_known_method(d: dict, method) -> None:
+    """HsxError unless transformers quantizes by `method` (bitsandbytes by its load_in_* flags): one it does not
+    know it skips with a warning, and the stored (e.g. e4m3) weights load as they are, without their scales."""
+    if d.get("load_in_8bit") or d.get("load_in_4bit"):
+        return
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as known
+    except ImportError:  # another transformers: its loader says what it takes
+        return
+    if isinstance(method, str) and method in known:
+        return
+    hint = " (the method is spelled 'fp8')" if isinstance(method, str) and method.strip().lower() == "fp8" else ""
+    what = f"quant_method {method!r}" if method is not None else "no quant_method"
+    raise HsxError(f"quantization_config has {what}{hint}, which transformers does not know: it would load the "
+                   "weights as if unquantized")
+
+
 def carry_quantization(full_config, text_config):
     """`text_config` with the outer config's quantization_config when only the outer one has it (Qwen3.5/3.6
     vision-language checkpoints): the text model built from it must load the FP8 tensors as FP8, not cast them."""
@@ -123,6 +145,83 @@ def carry_quantization(full_config, text_config):
         if q is not None:
             text_config.quantization_config = q
     return text_config
+
+
+# ---- the checkpoint's FP8 tensors, checked before they load ------------------------------------------------------
+# transformers trusts them: on CPU it dequantizes with whatever scale grid it finds (a missing scale leaves the e4m3
+# values unscaled, a [1, 1] scale broadcasts, e5m2 bytes read as e5m2, weight_block_size is never read), on a GPU it
+# casts what it finds into its e4m3 / float32 parameters. So every float8 tensor's layout is checked here, from the
+# safetensors headers, and every scale's values as they are read (`scale_problem`).
+
+WEIGHT_DTYPES = {"e4m3": "F8_E4M3"}  # fmt → the safetensors dtype of its weights (transformers' FP8 layers: e4m3)
+FLOAT8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})  # stored weights of any float8 format (F8_E8M0 is a scale's)
+SCALE_DTYPES = {"float": ("F32", "BF16"), "ue8m0": ("F8_E8M0", "U8")}  # scale_fmt → the dtypes its scales come in
+SCALE_SUFFIX = "_scale_inv"  # X.weight's scales: X.weight_scale_inv; fused experts' X.down_proj: X.down_proj_scale_inv
+
+
+def stored_problems(tensors: dict[str, Any], quant: Fp8Config | None) -> list[str]:
+    """What is wrong with a checkpoint's stored tensors (name → an entry with `dtype`, a safetensors dtype name,
+    and `shape`) for the quantization its config declares, one line per tensor, [] when nothing is: every float8
+    weight in the declared fmt, 2-D (out, in) or 3-D (experts, out, in), with its `SCALE_SUFFIX` scales of exactly
+    (..., ceil(out / block_out), ceil(in / block_in)) for weight_block_size, in a dtype its scale_fmt allows; no
+    scale without its float8 weight; no float8 weight at all under a config that declares no quantization (its
+    values would be read unscaled), and at least one under an fp8 one."""
+    float8 = sorted(n for n, t in tensors.items() if t.dtype in FLOAT8_DTYPES)
+    if quant is None:
+        return [f"{n} is stored {tensors[n].dtype} but config.json declares no quantization_config: its values "
+                "would be read without their scales" for n in float8]
+    want = WEIGHT_DTYPES.get(quant.fmt)
+    if want is None:
+        return [f"quantization_config's fmt is {quant.fmt!r}: transformers' FP8 layers hold e4m3 weights (fmt "
+                "'e4m3'); others would be cast"]
+    scale_dtypes = SCALE_DTYPES.get(quant.scale_fmt)
+    if scale_dtypes is None:
+        return [f"quantization_config's scale_fmt is {quant.scale_fmt!r}, not one of {', '.join(SCALE_DTYPES)}"]
+    if not float8:
+        return ["quantization_config declares fp8 but the checkpoint holds no float8 weight"]
+    bo, bi = quant.weight_block_size
+    found = []
+    for name in float8:
+        t, scale = tensors[name], name + SCALE_SUFFIX
+        s = tensors.get(scale)
+        if t.dtype != want:
+            found.append(f"{name} is stored {t.dtype}, not {want} as quantization_config's fmt {quant.fmt!r} says")
+        elif len(t.shape) not in (2, 3):
+            found.append(f"{name} has shape {list(t.shape)}: an FP8 weight is (out, in), or (experts, out, in)")
+        elif s is None:
+            found.append(f"{name} has no block scales ({scale} is not in the checkpoint)")
+        elif s.dtype not in scale_dtypes:
+            found.append(f"{scale} is stored {s.dtype}; scale_fmt {quant.scale_fmt!r} scales are "
+                         f"{' or '.join(scale_dtypes)}")
+        else:
+            *lead, out, inp = t.shape
+            grid = [*lead, -(-out // bo), -(-inp // bi)]
+            if list(s.shape) != grid:
+                found.append(f"{scale} has shape {list(s.shape)}, not {grid}: {name} {list(t.shape)} in "
+                             f"weight_block_size {[bo, bi]} blocks")
+    for scale in sorted(n for n in tensors if n.endswith(SCALE_SUFFIX)):
+        weight = tensors.get(scale[:-len(SCALE_SUFFIX)])
+        if weight is None:
+            found.append(f"{scale} has no weight ({scale[:-len(SCALE_SUFFIX)]} is not in the checkpoint)")
+        elif weight.dtype not in FLOAT8_DTYPES:
+            found.append(f"{scale[:-len(SCALE_SUFFIX)]} is stored {weight.dtype}, not {want}, beside its block scales")
+    return found
+
+
+def scale_problem(name: str, scales: torch.Tensor) -> str | None:
+    """Why a weight's block scales (as stored: float32, bf16, ue8m0) cannot scale it, None when every one is a
+    positive finite number: a zero zeroes a block, a negative one flips its sign, NaN or inf poisons every state
+    downstream. One reduction over the tensor, on whatever device it is read to."""
+    s = (scales.float() - 127).exp2().masked_fill(scales == 255, math.nan) if scales.dtype == torch.uint8 \
+        else scales.float()  # (ue8m0 stored as bytes: 2^(byte - 127), 255 is NaN)
+    bad = ~(torch.isfinite(s) & (s > 0))
+    count = int(bad.sum())
+    if not count:
+        return None
+    first = int(bad.flatten().nonzero()[0])
+    where = [int(i) for i in torch.unravel_index(torch.tensor(first), s.shape)] if s.dim() else []
+    return (f"{name} holds {count:,} of {s.numel():,} block scales that are not positive finite numbers (the first, "
+            f"at {where}, is {float(s.flatten()[first])!r})")
 
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:

@@ -238,13 +238,15 @@ def command_line() -> str:
 
 
 def _model_facts(cfg: ExtractConfig):
-    from hsx.model import read_model_config, resolve_model_path, text_config_of
+    from hsx.model import check_checkpoint, read_model_config, resolve_model_path, text_config_of
 
     model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
     from hsx.fp8 import carry_quantization
 
     full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
-    return model_path, revision, carry_quantization(full, text_config_of(full))
+    text = carry_quantization(full, text_config_of(full))
+    check_checkpoint(model_path, cfg.model, text)  # (before the job claims a dir: a damaged one is refused first)
+    return model_path, revision, text
 
 
 def _tokenizer(cfg: ExtractConfig, model_path: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -345,6 +346,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     layers, final_hidden = resolve_layers(cfg.layers, n, cfg.final_hidden)
     depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
+    check_checkpoint(path, cfg.model, text)
     quant = fp8.quantization_of(tcfg)
     attn = supported_attn_implementation(tcfg, cfg.attn_implementation)
     kwargs: dict[str, Any] = {}
@@ -372,7 +374,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                        f"architecture?): {type(e).__name__}: {one_line(e)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
-    check_loaded_weights(base, info, cfg.model)
+    check_loaded_weights(base, info, cfg.model, prefix)
     base = finish_truncation(base, depth, final_hidden)
     _ATTN_REQUESTED[base] = cfg.attn_implementation
     if distributed_config is None and (not devices or len(devices) == 1):
@@ -449,6 +451,152 @@ def _index_weight_map(folder: Path) -> dict[str, Any]:
     return weight_map if isinstance(weight_map, dict) else {}
 
 
+SINGLE_CHECKPOINT = "model.safetensors"  # what transformers loads, where it is there, before any index
+MAX_HEADER_BYTES = 100 << 20  # a safetensors file's JSON header: safetensors' own bound
+# bytes per element of the safetensors dtypes (others, sub-byte ones, are not sized here)
+ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2,
+              "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+SCALE_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "U8": torch.uint8, "F8_E8M0": torch.float8_e8m0fnu}
+DAMAGED = "the model folder is damaged, or its config.json does not describe its weights"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint, as its file's safetensors header describes it."""
+    file: Path
+    dtype: str  # safetensors' name: F8_E4M3, F32, BF16, ...
+    shape: tuple[int, ...]
+    start: int  # its bytes are [start, end) of the file
+    end: int
+
+
+def stored_tensors(folder: Path) -> dict[str, StoredTensor] | None:
+    """Every tensor transformers loads from a folder (every tensor of model.safetensors where there is one, else of
+    the shards its index names), from the files' headers alone; None when there is neither file or no readable
+    index (transformers says what is missing). HsxError in one line naming the file and tensor when a shard is
+    missing or outside the folder, a header is malformed or sizes a tensor past its file, a tensor is in two
+    shards, or the index puts a tensor in a shard that does not hold it."""
+    if check_model_file(folder / SINGLE_CHECKPOINT, 1 << 62):
+        return _safetensors_header(folder / SINGLE_CHECKPOINT, SINGLE_CHECKPOINT)
+    weight_map = _index_weight_map(folder)
+    if not weight_map:
+        return None
+    first: dict[str, str] = {}  # shard → the first tensor the index puts in it (named when the shard is not there)
+    for key, shard in weight_map.items():
+        if isinstance(shard, str):
+            first.setdefault(shard, _shown(key))
+    tensors: dict[str, StoredTensor] = {}
+    held: dict[str, set[str]] = {}
+    for shard, listed in sorted(first.items()):
+        parts = Path(shard).parts
+        if not parts or Path(shard).is_absolute() or ".." in parts:
+            raise HsxError(f"{CHECKPOINT_INDEX} puts {listed} in {_shown(shard)}, outside the model folder; {DAMAGED}")
+        if not check_model_file(folder / shard, 1 << 62):
+            raise HsxError(f"{CHECKPOINT_INDEX} puts {listed} in {_shown(shard)}, which is not in the model folder; "
+                           f"{DAMAGED}")
+        header = _safetensors_header(folder / shard, shard)
+        held[shard] = set(header)
+        for key, t in header.items():
+            if key in tensors:
+                raise HsxError(f"{_shown(key)} is in both {_shown(tensors[key].file.name)} and {_shown(shard)}; "
+                               f"{DAMAGED}")
+            tensors[key] = t
+    for key, shard in weight_map.items():
+        if isinstance(shard, str) and key not in held[shard]:
+            raise HsxError(f"{CHECKPOINT_INDEX} puts {_shown(key)} in {_shown(shard)}, which does not hold it; "
+                           f"{DAMAGED}")
+    return tensors
+
+
+def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file's header describes, each checked to lie within the file and to take the
+    bytes its dtype and shape take."""
+    def damaged(why: str) -> HsxError:
+        return HsxError(f"{_shown(shown)}: {why}; {DAMAGED}")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else 0
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise damaged(f"its safetensors header length ({n:,} bytes) does not fit its {size:,} bytes")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError):
+        raise damaged("its safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise damaged("its safetensors header is not a JSON object")
+    base, tensors = 8 + n, {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                  and type(start) is int and type(end) is int and 0 <= start <= end <= size - base)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise damaged(f"the header's entry for {_shown(key)} is not a dtype, shape and offsets within the file")
+        if dtype in ITEM_BYTES and end - start != math.prod(shape) * ITEM_BYTES[dtype]:
+            raise damaged(f"{_shown(key)} takes {end - start:,} bytes, not the "
+                          f"{math.prod(shape) * ITEM_BYTES[dtype]:,} its {dtype} {shape} take")
+        tensors[key] = StoredTensor(path, dtype, tuple(shape), base + start, base + end)
+    return tensors
+
+
+# Folders whose checkpoint passed `check_checkpoint` (with the files' sizes and times, and the quantization): a
+# job checks it when it reads the model's facts and again when it loads it
+_CHECKED: set[tuple] = set()
+
+
+def check_checkpoint(path: str, name: str, text_config) -> None:
+    """HsxError in one line naming the tensor when a checkpoint's stored tensors are not what its config's
+    quantization declares (`fp8.stored_problems`, from the safetensors headers) or a block scale is zero, negative,
+    NaN or inf (`fp8.scale_problem`: each scale tensor read once, 1/16,384 of its weight's elements). A checkpoint
+    of another quantization method is transformers' to load (`fp8.quantization_of` refuses one it does not know)."""
+    try:
+        quant = fp8.quantization_of(text_config)
+    except HsxError as e:
+        raise HsxError(f"model {name!r}: {e}") from None
+    if quant is None and getattr(text_config, "quantization_config", None) is not None:
+        return
+    tensors = stored_tensors(Path(path)) if Path(path).is_dir() else None
+    if tensors is None:
+        return
+    files = sorted({t.file for t in tensors.values()})
+    key = (str(path), repr(quant), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key in _CHECKED:
+        return
+    problems = fp8.stored_problems(tensors, quant)
+    if problems:
+        more = f" (and {len(problems) - 1:,} more like it)" if len(problems) > 1 else ""
+        raise HsxError(f"model {name!r}: {_shown(problems[0])}{more}; {DAMAGED}")
+    scales: dict[Path, list[str]] = {}  # each file's scale tensors, in file order (read front to back)
+    for k in sorted((k for k in tensors if k.endswith(fp8.SCALE_SUFFIX) and quant is not None),
+                    key=lambda k: tensors[k].start):
+        scales.setdefault(tensors[k].file, []).append(k)
+    for file in sorted(scales):
+        try:
+            with open(file, "rb") as f:
+                for k in scales[file]:
+                    t = tensors[k]
+                    f.seek(t.start)
+                    data = f.read(t.end - t.start)
+                    if len(data) != t.end - t.start:
+                        raise HsxError(f"model {name!r}: {file.name} ends inside {_shown(k)}; {DAMAGED}")
+                    values = (torch.frombuffer(bytearray(data), dtype=SCALE_TORCH[t.dtype]) if data
+                              else torch.empty(0, dtype=SCALE_TORCH[t.dtype]))
+                    why = fp8.scale_problem(_shown(k), values.view(t.shape))
+                    if why:
+                        raise HsxError(f"model {name!r}: {why}; the model folder is damaged")
+        except OSError as e:
+            raise HsxError(f"cannot read {file}: {e.strerror or e}") from None
+    _CHECKED.add(key)
+
+
 def text_weights_prefix(keys: list[str]) -> str | None:
     """The prefix of the decoder's weights in a checkpoint: the one that holds both `embed_tokens.weight` and
     `layers.*` ("model." for a CausalLM, "model.language_model." or "language_model.model." for vision-language
@@ -459,9 +607,11 @@ def text_weights_prefix(keys: list[str]) -> str | None:
     return candidates.pop() if len(candidates) == 1 else None
 
 
-def check_loaded_weights(base: torch.nn.Module, info: dict, model: str) -> None:
+def check_loaded_weights(base: torch.nn.Module, info: dict, model: str, prefix: str | None = None) -> None:
     """Refuse a model whose parameters were not all read from the checkpoint: transformers fills missing ones with
-    random values and only logs it (a warning we silence), which would make every hidden state silently wrong."""
+    random values and only logs it (a warning we silence), which would make every hidden state silently wrong. The
+    same for a weight whose block scales transformers read but left unused (`prefix`: the checkpoint's prefix of
+    the decoder's weights, as its unexpected keys are named): it holds the stored FP8 values unscaled."""
     params = dict(base.named_parameters())
     missing = sorted(k for k in info.get("missing_keys", ()) if k in params)
     mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
@@ -470,6 +620,15 @@ def check_loaded_weights(base: torch.nn.Module, info: dict, model: str) -> None:
         raise HsxError(f"model {model!r}: {len(what)} weight(s) of the decoder were not found in the checkpoint "
                        f"({'missing' if missing else 'shape mismatch'}: {', '.join(what[:3])}"
                        f"{', ...' if len(what) > 3 else ''}); refusing to extract from randomly initialized weights")
+    unused = sorted(str(k) for k in info.get("unexpected_keys", ()) if str(k).endswith(fp8.SCALE_SUFFIX))
+    for scale in unused:
+        weight = scale[:-len(fp8.SCALE_SUFFIX)]
+        if prefix and weight.startswith(prefix):
+            weight = weight[len(prefix):]
+        if weight in params:
+            raise HsxError(f"model {model!r}: transformers loaded {_shown(weight)} without its block scales "
+                           f"{_shown(scale)}, left unused (a module it does not quantize, or fused FP8 experts it "
+                           "dequantizes on a device without FP8); refusing to extract from unscaled FP8 weights")
 
 
 def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], final_hidden: bool) -> LoadedModel:

@@ -167,12 +167,16 @@ def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,
     import torch
     from transformers import AutoModel
 
-    from hsx.model import TORCH_DTYPES, decoder_layers, read_model_config, resolve_model_path
+    from hsx.fp8 import carry_quantization
+    from hsx.model import (TORCH_DTYPES, check_checkpoint, decoder_layers, read_model_config, resolve_model_path,
+                           text_config_of)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # as extract loads it: its small files and its config.json bounded before transformers reads them (HsxError)
+    # as extract loads it: its small files and its config.json bounded before transformers reads them, its stored
+    # tensors checked against its quantization (HsxError)
     path, _ = resolve_model_path(model_path, None, trust_remote_code)
     config = read_model_config(path, model_path, trust_remote_code)
+    check_checkpoint(path, model_path, carry_quantization(config, text_config_of(config)))
     try:
         model = AutoModel.from_pretrained(path, config=config, dtype=TORCH_DTYPES[info.config.dtype],
                                           use_safetensors=True, trust_remote_code=trust_remote_code)
