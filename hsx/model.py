@@ -559,11 +559,11 @@ def check_checkpoint(path: str, name: str, text_config) -> None:
     of another quantization method is transformers' to load (`fp8.quantization_of` refuses one it does not know)."""
     try:
         quant = fp8.quantization_of(text_config)
+        if quant is None and getattr(text_config, "quantization_config", None) is not None:
+            return
+        tensors = stored_tensors(Path(path)) if Path(path).is_dir() else None
     except HsxError as e:
         raise HsxError(f"model {name!r}: {e}") from None
-    if quant is None and getattr(text_config, "quantization_config", None) is not None:
-        return
-    tensors = stored_tensors(Path(path)) if Path(path).is_dir() else None
     if tensors is None:
         return
     files = sorted({t.file for t in tensors.values()})

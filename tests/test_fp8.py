@@ -1608,3 +1608,272 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
             assert fp8._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == "deepgemm"
             assert _rel(fp8._block_mm(xq, xs, layer.weight, layer.weight_scale_inv), want) < 1e-2, m
     assert sorted(p.name for p in cache.glob("kernel.*")) == built  # nothing compiled after the build
+
+
+# ---- damaged FP8 checkpoints: refused before extracting, in one line naming the tensor -----------------------------
+# transformers trusts what it finds: on CPU it dequantizes with whatever scale grid is there (none: the e4m3 values
+# unscaled, off by ~1e10; [1, 1]: broadcast) and never reads weight_block_size; on a GPU it casts what it finds
+# into its e4m3 / float32 parameters. Each damage below gave other states with exit 0 (or, NaN scales, a line
+# blaming the data) before hsx checked the checkpoint (hsx.model.check_checkpoint, hsx.fp8.stored_problems).
+
+DOWN = "model.layers.0.mlp.down_proj.weight"  # (256, 768): 2 × 6 scales of 128 × 128 blocks
+EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"  # (128, 256): 1 × 2
+
+
+def _rewritten(src, dst, state_fn=None, config_fn=None):
+    """A copy of checkpoint folder `src` whose tensors (model.safetensors, or each shard) and config.json went
+    through `state_fn(state)` and `config_fn(config)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if state_fn is not None:
+        files = sorted(dst.glob("*.safetensors"))
+        state = {k: v for f in files for k, v in load_file(str(f)).items()}
+        state_fn(state)
+        if len(files) == 1:
+            save_file(state, str(files[0]), metadata={"format": "pt"})
+        else:
+            index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+            index = {k: index.get(k, files[0].name) for k in state}  # (a new tensor in the first shard)
+            for f in files:
+                save_file({k: v for k, v in state.items() if index[k] == f.name}, str(f), metadata={"format": "pt"})
+            (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    if config_fn is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config_fn(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _sharded(src, dst):
+    """`src` in two shards with an index, every block scale in the other shard from its weight's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {k: names[k.endswith("_scale_inv")] for k in state}
+    for i, name in enumerate(names):
+        save_file({k: v for k, v in state.items() if weight_map[k] == name}, str(dst / name), metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fp8_folders(tmp_path_factory):
+    """The intact checkpoints the damages start from: dense (one file, and sharded), MoE (per-expert scales)."""
+    root = tmp_path_factory.mktemp("fp8-intact")
+    for name in ("dense", "moe"):
+        (root / name).mkdir()
+    _save_fp8_checkpoint(root / "dense", torch.device("cpu"))
+    _save_fp8_moe_checkpoint(root / "moe", "qwen3_moe")
+    _sharded(root / "dense", root / "sharded")
+    return root
+
+
+def _set(key, fn):
+    return lambda state: state.__setitem__(key, fn(state[key]))
+
+
+def _quant(**changes):
+    return lambda config: config["quantization_config"].update(changes)
+
+
+def _pop_all_scales(state):
+    for k in [k for k in state if k.endswith("_scale_inv")]:
+        del state[k]
+
+
+def _fuse_experts(state, experts=8):
+    """The per-expert keys as one fused tensor per projection (transformers' FP8Experts names and layout)."""
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            for suffix in ("", "_scale_inv"):
+                state[f"{p}.{fused}{suffix}"] = torch.stack([torch.cat([
+                    state.pop(f"{p}.{e}.{part}.weight{suffix}") for part in parts]) for e in range(experts)])
+
+
+DAMAGES = {  # id: (intact folder, state_fn, config_fn, what the one line must name)
+    "every-scale-removed": ("dense", _pop_all_scales, None,
+                            f"{DOWN} has no block scales ({DOWN}_scale_inv is not in the checkpoint) (and 27 more"),
+    "one-scale-removed": ("dense", lambda s: s.pop(DOWN + "_scale_inv"), None, f"{DOWN} has no block scales"),
+    "scale-1x1-where-2x6-belongs": ("dense", _set(DOWN + "_scale_inv", lambda t: t[:1, :1].clone()), None,
+                                    f"{DOWN}_scale_inv has shape [1, 1], not [2, 6]"),
+    "scale-with-an-extra-dim": ("dense", _set(DOWN + "_scale_inv", lambda t: t[None].clone()), None,
+                                f"{DOWN}_scale_inv has shape [1, 2, 6], not [2, 6]"),
+    "scale-under-another-name": ("dense", lambda s: s.__setitem__(DOWN.replace("weight", "weight_scale"),
+                                                                  s.pop(DOWN + "_scale_inv")), None,
+                                 f"{DOWN} has no block scales"),
+    "block-64x64": ("dense", None, _quant(weight_block_size=[64, 64]),
+                    f"{DOWN}_scale_inv has shape [2, 6], not [4, 12]: {DOWN} [256, 768] in weight_block_size [64, 64]"),
+    "block-1x1": ("dense", None, _quant(weight_block_size=[1, 1]), f"{DOWN}_scale_inv has shape [2, 6], not [256, 768]"),
+    "block-2**62": ("dense", None, _quant(weight_block_size=[2**62, 2**62]),
+                    f"weight_block_size [{2**62}, {2**62}] is not two integers in [1, 65,536]"),
+    "weight-e5m2-under-fmt-e4m3": ("dense", _set(DOWN, lambda t: t.float().to(torch.float8_e5m2)), None,
+                                   f"{DOWN} is stored F8_E5M2, not F8_E4M3 as quantization_config's fmt 'e4m3' says"),
+    "fmt-e5m2": ("dense", None, _quant(fmt="e5m2"), "fmt is 'e5m2': transformers' FP8 layers hold e4m3 weights"),
+    "zero-scale": ("dense", _set(DOWN + "_scale_inv", lambda t: t.index_fill(1, torch.tensor([4]), 0.0)), None,
+                   f"{DOWN}_scale_inv holds 2 of 12 block scales that are not positive finite numbers (the first, "
+                   "at [0, 4], is 0.0)"),
+    "negative-scale": ("dense", _set(DOWN + "_scale_inv", lambda t: t * torch.tensor([1.0, -1.0])[:, None]), None,
+                       f"{DOWN}_scale_inv holds 6 of 12 block scales that are not positive finite numbers (the "
+                       "first, at [1, 0], is -"),
+    "nan-scale": ("dense", _set(DOWN + "_scale_inv", lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))), None,
+                  f"{DOWN}_scale_inv holds 6 of 12 block scales that are not positive finite numbers (the first, at "
+                  "[1, 0], is nan)"),
+    "inf-scale": ("dense", _set(DOWN + "_scale_inv", lambda t: t.index_fill(0, torch.tensor([0]), float("inf"))), None,
+                  f"{DOWN}_scale_inv holds 6 of 12 block scales that are not positive finite numbers (the first, at "
+                  "[0, 0], is inf)"),
+    "scale-float16": ("dense", _set(DOWN + "_scale_inv", lambda t: t.half()), None,
+                      f"{DOWN}_scale_inv is stored F16; scale_fmt 'float' scales are F32 or BF16"),
+    "quant-method-upper-case": ("dense", None, _quant(quant_method="FP8"),
+                                "quantization_config has quant_method 'FP8' (the method is spelled 'fp8'), which "
+                                "transformers does not know: it would load the weights as if unquantized"),
+    "quant-method-unknown": ("dense", None, _quant(quant_method="fp8_blockwise"),
+                             "quant_method 'fp8_blockwise', which transformers does not know"),
+    "quant-method-missing": ("dense", None, lambda c: c["quantization_config"].pop("quant_method"),
+                             "quantization_config has no quant_method"),
+    "quantization-config-removed": ("dense", None, lambda c: c.pop("quantization_config"),
+                                    "is stored F8_E4M3 but config.json declares no quantization_config"),
+    "orphan-scale": ("dense", lambda s: s.__setitem__("model.layers.0.mlp.extra.weight_scale_inv",
+                                                      s[DOWN + "_scale_inv"].clone()), None,
+                     "model.layers.0.mlp.extra.weight_scale_inv has no weight"),
+    "bf16-weight-beside-its-scales": ("dense", _set(DOWN, lambda t: t.to(torch.bfloat16)), None,
+                                      f"{DOWN} is stored BF16, not F8_E4M3, beside its block scales"),
+    "sharded-scale-removed": ("sharded", lambda s: s.pop(DOWN + "_scale_inv"), None, f"{DOWN} has no block scales"),
+    "sharded-nan-scale": ("sharded", _set(DOWN + "_scale_inv", lambda t: t * float("nan")), None,
+                          f"{DOWN}_scale_inv holds 12 of 12 block scales"),
+    "index-names-a-missing-shard": ("sharded", None, None,
+                                    "model.safetensors.index.json puts model.embed_tokens.weight in "
+                                    "model-00003-of-00003.safetensors, which is not in the model folder"),
+    "index-puts-a-scale-in-the-wrong-shard": ("sharded", None, None,
+                                              f"model.safetensors.index.json puts {DOWN}_scale_inv in "
+                                              "model-00001-of-00002.safetensors, which does not hold it"),
+    "expert-scale-removed": ("moe", lambda s: s.pop(EXPERT + "_scale_inv"), None, f"{EXPERT} has no block scales"),
+    "expert-scale-misshapen": ("moe", _set(EXPERT + "_scale_inv", lambda t: t[:, :1].clone()), None,
+                               f"{EXPERT}_scale_inv has shape [1, 1], not [1, 2]"),
+    "expert-scale-negative": ("moe", _set(EXPERT + "_scale_inv", lambda t: -t), None,
+                              f"{EXPERT}_scale_inv holds 2 of 2 block scales that are not positive finite"),
+    "expert-weight-e5m2": ("moe", _set(EXPERT, lambda t: t.float().to(torch.float8_e5m2)), None,
+                           f"{EXPERT} is stored F8_E5M2"),
+    "fused-experts-scale-removed": ("moe", lambda s: (_fuse_experts(s),
+                                                      s.pop("model.layers.1.mlp.experts.down_proj_scale_inv")), None,
+                                    "model.layers.1.mlp.experts.down_proj has no block scales"),
+    "fused-experts-scale-misshapen": ("moe", lambda s: (_fuse_experts(s), _set(
+        "model.layers.0.mlp.experts.gate_up_proj_scale_inv", lambda t: t[:, :, :1].clone())(s)), None,
+        "model.layers.0.mlp.experts.gate_up_proj_scale_inv has shape [8, 2, 1], not [8, 2, 2]"),
+}
+
+
+def _index_edit(kind):
+    def edit(folder):
+        path = folder / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        if kind == "index-names-a-missing-shard":
+            index["weight_map"]["model.embed_tokens.weight"] = "model-00003-of-00003.safetensors"
+        else:
+            index["weight_map"][DOWN + "_scale_inv"] = "model-00001-of-00002.safetensors"
+        path.write_text(json.dumps(index))
+    return edit
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor(tmp_path, fp8_folders, damage):
+    from helpers import assert_one_error_line, hsx_main
+
+    source, state_fn, config_fn, needle = DAMAGES[damage]
+    folder = _rewritten(fp8_folders / source, tmp_path / "model", state_fn, config_fn)
+    if damage.startswith("index-"):
+        _index_edit(damage)(folder)
+    out = tmp_path / "out"
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(out), "--compile", "off", "--dtype", "float32"])
+    assert rc == 1
+    line = assert_one_error_line(rc, err, f"hsx: error: model '{folder}': ", needle)
+    assert "input" not in line and "dataset" not in line  # (the model folder is blamed, not the data)
+    assert not out.exists() or not any(out.rglob("*.arrow"))  # refused before the job claimed a dir
+
+
+def test_load_model_refuses_a_damaged_checkpoint_as_extract_does(tmp_path, fp8_folders):
+    """hsx.model.load_model (the API, `hsx verify --against-bf16`) checks the checkpoint too, before transformers
+    reads a weight."""
+    from hsx.model import load_model
+
+    folder = _rewritten(fp8_folders / "moe", tmp_path / "model", _set(EXPERT + "_scale_inv", lambda t: t * 0))
+    with pytest.raises(HsxError, match=rf"^model '{folder}': {EXPERT}_scale_inv holds 2 of 2 block scales that are "
+                                       r"not positive finite numbers \(the first, at \[0, 0\], is 0.0\)"):
+        load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1],
+                                 dtype="float32", compile="off"), torch.device("cpu"))
+
+
+def test_scales_a_loaded_module_leaves_unused_are_refused(tmp_path, fp8_folders, monkeypatch):
+    """A module the config leaves unquantized (modules_to_not_convert) whose weight is stored e4m3 with its scales:
+    loaded as stored (a GPU), transformers casts the e4m3 values into its plain Linear and reports the scales as
+    unexpected; hsx refuses rather than run the unscaled weight."""
+    from hsx.model import load_model
+
+    folder = _rewritten(fp8_folders / "dense", tmp_path / "model",
+                        config_fn=_quant(modules_to_not_convert=["lm_head", "down_proj"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    with pytest.raises(HsxError, match=r"transformers loaded layers.0.mlp.down_proj.weight without its block scales "
+                                       rf"{DOWN}_scale_inv, left unused"):
+        load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1],
+                                 dtype="float32", compile="off"), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_fused_fp8_experts_transformers_would_dequantize_unscaled_are_refused(tmp_path, fp8_folders):
+    """Experts stored fused (gate_up_proj, down_proj and their _scale_inv, FP8Experts' own names) load as stored on
+    a GPU, but transformers' CPU dequantization pairs only `weight` with `weight_scale_inv`: the fused e4m3 values
+    came out unscaled (states off by ~1e10). Now refused, naming the weight and its unused scales."""
+    from helpers import assert_one_error_line, hsx_main
+
+    folder = _rewritten(fp8_folders / "moe", tmp_path / "model", _fuse_experts)
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off",
+                           "--dtype", "float32"])
+    assert rc == 1
+    assert_one_error_line(rc, err, f"model '{folder}': transformers loaded layers.0.mlp.experts.down_proj without "
+                          "its block scales model.layers.0.mlp.experts.down_proj_scale_inv, left unused")
+    assert not any((tmp_path / "out").rglob("*.arrow"))
+
+
+@pytest.mark.slow
+def test_intact_fp8_checkpoints_still_load_and_give_the_same_states(tmp_path, fp8_folders):
+    """The checks refuse no intact layout: one file, two shards with every scale in the other shard from its
+    weight (the same states, byte for byte), bf16 block scales (as Qwen3.5/3.6 MoE `-FP8` checkpoints store their
+    experts'), per-expert MoE scales. The states are still those of the float model of the dequantized weights."""
+    from datasets import Dataset
+    from helpers import hsx_main
+
+    from hsx.model import load_model
+
+    data = _pretokenized(tmp_path / "d.jsonl")
+    bf16 = _rewritten(fp8_folders / "moe", tmp_path / "bf16-scales",
+                      lambda s: s.update({k: v.to(torch.bfloat16) for k, v in s.items() if k.endswith("_scale_inv")}))
+    states = {}
+    for name, folder in (("dense", fp8_folders / "dense"), ("sharded", fp8_folders / "sharded"),
+                         ("moe", fp8_folders / "moe"), ("bf16-scales", bf16)):
+        out = tmp_path / f"out-{name}"
+        rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(data), "--layers", "1",
+                               "--output-dir", str(out), "--compile", "off", "--dtype", "float32"])
+        assert rc == 0, err
+        states[name] = [Dataset.from_file(str(f)).data.column("hidden_states")
+                        for f in sorted((out / "data").glob("*.arrow"))]
+    assert len(states["dense"]) == len(states["sharded"]) > 0
+    assert all(a.equals(b) for a, b in zip(states["dense"], states["sharded"]))
+    _, causal = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))  # (the same seed: the float model of "dense")
+    loaded = load_model(ExtractConfig(model=str(fp8_folders / "sharded"), dataset="unused", output_dir="unused",
+                                      layers=[1, 3], dtype="float32", compile="off"), torch.device("cpu"))
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        got = loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[2]
+        want = causal.model(input_ids=ids, output_hidden_states=True).hidden_states[2]
+    assert _rel(got, want) < 1e-3
