@@ -22,7 +22,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -460,8 +460,7 @@ SCALE_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "U8": torch.uint8, 
 DAMAGED = "the model folder is damaged, or its config.json does not describe its weights"
 
 
-@dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(NamedTuple):
     """One tensor of a checkpoint, as its file's safetensors header describes it."""
     file: Path
     dtype: str  # safetensors' name: F8_E4M3, F32, BF16, ...
@@ -470,39 +469,47 @@ class StoredTensor:
     end: int
 
 
-def stored_tensors(folder: Path) -> dict[str, StoredTensor] | None:
-    """Every tensor transformers loads from a folder (every tensor of model.safetensors where there is one, else of
-    the shards its index names), from the files' headers alone; None when there is neither file or no readable
-    index (transformers says what is missing). HsxError in one line naming the file and tensor when a shard is
-    missing or outside the folder, a header is malformed or sizes a tensor past its file, a tensor is in two
-    shards, or the index puts a tensor in a shard that does not hold it."""
+def checkpoint_files(folder: Path) -> tuple[list[str], dict[str, Any]] | None:
+    """The safetensors files transformers loads from a folder, with the index's weight_map ({} for one file):
+    model.safetensors where there is one, else the shards the index names; None when there is neither file or no
+    readable index (transformers says what is missing). HsxError in one line when a shard the index names is not
+    in the folder (or not a file, or a path leading out of it)."""
     if check_model_file(folder / SINGLE_CHECKPOINT, 1 << 62):
-        return _safetensors_header(folder / SINGLE_CHECKPOINT, SINGLE_CHECKPOINT)
+        return [SINGLE_CHECKPOINT], {}
     weight_map = _index_weight_map(folder)
-    if not weight_map:
-        return None
     first: dict[str, str] = {}  # shard → the first tensor the index puts in it (named when the shard is not there)
     for key, shard in weight_map.items():
         if isinstance(shard, str):
             first.setdefault(shard, _shown(key))
-    tensors: dict[str, StoredTensor] = {}
-    held: dict[str, set[str]] = {}
-    for shard, listed in sorted(first.items()):
+    for shard, listed in first.items():
         parts = Path(shard).parts
         if not parts or Path(shard).is_absolute() or ".." in parts:
             raise HsxError(f"{CHECKPOINT_INDEX} puts {listed} in {_shown(shard)}, outside the model folder; {DAMAGED}")
         if not check_model_file(folder / shard, 1 << 62):
             raise HsxError(f"{CHECKPOINT_INDEX} puts {listed} in {_shown(shard)}, which is not in the model folder; "
                            f"{DAMAGED}")
-        header = _safetensors_header(folder / shard, shard)
-        held[shard] = set(header)
-        for key, t in header.items():
-            if key in tensors:
-                raise HsxError(f"{_shown(key)} is in both {_shown(tensors[key].file.name)} and {_shown(shard)}; "
-                               f"{DAMAGED}")
-            tensors[key] = t
+    return (sorted(first), weight_map) if first else None
+
+
+def stored_tensors(folder: Path, files: tuple[list[str], dict[str, Any]] | None = None
+                   ) -> dict[str, StoredTensor] | None:
+    """Every tensor transformers loads from a folder (every tensor of each of its `checkpoint_files`), from the
+    files' headers alone; None where `checkpoint_files` is. HsxError in one line naming the file and tensor when a
+    header is malformed or sizes a tensor past its file, a tensor is in two shards, or the index puts a tensor in
+    a shard that does not hold it."""
+    names, weight_map = files or checkpoint_files(folder) or (None, None)
+    if names is None:
+        return None
+    tensors: dict[str, StoredTensor] = {}
+    paths = {shard: folder / shard for shard in names}  # (one Path per file: its tensors' `file`, compared by id)
+    for shard in names:
+        header = _safetensors_header(paths[shard], shard)
+        for key in header.keys() & tensors.keys():
+            raise HsxError(f"{_shown(key)} is in both {_shown(tensors[key].file.name)} and {_shown(shard)}; "
+                           f"{DAMAGED}")
+        tensors.update(header)
     for key, shard in weight_map.items():
-        if isinstance(shard, str) and key not in held[shard]:
+        if isinstance(shard, str) and (key not in tensors or tensors[key].file is not paths[shard]):
             raise HsxError(f"{CHECKPOINT_INDEX} puts {_shown(key)} in {_shown(shard)}, which does not hold it; "
                            f"{DAMAGED}")
     return tensors
@@ -528,73 +535,94 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
         raise damaged("its safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise damaged("its safetensors header is not a JSON object")
-    base, tensors = 8 + n, {}
-    for key, entry in header.items():
+    base, room, tensors = 8 + n, size - 8 - n, {}
+    for key, entry in header.items():  # (a checkpoint lists up to ~10^5: kept to plain comparisons)
         if key == "__metadata__":
             continue
         try:
             dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (isinstance(dtype, str) and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-                  and type(start) is int and type(end) is int and 0 <= start <= end <= size - base)
+            ok = (type(dtype) is str and type(shape) is list and type(start) is int and type(end) is int
+                  and 0 <= start <= end <= room)
+            elements = 1
+            for d in shape:
+                ok = ok and type(d) is int and d >= 0
+                elements *= d
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
             raise damaged(f"the header's entry for {_shown(key)} is not a dtype, shape and offsets within the file")
-        if dtype in ITEM_BYTES and end - start != math.prod(shape) * ITEM_BYTES[dtype]:
-            raise damaged(f"{_shown(key)} takes {end - start:,} bytes, not the "
-                          f"{math.prod(shape) * ITEM_BYTES[dtype]:,} its {dtype} {shape} take")
+        item = ITEM_BYTES.get(dtype)
+        if item is not None and end - start != elements * item:
+            raise damaged(f"{_shown(key)} takes {end - start:,} bytes, not the {elements * item:,} its {dtype} "
+                          f"{shape} take")
         tensors[key] = StoredTensor(path, dtype, tuple(shape), base + start, base + end)
     return tensors
 
 
-# Folders whose checkpoint passed `check_checkpoint` (with the files' sizes and times, and the quantization): a
-# job checks it when it reads the model's facts and again when it loads it
+# Checkpoints that passed `check_checkpoint` (their files' sizes and times, and the quantization): a job checks
+# the model when it reads its facts and again when it loads it
 _CHECKED: set[tuple] = set()
 
 
 def check_checkpoint(path: str, name: str, text_config) -> None:
     """HsxError in one line naming the tensor when a checkpoint's stored tensors are not what its config's
     quantization declares (`fp8.stored_problems`, from the safetensors headers) or a block scale is zero, negative,
-    NaN or inf (`fp8.scale_problem`: each scale tensor read once, 1/16,384 of its weight's elements). A checkpoint
-    of another quantization method is transformers' to load (`fp8.quantization_of` refuses one it does not know)."""
+    NaN or inf (`fp8.scale_problem`, over the scales read straight from the files: 1/16,384 of the weights'
+    elements). A checkpoint of another quantization method is transformers' to load (`fp8.quantization_of` refuses
+    one it does not know)."""
+    folder = Path(path)
     try:
         quant = fp8.quantization_of(text_config)
         if quant is None and getattr(text_config, "quantization_config", None) is not None:
             return
-        tensors = stored_tensors(Path(path)) if Path(path).is_dir() else None
+        files = checkpoint_files(folder) if folder.is_dir() else None
+        if files is None:
+            return
+        stats = [(folder / f).stat() for f in files[0]]
+        key = (str(folder), repr(quant), tuple((f, st.st_size, st.st_mtime_ns) for f, st in zip(files[0], stats)))
+        if key in _CHECKED:
+            return
+        tensors = stored_tensors(folder, files)
+        problems = fp8.stored_problems(tensors, quant)
+        if problems:
+            more = f" (and {len(problems) - 1:,} more like it)" if len(problems) > 1 else ""
+            raise HsxError(f"{_shown(problems[0])}{more}; {DAMAGED}")
+        if quant is not None:
+            _check_scale_values(tensors)
+    except OSError as e:
+        raise HsxError(f"model {name!r}: cannot read {e.filename or 'its files'}: {e.strerror or e}") from None
     except HsxError as e:
         raise HsxError(f"model {name!r}: {e}") from None
-    if tensors is None:
-        return
-    files = sorted({t.file for t in tensors.values()})
-    key = (str(path), repr(quant), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if key in _CHECKED:
-        return
-    problems = fp8.stored_problems(tensors, quant)
-    if problems:
-        more = f" (and {len(problems) - 1:,} more like it)" if len(problems) > 1 else ""
-        raise HsxError(f"model {name!r}: {_shown(problems[0])}{more}; {DAMAGED}")
-    scales: dict[Path, list[str]] = {}  # each file's scale tensors, in file order (read front to back)
-    for k in sorted((k for k in tensors if k.endswith(fp8.SCALE_SUFFIX) and quant is not None),
-                    key=lambda k: tensors[k].start):
-        scales.setdefault(tensors[k].file, []).append(k)
-    for file in sorted(scales):
-        try:
-            with open(file, "rb") as f:
-                for k in scales[file]:
-                    t = tensors[k]
-                    f.seek(t.start)
-                    data = f.read(t.end - t.start)
-                    if len(data) != t.end - t.start:
-                        raise HsxError(f"model {name!r}: {file.name} ends inside {_shown(k)}; {DAMAGED}")
-                    values = (torch.frombuffer(bytearray(data), dtype=SCALE_TORCH[t.dtype]) if data
-                              else torch.empty(0, dtype=SCALE_TORCH[t.dtype]))
-                    why = fp8.scale_problem(_shown(k), values.view(t.shape))
-                    if why:
-                        raise HsxError(f"model {name!r}: {why}; the model folder is damaged")
-        except OSError as e:
-            raise HsxError(f"cannot read {file}: {e.strerror or e}") from None
     _CHECKED.add(key)
+
+
+def _check_scale_values(tensors: dict[str, StoredTensor]) -> None:
+    """HsxError naming the first scale tensor (in file order) that holds a value `fp8.scale_problem` refuses: the
+    scales of each file and dtype read into one buffer (one pread each) and checked in one reduction, the tensor
+    looked for only where that finds one."""
+    groups: dict[tuple[Path, str], list[str]] = {}
+    for k in sorted((k for k in tensors if k.endswith(fp8.SCALE_SUFFIX)), key=lambda k: (tensors[k].file, tensors[k].start)):
+        groups.setdefault((tensors[k].file, tensors[k].dtype), []).append(k)
+    for (file, dtype), keys in groups.items():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            chunks = [os.pread(fd, tensors[k].end - tensors[k].start, tensors[k].start) for k in keys]
+        finally:
+            os.close(fd)
+        for k, chunk in zip(keys, chunks):
+            if len(chunk) != tensors[k].end - tensors[k].start:
+                raise HsxError(f"{_shown(file.name)} ends inside {_shown(k)} (it was cut short); {DAMAGED}")
+        data = b"".join(chunks)
+        values = torch.frombuffer(bytearray(data), dtype=SCALE_TORCH[dtype]) if data else torch.empty(0)
+        if fp8.scale_problem("", values) is None:
+            continue
+        at = 0
+        for k, chunk in zip(keys, chunks):
+            n = len(chunk) // values.element_size()
+            why = fp8.scale_problem(_shown(k), values[at:at + n].view(tensors[k].shape))
+            if why:
+                raise HsxError(f"{why}; the model folder is damaged")
+            at += n
 
 
 def text_weights_prefix(keys: list[str]) -> str | None:
