@@ -379,6 +379,8 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     _ATTN_REQUESTED[base] = cfg.attn_implementation
     if distributed_config is None and (not devices or len(devices) == 1):
         base = base.to(device)
+    if distributed_config is None:  # (a tensor-parallel copy's DTensor shards: not summed here)
+        check_finite_weights(base, cfg.model)
     if quant is not None:
         _QUANTIZATION[base] = quant
     if quant is not None and distributed_config is None and fp8.runs_instead(quant, device) is None:
@@ -657,6 +659,34 @@ def check_loaded_weights(base: torch.nn.Module, info: dict, model: str, prefix: 
             raise HsxError(f"model {model!r}: transformers loaded {_shown(weight)} without its block scales "
                            f"{_shown(scale)}, left unused (a module it does not quantize, or fused FP8 experts it "
                            "dequantizes on a device without FP8); refusing to extract from unscaled FP8 weights")
+
+
+NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}  # (mask, value) of NaN/inf bytes
+
+
+def check_finite_weights(base: torch.nn.Module, model: str) -> None:
+    """HsxError naming the first parameter that holds a NaN or inf (a damaged weight, or one dequantized with a
+    damaged scale), as loaded: otherwise every state it reaches is NaN and the job would stop on the first row as if
+    the data were at fault. One reduction per tensor on its device (a float32 sum, NaN/inf bytes of e4m3 / e5m2
+    counted in chunks), one host sync per device."""
+    found: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in base.named_parameters():
+        if p.is_floating_point() and p.numel() and (p.dtype in NAN_BYTES or p.element_size() > 1):
+            found.setdefault(p.device, []).append((name, p))
+    for params in found.values():
+        with torch.no_grad():
+            flags = torch.stack([_nonfinite(p) for _, p in params])
+        if bool(flags.any()):
+            raise HsxError(f"model {model!r}: its weight {_shown(params[int(flags.nonzero()[0])][0])} holds NaN or "
+                           "inf values; the model folder is damaged")
+
+
+def _nonfinite(p: torch.Tensor) -> torch.Tensor:
+    if p.dtype in NAN_BYTES:
+        mask, value = NAN_BYTES[p.dtype]
+        flat = p.detach().reshape(-1).view(torch.uint8)
+        return torch.stack([((c & mask) == value).any() for c in flat.split(1 << 26)]).any()
+    return ~torch.isfinite(p.detach().sum(dtype=torch.float32))
 
 
 def truncated_view(causal: torch.nn.Module, text_config, layers: list[int], final_hidden: bool) -> LoadedModel:

@@ -1877,3 +1877,22 @@ def test_intact_fp8_checkpoints_still_load_and_give_the_same_states(tmp_path, fp
         got = loaded.base(input_ids=ids, output_hidden_states=True).hidden_states[2]
         want = causal.model(input_ids=ids, output_hidden_states=True).hidden_states[2]
     assert _rel(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("tensor,damage", [
+    (DOWN, lambda t: t.view(torch.uint8).index_fill(1, torch.tensor([5]), 0x7F).view(torch.float8_e4m3fn)),
+    ("model.layers.0.post_attention_layernorm.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("inf")))])
+def test_a_nan_or_inf_weight_is_refused_naming_it_not_the_data(tmp_path, fp8_folders, tensor, damage):
+    """A weight stored with NaN bytes (e4m3 0x7F), or a bf16 weight with an inf, made the job stop on its first row
+    with a line blaming the data; the loaded weights are now checked (one reduction per tensor) and the weight is
+    named."""
+    from helpers import assert_one_error_line, hsx_main
+
+    folder = _rewritten(fp8_folders / "dense", tmp_path / "model", _set(tensor, damage))
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off",
+                           "--dtype", "float32"])
+    assert rc == 1
+    assert_one_error_line(rc, err, f"hsx: error: model '{folder}': its weight {tensor.removeprefix('model.')} holds "
+                          "NaN or inf values; the model folder is damaged")
+    assert not any((tmp_path / "out").rglob("*.arrow"))
