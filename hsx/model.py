@@ -454,7 +454,12 @@ def _index_weight_map(folder: Path) -> dict[str, Any]:
 
 
 SINGLE_CHECKPOINT = "model.safetensors"  # what transformers loads, where it is there, before any index
-MAX_HEADER_BYTES = 100 << 20  # a safetensors file's JSON header: safetensors' own bound
+# A safetensors file's JSON header, parsed here (in Python: ~10 objects per 100 bytes of a real one) before
+# transformers reads the file. Real ones take ~100 bytes per tensor: a shard's a few MB, 16 MB is ~130,000 tensors
+# in one file (safetensors' own bound, 100 MB, would be a 1-2 GB parse). And at most one bracket, brace or comma per
+# 4 bytes (a real entry has 7-10 in 50-150 bytes; `[],[],...` has 2 per 3): a hostile header makes no more objects
+MAX_HEADER_BYTES = 16 << 20
+HEADER_BYTES_PER_TOKEN = 4
 # bytes per element of the safetensors dtypes (others, sub-byte ones, are not sized here)
 ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2,
               "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
@@ -530,7 +535,10 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
             n = int.from_bytes(raw, "little") if len(raw) == 8 else 0
             if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
                 raise damaged(f"its safetensors header length ({n:,} bytes) does not fit its {size:,} bytes")
-            header = json.loads(f.read(n))
+            raw = f.read(n)
+            if (raw.count(b"[") + raw.count(b"{") + raw.count(b",")) * HEADER_BYTES_PER_TOKEN > n:
+                raise damaged("its safetensors header is not a list of tensors (too many brackets and commas)")
+            header = json.loads(raw)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, RecursionError):
@@ -603,7 +611,8 @@ def _check_scale_values(tensors: dict[str, StoredTensor]) -> None:
     scales of each file and dtype read into one buffer (one pread each) and checked in one reduction, the tensor
     looked for only where that finds one."""
     groups: dict[tuple[Path, str], list[str]] = {}
-    for k in sorted((k for k in tensors if k.endswith(fp8.SCALE_SUFFIX)), key=lambda k: (tensors[k].file, tensors[k].start)):
+    for k in sorted((k for k in tensors if k.endswith(fp8.SCALE_SUFFIX)),
+                    key=lambda k: (tensors[k].file, tensors[k].start)):
         groups.setdefault((tensors[k].file, tensors[k].dtype), []).append(k)
     for (file, dtype), keys in groups.items():
         fd = os.open(file, os.O_RDONLY)

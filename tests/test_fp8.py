@@ -1712,7 +1712,8 @@ DAMAGES = {  # id: (intact folder, state_fn, config_fn, what the one line must n
                                  f"{DOWN} has no block scales"),
     "block-64x64": ("dense", None, _quant(weight_block_size=[64, 64]),
                     f"{DOWN}_scale_inv has shape [2, 6], not [4, 12]: {DOWN} [256, 768] in weight_block_size [64, 64]"),
-    "block-1x1": ("dense", None, _quant(weight_block_size=[1, 1]), f"{DOWN}_scale_inv has shape [2, 6], not [256, 768]"),
+    "block-1x1": ("dense", None, _quant(weight_block_size=[1, 1]),
+                  f"{DOWN}_scale_inv has shape [2, 6], not [256, 768]"),
     "block-2**62": ("dense", None, _quant(weight_block_size=[2**62, 2**62]),
                     f"weight_block_size [{2**62}, {2**62}] is not two integers in [1, 65,536]"),
     "weight-e5m2-under-fmt-e4m3": ("dense", _set(DOWN, lambda t: t.float().to(torch.float8_e5m2)), None,
@@ -1732,6 +1733,8 @@ DAMAGES = {  # id: (intact folder, state_fn, config_fn, what the one line must n
                   "[0, 0], is inf)"),
     "scale-float16": ("dense", _set(DOWN + "_scale_inv", lambda t: t.half()), None,
                       f"{DOWN}_scale_inv is stored F16; scale_fmt 'float' scales are F32 or BF16"),
+    "scale-float64": ("dense", _set(DOWN + "_scale_inv", lambda t: t.double()), None,
+                      f"{DOWN}_scale_inv is stored F64; scale_fmt 'float' scales are F32 or BF16"),
     "quant-method-upper-case": ("dense", None, _quant(quant_method="FP8"),
                                 "quantization_config has quant_method 'FP8' (the method is spelled 'fp8'), which "
                                 "transformers does not know: it would load the weights as if unquantized"),
@@ -1749,12 +1752,6 @@ DAMAGES = {  # id: (intact folder, state_fn, config_fn, what the one line must n
     "sharded-scale-removed": ("sharded", lambda s: s.pop(DOWN + "_scale_inv"), None, f"{DOWN} has no block scales"),
     "sharded-nan-scale": ("sharded", _set(DOWN + "_scale_inv", lambda t: t * float("nan")), None,
                           f"{DOWN}_scale_inv holds 12 of 12 block scales"),
-    "index-names-a-missing-shard": ("sharded", None, None,
-                                    "model.safetensors.index.json puts model.embed_tokens.weight in "
-                                    "model-00003-of-00003.safetensors, which is not in the model folder"),
-    "index-puts-a-scale-in-the-wrong-shard": ("sharded", None, None,
-                                              f"model.safetensors.index.json puts {DOWN}_scale_inv in "
-                                              "model-00001-of-00002.safetensors, which does not hold it"),
     "expert-scale-removed": ("moe", lambda s: s.pop(EXPERT + "_scale_inv"), None, f"{EXPERT} has no block scales"),
     "expert-scale-misshapen": ("moe", _set(EXPERT + "_scale_inv", lambda t: t[:, :1].clone()), None,
                                f"{EXPERT}_scale_inv has shape [1, 1], not [1, 2]"),
@@ -1771,26 +1768,73 @@ DAMAGES = {  # id: (intact folder, state_fn, config_fn, what the one line must n
 }
 
 
-def _index_edit(kind):
-    def edit(folder):
-        path = folder / "model.safetensors.index.json"
-        index = json.loads(path.read_text())
-        if kind == "index-names-a-missing-shard":
-            index["weight_map"]["model.embed_tokens.weight"] = "model-00003-of-00003.safetensors"
-        else:
-            index["weight_map"][DOWN + "_scale_inv"] = "model-00001-of-00002.safetensors"
-        path.write_text(json.dumps(index))
-    return edit
+def _edit_index(folder, **moves):
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"].update(moves)
+    path.write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
+def _cut(path, size):
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def _second_copy(folder):
+    """DOWN's scales in the first shard as well as in the second."""
+    from safetensors.torch import load_file, save_file
+
+    first, second = sorted(folder.glob("model-*.safetensors"))
+    save_file({**load_file(str(first)), DOWN + "_scale_inv": load_file(str(second))[DOWN + "_scale_inv"]},
+              str(first), metadata={"format": "pt"})
+
+
+def _garbled_header(path):
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xfe not json")
+
+
+def _lists_header(path, size=4 << 20):
+    """A header of `[[],[],...]` (a Python parse of it would make ~10^6 lists), its file sized to hold it."""
+    body = b"[" + b"[]," * (size // 3) + b"[]]"
+    path.write_bytes(len(body).to_bytes(8, "little") + body)
+
+
+SHARD2 = "model-00002-of-00002.safetensors"
+FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one line must name)
+    "index-names-a-missing-shard": (
+        "sharded", lambda d: _edit_index(d, **{"model.embed_tokens.weight": "model-00003-of-00003.safetensors"}),
+        "model.safetensors.index.json puts model.embed_tokens.weight in model-00003-of-00003.safetensors, which is "
+        "not in the model folder"),
+    "index-puts-a-scale-in-the-wrong-shard": (
+        "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "model-00001-of-00002.safetensors"}),
+        f"model.safetensors.index.json puts {DOWN}_scale_inv in model-00001-of-00002.safetensors, which does not "
+        "hold it"),
+    "index-names-a-shard-outside-the-folder": (
+        "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "../" + SHARD2}),
+        f"puts {DOWN}_scale_inv in ../{SHARD2}, outside the model folder"),
+    "scales-shard-cut-short": ("sharded", lambda d: _cut(d / SHARD2, (d / SHARD2).stat().st_size - 40),
+                               f"{SHARD2}: the header's entry for "),
+    "scale-in-two-shards": ("sharded", _second_copy, f"{DOWN}_scale_inv is in both "),
+    "header-not-json": ("dense", lambda d: _garbled_header(d / "model.safetensors"),
+                        "model.safetensors: its safetensors header is not JSON"),
+    "header-of-empty-lists": ("dense", lambda d: _lists_header(d / "model.safetensors"),
+                              "model.safetensors: its safetensors header is not a list of tensors"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES) + list(FILE_DAMAGES))
 def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor(tmp_path, fp8_folders, damage):
     from helpers import assert_one_error_line, hsx_main
 
-    source, state_fn, config_fn, needle = DAMAGES[damage]
-    folder = _rewritten(fp8_folders / source, tmp_path / "model", state_fn, config_fn)
-    if damage.startswith("index-"):
-        _index_edit(damage)(folder)
+    if damage in DAMAGES:
+        source, state_fn, config_fn, needle = DAMAGES[damage]
+        folder = _rewritten(fp8_folders / source, tmp_path / "model", state_fn, config_fn)
+    else:
+        source, edit, needle = FILE_DAMAGES[damage]
+        folder = _rewritten(fp8_folders / source, tmp_path / "model")
+        edit(folder)
     out = tmp_path / "out"
     rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
                            "--layers", "1", "--output-dir", str(out), "--compile", "off", "--dtype", "float32"])
