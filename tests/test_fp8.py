@@ -1824,10 +1824,22 @@ FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one l
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES) + list(FILE_DAMAGES))
-def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor(tmp_path, fp8_folders, damage):
+def _refused(folder, tmp_path, *needles) -> str:
+    """`hsx extract` of `folder`: exit 1, one `hsx: error:` line naming the model folder and holding `needles`, no
+    state written."""
     from helpers import assert_one_error_line, hsx_main
 
+    out = tmp_path / "out"
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(out), "--compile", "off", "--dtype", "float32"])
+    assert rc == 1
+    line = assert_one_error_line(rc, err, f"hsx: error: model '{folder}': ", *needles)
+    assert not out.exists() or not any(out.rglob("*.arrow"))
+    return line
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES) + list(FILE_DAMAGES))
+def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor(tmp_path, fp8_folders, damage):
     if damage in DAMAGES:
         source, state_fn, config_fn, needle = DAMAGES[damage]
         folder = _rewritten(fp8_folders / source, tmp_path / "model", state_fn, config_fn)
@@ -1835,13 +1847,9 @@ def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor
         source, edit, needle = FILE_DAMAGES[damage]
         folder = _rewritten(fp8_folders / source, tmp_path / "model")
         edit(folder)
-    out = tmp_path / "out"
-    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
-                           "--layers", "1", "--output-dir", str(out), "--compile", "off", "--dtype", "float32"])
-    assert rc == 1
-    line = assert_one_error_line(rc, err, f"hsx: error: model '{folder}': ", needle)
+    line = _refused(folder, tmp_path, needle)
     assert "input" not in line and "dataset" not in line  # (the model folder is blamed, not the data)
-    assert not out.exists() or not any(out.rglob("*.arrow"))  # refused before the job claimed a dir
+    assert not (tmp_path / "out" / ".hsx" / "job.json").exists()  # refused before the job claimed the dir
 
 
 def test_load_model_refuses_a_damaged_checkpoint_as_extract_does(tmp_path, fp8_folders):
@@ -1877,16 +1885,9 @@ def test_fused_fp8_experts_transformers_would_dequantize_unscaled_are_refused(tm
     """Experts stored fused (gate_up_proj, down_proj and their _scale_inv, FP8Experts' own names) load as stored on
     a GPU, but transformers' CPU dequantization pairs only `weight` with `weight_scale_inv`: the fused e4m3 values
     came out unscaled (states off by ~1e10). Now refused, naming the weight and its unused scales."""
-    from helpers import assert_one_error_line, hsx_main
-
     folder = _rewritten(fp8_folders / "moe", tmp_path / "model", _fuse_experts)
-    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
-                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off",
-                           "--dtype", "float32"])
-    assert rc == 1
-    assert_one_error_line(rc, err, f"model '{folder}': transformers loaded layers.0.mlp.experts.down_proj without "
-                          "its block scales model.layers.0.mlp.experts.down_proj_scale_inv, left unused")
-    assert not any((tmp_path / "out").rglob("*.arrow"))
+    _refused(folder, tmp_path, "transformers loaded layers.0.mlp.experts.down_proj without its block scales "
+             "model.layers.0.mlp.experts.down_proj_scale_inv, left unused")
 
 
 @pytest.mark.slow
@@ -1930,13 +1931,6 @@ def test_a_nan_or_inf_weight_is_refused_naming_it_not_the_data(tmp_path, fp8_fol
     """A weight stored with NaN bytes (e4m3 0x7F), or a bf16 weight with an inf, made the job stop on its first row
     with a line blaming the data; the loaded weights are now checked (one reduction per tensor) and the weight is
     named."""
-    from helpers import assert_one_error_line, hsx_main
-
     folder = _rewritten(fp8_folders / "dense", tmp_path / "model", _set(tensor, damage))
-    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
-                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off",
-                           "--dtype", "float32"])
-    assert rc == 1
-    assert_one_error_line(rc, err, f"hsx: error: model '{folder}': its weight {tensor.removeprefix('model.')} holds "
-                          "NaN or inf values; the model folder is damaged")
-    assert not any((tmp_path / "out").rglob("*.arrow"))
+    _refused(folder, tmp_path, f"its weight {tensor.removeprefix('model.')} holds NaN or inf values; the model "
+             "folder is damaged")
