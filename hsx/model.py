@@ -374,7 +374,9 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                        f"architecture?): {type(e).__name__}: {one_line(e)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
-    check_loaded_weights(base, info, cfg.model, prefix)
+    check_loaded_weights(base, info, cfg.model)
+    if quant is not None:
+        check_used_scales(base, info, cfg.model, prefix)
     base = finish_truncation(base, depth, final_hidden)
     _ATTN_REQUESTED[base] = cfg.attn_implementation
     if distributed_config is None and (not devices or len(devices) == 1):
@@ -646,11 +648,9 @@ def text_weights_prefix(keys: list[str]) -> str | None:
     return candidates.pop() if len(candidates) == 1 else None
 
 
-def check_loaded_weights(base: torch.nn.Module, info: dict, model: str, prefix: str | None = None) -> None:
+def check_loaded_weights(base: torch.nn.Module, info: dict, model: str) -> None:
     """Refuse a model whose parameters were not all read from the checkpoint: transformers fills missing ones with
-    random values and only logs it (a warning we silence), which would make every hidden state silently wrong. The
-    same for a weight whose block scales transformers read but left unused (`prefix`: the checkpoint's prefix of
-    the decoder's weights, as its unexpected keys are named): it holds the stored FP8 values unscaled."""
+    random values and only logs it (a warning we silence), which would make every hidden state silently wrong."""
     params = dict(base.named_parameters())
     missing = sorted(k for k in info.get("missing_keys", ()) if k in params)
     mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
@@ -659,8 +659,14 @@ def check_loaded_weights(base: torch.nn.Module, info: dict, model: str, prefix: 
         raise HsxError(f"model {model!r}: {len(what)} weight(s) of the decoder were not found in the checkpoint "
                        f"({'missing' if missing else 'shape mismatch'}: {', '.join(what[:3])}"
                        f"{', ...' if len(what) > 3 else ''}); refusing to extract from randomly initialized weights")
-    unused = sorted(str(k) for k in info.get("unexpected_keys", ()) if str(k).endswith(fp8.SCALE_SUFFIX))
-    for scale in unused:
+
+
+def check_used_scales(base: torch.nn.Module, info: dict, model: str, prefix: str | None) -> None:
+    """Refuse an FP8 checkpoint's weight whose block scales transformers read but left unused (`prefix`: the
+    checkpoint's prefix of the decoder's weights, as its unexpected keys are named): the weight holds the stored
+    e4m3 values unscaled (`check_checkpoint` has made sure the weights beside scales are e4m3)."""
+    params = dict(base.named_parameters())
+    for scale in sorted(str(k) for k in info.get("unexpected_keys", ()) if str(k).endswith(fp8.SCALE_SUFFIX)):
         weight = scale[:-len(fp8.SCALE_SUFFIX)]
         if prefix and weight.startswith(prefix):
             weight = weight[len(prefix):]
