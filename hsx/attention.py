@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hsx import kernels
 from hsx.config import HsxError
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
@@ -98,7 +99,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     A batch whose longest row (`max_len`) exceeds KERNEL_ROW_LIMIT runs flash-attention 2 here instead: decided
     inside the op, a branch on the length in the compiled layer would be a guard, and a batch failing it would
     run the layer eager."""
-    if max_len > KERNEL_ROW_LIMIT:
+    if max_len > KERNEL_ROW_LIMIT or not kernels.allowed("packed_attention", q.device):  # (hsx.kernels' table)
         return flash_varlen(q, k, v, cu_seqlens, max_len, scale, None)
     tokens, heads, dim = q.shape
     groups = heads // k.shape[1]
