@@ -57,8 +57,9 @@ GPUS: dict[str, dict[str, Any]] = {
              "datasheet": True},
     "b200": {"matmul_tflops": 2250.0, "fp8_matmul_tflops": 4500.0, "memory_gib": 180.0, "capability": (10, 0),
              "datasheet": True},
-    # RTX PRO 6000 Blackwell (Workstation and Server Edition, 96 GB GDDR7): the seed's own GPU
-    "rtx-pro-6000": {"matmul_tflops": 504.0, "fp8_matmul_tflops": 1008.0, "memory_gib": 96.0,
+    # RTX PRO 6000 Blackwell (Workstation and Server Edition, 96 GB GDDR7): its datasheet gives 4,000 "AI TOPS"
+    # (FP4, 2:4 sparse), i.e. 1,000 FP8 and 500 bf16 dense at the halving per format the others' datasheets show
+    "rtx-pro-6000": {"matmul_tflops": 500.0, "fp8_matmul_tflops": 1000.0, "memory_gib": 96.0,
                      "capability": (12, 0), "datasheet": True},
 }
 FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config

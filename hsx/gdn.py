@@ -376,7 +376,8 @@ def conv_kernel(self) -> str:
     takes = (_power_of_2(d) and d <= 256 and key_dim % d == 0 and value_dim > 0 and value_dim % d == 0
              and head_v > 0 and value_dim % head_v == 0
              and getattr(self, "activation", "") in (None, "silu", "swish"))
-    return "hsx" if takes and kernels.allowed("gdn_kernels", self.conv1d.weight.device) else "fla"
+    cap = kernels.capability_of(self.conv1d.weight.device)  # (None off CUDA: the layout alone answers)
+    return "hsx" if takes and (cap is None or kernels.runs_on("gdn_kernels", cap)) else "fla"
 
 
 CONV_TOKENS = FLA_CHUNK  # tokens per program: a packed row's chunks (PackedRows.chunk_indices) are the tiles

@@ -146,7 +146,7 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
         pick("moe_sum_pairs")
         pick("moe_route_topk")
         pick("grouped_mm")
-        if fp8:
+        if fp8 and capability >= FP8_TENSOR_CORES:  # (below: dequantized at load, run as bf16 experts)
             pick("fp8_experts")
     if linear_attention and "fla" in packages:
         pick("gdn_kernels")
@@ -160,7 +160,8 @@ FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.fp8.GEMMS: what au
 FP8_PACKAGES = {"deepgemm": "deep_gemm", "fbgemm": "fbgemm_gpu"}  # GEMMs that run only with their package
 
 
-def fp8_gemm_order(capability: Capability, packages: frozenset[str], choice: str = "auto") -> list[str]:
+@functools.cache  # (asked by each FP8 product that falls past its first GEMM: decided once)
+def fp8_gemm_order(capability: Capability, packages: frozenset[str], choice: str = "auto") -> tuple[str, ...]:
     """The block-scaled GEMMs an FP8 linear may run on this GPU, in the order tried: under auto those of FP8_GEMMS
     whose package is there and that run on this capability (Triton, the portable one, last); a GEMM named by
     --fp8-gemm first, wherever it is (each is checked against the float32 product before use)."""
@@ -169,7 +170,7 @@ def fp8_gemm_order(capability: Capability, packages: frozenset[str], choice: str
     if choice in order:
         order.remove(choice)
         order.insert(0, choice)
-    return order
+    return tuple(order)
 
 
 def _fp8_picks(capability: Capability, packages: frozenset[str], choice: str) -> dict[str, Pick]:

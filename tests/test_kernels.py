@@ -65,9 +65,9 @@ def test_fp8_linears_get_a_block_gemm_checked_on_that_gpu(cap, packages, gemm, l
 
 def test_a_gemm_named_by_fp8_gemm_is_tried_first_anywhere():
     # (each GEMM is checked against the float32 product on the device before it runs: a wrong one is not used)
-    assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "cublas") == ["cublas", "triton"]
-    assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "auto") == ["triton"]
-    assert kernels.fp8_gemm_order(H200, EVERYTHING, "triton") == ["triton", "deepgemm", "cublas", "fbgemm"]
+    assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "cublas") == ("cublas", "triton")
+    assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "auto") == ("triton",)
+    assert kernels.fp8_gemm_order(H200, EVERYTHING, "triton") == ("triton", "deepgemm", "cublas", "fbgemm")
     from hsx import fp8
 
     assert fp8.GEMMS == kernels.FP8_GEMMS  # one order, held by hsx.kernels
@@ -110,3 +110,18 @@ def test_packing_is_refused_where_flash_varlen_does_not_run(monkeypatch, tokeniz
     assert "flash-attention 2 varlen" in packing_blocker(base) and "[sm80, sm121]" not in packing_blocker(base)
     monkeypatch.setattr(kernels, "capability_of", lambda device: RTX_PRO_6000)
     assert packing_blocker(base) is None
+
+
+@pytest.mark.parametrize("cap, conv", [(H200, "hsx"), (B200, "fla"), (RTX_PRO_6000, "fla")],
+                         ids=["sm_90", "sm_100", "sm_120"])
+def test_gated_deltanet_convolution_runs_fla_s_where_hsx_s_was_not_checked(cap, conv, monkeypatch):
+    import types
+
+    import torch
+
+    from hsx import gdn
+
+    layer = types.SimpleNamespace(conv1d=types.SimpleNamespace(weight=torch.empty(2 * 2048 + 4096, 1, 4)),
+                                  head_k_dim=128, head_v_dim=128, key_dim=2048, activation="silu")  # Qwen3.6's
+    monkeypatch.setattr(kernels, "capability_of", lambda device: cap)
+    assert gdn.conv_kernel(layer) == conv
