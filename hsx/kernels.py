@@ -105,9 +105,12 @@ def _checked(k: Kernel) -> str:
 def fallback_line(name: str, capability: Capability) -> str:
     """hsx: <kernel> was checked on <capabilities>, not on this GPU's: <what runs instead>."""
     k = KERNELS[name]
-    why = f"; {k.source}" if k.source and k.documented is None else ""
-    return (f"hsx: {k.what}: checked on compute capability {_checked(k)} only, this GPU is {cap_name(capability)}"
-            f"{why}; {k.instead} runs instead")
+    if k.documented is not None:
+        why = f", documented for {cap_str(k.documented[0])}-{cap_str(k.documented[1])} ({k.source})"
+    else:
+        why = f" ({k.source})" if k.source else ""
+    return (f"hsx: {k.what}: checked on compute capability {_checked(k)}{why}; this GPU is {cap_name(capability)}: "
+            f"{k.instead} runs instead")
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ def _fp8_picks(capability: Capability, packages: frozenset[str], choice: str) ->
     if skipped:
         names = ", ".join(KERNELS[f"fp8_gemm_{g}"].what for g in skipped)
         line = (f"hsx: FP8 linears: {names}: checked on compute capability "
-                f"{_checked(KERNELS['fp8_gemm_' + skipped[0]])} only, this GPU is {cap_name(capability)}; "
+                f"{_checked(KERNELS['fp8_gemm_' + skipped[0]])}; this GPU is {cap_name(capability)}: "
                 f"{KERNELS['fp8_gemm_' + order[0]].what} runs instead")
     return {"fp8_linear": Pick(order[0], line)}
 
