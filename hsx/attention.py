@@ -12,7 +12,8 @@ for the G heads that read it. Tiles inside one row run their full key blocks unm
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
 within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.model.varlen_attention` calls it where `supports` holds
-(no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens).
+(no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens, and on GPUs the kernel
+was not checked on: `hsx.kernels`, compute capability 9.0).
 """
 
 from __future__ import annotations

@@ -512,14 +512,13 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     return out
 
 
-def plan_mfu(c, fp8: bool | None = None) -> float:
+def plan_mfu(c) -> float:
     """The share of the matmul rate a plan assumes for this model: PLAN_MFU_MOE for a mixture of experts (FLOPs of
     the active parameters; PLAN_MFU_MOE_FP8 of the FP8 rate for an FP8 one), PLAN_MFU_FP8 (of the FP8 rate) for a
-    dense FP8 checkpoint, PLAN_MFU otherwise. `fp8` False: an FP8 checkpoint run dequantized (no FP8 tensor cores)."""
-    fp8 = is_fp8(c) if fp8 is None else fp8
+    dense FP8 checkpoint, PLAN_MFU otherwise."""
     if any(_is_moe_layer(c, i) for i in range(int(c.num_hidden_layers))):
-        return PLAN_MFU_MOE_FP8 if fp8 else PLAN_MFU_MOE
-    return PLAN_MFU_FP8 if fp8 else PLAN_MFU
+        return PLAN_MFU_MOE_FP8 if is_fp8(c) else PLAN_MFU_MOE
+    return PLAN_MFU_FP8 if is_fp8(c) else PLAN_MFU
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -633,12 +632,17 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     layers, final_hidden = target_layers(cfg, text)
     tokens, rows, source = planned_tokens(cfg, tokens)
     known_shape = shape or HUB_SHAPES.get(cfg.model)
-    fp8_runs = is_fp8(text) and GPUS[gpu]["fp8_matmul_tflops"] is not None
-    rate_tflops = GPUS[gpu]["fp8_matmul_tflops" if fp8_runs else "matmul_tflops"]
-    # An FP8 checkpoint on a GPU without FP8 tensor cores runs dequantized: the bf16 rate, at the bf16 kind's MFU
-    mfu = (MEASURED_MFU.get(known_shape) if fp8_runs or not is_fp8(text) else
-           plan_mfu(text, fp8=False))
-    p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
+    planned = text
+    if is_fp8(text) and GPUS[gpu]["fp8_matmul_tflops"] is None:
+        # no FP8 tensor cores: transformers dequantizes the checkpoint at load (hsx.kernels), so it is planned as
+        # the bf16 model it becomes: 2-byte weights, the bf16 rate and MFU
+        import copy
+
+        planned = copy.copy(text)
+        planned.quantization_config = None
+    rate_tflops = GPUS[gpu]["fp8_matmul_tflops" if is_fp8(planned) else "matmul_tflops"]
+    mfu = MEASURED_MFU.get(known_shape) if planned is text else None
+    p = plan(planned, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
              token_budget=cfg.token_budget, gpu_name=gpu.upper(),
              matmul_tflops=rate_tflops, **({"mfu": mfu} if mfu is not None else {}))
@@ -648,9 +652,10 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
 
     spec = GPUS[gpu]
     p["planned_for"] = (f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB, {spec['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
-                        + ("datasheet, dense; not measured by hsx)" if spec["datasheet"] else "measured)"))
+                        + ("datasheet peak, dense, not measured by hsx: a matmul reaches less, the H200 790 of its "
+                           "989)" if spec["datasheet"] else "measured)"))
     p["compute_capability"] = cap_name(spec["capability"])
-    picks = choose(spec["capability"], frozenset(("fla",)), cfg.dtype, packing=True,
+    picks = choose(spec["capability"], frozenset(("fla",)), cfg.dtype, packing=True,  # (fla: in hsx[gpu])
                    experts=any(_is_moe_layer(text, i) for i in range(int(text.num_hidden_layers))),
                    linear_attention="linear_attention" in layer_types(text), fp8=is_fp8(text))
     p["kernel_fallbacks"] = [pk.line for pk in picks.values() if pk.line]

@@ -9,7 +9,8 @@ records it). Portable kernels (`instead` None) run everywhere they can, each che
 device before use (hsx.fp8's Triton GEMM and quantization, hsx.moe's FP8 expert kernels).
 
 `choose` is a pure function of (capability, installed packages, dtype, what the model has), so a CPU test can ask
-what any GPU gets; the modules that run the kernels ask `runs_on(name, capability)` of the device they run on.
+what any GPU gets; the modules that run the kernels ask `allowed(name, device)` (`runs_on` the device's capability)
+where they choose (inside their custom ops, or once when a model is prepared: nothing a compiled graph guards on).
 To add a GPU: run tests/test_gpu.py and `hsx bench` on it, then add its capability to the kernels' `checked_on`.
 """
 

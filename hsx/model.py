@@ -826,7 +826,8 @@ def kernel_choices(base: torch.nn.Module, has_experts: bool, linear: bool, quant
     out: dict[str, Any] = {"compute_capability": kernels.cap_str(cap),
                            "kernels_checked_on": sorted({kernels.cap_str(c) for k in kernels.KERNELS.values()
                                                          for c in k.checked_on}),
-                           "kernel_choices": {name: p.runs for name, p in picks.items()}}
+                           # (the GEMM FP8 linears ran on, after its checks: quantization.linear)
+                           "kernel_choices": {name: p.runs for name, p in picks.items() if name != "fp8_linear"}}
     lines = {name: p.line for name, p in picks.items() if p.line}
     if lines:
         out["fallbacks"] = lines

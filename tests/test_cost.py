@@ -68,5 +68,7 @@ def test_plan_knows_the_gpus_people_run_this_on(capsys, monkeypatch):
     assert "measured" in h200["planned_for"] and h200["kernel_fallbacks"] == []
     # an FP8 checkpoint on an A100 (no FP8 tensor cores) runs dequantized: planned at the bf16 rate
     a100 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3-8b-fp8", tokens=10**6, gpu="a100-80gb")
-    assert "of an A100-80GB's 312 TFLOP/s" in a100["rate_source"]
+    assert "70% of an A100-80GB's 312 TFLOP/s" in a100["rate_source"]
+    h100 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3-8b-fp8", tokens=10**6, gpu="h100-sxm")
+    assert a100["weight_bytes"] > 1.8 * h100["weight_bytes"]  # its weights as bf16, not e4m3
     assert any("no FP8 tensor cores" in line for line in a100["kernel_fallbacks"])
