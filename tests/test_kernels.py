@@ -126,3 +126,15 @@ def test_gated_deltanet_convolution_runs_fla_s_where_hsx_s_was_not_checked(cap, 
                                   head_k_dim=128, head_v_dim=128, key_dim=2048, activation="silu")  # Qwen3.6's
     monkeypatch.setattr(kernels, "capability_of", lambda device: cap)
     assert gdn.conv_kernel(layer) == conv
+
+
+@pytest.mark.parametrize("cap, allowed", [(H200, {"deepgemm", "cublas", "fbgemm", "triton"}),
+                                          (L40S, {"triton"}), (B200, {"triton"}), (RTX_PRO_6000, {"triton"})],
+                         ids=["sm_90", "sm_89", "sm_100", "sm_120"])
+def test_fp8_gemm_selection_passes_over_gemms_not_checked_on_the_device(cap, allowed, monkeypatch):
+    import torch
+
+    from hsx import fp8
+
+    monkeypatch.setattr(kernels, "capability_of", lambda device: cap)
+    assert {g for g in fp8.GEMMS if fp8._runs_here(g, torch.device("cpu"))} == allowed
