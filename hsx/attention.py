@@ -12,7 +12,8 @@ for the G heads that read it. Tiles inside one row run their full key blocks unm
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
 within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.model.varlen_attention` calls it where `supports` holds
-(no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens).
+(no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens, and on GPUs the kernel
+was not checked on: `hsx.kernels`, compute capability 9.0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hsx import kernels
 from hsx.config import HsxError
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
@@ -98,7 +100,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     A batch whose longest row (`max_len`) exceeds KERNEL_ROW_LIMIT runs flash-attention 2 here instead: decided
     inside the op, a branch on the length in the compiled layer would be a guard, and a batch failing it would
     run the layer eager."""
-    if max_len > KERNEL_ROW_LIMIT:
+    if max_len > KERNEL_ROW_LIMIT or not kernels.allowed("packed_attention", q.device):  # (hsx.kernels' table)
         return flash_varlen(q, k, v, cu_seqlens, max_len, scale, None)
     tokens, heads, dim = q.shape
     groups = heads // k.shape[1]

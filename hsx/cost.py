@@ -36,12 +36,32 @@ MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
-# rate measured on one (torch, 8192³: 790-810 TFLOP/s measured on H200s) and the memory
-# torch sees (139 GiB of an H200's 141 GB).
-# fp8_matmul_tflops: the same for e4m3 (torch._scaled_mm, tensor-wise scales, 8192³: 1,419-1,464 TFLOP/s measured
-# on an H200), the peak FP8 targets' MFU is measured against.
-GPUS: dict[str, dict[str, float]] = {"h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0,
-                                              "memory_gib": 139.0}}
+# rate, the dense e4m3 one (fp8_matmul_tflops, the peak FP8 targets' MFU is taken against; None: no FP8 tensor cores,
+# an FP8 checkpoint runs dequantized), the memory, and the compute capability (hsx.kernels: which kernels run there).
+# Measured only on the H200 (torch, 8192³: bf16 790-810 TFLOP/s, e4m3 torch._scaled_mm with tensor-wise scales
+# 1,419-1,464; torch sees 139 GiB of its 141 GB). The others are datasheet figures ("datasheet": True): NVIDIA's
+# dense (not 2:4-sparse) tensor-core rates and the memory the datasheet names (torch sees ~1-3% less; GPU_HEADROOM
+# covers it); a datasheet rate is a peak that a measured matmul falls short of (the H200: 790 of its 989).
+GPUS: dict[str, dict[str, Any]] = {
+    "h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0, "memory_gib": 139.0, "capability": (9, 0),
+             "datasheet": False},
+    "h100-sxm": {"matmul_tflops": 989.0, "fp8_matmul_tflops": 1979.0, "memory_gib": 80.0, "capability": (9, 0),
+                 "datasheet": True},
+    "h100-pcie": {"matmul_tflops": 756.0, "fp8_matmul_tflops": 1513.0, "memory_gib": 80.0, "capability": (9, 0),
+                  "datasheet": True},
+    "a100-40gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 40.0, "capability": (8, 0),
+                  "datasheet": True},
+    "a100-80gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 80.0, "capability": (8, 0),
+                  "datasheet": True},
+    "l40s": {"matmul_tflops": 362.0, "fp8_matmul_tflops": 733.0, "memory_gib": 48.0, "capability": (8, 9),
+             "datasheet": True},
+    "b200": {"matmul_tflops": 2250.0, "fp8_matmul_tflops": 4500.0, "memory_gib": 180.0, "capability": (10, 0),
+             "datasheet": True},
+    # RTX PRO 6000 Blackwell (Workstation and Server Edition, 96 GB GDDR7): its datasheet gives 4,000 "AI TOPS"
+    # (FP4, 2:4 sparse), i.e. 1,000 FP8 and 500 bf16 dense at the halving per format the others' datasheets show
+    "rtx-pro-6000": {"matmul_tflops": 500.0, "fp8_matmul_tflops": 1000.0, "memory_gib": 96.0,
+                     "capability": (12, 0), "datasheet": True},
+}
 FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
@@ -508,6 +528,9 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"planned for {p['planned_for']}" + (
             "; this machine has no GPU, so `hsx extract` here runs on its CPU, far slower than the times below"
             if p.get("machine_has_gpu") is False else ""))
+    if p.get("kernel_fallbacks"):  # kernels not checked on that GPU (hsx.kernels), as hsx extract would say
+        lines.append(f"kernels on compute capability {p['compute_capability']}:")
+        lines += [f"  {line.removeprefix('hsx: ')}" for line in p["kernel_fallbacks"]]
     lines += [
         f"layers {p['layers']}{' + final norm state' if p['final_hidden'] else ''}: runs {p['layers_run']} of "
         f"{p['num_model_layers']} decoder layers, no lm_head",
@@ -609,15 +632,33 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     layers, final_hidden = target_layers(cfg, text)
     tokens, rows, source = planned_tokens(cfg, tokens)
     known_shape = shape or HUB_SHAPES.get(cfg.model)
-    p = plan(text, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
+    planned = text
+    if is_fp8(text) and GPUS[gpu]["fp8_matmul_tflops"] is None:
+        # no FP8 tensor cores: transformers dequantizes the checkpoint at load (hsx.kernels), so it is planned as
+        # the bf16 model it becomes: 2-byte weights, the bf16 rate and MFU
+        import copy
+
+        planned = copy.copy(text)
+        planned.quantization_config = None
+    rate_tflops = GPUS[gpu]["fp8_matmul_tflops" if is_fp8(planned) else "matmul_tflops"]
+    mfu = MEASURED_MFU.get(known_shape) if planned is text else None
+    p = plan(planned, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
              token_budget=cfg.token_budget, gpu_name=gpu.upper(),
-             matmul_tflops=GPUS[gpu]["fp8_matmul_tflops" if is_fp8(text) else "matmul_tflops"],
-             **({"mfu": MEASURED_MFU[known_shape]} if known_shape in MEASURED_MFU else {}))
+             matmul_tflops=rate_tflops, **({"mfu": mfu} if mfu is not None else {}))
     import torch
 
-    p["planned_for"] = (f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB, {GPUS[gpu]['matmul_tflops']:.0f} TFLOP/s bf16 "
-                        "matmul measured)")
+    from hsx.kernels import cap_name, choose
+
+    spec = GPUS[gpu]
+    p["planned_for"] = (f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB, {spec['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
+                        + ("datasheet peak, dense, not measured by hsx: a matmul reaches less, the H200 790 of its "
+                           "989)" if spec["datasheet"] else "measured)"))
+    p["compute_capability"] = cap_name(spec["capability"])
+    picks = choose(spec["capability"], frozenset(("fla",)), cfg.dtype, packing=True,  # (fla: in hsx[gpu])
+                   experts=any(_is_moe_layer(text, i) for i in range(int(text.num_hidden_layers))),
+                   linear_attention="linear_attention" in layer_types(text), fp8=is_fp8(text))
+    p["kernel_fallbacks"] = [pk.line for pk in picks.values() if pk.line]
     p["machine_has_gpu"] = torch.cuda.is_available()
     if tokens is not None:
         p["tokens_source"] = source

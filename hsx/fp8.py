@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hsx import kernels
 from hsx.config import FP8_GEMM_CHOICES
 from hsx.errors import HsxError, one_line
 
@@ -225,7 +226,7 @@ def scale_problem(name: str, scales: torch.Tensor) -> str | None:
 
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and kernels.capability_of(device) >= kernels.FP8_TENSOR_CORES
 
 
 def runs_instead(quant: Fp8Config, device: torch.device) -> str | None:
@@ -370,7 +371,10 @@ def _runs(w: torch.Tensor, ws: torch.Tensor, rows: int | None = None) -> str:
     """The GEMM that multiplies `rows` activation rows (None: a full batch's) by (w, ws): the device's (`use_gemm`)
     where its check for this weight's shape passed, else the next of GEMMS whose does (Triton, last, runs any);
     DeepGEMM only from DEEPGEMM_MIN_ROWS rows."""
-    for name in _gemms_from(backend_of(w.device))[:-1]:
+    first = backend_of(w.device)
+    for name in _gemms_from(first)[:-1]:
+        if name != first and not _runs_here(name, w.device):  # (the next GEMMs: those hsx.kernels allows here)
+            continue
         if name == "deepgemm" and rows is not None and rows < DEEPGEMM_MIN_ROWS:
             continue
         if _takes(name, w, ws):
@@ -651,7 +655,7 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
 # What auto tries, fastest first (docs/fp8.md's GEMM tables); Triton, last, runs any shape. DeepGEMM and fbgemm run
 # where their packages are installed (neither is a dependency of hsx); DeepGEMM's products of fewer than
 # DEEPGEMM_MIN_ROWS rows run on the next.
-GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")
+GEMMS = kernels.FP8_GEMMS  # ("deepgemm", "cublas", "fbgemm", "triton"): hsx.kernels holds the order
 
 
 def _gemms_from(first: str) -> list[str]:
@@ -685,6 +689,8 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
     wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
     failed = []
     for name in _gemms_from(GEMMS[0] if choice == "auto" else choice):
+        if name != choice and not _runs_here(name, device):  # not checked on this GPU: said by hsx.kernels' line
+            continue
         why = _missing(name, choice)
         if why is None:
             why = _disagrees(name, wq, ws)
@@ -698,6 +704,13 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
         warnings.warn(f"hsx: {'; '.join(said)}; FP8 linears run on {_GEMM_NAMES[name]} instead", stacklevel=2)
     _BACKEND[device.index], _CHOSEN[device.index] = name, choice
     return name
+
+
+def _runs_here(name: str, device: torch.device) -> bool:
+    """Whether GEMM `name` may run on `device` unasked (`hsx.kernels.fp8_gemm_order`: where it was checked or is
+    documented to run; Triton, the portable one, anywhere)."""
+    cap = kernels.capability_of(device)
+    return cap is None or name in kernels.fp8_gemm_order(cap, frozenset(("deep_gemm", "fbgemm_gpu")))
 
 
 def _missing(name: str, choice: str) -> str | None:

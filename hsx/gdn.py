@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsx import kernels
+
 # fla's chunk size for the delta rule and its convolution: the chunk indices below use it, and hsx.cost prices the
 # per-chunk states with it
 FLA_CHUNK = 64
@@ -132,7 +134,6 @@ class TunedConfig:
     num_stages: int
 
 
-TUNED_ON = (9, 0)  # compute capability of the GPU they were measured on (an H200; H100s share it)
 _HEADS = ("H", "HV")
 TUNED_CONFIGS: tuple[TunedConfig, ...] = (
     TunedConfig("fla.ops.gated_delta_rule.gate:gdn_gate_chunk_cumsum_scalar_kernel",
@@ -169,7 +170,8 @@ def _left_to_fla(device: torch.device | None) -> str | None:
     """Why fla's kernels keep fla's own tile choice here (None: `TUNED_CONFIGS` apply)."""
     if os.environ.get("FLA_CACHE_MODE") or os.environ.get("FLA_CONFIG_DIR"):
         return "fla's config cache (FLA_CACHE_MODE/FLA_CONFIG_DIR set)"
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device) != TUNED_ON:
+    if not torch.cuda.is_available() or not kernels.runs_on("fla_tuned_configs",
+                                                           tuple(torch.cuda.get_device_capability(device))):
         return "fla's autotuning"
     return None
 
@@ -294,7 +296,8 @@ def qk_l2norm(mixed: torch.Tensor, key_dim: int, head_dim: int, eps: float = 1e-
     Off CUDA, or for a head size that is not a power of two, the torch reference."""
     batch, seq, _ = mixed.shape
     heads = key_dim // head_dim
-    if mixed.device.type != "cuda" or head_dim & (head_dim - 1) or mixed.stride(-1) != 1:
+    if (mixed.device.type != "cuda" or head_dim & (head_dim - 1) or mixed.stride(-1) != 1
+            or not kernels.allowed("gdn_kernels", mixed.device)):
         q, k = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim]
         return (_l2norm(q.reshape(batch, seq, heads, head_dim), eps),
                 _l2norm(k.reshape(batch, seq, heads, head_dim), eps))
@@ -373,7 +376,8 @@ def conv_kernel(self) -> str:
     takes = (_power_of_2(d) and d <= 256 and key_dim % d == 0 and value_dim > 0 and value_dim % d == 0
              and head_v > 0 and value_dim % head_v == 0
              and getattr(self, "activation", "") in (None, "silu", "swish"))
-    return "hsx" if takes else "fla"
+    cap = kernels.capability_of(self.conv1d.weight.device)  # (None off CUDA: the layout alone answers)
+    return "hsx" if takes and (cap is None or kernels.runs_on("gdn_kernels", cap)) else "fla"
 
 
 CONV_TOKENS = FLA_CHUNK  # tokens per program: a packed row's chunks (PackedRows.chunk_indices) are the tiles
@@ -457,7 +461,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     on an H200; this kernel 161 µs. Elsewhere, or for a head size that is not a power of two, the same in torch."""
     rows, dim = x.shape
     if not (x.is_cuda and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate.is_contiguous()
-            and gate.shape == x.shape and weight.shape == (dim,)):
+            and gate.shape == x.shape and weight.shape == (dim,) and kernels.allowed("gdn_kernels", x.device)):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         h = weight * h.to(x.dtype)

@@ -370,6 +370,8 @@ class Extraction:
         kernels = kernel_report(loaded.base)
         if instead:
             log(instead)
+        for line in kernels.get("fallbacks", {}).values():  # kernels not checked on this GPU (hsx.kernels)
+            log(line)
         if kernels.get("linear_attention_forward") == "transformers":
             log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
                 f"({kernels.get('linear_attention_note')}; kernels: {kernels.get('linear_attention')}, conv "

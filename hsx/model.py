@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hsx import attention, fp8, gdn
+from hsx import attention, fp8, gdn, kernels
 from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
 from hsx.errors import one_line
 
@@ -1038,7 +1038,32 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     quantization = fp8.report(base, _QUANTIZATION.get(base) or fp8.quantization_of(config))
     if quantization is not None:  # (absent for unquantized models: their hsx.json stays as it was)
         report["quantization"] = quantization
+    report.update(kernel_choices(base, has_experts, bool(linear), quantization))
     return report
+
+
+def kernel_choices(base: torch.nn.Module, has_experts: bool, linear: bool, quantization: dict | None
+                   ) -> dict[str, Any]:
+    """On CUDA, this GPU's compute capability, those hsx's kernels were checked on, what runs for each kernel choice
+    of this model (`hsx.kernels.choose`) and, where a kernel does not run here, the line saying what runs instead
+    (`fallbacks`, logged by hsx extract); {} off CUDA."""
+    device = next((p.device for p in base.parameters()), torch.device("cpu"))
+    cap = kernels.capability_of(device)
+    if cap is None:
+        return {}
+    hsx_fp8 = bool(quantization) and str(quantization.get("linear", "")).startswith("hsx fp8")
+    picks = kernels.choose(cap, kernels.installed_packages(), str(getattr(base, "dtype", "")).removeprefix("torch."),
+                           experts=has_experts, linear_attention=linear, fp8=hsx_fp8,
+                           fp8_gemm=fp8._CHOSEN.get(device.index, "auto"))
+    out: dict[str, Any] = {"compute_capability": kernels.cap_str(cap),
+                           "kernels_checked_on": sorted({kernels.cap_str(c) for k in kernels.KERNELS.values()
+                                                         for c in k.checked_on}),
+                           # (the GEMM FP8 linears ran on, after its checks: quantization.linear)
+                           "kernel_choices": {name: p.runs for name, p in picks.items() if name != "fp8_linear"}}
+    lines = {name: p.line for name, p in picks.items() if p.line}
+    if lines:
+        out["fallbacks"] = lines
+    return out
 
 
 def _packing(report: dict[str, Any], config) -> tuple[bool, str]:
@@ -1110,6 +1135,9 @@ def packing_blocker(base: torch.nn.Module) -> str | None:
         return f"attention sinks (GPT-OSS) need varlen attention's log-sum-exp (return_aux), not in torch {torch.__version__}"
     if getattr(base.config, "attn_logit_softcapping", None):
         return "attention logit softcapping has no varlen kernel"
+    cap = kernels.capability_of(next((p.device for p in base.parameters()), torch.device("cpu")))
+    if cap is not None and not kernels.runs_on("flash_varlen", cap):
+        return kernels.fallback_line("flash_varlen", cap).removeprefix("hsx: ")
     if not report["packing_safe"]:
         return report["packing_note"]
     try:

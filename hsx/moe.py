@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from hsx import fp8
+from hsx import fp8, kernels
 
 EXPERTS_IMPLEMENTATION = "hsx_grouped"  # our name in transformers' ExpertsInterface (one of config.EXPERTS_CHOICES)
 
@@ -70,7 +70,7 @@ def sum_pairs(z: torch.Tensor, inverse: torch.Tensor, k: int, extra: torch.Tenso
     summed in float32 in that order and rounded once. On CUDA one Triton kernel reads each pair row once: compiled
     by Inductor as k row gathers, the same took 361 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, ~2.5× the
     time its ~600 MB of traffic needs. Elsewhere the same sum in torch (the reference: equal bit for bit)."""
-    if z.is_cuda and z.shape[0] and z.stride(-1) == 1:
+    if z.is_cuda and z.shape[0] and z.stride(-1) == 1 and kernels.allowed("moe_sum_pairs", z.device):
         return _sum_pairs_cuda(z, inverse, k, extra)
     rows = z[inverse].view(-1, k, z.shape[-1])
     out = rows[:, 0].float()
@@ -754,7 +754,8 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.T
     on CUDA, among equal probabilities the lower expert first), divided by their sum when `renormalize`; weights in
     the logits' dtype, expert ids int64. On CUDA one Triton kernel reads each token's logits once: `torch.topk` alone
     took 2.7% of Qwen3-30B-A3B's GPU time on an H200 (Inductor cannot lower it). Elsewhere the reference in torch."""
-    if logits.is_cuda and logits.shape[0] and logits.stride(-1) == 1 and k <= logits.shape[-1] <= ROUTE_EXPERTS_MAX:
+    if (logits.is_cuda and logits.shape[0] and logits.stride(-1) == 1 and k <= logits.shape[-1] <= ROUTE_EXPERTS_MAX
+            and kernels.allowed("moe_route_topk", logits.device)):
         return _route_topk_cuda(logits, k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, index = torch.topk(probs, k, dim=-1)
@@ -934,7 +935,9 @@ def use_experts(base: torch.nn.Module, name: str | None) -> None:
     use_router(base, name == EXPERTS_IMPLEMENTATION)
     for m in base.modules():
         if _dispatched(m):
-            setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m))
+            device = next(m.parameters()).device
+            setattr(m, FUSED_GATE_UP, name == EXPERTS_IMPLEMENTATION and _gate_up_fusable(m)
+                    and (device.type != "cuda" or kernels.allowed("moe_gate_up", device)))
             setattr(m, FP8_EXPERTS, name == EXPERTS_IMPLEMENTATION and _fp8_experts_form(m))
             if getattr(m, FP8_EXPERTS):
                 setattr(m, fp8.FP8_EXPERTS_RUN_ON, fp8_experts_run_on(m, m.gate_up_proj.is_cuda))

@@ -17,3 +17,58 @@ def test_eager_attention_scores_shrink_the_budget():
     plain = auto_token_budget(c, 5 * 4096, 4 << 30, 4096)
     eager = auto_token_budget(c, 5 * 4096, 4 << 30, 4096, eager_attention=True)
     assert 4096 <= eager < plain
+
+
+def test_a_96_gb_card_holds_the_27b_shape_at_rows_up_to_its_longest_planned_row():
+    """The seed's RTX PRO 6000 (96 GB) at Qwen3.6-27B, DFlash layers: the token budget follows free memory, holds
+    one full row at every --max-length up to the longest whose batch fits beside the weights (hsx's estimate, with
+    its 1.5x margin: ~115k tokens), stays within the GPU's usable memory there, and past it the plan does not
+    promise one GPU (at the model's 262,144 positions a row's activations alone are ~91 GiB by that estimate)."""
+    from hsx.config import layers_run
+    from hsx.cost import GPU_HEADROOM, GPUS, activation_bytes_per_token, plan, weight_bytes
+    from hsx.model import text_config_of
+
+    c = text_config_of(shape_config("qwen3.6-27b"))
+    layers = [1, 16, 31, 46, 61]
+    gpu = int(GPUS["rtx-pro-6000"]["memory_gib"] * 2**30)
+    weights = weight_bytes(c, layers_run(int(c.num_hidden_layers), layers, False))
+    per_token = activation_bytes_per_token(c, len(layers) * int(c.hidden_size))
+    longest = int((GPU_HEADROOM * gpu - weights) // per_token)
+    assert 100_000 < longest < int(c.max_position_embeddings)
+    for max_length in (4096, 8192, 32768, 65536, longest):  # 8,192: measured on an H200 with 95 GiB free, no OOM
+        p = plan(c, layers, False, max_length, gpu_bytes=gpu)
+        assert p["gpus_per_copy"] == 1 and p["token_budget"] >= max_length
+        assert p["peak_gpu_bytes_estimate"] <= GPU_HEADROOM * gpu
+    assert plan(c, layers, False, longest + 1, gpu_bytes=gpu)["gpus_per_copy"] != 1
+    assert plan(c, layers, False, int(c.max_position_embeddings), gpu_bytes=gpu)["gpus_per_copy"] != 1
+    # the job's budget (hsx.job: auto_token_budget of the free memory it reads) shrinks with what is free
+    free = [gpu - weights - (x << 30) for x in (0, 43, 45)]  # other processes holding 43, 45 GiB
+    budgets = [auto_token_budget(c, len(layers) * int(c.hidden_size), f, 8192) for f in free]
+    assert budgets[0] == DEFAULT_BUDGET_CAP and budgets[0] > budgets[1] > budgets[2] >= 8192
+    assert all(b * per_token <= 0.8 * f for b, f in zip(budgets[1:], free[1:]))
+
+
+def test_plan_knows_the_gpus_people_run_this_on(capsys, monkeypatch):
+    """hsx plan --gpu: each GPU's memory, bf16 and FP8 rates (measured on the H200 only, the others datasheet figures,
+    said so), its compute capability, and the kernel lines hsx extract would log there."""
+    from hsx import kernels
+    from hsx.cost import GPUS, job_plan
+
+    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "rtx-pro-6000", "l40s"} <= set(GPUS)
+    assert [g for g, spec in GPUS.items() if not spec["datasheet"]] == ["h200"]
+    for spec in GPUS.values():
+        assert spec["capability"] in kernels.GPU_KINDS
+        assert (spec["fp8_matmul_tflops"] is None) == (spec["capability"] < kernels.FP8_TENSOR_CORES)
+        assert spec["fp8_matmul_tflops"] is None or spec["fp8_matmul_tflops"] > spec["matmul_tflops"]
+    assert GPUS["rtx-pro-6000"]["memory_gib"] == 96
+    p = job_plan(None, {"layers": ["dflash"]}, shape="qwen3.6-27b", tokens=10**6, gpu="rtx-pro-6000")
+    assert "datasheet" in p["planned_for"] and p["compute_capability"].startswith("12.0")
+    assert any("packed causal attention" in line for line in p["kernel_fallbacks"])
+    h200 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3.6-27b", tokens=10**6, gpu="h200")
+    assert "measured" in h200["planned_for"] and h200["kernel_fallbacks"] == []
+    # an FP8 checkpoint on an A100 (no FP8 tensor cores) runs dequantized: planned at the bf16 rate
+    a100 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3-8b-fp8", tokens=10**6, gpu="a100-80gb")
+    assert "70% of an A100-80GB's 312 TFLOP/s" in a100["rate_source"]
+    h100 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3-8b-fp8", tokens=10**6, gpu="h100-sxm")
+    assert a100["weight_bytes"] > 1.8 * h100["weight_bytes"]  # its weights as bf16, not e4m3
+    assert any("no FP8 tensor cores" in line for line in a100["kernel_fallbacks"])

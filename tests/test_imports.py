@@ -16,7 +16,8 @@ LAYERS: list[set[str]] = [
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
     {"hsx.config"},  # the job's settings
     # what a config is turned into: the fingerprint, loss masks, the model and its kernels, length buckets
-    {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets"},
+    {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets",
+     "hsx.kernels"},
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
