@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hsx.config import config_of, config_overrides
-from hsx.errors import HsxError
+from hsx.errors import HsxError, file_system_error, file_system_line
 
 
 def write_json(dest: str, obj) -> None:
@@ -146,7 +146,8 @@ def _output_errors(output_dir: str) -> Iterator[None]:
     try:
         yield
     except (ValueError, OSError) as e:
-        raise HsxError(str(e)) from None
+        fault = file_system_error(e)
+        raise HsxError(file_system_line(fault) if fault is not None else str(e)) from None
     except KeyError as e:
         raise HsxError(f"{output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
 
