@@ -97,6 +97,8 @@ def file_system_line(error: OSError, where: str | None = None, kept: str = "noth
     do, what was kept (`kept`), and that the same command continues."""
     what, advice = FILE_SYSTEM_ERRORS.get(error.errno, ("disk full", "free some space"))
     path = error.filename if error.filename is not None else where
-    at = f" while writing {path}" if path is not None else ""
+    path = path if path is None or str(path).isprintable() else ascii(str(path))  # (one line, whatever the name)
+    writing = error.errno not in (errno.EACCES, errno.EPERM, errno.EIO)  # (those may be of a read too)
+    at = "" if path is None else f" while writing {path}" if writing else f" at {path}"
     return f"{what}{at}: {kept}; {advice} and run the same command to continue"
 
