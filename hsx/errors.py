@@ -96,7 +96,8 @@ def file_system_line(error: OSError, where: str | None = None, kept: str = "noth
     """One line for a file-system error: what happened, at which path (the error's own, else `where`), what to
     do, what was kept (`kept`), and that the same command continues."""
     what, advice = FILE_SYSTEM_ERRORS.get(error.errno, ("disk full", "free some space"))
-    path = error.filename if error.filename is not None else where
+    # (the second name of a two-path call is the one written: os.replace's and os.symlink's destination)
+    path = next((p for p in (error.filename2, error.filename, where) if p is not None), None)
     path = path if path is None or str(path).isprintable() else ascii(str(path))  # (one line, whatever the name)
     writing = error.errno not in (errno.EACCES, errno.EPERM, errno.EIO)  # (those may be of a read too)
     at = "" if path is None else f" while writing {path}" if writing else f" at {path}"

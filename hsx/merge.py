@@ -54,7 +54,7 @@ def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> di
                 if d.root.resolve() not in seen:  # (one lock per dir: OUT may be one of the sources)
                     seen.add(d.root.resolve())
                     stack.enter_context(d.locked_whole())
-            return _merge(out, sources, dirs, log, partial)
+            return _merge(out, sources, dirs, log, partial, made)
     except BaseException as e:
         _remove_made(made)
         fault = file_system_error(e) if isinstance(e, Exception) and not isinstance(e, HsxError) else None
@@ -65,11 +65,16 @@ def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> di
 
 
 def _remove_made(made: list[Path]) -> None:
-    """Remove what a failed merge created, deepest first: its lock files (empty, held by no one once the merge
-    let them go) and the dirs, only if empty (rmdir, never a recursive delete)."""
+    """Remove what a failed merge created, deepest first: the links it made under a name that was free (a rerun
+    makes them again), its lock files (empty, held by no one once the merge let them go) and the dirs, only if
+    empty (rmdir, never a recursive delete). So an OUT the merge created is not left as a data/ without .hsx/,
+    which a rerun would refuse as a dir hsx did not write."""
     for path in sorted(made, key=lambda p: len(p.parts), reverse=True):
         try:
-            if path.name in ("lock", "busy"):
+            if path.parent.name == "data" and path.suffix == ".arrow":
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    path.unlink()  # (the link only)
+            elif path.name in ("lock", "busy"):
                 if stat.S_ISREG(os.lstat(path).st_mode) and os.lstat(path).st_size == 0:
                     path.unlink()
             else:
@@ -177,7 +182,8 @@ def _check_units(done: dict[str, tuple[OutputDir, dict[str, Any]]], summary: Sum
                        f"the plan read {rows_in:,}: one of the dirs is damaged or not the job's; merge without it")
 
 
-def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, partial: bool) -> dict[str, Any]:
+def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, partial: bool,
+           made: list[Path]) -> dict[str, Any]:
     jobs = []
     for src in sources:
         f = src.state / "job.json"
@@ -239,6 +245,8 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
         if src is not out and target.resolve() != link.resolve():
             if link.is_symlink():
                 link.unlink()  # a link of an earlier merge (the link only)
+            else:
+                made.append(link)
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
         lines.append(json.dumps(rec, sort_keys=True))
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
