@@ -99,7 +99,7 @@ def _summary(dirs: list[OutputDir], fingerprint: str) -> Summary:
         raise HsxError("no dir has a planning summary (.hsx/summary.json): did the job get past tokenization?")
     first, summary = found[0]
     for d, s in found:
-        if s.fingerprint != fingerprint:
+        if s.fingerprint is not None and s.fingerprint != fingerprint:  # (an older hsx wrote none)
             raise HsxError(f"{d.state / 'summary.json'} is of another job than its .hsx/job.json (their fingerprints "
                            "differ): the dir is damaged or not the job's; merge without it")
         if _plan(s) != _plan(summary):

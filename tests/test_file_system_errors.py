@@ -82,35 +82,32 @@ def export_argv(out: Path, dest: Path) -> list[str]:
 
 # ---- extract -----------------------------------------------------------------------------------------------------
 
-def test_extract_on_a_full_file_system_is_one_line_and_resumes(tmp_path, fault_reference):
-    """A real full disk (a tmpfs half the output's size): one line, the units committed kept; the disk grown, the
-    same command finishes the job, equal to the reference."""
+@pytest.mark.parametrize("how", ["full-disk", "ulimit"])
+def test_extract_stopped_by_the_file_system_is_one_line_and_resumes(tmp_path, fault_reference, how):
+    """A real full disk (a tmpfs half the output's size), or `ulimit -f` below the largest unit (which gave
+    `OSError: File too large`, then `ValueError: I/O operation on closed file` as a traceback): one line naming the
+    path and what to do, the units committed kept; the cause gone, the same command finishes the job, equal to the
+    reference."""
     ref = fault_reference
     size = data_bytes(ref.out)
-    with small_tmpfs(tmp_path / "disk", size // 2) as resize:
-        out = tmp_path / "disk" / "out"
-        rc, _, err = hsx_main(ref.argv(out))
-        line = assert_one_error_line(rc, err, "disk full while writing", str(out), "free some space",
-                                     "run the same command to continue")
+    with contextlib.ExitStack() as stack:
+        if how == "full-disk":
+            resize = stack.enter_context(small_tmpfs(tmp_path / "disk", size // 2))
+            out = tmp_path / "disk" / "out"
+            rc, _, err = hsx_main(ref.argv(out))
+            needles = ("disk full while writing", "free some space")
+        else:
+            sizes = sorted(p.stat().st_size for p in (ref.out / "data").iterdir())
+            out = tmp_path / "out"
+            rc, err = hsx_limited(ref.argv(out), sizes[len(sizes) // 2])
+            needles = ("file too large", "ulimit -f")
+        line = assert_one_error_line(rc, err, *needles, str(out), "run the same command to continue")
         assert rc == 1 and f"{assert_kept_and_unfinished(out, ref)} unit(s) are complete and intact" in line
-        resize(size * 3)
+        if how == "full-disk":
+            resize(size * 3)
         rc, _, err = hsx_main(ref.argv(out))
         assert rc == 0, err
         assert_equals_reference(out, ref, verify=False)
-
-
-def test_extract_under_a_file_size_limit_is_one_line_and_resumes(tmp_path, fault_reference):
-    """`ulimit -f` below the largest unit: `OSError: File too large`, then `ValueError: I/O operation on closed
-    file` as a traceback. Now one line naming the limit; the units under it kept; without it, the job finishes."""
-    ref = fault_reference
-    sizes = sorted(p.stat().st_size for p in (ref.out / "data").iterdir())
-    out = tmp_path / "out"
-    rc, err = hsx_limited(ref.argv(out), sizes[len(sizes) // 2])
-    line = assert_one_error_line(rc, err, "file too large", "ulimit -f", str(out), "run the same command to continue")
-    assert rc == 1 and f"{assert_kept_and_unfinished(out, ref)} unit(s) are complete and intact" in line
-    rc, _, err = hsx_main(ref.argv(out))
-    assert rc == 0, err
-    assert_equals_reference(out, ref, verify=False)
 
 
 @pytest.mark.parametrize("where, code", [("unit_write", errno.EFBIG), ("manifest", errno.EIO),
