@@ -73,8 +73,8 @@ FILE_SYSTEM_ERRORS = {
     errno.EDQUOT: ("disk quota exceeded", "free some space or raise the quota"),
     errno.EFBIG: ("file too large for the file size limit", "raise the limit (`ulimit -f`) or use another disk"),
     errno.EROFS: ("read-only file system", "make it writable or use another dir"),
-    errno.EACCES: ("permission denied", "make it writable by this user or use another dir"),
-    errno.EPERM: ("operation not permitted", "make it writable by this user or use another dir"),
+    errno.EACCES: ("permission denied", "give this user access to it or use another dir"),
+    errno.EPERM: ("operation not permitted", "give this user access to it or use another dir"),
     errno.EIO: ("I/O error", "check the disk (dmesg)"),
 }
 

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
-from hsx.errors import UsageError
-from hsx.errors import file_system_error, file_system_line, one_line
+from hsx.errors import UsageError, file_system_error, file_system_line, one_line
 from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
 from hsx.sink import OutputDir, atomic_write, complete_info, file_crc32, info_features, open_regular, read_json
 
@@ -130,7 +129,9 @@ def _unit_problem(path: Path, rec: dict[str, Any], schema) -> tuple[str | None, 
         st = os.fstat(fd)
         if st.st_size != rec["bytes"]:
             return f"{st.st_size:,} bytes, its manifest records {rec['bytes']:,}", None
-        if rec.get("crc32") is None or file_crc32(path, fd) != rec["crc32"]:
+        if rec.get("crc32") is None:
+            return "its manifest records no CRC-32 to check it against", None
+        if file_crc32(path, fd) != rec["crc32"]:
             return "its bytes do not match the CRC-32 its manifest records", None
         try:
             with pa.memory_map(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)) as source:
@@ -172,8 +173,8 @@ def _check_units(done: dict[str, tuple[OutputDir, dict[str, Any]]], summary: Sum
     ids = np.concatenate([ids for _, ids in results]) if results else np.zeros(0, np.int64)
     rows_in = summary.counts.rows_in
     if len(ids) and (ids.min() < 0 or ids.max() >= rows_in or len(np.unique(ids)) != len(ids)):
-        raise HsxError(f"the units hold input rows twice or rows the job never read (sample ids outside 0..{rows_in - 1} "
-                       "of its plan): one of the dirs is damaged or not the job's; merge without it")
+        raise HsxError(f"the units hold input rows twice or rows the job never read (its plan's sample ids are 0.."
+                       f"{rows_in - 1}): one of the dirs is damaged or not the job's; merge without it")
     recs = [rec for _, rec in done.values()]
     accounted = (len(ids) + sum(n for n in summary.counts.skipped.values() if type(n) is int)
                  + sum(r.get("skipped_oom", 0) + r.get("skipped_nonfinite", 0) for r in recs))
