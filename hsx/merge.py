@@ -2,9 +2,10 @@
 
 Nodes without a shared filesystem each write their own dir (hsx.run); a merge links their unit files into OUT
 (relative symlinks, checked by `OutputDir.unit_source` on every read and push), writes a manifest, hsx.json and
-the card, and copies no hidden-state byte. `--partial` joins the dirs that survive a lost node into an unfinished
-OUT that the job's `hsx extract` then completes. Its own module so that the output dir (hsx.sink) imports neither
-the card nor the vocabulary: they sit above it.
+the card, and copies no hidden-state byte. It believes no dir: every dir's plan and every unit it links are checked
+before it writes anything (`_summary`, `_check_units`). `--partial` joins the dirs that survive a lost node into an
+unfinished OUT that the job's `hsx extract` then completes. Its own module so that the output dir (hsx.sink)
+imports neither the card nor the vocabulary: they sit above it.
 """
 
 from __future__ import annotations
@@ -211,6 +212,12 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
         if stray:
             raise HsxError(f"{src.state}: its manifests record unit {stray[0]}, which is not in the job's plan "
                            "(.hsx/summary.json): the dir is damaged or not the job's; merge without it")
+        for rec in records.values():  # (a unit of the wrong size is not done: it would pass as missing)
+            f = src.data / rec["file"]
+            if f.is_file() and not f.is_symlink() and f.stat().st_size != rec["bytes"]:
+                raise HsxError(f"{f} is damaged: {f.stat().st_size:,} bytes, its manifest records {rec['bytes']:,}; "
+                               f"nothing was merged: run the job's `hsx extract` on {src.root} to redo it (or merge "
+                               "without that dir), then merge")
         for unit, rec in src.done_units().items():
             f = src.data / rec["file"]
             if f.is_file() and not f.is_symlink():  # (a link there is no unit of that dir: reads refuse it)
