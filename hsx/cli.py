@@ -16,7 +16,8 @@ import sys
 from collections.abc import Iterator
 
 from hsx.config import FIELD_KINDS, FIELDS, default_of
-from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
+from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status,
+                        file_system_error, file_system_line)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -332,7 +333,11 @@ def _main(argv: list[str], received: list[int]) -> int:
     except Exception as e:
         interrupt = _interrupt_behind(e)
         if interrupt is None:
-            raise
+            fault = file_system_error(e)  # (a full disk, a size limit, a read-only dir: in any command)
+            if fault is None:
+                raise
+            print(f"hsx: error: {file_system_line(fault)}", file=sys.stderr)
+            return EXIT_RUNTIME
         # Raised by clean-up code the interrupt ran through (datasets' writer finalizing a file the interrupt
         # had closed, say): the command ended because of the signal, and says so in one line.
         print(INTERRUPTED, file=sys.stderr)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hsx.config import config_of, config_overrides
-from hsx.errors import HsxError
+from hsx.errors import HsxError, file_system_error, file_system_line
 
 
 def write_json(dest: str, obj) -> None:
@@ -99,7 +99,7 @@ def push(args: argparse.Namespace) -> None:
 def export_specforge(args: argparse.Namespace) -> None:
     from hsx.export import export_specforge as run_export
 
-    with _output_errors(args.output_dir):
+    with _output_errors(args.output_dir, args.dest):
         run_export(args.output_dir, args.dest, layers=args.layers, layout=args.layout, overwrite=args.overwrite,
                    delete_source=args.delete_source)
 
@@ -107,7 +107,7 @@ def export_specforge(args: argparse.Namespace) -> None:
 def export_speculators(args: argparse.Namespace) -> None:
     from hsx.export import export_speculators as run_export
 
-    with _output_errors(args.output_dir):
+    with _output_errors(args.output_dir, args.dest):
         run_export(args.output_dir, args.dest, layers=args.layers, draft_vocab_size=args.draft_vocab_size,
                    overwrite=args.overwrite, delete_source=args.delete_source)
 
@@ -141,12 +141,14 @@ def verify(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def _output_errors(output_dir: str) -> Iterator[None]:
-    """An export's or vocab's ValueError/OSError is the output dir's (or DEST's) problem: one HsxError line."""
+def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
+    """An export's or vocab's ValueError/OSError is the output dir's (or DEST's) problem: one HsxError line; a
+    file-system error without a path of its own is named as DEST's (what an export writes)."""
     try:
         yield
     except (ValueError, OSError) as e:
-        raise HsxError(str(e)) from None
+        fault = file_system_error(e)
+        raise HsxError(file_system_line(fault, dest) if fault is not None else str(e)) from None
     except KeyError as e:
         raise HsxError(f"{output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
 

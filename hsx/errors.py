@@ -66,15 +66,40 @@ def exit_status(error: BaseException) -> int:
     return EXIT_USAGE if isinstance(error, UsageError) else EXIT_RUNTIME
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether `error`, or an error it was raised while handling, is a full disk or quota (ENOSPC, EDQUOT).
-    A library's cleanup can hide it: datasets' map finalizes its writer again after the write failed, and that
-    raises 'I/O operation on closed file' with the ENOSPC as its context."""
+# The file-system errors a user fixes outside hsx (space, quota, a size limit, permissions, a read-only mount, a
+# failing disk): what each is, in words, and what to do. Python ignores SIGXFSZ, so `ulimit -f` is EFBIG here.
+FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC: ("disk full", "free some space"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space or raise the quota"),
+    errno.EFBIG: ("file too large for the file size limit", "raise the limit (`ulimit -f`) or use another disk"),
+    errno.EROFS: ("read-only file system", "make it writable or use another dir"),
+    errno.EACCES: ("permission denied", "give this user access to it or use another dir"),
+    errno.EPERM: ("operation not permitted", "give this user access to it or use another dir"),
+    errno.EIO: ("I/O error", "check the disk (dmesg)"),
+}
+
+
+def file_system_error(error: BaseException) -> OSError | None:
+    """The file-system error (FILE_SYSTEM_ERRORS) that `error` is, or was raised while handling, if any. A
+    library's cleanup can hide it: datasets' map finalizes its writer again after the write failed, and that raises
+    'I/O operation on closed file' with the ENOSPC (or EFBIG) as its context."""
     seen = set()
-    while error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen and len(seen) < 64:
         seen.add(id(error))
-        if isinstance(error, OSError) and (error.errno in (errno.ENOSPC, errno.EDQUOT)
-                                           or "No space left" in str(error)):
-            return True
+        if isinstance(error, OSError) and (error.errno in FILE_SYSTEM_ERRORS or "No space left" in str(error)):
+            return error
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+def file_system_line(error: OSError, where: str | None = None, kept: str = "nothing committed is lost") -> str:
+    """One line for a file-system error: what happened, at which path (the error's own, else `where`), what to
+    do, what was kept (`kept`), and that the same command continues."""
+    what, advice = FILE_SYSTEM_ERRORS.get(error.errno, ("disk full", "free some space"))
+    # (the second name of a two-path call is the one written: os.replace's and os.symlink's destination)
+    path = next((p for p in (error.filename2, error.filename, where) if p is not None), None)
+    path = path if path is None or str(path).isprintable() else ascii(str(path))  # (one line, whatever the name)
+    writing = error.errno not in (errno.EACCES, errno.EPERM, errno.EIO)  # (those may be of a read too)
+    at = "" if path is None else f" while writing {path}" if writing else f" at {path}"
+    return f"{what}{at}: {kept}; {advice} and run the same command to continue"
+

@@ -58,8 +58,8 @@ import numpy as np
 from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
                         dequantize)
-from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, append_synced, atomic_write, crc32, file_crc32,
-                      fsync_dir, fsync_file, listed_files, read_json, read_jsonl)
+from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, append_synced, atomic_tmp_name, atomic_write, crc32,
+                      file_crc32, fsync_dir, fsync_file, listed_files, read_json, read_jsonl)
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
@@ -297,8 +297,8 @@ def _scan(dest: Path, recorded: dict[str, list], token: str | None, dirs: re.Pat
             rel = p.relative_to(dest).as_posix()
             if p.is_symlink():
                 foreign.append(rel)
-            elif prefix and name.startswith(prefix):
-                temps.append(p)
+            elif (prefix and name.startswith(prefix)) or (top and name == atomic_tmp_name(RECORD) and name in names):
+                temps.append(p)  # (the record's own temporary file: its write failed, a full disk say)
             elif name in subdirs:
                 (keep.append(name) if top and dirs.fullmatch(name) else foreign.append(rel))
             elif not (rel in recorded or (top and name in (RECORD, JOURNAL, LOCK))):

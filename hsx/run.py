@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
-from hsx.errors import Stopped, disk_full
+from hsx.errors import Stopped, file_system_error, file_system_line
 from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
                      refuse_empty)
 from hsx.sink import OutputDir
@@ -314,11 +314,14 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
                     out.remove_if_unused(keep_root=existed)
                 raise
     except (OSError, ValueError) as e:
-        if disk_full(e):
-            done = len(out.done_units())
-            raise HsxError(f"disk full while writing {cfg.output_dir}: {done} unit(s) are complete and intact; "
-                           "free some space and run the same command to continue") from None
-        raise
+        fault = file_system_error(e)
+        if fault is None:
+            raise
+        try:
+            kept = f"{len(out.done_units())} unit(s) are complete and intact"
+        except (OSError, HsxError):  # (the dir cannot be read either: EIO, EACCES)
+            kept = "the units committed are kept"
+        raise HsxError(file_system_line(fault, cfg.output_dir, kept)) from None
 
 
 def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopRequest, say, log, model):

@@ -1107,8 +1107,13 @@ def append_synced(path: Path, text: str) -> None:
     _write_synced(path, text, os.O_APPEND)
 
 
+def atomic_tmp_name(name: str) -> str:
+    """The temporary name `atomic_write` writes `name` under (a failed write leaves it: hsx's own, never foreign)."""
+    return f".{name}.tmp"
+
+
 def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(atomic_tmp_name(path.name))
     if tmp.is_symlink() or (os.path.lexists(tmp) and not tmp.is_dir() and not tmp.is_file()):
         tmp.unlink()  # hsx's own temporary name: a link there goes (the link, never its target), and a FIFO
     _write_synced(tmp, text, os.O_TRUNC)

@@ -30,6 +30,7 @@ under the ArrowWriter that one `map` call opens for a file in hsx's unit folder,
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import queue
@@ -198,7 +199,24 @@ def wait_all(futures: list[Future]) -> None:
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     at = 0
     while at < len(view):
-        at += os.pwrite(fd, view[at:], offset + at)
+        try:
+            at += os.pwrite(fd, view[at:], offset + at)
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # (O_DIRECT: a write cut short leaves the rest unaligned)
+                raise _cut_short(e, offset + at, offset + len(view), bool(at)) from None
+            raise
+
+
+def _cut_short(error: OSError, at: int, end: int, short: bool) -> OSError:
+    """What an O_DIRECT write's EINVAL at byte `at` stands for: the kernel cuts a write that crosses the file size
+    limit (`ulimit -f`; Python ignores SIGXFSZ) to an unaligned length, so EFBIG where `end` passes it; no space
+    left after a short write (`short`); else the EINVAL itself."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and end > limit:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if short else error
 
 
 class UnitFile:

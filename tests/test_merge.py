@@ -1,6 +1,7 @@
 """hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -123,3 +124,132 @@ def test_a_dir_named_twice_is_refused_before_anything_is_made(tmp_path):
     assert rc == 2
     assert_one_error_line(rc, err, "names the same dir as")
     assert not (tmp_path / "joined").exists() and sorted(p.name for p in node.iterdir()) == []
+
+
+# ---- merge believes no input: every dir's plan, every unit it links, checked before anything is written ---------
+
+def _records(node: Path) -> list[dict]:
+    return [json.loads(line) for m in sorted((node / ".hsx").glob("manifest-*.jsonl"))
+            for line in m.read_text().splitlines()]
+
+
+def _rewrite_manifest(node: Path, change) -> None:
+    """Every manifest of `node`, each record passed through `change` (which returns the records to write)."""
+    for m in sorted((node / ".hsx").glob("manifest-*.jsonl")):
+        recs = [r for line in m.read_text().splitlines() for r in change(json.loads(line))]
+        m.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _refused(out: Path, dirs: list[Path], *needles: str) -> str:
+    """`hsx merge OUT DIR...` refused in one line (exit 1) naming `needles`, with nothing written to OUT."""
+    from helpers import assert_one_error_line, hsx_main
+
+    rc, _, err = hsx_main(["merge", str(out), *map(str, dirs)])
+    assert rc == 1, err
+    line = assert_one_error_line(rc, err, *needles)
+    assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+    return line
+
+
+def _forged_first(node0: Path, root: Path, summaries: bool) -> Path:
+    """A dir holding the job's job.json and a summary.json whose plan lists 3 of its units, and nothing else."""
+    forged = root / "forged"
+    (forged / ".hsx").mkdir(parents=True)
+    shutil.copy(node0 / ".hsx" / "job.json", forged / ".hsx" / "job.json")
+    summary = json.loads((node0 / ".hsx" / "summary.json").read_text())
+    summary["unit_names"] = summary["unit_names"][:3]
+    (forged / ".hsx" / "summary.json").write_text(json.dumps(summary))
+    if not summaries:
+        for d in (root / "node0", root / "node1"):
+            (d / ".hsx" / "summary.json").unlink()
+    return forged
+
+
+@pytest.mark.parametrize("summaries", [True, False], ids=["nodes-keep-their-summaries", "nodes-without-summaries"])
+def test_a_forged_dir_given_first_does_not_decide_the_plan(reference, tmp_path, summaries):
+    """A dir given first with the job's job.json and a summary.json listing 3 units: merge said "96 rows in 3
+    units" and wrote an output that load and verify refused. Now the plans must agree (and the units the manifests
+    record must be in it), or merge refuses, naming the dir."""
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    forged = _forged_first(node0, tmp_path, summaries)
+    line = _refused(tmp_path / "joined", [forged, node0, node1], "merge without it")
+    assert ("plan the job differently" if summaries else "which is not in the job's plan") in line
+    assert str(forged if summaries else node0) in line
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "hard-link-to-text", "hard-link-to-text-manifest-too",
+                                    "other-rows-manifest-too", "rows-outside-the-plan", "counts"])
+def test_merge_checks_every_unit_it_links_before_writing(reference, tmp_path, damage):
+    """A unit that is not what the manifests it trusts say (size, CRC-32), or that is no valid Arrow unit of the
+    job even where the manifest was forged to match it, or units and summary that disagree on the rows: one line
+    naming the file or dir, exit 1, nothing written to OUT; the units repaired, the same merge goes through."""
+    from hsx.sink import file_crc32
+
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    unit = sorted((node1 / "data").iterdir())[0]
+    kept = tmp_path / "kept.arrow"
+    shutil.copy(unit, kept)
+    manifests = {m: m.read_bytes() for d in (node0, node1) for m in (d / ".hsx").glob("*.json*")}
+
+    def forge(**values):
+        _rewrite_manifest(node1, lambda r: [dict(r, **values) if r["file"] == unit.name else r])
+
+    if damage == "flipped-byte":
+        data = bytearray(unit.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        unit.write_bytes(bytes(data))
+        needles = (str(unit), "do not match the CRC-32")
+    elif damage.startswith("hard-link-to-text"):
+        text = tmp_path / "notes.txt"
+        text.write_text("not hidden states\n" * 40)
+        unit.unlink()
+        os.link(text, unit)
+        if damage.endswith("manifest-too"):
+            forge(bytes=text.stat().st_size, crc32=file_crc32(text))
+            needles = (str(unit), "not a valid Arrow unit")
+        else:
+            needles = (str(unit), "bytes, its manifest records")
+    elif damage == "other-rows-manifest-too":  # another unit's file under this unit's name
+        other = sorted((node1 / "data").iterdir())[1]
+        shutil.copy(other, unit)
+        forge(bytes=other.stat().st_size, crc32=file_crc32(other))
+        needles = (str(unit), "its manifest records")
+    elif damage == "rows-outside-the-plan":  # ... and its manifest record forged whole: its rows are in two units
+        other = sorted((node1 / "data").iterdir())[1]
+        shutil.copy(other, unit)
+        rec = next(r for r in _records(node1) if r["file"] == other.name)
+        forge(**{k: rec[k] for k in ("bytes", "crc32", "rows", "tokens")})
+        needles = ("input rows twice",)
+    else:
+        for d in (node0, node1):
+            s = json.loads((d / ".hsx" / "summary.json").read_text())
+            s["counts"]["rows_in"] += 5
+            (d / ".hsx" / "summary.json").write_text(json.dumps(s))
+        needles = ("manifests and .hsx/summary.json disagree",)
+    _refused(tmp_path / "joined", [node0, node1], *needles)
+    unit.unlink()
+    shutil.copy(kept, unit)
+    for m, text in manifests.items():
+        m.write_bytes(text)
+    info = merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
+    assert info["counts"] == json.loads((reference / "hsx.json").read_text())["counts"]
+
+
+def test_two_dirs_with_different_units_of_one_name_are_refused(reference, tmp_path):
+    """Two dirs each offering a unit of one name with other bytes (each file matching its own manifest): merge
+    does not pick one; it names both. The same bytes in two dirs (a copy) are one unit."""
+    from hsx.sink import file_crc32
+
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    unit = sorted((node1 / "data").iterdir())[0]
+    rec = next(r for r in _records(node1) if r["file"] == unit.name)
+    copy = node0 / "data" / unit.name
+    shutil.copy(unit, copy)
+    with (node0 / ".hsx" / "manifest-00000.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    merge(str(tmp_path / "same"), [str(node0), str(node1)], log=lambda *a: None)  # a copy: one unit
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    _rewrite_manifest(node0, lambda r: [dict(r, crc32=file_crc32(copy)) if r["file"] == unit.name else r])
+    _refused(tmp_path / "joined", [node0, node1], str(copy), str(unit), "two different units of one name")
