@@ -361,3 +361,147 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
     assert not list((out / "data").glob("train-*.arrow"))
     rc, stdout, stderr = hsx_main([*argv, "--check-crc"])
     assert rc == 0 and "already complete" in stdout, stderr
+
+
+# ---- the default commit loses no row; what a reader writes; dirs hsx merge made ---------------------------------
+
+def unit_of_rows(out: Path) -> dict[int, str]:
+    """sample_id -> the unit file holding it."""
+    from datasets import Dataset
+
+    return {s: f.name for f in sorted((out / "data").glob("train-*.arrow"))
+            for s in Dataset.from_file(str(f))["sample_id"]}
+
+
+def test_a_unit_is_deleted_only_once_the_step_over_its_last_row_returned(tmp_path, fault_reference):
+    """The DataLoader asks for the rows of the batch it builds while the previous batch's step has returned, and
+    not the current one's: a unit whose last row is in the batch being trained stays on disk (the old commit
+    deleted it while the DataLoader built that batch: a kill in its step lost the rows)."""
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    where = unit_of_rows(out)
+    rows = hsx.follow(out, delete_consumed=True, rows="dict", poll_seconds=0.01)
+    trained: list[int] = []
+    for batch in torch.utils.data.DataLoader(rows, batch_size=7, collate_fn=list):  # 13 batches of 7, then 5
+        ids = [r["sample_id"] for r in batch]
+        assert all((out / "data" / where[s]).exists() for s in ids)  # this step's rows: all still on disk
+        gone = {where[s] for s in trained} - {where[s] for s in ids}
+        assert all(not (out / "data" / f).exists() for f in gone)  # rows of steps that returned: released
+        trained += ids
+    assert sorted(trained) == sorted(fault_reference.sample_ids)
+    left = {p.name for p in (out / "data").glob("train-*.arrow")}
+    assert left and left <= {where[s] for s in trained[-5:]}  # the last step's units: kept until commit()
+    rows.commit()
+    assert not list((out / "data").glob("train-*.arrow"))
+    # without a DataLoader, rows one by one (each its own step), or a batch size given
+    for batch_size, got in ((None, 1), (5, 5)):
+        out2 = tmp_path / f"out{batch_size}"
+        shutil.copytree(fault_reference.out, out2)
+        it = iter(hsx.follow(out2, delete_consumed=True, rows="dict", batch_size=batch_size))
+        ids = [next(it)["sample_id"] for _ in range(40)]
+        kept = {p.name for p in (out2 / "data").glob("train-*.arrow")}
+        start = 40 - (40 % got or got) if got > 1 else 39  # the rows of the step not yet returned
+        assert {where[s] for s in ids[start:]} <= kept
+        assert not {where[s] for s in ids[:start]} - {where[s] for s in ids[start:]} & kept
+
+
+def test_a_position_past_a_units_rows_is_an_error(fault_reference):
+    f = hsx.follow(fault_reference.out, rows="dict", commit="manual")
+    unit, rec = next(iter(f.records.items()))
+    for bad in ({unit: rec["rows"] + 1}, {unit: 10**9}):
+        with pytest.raises(HsxError, match=f"{rec['rows'] + 1 if bad[unit] < 10**9 else 10**9} rows of unit "
+                                           f"{unit} were read, it holds {rec['rows']}"):
+            f.load_state_dict({**f.state_dict(), "position": bad})
+        with pytest.raises(HsxError, match="were read, it holds"):
+            f.commit({**f.state_dict(), "position": bad})
+    f.load_state_dict({**f.state_dict(), "position": {unit: rec["rows"]}})  # the whole unit: fine
+    assert len(list(f)) == len(fault_reference.sample_ids) - rec["rows"]
+
+
+def test_a_reader_that_does_not_delete_writes_nothing_and_reads_a_read_only_output(tmp_path, fault_reference):
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    for p in [out, *out.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)  # chmod -R a-w
+    try:
+        for commit in ("unit", "manual"):
+            rows = hsx.follow(out, rows="dict", commit=commit)
+            assert sorted(r["sample_id"] for r in rows) == sorted(fault_reference.sample_ids)
+            rows.commit()
+        loader = torch.utils.data.DataLoader(hsx.follow(out), batch_size=8, collate_fn=hsx.collate)
+        assert sum(len(b["sample_id"]) for b in loader) == 96
+    finally:
+        for p in [out, *out.rglob("*")]:
+            p.chmod(p.stat().st_mode | 0o200)
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_dir_hsx_merge_joined_is_followable_finished_or_partial(tmp_path, fault_reference):
+    from test_merge import split_like_two_nodes
+
+    from hsx.merge import merge
+
+    node0, node1 = split_like_two_nodes(fault_reference.out, tmp_path)
+    merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
+    want = {r["sample_id"]: r for r in hsx.load(fault_reference.out)}
+    got = list(hsx.follow(tmp_path / "joined", rows="dict"))
+    assert len(got) == len(want) and all(r == want[r["sample_id"]] for r in got)
+    merge(str(tmp_path / "partial"), [str(node0)], log=lambda *a: None, partial=True)  # node 1 lost
+    rows = hsx.follow(tmp_path / "partial", rows="dict", timeout=0.5, poll_seconds=0.05, delete_consumed=True)
+    got = []
+    with pytest.raises(HsxError, match="no new unit for 0.5 s"):
+        for r in rows:
+            got.append(r["sample_id"])
+    assert sorted(got) == sorted(unit_of_rows(node0))  # node 0's rows, read through the links
+    rows.commit()  # the links go, never their targets
+    assert not list((tmp_path / "partial" / "data").iterdir()) and len(list((node0 / "data").iterdir())) > 0
+
+
+NEW_USER = r'''
+import json, os, sys, time
+import hsx
+from torch.utils.data import DataLoader
+
+out, log = sys.argv[1], sys.argv[2]
+for batch in DataLoader(hsx.follow(out, delete_consumed=True, poll_seconds=0.05), batch_size=8,
+                        collate_fn=hsx.collate):
+    time.sleep(1.0)  # the training step
+    with open(log, "a") as f:  # what the step trained on, once it returned
+        f.write(json.dumps(batch["sample_id"].tolist()) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+'''
+
+
+@pytest.mark.slow
+def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_path):
+    """The README's demo (`--unit-tokens 800 --max-pending-gb 0.002`, a DataLoader of batch 8 over
+    `hsx.follow(OUT, delete_consumed=True)`), the trainer killed -9 in its 5th step and started again: every row is
+    trained on (the old default committed and deleted a unit while the DataLoader built the batch holding its last
+    rows: 94 of 96)."""
+    from helpers import REPO
+
+    out, log = tmp_path / "out", tmp_path / "trained.jsonl"
+    script = tmp_path / "trainer.py"
+    script.write_text(NEW_USER)
+    extractor = hsx_child(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", str(out),
+                           "--unit-tokens", "800", "--max-pending-gb", "0.002"], tmp_path / "extractor")
+    batches = lambda: len(log.read_text().splitlines()) if log.exists() else 0  # noqa: E731
+    try:
+        trainer = Child([sys.executable, str(script), str(out), str(log)], tmp_path / "trainer1", env=child_env())
+        assert trainer.poll_until(lambda: batches() == 4, timeout=240), trainer.stderr
+        time.sleep(0.5)  # inside the 5th step
+        trainer.kill_tree(signal.SIGKILL)
+        trainer.wait()
+        assert batches() == 4
+        trainer = Child([sys.executable, str(script), str(out), str(log)], tmp_path / "trainer2", env=child_env())
+        assert trainer.wait(timeout=300) == 0, trainer.stderr
+        assert extractor.wait(timeout=120) == 0, extractor.stderr
+    finally:
+        extractor.kill_tree(signal.SIGKILL)
+        trainer.kill_tree(signal.SIGKILL)
+    seen = [s for line in log.read_text().splitlines() for s in json.loads(line)]
+    assert len(set(seen)) == 96, sorted(set(range(100)) - set(seen))
+    biggest = max(e["rows"] for e in json.loads((out / "hsx.json").read_text())["files"])
+    assert len(seen) - 96 <= 8 + biggest  # the duplicates: the killed step's rows, and those of a unit it began
