@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -133,10 +134,13 @@ _FOLLOW_CLASS = None
 def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_consumed: bool = False,
            rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
            poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
-           timeout: float | None = None, batch_size: int | None = None, prefetch: int = 0):
+           timeout: float | None = None, batch_size: int | None = None, prefetch: int = 0,
+           token: str | None = None):
     """The rows of the job writing `output_dir`, as its units are committed: a `torch.utils.data.IterableDataset`
     that waits for new units and ends when the job is complete and every unit of this consumer was handed out.
 
+    - `output_dir`: a local output dir, or `grpc://HOST:PORT` of an `hsx serve OUT` (the same rows, position and
+      ledgers, recorded by the server in OUT; `token`: its bearer token, else $HSX_SERVE_TOKEN).
     - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
@@ -158,7 +162,14 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     global _FOLLOW_CLASS
     if _FOLLOW_CLASS is None:
         _FOLLOW_CLASS = _make_class()
-    source = LocalSource(Path(output_dir), delete_consumed)
+    if isinstance(output_dir, str) and output_dir.startswith("grpc"):
+        from hsx.flight import FlightSource
+
+        source = FlightSource(output_dir, token)
+    else:
+        if token is not None:
+            raise ValueError("token= is for a grpc://HOST:PORT source (hsx serve), not a local dir")
+        source = LocalSource(Path(output_dir), delete_consumed)
     return _FOLLOW_CLASS(source, consumer, delete_consumed, rows, layers, dequantize, commit, poll_seconds, rank,
                          world_size, timeout, batch_size, prefetch)
 
@@ -208,6 +219,9 @@ class LocalSource:
             self.out.check_no_links()  # it deletes under data/
         self.where = str(root)
         self.sources: dict = {}  # hsx merge's dirs, each read once (OutputDir.unit_source)
+        self.recorded: dict[str, dict[str, int]] = {}  # consumer -> unit -> row its ledger records (valid lines)
+        self.swept: set[str] = set()  # consumers whose wholly consumed units were deleted once
+        self.lock = threading.Lock()  # (hsx serve records for several clients at once)
 
     def summary(self):
         return self.out.read_summary()
@@ -283,27 +297,61 @@ class LocalSource:
         f = self.out.state / "job.json"
         return read_json(f, JobRecord).fingerprint if f.exists() else None
 
-    def hold(self, consumer: str, rank: int, files: list[str]) -> None:
+    def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
         """Say which units this reader holds in steps not yet returned while it waits for a unit (held_files)."""
         from hsx.sink import atomic_write
 
+        check_consumer(consumer, rank, world_size)
+        records = self.records()
+        if not (isinstance(units, list) and all(isinstance(u, str) and u in records for u in units)):
+            raise HsxError("hold: units must be committed units of this output")
         if self.write:
             self.out.state.mkdir(parents=True, exist_ok=True)
             atomic_write(self.out.state / f"holding-{consumer}-{rank:05d}.json",
-                         json.dumps({"files": sorted(files)}) + "\n")
+                         json.dumps({"files": sorted(records[u]["file"] for u in units)}) + "\n")
 
-    def record(self, consumer: str, rank: int, lines: list[dict[str, Any]], whole: list[str]) -> None:
-        """Append `lines` to the consumer's ledger, fsynced, then delete the units `whole` names (files wholly
-        consumed): only after the line is on disk; a link `hsx merge` made loses the link only."""
-        from hsx.sink import append_synced
+    def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
+        """Record that rows [0, ROW) of each UNIT of `rows` were consumed: one ledger line per unit (built from its
+        manifest record), appended and fsynced, then the units wholly consumed deleted (a link `hsx merge` made:
+        the link only). Refused whole (HsxError, nothing written) when a unit is not a committed unit of this
+        output, a row is not in 0..its rows, or a row is not past what the consumer's ledger already records (a
+        replayed or rewound position). Without `write` nothing is written."""
+        from hsx.sink import append_synced, uploaded_matches
 
-        if not self.write:
-            return
-        if lines:
-            self.out.state.mkdir(parents=True, exist_ok=True)
-            append_synced(self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl",
-                          "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
-        self.out.remove_data_files(whole, links=True)
+        check_consumer(consumer, rank, world_size)
+        if not isinstance(rows, dict):
+            raise HsxError("commit: rows must be an object of unit -> row")
+        with self.lock:
+            records = self.records()
+            if self.recorded.get(consumer) is None:
+                self.recorded[consumer] = {u: r["row"] for u, r in self.ledger(consumer).items()
+                                           if u in records and r["rows"] == records[u]["rows"]
+                                           and uploaded_matches(r, records[u])}
+            recorded = self.recorded[consumer]
+            lines = []
+            for unit, row in sorted(rows.items()):
+                rec = records.get(unit) if isinstance(unit, str) else None
+                if rec is None:
+                    raise HsxError(f"commit: {str(unit)[:80]!r} is not a committed unit of this output")
+                if type(row) is not int or not 0 <= row <= rec["rows"]:
+                    raise HsxError(f"commit: row {str(row)[:20]} of unit {unit} is not in 0..{rec['rows']}")
+                if row <= recorded.get(unit, 0):
+                    raise HsxError(f"commit: unit {unit} is recorded at row {recorded.get(unit, 0)} already; a "
+                                   f"position is recorded only forward (row {row} replays or rewinds it)")
+                lines.append({"unit": unit, "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
+                              "row": row, "crc32": rec.get("crc32")})
+            if not self.write:
+                return
+            if lines:
+                self.out.state.mkdir(parents=True, exist_ok=True)
+                append_synced(self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl",
+                              "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
+                recorded.update({r["unit"]: r["row"] for r in lines})
+            whole = [r["file"] for r in lines if r["row"] == r["rows"]]
+            if consumer not in self.swept:  # also the units a kill left between their ledger line and delete
+                self.swept.add(consumer)
+                whole += [records[u]["file"] for u, row in recorded.items() if row == records[u]["rows"]]
+            self.out.remove_data_files(whole, links=True)  # only after the ledger line is on disk
 
 
 def _batch_start(frame) -> bool | None:
@@ -402,20 +450,11 @@ def _make_class():
             if any(u not in self.records for u in position):
                 self._see(self.src.records())
             check_position(position, self.records, self.src.where)
-            lines, whole = [], []
-            for unit, row in sorted(position.items()):
-                rec = self.records.get(unit)
-                if rec is None:
-                    continue
-                if self.committed.get(unit) != row:
-                    lines.append({"unit": unit, "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
-                                  "row": row, "crc32": rec.get("crc32")})
-                if row == rec["rows"]:
-                    whole.append(rec["file"])
             if not self.delete_consumed:
                 return
-            self.src.record(self.consumer, self.rank, lines, whole)
-            self.committed.update({r["unit"]: r["row"] for r in lines})
+            forward = {u: row for u, row in position.items() if u in self.records and row > self.committed.get(u, 0)}
+            self.src.record(self.consumer, self.rank, self.world_size, forward)
+            self.committed.update(forward)
 
         # ---- rows ----
 
@@ -454,10 +493,10 @@ def _make_class():
                     if unit is None:
                         if self._finished():
                             return
-                        holding = sorted(self.records[u]["file"] for u, row in self.position.items()
+                        holding = sorted(u for u, row in self.position.items()
                                          if row > self.committed.get(u, 0) and u in self.records)
                         if holding != held and self.delete_consumed:
-                            self.src.hold(self.consumer, self.rank, holding)
+                            self.src.hold(self.consumer, self.rank, self.world_size, holding)
                             held = holding
                         if not warned and time.monotonic() - waited_since > WAIT_HINT_SECONDS and any(
                                 self.committed.get(u, 0) < row for u, row in self.position.items()):
