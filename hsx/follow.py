@@ -265,16 +265,28 @@ class LocalSource:
         return True
 
     def open(self, rec: dict[str, Any]):
-        """The unit's rows (a `datasets.Dataset` memory-mapping it), if it is the file its manifest line describes:
-        a regular file opened through no link (or, in a dir `hsx merge` joined, the unit of a merged dir its link
-        leads to: OutputDir.unit_source), of the recorded size, and its name still leading to that file once
-        mapped."""
+        """The unit's rows: a `datasets.Dataset` memory-mapping it (`table`'s checks)."""
         from datasets import Dataset
 
+        return self._read(rec, lambda path: Dataset.from_file(str(path)), len)
+
+    def table(self, rec: dict[str, Any]):
+        """The unit's rows as the memory-mapped pyarrow Table of its file (what `hsx serve` sends), if it is the
+        file its manifest line describes: a regular file opened through no link (or, in a dir `hsx merge` joined,
+        the unit of a merged dir its link leads to: OutputDir.unit_source), of the recorded size and rows, and its
+        name still leading to that file once mapped."""
+        import pyarrow as pa
+
+        return self._read(rec, lambda path: pa.ipc.open_stream(pa.memory_map(str(path))).read_all(),
+                          lambda t: t.num_rows)
+
+    def _read(self, rec: dict[str, Any], read, rows_of):
         from hsx.sink import merged_from, still_the_file
 
-        info = self.out.read_info()
-        dirs = merged_from(info) or [os.path.normpath(d) for d in self.out.merged_sources() if os.path.isabs(d)]
+        dirs: list[str] = []
+        if (self.out.data / rec["file"]).is_symlink():  # (a regular file needs no merged dir: no hsx.json read)
+            dirs = merged_from(self.out.read_info()) or [os.path.normpath(d) for d in self.out.merged_sources()
+                                                          if os.path.isabs(d)]
         fingerprint = self._fingerprint() if dirs else None
         path = self.out.unit_source(rec["file"], dirs=dirs, fingerprint=fingerprint, sources=self.sources)
         fd = self.out.open_unit(path)
@@ -282,13 +294,13 @@ class LocalSource:
             size = os.fstat(fd).st_size
             if size != rec["bytes"]:
                 raise HsxError(f"{path} holds {size:,} bytes, its manifest line says {rec['bytes']:,}")
-            ds = Dataset.from_file(str(path))
+            got = read(path)
             still_the_file(path, fd)
         finally:
             os.close(fd)
-        if len(ds) != rec["rows"]:
-            raise HsxError(f"{path} holds {len(ds)} rows, its manifest line says {rec['rows']}")
-        return ds
+        if rows_of(got) != rec["rows"]:
+            raise HsxError(f"{path} holds {rows_of(got)} rows, its manifest line says {rec['rows']}")
+        return got
 
     def _fingerprint(self) -> str | None:
         from hsx.schema import JobRecord

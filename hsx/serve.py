@@ -99,7 +99,7 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
                 rec = src.records().get(unit) if isinstance(unit, str) else None
                 if rec is None:
                     raise HsxError(f"{str(unit)[:80]!r} is not a committed unit of this output")
-                table = src.open(rec).data.table
+                table = src.table(rec)
             except (HsxError, FileNotFoundError) as e:
                 raise flight.FlightServerError(f"get: {one_line(e)}") from None
             return flight.RecordBatchStream(table)
