@@ -373,14 +373,22 @@ def unit_of_rows(out: Path) -> dict[int, str]:
             for s in Dataset.from_file(str(f))["sample_id"]}
 
 
-def test_a_unit_is_deleted_only_once_the_step_over_its_last_row_returned(tmp_path, fault_reference):
+@pytest.mark.parametrize("over", ["dir", "grpc"])
+def test_a_unit_is_deleted_only_once_the_step_over_its_last_row_returned(tmp_path, fault_reference, over):
     """The DataLoader asks for the rows of the batch it builds while the previous batch's step has returned, and
     not the current one's: a unit whose last row is in the batch being trained stays on disk (the old commit
-    deleted it while the DataLoader built that batch: a kill in its step lost the rows)."""
+    deleted it while the DataLoader built that batch: a kill in its step lost the rows). The same over
+    `hsx serve` (the server deletes)."""
     out = tmp_path / "out"
     shutil.copytree(fault_reference.out, out)
     where = unit_of_rows(out)
-    rows = hsx.follow(out, delete_consumed=True, rows="dict", poll_seconds=0.01)
+    if over == "grpc":
+        from hsx.serve import make_server
+
+        server = make_server(out, "127.0.0.1", 0, None)
+        threading.Thread(target=server.serve, daemon=True).start()
+    rows = hsx.follow(out if over == "dir" else server.location, delete_consumed=True, rows="dict",
+                      poll_seconds=0.01)
     trained: list[int] = []
     for batch in torch.utils.data.DataLoader(rows, batch_size=7, collate_fn=list):  # 13 batches of 7, then 5
         ids = [r["sample_id"] for r in batch]
@@ -393,6 +401,9 @@ def test_a_unit_is_deleted_only_once_the_step_over_its_last_row_returned(tmp_pat
     assert left and left <= {where[s] for s in trained[-5:]}  # the last step's units: kept until commit()
     rows.commit()
     assert not list((out / "data").glob("train-*.arrow"))
+    if over == "grpc":
+        server.shutdown()
+        return
     # without a DataLoader, rows one by one (each its own step), or a batch size given
     for batch_size, got in ((None, 1), (5, 5)):
         out2 = tmp_path / f"out{batch_size}"

@@ -43,12 +43,15 @@ def test_rows_over_flight_equal_the_local_readers_and_consumption_lands_in_out(s
         (t_local[k] == t_remote[k]).all() if hasattr(t_local[k], "shape") else t_local[k] == t_remote[k]
         for k in t_local)
     assert not list((out / ".hsx").glob("consumed-*"))  # manual: nothing until commit()
+    split = [r["sample_id"] for k in range(3)  # ranks split the units as a local reader's do
+             for r in hsx.follow(url, rows="dict", commit="manual", rank=k, world_size=3, token=token)]
+    assert sorted(split) == sorted(r["sample_id"] for r in local)
     state = remote.state_dict()
     remote.commit(state)
     assert not list((out / "data").glob("train-*.arrow"))  # the server deleted them, after its ledger line
     ledger = (out / ".hsx" / "consumed-trainer-00000.jsonl").read_text().splitlines()
     assert len(ledger) == len(state["position"])
-    # ranks split the units; a new reader resumes where the ledger says (nothing left)
+    # a new reader resumes where the ledger says (nothing left)
     assert list(hsx.follow(url, rows="dict", token=token, timeout=5)) == []
 
 
