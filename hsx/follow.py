@@ -74,8 +74,9 @@ def pending_bytes(out, in_flight=()) -> int:
 
     consumed, held = out.consumed(), held_files(out)
     for rec in out.manifest_records().values() if out.state.is_dir() else ():
-        if not uploaded_matches(consumed.get(rec["file"]), rec) and rec["file"] not in sizes and rec["file"] not in held:
-            add(rec["file"], out.data / rec["file"])
+        name = rec["file"]
+        if not uploaded_matches(consumed.get(name), rec) and name not in sizes and name not in held:
+            add(name, out.data / name)
     return sum(sizes.values())
 
 

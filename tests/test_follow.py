@@ -8,6 +8,7 @@ either side.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -228,9 +229,10 @@ def test_a_job_waiting_for_its_trainer_stops_cleanly_on_sigterm(tmp_path, fault_
 # ---- the bar: a 4-unit window, 10 random kills of either side ---------------------------------------------------
 
 CONSUMER = r'''
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 import torch
 import hsx
+import hsx.errors
 
 
 def digest(hidden, final):  # as test_follow.digest, for torch rows
@@ -240,29 +242,34 @@ def digest(hidden, final):  # as test_follow.digest, for torch rows
     return h.hexdigest()
 
 
-out, ckpt = sys.argv[1], sys.argv[2]
-saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
-rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.05)
-if saved["data"] is not None:
-    rows.load_state_dict(saved["data"])
-seen = saved["seen"]
+def run(url, ckpt):
+    saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
+    rows = hsx.follow(url, delete_consumed=True, commit="manual", poll_seconds=0.05)
+    if saved["data"] is not None:
+        rows.load_state_dict(saved["data"])
+    seen = saved["seen"]
+    for row in rows:
+        seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
+        state = rows.state_dict()
+        tmp = ckpt + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"seen": seen, "data": state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ckpt)
+        rows.commit(state)  # after the checkpoint is durable
+    return len(seen)
 
 
-def checkpoint(state):  # a trainer's checkpoint: its progress and the reader's position, atomically
-    tmp = ckpt + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"seen": seen, "data": state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt)
-
-
-for row in rows:
-    seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
-    state = rows.state_dict()
-    checkpoint(state)
-    rows.commit(state)  # after the checkpoint is durable
-print("consumer: done", len(seen))
+while True:  # (over hsx serve) the server restarted: start again from the checkpoint, as a scheduler would
+    try:
+        print("consumer: done", run(sys.argv[1], sys.argv[2]))
+        break
+    except hsx.errors.HsxError as e:
+        if "unreachable" not in str(e):
+            raise
+        print("consumer: restart after", e, file=sys.stderr, flush=True)
+        time.sleep(0.2)
 '''
 
 
@@ -275,6 +282,28 @@ def unconsumed_on_disk(out: Path) -> int:
     writing = list((out / ".hsx").glob("tmp/*/train-*.arrow"))
     consumed = OutputDir(out).consumed() if (out / ".hsx").is_dir() else {}
     return len([n for n in data if n not in consumed]) + len(writing)
+
+
+@contextlib.contextmanager
+def watching_the_window(out: Path):
+    """A thread listing `out` every 2 ms while the block runs; yields [the most unconsumed units it saw]."""
+    most, stop_watch = [0], threading.Event()
+
+    def watch():
+        while not stop_watch.is_set():
+            try:
+                most[0] = max(most[0], unconsumed_on_disk(out))
+            except (OSError, HsxError):
+                pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield most
+    finally:
+        stop_watch.set()
+        watcher.join()
 
 
 def seen_count(ckpt: Path) -> int:
@@ -304,44 +333,31 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
             return hsx_child(argv, logs)
         return Child([sys.executable, str(script), str(out), str(ckpt)], logs, env=child_env())
 
-    most, stop_watch = [0], threading.Event()
-
-    def watch():
-        while not stop_watch.is_set():
-            try:
-                most[0] = max(most[0], unconsumed_on_disk(out))
-            except (OSError, HsxError):
-                pass
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    t0 = time.monotonic()
-    procs = {"extractor": start("extractor"), "consumer": start("consumer")}
-    rng = random.Random(26)
-    kills = []
-    try:
-        while len(kills) < 10:
-            side = rng.choice(sorted(s for s, p in procs.items() if p.proc.poll() is None) or ["none"])
-            assert side != "none", f"the job ended after {len(kills)} kills"
-            p = procs[side]
-            progress = (lambda: committed_units(out)) if side == "extractor" else (lambda: seen_count(ckpt))
-            start_at = progress()
-            if p.poll_until(lambda: progress() > start_at, timeout=120):  # mid-job: it did something since
-                time.sleep(rng.uniform(0.0, 0.3))
-                if p.proc.poll() is None:
-                    p.kill_tree(signal.SIGKILL)
-                    kills.append((side, progress(), round(time.monotonic() - t0, 1)))
-            p.wait()
-            if not (side == "extractor" and p.proc.returncode == 0):
-                procs[side] = start(side)
-        for side in ("extractor", "consumer"):
-            assert procs[side].wait(timeout=300) == 0, procs[side].stderr
-    finally:
-        stop_watch.set()
-        for p in procs.values():
-            p.kill_tree(signal.SIGKILL)
-    watcher.join()
+    with watching_the_window(out) as most:
+        t0 = time.monotonic()
+        procs = {"extractor": start("extractor"), "consumer": start("consumer")}
+        rng = random.Random(26)
+        kills = []
+        try:
+            while len(kills) < 10:
+                side = rng.choice(sorted(s for s, p in procs.items() if p.proc.poll() is None) or ["none"])
+                assert side != "none", f"the job ended after {len(kills)} kills"
+                p = procs[side]
+                progress = (lambda: committed_units(out)) if side == "extractor" else (lambda: seen_count(ckpt))
+                start_at = progress()
+                if p.poll_until(lambda: progress() > start_at, timeout=120):  # mid-job: it did something since
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    if p.proc.poll() is None:
+                        p.kill_tree(signal.SIGKILL)
+                        kills.append((side, progress(), round(time.monotonic() - t0, 1)))
+                p.wait()
+                if not (side == "extractor" and p.proc.returncode == 0):
+                    procs[side] = start(side)
+            for side in ("extractor", "consumer"):
+                assert procs[side].wait(timeout=300) == 0, procs[side].stderr
+        finally:
+            for p in procs.values():
+                p.kill_tree(signal.SIGKILL)
     print(f"kills (side, progress, s): {kills}; ended at {time.monotonic() - t0:.1f} s; most unconsumed units "
           f"on disk: {most[0]}")
     assert len(kills) == 10 and {k[0] for k in kills} == {"extractor", "consumer"}

@@ -124,62 +124,16 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
 
 # ---- the bar: extractor, server and a consumer that sees only grpc://, SIGKILLs of each ------------------------
 
-REMOTE_CONSUMER = r'''
-import hashlib, json, os, sys, time
-import torch
-import hsx
-import hsx.errors
-
-
-def digest(hidden, final):  # as test_follow.digest, for torch rows
-    h = hashlib.sha256()
-    for x in (hidden, final):
-        h.update(x.contiguous().view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
-
-
-def run(url, ckpt):
-    saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
-    rows = hsx.follow(url, delete_consumed=True, commit="manual", poll_seconds=0.05)
-    if saved["data"] is not None:
-        rows.load_state_dict(saved["data"])
-    seen = saved["seen"]
-    for row in rows:
-        seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
-        state = rows.state_dict()
-        tmp = ckpt + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"seen": seen, "data": state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ckpt)
-        rows.commit(state)  # after the checkpoint is durable
-    return len(seen)
-
-
-while True:  # the server restarted: start again from the checkpoint, as a trainer's scheduler would
-    try:
-        print("consumer: done", run(sys.argv[1], sys.argv[2]))
-        break
-    except hsx.errors.HsxError as e:
-        if "unreachable" not in str(e):
-            raise
-        print("consumer: restart after", e, file=sys.stderr, flush=True)
-        time.sleep(0.2)
-'''
-
-
 @pytest.mark.slow
 def test_a_consumer_reading_only_over_flight_sees_every_row_once_across_kills_of_all_three(tmp_path,
                                                                                          fault_reference):
     import random
     import signal
     import sys
-    import threading
     import time
 
     from helpers import Child, child_env, committed_units, free_port, hsx_child, manifest_records
-    from test_follow import reference_rows, seen_count, unconsumed_on_disk
+    from test_follow import CONSUMER, reference_rows, seen_count, watching_the_window
 
     ref = fault_reference
     want = reference_rows(ref.out)
@@ -187,7 +141,7 @@ def test_a_consumer_reading_only_over_flight_sees_every_row_once_across_kills_of
     out, ckpt = tmp_path / "out", tmp_path / "elsewhere" / "ckpt.json"
     ckpt.parent.mkdir()
     script = ckpt.parent / "consumer.py"
-    script.write_text(REMOTE_CONSUMER)
+    script.write_text(CONSUMER)  # (given the URL where a local one is given OUT)
     port = free_port()
     url = f"grpc://127.0.0.1:{port}"
     argv = {"extractor": [*ref.argv(out), "--max-pending-gb", f"{window / 1e9:.12f}"],
@@ -203,57 +157,44 @@ def test_a_consumer_reading_only_over_flight_sees_every_row_once_across_kills_of
             out.mkdir(exist_ok=True)
         return hsx_child(argv[side], logs)
 
-    most, stop_watch = [0], threading.Event()
-
-    def watch():
-        while not stop_watch.is_set():
-            try:
-                most[0] = max(most[0], unconsumed_on_disk(out))
-            except (OSError, HsxError):
-                pass
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    procs = {side: start(side) for side in ("server", "extractor", "consumer")}
-    rng = random.Random(42)
-    kills = []
-    progress = {"extractor": lambda: committed_units(out), "consumer": lambda: seen_count(ckpt),
-                "server": lambda: seen_count(ckpt)}
-    try:
-        while len(kills) < 6:
-            for side in ("server", "consumer"):  # a consumer the server's death ended: its scheduler restarts it
-                if procs[side].proc.poll() not in (None, 0):
-                    procs[side].wait()
+    with watching_the_window(out) as most:
+        procs = {side: start(side) for side in ("server", "extractor", "consumer")}
+        rng = random.Random(42)
+        kills = []
+        progress = {"extractor": lambda: committed_units(out), "consumer": lambda: seen_count(ckpt),
+                    "server": lambda: seen_count(ckpt)}
+        try:
+            while len(kills) < 6:
+                for side in ("server", "consumer"):  # a consumer the server's death ended: its scheduler restarts it
+                    if procs[side].proc.poll() not in (None, 0):
+                        procs[side].wait()
+                        procs[side] = start(side)
+                side = ["server", "extractor", "consumer"][len(kills) % 3]
+                p = procs[side]
+                if p.proc.poll() is not None:
+                    if side == "extractor":
+                        break
+                    continue
+                start_at = progress[side]()
+                if p.poll_until(lambda: progress[side]() > start_at, timeout=180):
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    if p.proc.poll() is None:
+                        p.kill_tree(signal.SIGKILL)
+                        kills.append((side, progress[side]()))
+                p.wait()
+                if not (side == "extractor" and p.proc.returncode == 0):
                     procs[side] = start(side)
-            side = ["server", "extractor", "consumer"][len(kills) % 3]
-            p = procs[side]
-            if p.proc.poll() is not None:
-                if side == "extractor":
-                    break
-                continue
-            start_at = progress[side]()
-            if p.poll_until(lambda: progress[side]() > start_at, timeout=180):
-                time.sleep(rng.uniform(0.0, 0.3))
-                if p.proc.poll() is None:
-                    p.kill_tree(signal.SIGKILL)
-                    kills.append((side, progress[side]()))
-            p.wait()
-            if not (side == "extractor" and p.proc.returncode == 0):
-                procs[side] = start(side)
-        end = time.monotonic() + 400
-        while procs["consumer"].proc.poll() != 0 and time.monotonic() < end:
-            if procs["consumer"].proc.poll() is not None:  # ended by the server's restart: start it again
-                procs["consumer"].wait()
-                procs["consumer"] = start("consumer")
-            time.sleep(0.2)
-        assert procs["consumer"].wait(timeout=60) == 0, procs["consumer"].stderr
-        assert procs["extractor"].wait(timeout=120) == 0, procs["extractor"].stderr
-    finally:
-        stop_watch.set()
-        for p in procs.values():
-            p.kill_tree(signal.SIGKILL)
-    watcher.join()
+            end = time.monotonic() + 400
+            while procs["consumer"].proc.poll() != 0 and time.monotonic() < end:
+                if procs["consumer"].proc.poll() is not None:  # ended by the server's restart: start it again
+                    procs["consumer"].wait()
+                    procs["consumer"] = start("consumer")
+                time.sleep(0.2)
+            assert procs["consumer"].wait(timeout=60) == 0, procs["consumer"].stderr
+            assert procs["extractor"].wait(timeout=120) == 0, procs["extractor"].stderr
+        finally:
+            for p in procs.values():
+                p.kill_tree(signal.SIGKILL)
     print(f"kills: {kills}; runs: {runs}; most unconsumed units on disk: {most[0]}")
     assert {k[0] for k in kills} == {"extractor", "server", "consumer"}, kills
     seen = json.loads(ckpt.read_text())["seen"]
