@@ -87,10 +87,19 @@ class FlightSource:
     def _state(self) -> dict[str, Any]:
         from hsx.schema import Summary
 
+        from hsx.schema import Damaged, ManifestRecord
+
         s = self._action("state", {})
         if not (isinstance(s, dict) and isinstance(s.get("records"), dict) and isinstance(s.get("gone"), list)):
             raise HsxError(f"{self.where}: a `state` answer without its records (not an hsx serve?)")
-        s["summary"] = None if s.get("summary") is None else Summary.from_dict(s["summary"])
+        try:  # what a server says is checked as the files it read are (hsx.schema's records)
+            for unit, rec in s["records"].items():
+                ManifestRecord.from_dict(rec)
+                if rec["unit"] != unit:
+                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+            s["summary"] = None if s.get("summary") is None else Summary.from_dict(s["summary"])
+        except (Damaged, HsxError) as e:
+            raise HsxError(f"{self.where}: a damaged `state` answer: {one_line(e)}") from None
         self.last = s
         return s
 
@@ -106,9 +115,18 @@ class FlightSource:
         return bool((self.last or self._state()).get("complete"))
 
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
+        from hsx.schema import ConsumedRecord, Damaged
+
         found = self._action("ledger", {"consumer": consumer})
-        if not isinstance(found, dict):
-            raise HsxError(f"{self.where}: a `ledger` answer that is not an object")
+        try:
+            if not isinstance(found, dict):
+                raise Damaged("not an object")
+            for unit, rec in found.items():
+                ConsumedRecord.from_dict(rec)
+                if rec["unit"] != unit:
+                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+        except Damaged as e:
+            raise HsxError(f"{self.where}: a damaged `ledger` answer: {one_line(e)}") from None
         return found
 
     def gone(self, rec: dict[str, Any]) -> bool:

@@ -4,12 +4,16 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - `follow(OUT, ...)`: a `torch.utils.data.IterableDataset` of the job's rows, unit by unit as they are committed
   (`hsx.load`'s dicts, or `hsx.torch_view`'s torch rows). It waits for new units (polling the manifests every
   `poll_seconds`), and ends when hsx.json says the job is complete and every unit of this consumer is consumed.
+- It reads a source: a `LocalSource` (OUT on this machine) or, for `grpc://HOST:PORT`, an hsx.flight
+  `FlightSource` (an `hsx serve OUT`, which reads OUT with a LocalSource): one reader, two ways to OUT.
 - Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
-  StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT: one fsynced line
-  per unit in `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then, with
-  `delete_consumed`, deletes the units wholly consumed. A unit is deleted only after that line is on disk; the
-  extractor counts a wholly consumed unit as done (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub
-  upload), so a resumed job never redoes it and hsx.json lists it.
+  StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
+  `delete_consumed`; one without writes nothing there): one fsynced line per unit in
+  `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
+  `commit="unit"` does so for a unit once the training step over its last row has returned (`_batch_start`). A
+  unit is deleted only after that line is on disk; the extractor counts a wholly consumed unit as done
+  (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub upload), so a resumed job never redoes it and
+  hsx.json lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
 

@@ -502,7 +502,8 @@ for batch in DataLoader(hsx.follow(out, delete_consumed=True, poll_seconds=0.05)
 
 
 @pytest.mark.slow
-def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_path):
+@pytest.mark.parametrize("over", ["dir", "grpc"])
+def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_path, over):
     """The README's demo (`--unit-tokens 800 --max-pending-gb 0.002`, a DataLoader of batch 8 over
     `hsx.follow(OUT, delete_consumed=True)`), the trainer killed -9 in its 5th step and started again: every row is
     trained on (the old default committed and deleted a unit while the DataLoader built the batch holding its last
@@ -515,19 +516,28 @@ def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_
     extractor = hsx_child(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", str(out),
                            "--unit-tokens", "800", "--max-pending-gb", "0.002"], tmp_path / "extractor")
     batches = lambda: len(log.read_text().splitlines()) if log.exists() else 0  # noqa: E731
+    source, server = str(out), None
+    if over == "grpc":  # the trainer is given only the server's address
+        from helpers import free_port
+
+        out.mkdir()
+        port = free_port()
+        source, server = f"grpc://127.0.0.1:{port}", hsx_child(["serve", str(out), "--port", str(port)],
+                                                              tmp_path / "server")
     try:
-        trainer = Child([sys.executable, str(script), str(out), str(log)], tmp_path / "trainer1", env=child_env())
+        trainer = Child([sys.executable, str(script), source, str(log)], tmp_path / "trainer1", env=child_env())
         assert trainer.poll_until(lambda: batches() == 4, timeout=240), trainer.stderr
         time.sleep(0.5)  # inside the 5th step
         trainer.kill_tree(signal.SIGKILL)
         trainer.wait()
         assert batches() == 4
-        trainer = Child([sys.executable, str(script), str(out), str(log)], tmp_path / "trainer2", env=child_env())
+        trainer = Child([sys.executable, str(script), source, str(log)], tmp_path / "trainer2", env=child_env())
         assert trainer.wait(timeout=300) == 0, trainer.stderr
         assert extractor.wait(timeout=120) == 0, extractor.stderr
     finally:
-        extractor.kill_tree(signal.SIGKILL)
-        trainer.kill_tree(signal.SIGKILL)
+        for p in (extractor, trainer, server):
+            if p is not None:
+                p.kill_tree(signal.SIGKILL)
     seen = [s for line in log.read_text().splitlines() for s in json.loads(line)]
     assert len(set(seen)) == 96, sorted(set(range(100)) - set(seen))
     biggest = max(e["rows"] for e in json.loads((out / "hsx.json").read_text())["files"])

@@ -203,3 +203,18 @@ def test_a_consumer_reading_only_over_flight_sees_every_row_once_across_kills_of
     assert {s: d for s, d in seen} == want  # every row, state bits equal to the uninterrupted run's
     assert 1 <= most[0] <= 4, most[0]
     assert not list((out / "data").glob("train-*.arrow"))
+
+
+def test_a_damaged_answer_from_a_server_is_one_error(served, monkeypatch):
+    from hsx.flight import FlightSource
+
+    out, url, token = served
+    src = FlightSource(url, token)
+    real = src._action
+    for kind, bad in (("state", lambda a: {**a, "records": {"x": {"unit": "x", "file": "/etc/passwd"}}}),
+                      ("state", lambda a: {**a, "summary": {"unit_names": 7}}),
+                      ("ledger", lambda a: {"u": {"unit": "u", "row": "all"}})):
+        monkeypatch.setattr(src, "_action", lambda k, body, kind=kind, bad=bad: bad(real(k, body)) if k == kind
+                            else real(k, body))
+        with pytest.raises(HsxError, match=f"a damaged `{kind}` answer"):
+            src.records() if kind == "state" else src.ledger("trainer")
