@@ -46,10 +46,13 @@ def test_rows_over_flight_equal_the_local_readers_and_consumption_lands_in_out(s
     split = [r["sample_id"] for k in range(3)  # ranks split the units as a local reader's do
              for r in hsx.follow(url, rows="dict", commit="manual", rank=k, world_size=3, token=token)]
     assert sorted(split) == sorted(r["sample_id"] for r in local)
+    other = list(hsx.follow(url, consumer="eval", rows="dict", token=token))
+    assert other == local  # another job reads OUT by its own name (not deleting: writing nothing)
     state = remote.state_dict()
     remote.commit(state)
     assert not list((out / "data").glob("train-*.arrow"))  # the server deleted them, after its ledger line
     ledger = (out / ".hsx" / "consumed-trainer-00000.jsonl").read_text().splitlines()
+    assert not (out / ".hsx" / "consumed-eval-00000.jsonl").exists()
     assert len(ledger) == len(state["position"])
     # a new reader resumes where the ledger says (nothing left)
     assert list(hsx.follow(url, rows="dict", token=token, timeout=5)) == []
