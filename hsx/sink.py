@@ -12,6 +12,8 @@
     OUT/.hsx/consumed-<consumer>.jsonl      one line per unit a trainer reading the running job (hsx.follow)
                                             consumed, whole or up to a row; a wholly consumed unit it deleted
                                             still counts as done
+    OUT/.hsx/holding-<consumer>-<rank>.json the units such a trainer holds in a step not yet returned while it
+                                            waits for a unit (hsx.follow.held_files)
     OUT/.hsx/exported.jsonl                 one line per unit an export with --delete-source deleted, and where
                                             its rows went (hsx.export), so a reader says so
     OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
