@@ -209,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "dequantized, and print each stored layer's relative error (stored vs bf16, FP8 vs bf16, "
                          "stored vs FP8); more than the output holds: all of them")
     add_json_flag(ve, "the --against-bf16 report")
+    sv = command("serve", "serve an output dir's committed units to trainers over Arrow Flight (hsx.follow)")
+    sv.add_argument("output_dir", help="the hsx output dir (being written by `hsx extract`, or finished)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on; other than loopback needs a token")
+    sv.add_argument("--port", type=int, default=8815, help="port to listen on (0: a free one, printed)")
+    sv.add_argument("--token-file", help="file whose first line is the bearer token clients must send (default: "
+                    "$HSX_SERVE_TOKEN)")
+    sv.add_argument("--bench", type=float, metavar="SECONDS", help="instead of serving: GB/s a loopback server "
+                    "hands out to one client reading every committed unit for SECONDS")
     return parser
 
 

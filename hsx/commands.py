@@ -140,6 +140,19 @@ def verify(args: argparse.Namespace) -> None:
             write_json(args.json, report)
 
 
+def serve(args: argparse.Namespace) -> None:
+    from hsx.errors import check_range
+    from hsx.serve import bench_serve
+    from hsx.serve import serve as run_serve
+
+    check_range("--port", args.port, 0, 65535)
+    if args.bench is not None:
+        check_range("--bench", args.bench, 0.1, 3600, integer=False)
+        bench_serve(args.output_dir, args.bench)
+        return
+    run_serve(args.output_dir, args.host, args.port, args.token_file)
+
+
 @contextmanager
 def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
     """An export's or vocab's ValueError/OSError is the output dir's (or DEST's) problem: one HsxError line; a
@@ -155,4 +168,4 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
 
 COMMANDS = {"extract": extract, "plan": plan, "bench": bench, "merge": merge, "push": push,
             "export-specforge": export_specforge, "export-speculators": export_speculators, "vocab": vocab,
-            "verify": verify}
+            "verify": verify, "serve": serve}

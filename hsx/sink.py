@@ -12,6 +12,8 @@
     OUT/.hsx/consumed-<consumer>.jsonl      one line per unit a trainer reading the running job (hsx.follow)
                                             consumed, whole or up to a row; a wholly consumed unit it deleted
                                             still counts as done
+    OUT/.hsx/holding-<consumer>-<rank>.json the units such a trainer holds in a step not yet returned while it
+                                            waits for a unit (hsx.follow.held_files)
     OUT/.hsx/exported.jsonl                 one line per unit an export with --delete-source deleted, and where
                                             its rows went (hsx.export), so a reader says so
     OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
@@ -714,13 +716,16 @@ class OutputDir:
             atomic_write(path, json.dumps({"dirs": known}, indent=2) + "\n")
         return known
 
-    def unit_source(self, name: str, info: Info | None, sources: dict | None = None) -> Path:
+    def unit_source(self, name: str, info: Info | None = None, sources: dict | None = None, *,
+                    dirs: list[str] | None = None, fingerprint: str | None = None) -> Path:
         """Where to read data/<name> from, checked without following a link: the file itself when it is a regular
         file; for a link as `hsx merge` makes them, the unit it points to, if that is data/<name> of one of the
         dirs hsx.json says were merged (`run.merged_from`), a regular file reached through no further link, in an
         hsx output of the same job whose manifest records it. Anything else (a link elsewhere, a device, a
         folder) is HsxError in one line: hsx reads and pushes no file from outside the output's known dirs.
-        `sources`: a dict shared by the calls for one output (each merged dir's manifest is read once)."""
+        `sources`: a dict shared by the calls for one output (each merged dir's manifest is read once). `dirs`,
+        `fingerprint`: the merged dirs and the job, for a dir without a finished hsx.json (hsx.follow reading a job
+        that `hsx merge --partial` began: .hsx/merged-from.json and .hsx/job.json)."""
         self._check_data_not_a_link()
         p = self.data / name
         try:
@@ -733,8 +738,9 @@ class OutputDir:
         if not stat.S_ISLNK(st.st_mode):
             raise HsxError(f"{p} is not a regular file; an hsx output holds only the files it wrote")
         target = os.path.normpath(os.path.join(os.path.realpath(self.data), os.readlink(p)))
-        fingerprint = info.fingerprint if info is not None else None
-        for src in merged_from(info):
+        if dirs is None:
+            dirs, fingerprint = merged_from(info), info.fingerprint if info is not None else None
+        for src in dirs:
             expected = os.path.join(src, "data", name)
             if target != expected or os.path.realpath(expected) != expected:
                 continue

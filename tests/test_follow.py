@@ -8,6 +8,7 @@ either side.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -228,9 +229,10 @@ def test_a_job_waiting_for_its_trainer_stops_cleanly_on_sigterm(tmp_path, fault_
 # ---- the bar: a 4-unit window, 10 random kills of either side ---------------------------------------------------
 
 CONSUMER = r'''
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 import torch
 import hsx
+import hsx.errors
 
 
 def digest(hidden, final):  # as test_follow.digest, for torch rows
@@ -240,29 +242,34 @@ def digest(hidden, final):  # as test_follow.digest, for torch rows
     return h.hexdigest()
 
 
-out, ckpt = sys.argv[1], sys.argv[2]
-saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
-rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.05)
-if saved["data"] is not None:
-    rows.load_state_dict(saved["data"])
-seen = saved["seen"]
+def run(url, ckpt):
+    saved = json.load(open(ckpt)) if os.path.exists(ckpt) else {"seen": [], "data": None}
+    rows = hsx.follow(url, delete_consumed=True, commit="manual", poll_seconds=0.05)
+    if saved["data"] is not None:
+        rows.load_state_dict(saved["data"])
+    seen = saved["seen"]
+    for row in rows:
+        seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
+        state = rows.state_dict()
+        tmp = ckpt + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"seen": seen, "data": state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ckpt)
+        rows.commit(state)  # after the checkpoint is durable
+    return len(seen)
 
 
-def checkpoint(state):  # a trainer's checkpoint: its progress and the reader's position, atomically
-    tmp = ckpt + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"seen": seen, "data": state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt)
-
-
-for row in rows:
-    seen.append([row["sample_id"], digest(row["hidden_states"], row["final_hidden_state"])])
-    state = rows.state_dict()
-    checkpoint(state)
-    rows.commit(state)  # after the checkpoint is durable
-print("consumer: done", len(seen))
+while True:  # (over hsx serve) the server restarted: start again from the checkpoint, as a scheduler would
+    try:
+        print("consumer: done", run(sys.argv[1], sys.argv[2]))
+        break
+    except hsx.errors.HsxError as e:
+        if "unreachable" not in str(e):
+            raise
+        print("consumer: restart after", e, file=sys.stderr, flush=True)
+        time.sleep(0.2)
 '''
 
 
@@ -275,6 +282,28 @@ def unconsumed_on_disk(out: Path) -> int:
     writing = list((out / ".hsx").glob("tmp/*/train-*.arrow"))
     consumed = OutputDir(out).consumed() if (out / ".hsx").is_dir() else {}
     return len([n for n in data if n not in consumed]) + len(writing)
+
+
+@contextlib.contextmanager
+def watching_the_window(out: Path):
+    """A thread listing `out` every 2 ms while the block runs; yields [the most unconsumed units it saw]."""
+    most, stop_watch = [0], threading.Event()
+
+    def watch():
+        while not stop_watch.is_set():
+            try:
+                most[0] = max(most[0], unconsumed_on_disk(out))
+            except (OSError, HsxError):
+                pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield most
+    finally:
+        stop_watch.set()
+        watcher.join()
 
 
 def seen_count(ckpt: Path) -> int:
@@ -304,44 +333,31 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
             return hsx_child(argv, logs)
         return Child([sys.executable, str(script), str(out), str(ckpt)], logs, env=child_env())
 
-    most, stop_watch = [0], threading.Event()
-
-    def watch():
-        while not stop_watch.is_set():
-            try:
-                most[0] = max(most[0], unconsumed_on_disk(out))
-            except (OSError, HsxError):
-                pass
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    t0 = time.monotonic()
-    procs = {"extractor": start("extractor"), "consumer": start("consumer")}
-    rng = random.Random(26)
-    kills = []
-    try:
-        while len(kills) < 10:
-            side = rng.choice(sorted(s for s, p in procs.items() if p.proc.poll() is None) or ["none"])
-            assert side != "none", f"the job ended after {len(kills)} kills"
-            p = procs[side]
-            progress = (lambda: committed_units(out)) if side == "extractor" else (lambda: seen_count(ckpt))
-            start_at = progress()
-            if p.poll_until(lambda: progress() > start_at, timeout=120):  # mid-job: it did something since
-                time.sleep(rng.uniform(0.0, 0.3))
-                if p.proc.poll() is None:
-                    p.kill_tree(signal.SIGKILL)
-                    kills.append((side, progress(), round(time.monotonic() - t0, 1)))
-            p.wait()
-            if not (side == "extractor" and p.proc.returncode == 0):
-                procs[side] = start(side)
-        for side in ("extractor", "consumer"):
-            assert procs[side].wait(timeout=300) == 0, procs[side].stderr
-    finally:
-        stop_watch.set()
-        for p in procs.values():
-            p.kill_tree(signal.SIGKILL)
-    watcher.join()
+    with watching_the_window(out) as most:
+        t0 = time.monotonic()
+        procs = {"extractor": start("extractor"), "consumer": start("consumer")}
+        rng = random.Random(26)
+        kills = []
+        try:
+            while len(kills) < 10:
+                side = rng.choice(sorted(s for s, p in procs.items() if p.proc.poll() is None) or ["none"])
+                assert side != "none", f"the job ended after {len(kills)} kills"
+                p = procs[side]
+                progress = (lambda: committed_units(out)) if side == "extractor" else (lambda: seen_count(ckpt))
+                start_at = progress()
+                if p.poll_until(lambda: progress() > start_at, timeout=120):  # mid-job: it did something since
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    if p.proc.poll() is None:
+                        p.kill_tree(signal.SIGKILL)
+                        kills.append((side, progress(), round(time.monotonic() - t0, 1)))
+                p.wait()
+                if not (side == "extractor" and p.proc.returncode == 0):
+                    procs[side] = start(side)
+            for side in ("extractor", "consumer"):
+                assert procs[side].wait(timeout=300) == 0, procs[side].stderr
+        finally:
+            for p in procs.values():
+                p.kill_tree(signal.SIGKILL)
     print(f"kills (side, progress, s): {kills}; ended at {time.monotonic() - t0:.1f} s; most unconsumed units "
           f"on disk: {most[0]}")
     assert len(kills) == 10 and {k[0] for k in kills} == {"extractor", "consumer"}
@@ -361,3 +377,168 @@ def test_window_of_4_units_and_10_random_kills_see_every_row_once(tmp_path, faul
     assert not list((out / "data").glob("train-*.arrow"))
     rc, stdout, stderr = hsx_main([*argv, "--check-crc"])
     assert rc == 0 and "already complete" in stdout, stderr
+
+
+# ---- the default commit loses no row; what a reader writes; dirs hsx merge made ---------------------------------
+
+def unit_of_rows(out: Path) -> dict[int, str]:
+    """sample_id -> the unit file holding it."""
+    from datasets import Dataset
+
+    return {s: f.name for f in sorted((out / "data").glob("train-*.arrow"))
+            for s in Dataset.from_file(str(f))["sample_id"]}
+
+
+@pytest.mark.parametrize("over", ["dir", "grpc"])
+def test_a_unit_is_deleted_only_once_the_step_over_its_last_row_returned(tmp_path, fault_reference, over):
+    """The DataLoader asks for the rows of the batch it builds while the previous batch's step has returned, and
+    not the current one's: a unit whose last row is in the batch being trained stays on disk (the old commit
+    deleted it while the DataLoader built that batch: a kill in its step lost the rows). The same over
+    `hsx serve` (the server deletes)."""
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    where = unit_of_rows(out)
+    if over == "grpc":
+        from hsx.serve import make_server
+
+        server = make_server(out, "127.0.0.1", 0, None)
+        threading.Thread(target=server.serve, daemon=True).start()
+    rows = hsx.follow(out if over == "dir" else server.location, delete_consumed=True, rows="dict",
+                      poll_seconds=0.01)
+    trained: list[int] = []
+    for batch in torch.utils.data.DataLoader(rows, batch_size=7, collate_fn=list):  # 13 batches of 7, then 5
+        ids = [r["sample_id"] for r in batch]
+        assert all((out / "data" / where[s]).exists() for s in ids)  # this step's rows: all still on disk
+        gone = {where[s] for s in trained} - {where[s] for s in ids}
+        assert all(not (out / "data" / f).exists() for f in gone)  # rows of steps that returned: released
+        trained += ids
+    assert sorted(trained) == sorted(fault_reference.sample_ids)
+    left = {p.name for p in (out / "data").glob("train-*.arrow")}
+    assert left and left <= {where[s] for s in trained[-5:]}  # the last step's units: kept until commit()
+    rows.commit()
+    assert not list((out / "data").glob("train-*.arrow"))
+    if over == "grpc":
+        server.shutdown()
+        return
+    # without a DataLoader, rows one by one (each its own step), or a batch size given
+    for batch_size, got in ((None, 1), (5, 5)):
+        out2 = tmp_path / f"out{batch_size}"
+        shutil.copytree(fault_reference.out, out2)
+        it = iter(hsx.follow(out2, delete_consumed=True, rows="dict", batch_size=batch_size))
+        ids = [next(it)["sample_id"] for _ in range(40)]
+        kept = {p.name for p in (out2 / "data").glob("train-*.arrow")}
+        start = 40 - (40 % got or got) if got > 1 else 39  # the rows of the step not yet returned
+        assert {where[s] for s in ids[start:]} <= kept
+        assert not {where[s] for s in ids[:start]} - {where[s] for s in ids[start:]} & kept
+
+
+def test_a_position_past_a_units_rows_is_an_error(fault_reference):
+    f = hsx.follow(fault_reference.out, rows="dict", commit="manual")
+    unit, rec = next(iter(f.records.items()))
+    for bad in ({unit: rec["rows"] + 1}, {unit: 10**9}):
+        with pytest.raises(HsxError, match=f"{rec['rows'] + 1 if bad[unit] < 10**9 else 10**9} rows of unit "
+                                           f"{unit} were read, it holds {rec['rows']}"):
+            f.load_state_dict({**f.state_dict(), "position": bad})
+        with pytest.raises(HsxError, match="were read, it holds"):
+            f.commit({**f.state_dict(), "position": bad})
+    f.load_state_dict({**f.state_dict(), "position": {unit: rec["rows"]}})  # the whole unit: fine
+    assert len(list(f)) == len(fault_reference.sample_ids) - rec["rows"]
+
+
+def test_a_reader_that_does_not_delete_writes_nothing_and_reads_a_read_only_output(tmp_path, fault_reference):
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    for p in [out, *out.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)  # chmod -R a-w
+    try:
+        for commit in ("unit", "manual"):
+            rows = hsx.follow(out, rows="dict", commit=commit)
+            assert sorted(r["sample_id"] for r in rows) == sorted(fault_reference.sample_ids)
+            rows.commit()
+        loader = torch.utils.data.DataLoader(hsx.follow(out), batch_size=8, collate_fn=hsx.collate)
+        assert sum(len(b["sample_id"]) for b in loader) == 96
+    finally:
+        for p in [out, *out.rglob("*")]:
+            p.chmod(p.stat().st_mode | 0o200)
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_dir_hsx_merge_joined_is_followable_finished_or_partial(tmp_path, fault_reference):
+    from test_merge import split_like_two_nodes
+
+    from hsx.merge import merge
+
+    node0, node1 = split_like_two_nodes(fault_reference.out, tmp_path)
+    merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
+    want = {r["sample_id"]: r for r in hsx.load(fault_reference.out)}
+    got = list(hsx.follow(tmp_path / "joined", rows="dict"))
+    assert len(got) == len(want) and all(r == want[r["sample_id"]] for r in got)
+    merge(str(tmp_path / "partial"), [str(node0)], log=lambda *a: None, partial=True)  # node 1 lost
+    rows = hsx.follow(tmp_path / "partial", rows="dict", timeout=0.5, poll_seconds=0.05, delete_consumed=True)
+    got = []
+    with pytest.raises(HsxError, match="no new unit for 0.5 s"):
+        for r in rows:
+            got.append(r["sample_id"])
+    assert sorted(got) == sorted(unit_of_rows(node0))  # node 0's rows, read through the links
+    rows.commit()  # the links go, never their targets
+    assert not list((tmp_path / "partial" / "data").iterdir()) and len(list((node0 / "data").iterdir())) > 0
+
+
+NEW_USER = r'''
+import json, os, sys, time
+import hsx
+from torch.utils.data import DataLoader
+
+out, log = sys.argv[1], sys.argv[2]
+for batch in DataLoader(hsx.follow(out, delete_consumed=True, poll_seconds=0.05), batch_size=8,
+                        collate_fn=hsx.collate):
+    time.sleep(1.0)  # the training step
+    with open(log, "a") as f:  # what the step trained on, once it returned
+        f.write(json.dumps(batch["sample_id"].tolist()) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over", ["dir", "grpc"])
+def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_path, over):
+    """The README's demo (`--unit-tokens 800 --max-pending-gb 0.002`, a DataLoader of batch 8 over
+    `hsx.follow(OUT, delete_consumed=True)`), the trainer killed -9 in its 5th step and started again: every row is
+    trained on (the old default committed and deleted a unit while the DataLoader built the batch holding its last
+    rows: 94 of 96)."""
+    from helpers import REPO
+
+    out, log = tmp_path / "out", tmp_path / "trained.jsonl"
+    script = tmp_path / "trainer.py"
+    script.write_text(NEW_USER)
+    extractor = hsx_child(["extract", "--config", str(REPO / "recipes" / "demo.yaml"), "--output-dir", str(out),
+                           "--unit-tokens", "800", "--max-pending-gb", "0.002"], tmp_path / "extractor")
+    batches = lambda: len(log.read_text().splitlines()) if log.exists() else 0  # noqa: E731
+    source, server = str(out), None
+    if over == "grpc":  # the trainer is given only the server's address
+        from helpers import free_port
+
+        out.mkdir()
+        port = free_port()
+        source, server = f"grpc://127.0.0.1:{port}", hsx_child(["serve", str(out), "--port", str(port)],
+                                                              tmp_path / "server")
+    try:
+        trainer = Child([sys.executable, str(script), source, str(log)], tmp_path / "trainer1", env=child_env())
+        assert trainer.poll_until(lambda: batches() == 4, timeout=240), trainer.stderr
+        time.sleep(0.5)  # inside the 5th step
+        trainer.kill_tree(signal.SIGKILL)
+        trainer.wait()
+        assert batches() == 4
+        trainer = Child([sys.executable, str(script), source, str(log)], tmp_path / "trainer2", env=child_env())
+        assert trainer.wait(timeout=300) == 0, trainer.stderr
+        assert extractor.wait(timeout=120) == 0, extractor.stderr
+    finally:
+        for p in (extractor, trainer, server):
+            if p is not None:
+                p.kill_tree(signal.SIGKILL)
+    seen = [s for line in log.read_text().splitlines() for s in json.loads(line)]
+    assert len(set(seen)) == 96, sorted(set(range(100)) - set(seen))
+    biggest = max(e["rows"] for e in json.loads((out / "hsx.json").read_text())["files"])
+    assert len(seen) - 96 <= 8 + biggest  # the duplicates: the killed step's rows, and those of a unit it began

@@ -1,0 +1,164 @@
+"""hsx.follow over the network: the client side of `hsx serve OUT` (Arrow Flight, `pyarrow.flight`).
+
+A `FlightSource` is what `hsx.follow("grpc://HOST:PORT")` reads instead of a local dir (hsx.follow.LocalSource):
+the same plan, manifests, ledger and units, asked of the server, which reads OUT with a LocalSource and records the
+consumption in OUT's own ledgers, so `--max-pending-gb` and `delete_consumed` act as for a local reader. The
+protocol, all of it (hsx.serve answers it):
+
+- every call carries `authorization: Bearer <token>` when the server was given a token;
+- DoGet, ticket `{"unit": NAME}`: the committed unit NAME's rows as Arrow record batches (its schema metadata
+  carries `datasets`' features, so the rows decode as `hsx.load`'s);
+- DoAction `state` `{}`: `{"summary", "records", "complete", "gone"}`: the job's plan (.hsx/summary.json), the
+  manifest records, whether hsx.json says complete, and the committed units no longer in data/;
+- DoAction `ledger` `{"consumer"}`: the consumer's ledger (the furthest record of each unit);
+- DoAction `commit` `{"consumer", "rank", "world_size", "rows": {UNIT: ROW}}`: record these positions (the server
+  builds the ledger lines from its manifest records, and deletes the units they finish);
+- DoAction `hold` `{"consumer", "rank", "world_size", "units": [UNIT]}`: the units a waiting step holds.
+Bodies are JSON objects of at most MAX_REQUEST_BYTES.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+from hsx.errors import HsxError, UsageError, one_line
+
+MAX_REQUEST_BYTES = 4 << 20  # a request body or ticket (gRPC's own default message bound)
+TOKEN_ENV = "HSX_SERVE_TOKEN"  # the bearer token, for `hsx serve` and hsx.follow("grpc://...") alike
+
+
+def parse_location(url: str) -> tuple[str, int]:
+    """(host, port) of `grpc://HOST:PORT` (or grpc+tcp://); UsageError for anything else."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("grpc", "grpc+tcp") or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise UsageError(f"{url!r}: give the server as grpc://HOST:PORT (what `hsx serve` prints)")
+    return parts.hostname, port
+
+
+def bearer(token: str | None) -> list[tuple[bytes, bytes]]:
+    return [(b"authorization", f"Bearer {token}".encode())] if token else []
+
+
+class FlightSource:
+    """An `hsx serve` server, as hsx.follow reads it (the methods of hsx.follow.LocalSource, asked over Flight)."""
+
+    def __init__(self, url: str, token: str | None = None):
+        import pyarrow.flight as flight
+
+        host, port = parse_location(url)
+        self.where = f"grpc://{host}:{port}"
+        self.client = flight.FlightClient(f"grpc+tcp://{host}:{port}")
+        self.options = flight.FlightCallOptions(headers=bearer(token if token is not None else
+                                                               os.environ.get(TOKEN_ENV)), timeout=600)
+        self.last: dict[str, Any] | None = None  # the last `state` answer
+
+    def _call(self, fn, *args):
+        import pyarrow.flight as flight
+
+        try:
+            return fn(*args, options=self.options)
+        except flight.FlightUnauthenticatedError as e:
+            raise HsxError(f"{self.where} refused the request: {one_line(_message(e))} (give its token: token= or "
+                           f"${TOKEN_ENV})") from None
+        except flight.FlightUnavailableError as e:
+            raise HsxError(f"{self.where} is unreachable ({one_line(_message(e))}): is `hsx serve` running?") from None
+        except flight.FlightError as e:
+            raise HsxError(f"{self.where}: {one_line(_message(e))}") from None
+
+    def _action(self, kind: str, body: dict[str, Any]) -> Any:
+        import pyarrow.flight as flight
+
+        results = self._call(lambda **kw: list(self.client.do_action(flight.Action(kind, json.dumps(body).encode()),
+                                                                     **kw)))
+        if len(results) != 1:
+            raise HsxError(f"{self.where}: {len(results)} answers to `{kind}`, not 1 (not an hsx serve?)")
+        try:
+            return json.loads(results[0].body.to_pybytes())
+        except ValueError:
+            raise HsxError(f"{self.where}: an answer to `{kind}` that is not JSON (not an hsx serve?)") from None
+
+    def _state(self) -> dict[str, Any]:
+        from hsx.schema import Summary
+
+        from hsx.schema import Damaged, ManifestRecord
+
+        s = self._action("state", {})
+        if not (isinstance(s, dict) and isinstance(s.get("records"), dict) and isinstance(s.get("gone"), list)):
+            raise HsxError(f"{self.where}: a `state` answer without its records (not an hsx serve?)")
+        try:  # what a server says is checked as the files it read are (hsx.schema's records)
+            for unit, rec in s["records"].items():
+                ManifestRecord.from_dict(rec)
+                if rec["unit"] != unit:
+                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+            s["summary"] = None if s.get("summary") is None else Summary.from_dict(s["summary"])
+        except (Damaged, HsxError) as e:
+            raise HsxError(f"{self.where}: a damaged `state` answer: {one_line(e)}") from None
+        self.last = s
+        return s
+
+    def summary(self):
+        if self.last is None or self.last["summary"] is None:
+            self._state()
+        return self.last["summary"]
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        return self._state()["records"]
+
+    def complete(self) -> bool:
+        return bool((self.last or self._state()).get("complete"))
+
+    def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
+        from hsx.schema import ConsumedRecord, Damaged
+
+        found = self._action("ledger", {"consumer": consumer})
+        try:
+            if not isinstance(found, dict):
+                raise Damaged("not an object")
+            for unit, rec in found.items():
+                ConsumedRecord.from_dict(rec)
+                if rec["unit"] != unit:
+                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+        except Damaged as e:
+            raise HsxError(f"{self.where}: a damaged `ledger` answer: {one_line(e)}") from None
+        return found
+
+    def gone(self, rec: dict[str, Any]) -> bool:
+        return rec["unit"] in (self.last or self._state())["gone"]
+
+    def readable(self, rec: dict[str, Any], consumer: str) -> bool:
+        return True  # (the server checks the unit as it reads it)
+
+    def open(self, rec: dict[str, Any]):
+        """The unit's rows as a `datasets.Dataset` (its features from the schema metadata the server sends)."""
+        import pyarrow.flight as flight
+        from datasets import Dataset
+        from datasets.table import InMemoryTable
+
+        ticket = flight.Ticket(json.dumps({"unit": rec["unit"]}).encode())
+        table = self._call(lambda **kw: self.client.do_get(ticket, **kw).read_all())
+        if table.num_rows != rec["rows"]:
+            raise HsxError(f"{self.where}: unit {rec['unit']} came with {table.num_rows} rows, its manifest line "
+                           f"says {rec['rows']}")
+        return Dataset(InMemoryTable(table))
+
+    def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
+        if rows:
+            self._action("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
+
+    def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
+        self._action("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+
+
+def _message(e: Exception) -> str:
+    """A Flight error's message without gRPC's detail suffix (". Detail: ...", "gRPC client debug context")."""
+    text = str(e)
+    for cut in (". Detail:", ". gRPC client debug context", "\ngRPC"):
+        text = text.split(cut)[0]
+    return text

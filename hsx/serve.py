@@ -1,0 +1,181 @@
+"""`hsx serve OUT`: the committed units of an output dir, served over Arrow Flight to trainers on other machines
+(`hsx.follow("grpc://HOST:PORT")`; the protocol: hsx.flight).
+
+The server reads OUT as a local hsx.follow does (hsx.follow.LocalSource: the manifests, the plan, the units
+checked against their manifest lines, through no link but hsx merge's) and records each client's consumption in
+OUT's own ledgers, so `hsx extract --max-pending-gb` and `delete_consumed` bound the extractor's disk exactly as
+for a local reader. What a client sends is data, never a path: a unit is named by its manifest name and must be
+committed; a consumer name, rank and rows are checked (hsx.follow.check_consumer, LocalSource.record); a bad
+request gets one error and changes nothing. A bind other than loopback needs a token (`--token-file`, or
+$HSX_SERVE_TOKEN), compared in constant time with every call's `authorization: Bearer` header.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hsx.errors import HsxError, UsageError, one_line
+from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV
+
+MAX_TOKEN_BYTES = 4096
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The bearer token: the first line of `token_file`, else $HSX_SERVE_TOKEN, else None."""
+    if token_file is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    else:
+        try:
+            with open(token_file, "rb") as f:
+                raw = f.read(MAX_TOKEN_BYTES + 1)
+        except OSError as e:
+            raise UsageError(f"--token-file {token_file}: {e.strerror or e}") from None
+        token = raw.decode(errors="replace").strip().splitlines()[0] if raw.strip() else ""
+        if not token or len(raw) > MAX_TOKEN_BYTES:
+            raise UsageError(f"--token-file {token_file}: one line of at most {MAX_TOKEN_BYTES} bytes, not empty")
+    if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
+        raise UsageError("the token must be at least 16 printable characters, without spaces")
+    return token
+
+
+def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                log=print):
+    """A started Flight server for OUT (`.port`, `.location`; `.shutdown()`), listening on host:port (0: a free
+    port). UsageError for a bind other than loopback without a token."""
+    import pyarrow.flight as flight
+
+    from hsx.follow import LocalSource, check_consumer
+
+    if not is_loopback(host) and not token:
+        raise UsageError(f"--host {host} is reachable from other machines: give a token (--token-file PATH or "
+                         f"${TOKEN_ENV}); only a loopback bind (127.0.0.1) may go without one")
+    root = Path(out_dir)
+    if not root.is_dir():
+        raise HsxError(f"{root} is not a folder (hsx serve serves an hsx output dir, being written or finished)")
+    src = LocalSource(root, write=True)
+    expected = f"Bearer {token}".encode() if token else None
+
+    class Auth(flight.ServerMiddlewareFactory):
+        def start_call(self, info, headers):
+            if expected is None:
+                return None
+            given = next(iter(headers.get("authorization", [])), "")
+            given = given.encode() if isinstance(given, str) else bytes(given)
+            if not hmac.compare_digest(given, expected):
+                raise flight.FlightUnauthenticatedError("no valid bearer token")
+            return None
+
+    def body_of(raw: bytes, what: str) -> dict[str, Any]:
+        if len(raw) > MAX_REQUEST_BYTES:
+            raise flight.FlightServerError(f"{what}: a request over {MAX_REQUEST_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            raise flight.FlightServerError(f"{what}: the request is not a JSON object")
+        return body
+
+    class Server(flight.FlightServerBase):
+        def do_get(self, context, ticket):
+            body = body_of(ticket.ticket, "get")
+            unit = body.get("unit")
+            try:
+                rec = src.records().get(unit) if isinstance(unit, str) else None
+                if rec is None:
+                    raise HsxError(f"{str(unit)[:80]!r} is not a committed unit of this output")
+                table = src.table(rec)
+            except (HsxError, FileNotFoundError) as e:
+                raise flight.FlightServerError(f"get: {one_line(e)}") from None
+            return flight.RecordBatchStream(table)
+
+        def do_action(self, context, action):
+            body = body_of(action.body.to_pybytes(), action.type)
+            try:
+                answer = self._act(action.type, body)
+            except (HsxError, ValueError, TypeError) as e:
+                raise flight.FlightServerError(f"{action.type}: {one_line(e)}") from None
+            return [json.dumps(answer).encode()]
+
+        def _act(self, kind: str, body: dict[str, Any]) -> Any:
+            if kind == "state":
+                summary, records = src.summary(), src.records()
+                return {"summary": None if summary is None else summary.to_dict(), "records": records,
+                        "complete": src.complete(), "gone": [u for u, r in records.items() if src.gone(r)]}
+            consumer = body.get("consumer")
+            if kind == "ledger":
+                check_consumer(consumer, 0, 1)
+                return src.ledger(consumer)
+            if kind == "commit":
+                src.record(consumer, body.get("rank"), body.get("world_size"), body.get("rows"))
+                return {}
+            if kind == "hold":
+                src.hold(consumer, body.get("rank"), body.get("world_size"), body.get("units"))
+                return {}
+            raise HsxError(f"unknown action {kind[:40]!r}")
+
+        def list_actions(self, context):
+            return [("state", "plan, manifests, complete"), ("ledger", "a consumer's ledger"),
+                    ("commit", "record a consumer's rows"), ("hold", "units a waiting step holds")]
+
+    try:
+        server = Server(f"grpc+tcp://{host}:{port}", middleware={"auth": Auth()})
+    except Exception as e:  # a port in use, an address not of this machine
+        raise HsxError(f"cannot listen on {host}:{port}: {one_line(e)}") from None
+    server.location = f"grpc://{host if ':' not in host else f'[{host}]'}:{server.port}"
+    return server
+
+
+def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print) -> None:
+    """`hsx serve OUT`: serve until SIGINT/SIGTERM."""
+    server = make_server(out_dir, host, port, read_token(token_file), log)
+    log(f"hsx serve: {out_dir} at {server.location} (hsx.follow(\"{server.location}\", ...))", flush=True)
+    try:
+        server.serve()
+    finally:
+        server.shutdown()
+
+
+def bench_serve(out_dir: str, seconds: float = 10.0, log=print) -> dict[str, Any]:
+    """GB/s a loopback server hands out: one client reading every committed unit of OUT over and over (DoGet, the
+    rows as Arrow record batches, as hsx.follow reads them) for `seconds`."""
+    import pyarrow.flight as flight
+
+    from hsx.follow import LocalSource
+
+    units = LocalSource(Path(out_dir), write=False).records()
+    if not units:
+        raise HsxError(f"{out_dir}: no committed unit to serve")
+    server = make_server(out_dir, "127.0.0.1", 0, None, log)
+    try:
+        client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}")
+        tickets = [flight.Ticket(json.dumps({"unit": u}).encode()) for u in sorted(units)]
+        nbytes, reads, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for t in tickets:
+                table = client.do_get(t).read_all()
+                nbytes += table.nbytes
+                reads += 1
+        elapsed = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+    result = {"units": len(units), "unit_reads": reads, "bytes": nbytes, "seconds": round(elapsed, 3),
+              "gb_per_s": round(nbytes / elapsed / 1e9, 3)}
+    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads over {elapsed:.1f} s: "
+        f"{result['gb_per_s']:.2f} GB/s served on loopback")
+    return result

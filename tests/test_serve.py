@@ -1,0 +1,223 @@
+"""hsx serve: an output dir's committed units over Arrow Flight, read by hsx.follow("grpc://...") with the same rows
+and position contract as a local reader, consumption recorded in OUT's ledgers; a hostile client changes nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import hsx
+from hsx.config import HsxError
+from hsx.errors import UsageError
+
+
+@pytest.fixture
+def served(tmp_path, fault_reference):
+    from hsx.serve import make_server
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    server = make_server(out, "127.0.0.1", 0, "s3cret-token-0123456789")
+    import threading
+
+    threading.Thread(target=server.serve, daemon=True).start()
+    yield out, server.location, "s3cret-token-0123456789"
+    server.shutdown()
+
+
+def listing(out):
+    return sorted((p.relative_to(out), p.stat().st_size) for p in out.rglob("*") if p.is_file())
+
+
+def test_rows_over_flight_equal_the_local_readers_and_consumption_lands_in_out(served, fault_reference):
+    out, url, token = served
+    local = list(hsx.follow(fault_reference.out, rows="dict", commit="manual"))
+    remote = hsx.follow(url, rows="dict", commit="manual", token=token, delete_consumed=True)
+    got = list(remote)
+    assert got == local  # the same rows in the same order
+    t_local = next(iter(hsx.follow(fault_reference.out, commit="manual")))
+    t_remote = next(iter(hsx.follow(url, commit="manual", token=token)))
+    assert t_local.keys() == t_remote.keys() and all(
+        (t_local[k] == t_remote[k]).all() if hasattr(t_local[k], "shape") else t_local[k] == t_remote[k]
+        for k in t_local)
+    assert not list((out / ".hsx").glob("consumed-*"))  # manual: nothing until commit()
+    split = [r["sample_id"] for k in range(3)  # ranks split the units as a local reader's do
+             for r in hsx.follow(url, rows="dict", commit="manual", rank=k, world_size=3, token=token)]
+    assert sorted(split) == sorted(r["sample_id"] for r in local)
+    other = list(hsx.follow(url, consumer="eval", rows="dict", token=token))
+    assert other == local  # another job reads OUT by its own name (not deleting: writing nothing)
+    state = remote.state_dict()
+    remote.commit(state)
+    assert not list((out / "data").glob("train-*.arrow"))  # the server deleted them, after its ledger line
+    ledger = (out / ".hsx" / "consumed-trainer-00000.jsonl").read_text().splitlines()
+    assert not (out / ".hsx" / "consumed-eval-00000.jsonl").exists()
+    assert len(ledger) == len(state["position"])
+    # a new reader resumes where the ledger says (nothing left)
+    assert list(hsx.follow(url, rows="dict", token=token, timeout=5)) == []
+
+
+def test_a_client_without_the_token_is_refused_and_a_public_bind_needs_one(served, tmp_path):
+    from hsx.serve import make_server
+
+    out, url, token = served
+    before = listing(out)
+    for bad in (None, "wrong-token-0123456789", token + "x"):
+        with pytest.raises(HsxError, match="refused the request.*bearer token"):
+            hsx.follow(url, rows="dict", token=bad or "", delete_consumed=True)
+    assert listing(out) == before
+    with pytest.raises(UsageError, match="give a token"):
+        make_server(out, "0.0.0.0", 0, None)
+
+
+def test_a_hostile_client_gets_one_error_and_changes_nothing(served):
+    import pyarrow.flight as flight
+
+    from hsx.flight import bearer
+
+    out, url, token = served
+    client = flight.FlightClient(url.replace("grpc://", "grpc+tcp://"))
+    opts = flight.FlightCallOptions(headers=bearer(token))
+    records = {json.loads(ln)["unit"]: json.loads(ln) for ln in (out / ".hsx" / "manifest-00000.jsonl").open()}
+    unit, rec = sorted(records.items())[0]
+    before = listing(out)
+    tickets = [b"not json", b"[1]", json.dumps({"unit": "../../etc/passwd"}).encode(),
+               json.dumps({"unit": "/etc/passwd"}).encode(), json.dumps({"unit": 7}).encode(), b"x" * (5 << 20)]
+    for t in tickets:
+        with pytest.raises(flight.FlightError):
+            client.do_get(flight.Ticket(t), options=opts).read_all()
+    actions = [("commit", {"consumer": "../x", "rank": 0, "world_size": 1, "rows": {unit: 1}}),
+               ("commit", {"consumer": "t", "rank": 3, "world_size": 2, "rows": {unit: 1}}),
+               ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {"nope": 1}}),
+               ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {unit: rec["rows"] + 1}}),
+               ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {unit: -1}}),
+               ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": [unit]}),
+               ("hold", {"consumer": "t", "rank": 0, "world_size": 1, "units": ["../../x"]}),
+               ("rm", {}), ("ledger", {"consumer": "a/b"})]
+    for kind, body in actions:
+        with pytest.raises(flight.FlightError) as e:
+            list(client.do_action(flight.Action(kind, json.dumps(body).encode()), options=opts))
+        assert "Traceback" not in str(e.value)
+    assert listing(out) == before
+    # a position recorded once, then replayed or rewound: one error, the ledger as it was
+    ok = ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {unit: rec["rows"]}})
+    list(client.do_action(flight.Action(ok[0], json.dumps(ok[1]).encode()), options=opts))
+    assert not (out / "data" / rec["file"]).exists()
+    after = listing(out)
+    for row in (rec["rows"], 1):
+        body = {**ok[1], "rows": {unit: row}}
+        with pytest.raises(flight.FlightError, match="recorded only forward"):
+            list(client.do_action(flight.Action("commit", json.dumps(body).encode()), options=opts))
+    assert listing(out) == after
+
+
+def test_serve_command_line_errors_are_one_line(tmp_path):
+    from helpers import assert_one_error_line, hsx_main
+
+    rc, _, err = hsx_main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "0"])
+    assert_one_error_line(rc, err, "give a token")
+    assert rc == 2
+    rc, _, err = hsx_main(["serve", str(tmp_path / "missing"), "--port", "0"])
+    assert_one_error_line(rc, err, "is not a folder")
+    (tmp_path / "tok").write_text("short\n")
+    rc, _, err = hsx_main(["serve", str(tmp_path), "--token-file", str(tmp_path / "tok")])
+    assert_one_error_line(rc, err, "at least 16")
+
+
+# ---- the bar: extractor, server and a consumer that sees only grpc://, SIGKILLs of each ------------------------
+
+@pytest.mark.slow
+def test_a_consumer_reading_only_over_flight_sees_every_row_once_across_kills_of_all_three(tmp_path,
+                                                                                         fault_reference):
+    import random
+    import signal
+    import sys
+    import time
+
+    from helpers import Child, child_env, committed_units, free_port, hsx_child, manifest_records
+    from test_follow import CONSUMER, reference_rows, seen_count, watching_the_window
+
+    ref = fault_reference
+    want = reference_rows(ref.out)
+    window = 4 * min(r["bytes"] for r in manifest_records(ref.out))
+    out, ckpt = tmp_path / "out", tmp_path / "elsewhere" / "ckpt.json"
+    ckpt.parent.mkdir()
+    script = ckpt.parent / "consumer.py"
+    script.write_text(CONSUMER)  # (given the URL where a local one is given OUT)
+    port = free_port()
+    url = f"grpc://127.0.0.1:{port}"
+    argv = {"extractor": [*ref.argv(out), "--max-pending-gb", f"{window / 1e9:.12f}"],
+            "server": ["serve", str(out), "--port", str(port)]}
+    runs = {"extractor": 0, "server": 0, "consumer": 0}
+
+    def start(side: str):
+        runs[side] += 1
+        logs = tmp_path / f"{side}{runs[side]}"
+        if side == "consumer":  # its only way to OUT is the URL (it runs in another folder, given no path)
+            return Child([sys.executable, str(script), url, str(ckpt)], logs, env=child_env(), cwd=ckpt.parent)
+        if side == "server":
+            out.mkdir(exist_ok=True)
+        return hsx_child(argv[side], logs)
+
+    with watching_the_window(out) as most:
+        procs = {side: start(side) for side in ("server", "extractor", "consumer")}
+        rng = random.Random(42)
+        kills = []
+        progress = {"extractor": lambda: committed_units(out), "consumer": lambda: seen_count(ckpt),
+                    "server": lambda: seen_count(ckpt)}
+        try:
+            while len(kills) < 6:
+                for side in ("server", "consumer"):  # a consumer the server's death ended: its scheduler restarts it
+                    if procs[side].proc.poll() not in (None, 0):
+                        procs[side].wait()
+                        procs[side] = start(side)
+                side = ["server", "extractor", "consumer"][len(kills) % 3]
+                p = procs[side]
+                if p.proc.poll() is not None:
+                    if side == "extractor":
+                        break
+                    continue
+                start_at = progress[side]()
+                if p.poll_until(lambda: progress[side]() > start_at, timeout=180):
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    if p.proc.poll() is None:
+                        p.kill_tree(signal.SIGKILL)
+                        kills.append((side, progress[side]()))
+                p.wait()
+                if not (side == "extractor" and p.proc.returncode == 0):
+                    procs[side] = start(side)
+            end = time.monotonic() + 400
+            while procs["consumer"].proc.poll() != 0 and time.monotonic() < end:
+                if procs["consumer"].proc.poll() is not None:  # ended by the server's restart: start it again
+                    procs["consumer"].wait()
+                    procs["consumer"] = start("consumer")
+                time.sleep(0.2)
+            assert procs["consumer"].wait(timeout=60) == 0, procs["consumer"].stderr
+            assert procs["extractor"].wait(timeout=120) == 0, procs["extractor"].stderr
+        finally:
+            for p in procs.values():
+                p.kill_tree(signal.SIGKILL)
+    print(f"kills: {kills}; runs: {runs}; most unconsumed units on disk: {most[0]}")
+    assert {k[0] for k in kills} == {"extractor", "server", "consumer"}, kills
+    seen = json.loads(ckpt.read_text())["seen"]
+    ids = [s for s, _ in seen]
+    assert len(ids) == len(set(ids)), "a row was seen twice"
+    assert {s: d for s, d in seen} == want  # every row, state bits equal to the uninterrupted run's
+    assert 1 <= most[0] <= 4, most[0]
+    assert not list((out / "data").glob("train-*.arrow"))
+
+
+def test_a_damaged_answer_from_a_server_is_one_error(served, monkeypatch):
+    from hsx.flight import FlightSource
+
+    out, url, token = served
+    src = FlightSource(url, token)
+    real = src._action
+    for kind, bad in (("state", lambda a: {**a, "records": {"x": {"unit": "x", "file": "/etc/passwd"}}}),
+                      ("state", lambda a: {**a, "summary": {"unit_names": 7}}),
+                      ("ledger", lambda a: {"u": {"unit": "u", "row": "all"}})):
+        monkeypatch.setattr(src, "_action", lambda k, body, kind=kind, bad=bad: bad(real(k, body)) if k == kind
+                            else real(k, body))
+        with pytest.raises(HsxError, match=f"a damaged `{kind}` answer"):
+            src.records() if kind == "state" else src.ledger("trainer")
