@@ -16,7 +16,30 @@ import sys
 from collections.abc import Iterator
 
 from hsx.config import FIELD_KINDS, FIELDS, default_of
-from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status
+from hsx.errors import (EXIT_INTERRUPTED, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status,
+                        usage_line)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (hsx.errors.usage_line), exit 2, told by the parser whose flags are
+    wrong: an unknown flag after `hsx extract` is extract's error, not the top level's (argparse's parse_args
+    reports every leftover argument from the top parser). Subparsers are of this class too (add_subparsers)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, usage_line(self.prog, message) + "\n")
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._innermost(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def _innermost(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(ns, action.dest, None) in action.choices:
+                sub = action.choices[getattr(ns, action.dest)]
+                return sub._innermost(ns) if isinstance(sub, _Parser) else sub
+        return self
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -125,7 +148,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of chosen layers of a "
+    parser = _Parser(prog="hsx", description="Extract hidden states of chosen layers of a "
                                      "Hugging Face causal LM into an Arrow dataset.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

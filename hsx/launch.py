@@ -32,7 +32,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, UsageError, one_line
+from hsx.errors import EXIT_INTERRUPTED, EXIT_USAGE, INTERRUPTED, UsageError, one_line, usage_line
 
 RANK_COMMANDS = ("extract", "bench")  # the commands that split their work over the ranks of a launch
 # What torch.distributed.elastic's agent catches (its default TORCHELASTIC_SIGNALS_TO_HANDLE) and passes to ranks.
@@ -65,6 +65,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
 
     parser = launch_command_parser()
     _describe(parser)
+    parser.error = lambda message: parser.exit(EXIT_USAGE, usage_line(parser.prog, message) + "\n")  # one line
     args = parser.parse_args(argv)
     if getattr(args, "module", False) or getattr(args, "no_python", False):
         raise UsageError("hsx launch runs `python -m hsx COMMAND` itself: drop -m/--module and --no_python")
@@ -72,7 +73,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     if command not in RANK_COMMANDS:
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
-    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
+    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: extract's one-line usage error, exit 2
     _check_accelerate_config(args)
     if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
         from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hangs)
