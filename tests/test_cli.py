@@ -466,6 +466,24 @@ def test_exit_codes_usage_2_runtime_1(tmp_path, capsys, model4, small_chat_path,
     capsys.readouterr()
 
 
+def test_a_wrong_flag_is_one_line_from_its_command(capsys):
+    """argparse printed the whole usage (29 lines for extract) before its error line, and an unknown flag after a
+    command was the top-level parser's error; under `hsx launch` too."""
+    for argv, line in [
+        (["extract", "--bogus", "1"], "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
+        (["launch", "--num_processes", "1", "extract", "--bogus", "1"],
+         "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
+        (["plan", "--gpu", "nope"], "hsx plan: error: argument --gpu: invalid choice: 'nope' (choose from 'h200'); "
+                                    "see `hsx plan --help`"),
+        (["launch", "--bogus", "extract"], "hsx launch: error: unrecognized arguments: --bogus; see `hsx launch --help`"),
+        ([], "hsx: error: the following arguments are required: command; see `hsx --help`"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and captured.err.splitlines() == [line] and not captured.out, (argv, captured.err)
+
+
 def _subcommands():
     from hsx.cli import build_parser
 
