@@ -600,9 +600,10 @@ def _named(whose: list[str], most: int = 8) -> str:
 # ---- finish ------------------------------------------------------------------------------------------------------
 
 def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, share,
-           stats: dict[str, Any], t_start: float, log) -> dict[str, Any]:
+           stats: dict[str, Any], t_start: float, log, pending: list[str] | None = None) -> dict[str, Any]:
     """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is in its
-    dir. `share` (hsx.run.DirShare): the ranks writing into this dir, and the run's id.
+    dir. `share` (hsx.run.DirShare): the ranks writing into this dir, and the run's id. `pending`: the units no dir
+    held when this run started (what it wrote, for its last line; default: all of them).
 
     Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
     when ranks finish far apart): whichever process sees every unit committed finalizes. When each node writes
@@ -620,6 +621,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
                 "finish finalizes it")
             return {"complete": False, "rank": proc.rank, "run": stats}
         if not share.whole:  # this node's share of a job whose nodes each write their own dir
+            out.mark_share_done(len(units) - len(missing), len(units))
             log(f"hsx: {cfg.output_dir} holds {len(units) - len(missing)} of the job's {len(units)} units (this "
                 "node's share; the other nodes' dirs hold the rest): once every node has finished, join them with "
                 "`hsx merge OUT NODE_DIR...` (see docs/scale-out.md)")
@@ -647,8 +649,8 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
         push(cfg, log)
     wall = time.perf_counter() - t_start
     c = info["counts"]
-    log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
-        f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}; rows with "
+    log(f"hsx: {_what_was_written(out, units, pending, c, cfg.output_dir)}; skipped {json.dumps(c['skipped'])}; "
+        f"truncated {c['truncated']}; rows with "
         f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
     refuse_empty(cfg, c, written=True)
     if stats["tokens"]:
@@ -659,6 +661,20 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
             f"{'GPU' if str(stats.get('device', '')).startswith('cuda') else 'CPU'} busy {busy:.0%}")
     return info
+
+
+def _what_was_written(out: OutputDir, units: list[Unit], pending: list[str] | None, counts: dict[str, Any],
+                      where: str) -> str:
+    """The end line's first part: what the output holds, and, after a resume, what this run wrote of it (a resumed
+    run that wrote 13 rows of 96 must not say it wrote 96)."""
+    whole = f"{counts['rows_written']:,} rows, {counts['tokens_written']:,} tokens to {where} ({len(units)} files)"
+    if pending is None or len(pending) >= len(units):
+        return f"wrote {whole}"
+    done = out.done_units()
+    mine = [done[u] for u in pending if u in done]
+    rows, tokens = sum(r.get("rows", 0) for r in mine), sum(r.get("tokens", 0) for r in mine)
+    return (f"this run wrote {rows:,} rows, {tokens:,} tokens ({len(mine)} of the {len(units)} files; the others "
+            f"were committed before); the output holds {whole.replace(' to ', ' in ', 1)}")
 
 
 def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> None:

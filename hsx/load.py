@@ -208,6 +208,11 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
         entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]
         summary = out.read_summary()
         total = len(summary.unit_names if summary else []) or "?"
+        share = out.finished_share()
+        if share and not allow_incomplete:
+            raise HsxError(f"{root} is one node's finished share of a job ({share[0]} of its {share[1]} units; the "
+                           "other nodes' dirs hold the rest): join them with `hsx merge OUT NODE_DIR...` "
+                           "(docs/scale-out.md), or load(..., allow_incomplete=True) to read this share")
         if not allow_incomplete:
             raise HsxError(f"{root} is not a finished hsx output ({len(out.done_units())} of {total} units "
                            "committed: a job is running or was interrupted); run the same `hsx extract` command "

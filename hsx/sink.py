@@ -475,6 +475,23 @@ class OutputDir:
         atomic_write(folder / f"{rank:05d}.done", json.dumps({"rank": rank, **record}) + "\n")
         return len(list(folder.glob("*.done"))) >= world_size
 
+    def mark_share_done(self, units: int, of: int) -> None:
+        """This dir holds a finished node's share of a job whose nodes each write their own dir: `units` of its `of`
+        units. Readers then name `hsx merge` as the next step, not the same `hsx extract` (nothing is left to run)."""
+        atomic_write(self.state / "share-done.json", json.dumps({"units": units, "of": of}) + "\n")
+
+    def finished_share(self) -> tuple[int, int] | None:
+        """(units, of) when this dir is a node's finished share (`mark_share_done`) and no unit was committed or lost
+        since; None otherwise, or when the record is damaged (it only chooses which next step a message names)."""
+        try:
+            record = json.loads(_read_bounded(self.state / "share-done.json", 256))
+            units, of = record["units"], record["of"]
+        except (OSError, ValueError, TypeError, KeyError, HsxError):
+            return None
+        if type(units) is not int or type(of) is not int or not 0 < units < of or units != len(self.done_units()):
+            return None
+        return units, of
+
     def rank_stats(self, run_id: str) -> list[dict[str, Any]]:
         """What each rank of run `run_id` recorded when it finished, in rank order."""
         stats = []

@@ -495,8 +495,9 @@ class FaultReference:
 
 
 def assert_equals_reference(out: Path, ref: FaultReference, verify: bool = True,
-                            world_size: int | None = None) -> None:
-    """The finished `out` is the reference: rows, counts, units, manifests; `hsx verify OUT --samples 2` passes."""
+                            world_size: int | None = None, exact: bool = True) -> None:
+    """The finished `out` is the reference: rows, counts, units, manifests; `hsx verify OUT --samples 2` passes.
+    States bit for bit, or with exact=False (rows computed at other batch shapes) within bf16 rounding."""
     info = json.loads((out / "hsx.json").read_text())
     assert info["complete"] is True
     assert info["counts"] == ref.info["counts"]
@@ -506,7 +507,7 @@ def assert_equals_reference(out: Path, ref: FaultReference, verify: bool = True,
     assert sorted(p.name for p in (out / "data").iterdir()) == sorted(p.name for p in (ref.out / "data").iterdir())
     recs = assert_units_intact(out)
     assert sorted(r["unit"] for r in recs) == sorted(r["unit"] for r in manifest_records(ref.out))
-    assert_same_output(out, ref.out)
+    assert_same_output(out, ref.out, exact=exact)
     assert not (out / ".hsx" / "tmp").exists()  # finalize removed every rank's partial units
     if verify:
         rc, stdout, stderr = hsx_main(["verify", str(out), "--samples", "2"])
