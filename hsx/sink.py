@@ -623,6 +623,14 @@ class OutputDir:
                                                          "crc32": entry.get("crc32"), "dest": dest,
                                                          "command": command}, sort_keys=True) + "\n")
 
+    def write_exported_card(self, gone: int, total: int, dest: str, command: str) -> None:
+        """README.md once an export with --delete-source deletes units (`gone` of `total`): its configs name a file
+        that does not exist and says why, as the unfinished card does, so `load_dataset(OUT)` fails naming it
+        instead of the first deleted unit, and the text says where the rows went."""
+        dest = dest if dest.isprintable() else repr(dest)
+        atomic_write(self.root / "README.md", EXPORTED_CARD.format(gone=gone, total=total, dest=dest,
+                                                                   command=command))
+
     def exported(self) -> dict[str, dict[str, Any]]:
         """What .hsx/exported.jsonl says exports deleted, by file name (well-formed lines only: it only explains a
         missing unit, it never makes one count as present)."""
@@ -1245,6 +1253,21 @@ def output_bytes(info: dict[str, Any]) -> int:
 
 
 UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"
+USED_UP = "data/EXPORTED-and-deleted-the-rows-are-in-the-export-see-README.md.arrow"
+EXPORTED_CARD = f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: {USED_UP}
+---
+
+# An hsx output used up by an export
+
+{{gone}} of the {{total}} files of this output were exported by `hsx {{command}} --delete-source` into `{{dest}}` and
+then deleted: the rows are there now, in that trainer's layout, not here. hsx.json still describes the job;
+`hsx.load(OUT, allow_incomplete=True)` reads the files left, if any.
+"""
 UNFINISHED_CARD = f"""---
 configs:
 - config_name: default
