@@ -117,7 +117,14 @@ class Job:
                                        cfg.storage_dtype, cfg.topk_logits).bytes_per_token
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
-        mask = data.mask_method(raw.column_names, tokenizer, data.plain_completion(raw, cfg))
+        plain = data.plain_completion(raw, cfg)
+        mask = data.mask_method(raw.column_names, tokenizer, plain)
+        if cfg.prompt_completion == "text" and not plain:  # a recipe's key that this dataset leaves unused: said
+            fmt = data.row_format(raw.column_names)
+            what = ("prompt and completion columns hold messages, not strings" if fmt.startswith("prompt+") else
+                    f"rows are {fmt!r}, not string prompt and completion columns")
+            say(f"hsx: --prompt-completion text does not apply: {cfg.dataset}'s {what}; they are read as they are "
+                "(chat rows with the template, loss on the assistant turns)")
         # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache. Where the
         # dir holds a job already, the fingerprint decides whether it continues: no digest older than this
         # launch stands in for reading the files (hsx.fingerprint).
@@ -349,7 +356,7 @@ class Extraction:
                               memory_bytes)
         from hsx.engine import Extractor, Pipeline
         from hsx.model import kernel_report, library_versions, load_model, prepare_model, resolve_packing
-        from hsx.moe import resolve_experts, use_experts
+        from hsx.moe import has_experts, resolve_experts, use_experts
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device
@@ -358,6 +365,14 @@ class Extraction:
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
         quant = fp8.quantization_of(loaded.text_config)
+        # Options a recipe may set for every model, which this one leaves unused: one line each, not a refusal (a
+        # recipe shared between a dense and an MoE model, a bf16 and an FP8 one, stays usable for both)
+        if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
+            log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "
+                "mixture-of-experts layers")
+        if cfg.fp8_gemm != "auto" and quant is None:
+            log(f"hsx: --fp8-gemm {cfg.fp8_gemm} does not apply: {cfg.model} is not an FP8 checkpoint (its linear "
+                f"layers run in {cfg.dtype})")
         instead = fp8.runs_instead(quant, device) if quant is not None else None
         gemm = None
         if quant is not None and instead is None:
