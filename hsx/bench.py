@@ -26,6 +26,13 @@ from typing import Any
 
 import numpy as np
 
+# Defaults by device (`hsx bench` flags left unset): the GPU's are what the benchmarks were measured with; on CPU a
+# tiny shape and rows of at most 512 tokens, so the bench ends in about a minute (an 8B float32 forward takes minutes a
+# row there, and (b)'s padded batches of 32 rows over a 4k-token tail took 4.5 of 5 minutes at 200 rows).
+GPU_BENCH_SHAPE, CPU_BENCH_SHAPE, CPU_BENCH_MAX_LENGTH = "qwen3-8b", "tiny", 512
+# The storage probe writes this many times (c)'s output, within these bounds (GB): enough to see the storage's rate
+# beyond its caches, not 4 GB after a CPU run that wrote 10 MB.
+STORAGE_PROBE_TIMES, STORAGE_PROBE_GB = 4, (0.25, 4.0)
 WARMUP_COMPILE_WAIT_S = 90.0  # the longest the warm-up waits for the background compile before timing eager
 
 
@@ -143,6 +150,14 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     proc = current_process(args.gpus_per_copy)
     device = proc.device
     cuda = device.type == "cuda"
+    import argparse
+
+    from hsx.config import default_of
+
+    args = argparse.Namespace(**{**vars(args),  # (the flags left unset: the device's defaults, above)
+                                 "shape": args.shape or (GPU_BENCH_SHAPE if cuda else CPU_BENCH_SHAPE),
+                                 "max_length": args.max_length or (default_of("max_length") if cuda else
+                                                                   CPU_BENCH_MAX_LENGTH)})
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.model:  # as extract loads it: its small files and its config.json bounded before transformers reads
         model_path, _ = hsx_model.resolve_model_path(args.model, None, trust_remote_code=False)
@@ -161,14 +176,14 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
             log = lambda *a, **k: None  # noqa: E731
 
     log(f"hsx bench: {args.model or args.shape} ({n} layers × {text.hidden_size}), layers {layers}"
-        f"{' + final' if final_hidden else ''}, {args.count} rows, device {device}")
+        f"{' + final' if final_hidden else ''}, {args.count} rows of at most {args.max_length} tokens, device {device}")
     quant = fp8.quantization_of(hsx_model.text_config_of(full_config)) or fp8.quantization_of(full_config)
     instead = fp8.runs_instead(quant, device) if quant is not None else None
     if instead:
         log(instead)
     on_fp8 = quant is not None and instead is None
     peak_tflops = measure_matmul_tflops(device, fp8=on_fp8)
-    log(f"  measured matmul rate: {peak_tflops:.1f} TFLOP/s "
+    log(f"  measured matmul rate: {flop_rate(peak_tflops)} "
         f"({('e4m3 8192³' if on_fp8 else 'bf16 8192³') if cuda else 'fp32 1024³'})")
 
     # One set of weights for every run: (a) uses the CausalLM, (b) its base model, (c) a truncated view of it.
@@ -341,8 +356,10 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
 
     results["c"]["write_mode"] = resolve_mode(out_dir / ".hsx")  # (what hsx.writer picked for the units there)
     results["c"]["crc32"] = CRC32_LIBRARY
-    if proc.is_main and args.storage_gb > 0:  # (after (c): its fsynced output leaves no writeback behind)
-        results["storage"] = storage_report(out_dir, args.storage_gb, results["c"])
+    probe_gb = args.storage_gb if args.storage_gb is not None else min(max(
+        STORAGE_PROBE_TIMES * out_bytes / 1e9, STORAGE_PROBE_GB[0]), STORAGE_PROBE_GB[1])
+    if proc.is_main and probe_gb > 0:  # (after (c): its fsynced output leaves no writeback behind)
+        results["storage"] = storage_report(out_dir, probe_gb, results["c"])
     for other in ("a", "b"):
         if other in results and "tok_per_s" in results[other]:
             results[f"c_over_{other}"] = results["c"]["tok_per_s"] / results[other]["tok_per_s"]
@@ -620,6 +637,13 @@ def _writer_note(c: dict[str, Any]) -> list[str]:
     return [f"(c): the GPU waited {waited:.2f} s of {gpu:.2f} s for the writer{rate}{hint}"]
 
 
+def flop_rate(tflops: float) -> str:
+    """A measured matmul rate with three significant figures: a CPU's 0.04 TFLOP/s printed as "0.0 TFLOP/s" read
+    as if nothing was measured, beside an MFU taken against it."""
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 10 else f"{tflops:.3g} TFLOP/s" if tflops >= 1 else \
+        f"{tflops * 1e3:.3g} GFLOP/s"
+
+
 def format_table(r: dict[str, Any]) -> str:
     lines = ["| run | rows | tok/s | MFU | padding | peak GiB | vs (c) |", "|---|---|---|---|---|---|---|"]
     for key, name in (("a", "(a) batch 1, output_hidden_states"), ("b", "(b) padded 32, dataset order"),
@@ -637,12 +661,14 @@ def format_table(r: dict[str, Any]) -> str:
     c = r["c"]
     built = c.get("deepgemm_build")  # (hsx.job: DeepGEMM's kernels, inside the warm-up)
     dg = f", DeepGEMM's kernels {built['seconds']:.1f} s" if built else ""
-    lines.append(f"(c): GPU idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
+    device = "GPU" if str(r.get("device", "")).startswith("cuda") else "CPU"  # (the loop's compute: CPU time there)
+    lines.append(f"(c): {device} idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}"
                  f"{', compiled' if c.get('compiled') else ''}{dg}), sdpa {c['sdpa_backend']}, "
                  f"packing {c.get('packing', 'none')}, "
                  f"token budget {c['token_budget']}, "
-                 f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {r['matmul_tflops']:.1f} TFLOP/s")
+                 f"layers run {c['layers_run']}/{r['num_model_layers']}; matmul rate {flop_rate(r['matmul_tflops'])} "
+                 f"(MFU's denominator, {r.get('dtype', '?')})")
     lines += _writer_note(c)
     if "scaling" in r:
         sc = r["scaling"]
@@ -664,13 +690,14 @@ def format_table(r: dict[str, Any]) -> str:
                            for w in s.get("direct", [])) or "n/a"
         writer = (f"; the writer, busy {c['writer_gb_per_s']:.2f} GB/s = {s['writer_share']:.0%}"
                   if "writer_share" in s else "")
-        lines.append(f"storage ({s['filesystem'] or '?'}, {s['bytes'] / 1e9:.1f} GB until fsync): buffered "
+        lines.append(f"storage ({s['filesystem'] or '?'}, {s['bytes'] / 1e9:.2f} GB until fsync): buffered "
                      f"{s['buffered_gb_per_s']:.2f} GB/s, O_DIRECT (block x writes in flight) {direct} GB/s; (c) "
                      f"wrote {c['output_gb_per_s']:.2f} GB/s = {s['hsx_share']:.0%} of the best ({s['best']})"
                      f"{writer} (write mode {c.get('write_mode')})")
         if "writer_alone" in s:
             w, gpu_s = s["writer_alone"], c.get("pipeline", {}).get("gpu_seconds")
-            gpu = f"; the GPU alone {c['output_bytes'] / gpu_s / 1e9:.2f} GB/s (output / GPU time)" if gpu_s else ""
+            gpu = (f"; the {device} alone {c['output_bytes'] / gpu_s / 1e9:.2f} GB/s (output / {device} time)"
+                   if gpu_s else "")
             lines.append(f"the writer alone ({w['mode']}, {w['units']} units of {w['unit_bytes'] / 1e6:,.0f} MB, "
                          f"each fsynced): {w['gb_per_s']:.2f} GB/s = {s['writer_alone_share']:.0%} of the storage's "
                          f"best{gpu}")

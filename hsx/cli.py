@@ -16,8 +16,30 @@ import sys
 from collections.abc import Iterator
 
 from hsx.config import FIELD_KINDS, FIELDS, default_of
-from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, INTERRUPTED, HsxError, Stopped, VerifyFailed, exit_status,
-                        file_system_error, file_system_line)
+from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed,
+                        exit_status, file_system_error, file_system_line, usage_line)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (hsx.errors.usage_line), exit 2, told by the parser whose flags are
+    wrong: an unknown flag after `hsx extract` is extract's error, not the top level's (argparse's parse_args
+    reports every leftover argument from the top parser). Subparsers are of this class too (add_subparsers)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, usage_line(self.prog, message) + "\n")
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._innermost(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def _innermost(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(ns, action.dest, None) in action.choices:
+                sub = action.choices[getattr(ns, action.dest)]
+                return sub._innermost(ns) if isinstance(sub, _Parser) else sub
+        return self
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -75,7 +97,8 @@ def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen3-8b", help="named model shape with random weights (see hsx.cost.SHAPES)")
+    p.add_argument("--shape", help="named model shape with random weights (see hsx.cost.SHAPES; default: qwen3-8b on "
+                   "a GPU, tiny on CPU, where an 8B float32 forward takes minutes a row)")
     p.add_argument("--model", help="a model (local folder or Hub id) instead of --shape (its weights are used)")
     config_flag(p, "layers", "as for extract: ", default=["dflash"])
     config_flag(p, "final_hidden", "as for extract: ", default=False)
@@ -84,8 +107,9 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spread", type=float, default=0.8, help="sigma of the lognormal body")
     p.add_argument("--tail", type=float, default=0.01, help="fraction of rows uniform in [max/2, max]")
     p.add_argument("--min-length", type=int, default=16, help="shortest row drawn, tokens")
-    p.add_argument("--max-length", type=int, default=default_of("max_length"),
-                   help="longest row drawn (and extract's --max-length)")
+    p.add_argument("--max-length", type=int, help="longest row drawn (and extract's --max-length; default: extract's, "
+                   f"{default_of('max_length')}, on a GPU; 512 on CPU, where (b)'s padded batches of 32 rows of 4k "
+                   "tokens took minutes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, token ids and (a)'s subset")
     for name in ("token_budget", "compile", "sdpa_backend", "gpus_per_copy", "experts_implementation", "packing",
                  "storage_dtype"):
@@ -96,9 +120,10 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help="comma-separated runs to skip: a,b")
     p.add_argument("--output-dir", help="where (c) writes (default: a temp dir, deleted unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep (c)'s output and the drawn input")
-    p.add_argument("--storage-gb", type=float, default=4.0,
+    p.add_argument("--storage-gb", type=float,
                    help="after (c), write this many GB to --output-dir's filesystem, buffered and O_DIRECT, and "
-                        "report (c)'s write rate as a share of it (at most a quarter of the free space; 0: skip)")
+                        "report (c)'s write rate as a share of it (default: 4x (c)'s output, within 0.25-4 GB; at "
+                        "most a quarter of the free space; 0: skip)")
     add_json_flag(p, "the results")
     p.add_argument("--profile", help="also profile a dozen batches of (c) with torch.profiler; write the table here")
     p.add_argument("--scaling-baseline", help="under a launcher: the --json of the same bench in one process; "
@@ -126,7 +151,7 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of chosen layers of a "
+    parser = _Parser(prog="hsx", description="Extract hidden states of chosen layers of a "
                                      "Hugging Face causal LM into an Arrow dataset.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

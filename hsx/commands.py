@@ -65,10 +65,10 @@ def bench(args: argparse.Namespace) -> None:
         check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high, integer=False)
     log = log_beside_json(args.json)
     if args.gemms is not None:
-        from hsx.bench import bench_gemms
+        from hsx.bench import GPU_BENCH_SHAPE, bench_gemms
 
         check_range("--gemm-tokens", args.gemm_tokens, 1, 2**20)
-        shapes = [s.strip() for s in (args.gemms or args.shape).split(",") if s.strip()]
+        shapes = [s.strip() for s in (args.gemms or args.shape or GPU_BENCH_SHAPE).split(",") if s.strip()]
         results = bench_gemms(shapes, args.gemm_tokens, log=log)
         if args.json:
             write_json(args.json, results)

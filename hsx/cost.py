@@ -502,6 +502,9 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
             rate = WRITER_BYTES_PER_S / bpt
             source = (f"the writer's fastest measured {WRITER_BYTES_PER_S / 1e9:.2f} GB/s per process, not the "
                       f"GPU's FLOPs; a model this small is bound by per-batch overheads this plan does not model")
+        if storage_dtype != SCALED_DTYPE:  # what --storage-dtype float8_e4m3 would write instead (plan's "to fit")
+            fp8_bpt = OutputFormat(len(layers), h, final_hidden, SCALED_DTYPE, topk_logits).bytes_per_token
+            out.update({"float8_bytes_per_token": fp8_bpt, "float8_total_bytes": tokens * fp8_bpt})
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
                     "rate_tokens_per_s": rate, "rate_bound": "writer" if "writer" in source else "compute",
                     "rate_source": source,
@@ -568,9 +571,30 @@ def format_plan(p: dict[str, Any]) -> str:
                      f"({p['rate_source']}) ≈ {when}")
         node = f", {human_bytes(p['write_bytes_per_s_node'])}/s per node" if p.get("copies_per_node", 1) > 1 else ""
         lines.append(f"disk writes: {human_bytes(p['write_bytes_per_s'])}/s per copy{node}")
+        lines += fit_lines(p)
     else:
         lines.append("disk and time: give --tokens N (the dataset's size is not known offline)")
     return "\n".join(lines)
+
+
+def fit_lines(p: dict[str, Any]) -> list[str]:
+    """What makes the output fit less disk, each with its number for this plan (they combine): the fp8 storage
+    dtype, training while extracting (a window of units on disk), node shares in local dirs."""
+    total = p["total_bytes"]
+    lines = ["to need less disk (these combine):"]
+    if "float8_total_bytes" in p:
+        lines.append(f"  --storage-dtype float8_e4m3: {p['float8_bytes_per_token']:,} bytes per token, "
+                     f"{human_bytes(p['float8_total_bytes'])} in all ({p['float8_total_bytes'] / total:.0%}; e4m3 "
+                     "values with a float32 scale per token and layer, read back as bf16: docs/storage.md)")
+    lines.append("  train while extracting: --max-pending-gb N, with the trainer reading hsx.follow(OUT, "
+                 "delete_consumed=True): the disk holds N GB of units not yet consumed (a unit is ~2 GiB), not "
+                 f"{human_bytes(total)} (docs/follow.md)")
+    lines.append("  --push-to-hub REPO --push-mode stream --delete-after-upload: each unit leaves the disk once the "
+                 "Hub has it")
+    shares = ", ".join(f"{human_bytes(total / k)} over {k}" for k in (2, 4, 8))
+    lines.append(f"  nodes each writing a local --output-dir: a node's disk holds its share, {shares} nodes; "
+                 "`hsx merge` joins the dirs by metadata (docs/scale-out.md)")
+    return lines
 
 
 def launch_commands(config_path: str | None, overrides: dict[str, Any], output_dir: str, gpus: int,

@@ -22,6 +22,12 @@ class UsageError(HsxError):
     """A flag, recipe key or argument wrong by itself (before the model or data is read): EXIT_USAGE."""
 
 
+def usage_line(prog: str, message: str) -> str:
+    """A usage error as the command line prints it: one line naming the command and where its flags are listed
+    (argparse's own error prints the whole usage first, 29 lines for `hsx extract`)."""
+    return f"{prog}: error: {message}; see `{prog} --help`"
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """An exception's message as one line: its lines joined (a library's first line alone may say only which
     validator failed, the next one which key and why), whitespace collapsed, at most `limit` characters."""

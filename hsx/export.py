@@ -218,10 +218,18 @@ class _Dest:
         and in the output's .hsx/exported.jsonl so a reader of the output is told where its rows went)."""
         append_synced(self.root / JOURNAL, json.dumps({"token": self.token, "released": unit.name}) + "\n")
         entry = next(e for e in src.units if e["file"] == unit.name)
-        OutputDir(src.root).record_exported(entry, str(self.root.resolve()), command)
+        out = OutputDir(src.root)
+        out.record_exported(entry, str(self.root.resolve()), command)
+        out.write_exported_card(len(self.released | {unit.name}), len(src.units), str(self.root.resolve()), command)
         unit.unlink()
         fsync_dir(unit.parent)
         self.released.add(unit.name)
+
+
+def _deleted(d: _Dest, before: int) -> str:
+    """What this run of a --delete-source export deleted (a rerun of a finished one deleted nothing)."""
+    return f"; deleted {len(d.released) - before} source unit(s)" + (
+        f" ({before} deleted by an earlier run)" if before else "")
 
 
 def _not_written_here(dest: Path, rel: str, why: str = "") -> ValueError:
@@ -437,6 +445,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     written = kept = 0
     with stack:
         d = _open_dest(dest, src, options, overwrite, _SPECFORGE_DIRS)
+        released_before = len(d.released)
         for name, path in _units(src, d, delete_source):
             view = _open_unit(path, meta, chosen)
             skipped = 0
@@ -473,7 +482,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     skipped = sum(d.skipped.values())
     log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline {layout} layout"
         + (f" ({kept} already there)" if kept else "")
-        + (f"; deleted {len(d.released)} source unit(s)" if delete_source else "")
+        + (_deleted(d, released_before) if delete_source else "")
         + (f"; left out {skipped} row(s) without two consecutive supervised tokens (SpecForge's DFlash rejects "
            "them)" if skipped else ""))
     return {"written": written, "kept": kept, "skipped": skipped, "released": len(d.released), "dest": str(dest)}
@@ -572,6 +581,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     written = kept = 0
     with stack:
         d = _open_dest(dest, src, options, overwrite, _SPECULATORS_DIRS)
+        released_before = len(d.released)
         todo = _units(src, d, delete_source)
         if not all(rel in d.files for rel in d.parts.get(_DATASET_PART, [None])):
             _write_dataset_part(d, src, todo, aux, draft_vocab_size)
@@ -601,7 +611,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     target_layer_ids = [x + 1 for x in aux]  # speculators / vLLM count the embedding output as layer 0
     log(f"hsx: exported {written} sample(s) to {dest} in speculators' offline layout"
         + (f" ({kept} already there)" if kept else "")
-        + (f"; deleted {len(d.released)} source unit(s)" if delete_source else "")
+        + (_deleted(d, released_before) if delete_source else "")
         + f"; train with --data-path {dest} --target-layer-ids {' '.join(map(str, target_layer_ids))} "
           "--on-missing raise (or --config speculators.yaml)")
     return {"written": written, "kept": kept, "rows": rows, "target_layer_ids": target_layer_ids,

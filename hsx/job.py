@@ -117,7 +117,14 @@ class Job:
                                        cfg.storage_dtype, cfg.topk_logits).bytes_per_token
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
-        mask = data.mask_method(raw.column_names, tokenizer, data.plain_completion(raw, cfg))
+        plain = data.plain_completion(raw, cfg)
+        mask = data.mask_method(raw.column_names, tokenizer, plain)
+        if cfg.prompt_completion == "text" and not plain:  # a recipe's key that this dataset leaves unused: said
+            fmt = data.row_format(raw.column_names)
+            what = ("prompt and completion columns hold messages, not strings" if fmt.startswith("prompt+") else
+                    f"rows are {fmt!r}, not string prompt and completion columns")
+            say(f"hsx: --prompt-completion text does not apply: {cfg.dataset}'s {what}; they are read as they are "
+                "(chat rows with the template, loss on the assistant turns)")
         # local inputs are identified by content: rank 0 hashes them, the other ranks hit its cache. Where the
         # dir holds a job already, the fingerprint decides whether it continues: no digest older than this
         # launch stands in for reading the files (hsx.fingerprint).
@@ -351,7 +358,7 @@ class Extraction:
                               memory_bytes)
         from hsx.engine import Extractor, Pipeline
         from hsx.model import kernel_report, library_versions, load_model, prepare_model, resolve_packing
-        from hsx.moe import resolve_experts, use_experts
+        from hsx.moe import has_experts, resolve_experts, use_experts
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device
@@ -360,6 +367,14 @@ class Extraction:
         self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
         use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
         quant = fp8.quantization_of(loaded.text_config)
+        # Options a recipe may set for every model, which this one leaves unused: one line each, not a refusal (a
+        # recipe shared between a dense and an MoE model, a bf16 and an FP8 one, stays usable for both)
+        if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
+            log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "
+                "mixture-of-experts layers")
+        if cfg.fp8_gemm != "auto" and quant is None:
+            log(f"hsx: --fp8-gemm {cfg.fp8_gemm} does not apply: {cfg.model} is not an FP8 checkpoint (its linear "
+                f"layers run in {cfg.dtype})")
         instead = fp8.runs_instead(quant, device) if quant is not None else None
         gemm = None
         if quant is not None and instead is None:
@@ -604,9 +619,10 @@ def _named(whose: list[str], most: int = 8) -> str:
 # ---- finish ------------------------------------------------------------------------------------------------------
 
 def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary: dict, share,
-           stats: dict[str, Any], t_start: float, log) -> dict[str, Any]:
+           stats: dict[str, Any], t_start: float, log, pending: list[str] | None = None) -> dict[str, Any]:
     """This rank's units are committed: mark it done, and finalize (hsx.json, card, push) if every unit is in its
-    dir. `share` (hsx.run.DirShare): the ranks writing into this dir, and the run's id.
+    dir. `share` (hsx.run.DirShare): the ranks writing into this dir, and the run's id. `pending`: the units no dir
+    held when this run started (what it wrote, for its last line; default: all of them).
 
     Completion is tracked by the manifests each rank appends to (no collective at the end, which could time out
     when ranks finish far apart): whichever process sees every unit committed finalizes. When each node writes
@@ -624,6 +640,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
                 "finish finalizes it")
             return {"complete": False, "rank": proc.rank, "run": stats}
         if not share.whole:  # this node's share of a job whose nodes each write their own dir
+            out.mark_share_done(len(units) - len(missing), len(units))
             log(f"hsx: {cfg.output_dir} holds {len(units) - len(missing)} of the job's {len(units)} units (this "
                 "node's share; the other nodes' dirs hold the rest): once every node has finished, join them with "
                 "`hsx merge OUT NODE_DIR...` (see docs/scale-out.md)")
@@ -651,8 +668,8 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
         push(cfg, log)
     wall = time.perf_counter() - t_start
     c = info["counts"]
-    log(f"hsx: wrote {c['rows_written']:,} rows, {c['tokens_written']:,} tokens to {cfg.output_dir} "
-        f"({len(units)} files); skipped {json.dumps(c['skipped'])}; truncated {c['truncated']}; rows with "
+    log(f"hsx: {_what_was_written(out, units, pending, c, cfg.output_dir)}; skipped {json.dumps(c['skipped'])}; "
+        f"truncated {c['truncated']}; rows with "
         f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
     refuse_empty(cfg, c, written=True)
     if stats["tokens"]:
@@ -663,6 +680,20 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
             f"of extraction ({wall:.1f} s in all), padding {pad:.1%}, "
             f"{'GPU' if str(stats.get('device', '')).startswith('cuda') else 'CPU'} busy {busy:.0%}")
     return info
+
+
+def _what_was_written(out: OutputDir, units: list[Unit], pending: list[str] | None, counts: dict[str, Any],
+                      where: str) -> str:
+    """The end line's first part: what the output holds, and, after a resume, what this run wrote of it (a resumed
+    run that wrote 13 rows of 96 must not say it wrote 96)."""
+    whole = f"{counts['rows_written']:,} rows, {counts['tokens_written']:,} tokens to {where} ({len(units)} files)"
+    if pending is None or len(pending) >= len(units):
+        return f"wrote {whole}"
+    done = out.done_units()
+    mine = [done[u] for u in pending if u in done]
+    rows, tokens = sum(r.get("rows", 0) for r in mine), sum(r.get("tokens", 0) for r in mine)
+    return (f"this run wrote {rows:,} rows, {tokens:,} tokens ({len(mine)} of the {len(units)} files; the others "
+            f"were committed before); the output holds {whole.replace(' to ', ' in ', 1)}")
 
 
 def refuse_empty(cfg: ExtractConfig, counts: dict[str, Any], written: bool) -> None:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from hsx.errors import EXIT_INTERRUPTED, INTERRUPTED, UsageError, one_line
+from hsx.errors import EXIT_INTERRUPTED, EXIT_USAGE, INTERRUPTED, UsageError, one_line, usage_line
 
 RANK_COMMANDS = ("extract", "bench")  # the commands that split their work over the ranks of a launch
 # What torch.distributed.elastic's agent catches (its default TORCHELASTIC_SIGNALS_TO_HANDLE) and passes to ranks.
@@ -65,6 +65,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
 
     parser = launch_command_parser()
     _describe(parser)
+    parser.error = lambda message: parser.exit(EXIT_USAGE, usage_line(parser.prog, message) + "\n")  # one line
     args = parser.parse_args(argv)
     if getattr(args, "module", False) or getattr(args, "no_python", False):
         raise UsageError("hsx launch runs `python -m hsx COMMAND` itself: drop -m/--module and --no_python")
@@ -72,8 +73,9 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
     if command not in RANK_COMMANDS:
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
-    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: argparse's usage error, exit 2
-    _check_accelerate_config(args)
+    ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: extract's one-line usage error, exit 2
+    if _check_accelerate_config(args) is None:
+        _pass_accelerate_defaults(args)
     if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
         from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hangs)
 
@@ -90,11 +92,28 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
 MAX_ACCELERATE_CONFIG_BYTES = 1 << 20  # `accelerate config` writes ~0.5 KB
 
 
-def _check_accelerate_config(args: argparse.Namespace) -> None:
+def _pass_accelerate_defaults(args: argparse.Namespace) -> None:
+    """Without a config file, accelerate fills in --num_processes (its devices, at least 1), --num_machines 1,
+    --mixed_precision no and --dynamo_backend no, and prints a 7-line "values were not passed" block at every launch
+    saying so: hsx passes those same values (none of them changes what hsx runs: hsx picks its own dtype and
+    compile), as the block asks, so the launch prints nothing of its own. Values given are kept."""
+    import torch
+
+    gpus = torch.cuda.device_count() if not args.cpu else 0
+    if args.num_processes is None:
+        args.num_processes = max(gpus, 1)
+    if args.num_processes > 1 and gpus > 1:  # (accelerate turns it on and says so in the same block)
+        args.multi_gpu = True
+    for key, value in (("num_machines", 1), ("mixed_precision", "no"), ("dynamo_backend", "no")):
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def _check_accelerate_config(args: argparse.Namespace) -> str | None:
     """UsageError in one line for what accelerate would turn into a traceback, a hang or a job elsewhere: a
     --config_file (or accelerate's default one) that is missing, not a regular file (a FIFO hangs its reader),
     not a YAML/JSON mapping, or sets up a SageMaker job; a process count below 1, or more per machine than this
-    machine has cores (each rank is a process with its own model)."""
+    machine has cores (each rank is a process with its own model). Returns the config file's path (None: none)."""
     import yaml
     from accelerate.commands.config import default_config_file
 
@@ -143,6 +162,7 @@ def _check_accelerate_config(args: argparse.Namespace) -> None:
     if -(-processes // machines) > cores:
         raise UsageError(f"--num_processes {processes:,} over {machines:,} machine(s) starts "
                          f"{-(-processes // machines):,} processes on each; this one has {cores} cores")
+    return path
 
 
 def _no_alias_loader(yaml):

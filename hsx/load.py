@@ -208,6 +208,11 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
         entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]
         summary = out.read_summary()
         total = len(summary.unit_names if summary else []) or "?"
+        share = out.finished_share()
+        if share and not allow_incomplete:
+            raise HsxError(f"{root} is one node's finished share of a job ({share[0]} of its {share[1]} units; the "
+                           "other nodes' dirs hold the rest): join them with `hsx merge OUT NODE_DIR...` "
+                           "(docs/scale-out.md), or load(..., allow_incomplete=True) to read this share")
         if not allow_incomplete:
             raise HsxError(f"{root} is not a finished hsx output ({len(out.done_units())} of {total} units "
                            "committed: a job is running or was interrupted); run the same `hsx extract` command "
@@ -228,8 +233,10 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     consumed = [n for n, p in problems.items() if p == "consumed"]  # deleted by a trainer (hsx.follow)
     exported = [n for n, p in problems.items() if p == "exported"]  # deleted by an export (--delete-source)
     bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed", "exported")}
-    if exported and not allow_incomplete:
-        raise HsxError(f"{out.used_up(entries)} (load(..., allow_incomplete=True) reads the files left)")
+    left = len(entries) - len(bad) - len(uploaded) - len(consumed) - len(exported)
+    if exported and (not allow_incomplete or not left):
+        raise HsxError(out.used_up(entries) + (f" (load(..., allow_incomplete=True) reads the {left} files left)"
+                                               if left else "; no file of it is left here to load"))
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
         raise HsxError(f"{root} is damaged: {len(bad)} of the {len(entries)} files {what} are missing or differ "
@@ -247,8 +254,7 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
         why = (["the job is not finished"] if what == "committed" else []) + (
             [f"{len(bad)} are missing or damaged"] if bad else []) + (
             [f"{len(exported)} were deleted by an export"] if exported else [])
-        reading = len(entries) - len(bad) - len(uploaded) - len(consumed) - len(exported)
-        warnings.warn(f"{root}: reading {reading} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
+        warnings.warn(f"{root}: reading {left} of the {len(entries)} files {what} ({'; '.join(why)})", stacklevel=3)
     files = [paths[n] for n, p in problems.items() if p is None]
     if not files:
         raise HsxError(f"{root}: no intact data/{split}-*.arrow file to read")

@@ -390,7 +390,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         raise stop.stopped(f"stopped cleanly after {len(out.done_units())} of {len(units.all)} units; run the same "
                            "command to continue")
 
-    return finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log)
+    return finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log,
+                  pending=[u.name for u in pending])
 
 
 def agree_on_job(proc: Process, fingerprint: str) -> str:

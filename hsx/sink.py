@@ -477,6 +477,23 @@ class OutputDir:
         atomic_write(folder / f"{rank:05d}.done", json.dumps({"rank": rank, **record}) + "\n")
         return len(list(folder.glob("*.done"))) >= world_size
 
+    def mark_share_done(self, units: int, of: int) -> None:
+        """This dir holds a finished node's share of a job whose nodes each write their own dir: `units` of its `of`
+        units. Readers then name `hsx merge` as the next step, not the same `hsx extract` (nothing is left to run)."""
+        atomic_write(self.state / "share-done.json", json.dumps({"units": units, "of": of}) + "\n")
+
+    def finished_share(self) -> tuple[int, int] | None:
+        """(units, of) when this dir is a node's finished share (`mark_share_done`) and no unit was committed or lost
+        since; None otherwise, or when the record is damaged (it only chooses which next step a message names)."""
+        try:
+            record = json.loads(_read_bounded(self.state / "share-done.json", 256))
+            units, of = record["units"], record["of"]
+        except (OSError, ValueError, TypeError, KeyError, HsxError):
+            return None
+        if type(units) is not int or type(of) is not int or not 0 < units < of or units != len(self.done_units()):
+            return None
+        return units, of
+
     def rank_stats(self, run_id: str) -> list[dict[str, Any]]:
         """What each rank of run `run_id` recorded when it finished, in rank order."""
         stats = []
@@ -607,6 +624,14 @@ class OutputDir:
         append_synced(self.state / EXPORTED, json.dumps({"file": entry["file"], "bytes": entry["bytes"],
                                                          "crc32": entry.get("crc32"), "dest": dest,
                                                          "command": command}, sort_keys=True) + "\n")
+
+    def write_exported_card(self, gone: int, total: int, dest: str, command: str) -> None:
+        """README.md once an export with --delete-source deletes units (`gone` of `total`): its configs name a file
+        that does not exist and says why, as the unfinished card does, so `load_dataset(OUT)` fails naming it
+        instead of the first deleted unit, and the text says where the rows went."""
+        dest = dest if dest.isprintable() else repr(dest)
+        atomic_write(self.root / "README.md", EXPORTED_CARD.format(gone=gone, total=total, dest=dest,
+                                                                   command=command))
 
     def exported(self) -> dict[str, dict[str, Any]]:
         """What .hsx/exported.jsonl says exports deleted, by file name (well-formed lines only: it only explains a
@@ -1239,6 +1264,21 @@ def output_bytes(info: dict[str, Any]) -> int:
 
 
 UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"
+USED_UP = "data/EXPORTED-and-deleted-the-rows-are-in-the-export-see-README.md.arrow"
+EXPORTED_CARD = f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: {USED_UP}
+---
+
+# An hsx output used up by an export
+
+{{gone}} of the {{total}} files of this output were exported by `hsx {{command}} --delete-source` into `{{dest}}` and
+then deleted: the rows are there now, in that trainer's layout, not here. hsx.json still describes the job;
+`hsx.load(OUT, allow_incomplete=True)` reads the files left, if any.
+"""
 UNFINISHED_CARD = f"""---
 configs:
 - config_name: default

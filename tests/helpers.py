@@ -449,10 +449,12 @@ def _without(table, sample_ids):
 
 
 def assert_same_output(out: Path, ref: Path, drop=(), ignore_states=(), exact: bool = True,
-                       max_ulps: int = 2) -> None:
+                       rel_tol: float = 1e-2) -> None:
     """The rows of `out` are the rows of `ref` (less the sample_ids in `drop`): same sample_ids in the same order,
-    same input_ids / loss_mask / num_tokens, states bit-identical (or, with exact=False, within `max_ulps` bf16
-    units in the last place) except for the rows in `ignore_states`."""
+    same input_ids / loss_mask / num_tokens, states bit-identical (or, with exact=False, each row's states within
+    `rel_tol` relative Frobenius error of the reference row's, the bound `hsx verify` and the architecture tests hold
+    bf16 to) except for the rows in `ignore_states`. Bit-identity holds only where the maths had the same shapes:
+    CPU and GPU matmul kernels pick their blocking, and so the order of a sum, from the operands' shapes."""
     got, want = output_table(out), _without(output_table(ref), drop)
     ids = got.column("sample_id").to_pylist()
     assert len(ids) == len(set(ids)), "a sample_id repeats"
@@ -468,8 +470,12 @@ def assert_same_output(out: Path, ref: Path, drop=(), ignore_states=(), exact: b
         a, b = _states(got.column(c)), _states(want.column(c))
         assert a.shape == b.shape, c
         assert not exact, f"column {c}: states differ in {(a != b).sum()} of {a.size} values (expected bit-identical)"
-        ulps = bf16_ulps(torch.from_numpy(a).view(torch.bfloat16), torch.from_numpy(b).view(torch.bfloat16).float())
-        assert int(ulps.max()) <= max_ulps, f"column {c}: {int(ulps.max())} bf16 ulps apart"
+        ids = got.column("sample_id").to_pylist()
+        for i, sid in enumerate(ids):
+            x = torch.from_numpy(_states(got.column(c).slice(i, 1))).view(torch.bfloat16).float()
+            y = torch.from_numpy(_states(want.column(c).slice(i, 1))).view(torch.bfloat16).float()
+            err = rel_err(x, y)
+            assert err <= rel_tol, f"column {c}, sample_id {sid}: relative error {err:.3g} over {rel_tol:g}"
 
 
 @dataclass
@@ -489,8 +495,9 @@ class FaultReference:
 
 
 def assert_equals_reference(out: Path, ref: FaultReference, verify: bool = True,
-                            world_size: int | None = None) -> None:
-    """The finished `out` is the reference: rows, counts, units, manifests; `hsx verify OUT --samples 2` passes."""
+                            world_size: int | None = None, exact: bool = True) -> None:
+    """The finished `out` is the reference: rows, counts, units, manifests; `hsx verify OUT --samples 2` passes.
+    States bit for bit, or with exact=False (rows computed at other batch shapes) within bf16 rounding."""
     info = json.loads((out / "hsx.json").read_text())
     assert info["complete"] is True
     assert info["counts"] == ref.info["counts"]
@@ -500,7 +507,7 @@ def assert_equals_reference(out: Path, ref: FaultReference, verify: bool = True,
     assert sorted(p.name for p in (out / "data").iterdir()) == sorted(p.name for p in (ref.out / "data").iterdir())
     recs = assert_units_intact(out)
     assert sorted(r["unit"] for r in recs) == sorted(r["unit"] for r in manifest_records(ref.out))
-    assert_same_output(out, ref.out)
+    assert_same_output(out, ref.out, exact=exact)
     assert not (out / ".hsx" / "tmp").exists()  # finalize removed every rank's partial units
     if verify:
         rc, stdout, stderr = hsx_main(["verify", str(out), "--samples", "2"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,24 @@ def test_bench_tiny_reports_all_runs_and_keeps_output(tmp_path, capsys, monkeypa
     assert r["c_over_a"] == c["tok_per_s"] / r["a"]["tok_per_s"]
     assert "| (c) hsx extract |" in capsys.readouterr().out
     assert len(hsx.load(str(out))) == 40  # the real Arrow output of (c)
+
+
+@pytest.mark.slow
+def test_bench_on_cpu_is_quick_and_says_cpu(tmp_path, capsys, monkeypatch):
+    """On CPU with no --shape and no --max-length: the tiny shape and rows of at most 512 tokens (an 8B float32
+    model, and (b)'s padded batches over a 4k-token tail, took minutes), a storage probe scaled to (c)'s output (it
+    wrote 4 GB after a run that wrote megabytes), the matmul rate MFU is taken against printed as measured (not
+    "0.0 TFLOP/s"), and no GPU in the report."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--count", "24", "--skip", "a,b", "--json", str(report)]) == 0
+    r, shown = json.loads(report.read_text()), capsys.readouterr().out
+    assert r["model"] == "random:tiny" and r["max_length_drawn"] <= 512 and r["device"] == "cpu"
+    assert r["storage"]["bytes"] <= 0.3e9 < 4e9
+    assert "GPU" not in shown and "(c): CPU idle" in shown and "the CPU alone" in shown
+    assert " 0.0 TFLOP/s" not in shown and re.search(r"matmul rate [1-9][0-9.,]* [GT]FLOP/s", shown), shown
 
 
 def test_bench_deletes_its_temp_output_unless_kept(tmp_path, monkeypatch):

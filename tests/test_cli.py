@@ -466,6 +466,42 @@ def test_exit_codes_usage_2_runtime_1(tmp_path, capsys, model4, small_chat_path,
     capsys.readouterr()
 
 
+def test_a_wrong_flag_is_one_line_from_its_command(capsys):
+    """argparse printed the whole usage (29 lines for extract) before its error line, and an unknown flag after a
+    command was the top-level parser's error; under `hsx launch` too."""
+    for argv, line in [
+        (["extract", "--bogus", "1"], "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
+        (["launch", "--num_processes", "1", "extract", "--bogus", "1"],
+         "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
+        (["plan", "--gpu", "nope"], "hsx plan: error: argument --gpu: invalid choice: 'nope' (choose from 'h200'); "
+                                    "see `hsx plan --help`"),
+        (["launch", "--bogus", "extract"], "hsx launch: error: unrecognized arguments: --bogus; see `hsx launch --help`"),
+        ([], "hsx: error: the following arguments are required: command; see `hsx --help`"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        captured = capsys.readouterr()
+        assert e.value.code == 2 and captured.err.splitlines() == [line] and not captured.out, (argv, captured.err)
+
+
+@pytest.mark.slow
+def test_options_that_do_not_apply_to_this_model_or_data_are_said_in_one_line_each(tmp_path, model4,
+                                                                                     small_chat_path):
+    """--fp8-gemm on a bf16 model, --experts-implementation on a dense one, --prompt-completion text on chat rows
+    were accepted without a word. A recipe may set them for every model, so the job runs, saying so once each."""
+    argv = base_args(model4, small_chat_path, tmp_path / "out") + [
+        "--fp8-gemm", "cublas", "--experts-implementation", "eager", "--prompt-completion", "text", "--compile", "off"]
+    rc, out, err = hsx_main(argv)
+    assert rc == 0, err
+    notes = [line for line in out.splitlines() if "does not apply" in line]
+    assert notes == [
+        f"hsx: --prompt-completion text does not apply: {small_chat_path}'s rows are 'messages', not string prompt "
+        "and completion columns; they are read as they are (chat rows with the template, loss on the assistant turns)",
+        f"hsx: --experts-implementation eager does not apply: {model4.path} has no mixture-of-experts layers",
+        f"hsx: --fp8-gemm cublas does not apply: {model4.path} is not an FP8 checkpoint (its linear layers run in "
+        "bfloat16)"], out
+
+
 def _subcommands():
     from hsx.cli import build_parser
 

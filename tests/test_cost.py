@@ -72,3 +72,20 @@ def test_plan_knows_the_gpus_people_run_this_on(capsys, monkeypatch):
     h100 = job_plan(None, {"layers": ["dflash"]}, shape="qwen3-8b-fp8", tokens=10**6, gpu="h100-sxm")
     assert a100["weight_bytes"] > 1.8 * h100["weight_bytes"]  # its weights as bf16, not e4m3
     assert any("no FP8 tensor cores" in line for line in a100["kernel_fallbacks"])
+
+
+def test_a_plan_says_what_makes_its_output_fit_with_its_numbers(capsys):
+    """`hsx plan` said "8.7 TB on disk" and nothing of what makes it fit: the fp8 storage dtype (its bytes), training
+    while extracting, node shares in local dirs."""
+    from hsx.cli import main
+
+    assert main(["plan", "--shape", "qwen3.6-27b", "--layers", "1", "16", "31", "46", "61", "--tokens",
+                 "170000000"]) == 0
+    shown = capsys.readouterr().out
+    assert "→ 8.7 TB on disk" in shown
+    assert "--storage-dtype float8_e4m3: 25,620 bytes per token, 4.4 TB in all (50%" in shown
+    assert "--max-pending-gb N" in shown and "hsx.follow(OUT, delete_consumed=True)" in shown
+    assert "4.4 TB over 2, 2.2 TB over 4, 1.1 TB over 8 nodes" in shown
+    assert main(["plan", "--shape", "qwen3.6-27b", "--layers", "1", "--tokens", "1000", "--storage-dtype",
+                 "float8_e4m3"]) == 0
+    assert "--storage-dtype float8_e4m3:" not in capsys.readouterr().out  # (it is what the plan stores already)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+import hsx
+from hsx.errors import HsxError
+
 from helpers import (
     Child,
     assert_equals_reference,
@@ -202,6 +205,10 @@ def test_two_nodes_with_their_own_dirs_merge_to_one_process(tmp_path, fault_refe
             {"manifest-00000.jsonl", "manifest-00001.jsonl"} if d.name == "node0" else
             {"manifest-00002.jsonl", "manifest-00003.jsonl"})
         assert f"holds {len(units_of(d))} of the job's {ref.units} units" in child.stdout
+        with pytest.raises(HsxError) as e:  # reading it says the next step, the merge (not the same hsx extract)
+            hsx.load(str(d))
+        assert f"one node's finished share of a job ({len(units_of(d))} of its {ref.units} units" in str(e.value)
+        assert "`hsx merge OUT NODE_DIR...`" in str(e.value) and "hsx extract" not in str(e.value)
     rc, stdout, stderr = hsx_main(["merge", str(tmp_path / "merged"), *map(str, dirs)])
     assert rc == 0, stderr
     assert_equals_reference(tmp_path / "merged", ref, world_size=0, verify=False)

@@ -3,8 +3,9 @@ unparseable input, corrupted outputs for `hsx verify`, and a Hub token in the en
 
 Every job here is the one of `fault_reference` (conftest.py): model4, the demo chat, ~55 units of ~400 tokens. After
 each fault the job is run again to completion and must equal the uninterrupted reference: the same sample_ids in the
-same order, the same tokens and masks, bit-identical states (CPU, one thread), the same counts in hsx.json, every
-unit recorded once with the CRC-32 of its file, and `hsx verify` passing.
+same order, the same tokens and masks, bit-identical states (CPU, one thread: every batch runs at the shapes it had in
+the reference), the same counts in hsx.json, every unit recorded once with the CRC-32 of its file, and `hsx verify`
+passing. An OOM-split batch's rows run at other shapes: their states are checked within bf16 rounding.
 """
 
 from __future__ import annotations
@@ -170,7 +171,18 @@ def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypat
         calls["forward"] += 1
         return real_forward(self, ids, index, packed)
 
+    real_run_batch = Extractor.run_batch
+    whole = set()  # sample_ids of the map batches that ran as one forward, at the reference's shapes
+
+    def run_batch(self, table, slot):
+        before = dict(calls)
+        result = real_run_batch(self, table, slot)
+        if calls["oom"] == before["oom"] and calls["forward"] == before["forward"] + 1:
+            whole.update(table.column("sample_id").to_pylist())
+        return result
+
     monkeypatch.setattr(Extractor, "_forward", forward)
+    monkeypatch.setattr(Extractor, "run_batch", run_batch)
     out = tmp_path / "out"
     rc, stdout, stderr = hsx_main(ref.argv(out))
     assert rc == 0, stderr
@@ -186,12 +198,14 @@ def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypat
     recs = assert_units_intact(out)
     assert len(recs) == ref.units  # every unit was finished: an OOM costs at most the rows that cannot fit
     assert sum(r["skipped_oom"] for r in recs) == len(drop)
-    assert_same_output(out, ref.out, drop=drop)
-    # units without a dropped row are byte for byte the reference's, however their batches were split
-    ref_units = {r["unit"]: r for r in manifest_records(ref.out)}
-    for r in recs:
-        if r["skipped_oom"] == 0:
-            assert r["crc32"] == ref_units[r["unit"]]["crc32"], r["unit"]
+    # Every row but the dropped ones, once, in order, with its tokens and masks. A split batch runs its rows at other
+    # shapes (fewer rows, a shorter padded length), and CPU and GPU matmul kernels choose their blocking, so the order
+    # of a sum, by shape: those rows' states equal the unsplit run's within bf16 rounding, not bit for bit (a fresh
+    # 2-core CI machine: 1,298 of 2,009,344 values differ). Rows whose batch ran whole are the reference's bytes.
+    split = set(rows) - whole - drop
+    assert whole and (split or case == "longest_rows_never_fit"), (len(split), len(whole))  # (those run alone)
+    assert_same_output(out, ref.out, drop=drop, ignore_states=split)
+    assert_same_output(out, ref.out, drop=drop, exact=False)
 
 
 # ---- disk full -------------------------------------------------------------------------------------------------
@@ -270,8 +284,10 @@ def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monke
 
 @pytest.mark.slow
 def test_resume_with_another_token_budget(tmp_path, monkeypatch, fault_reference):
-    """The token budget does not decide the output, so a resume may change it (other batch shapes): stopped after
-    20 units by a full disk, then finished with --token-budget 333 instead of 1024: equal to the reference."""
+    """The token budget does not decide the output's rows, so a resume may change it: stopped after 20 units by a
+    full disk, then finished with --token-budget 333 instead of 1024: the reference's rows, units and counts; the
+    units kept byte for byte; the redone ones ran at other batch shapes, so their states are the reference's within
+    bf16 rounding (matmul blocking follows the shape). Its last line says what this run wrote, and what OUT holds."""
     import hsx.sink
 
     ref = fault_reference
@@ -289,12 +305,20 @@ def test_resume_with_another_token_budget(tmp_path, monkeypatch, fault_reference
     argv = ref.argv(out)
     rc, stdout, stderr = hsx_main(argv)
     assert rc == 1 and len(assert_units_intact(out)) == 20, stderr
+    kept = {r["unit"]: r for r in manifest_records(out)}
     state["on"] = False
     argv[argv.index("--token-budget") + 1] = "333"
     rc, stdout, stderr = hsx_main(argv)
     assert rc == 0, stderr
     assert "continuing the job" in stdout
-    assert_equals_reference(out, ref, verify=False)
+    assert_equals_reference(out, ref, verify=False, exact=False)
+    assert all(unit_crcs(out)[u] == r["crc32"] for u, r in kept.items())
+    c = ref.info["counts"]
+    rows, tokens = c["rows_written"] - sum(r["rows"] for r in kept.values()), \
+        c["tokens_written"] - sum(r["tokens"] for r in kept.values())
+    assert (f"hsx: this run wrote {rows:,} rows, {tokens:,} tokens ({ref.units - 20} of the {ref.units} files; the "
+            f"others were committed before); the output holds {c['rows_written']:,} rows, {c['tokens_written']:,} "
+            f"tokens in {out} ({ref.units} files)") in stdout, stdout
 
 
 # ---- NaN / Inf rows --------------------------------------------------------------------------------------------

@@ -170,3 +170,25 @@ def test_debug_still_ends_with_the_failed_ranks_line_and_status(tmp_path, monkey
     err = capsys.readouterr().err
     assert rc == 3, err
     assert last_line(err).startswith("hsx: error: rank 1 exited with 3 ("), err
+
+
+def test_a_launch_passes_the_values_accelerate_would_warn_it_defaulted(caplog, tmp_path, monkeypatch):
+    """Every `hsx launch` without a config file printed accelerate's 7-line "values were not passed" block: the
+    same values are passed now (given ones kept), so accelerate's checks fill nothing in and print nothing."""
+    import logging
+
+    from accelerate.commands.launch import _validate_launch_command
+
+    from hsx.cli import build_parser
+    from hsx.launch import parse
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no accelerate default config file
+    monkeypatch.setenv("ACCELERATE_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    argv = ["extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")]
+    for extra, processes in (([], 1), (["--num_processes", "2", "--mixed_precision", "bf16"], 2)):
+        args = parse([*extra, *argv], build_parser())
+        assert (args.num_processes, args.num_machines, args.dynamo_backend) == (processes, 1, "no")
+        assert args.mixed_precision == ("bf16" if extra else "no")
+        with caplog.at_level(logging.WARNING):
+            _validate_launch_command(args)
+        assert "were not passed" not in caplog.text, caplog.text

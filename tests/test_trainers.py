@@ -26,7 +26,7 @@ import torch
 from helpers import hsx_main, message_lines, write_jsonl
 from hsx.config import load_config
 from hsx.export import export_specforge, export_speculators
-from hsx.load import torch_view
+from hsx.load import load as hsx_load, torch_view
 from hsx.run import extract
 from hsx.vocab import draft_vocab, read_token_frequencies, write_draft_vocab
 
@@ -442,6 +442,33 @@ def test_speculators_config_names_the_model_from_anywhere(small, model4, tmp_pat
     assert cfg["train"]["verifier"]["verifier_name_or_path"] == str(model4.path.resolve())
 
 
+def test_every_reader_of_an_output_an_export_used_up_is_told_where_its_rows_went(small, tmp_path):
+    """hsx.load suggested allow_incomplete=True, which then failed; load_dataset raised FileNotFoundError for the
+    first deleted unit (the card still listed them); a rerun of the finished export said it deleted them again."""
+    import shutil
+
+    from datasets import load_dataset
+
+    from hsx.errors import HsxError
+
+    out, dest, said = tmp_path / "out", tmp_path / "moved", []
+    shutil.copytree(small, out)
+    units = len(list((out / "data").glob("train-*.arrow")))
+    export_specforge(str(out), dest, layout="dflash", delete_source=True, log=said.append)
+    assert said[-1].count(f"; deleted {units} source unit(s)") == 1
+    for incomplete in (False, True):
+        with pytest.raises(HsxError) as e:
+            hsx_load(out, allow_incomplete=incomplete)
+        assert str(dest.resolve()) in str(e.value) and "no file of it is left here" in str(e.value)
+        assert "allow_incomplete" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="EXPORTED-and-deleted-the-rows-are-in-the-export-see-README"):
+        load_dataset(str(out), split="train")
+    card = (out / "README.md").read_text()
+    assert f"{units} of the {units} files" in card and str(dest.resolve()) in card and "train-" not in card
+    export_specforge(str(out), dest, layout="dflash", delete_source=True, log=said.append)
+    assert f"; deleted 0 source unit(s) ({units} deleted by an earlier run)" in said[-1]
+
+
 @pytest.mark.parametrize("trainer", ["specforge", "speculators"])
 def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, trainer):
     """--delete-source: each unit is deleted once its exported files are committed, so DEST and OUT never hold
@@ -471,6 +498,11 @@ def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, traine
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "moved", out, delete_source=True)
     assert len(list((out / "data").glob("train-*.arrow"))) == len(units) - 1
+    from hsx.errors import HsxError
+
+    with pytest.raises(HsxError, match=f"allow_incomplete=True\\) reads the {len(units) - 1} files left"):
+        hsx_load(out)  # part used up: the rest is there to read, as it says
+    assert len(hsx_load(out, allow_incomplete=True)) > 0
     with pytest.raises(ValueError, match="deleted"):  # its source is going: an overwrite cannot redo it
         run(tmp_path / "moved", out, delete_source=True, overwrite=True)
     res = run(tmp_path / "moved", out, delete_source=True)
