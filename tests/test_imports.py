@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
-    {"hsx.cost", "hsx.load", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow"},
+    {"hsx.cost", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow"},
     {"hsx.job"},  # one job's steps
     {"hsx.run"},  # running them as one rank of a launch
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark
