@@ -38,6 +38,7 @@ from datetime import timedelta
 
 from hsx.config import HsxError, UsageError
 
+CONNECT_SECONDS = 60.0  # how long to try reaching the store
 LEASE_SECONDS = 30.0  # an owner whose heartbeat has not moved this long is lost (HSX_LEASE_SECONDS changes it)
 POLL_SECONDS = 1.0  # how often a process with nothing to claim looks again while others hold the rest
 
@@ -71,9 +72,11 @@ def connect(endpoint: str, timeout: float = 6 * 3600):
     import torch.distributed as dist
 
     host, port = parse_endpoint(endpoint)
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                             wait_for_workers=False)
+    try:  # (a store that is not there is one error line after CONNECT_SECONDS, not hours of retries)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_SECONDS),
+                              wait_for_workers=False)
+        store.set_timeout(timedelta(seconds=timeout))
+        return store
     except (RuntimeError, ValueError, TimeoutError, OSError) as e:
         raise HsxError(f"--elastic {endpoint}: cannot reach the rendezvous store there "
                        f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); start the "
