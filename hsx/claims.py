@@ -83,6 +83,12 @@ def connect(endpoint: str, timeout: float = 6 * 3600):
                        "torchrun agent with --rdzv-backend c10d --rdzv-endpoint HOST:PORT first") from None
 
 
+def lost_store(e: Exception) -> HsxError:
+    return HsxError(f"lost the claims store of --elastic ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+                    "): the node hosting the rendezvous is gone; the units committed are kept: relaunch the job on "
+                    "the dirs left (docs/scale-out.md)")
+
+
 def owner_id() -> str:
     """Who claims: unique per process (host, pid and a random part: a pid is reused after a restart)."""
     return f"{socket.gethostname()[:40]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -185,6 +191,12 @@ class Claims:
         return self.store.compare_set(self._key(name), old, new) == new.encode()
 
     def take(self, stop=None, block: bool = True) -> str | None:
+        try:
+            return self._take(stop, block)
+        except RuntimeError as e:  # (torch's DistStoreError, DistNetworkError: the store's agent is gone)
+            raise lost_store(e) from None
+
+    def _take(self, stop=None, block: bool = True) -> str | None:
         """The name of the next unit this process now holds the claim of; None when there is none to claim: with
         `block`, only once every unit is committed by a live or finished owner (or `stop` is set), waiting while
         others hold claims (a lost owner's come back); without, at once."""
@@ -261,17 +273,23 @@ class Claims:
     def committed(self, name: str) -> None:
         """`name` is committed (its manifest line is on disk): done for the job, while this process lives or after
         it finished."""
-        self.store.set(self._key(name), f"done:{self.owner}")
+        try:
+            self.store.set(self._key(name), f"done:{self.owner}")
+        except RuntimeError as e:
+            raise lost_store(e) from None
         self.mine.discard(name)
         self.local.add(name)
 
     def finish(self) -> None:
         """This process ends with its dir intact: its claims go back to the pool, its committed units stay done."""
         self.stopping.set()
-        for name in sorted(self.mine):
-            self._cas(name, f"claim:{self.owner}", "")
-        self.mine.clear()
-        self.store.set(f"{self.prefix}fin/{self.owner}", "1")
+        try:
+            for name in sorted(self.mine):
+                self._cas(name, f"claim:{self.owner}", "")
+            self.mine.clear()
+            self.store.set(f"{self.prefix}fin/{self.owner}", "1")
+        except RuntimeError:  # the store is gone: nothing to tell (an error on the way out is already said)
+            pass
         self._thread.join(timeout=5)
 
 
