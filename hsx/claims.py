@@ -115,6 +115,7 @@ class Claims:
         self.seen: dict[str, tuple[bytes, float, bool]] = {}
         self.lost_owners: set[str] = set()  # owners found lost (their units were taken back)
         self.idle = False  # waiting at the end with nothing to claim (the idle key says so)
+        self.store_closed = False  # the store went away while this process waited at its end
         self.stopping = threading.Event()
         self._beat_store = connect_again() if connect_again is not None else store
         self._check(f"{self.prefix}plan", plan, "planned other units for this job (their tokenizers or datasets "
@@ -194,6 +195,11 @@ class Claims:
         try:
             return self._take(stop, block)
         except RuntimeError as e:  # (torch's DistStoreError, DistNetworkError: the store's agent is gone)
+            if self.idle and not self.mine:
+                # waiting at its end, holding nothing: the host of the store finished and its agent ended (a node
+                # of its own launcher is not held in that agent's exit barrier)
+                self.store_closed = True
+                return None
             raise lost_store(e) from None
 
     def _take(self, stop=None, block: bool = True) -> str | None:

@@ -443,6 +443,9 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     finally:
         if claims is not None:
             claims.finish()  # (any exit hsx reaches: this dir keeps its units; its claims go back to the pool)
+            if claims.store_closed:
+                say(f"hsx: the claims store at {cfg.elastic} closed while this process waited at its end (its "
+                    "node finished the job); this dir keeps its units")
             if claims.lost_owners:
                 say(f"hsx: took back the units of {len(claims.lost_owners)} lost process(es) "
                     f"({', '.join(sorted(claims.lost_owners)[:3])}): their heartbeats stopped for "
