@@ -79,14 +79,17 @@ def connect(endpoint: str, timeout: float = 6 * 3600):
         return store
     except (RuntimeError, ValueError, TimeoutError, OSError) as e:
         raise HsxError(f"--elastic {endpoint}: cannot reach the rendezvous store there "
-                       f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); start the "
+                       f"({_first_line(e)}); start the "
                        "torchrun agent with --rdzv-backend c10d --rdzv-endpoint HOST:PORT first") from None
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
+
+
 def lost_store(e: Exception) -> HsxError:
-    return HsxError(f"lost the claims store of --elastic ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
-                    "): the node hosting the rendezvous is gone; the units committed are kept: relaunch the job on "
-                    "the dirs left (docs/scale-out.md)")
+    return HsxError(f"lost the claims store of --elastic ({_first_line(e)}): the node hosting the rendezvous is "
+                    "gone; the units committed are kept: relaunch the job on the dirs left (docs/scale-out.md)")
 
 
 def owner_id() -> str:
