@@ -119,6 +119,9 @@ class ExtractConfig:
     max_pending_gb: float | None = _key(None, minimum=1e-6, help="train while extracting: before each unit, wait "
                                         "while this many GB of committed units are not yet consumed by a trainer "
                                         "reading the dir with hsx.follow (docs/follow.md)")
+    elastic: str | None = _key(None, help="HOST:PORT of torchrun's c10d --rdzv-endpoint: claim units through its "
+                               "store as processes go, so nodes may be lost or join while the job runs; each "
+                               "node's ranks agree among themselves only (docs/scale-out.md)")
     nonfinite: str = _key("skip", choices=("skip", "keep"), help="rows whose states hold NaN/Inf: skip (and count) "
                           "them, or keep them with has_nonfinite set")
     overwrite: bool = _key(False, help="delete what hsx wrote in --output-dir and start over")

@@ -349,7 +349,9 @@ class Extraction:
     context manager) at the end: that stops the producer thread and frees the slots."""
 
     def __init__(self, cfg: ExtractConfig, proc, target: Target, ordered, units: list[Unit], loaded=None,
-                 log=print, progress: bool = True):
+                 log=print, progress: bool = True, feed=None):
+        """`feed`: the units to run, in order, when they are claimed as the job goes (hsx.claims.Claimed.feed);
+        `units` are then those it may give (they size the batches and the progress bar)."""
         import torch
         from tqdm.auto import tqdm
 
@@ -445,7 +447,8 @@ class Extraction:
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, now "
                         "{rate_fmt}{postfix}]")
         self.counts = UnitCounts(cfg.nonfinite)  # the unit in progress (`start_unit`)
-        self.pipeline = Pipeline(self.extractor, (t for u in units for t in self.batches(u)), max_batch)
+        self.pipeline = Pipeline(self.extractor, (t for u in (units if feed is None else feed)
+                                                  for t in self.batches(u)), max_batch)
         self.t0 = time.perf_counter()
         self.closed = False
 
@@ -525,7 +528,8 @@ class Extraction:
 
 def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit], stop, on_commit=None) -> None:
     """One `datasets.map` per unit into its temporary file, committed (renamed, recorded in the manifest) by the
-    Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set."""
+    Committer's thread while the next unit runs. Stops after the unit in progress when `stop` is set. `units`: a
+    list, or units claimed as the loop goes (hsx.claims.Claimed: closed here, so the producer ends with the loop)."""
     import datasets
 
     from hsx.schema import TOKEN_COLUMNS
@@ -542,7 +546,9 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
         committer = Committer(out, on_commit=on_commit)
         crc_pool = checksum_pool()  # the writer's checksum threads, for every unit (hsx.writer)
         # hsx.writer: in memory, each unit's file is prepared while the one before is written (None elsewhere)
-        spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units] if proc.writes else [])
+        # (claimed units come in an order not known ahead: no spare files prepared for them)
+        spares = spares_for(out.tmp, [u.tokens * unit_bytes for u in units]
+                            if proc.writes and isinstance(units, list) else [])
         window = None
         if extraction.cfg.max_pending_gb:  # train while extracting: wait for a trainer (hsx.follow) to catch up
             from hsx.follow import ConsumerWindow
@@ -573,6 +579,8 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
             committer.submit(u.name, counts.as_record(), crc32=written.crc32(out.unit_tmp(u.name)))
         committer.join()
     finally:
+        if not isinstance(units, list):
+            units.close()
         if spares is not None:
             spares.close()
         if crc_pool is not None:

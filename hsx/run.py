@@ -39,6 +39,7 @@ class Process:
     store: Any = None  # the launcher's rendezvous store, for the job's barriers when each copy is its own world
     barriers: int = 0  # barriers passed, naming the next one's keys in `store`
     gathers: int = 0  # all_gathers through `store`, naming the next one's keys
+    claims_store: Any = None  # --elastic: the store units are claimed through (hsx.claims); the ranks are this node's
 
     @property
     def dp_rank(self) -> int:  # which model copy this process belongs to
@@ -145,17 +146,20 @@ def env_int(name: str, default: int, low: int = 0, environ=os.environ) -> int:
     return value
 
 
-def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
+def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | None = None) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
     comes from accelerate. hsx needs it only for barriers and for what the ranks must agree on (`all_gather`:
     small objects), so it is always gloo on the CPU (accelerate's cpu=True state): that also works on machines
     without CUDA (where accelerate's default state is single-process in every rank, so each would process every
     row) and with several GPUs per process (NCCL refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
-    With --tp-size > 1 each model copy is its own world instead (`_copy_world`)."""
+    With --tp-size > 1 each model copy is its own world instead (`_copy_world`). With `elastic` (--elastic
+    HOST:PORT) the ranks are this node's alone (`_node_world`): nodes share nothing but the claims store."""
     from datetime import timedelta
 
     import torch
 
+    if elastic:
+        return _node_world(elastic, gpus_per_copy, tp_size)
     world = env_int("WORLD_SIZE", 1, low=1)
     if world % tp_size:
         raise HsxError(f"--tp-size {tp_size} with {world} processes: each model copy is sharded over --tp-size "
@@ -181,23 +185,58 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1) -> Process:
         state = PartialState(cpu=True, timeout=timeout)
         rank, world = state.process_index, state.num_processes
         local = env_int("LOCAL_RANK", state.local_process_index)
+    return _with_devices(Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
+                                 local_rank=local, tp_size=tp_size, tp_control=tp_control, store=store),
+                         gpus_per_copy)
+
+
+def _with_devices(proc: Process, gpus_per_copy: int) -> Process:
+    """`proc` with its devices: the CPU, or GPUs [k·G, (k+1)·G) for process k of its node."""
+    import torch
+
+    cuda, local = torch.cuda.is_available(), proc.local_rank
     if not cuda:
         if gpus_per_copy > 1:
             raise HsxError(f"--gpus-per-copy {gpus_per_copy} spreads a model copy over GPUs, and this machine has "
                            "no CUDA GPU")
-        return Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
-                       devices=[torch.device("cpu")], local_rank=local, tp_size=tp_size,
-                       tp_control=tp_control, store=store)
+        proc.devices = [torch.device("cpu")]
+        return proc
     count = torch.cuda.device_count()
     first = local * gpus_per_copy
     if first + gpus_per_copy > count:
         raise HsxError(f"process {local} of this node needs GPUs {first}..{first + gpus_per_copy - 1} "
                        f"(--gpus-per-copy {gpus_per_copy}) but the node has {count}; launch "
                        f"{count // gpus_per_copy} process(es) per node")
-    devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
-    torch.cuda.set_device(devices[0])
-    return Process(rank=rank, world_size=world, device=devices[0], state=state, devices=devices, local_rank=local,
-                   tp_size=tp_size, tp_control=tp_control, store=store)
+    proc.devices = [torch.device("cuda", i) for i in range(first, first + gpus_per_copy)]
+    proc.device = proc.devices[0]
+    torch.cuda.set_device(proc.device)
+    return proc
+
+
+def _node_world(endpoint: str, gpus_per_copy: int, tp_size: int) -> Process:
+    """--elastic: this node's processes (LOCAL_RANK of LOCAL_WORLD_SIZE, from the launcher) are the job's world as
+    this process sees it; they agree (the job, the dir, the units done) through the claims store, under a prefix
+    of their own launcher process and its restart count. No collective ever spans nodes, so a lost node blocks
+    nobody: the others' claims take its units back (hsx.claims)."""
+    import torch
+    import torch.distributed as dist
+
+    from hsx.claims import connect
+
+    if tp_size > 1:
+        raise UsageError("--elastic claims units per model copy of one process: --tp-size is not supported with it "
+                         "(--gpus-per-copy spreads a copy over this process's GPUs)")
+    world, local = env_int("LOCAL_WORLD_SIZE", 1, low=1), env_int("LOCAL_RANK", 0)
+    if local >= world:
+        raise HsxError(f"environment variable LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={world}")
+    cuda = torch.cuda.is_available()
+    torch.set_num_threads(cpu_threads(world, cpu_device=not cuda))
+    store = connect(endpoint)
+    # Every process of one node has the same parent (the launcher's agent); a restart of its workers is a new group.
+    node = f"{launch_agent()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')[:8]}"
+    node_store = dist.PrefixStore(f"hsx/node/{node}", store) if world > 1 else None
+    return _with_devices(Process(rank=local, world_size=world, device=torch.device("cpu"), local_rank=local,
+                                 store=node_store, claims_store=store), gpus_per_copy)
 
 
 def cpu_threads(local_processes: int, cpu_device: bool, environ=os.environ) -> int:
@@ -297,9 +336,10 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
     cfg = check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
-    proc = current_process(cfg.gpus_per_copy, cfg.tp_size)
+    proc = current_process(cfg.gpus_per_copy, cfg.tp_size, cfg.elastic)
     say = log if proc.is_main else (lambda *a, **k: None)
-    out = OutputDir(cfg.output_dir, rank=proc.rank)
+    # --elastic: the launch's global rank names this process's files (nodes may share one dir)
+    out = OutputDir(cfg.output_dir, rank=env_int("RANK", proc.rank) if cfg.elastic else proc.rank)
     existed = out.root.exists()
     fresh = not existed or (out.root.is_dir() and not any(out.root.iterdir()))
     try:
@@ -330,6 +370,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     t_start = time.perf_counter()
     job = Job.prepare(cfg, proc, model, say)
     share = share_dir(out, proc, agree_on_job(proc, job.fingerprint))
+    if proc.claims_store is not None:  # this node's ranks are not the job's: other nodes write other dirs
+        share.job_wide = False
     if share.leads and not proc.is_main:
         out.lock_as_first()
     state = job.claim(out, share.leads)
@@ -358,7 +400,17 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         out.write_summary(summary)
     done = units_done_anywhere(proc, units.all, out.done_units() if share.leads else {})  # (one reader per dir)
     pending = [u for u in units.all if u.name not in done]
-    mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
+    claims = None
+    if proc.claims_store is not None:  # claimed as this process goes, through the store (hsx.claims)
+        from hsx.claims import Claimed, Claims, connect
+
+        claims = Claims(proc.claims_store, job.fingerprint, {u.name: u.tokens for u in units.all},
+                        plan=plan_hash(units.all), connect_again=lambda: connect(cfg.elastic),
+                        launch=(os.environ.get("TORCHELASTIC_RUN_ID", ""), launch_agent()))
+        claims.adopt(sorted(done))
+        mine = Claimed(claims, {u.name: u for u in pending}, stop) if pending else []
+    else:
+        mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
 
     stats = RunStats()
     uploader = None
@@ -373,25 +425,57 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
                                   overwrite=cfg.hub_overwrite, known=known, resubmit=False)
         proc.barrier()  # every rank checked whose repo it is before any rank uploads
         uploader.resubmit_leftovers()
+    def on_commit(name, path):  # (on the commit thread, once the unit's manifest line is on disk)
+        if claims is not None:
+            claims.committed(name)
+        if uploader is not None:
+            uploader.submit(name, path)
+
     try:
         if mine:
-            with Extraction(cfg, proc, job.target, units.ordered, mine, model, say) as extraction:
+            with Extraction(cfg, proc, job.target, units.ordered, pending if claims else mine, model, say,
+                            feed=mine.feed() if claims else None) as extraction:
                 record_run(out, extraction.stats, say, compare=proc.is_main)
                 commit_units(extraction, proc, out, mine, stop,
-                             on_commit=uploader.submit if uploader is not None else None)
+                             on_commit=on_commit if claims is not None or uploader is not None else None)
             stats = extraction.stats
     except BaseException:
         if uploader is not None:
             uploader.abort()  # units not uploaded stay on disk; the next run re-submits them
         raise
+    finally:
+        if claims is not None:
+            claims.finish()  # (any exit hsx reaches: this dir keeps its units; its claims go back to the pool)
+            if claims.store_closed:
+                say(f"hsx: the claims store at {cfg.elastic} closed while this process waited at its end (its "
+                    "node finished the job); this dir keeps its units")
+            if claims.lost_owners:
+                say(f"hsx: took back the units of {len(claims.lost_owners)} lost process(es) "
+                    f"({', '.join(sorted(claims.lost_owners)[:3])}): their heartbeats stopped for "
+                    f"{claims.lease:g} s")
     if uploader is not None:
         uploader.abort() if stop.is_set() else uploader.close()
     if stop.is_set():
         raise stop.stopped(f"stopped cleanly after {len(out.done_units())} of {len(units.all)} units; run the same "
                            "command to continue")
 
-    return finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log,
+    info = finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log,
                   pending=[u.name for u in pending])
+    lost = claims.lost_agents() if claims is not None else []
+    if lost and env_int("TORCHELASTIC_MAX_RESTARTS", 0) > env_int("TORCHELASTIC_RESTART_COUNT", 0):
+        # torch's agent would wait 300 s (hard-coded) in its exit barrier for the lost node's agent: a failed
+        # worker makes it re-form the launch without that node instead, and the restarted workers find the job done
+        raise HsxError(f"this launch lost the node(s) of agent {', '.join(lost[:3])} and this process took over "
+                       "their units; it exits 1 so that torchrun re-forms the launch without them (the restarted "
+                       "processes find this node's work done and exit 0) instead of waiting 300 s for them")
+    return info
+
+
+def launch_agent() -> str:
+    """The launcher agent this process runs under (its parent: torchrun's, accelerate's), as host-pid."""
+    import socket
+
+    return f"{socket.gethostname()[:40]}-{os.getppid()}"
 
 
 def agree_on_job(proc: Process, fingerprint: str) -> str:
@@ -417,6 +501,7 @@ class DirShare:
     rank: int
     ranks: list[int]  # in order; the first one leads (claims and tokenizes first, checks the units)
     world_size: int
+    job_wide: bool = True  # these ranks are every process of the job (not so with --elastic: one node's)
 
     @property
     def leads(self) -> bool:
@@ -424,7 +509,7 @@ class DirShare:
 
     @property
     def whole(self) -> bool:  # every rank writes here: this dir alone holds the job's output
-        return len(self.ranks) == self.world_size
+        return self.job_wide and len(self.ranks) == self.world_size
 
 
 def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
@@ -453,13 +538,18 @@ def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
     return DirShare(run_id, proc.rank, mine, proc.world_size)
 
 
+def plan_hash(units: list) -> str:
+    """What every process must have planned alike: the units' names, rows and tokens."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([[u.name, u.start, u.stop, u.tokens] for u in units]).encode()).hexdigest()
+
+
 def units_done_anywhere(proc: Process, units: list, done_here: dict) -> set[str]:
     """The units committed in any rank's output dir (with one dir per node, a unit done on one node is done for
     the job), checking that every rank planned the same units. Also the barrier between reading the manifests
     and the first new commit."""
-    import hashlib
-
-    plan = hashlib.sha256(json.dumps([[u.name, u.start, u.stop, u.tokens] for u in units]).encode()).hexdigest()
+    plan = plan_hash(units)
     views = proc.all_gather([plan, sorted(done_here)])
     if any(p != views[0][0] for p, _ in views):
         raise HsxError("the ranks planned different units from the same job; their tokenizers or datasets "
