@@ -375,15 +375,25 @@ def _batch_start(frame) -> bool | None:
     """Whether the row asked for starts a batch, when a DataLoader asks (in the process that runs the training
     step: num_workers=0): its fetcher collects a batch's rows into `data` and hands the batch on once full, so a
     request with `data` empty means every row asked for before has been returned to the training step and the
-    step over them has returned (the loop asked for the next batch). None when something else asks."""
+    step over them has returned (the loop asked for the next batch). None when no DataLoader asks. A DataLoader
+    whose fetcher reads otherwise (another torch) is an error: a guess could commit rows no step has seen."""
     from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
-    if frame is None or frame.f_code is not _IterableDatasetFetcher.fetch.__code__:
-        return None
-    data = frame.f_locals.get("data")
-    if not isinstance(data, list):  # (batch_size=None: each row is its own step)
-        return True
-    return not data
+    fetch = _IterableDatasetFetcher.fetch.__code__
+    if frame is not None and frame.f_code is fetch:
+        if not getattr(frame.f_locals.get("self"), "auto_collation", False):  # (batch_size=None: a row is a step)
+            return True
+        data = frame.f_locals.get("data")
+        if isinstance(data, list):
+            return not data
+    else:
+        callers = [frame]
+        while len(callers) < 4 and callers[-1] is not None:
+            callers.append(callers[-1].f_back)
+        if not any(c is not None and c.f_code.co_filename == fetch.co_filename for c in callers):
+            return None
+    raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
+                   "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
 
 
 def _make_class():

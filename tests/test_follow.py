@@ -542,3 +542,25 @@ def test_the_readmes_two_terminals_with_a_kill_inside_batch_5_see_every_row(tmp_
     assert len(set(seen)) == 96, sorted(set(range(100)) - set(seen))
     biggest = max(e["rows"] for e in json.loads((out / "hsx.json").read_text())["files"])
     assert len(seen) - 96 <= 8 + biggest  # the duplicates: the killed step's rows, and those of a unit it began
+
+
+def test_a_dataloader_whose_batches_follow_cannot_see_is_an_error_not_a_guess(tmp_path, fault_reference, monkeypatch):
+    """commit="unit" learns where a batch starts from torch's fetcher; a fetcher built otherwise (another torch)
+    must not be taken for rows one by one (that committed units a step had not seen): one error naming batch_size=,
+    and with batch_size= given the same DataLoader reads every row."""
+    from torch.utils.data._utils import fetch
+
+    def fetch_as_a_tuple(self, possibly_batched_index):  # a batch built without a `data` list to look at
+        rows = tuple(row for _, row in zip(possibly_batched_index, self.dataset_iter))
+        if not rows:
+            raise StopIteration
+        return self.collate_fn(list(rows))
+
+    monkeypatch.setattr(fetch._IterableDatasetFetcher, "fetch", fetch_as_a_tuple)
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    with pytest.raises(HsxError, match="batch_size=B"):
+        next(iter(torch.utils.data.DataLoader(hsx.follow(out, rows="dict"), batch_size=4, collate_fn=list)))
+    seen = [r["sample_id"] for batch in torch.utils.data.DataLoader(
+        hsx.follow(out, rows="dict", batch_size=4), batch_size=4, collate_fn=list) for r in batch]
+    assert sorted(seen) == sorted(fault_reference.sample_ids)
