@@ -432,14 +432,14 @@ def checkpoint_keys(path: str) -> list[str]:
     folder = Path(path)
     if (folder / CHECKPOINT_INDEX).exists():
         return list(_index_weight_map(folder))
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     keys: list[str] = []
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
                 keys.extend(st.keys())
-        except (OSError, ValueError, RuntimeError):
+        except (OSError, ValueError, RuntimeError, SafetensorError):  # (transformers says what is wrong)
             continue
     return keys
 
@@ -525,8 +525,8 @@ def stored_tensors(folder: Path, files: tuple[list[str], dict[str, Any]] | None 
 
 
 def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
-    """The tensors a safetensors file's header describes, each checked to lie within the file and to take the
-    bytes its dtype and shape take."""
+    """The tensors a safetensors file's header describes, each named once, checked to lie within the file and to
+    take the bytes its dtype and shape take, the tensors tiling the file's data as safetensors requires."""
     def damaged(why: str) -> HsxError:
         return HsxError(f"{_shown(shown)}: {why}; {DAMAGED}")
 
@@ -540,9 +540,11 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
             raw = f.read(n)
             if (raw.count(b"[") + raw.count(b"{") + raw.count(b",")) * HEADER_BYTES_PER_TOKEN > n:
                 raise damaged("its safetensors header is not a list of tensors (too many brackets and commas)")
-            header = json.loads(raw)
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    except _DuplicateKey as e:
+        raise damaged(f"its safetensors header names {_shown(e.args[0])} twice") from None
     except (ValueError, RecursionError):
         raise damaged("its safetensors header is not JSON") from None
     if not isinstance(header, dict):
@@ -568,7 +570,30 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
             raise damaged(f"{_shown(key)} takes {end - start:,} bytes, not the {elements * item:,} its {dtype} "
                           f"{shape} take")
         tensors[key] = StoredTensor(path, dtype, tuple(shape), base + start, base + end)
+    # safetensors itself refuses a file whose tensors do not tile its data (a gap, two sharing bytes, bytes left
+    # over): refused here too, in one line, rather than as its exception from transformers' loader
+    at = base
+    for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if t.start != at:
+            raise damaged(f"{_shown(key)}'s bytes start at {t.start - base:,}, not at {at - base:,} where the "
+                          "tensor before it ends (tensors overlap or leave a gap)")
+        at = t.end
+    if at != size:
+        raise damaged(f"its tensors end at byte {at - base:,} of its {room:,} bytes of data")
     return tensors
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key named twice (json keeps the last, safetensors refuses the file)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
 
 
 # Checkpoints that passed `check_checkpoint` (their files' sizes and times, and the quantization): a job checks

@@ -1802,7 +1802,42 @@ def _lists_header(path, size=4 << 20):
 
 
 SHARD2 = "model-00002-of-00002.safetensors"
+def _header_edited(path, edit):
+    """`path`'s safetensors header rewritten as `edit(text)` returns it (padded to 8 bytes), its data unchanged."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8:8 + n].decode().rstrip()).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _entry(path, key):
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])[key]
+
+
+def _named_twice(path):
+    """DOWN's scales named a second time, last, with layer 1's bytes (json keeps the last; safetensors refuses)."""
+    other = json.dumps(_entry(path, DOWN.replace("layers.0", "layers.1") + "_scale_inv"))
+    _header_edited(path, lambda h: f'{h[:-1]},"{DOWN}_scale_inv":{other}}}')
+
+
+def _sharing_bytes(path):
+    """DOWN's scales pointed at layer 1's scales' bytes (same size): two tensors share bytes, some bytes are no
+    tensor's."""
+    key = DOWN + "_scale_inv"
+    entry, other = _entry(path, key), _entry(path, DOWN.replace("layers.0", "layers.1") + "_scale_inv")
+    def shown(e):
+        return json.dumps({key: e}, separators=(",", ":"))[1:-1]
+
+    _header_edited(path, lambda h: h.replace(shown(entry), shown(other)) if shown(entry) in h else "not edited")
+
+
 FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one line must name)
+    "a-tensor-named-twice-in-a-header": ("dense", lambda d: _named_twice(d / "model.safetensors"),
+                                         f"model.safetensors: its safetensors header names {DOWN}_scale_inv twice"),
+    "two-tensors-sharing-bytes": ("dense", lambda d: _sharing_bytes(d / "model.safetensors"),
+                                  "(tensors overlap or leave a gap)"),
     "index-names-a-missing-shard": (
         "sharded", lambda d: _edit_index(d, **{"model.embed_tokens.weight": "model-00003-of-00003.safetensors"}),
         "model.safetensors.index.json puts model.embed_tokens.weight in model-00003-of-00003.safetensors, which is "
