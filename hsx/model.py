@@ -83,7 +83,9 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
-    except (OSError, ValueError, KeyError, RecursionError, invalid) as e:  # (RecursionError: JSON nested too deeply)
+    # (RecursionError: JSON nested too deeply; TypeError, AttributeError: a field of the wrong JSON type, such as
+    # a quantization_config that is a list, which transformers' config classes take for what they expect)
+    except (OSError, ValueError, KeyError, RecursionError, TypeError, AttributeError, invalid) as e:
         raise HsxError(f"cannot read the config of model {name!r}: {one_line(e)}") from None
 
 

@@ -1969,3 +1969,17 @@ def test_a_nan_or_inf_weight_is_refused_naming_it_not_the_data(tmp_path, fp8_fol
     folder = _rewritten(fp8_folders / "dense", tmp_path / "model", _set(tensor, damage))
     _refused(folder, tmp_path, f"its weight {tensor.removeprefix('model.')} holds NaN or inf values; the model "
              "folder is damaged")
+
+
+@pytest.mark.parametrize("config", [[1], "fp8", 8])
+def test_a_quantization_config_that_is_no_mapping_is_one_line(tmp_path, fp8_folders, config):
+    """config.json's quantization_config as a list, string or number: transformers' config class raised
+    AttributeError ('list' object has no attribute 'to_dict') as a traceback while hsx read the config."""
+    from helpers import assert_one_error_line, hsx_main
+
+    folder = _rewritten(fp8_folders / "dense", tmp_path / "model",
+                        config_fn=lambda c: c.__setitem__("quantization_config", config))
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off"])
+    assert_one_error_line(rc, err, f"hsx: error: cannot read the config of model '{folder}': ")
+    assert not (tmp_path / "out" / ".hsx" / "job.json").exists()
