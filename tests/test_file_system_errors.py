@@ -280,3 +280,19 @@ def test_an_export_that_failed_to_write_continues_on_a_rerun(tmp_path, fault_ref
         for f in files:
             assert (dest / f).read_bytes() == (whole / f).read_bytes()
         assert not list(dest.rglob(".hsx-*"))  # its temporary files, the record's too, are gone
+
+
+@pytest.mark.parametrize("ledger", ["consumed-trainer-00000.jsonl", "uploaded-main-00000.jsonl", "exported.jsonl"])
+def test_a_record_appended_after_a_ledger_line_a_full_disk_cut_is_not_lost(tmp_path, ledger):
+    """A full disk (or a size limit, or a kill) cuts an append mid-line; the next append (the trainer's next commit,
+    the rerun's upload record) joined that torn line and readers passed over the joined line, so the record
+    appended after the fault was lost (a follow consumer's progress read back older, its units deleted as
+    consumed). Every ledger hsx appends to goes through `append_synced`, which ends a torn line first."""
+    from hsx.sink import append_synced, read_jsonl
+
+    path = tmp_path / ledger
+    append_synced(path, '{"unit": "000-00000", "row": 3}\n')
+    with open(path, "a") as f:  # what the write a full disk stopped left behind
+        f.write('{"unit": "000-00001", "ro')
+    append_synced(path, '{"unit": "000-00002", "row": 7}\n{"unit": "000-00003", "row": 1}\n')
+    assert [r["unit"] for r in read_jsonl(path)] == ["000-00000", "000-00002", "000-00003"]
