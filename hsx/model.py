@@ -490,8 +490,10 @@ def checkpoint_files(folder: Path) -> tuple[list[str], dict[str, Any]] | None:
     weight_map = _index_weight_map(folder)
     first: dict[str, str] = {}  # shard → the first tensor the index puts in it (named when the shard is not there)
     for key, shard in weight_map.items():
-        if isinstance(shard, str):
-            first.setdefault(shard, _shown(key))
+        if not isinstance(shard, str):  # (transformers sorts the names: a number among them is its TypeError)
+            raise HsxError(f"{CHECKPOINT_INDEX} puts {_shown(key)} in {_shown(repr(shard)[:60])}, which is no file "
+                           f"name; {DAMAGED}")
+        first.setdefault(shard, _shown(key))
     for shard, listed in first.items():
         parts = Path(shard).parts
         if not parts or Path(shard).is_absolute() or ".." in parts:

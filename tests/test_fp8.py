@@ -1846,6 +1846,9 @@ FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one l
         "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "model-00001-of-00002.safetensors"}),
         f"model.safetensors.index.json puts {DOWN}_scale_inv in model-00001-of-00002.safetensors, which does not "
         "hold it"),
+    "index-names-a-shard-by-no-name": (
+        "sharded", lambda d: _edit_index(d, **{DOWN: 5}),
+        f"model.safetensors.index.json puts {DOWN} in 5, which is no file name"),
     "index-names-a-shard-outside-the-folder": (
         "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "../" + SHARD2}),
         f"puts {DOWN}_scale_inv in ../{SHARD2}, outside the model folder"),
