@@ -339,6 +339,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                distributed_config=None) -> LoadedModel:
     """`distributed_config` (transformers' DistributedConfig, from hsx.run) shards the copy over processes."""
     import transformers
+    from safetensors import SafetensorError
     from transformers import AutoModel
 
     path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
@@ -367,7 +368,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
             **({"distributed_config": distributed_config} if distributed_config is not None
                else group_device_map(devices or [device])), **kwargs,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # (SafetensorError: a file safetensors refuses)
         raise HsxError(f"cannot load model {cfg.model!r}: {one_line(e)}") from None
     except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # the folder's config.json passed transformers' checks but its values do not build this architecture
@@ -553,6 +554,9 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
         raise damaged("its safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise damaged("its safetensors header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(type(v) is str for v in meta.values())):
+        raise damaged("its safetensors header's __metadata__ is not a map of strings (safetensors refuses it)")
     base, room, tensors = 8 + n, size - 8 - n, {}
     for key, entry in header.items():  # (a checkpoint lists up to ~10^5: kept to plain comparisons)
         if key == "__metadata__":

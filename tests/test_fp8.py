@@ -1834,6 +1834,9 @@ def _sharing_bytes(path):
 
 
 FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one line must name)
+    "header-metadata-not-strings": ("dense", lambda d: _header_edited(d / "model.safetensors", lambda h: h.replace(
+        '"__metadata__":{"format":"pt"}', '"__metadata__":{"format":5}')),
+        "model.safetensors: its safetensors header's __metadata__ is not a map of strings"),
     "a-tensor-named-twice-in-a-header": ("dense", lambda d: _named_twice(d / "model.safetensors"),
                                          f"model.safetensors: its safetensors header names {DOWN}_scale_inv twice"),
     "two-tensors-sharing-bytes": ("dense", lambda d: _sharing_bytes(d / "model.safetensors"),
