@@ -26,6 +26,7 @@ import numpy as np
 
 from hsx import masks as loss_masks
 from hsx.config import ExtractConfig, HsxError
+from hsx.errors import file_system_error, file_system_line
 from hsx.schema import ROW_COLUMNS
 
 TOKENIZED_COLUMNS = (*ROW_COLUMNS, "truncated", "skip_reason")
@@ -68,6 +69,10 @@ def load_input(cfg: ExtractConfig):
     except HsxError:
         raise
     except Exception as e:  # datasets wraps parse errors; the innermost message names the problem
+        fault = file_system_error(e)
+        if fault is not None:  # (mostly datasets writing its cache of the input: named, not the input blamed)
+            raise HsxError(file_system_line(fault, f"datasets' cache ({datasets.config.HF_DATASETS_CACHE})",
+                                            f"the dataset {cfg.dataset} was not read")) from None
         raise HsxError(f"cannot read dataset {cfg.dataset}: {_not_found(cfg, e) or _innermost(e)}"
                        f"{_json_line(path, e)}") from None
     finally:

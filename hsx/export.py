@@ -58,7 +58,7 @@ import numpy as np
 from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
                         dequantize)
-from hsx.sink import (CRC_CHUNK, OutputDir, _flock, _last_byte, append_synced, atomic_tmp_name, atomic_write, crc32,
+from hsx.sink import (CRC_CHUNK, OutputDir, _flock, append_synced, atomic_tmp_name, atomic_write, crc32,
                       file_crc32, fsync_dir, fsync_file, listed_files, read_json, read_jsonl)
 
 SPECFORGE_GROUP_SIZE = 2000
@@ -360,9 +360,7 @@ def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: boo
         shutil.rmtree(t) if t.is_dir() else t.unlink()
     d.files = _check_recorded(d)
     if same and not overwrite:
-        if _last_byte(dest / JOURNAL) not in (b"", b"\n"):
-            append_synced(dest / JOURNAL, "\n")  # end a torn line, so the next record starts on its own line
-        return d
+        return d  # (a torn last line of the journal: append_synced ends it before the next record)
     if same and d.released:
         raise ValueError(f"{dest}: this export deleted {len(d.released)} source unit(s) as it went "
                          "(--delete-source), so it cannot be rewritten; run it again without --overwrite to finish it")

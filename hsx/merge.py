@@ -20,7 +20,8 @@ from typing import Any
 from hsx.config import HsxError
 from hsx.errors import UsageError, file_system_error, file_system_line, one_line
 from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
-from hsx.sink import OutputDir, atomic_write, complete_info, file_crc32, info_features, open_regular, read_json
+from hsx.sink import (OutputDir, atomic_write, complete_info, file_crc32, info_features, job_fingerprint, open_regular,
+                      read_json)
 
 
 def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
@@ -191,7 +192,12 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
         f = src.state / "job.json"
         if not f.exists():
             raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
-        jobs.append(read_json(f, JobRecord))
+        job = read_json(f, JobRecord)
+        if job_fingerprint(job.inputs)["fingerprint"] != job.fingerprint:  # (OUT gets the first dir's job.json:
+            # verify checks the model against its inputs, so a dir's inputs must be what its fingerprint hashes)
+            raise HsxError(f"{f}: its fingerprint is not that of the inputs it records: the dir is damaged or not the "
+                           "job's; merge without it")
+        jobs.append(job)
     if len({j.fingerprint for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
     own = out.state / "job.json"

@@ -83,7 +83,9 @@ def read_model_config(source: str, name: str, trust_remote_code: bool, revision:
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
                                           **({"revision": revision} if revision else {}))
-    except (OSError, ValueError, KeyError, RecursionError, invalid) as e:  # (RecursionError: JSON nested too deeply)
+    # (RecursionError: JSON nested too deeply; TypeError, AttributeError: a field of the wrong JSON type, such as
+    # a quantization_config that is a list, which transformers' config classes take for what they expect)
+    except (OSError, ValueError, KeyError, RecursionError, TypeError, AttributeError, invalid) as e:
         raise HsxError(f"cannot read the config of model {name!r}: {one_line(e)}") from None
 
 
@@ -337,6 +339,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
                distributed_config=None) -> LoadedModel:
     """`distributed_config` (transformers' DistributedConfig, from hsx.run) shards the copy over processes."""
     import transformers
+    from safetensors import SafetensorError
     from transformers import AutoModel
 
     path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
@@ -365,7 +368,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
             **({"distributed_config": distributed_config} if distributed_config is not None
                else group_device_map(devices or [device])), **kwargs,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # (SafetensorError: a file safetensors refuses)
         raise HsxError(f"cannot load model {cfg.model!r}: {one_line(e)}") from None
     except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # the folder's config.json passed transformers' checks but its values do not build this architecture
@@ -432,14 +435,14 @@ def checkpoint_keys(path: str) -> list[str]:
     folder = Path(path)
     if (folder / CHECKPOINT_INDEX).exists():
         return list(_index_weight_map(folder))
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     keys: list[str] = []
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
                 keys.extend(st.keys())
-        except (OSError, ValueError, RuntimeError):
+        except (OSError, ValueError, RuntimeError, SafetensorError):  # (transformers says what is wrong)
             continue
     return keys
 
@@ -488,8 +491,10 @@ def checkpoint_files(folder: Path) -> tuple[list[str], dict[str, Any]] | None:
     weight_map = _index_weight_map(folder)
     first: dict[str, str] = {}  # shard → the first tensor the index puts in it (named when the shard is not there)
     for key, shard in weight_map.items():
-        if isinstance(shard, str):
-            first.setdefault(shard, _shown(key))
+        if not isinstance(shard, str):  # (transformers sorts the names: a number among them is its TypeError)
+            raise HsxError(f"{CHECKPOINT_INDEX} puts {_shown(key)} in {_shown(repr(shard)[:60])}, which is no file "
+                           f"name; {DAMAGED}")
+        first.setdefault(shard, _shown(key))
     for shard, listed in first.items():
         parts = Path(shard).parts
         if not parts or Path(shard).is_absolute() or ".." in parts:
@@ -525,8 +530,8 @@ def stored_tensors(folder: Path, files: tuple[list[str], dict[str, Any]] | None 
 
 
 def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
-    """The tensors a safetensors file's header describes, each checked to lie within the file and to take the
-    bytes its dtype and shape take."""
+    """The tensors a safetensors file's header describes, each named once, checked to lie within the file and to
+    take the bytes its dtype and shape take, the tensors tiling the file's data as safetensors requires."""
     def damaged(why: str) -> HsxError:
         return HsxError(f"{_shown(shown)}: {why}; {DAMAGED}")
 
@@ -540,13 +545,18 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
             raw = f.read(n)
             if (raw.count(b"[") + raw.count(b"{") + raw.count(b",")) * HEADER_BYTES_PER_TOKEN > n:
                 raise damaged("its safetensors header is not a list of tensors (too many brackets and commas)")
-            header = json.loads(raw)
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
     except OSError as e:
         raise HsxError(f"cannot read {path}: {e.strerror or e}") from None
+    except _DuplicateKey as e:
+        raise damaged(f"its safetensors header names {_shown(e.args[0])} twice") from None
     except (ValueError, RecursionError):
         raise damaged("its safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise damaged("its safetensors header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(type(v) is str for v in meta.values())):
+        raise damaged("its safetensors header's __metadata__ is not a map of strings (safetensors refuses it)")
     base, room, tensors = 8 + n, size - 8 - n, {}
     for key, entry in header.items():  # (a checkpoint lists up to ~10^5: kept to plain comparisons)
         if key == "__metadata__":
@@ -568,7 +578,30 @@ def _safetensors_header(path: Path, shown: str) -> dict[str, StoredTensor]:
             raise damaged(f"{_shown(key)} takes {end - start:,} bytes, not the {elements * item:,} its {dtype} "
                           f"{shape} take")
         tensors[key] = StoredTensor(path, dtype, tuple(shape), base + start, base + end)
+    # safetensors itself refuses a file whose tensors do not tile its data (a gap, two sharing bytes, bytes left
+    # over): refused here too, in one line, rather than as its exception from transformers' loader
+    at = base
+    for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if t.start != at:
+            raise damaged(f"{_shown(key)}'s bytes start at {t.start - base:,}, not at {at - base:,} where the "
+                          "tensor before it ends (tensors overlap or leave a gap)")
+        at = t.end
+    if at != size:
+        raise damaged(f"its tensors end at byte {at - base:,} of its {room:,} bytes of data")
     return tensors
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key named twice (json keeps the last, safetensors refuses the file)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
 
 
 # Checkpoints that passed `check_checkpoint` (their files' sizes and times, and the quantization): a job checks

@@ -89,20 +89,6 @@ def _open_bounded(path: Path, limit: int):
     return f
 
 
-def _last_byte(path: Path) -> bytes:
-    """The last byte of a ledger hsx appends to (b"" when it is empty or not there), read alone."""
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        return b""
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return b""
-        f.seek(size - 1)
-        return f.read(1)
-
-
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict, refusing a key given twice: json keeps the last, so a file with two
     `complete`s or two `files` lists would say one thing to one reader and another to the next."""
@@ -552,8 +538,7 @@ class OutputDir:
         self.state.mkdir(parents=True, exist_ok=True)
         line = {"session": self.session, **{k: settings[k] for k in RUN_VARIANT_KEYS if k in settings}}
         path = self.state / f"runs-{self.rank:05d}.jsonl"
-        torn = _last_byte(path) not in (b"", b"\n")  # (a kill mid-append: end that line first)
-        append_synced(path, ("\n" if torn else "") + json.dumps(line, sort_keys=True) + "\n")
+        append_synced(path, json.dumps(line, sort_keys=True) + "\n")  # (a torn last line is ended first)
 
     def run_values(self, units: dict[str, dict[str, Any]]) -> dict[str, list]:
         """Every RUN_VARIANT_KEYS value the runs that committed `units` (manifest records, as done_units gives)
@@ -701,9 +686,8 @@ class OutputDir:
         record = {"unit": unit, "file": final.name, "bytes": final.stat().st_size, "crc32": crc,
                   "session": self.session, **record}
         manifest = self.state / f"manifest-{self.rank:05d}.jsonl"
-        torn = _last_byte(manifest) not in (b"", b"\n")  # (its last byte only: a manifest grows with the job)
-        # After a kill mid-append the last line is torn: end it, so this record starts a line of its own.
-        append_synced(manifest, ("\n" if torn else "") + json.dumps(record, sort_keys=True) + "\n")
+        # (after a kill mid-append the last line is torn: append_synced ends it, this record starts a line)
+        append_synced(manifest, json.dumps(record, sort_keys=True) + "\n")
 
     def data_files(self) -> list[Path]:
         return sorted(self.data.glob("train-*.arrow"))
@@ -1126,16 +1110,30 @@ def _write_synced(path: Path, text: str, flags: int) -> None:
     """Write `text` to `path` (never to a link's target) and fsync it."""
     fd = _open_no_follow(path, os.O_WRONLY | os.O_CREAT | flags)
     try:
-        view = memoryview(text.encode())
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _write_all(fd, text)
     finally:
         os.close(fd)
 
 
+def _write_all(fd: int, text: str) -> None:
+    view = memoryview(text.encode())
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def append_synced(path: Path, text: str) -> None:
-    _write_synced(path, text, os.O_APPEND)
+    """Append `text` (whole lines) to ledger `path`, fsynced. A last line left torn (a kill, or a full disk or size
+    limit mid-append) is ended first: `text` would otherwise join it, and readers pass over the joined line, so the
+    record appended after the fault would be lost (a consumer's progress, an upload, a committed unit)."""
+    fd = _open_no_follow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            text = "\n" + text
+        _write_all(fd, text)
+    finally:
+        os.close(fd)
 
 
 def atomic_tmp_name(name: str) -> str:

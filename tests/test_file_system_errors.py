@@ -47,12 +47,13 @@ def small_tmpfs(path: Path, size: int):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def hsx_limited(argv: list[str], max_file_bytes: int) -> tuple[int, str]:
-    """`python -m hsx ARGV` in a child whose files may grow to `max_file_bytes` (`ulimit -f`): (rc, stderr)."""
+def hsx_limited(argv: list[str], max_file_bytes: int, **env: str) -> tuple[int, str]:
+    """`python -m hsx ARGV` in a child whose files may grow to `max_file_bytes` (`ulimit -f`), with `env` set:
+    (rc, stderr)."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    done = subprocess.run([sys.executable, "-m", "hsx", *argv], env=child_env(), preexec_fn=limit,
+    done = subprocess.run([sys.executable, "-m", "hsx", *argv], env=child_env(**env), preexec_fn=limit,
                           capture_output=True, text=True, timeout=300)
     return done.returncode, done.stderr
 
@@ -280,3 +281,32 @@ def test_an_export_that_failed_to_write_continues_on_a_rerun(tmp_path, fault_ref
         for f in files:
             assert (dest / f).read_bytes() == (whole / f).read_bytes()
         assert not list(dest.rglob(".hsx-*"))  # its temporary files, the record's too, are gone
+
+
+@pytest.mark.parametrize("ledger", ["consumed-trainer-00000.jsonl", "uploaded-main-00000.jsonl", "exported.jsonl"])
+def test_a_record_appended_after_a_ledger_line_a_full_disk_cut_is_not_lost(tmp_path, ledger):
+    """A full disk (or a size limit, or a kill) cuts an append mid-line; the next append (the trainer's next commit,
+    the rerun's upload record) joined that torn line and readers passed over the joined line, so the record
+    appended after the fault was lost (a follow consumer's progress read back older, its units deleted as
+    consumed). Every ledger hsx appends to goes through `append_synced`, which ends a torn line first."""
+    from hsx.sink import append_synced, read_jsonl
+
+    path = tmp_path / ledger
+    append_synced(path, '{"unit": "000-00000", "row": 3}\n')
+    with open(path, "a") as f:  # what the write a full disk stopped left behind
+        f.write('{"unit": "000-00001", "ro')
+    append_synced(path, '{"unit": "000-00002", "row": 7}\n{"unit": "000-00003", "row": 1}\n')
+    assert [r["unit"] for r in read_jsonl(path)] == ["000-00000", "000-00002", "000-00003"]
+
+
+def test_a_file_system_error_in_datasets_cache_is_named_not_blamed_on_the_dataset(tmp_path):
+    """`hsx plan` (and extract) read the input through datasets, which writes its cache (HF_DATASETS_CACHE): a size
+    limit (or full disk) there said "cannot read dataset ...: OSError: [Errno 27] File too large", blaming the input.
+    Now the file-system line, naming the cache, and the same command continues once the cause is gone."""
+    demo = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+    cache = tmp_path / "cache"
+    rc, err = hsx_limited(["plan", "--config", str(demo)], 8 << 10, HF_DATASETS_CACHE=str(cache))
+    line = assert_one_error_line(rc, err, "file too large", str(cache), "run the same command to continue")
+    assert rc == 1 and "cannot read dataset" not in line
+    rc, err = hsx_limited(["plan", "--config", str(demo)], resource.RLIM_INFINITY, HF_DATASETS_CACHE=str(cache))
+    assert rc == 0, err

@@ -1802,7 +1802,45 @@ def _lists_header(path, size=4 << 20):
 
 
 SHARD2 = "model-00002-of-00002.safetensors"
+def _header_edited(path, edit):
+    """`path`'s safetensors header rewritten as `edit(text)` returns it (padded to 8 bytes), its data unchanged."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8:8 + n].decode().rstrip()).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _entry(path, key):
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])[key]
+
+
+def _named_twice(path):
+    """DOWN's scales named a second time, last, with layer 1's bytes (json keeps the last; safetensors refuses)."""
+    other = json.dumps(_entry(path, DOWN.replace("layers.0", "layers.1") + "_scale_inv"))
+    _header_edited(path, lambda h: f'{h[:-1]},"{DOWN}_scale_inv":{other}}}')
+
+
+def _sharing_bytes(path):
+    """DOWN's scales pointed at layer 1's scales' bytes (same size): two tensors share bytes, some bytes are no
+    tensor's."""
+    key = DOWN + "_scale_inv"
+    entry, other = _entry(path, key), _entry(path, DOWN.replace("layers.0", "layers.1") + "_scale_inv")
+    def shown(e):
+        return json.dumps({key: e}, separators=(",", ":"))[1:-1]
+
+    _header_edited(path, lambda h: h.replace(shown(entry), shown(other)) if shown(entry) in h else "not edited")
+
+
 FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one line must name)
+    "header-metadata-not-strings": ("dense", lambda d: _header_edited(d / "model.safetensors", lambda h: h.replace(
+        '"__metadata__":{"format":"pt"}', '"__metadata__":{"format":5}')),
+        "model.safetensors: its safetensors header's __metadata__ is not a map of strings"),
+    "a-tensor-named-twice-in-a-header": ("dense", lambda d: _named_twice(d / "model.safetensors"),
+                                         f"model.safetensors: its safetensors header names {DOWN}_scale_inv twice"),
+    "two-tensors-sharing-bytes": ("dense", lambda d: _sharing_bytes(d / "model.safetensors"),
+                                  "(tensors overlap or leave a gap)"),
     "index-names-a-missing-shard": (
         "sharded", lambda d: _edit_index(d, **{"model.embed_tokens.weight": "model-00003-of-00003.safetensors"}),
         "model.safetensors.index.json puts model.embed_tokens.weight in model-00003-of-00003.safetensors, which is "
@@ -1811,6 +1849,9 @@ FILE_DAMAGES = {  # id: (intact folder, what is done to the copy, what the one l
         "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "model-00001-of-00002.safetensors"}),
         f"model.safetensors.index.json puts {DOWN}_scale_inv in model-00001-of-00002.safetensors, which does not "
         "hold it"),
+    "index-names-a-shard-by-no-name": (
+        "sharded", lambda d: _edit_index(d, **{DOWN: 5}),
+        f"model.safetensors.index.json puts {DOWN} in 5, which is no file name"),
     "index-names-a-shard-outside-the-folder": (
         "sharded", lambda d: _edit_index(d, **{DOWN + "_scale_inv": "../" + SHARD2}),
         f"puts {DOWN}_scale_inv in ../{SHARD2}, outside the model folder"),
@@ -1934,3 +1975,17 @@ def test_a_nan_or_inf_weight_is_refused_naming_it_not_the_data(tmp_path, fp8_fol
     folder = _rewritten(fp8_folders / "dense", tmp_path / "model", _set(tensor, damage))
     _refused(folder, tmp_path, f"its weight {tensor.removeprefix('model.')} holds NaN or inf values; the model "
              "folder is damaged")
+
+
+@pytest.mark.parametrize("config", [[1], "fp8", 8])
+def test_a_quantization_config_that_is_no_mapping_is_one_line(tmp_path, fp8_folders, config):
+    """config.json's quantization_config as a list, string or number: transformers' config class raised
+    AttributeError ('list' object has no attribute 'to_dict') as a traceback while hsx read the config."""
+    from helpers import assert_one_error_line, hsx_main
+
+    folder = _rewritten(fp8_folders / "dense", tmp_path / "model",
+                        config_fn=lambda c: c.__setitem__("quantization_config", config))
+    rc, _, err = hsx_main(["extract", "--model", str(folder), "--dataset", str(_pretokenized(tmp_path / "d.jsonl")),
+                           "--layers", "1", "--output-dir", str(tmp_path / "out"), "--compile", "off"])
+    assert_one_error_line(rc, err, f"hsx: error: cannot read the config of model '{folder}': ")
+    assert not (tmp_path / "out" / ".hsx" / "job.json").exists()

@@ -78,7 +78,9 @@ def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(node1, other)
     job = json.loads((other / ".hsx" / "job.json").read_text())
-    (other / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "different"}))
+    from hsx.sink import job_fingerprint  # (another job: other inputs, their own fingerprint)
+
+    (other / ".hsx" / "job.json").write_text(json.dumps(job_fingerprint({**job["inputs"], "layers": [1]})))
     with pytest.raises(HsxError, match="different jobs"):
         merge(str(tmp_path / "mixed"), [str(node0), str(other)], log=lambda *a: None)
     assert not (tmp_path / "mixed").exists()  # a refused merge leaves nothing it created
@@ -253,3 +255,23 @@ def test_two_dirs_with_different_units_of_one_name_are_refused(reference, tmp_pa
     copy.write_bytes(bytes(data))
     _rewrite_manifest(node0, lambda r: [dict(r, crc32=file_crc32(copy)) if r["file"] == unit.name else r])
     _refused(tmp_path / "joined", [node0, node1], str(copy), str(unit), "two different units of one name")
+
+
+def test_a_job_json_whose_inputs_are_not_its_fingerprints_is_refused(reference, tmp_path):
+    """A dir given first holding the job's fingerprint beside other inputs (another model's files): merge copied
+    its job.json into OUT, and `hsx verify` checks the model against those inputs. Each dir's job.json must hash to
+    its fingerprint; `given` (names for messages, outside the hash) may differ."""
+    node0, node1 = split_like_two_nodes(reference, tmp_path)
+    forged = tmp_path / "forged"
+    (forged / ".hsx").mkdir(parents=True)
+    job = json.loads((node0 / ".hsx" / "job.json").read_text())
+    job["inputs"]["layers"] = [1, 2]
+    (forged / ".hsx" / "job.json").write_text(json.dumps(job))
+    line = _refused(tmp_path / "joined", [forged, node0, node1], "its fingerprint is not that of the inputs it "
+                    "records", "merge without it")
+    assert str(forged / ".hsx" / "job.json") in line
+    job = json.loads((node1 / ".hsx" / "job.json").read_text())
+    job["given"]["model"] = "elsewhere/tiny-qwen3"
+    (node1 / ".hsx" / "job.json").write_text(json.dumps(job))
+    info = merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
+    assert info["counts"] == json.loads((reference / "hsx.json").read_text())["counts"]
