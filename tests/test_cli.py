@@ -20,6 +20,7 @@ import torch
 import hsx
 from helpers import REPO, assert_one_error_line, hsx_main, message_lines, write_jsonl
 from hsx.cli import main
+from hsx.cost import GPUS
 
 def base_args(model, dataset, out, *layers: str) -> list[str]:
     return ["extract", "--model", str(model.path), "--dataset", str(dataset), "--layers", *(layers or ("1",)),
@@ -473,8 +474,8 @@ def test_a_wrong_flag_is_one_line_from_its_command(capsys):
         (["extract", "--bogus", "1"], "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
         (["launch", "--num_processes", "1", "extract", "--bogus", "1"],
          "hsx extract: error: unrecognized arguments: --bogus 1; see `hsx extract --help`"),
-        (["plan", "--gpu", "nope"], "hsx plan: error: argument --gpu: invalid choice: 'nope' (choose from 'h200'); "
-                                    "see `hsx plan --help`"),
+        (["plan", "--gpu", "nope"], "hsx plan: error: argument --gpu: invalid choice: 'nope' (choose from "
+                                    + ", ".join(repr(g) for g in sorted(GPUS)) + "); see `hsx plan --help`"),
         (["launch", "--bogus", "extract"], "hsx launch: error: unrecognized arguments: --bogus; see `hsx launch --help`"),
         ([], "hsx: error: the following arguments are required: command; see `hsx --help`"),
     ]:

@@ -324,10 +324,13 @@ def _finishes(fn, fifo: Path, seconds: float = 60.0):
 
 
 def test_a_fifo_planted_at_the_ledger_after_follow_started_is_refused_not_waited_on(out):
-    f = hsx.follow(out, rows="dict")  # (no ledger yet: nothing to check)
+    f = hsx.follow(out, rows="dict", delete_consumed=True)  # (no ledger yet: nothing to check; it appends to one)
     ledger = out / ".hsx" / "consumed-trainer-00000.jsonl"
     os.mkfifo(ledger)
     done, error = _finishes(lambda: list(f), ledger)
+    assert done and isinstance(error, HsxError) and "not a regular file" in str(error), error
+    # a reader that deletes nothing reads the ledger (its resume point) and writes none: not held by the FIFO either
+    done, error = _finishes(lambda: list(hsx.follow(out, rows="dict")), ledger)
     assert done and isinstance(error, HsxError) and "not a regular file" in str(error), error
 
 
