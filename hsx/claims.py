@@ -72,6 +72,14 @@ def connect(endpoint: str, timeout: float = 6 * 3600):
     import torch.distributed as dist
 
     host, port = parse_endpoint(endpoint)
+    try:  # Refused: no agent listens there (the job's agents have ended, or another address), and TCPStore would
+        # retry that for minutes, logging C++ stack traces (measured: 2.5 min per try; torchrun restarts it each time)
+        socket.create_connection((host, port), timeout=CONNECT_SECONDS).close()
+    except OSError as e:
+        reason = "connection refused" if isinstance(e, ConnectionRefusedError) else _first_line(e)
+        raise HsxError(f"--elastic {endpoint}: cannot reach the rendezvous store there ({reason}): no torchrun agent "
+                       "of the job listens there (ended, or not started with --rdzv-backend c10d --rdzv-endpoint "
+                       "HOST:PORT)") from None
     try:  # (a store that is not there is one error line after CONNECT_SECONDS, not hours of retries)
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_SECONDS),
                               wait_for_workers=False)

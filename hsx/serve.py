@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.errors import HsxError, UsageError, one_line
+from hsx.errors import HsxError, Stopped, UsageError, one_line
 from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV
 
 MAX_TOKEN_BYTES = 4096
@@ -147,6 +147,12 @@ def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print)
     log(f"hsx serve: {out_dir} at {server.location} (hsx.follow(\"{server.location}\", ...))", flush=True)
     try:
         server.serve()
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (hsx.cli raises it carrying the signal): how a server ends
+        import signal
+
+        signum = e.args[0] if e.args and type(e.args[0]) is int else int(signal.SIGINT)
+        raise Stopped(f"serve: stopped by {signal.Signals(signum).name}; nothing in {out_dir} is lost: its "
+                      "readers end with 'is unreachable' until it serves again", 128 + signum) from None
     finally:
         server.shutdown()
 

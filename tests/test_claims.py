@@ -148,3 +148,17 @@ def test_the_endpoint_is_host_and_port():
     for bad in ("10.0.0.1", ":29400", "host:0", "host:x"):
         with pytest.raises(UsageError):
             parse_endpoint(bad)
+
+
+def test_an_endpoint_where_nothing_listens_is_one_error_at_once_not_minutes_of_retries():
+    import socket
+
+    from hsx.claims import connect
+
+    with socket.socket() as s:  # a port bound but not listening: a connection to it is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(HsxError, match="connection refused.*no torchrun agent"):
+            connect(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10  # (TCPStore alone retried a refused connection for ~150 s)

@@ -221,3 +221,22 @@ def test_a_damaged_answer_from_a_server_is_one_error(served, monkeypatch):
                             else real(k, body))
         with pytest.raises(HsxError, match=f"a damaged `{kind}` answer"):
             src.records() if kind == "state" else src.ledger("trainer")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stopped_server_says_so_in_one_line_not_as_an_interrupted_job(tmp_path, sig):
+    import signal
+
+    from helpers import hsx_child, message_lines
+
+    server = hsx_child(["serve", str(tmp_path), "--port", "0"], tmp_path / "logs")
+    try:
+        assert server.poll_until(lambda: "hsx serve:" in server.stdout, timeout=60, every=0.05), server.stderr
+        server.proc.send_signal(getattr(signal, sig))
+        rc = server.wait(60)
+    finally:
+        server.kill_tree(signal.SIGKILL)
+    assert rc == 128 + getattr(signal, sig)
+    lines = message_lines(server.stderr)
+    assert lines == [lines[0]] and lines[0].startswith(f"hsx: serve: stopped by {sig}"), lines
+    assert "run the same command" not in lines[0]  # (an extract's line: a server has no work to continue)
