@@ -217,9 +217,11 @@ def shape_config(name: str):
 def is_fp8(c) -> bool:
     """Whether a model config declares fp8 block quantization (its linear layers' weights are 1 byte, and run on
     the FP8 matmul rate)."""
+    from hsx.fp8 import quant_method_of  # (the spelling hsx extract accepts: "FP8" is refused there)
+
     q = getattr(c, "quantization_config", None)
     d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else {})
-    return str(d.get("quant_method", "")).lower() == "fp8"
+    return isinstance(d, dict) and quant_method_of(d) == "fp8"
 
 
 # ---- compute ------------------------------------------------------------------------------------------------

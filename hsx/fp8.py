@@ -85,6 +85,13 @@ class Fp8Config:
         return None
 
 
+def quant_method_of(d: dict):
+    """A quantization_config mapping's quant_method as transformers spells it (a config object's to_dict gives
+    transformers' QuantizationMethod enum): "fp8" is this module's; "FP8" is no method transformers knows."""
+    method = d.get("quant_method")
+    return getattr(method, "value", method)
+
+
 def quantization_of(config) -> Fp8Config | None:
     """The fp8 quantization a model config declares (on the text config or, for vision-language checkpoints, the
     outer one), None for an unquantized model or another quant_method transformers knows (its own loader handles
@@ -97,8 +104,7 @@ def quantization_of(config) -> Fp8Config | None:
     d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else vars(q))
     if not isinstance(d, dict):
         raise HsxError(f"quantization_config is a {type(q).__name__}, not a mapping")
-    method = d.get("quant_method")
-    method = getattr(method, "value", method)  # (a config object's to_dict gives transformers' QuantizationMethod)
+    method = quant_method_of(d)
     if method != "fp8":
         _check_known_method(d, method)
         return None
