@@ -93,10 +93,7 @@ class FlightSource:
         if not (isinstance(s, dict) and isinstance(s.get("records"), dict) and isinstance(s.get("gone"), list)):
             raise HsxError(f"{self.where}: a `state` answer without its records (not an hsx serve?)")
         try:  # what a server says is checked as the files it read are (hsx.schema's records)
-            for unit, rec in s["records"].items():
-                ManifestRecord.from_dict(rec)
-                if rec["unit"] != unit:
-                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+            _check_records(s["records"], ManifestRecord)
             s["summary"] = None if s.get("summary") is None else Summary.from_dict(s["summary"])
         except (Damaged, HsxError) as e:
             raise HsxError(f"{self.where}: a damaged `state` answer: {one_line(e)}") from None
@@ -119,12 +116,7 @@ class FlightSource:
 
         found = self._action("ledger", {"consumer": consumer})
         try:
-            if not isinstance(found, dict):
-                raise Damaged("not an object")
-            for unit, rec in found.items():
-                ConsumedRecord.from_dict(rec)
-                if rec["unit"] != unit:
-                    raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
+            _check_records(found, ConsumedRecord)
         except Damaged as e:
             raise HsxError(f"{self.where}: a damaged `ledger` answer: {one_line(e)}") from None
         return found
@@ -154,6 +146,18 @@ class FlightSource:
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
         self._action("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+
+
+def _check_records(records, kind) -> None:
+    """schema.Damaged unless `records` maps each unit name to a valid `kind` record (hsx.schema) of that unit."""
+    from hsx.schema import Damaged
+
+    if not isinstance(records, dict):
+        raise Damaged("not an object")
+    for unit, rec in records.items():
+        kind.from_dict(rec)
+        if rec["unit"] != unit:
+            raise Damaged(f"the record of {unit!r} names unit {rec['unit']!r}")
 
 
 def _message(e: Exception) -> str:
