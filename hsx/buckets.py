@@ -1,28 +1,25 @@
 """Length buckets and units: the order rows are computed and written in.
 
 Rows are grouped into narrow length buckets (upper bounds grow by 1/16 and are multiples of 8), so a right-padded
-batch wastes ~3% on padding instead of the ~75% of dataset-order batches (measured on an H200, Qwen3-8B shape,
-lognormal lengths around 250 tokens). Within a bucket rows keep `sample_id` order, so the output order — bucket,
-then sample_id — does not depend on the budget, the device or the number of processes. That order is cut into units
-of at most `unit_tokens` tokens: a unit is one output file (`data/train-<bucket>-<chunk>.arrow`, named by its first
-row's bucket), the grain of commit and resume, and the grain work is shared across ranks.
+batch carries little padding where batches in dataset order are mostly padding. Within a bucket rows keep
+`sample_id` order, so the output order — bucket, then sample_id — does not depend on the budget, the device or the
+number of processes. That order is cut into units of at most `unit_tokens` tokens: a unit is one output file
+(`data/train-<bucket>-<chunk>.arrow`, named by its first row's bucket), the grain of commit and resume, and the
+grain work is shared across ranks.
 
-A unit runs on from one bucket into the next ones while their upper bounds stay within `UNIT_SPAN` (1.5×) of its
-first bucket's. Cut at every bucket, a small job's long tail is dozens of nearly empty units, each at least one
-forward, and a forward costs a fixed host time however few its tokens (~90 ms at the Qwen3.6-35B-A3B shape on an
-H200, where a batch under 10k tokens ran at half the rate of a full one): the bench's 2,000 rows with the 35B's
-budget and units ran 65 forwards, 32 of them under 10k tokens; units spanning 1.5× run them in 35 forwards, 3 under
-10k (measured in one H200 call: 36.9% → 46.5% MFU), for padding (right-padded targets only) of 7.4% instead of 3.1%
-(the CPU demo's 96 rows: 14.5% instead of 2.9%, 7 files instead of 31, and faster). A large job hardly changes
-(100,000 rows: 1,435 forwards → 1,421, padding 3.2% → 3.4%). The units depend on the lengths, sample ids,
-`max_length` and `unit_tokens` only, never on the budget, the device or the number of processes.
+A unit runs on from one bucket into the next ones while their upper bounds stay within `UNIT_SPAN` of its first
+bucket's. Why: cut at every bucket, a small job's long tail is dozens of nearly empty units, each at least one
+forward, and a forward costs a fixed host time however few its tokens, so small forwards run far below the rate of
+full ones. Spanning buckets trades a little more padding (right-padded targets only) for far fewer small forwards;
+a large job hardly changes. The units depend on the lengths, sample ids, `max_length` and `unit_tokens` only, never
+on the budget, the device or the number of processes.
 
 A unit's rows go in the fewest batches the token budget allows, padding counted (at most `budget // upper_bound`
-rows each), spread evenly over them: filled in turn, most units ended in a small last batch (100,000 rows, the 35B's
-budget and units: 189 of 1,435 batches under 10k tokens; spread evenly, 7). A unit's batches depend on the unit and
-the budget only, never on which rank runs it or what ran before it, so a row's states are the same bits whatever
-the number of processes (batches joined across units measured faster on small jobs but broke that:
-docs/benchmarks.md, session 17).
+rows each), spread evenly over them: filled in turn, most units of a large job ended in a small last batch. A
+unit's batches depend on the unit and the budget only, never on which rank runs it or what ran before it, so a
+row's states are the same bits whatever the number of processes (batches joined across units were faster on small
+jobs but broke that). The measurements behind each choice: docs/benchmarks.md, sessions 17 and 18 and "Figures
+moved from the code".
 """
 
 from __future__ import annotations
