@@ -1,14 +1,14 @@
 """Causal attention over one packed sequence of short rows (`cu_seqlens`), grouped-query heads, as one Triton kernel.
 
 hsx packs a batch's rows into one sequence; flash-attention 2's varlen kernel (torch.nn.attention.varlen) gives each
-(row, head) its own 128-query tiles, so a row of ~360 tokens spends most of its tiles on the causal diagonal and the
-ragged last tile: 45-95 TFLOP/s on Qwen3-30B-A3B's rows on an H200 (14% of that shape's GPU time). Here a program
+(row, head) its own 128-query tiles, so a row of a few hundred tokens spends most of its tiles on the causal
+diagonal and the ragged last tile, far below the kernel's rate on long rows. Here a program
 takes a fixed slice of the packed sequence, TOK consecutive tokens × the G query heads that share one key/value head
 (TOK·G = 128 query rows), wherever rows begin or end inside it: each query row keeps the keys from its own row's
 start to itself (a per-token start mask), so a tile never waits on a row boundary, and a K/V block is loaded once
-for the G heads that read it. Tiles inside one row run their full key blocks unmasked. On the 12 batches
-`hsx bench --profile` draws (16k tokens each, H200): 187 → 297 TFLOP/s against FA2 with Qwen3-30B-A3B's heads
-(32 q / 4 kv of 128), 186 → 288 with Qwen3-8B's (32 / 8).
+for the G heads that read it. Tiles inside one row run their full key blocks unmasked. Timed against FA2 on the
+batches `hsx bench --profile` draws, with Qwen3-30B-A3B's and Qwen3-8B's heads: docs/benchmarks.md (2026-11-30 to
+2026-12-01).
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
 within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.model.varlen_attention` calls it where `supports` holds
@@ -29,8 +29,8 @@ from hsx import kernels
 from hsx.config import HsxError
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
-# Fixed, no autotuning at run time. Of the 7 configs timed on an H200 (key blocks 32-128, 4 or 8 warps, 2-4 stages)
-# this was fastest for both head layouts above: 4.68 ms the 12 batches, against 5.02 (64, 8 warps) and 7.34 (FA2).
+# Fixed, no autotuning at run time: of the configs timed (key blocks 32-128, 4 or 8 warps, 2-4 stages) this was the
+# fastest for both head layouts above (docs/benchmarks.md, "Figures moved from the code").
 KEY_BLOCK, NUM_WARPS, NUM_STAGES = 32, 4, 3
 # Batches whose longest row is longer run flash-attention 2 varlen: the kernel was measured faster on the bench's
 # length distribution (rows up to 4,096 tokens), not beyond; FA2's 128-query tiles suit long rows.
@@ -96,7 +96,8 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """(T, heads, dim) q, (T, kv_heads, dim) k and v: (T, heads, dim) causal attention of each token over its own
     row's keys, in q's dtype. A custom op, as flash-attention's varlen op is: a compiled layer calls it as it is,
     the row starts included (computed in the compiled layer instead, they left the compiled graphs unused past the
-    first batch on an H200, torch 2.11: the bench ran eager, 39.5k tok/s against 66.2k; the cause was not found).
+    first batch with torch 2.11, so the bench ran eager; the cause was not found: docs/benchmarks.md, 2026-11-30 to
+    2026-12-01).
     A batch whose longest row (`max_len`) exceeds KERNEL_ROW_LIMIT runs flash-attention 2 here instead: decided
     inside the op, a branch on the length in the compiled layer would be a guard, and a batch failing it would
     run the layer eager."""

@@ -28,20 +28,19 @@ from hsx.errors import HsxError, check_range
 from hsx.schema import DEFAULT_STORAGE_DTYPE, SCALED_DTYPE, OutputFormat, human_bytes
 
 ARROW_MAX_VALUES = 2**31 - 1  # per record batch and per sample (ArrowCapacityError / offset overflow beyond)
-DEFAULT_BUDGET_CAP = 16384  # measured fastest on an H200, 8B shape: 16k 48% vs 64k 44% of the matmul rate
-# Rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets give at least. H200, Qwen3-30B-A3B layer,
-# grouped GEMMs (gate/up, down): 658/572 TFLOP/s at 1,024 rows, 691/567 at 2,048, 667/633 at 4,096: past 1k the
-# GEMMs gain under 5%, and 32k-token batches slowed the writer (1.2 GB/s against 1.8-2.0 with 16k; GPU idle 17%).
+DEFAULT_BUDGET_CAP = 16384  # the fastest budget measured at the 8B shape (docs/benchmarks.md, "Figures moved")
+# Rows per expert GEMM (a batch's tokens × k / experts) that MoE budgets give at least: past ~1k rows the grouped
+# GEMMs gain little, and larger batches slowed the writer (docs/benchmarks.md, "Figures moved" and 2026-11-30).
 MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
 # rate, the dense e4m3 one (fp8_matmul_tflops, the peak FP8 targets' MFU is taken against; None: no FP8 tensor cores,
 # an FP8 checkpoint runs dequantized), the memory, and the compute capability (hsx.kernels: which kernels run there).
-# Measured only on the H200 (torch, 8192³: bf16 790-810 TFLOP/s, e4m3 torch._scaled_mm with tensor-wise scales
-# 1,419-1,464; torch sees 139 GiB of its 141 GB). The others are datasheet figures ("datasheet": True): NVIDIA's
-# dense (not 2:4-sparse) tensor-core rates and the memory the datasheet names (torch sees ~1-3% less; GPU_HEADROOM
-# covers it); a datasheet rate is a peak that a measured matmul falls short of (the H200: 790 of its 989).
+# The h200 row is measured (the matmul rates `hsx bench` measures in each run, 8192³, and the memory torch sees:
+# docs/benchmarks.md). The others are datasheet figures ("datasheet": True): NVIDIA's dense (not 2:4-sparse)
+# tensor-core rates and the memory the datasheet names (torch sees a little less; GPU_HEADROOM covers it); a
+# datasheet rate is a peak that a measured matmul falls short of (the h200 row's bf16 rate against its datasheet's).
 GPUS: dict[str, dict[str, Any]] = {
     "h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0, "memory_gib": 139.0, "capability": (9, 0),
              "datasheet": False},
@@ -64,17 +63,17 @@ GPUS: dict[str, dict[str, Any]] = {
 }
 FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
-PLAN_MFU = 0.70  # the rate a plan assumes: dense shapes measured 66-77% end to end on an H200 (README)
-PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): qwen3-30b-a3b 43-48%, gpt-oss-20b 45.4% (README); kept
-# below both for the shapes not measured (other widths, experts and head layouts)
-# The fastest the writer has stored states, per process: 4.79 GB/s into tmpfs on an H200 host (docs/storage.md,
-# writer table). A plan's rate is never more than this many bytes per second of output: a small model's FLOPs would
-# otherwise promise hundreds of GB/s of writes.
+PLAN_MFU = 0.70  # the rate a plan assumes: at or under the dense shapes' measured end-to-end MFU (README's table)
+PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): under the MoE shapes' measured MFU (README's table),
+# for the shapes not measured (other widths, experts and head layouts)
+# The fastest the writer has stored states, per process, into tmpfs (docs/storage.md's writer table; docs/
+# benchmarks.md, session 13). A plan's rate is never more than this many bytes per second of output: a small
+# model's FLOPs would otherwise promise hundreds of GB/s of writes.
 WRITER_BYTES_PER_S = 4.79e9
-PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: qwen3-8b-fp8 48.6-53.4%, qwen3.6-27b-fp8 51.4-55.7%
-# (H200, two sessions)
-# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × 790 / 1419), no
-# faster than the bf16 checkpoint: qwen3-30b-a3b-fp8 measured 24.2-24.3%, 0.94× the bf16 shape's tok/s (H200)
+PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: under the dense FP8 shapes' measured MFU on cuBLAS
+# (docs/benchmarks.md, 2026-12-02 and 2026-12-02 (later))
+# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × the h200 row's bf16
+# / FP8 rates), as the FP8 experts measured no faster than the bf16 checkpoint (docs/benchmarks.md, 2026-12-02 (later))
 PLAN_MFU_MOE_FP8 = 0.22
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
 GATED_QUERY_MODEL_TYPES = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # q_proj also makes the output gate
@@ -154,12 +153,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                             tie_word_embeddings=False),
 }
 
-# End-to-end MFU that `hsx bench --shape NAME` measured (one H200, default flags, output to tmpfs;
-# docs/benchmarks.md): `hsx plan` uses it for that shape instead of the 70% default. qwen3-30b-a3b: 39-48% from VM
-# to VM (medians of 3 on two: 47.0%, 47.3%); below the best for a plan. gpt-oss-20b: medians of 3, 52.9% and 52.5%.
-# qwen3.6-35b-a3b: 37.4% and 36.5% on two VMs. FP8 shapes, of the FP8 matmul rate (2,000 rows, the bf16 shape in the
-# same call), on cuBLAS's GEMM (hsx's default without DeepGEMM installed): qwen3-8b-fp8 53.4% (1.35×), qwen3.6-27b-fp8
-# 55.7% (1.44×), qwen3-30b-a3b-fp8 24.2%; with DeepGEMM 60.0% (1.53×) and 58.9% (1.49×), not planned on.
+# End-to-end MFU that `hsx bench --shape NAME` measured (default flags, output to tmpfs; the runs are in
+# docs/benchmarks.md, the README's table sums them up): `hsx plan` uses it for that shape instead of PLAN_MFU. Where
+# VMs differ, rounded down from the lower median; FP8 shapes of the FP8 matmul rate on cuBLAS's GEMM (hsx's
+# default without DeepGEMM installed: DeepGEMM's faster runs are not planned on).
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.52,
                                   "qwen3.6-35b-a3b": 0.37, "qwen3-8b-fp8": 0.53, "qwen3.6-27b-fp8": 0.55,
                                   "qwen3-30b-a3b-fp8": 0.24}

@@ -1,7 +1,7 @@
 """The batched GPU function `datasets.map` calls: forward (padded or packed) → real tokens → one pinned host buffer.
 
-Measured on an H200 (Qwen3-8B shape, bf16): a blocking device-to-host copy per batch halves throughput (50% → 26% of
-the bf16 matmul rate), so the GPU work runs one step ahead of `map`. A producer thread walks the same batches `map`
+A blocking device-to-host copy per batch halved throughput (docs/benchmarks.md, "Figures moved from the code"),
+so the GPU work runs one step ahead of `map`. A producer thread walks the same batches `map`
 will ask for, in the same order, and for each one: builds the right-padded ids and the index of real tokens on the
 host (boolean indexing on the GPU would force a sync), runs the truncated model with `attention_mask=None` (with
 causal attention the real tokens are exact and SDPA takes its fastest path; with --packing varlen the rows instead
@@ -261,7 +261,7 @@ class Extractor:
             self.compiler.start(self.device, padded, self.token_cap)  # forwards recorded each kind's inputs
         result.segment_tokens.append(n)
         self.store.clear()
-        # NaN/Inf per row, on the device (one read of the output, ~0.1% of the batch's time): tokens → rows.
+        # NaN/Inf per row, on the device (one read of the output, small next to the forward): tokens → rows.
         bad_tokens = ~torch.isfinite(states[0]).all(1)
         if self.final:
             bad_tokens |= ~torch.isfinite(states[1]).all(1)
@@ -350,8 +350,8 @@ def _split_columns(flat: np.ndarray, segment_tokens: list[int], columns: list[Co
 
 
 def sdpa_backend(name: str, cuda: bool):
-    """The SDPA kernel to use. Measured on an H200 (8B shape): cuDNN's attention spends ~1.5 ms of host time per
-    call building plans for new (batch, length) shapes, which made the host, not the GPU, the bottleneck."""
+    """The SDPA kernel to use. cuDNN's attention spends host time per call building plans for new (batch,
+    length) shapes, which made the host, not the GPU, the bottleneck (docs/benchmarks.md, "What limits it")."""
     from contextlib import nullcontext
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -390,7 +390,7 @@ class Pipeline:
             if self.ex.cuda:
                 # The current CUDA device is per thread and starts at 0 here. On any other GPU, events recorded on
                 # "the current stream" would be on GPU 0's and the copy out would not wait for the forward
-                # (measured on 2 H200s: rank 1 wrote garbage, 810 of 2,000 rows flagged NaN).
+                # (seen on 2 GPUs: rank 1 wrote garbage rows; docs/benchmarks.md, "Figures moved from the code").
                 torch.cuda.set_device(self.ex.device)
             with torch.inference_mode(), sdpa_backend(self.ex.sdpa_backend, self.ex.cuda), self.ex.capturing():
                 for table in batches:

@@ -12,15 +12,14 @@ transformers loads such a checkpoint as stored (its FP8Linear modules hold the e
 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in their place, sharing
 their tensors: a Triton pass quantizes the activations (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies
 (`hsx::fp8_mm`), the first of GEMMS that passes its check against the float32 product (`use_gemm`, config key
-fp8_gemm): DeepGEMM's `fp8_gemm_nt` where it is installed, for products of DEEPGEMM_MIN_ROWS rows or more
-(1,283-1,464 TFLOP/s on an H100 at 16k tokens, cuBLAS 1,135-1,301 in the same call: all of Qwen3-8B's linears
-1.91× bf16, cuBLAS 1.63×; end to end on an H200 qwen3.6-27b-fp8 1.49× bf16, cuBLAS 1.44×), torch's cuBLAS
-`_scaled_mm` (1,120-1,270 on an H200, against 650-770 for bf16), fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise`
-where that package is installed (790-975), a Triton kernel (609-663: a fallback).
+fp8_gemm), fastest first as measured (GEMMs alone and end to end: docs/benchmarks.md, sessions 13 and 14 and
+2026-12-02 (later)): DeepGEMM's `fp8_gemm_nt` where it is installed, for products of DEEPGEMM_MIN_ROWS rows or
+more; torch's cuBLAS `_scaled_mm`; fbgemm-gpu-genai's CUTLASS `f8f8bf16_groupwise` where that package is installed;
+a Triton kernel (slower than bf16: a fallback).
 In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
 merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
-(`fuse_gated_mlps`): on an H200, qwen3-8b's FP8 layer is its bf16 layer's non-GEMM time plus ~0.17 ms of
-quantization at ~15k tokens. Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
+(`fuse_gated_mlps`), so an FP8 layer adds little beyond its quantization passes to the bf16 layer's non-GEMM time
+(docs/benchmarks.md, 2026-12-02: FP8 layers quantize each input once). Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
 model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
 hsx.moe's grouped path (`fp8_experts_forward`).
 """
@@ -452,8 +451,8 @@ CUBLAS_K_BLOCKS = 4  # cuBLAS's 128×128 scales need K/128 a multiple of this (r
 def _cublas_mm(xq, xs, w, ws):
     # cuBLAS reads the 1×128 scales M-major (outer-dimension-major, as `_quantize_activation_cuda` writes them; M is
     # padded to 16) and the 128×128 ones as (K/128, N/128). With K/128 not a multiple of 4 (K = 256, 640, 768) torch
-    # 2.11 returned wrong products on an H200 (relative error 4 to 5e7), and refused scales padded to 4 blocks
-    # ("Invalid scaling configuration"): such weights are not cuBLAS's (`_takes`).
+    # 2.11 returned wrong products, and refused scales padded to 4 blocks ("Invalid scaling configuration"): such
+    # weights are not cuBLAS's (`_takes`; docs/benchmarks.md, 2026-12-02 (later), "cuBLAS and small K").
     if ws.shape[1] % CUBLAS_K_BLOCKS:
         raise ValueError(f"cuBLAS's block-scaled GEMM needs K/128 a multiple of {CUBLAS_K_BLOCKS} (K = {w.shape[1]})")
     if xs.stride(0) != 1:
@@ -546,11 +545,11 @@ def _load_deepgemm():
 
 
 # DeepGEMM picks a tile shape per product from M, N and K (its heuristic's cost model), and compiles a kernel (nvcc,
-# 1.9-5.7 s on an H200) for each tile shape it has not built yet. Below a few thousand rows nearly every M picks another
-# one (13 kernels for M = 128, 256, ..., 1,920 at 4096 × 4096, measured): a bench run of small warm-up batches stalled
-# for minutes. From 8,192 rows, that heuristic (emulated in Python; it reproduced those measurements exactly) picks
-# 1-3 tile shapes per weight shape up to 32,768 rows for Qwen3-8B's and Qwen3.6-27B's linears: 6 and 9 kernels in
-# all. Smaller products, the few short batches of a job, run on the next GEMM.
+# seconds each) for each tile shape it has not built yet. Below a few thousand rows nearly every M picks another
+# one: a bench run of small warm-up batches stalled for minutes. From 8,192 rows, that heuristic (emulated in
+# Python; it reproduced the measured compile points exactly) picks 1-3 tile shapes per weight shape up to 32,768
+# rows for Qwen3-8B's and Qwen3.6-27B's linears: 6 and 9 kernels in all. Smaller products, the few short batches of
+# a job, run on the next GEMM. The sweeps: docs/benchmarks.md, session 13.
 DEEPGEMM_MIN_ROWS = 8192
 
 
@@ -914,7 +913,7 @@ class _SameQuantizationOnce(_Pass):
 
 
 # emulate_precision_casts: fused kernels round to bf16 where eager does, so that a compiled layer quantizes the very
-# bf16 values transformers' FP8 forward quantizes (without it ~3% of the e4m3 values round the other way)
+# bf16 values transformers' FP8 forward quantizes (without it some e4m3 values round the other way)
 _COMPILE_OPTIONS = {"post_grad_custom_pre_pass": _SameQuantizationOnce(), "emulate_precision_casts": True}
 
 

@@ -1,7 +1,7 @@
 """Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next linear attention) on flash-linear-attention's kernels.
 
 transformers' own GatedDeltaNet forward runs its short convolution as `F.conv1d` without causal-conv1d (a torch
-fallback: measured on an H200, the 27B shape ran at 35.5% MFU), its gated RMSNorm and gating as separate elementwise
+fallback, about half hsx's rate at the 27B shape), its gated RMSNorm and gating as separate elementwise
 ops, and it ignores sequence boundaries: in a packed batch every row's recurrent state and convolution window leak
 into the next (NeMo Automodel #2147: layer outputs off by 0.40). `install` replaces, per module instance, the
 forward of each such layer with `fla_forward`: one Triton kernel for the short convolution, the q/k l2norm and the
@@ -11,8 +11,9 @@ hsx.engine around each forward) the row boundaries go to both the convolution an
 from a zero state and a zero convolution window: the packed forward equals one forward per row. Right-padded batches
 need no boundaries (causal: padding sits after every real token).
 
-fla's first forward autotunes its kernels (40 s on a fresh H200 at the 27B shape); `settle_autotuning` hands
-them the configs that run chose, so the first forward compiles one per kernel (6.3 s).
+fla's first forward autotunes its kernels (tens of seconds on a fresh GPU at the 27B shape); `settle_autotuning`
+hands them the configs that run chose, so the first forward compiles one per kernel. The measurements behind this
+module: docs/benchmarks.md (2026-11-30 to 2026-12-01, session 12, "Figures moved from the code").
 
 Nothing is changed at import time or in transformers' classes (installed modules are kept in a weak set); a cached
 (generation) call or an attention mask falls back to transformers' forward. Without fla, or on CPU, the modules
@@ -116,9 +117,9 @@ def install(base: torch.nn.Module) -> bool:
 
 
 # ---- fla's autotuning, settled ahead --------------------------------------------------------------------------
-# fla autotunes its kernels on the first packed forward of a Gated DeltaNet layer: on a fresh H200 that compiled and
-# timed 59 configs in 40.0 s of the 27B shape's warm-up (one compile per kernel: 6.3 s). These are the winners of
-# that run (fla 0.6.0, Triton 3.6, H200, Qwen3.5/3.6 head sizes: keys 128, values 128, conv width 4, packed rows)
+# fla autotunes its kernels on the first packed forward of a Gated DeltaNet layer: on a fresh GPU that compiles and
+# times dozens of configs in the warm-up (docs/design.md, packed Gated DeltaNet). These are the winners of one such
+# run (fla 0.6.0, Triton 3.6, an H200, Qwen3.5/3.6 head sizes: keys 128, values 128, conv width 4, packed rows)
 # for the five kernels hsx still runs (its own took the convolution and the gated norm). On the GPUs they were tuned
 # for (compute capability 9.0) `settle_autotuning` narrows each kernel's candidate list to its winner when the key
 # matches, heads and channels aside: still a config fla would time itself (`early_config_prune`, Triton's own hook),
@@ -291,8 +292,8 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def qk_l2norm(mixed: torch.Tensor, key_dim: int, head_dim: int, eps: float = 1e-6):
     """(q, k), each (B, T, key_dim // head_dim, head_dim) and contiguous, l2-normalised per head, from the conv
     output's first 2·key_dim columns: one Triton kernel reading the strided heads once (float32 math, as `_l2norm`).
-    In torch the same took 7 kernels per tensor (casts, square, sum, rsqrt, products): ~3% of the 27B shape's GPU
-    time. fla's own l2norm is not used: it autotunes anew for each ceil(rows / 65536), ~10 s stalls per batch size.
+    In torch the same took 7 kernels per tensor (casts, square, sum, rsqrt, products). fla's own l2norm is not
+    used: it autotunes anew for each ceil(rows / 65536), a stall at each new batch size.
     Off CUDA, or for a head size that is not a power of two, the torch reference."""
     batch, seq, _ = mixed.shape
     heads = key_dim // head_dim
@@ -341,8 +342,8 @@ def conv_qkv(self, mixed: torch.Tensor, rows: PackedRows | None):
     2·key_dim + value_dim): the causal depthwise convolution (SiLU), q and k l2-normalised per head, each packed row
     starting from a zero window. On CUDA one Triton kernel (`_conv_qkv_kernel`) reads `mixed` once and writes the
     three tensors the delta rule reads: fla's causal_conv1d, `qk_l2norm` and the copy fla's chunk_gated_delta_rule
-    makes of the strided v took 423 + 298 + 281 µs a Qwen3.6-35B-A3B layer at 32k tokens on an H200, three passes
-    over ~0.5 GB each; fused, 568 µs. Its arithmetic is fla's convolution's (float32 taps in order, the bias, SiLU,
+    makes of the strided v were three passes over the same data; fused, the one pass takes about half their time
+    (docs/benchmarks.md, session 12). Its arithmetic is fla's convolution's (float32 taps in order, the bias, SiLU,
     one rounding), then `qk_l2norm`'s. Elsewhere, or for shapes it does not take, those three steps."""
     batch, seq, _ = mixed.shape
     weight = self.conv1d.weight.squeeze(1)
@@ -457,8 +458,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """transformers' gated RMSNorm of Qwen3.5/3.6 and Qwen3-Next per head (rows of head_v_dim): x normalised in float32
     and rounded, times the weight (rounded as torch's product of the two is), times SiLU(gate) in float32, rounded
     once more. On CUDA one Triton kernel over all rows: fla's fused kernel, fed blocks of 65,536 rows (it compiles
-    one variant per ceil(rows / 65,536)) and concatenated, took 205 + 107 µs a Qwen3.6-35B-A3B layer at 32k tokens
-    on an H200; this kernel 161 µs. Elsewhere, or for a head size that is not a power of two, the same in torch."""
+    one variant per ceil(rows / 65,536)) and concatenated, took about twice this kernel's time (docs/benchmarks.md,
+    session 12). Elsewhere, or for a head size that is not a power of two, the same in torch."""
     rows, dim = x.shape
     if not (x.is_cuda and _power_of_2(dim) and dim <= 1024 and x.is_contiguous() and gate.is_contiguous()
             and gate.shape == x.shape and weight.shape == (dim,) and kernels.allowed("gdn_kernels", x.device)):

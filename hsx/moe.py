@@ -15,19 +15,19 @@ traffic around them:
   top-k renormalization for each element of the activation;
 - for experts of Qwen3-MoE's form (one gate_up weight, SiLU, no bias) there is no pair gather: the gate/up GEMM
   is one Triton kernel that reads the token rows by index and applies SiLU(gate)·up and the routing weight to
-  its float32 tiles (`gate_up_activation`: 1,367 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, against
-  1,652 for the row gather, CUTLASS's grouped GEMM and the compiled activation); so is GPT-OSS's (biases, the
-  clamped gate of interleaved columns: 3,793 µs a GPT-OSS-20B layer at 16k tokens against 4,036 compiled);
+  its float32 tiles (`gate_up_activation`, faster than the row gather, CUTLASS's grouped GEMM and the compiled
+  activation it replaces); so is GPT-OSS's (biases, the clamped gate of interleaved columns);
 - the k outputs of a token are gathered back and summed in float32 in a fixed order (deterministic; no atomics),
-  on CUDA in one Triton kernel (`sum_pairs`: 137 µs a Qwen3-30B-A3B layer at 16k tokens, 361 as Inductor's).
-With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`:
-13 µs at 16k tokens × 128 experts on an H200, against 148 µs for transformers' softmax + `torch.topk` + division).
+  on CUDA in one Triton kernel (`sum_pairs`, a fraction of Inductor's row gathers' time).
+With it, routers of Qwen3-MoE's form run their float32 softmax, top-k and renormalization as one op (`route_topk`,
+a fraction of transformers' softmax + `torch.topk` + division). Each kernel's timing against what it replaced:
+docs/benchmarks.md, 2026-11-30 to 2026-12-01 and 2026-12-02 (MoE).
 Its output equals transformers' eager experts within rounding (float32 on CPU: tests/test_moe.py; bf16 on a GPU:
 tests/test_gpu.py). Expert-parallel layers (EP sentinels) keep transformers' own implementation.
 FP8 experts (the `-FP8` checkpoints' e4m3 experts with 128×128 block scales, transformers' FP8Experts) run block-scaled
 FP8 in the same path (`fp8_experts_forward`: tokens quantized per 1×128 block, two Triton kernels after vLLM's
 fused_moe_kernel with use_fp8_w8a8; on CPU tensors their torch reference, one expert dequantized at a time). The
-kernels are not yet checked on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
+kernels are checked against that reference on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
 
 `use_experts(base, name)` switches a loaded model's experts implementation, like `use_packing` for attention.
 """
@@ -54,8 +54,8 @@ def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[index] along rows, opaque to torch.compile, so that x is computed once rather than once per gathered row.
     Inside a compiled decoder layer Inductor fused the pair gather with the residual add and RMSNorm before it,
-    recomputing them for each of a token's k copies: 578 µs per Qwen3-30B-A3B layer at 16k tokens on an H200
-    against 259 µs for the gather alone."""
+    recomputing them for each of a token's k copies, at twice the gather's own time (docs/benchmarks.md,
+    2026-11-30 to 2026-12-01)."""
     return x.index_select(0, index)
 
 
@@ -68,8 +68,8 @@ def _(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def sum_pairs(z: torch.Tensor, inverse: torch.Tensor, k: int, extra: torch.Tensor | None = None) -> torch.Tensor:
     """(tokens, hidden) in z's dtype: for each token t, z[inverse[t·k]] + ... + z[inverse[t·k + k-1]] (+ extra[t]),
     summed in float32 in that order and rounded once. On CUDA one Triton kernel reads each pair row once: compiled
-    by Inductor as k row gathers, the same took 361 µs a Qwen3-30B-A3B layer at 16k tokens on an H200, ~2.5× the
-    time its ~600 MB of traffic needs. Elsewhere the same sum in torch (the reference: equal bit for bit)."""
+    by Inductor as k row gathers, the same took several times what its memory traffic needs (docs/benchmarks.md,
+    2026-11-30 to 2026-12-01). Elsewhere the same sum in torch (the reference: equal bit for bit)."""
     if z.is_cuda and z.shape[0] and z.stride(-1) == 1 and kernels.allowed("moe_sum_pairs", z.device):
         return _sum_pairs_cuda(z, inverse, k, extra)
     rows = z[inverse].view(-1, k, z.shape[-1])
@@ -173,9 +173,8 @@ def _gate_up_reference(hidden, order, offsets, weights, gate_up, transposed, k, 
 
 
 # One program's tile: 128 pairs × 128 columns of the gate and the same 128 of the up projection (two float32
-# accumulators), 64 of the hidden dimension a step, in a 4-stage pipeline; 8 warps (vLLM's H200 choice at this
-# shape). Measured at Qwen3-30B-A3B's (16k tokens, 128 experts, top-8, width 768) on an H200: 1,367 µs, against
-# 1,498 with 3 stages, 1,898 for 128 × 64 and 1,836 for 64 × 128 with 4 warps.
+# accumulators), 64 of the hidden dimension a step, in a 4-stage pipeline; 8 warps (vLLM's choice at this shape):
+# the fastest of the tiles timed at Qwen3-30B-A3B's shape (docs/benchmarks.md, 2026-11-30 to 2026-12-01).
 GATE_UP_ROWS, GATE_UP_COLUMNS, GATE_UP_STEP, GATE_UP_WARPS, GATE_UP_STAGES = 128, 128, 64, 8, 4
 
 
@@ -417,8 +416,8 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 
 def _to_tokens(z: torch.Tensor, order: torch.Tensor, k: int, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The pairs' outputs z (in expert order, `order` the pair each row is) back in token order, each token's k
-    outputs summed (plus `extra`), in one pass: as a sum(dim=1) it became an Inductor reduction 7x under memory
-    bandwidth, 19% of a Qwen3-30B-A3B layer's GPU time on an H200."""
+    outputs summed (plus `extra`), in one pass: as a sum(dim=1) it became an Inductor reduction far under memory
+    bandwidth, a large share of a Qwen3-30B-A3B layer's GPU time (docs/benchmarks.md, 2026-11-30 to 2026-12-01)."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return sum_pairs(z, inverse, k, extra)
@@ -613,10 +612,10 @@ def dequantized_experts_forward(self: torch.nn.Module, hidden_states: torch.Tens
 
 
 # One program's tile: 64 pairs × 128 columns (one 128-column scale block of the gate and the same of the up
-# projection), 128 of the hidden dimension a step (one scale block), 3 stages. Swept on an H200 at Qwen3-30B-A3B's
-# and Qwen3.6-35B-A3B's expert shapes (16k/32k tokens, top-8; docs/benchmarks.md): the gate/up kernel, two
-# accumulators, is 20% faster on 8 warps than on vLLM's default 4; the down kernel is fastest on 4; 128-row tiles
-# and more stages were slower or out of shared memory.
+# projection), 128 of the hidden dimension a step (one scale block), 3 stages: the fastest of the tiles swept at
+# Qwen3-30B-A3B's and Qwen3.6-35B-A3B's expert shapes (docs/benchmarks.md, 2026-12-02 (later), FP8 experts): the
+# gate/up kernel, two accumulators, is faster on 8 warps than on vLLM's default 4; the down kernel is fastest on 4;
+# 128-row tiles and more stages were slower or out of shared memory.
 FP8_ROWS, FP8_STAGES = 64, 3
 FP8_GATE_UP_WARPS, FP8_DOWN_WARPS = 8, 4
 
@@ -753,7 +752,8 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.T
     """Qwen3-MoE's router after its linear layer: softmax over the experts in float32, the k largest (descending;
     on CUDA, among equal probabilities the lower expert first), divided by their sum when `renormalize`; weights in
     the logits' dtype, expert ids int64. On CUDA one Triton kernel reads each token's logits once: `torch.topk` alone
-    took 2.7% of Qwen3-30B-A3B's GPU time on an H200 (Inductor cannot lower it). Elsewhere the reference in torch."""
+    was a visible share of Qwen3-30B-A3B's GPU time (Inductor cannot lower it; docs/benchmarks.md, 2026-11-30 to
+    2026-12-01). Elsewhere the reference in torch."""
     if (logits.is_cuda and logits.shape[0] and logits.stride(-1) == 1 and k <= logits.shape[-1] <= ROUTE_EXPERTS_MAX
             and kernels.allowed("moe_route_topk", logits.device)):
         return _route_topk_cuda(logits, k, renormalize)
