@@ -7,8 +7,8 @@
 
 (a) and (b) run on a subset (rows drawn from the same distribution) and are reported as rates; the table says
 how many rows each used. Weights are random, from a named shape or a local model; lengths are drawn from a
-lognormal body with a uniform tail (default: mean ≈ 354 tokens, 1% tail to 4k: the lengths of hsx's first H200
-measurements).
+lognormal body with a uniform tail (default: mean ≈ 354 tokens, 1% tail to 4k: the distribution of hsx's first
+measurements, kept so that runs compare). Results go to docs/benchmarks.md, dated, with the command and commit.
 Rates are steady state: (c) first runs a warm-up extraction (compile, cuBLAS, allocator) that is timed apart.
 """
 
@@ -398,10 +398,10 @@ POWER_CAP_REASONS = 0x4 | 0x80  # NVML clocks event reasons: SW power cap, HW po
 def gpu_clocks(device, every: float = 0.25):
     """Within the block, the GPU's SM clock, power and throttle reasons sampled by NVML (the driver's
     libnvidia-ml, through ctypes) every `every` s; at exit the dict yielded holds the busy samples' means
-    (utilization ≥ 50%). Why: an H200 busy without a break runs at its 700 W limit, ~1,500-1,600 of its 1,980
-    MHz, while one that waits for its writer clocks higher in its bursts, so GPU-time MFU differs between runs
-    of the same kernels (measured: 76.9% with 43% idle against 73.8-74.2% with 1-2%). Empty where NVML or the
-    GPU's UUID is not to be had."""
+    (utilization ≥ 50%). Why: a GPU busy without a break runs at its power limit and a lower clock, while one
+    that waits for its writer clocks higher in its bursts, so GPU-time MFU differs between runs of the same
+    kernels (docs/benchmarks.md, 2026-11-30 to 2026-12-01, the dense table). Empty where NVML or the GPU's UUID
+    is not to be had."""
     import threading
 
     import torch
@@ -516,7 +516,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     def run(batch: int, table) -> None:
         # A slot's pinned inputs are read by its batch's host-to-device copies when the GPU reaches them: refilled
         # before that (one slot for every batch, as this did), a batch ran on the next one's row bounds and the
-        # varlen attention read out of bounds (illegal memory access, qwen3-8b with 200 rows on an H200).
+        # varlen attention read out of bounds (an illegal memory access, qwen3-8b with 200 rows on a GPU).
         slot = slots[batch % len(slots)]
         if slot.done is not None:
             slot.done.synchronize()

@@ -119,8 +119,8 @@ def check_json_nesting(path: Path) -> None:
     too (an over-count): a chunk whose running depth varies by at most JSON_DEPTH_CHECKED holds no deeper line
     (each line starts and ends at its own level). Only the lines of other chunks are measured one by one, and
     only a line past JSON_DEPTH_CHECKED is parsed by Python's json, which raises RecursionError past its
-    recursion limit (1,000 levels by default) instead of crashing. Cost: one read of the file, ~200 MB/s on a
-    loaded 2-core VM (a 124 MB file in 0.63 s)."""
+    recursion limit (1,000 levels by default) instead of crashing. Cost: one read of the file (docs/benchmarks.md,
+    "Figures moved from the code")."""
     carry = 0  # the depth of the line that runs into the next chunk, relative to its start
     line_start = 0  # byte offset where that line starts
     flagged: set[int] = set()  # offsets of lines that may nest too deeply
@@ -372,7 +372,7 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
 
 def check_columns(ds, fmt: str, name: str) -> None:
     """What no row of `ds` can get past, checked on the Arrow columns before any row is read (one HsxError line
-    instead of a UnicodeDecodeError from inside `map`): text that is not UTF-8 (Arrow's full validation, ~3 GB/s),
+    instead of a UnicodeDecodeError from inside `map`): text that is not UTF-8 (Arrow's full validation, one pass),
     and pre-tokenized columns of floats or of mixed types. Arrow's JSON reader makes a whole column float when one
     row holds a float, and datasets' makes a column of mixed types JSON, decoding a string "1" as 1: the good rows
     can no longer be told from the bad ones, so no row is skipped, the input is refused. (A column whose rows all

@@ -4,9 +4,8 @@ A resume must not mix two models: weights rewritten between a kill and a resume 
 and header) change a file's sha256, so the job's fingerprint changes and the dir is refused. The same recipe run
 from another working directory, or with the same folder spelled another way, gives the same fingerprint.
 
-Cost, on files in the page cache: sha256 runs at about 1 GB/s per thread, and hashlib releases the GIL, so files
-hash in parallel threads, one shard per core (a 16 GB 8B checkpoint in about 2 s on a 16-core host; from disk,
-the disk is the limit; docs/benchmarks.md has the rates measured).
+Cost: one read of every file, and hashlib releases the GIL, so files hash in parallel threads, one shard per core
+(from disk, the disk is the limit); docs/benchmarks.md has the rates measured (2026-12-02, sha256).
 
 The digest cache ($HF_HOME/hsx/file-digests.json) saves that read; it never decides whether two jobs are the same.
 An entry is {"sha256", "hashed_at_ns"} under (real path, size, mtime_ns, ctime_ns, inode), and it is used only if

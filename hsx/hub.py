@@ -6,9 +6,8 @@ for ShareGPT-68k on Llama-3.1-8B, and 35 TB projected for 30k samples of GPT-OSS
 What goes up: data/train-*.arrow, README.md, token_frequencies.npy and hsx.json, as they are; never .hsx/ (run
 state, the tokenized cache).
 The Arrow units are already Hub-ready shards: the card's `configs` make `load_dataset(REPO)` read them. datasets'
-own `push_to_hub` would rewrite everything as Parquet, which for nested int16 writes at 62-131 MB/s against Arrow
-IPC's ~4 GB/s and saves only 20-30% (measured single-threaded on 295 MB of bf16 states), and it needs the whole
-dataset present.
+own `push_to_hub` would rewrite everything as Parquet, which for nested int16 writes far slower than Arrow IPC and
+saves little space (docs/benchmarks.md, "Figures moved from the code"), and it needs the whole dataset present.
 
 How:
 - huggingface_hub's own API: `create_repo(repo_type="dataset", exist_ok=True, private=...)`, `create_branch` for a
@@ -24,8 +23,9 @@ How:
   --delete-after-upload and a resumed job's done units need that), and it neither checks a file against hsx.json's
   CRC-32 before sending it nor prunes another job's units in the last commit.
 - Batches: at most 50 files (the Hub recommends < 100 files per commit) and 64 GiB per commit. A stream starts at
-  most one commit per `min_seconds_between_commits` (60 s by default: the Hub rate-limits commits; at H200 speed a
-  2 GiB unit is committed about every second, so a minute's units go in one commit); `close()` flushes the rest.
+  most one commit per `min_seconds_between_commits` (60 s by default: the Hub rate-limits commits; at full GPU speed
+  a default unit (hsx.job.UNIT_BYTES) is committed every second or so, so a minute's units go in one commit);
+  `close()` flushes the rest.
 - Retries: HTTP 408/409/412/423/425/429 and 5xx, connection errors and timeouts are retried with exponential
   backoff (2 s doubling, capped at 5 min, jittered x0.5-1, at least the server's Retry-After), 10 attempts
   (7-14 min of waiting) in all; any other error (401/403/404, a bad name, offline mode) fails at once. A failure

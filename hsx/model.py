@@ -1,8 +1,8 @@
 """Load the target model cut after the deepest layer we need: base model only, no lm_head, no KV cache.
 
 Only the first `max(layers) + 1` decoder layers are built and read from disk (all of them, plus the final norm,
-when the final-norm state is asked for). Without lm_head and the cache, a Qwen3-8B-shaped batch of 64 fits where
-the full CausalLM ran out of memory on 65 GiB of logits alone (on an H200). Weights are read from
+when the final-norm state is asked for). Without lm_head and the cache, a batch fits where the full CausalLM runs
+out of memory on its logits alone (docs/benchmarks.md, "Figures moved from the code"). Weights are read from
 safetensors only, never unpickled; remote code runs only when asked.
 """
 
@@ -820,7 +820,7 @@ class CompileAhead:
     seen; `start` then compiles and runs each kind once on them, on the worker, in inference mode: after the first
     forward of at least half the token budget, or after SAMPLE_FORWARDS forwards. Inductor picks its kernels' tiles
     for the sample's sizes (dynamic shapes keep the sizes symbolic, not the tiles): compiled on a 16-token first
-    batch, a Qwen3.6-35B-A3B attention layer's query norm + rotary kernel took 833 µs at 32k tokens on an H200.
+    batch, kernels ran several times slower on full batches (docs/benchmarks.md, session 12).
     `ready` is set when every kind compiled; `wait` gives up after a deadline with one line (extraction keeps
     running eager). `close` ends the worker before the job returns: a thread still inside torch's C++ code when the
     interpreter exits is unwound by glibc's thread cancellation through C++ frames, which aborts the process
@@ -967,7 +967,7 @@ def trace_fx_once() -> None:
     swaps `nn.Module.__call__` for every thread (Inductor's first lowering traces a dummy graph,
     `torch._inductor.loop_body.InterpreterShim._dummy_gm`, cached after): made by the compile worker, it broke an
     eager forward on the extraction thread at the same moment ("NameError: module is not installed as a
-    submodule"; H200, qwen3-8b warm-up). Traced here before the worker starts, the worker reads the cache. The
+    submodule"; the qwen3-8b shape's warm-up). Traced here before the worker starts, the worker reads the cache. The
     tracers that AOTAutograd uses swap it too, but call the original forward for modules outside their graph."""
     try:
         from torch._inductor.loop_body import InterpreterShim
@@ -1187,8 +1187,8 @@ def _varlen_returns_lse() -> bool:
 def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_per_copy: bool,
                     attn_implementation: str | None) -> tuple[str, str | None]:
     """The packing to run, and why auto chose none. auto = varlen on one CUDA device with the default attention,
-    where it is exact: measured on an H200 (qwen3-8b shape, 721k tokens) it cut GPU time 4.7% against
-    right-padded batches (padding 3.1% → 0.03%). Hybrid Gated DeltaNet models pack only on hsx's fla forward
+    where it is exact: it cut GPU time against right-padded batches (docs/design.md, padding-free batches; the
+    runs in docs/benchmarks.md). Hybrid Gated DeltaNet models pack only on hsx's fla forward
     (hsx.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than padding."""
     if requested != "auto":  # asked for: `use_packing` refuses varlen where it would not be exact
         return requested, None

@@ -558,8 +558,9 @@ class DirectStages:
 
     @staticmethod
     def _populate(stages: list[mmap.mmap], expected: int) -> None:
-        """Through libc (ctypes lets go of the GIL; mmap.madvise holds it: another thread stalled 378 ms while it
-        populated 256 MiB, 12 ms this way). MADV_POPULATE_WRITE never changes bytes: a fill may run beside it."""
+        """Through libc (ctypes lets go of the GIL; mmap.madvise holds it, stalling the other threads while it
+        populates: docs/benchmarks.md, "Figures moved from the code"). MADV_POPULATE_WRITE never changes bytes: a
+        fill may run beside it."""
         lib = _libc()
         for stage in stages:
             n = min(len(stage), -(-expected // mmap.PAGESIZE) * mmap.PAGESIZE)
