@@ -638,8 +638,8 @@ def _writer_note(c: dict[str, Any]) -> list[str]:
 
 
 def flop_rate(tflops: float) -> str:
-    """A measured matmul rate with three significant figures: a CPU's 0.04 TFLOP/s printed as "0.0 TFLOP/s" read
-    as if nothing was measured, beside an MFU taken against it."""
+    """A measured matmul rate with three significant figures: a CPU's rate of a few hundredths, printed with one
+    decimal as zero TFLOP/s, read as if nothing was measured, beside an MFU taken against it."""
     return f"{tflops:,.1f} TFLOP/s" if tflops >= 10 else f"{tflops:.3g} TFLOP/s" if tflops >= 1 else \
         f"{tflops * 1e3:.3g} GFLOP/s"
 
