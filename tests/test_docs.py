@@ -37,17 +37,18 @@ def prose(text: str) -> str:
 
 
 def recorded(number: str, unit: str, record: str) -> bool:
-    """`number` stated with `unit` in the record, or, for a number precise enough not to turn up by chance (a
-    thousands separator or a decimal point), stated there at all (a range "1.36-1.84×" holds 1.36)."""
-    if re.search(rf"(?<![\d.,]){re.escape(number)}\s?{re.escape(unit)}(?![\w/])", record):
+    """`number` stated with `unit` in the record (alone or as an end of a range: "13-35 min" holds 13 min), or, for
+    a number precise enough not to turn up by chance (a thousands separator or a decimal point), stated there at
+    all."""
+    if any(number in re.findall(NUM, m.group(1)) for m in FIGURE.finditer(record) if m.group(2) == unit):
         return True
     return bool(re.search(r"[,.]", number)) and bool(
         re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d]|[.,]\d)", record))
 
 
 def readme_figures(readme: str) -> list[tuple[str, str, str]]:
-    """(number, unit, the line) for every measured-looking figure of the README's prose, and every number of its
-    Benchmarks table but the shape column (tok/s cells carry no unit)."""
+    """(number, unit, the line) for every measured-looking figure of the README's prose, and every figure of its
+    Benchmarks table but the shape column (tok/s cells carry no unit: there a number with a separator counts)."""
     found = []
     for line in prose(readme).splitlines():
         for m in FIGURE.finditer(line):
@@ -60,7 +61,8 @@ def readme_figures(readme: str) -> list[tuple[str, str, str]]:
             for cell in cells:
                 for m in re.finditer(rf"(?<![\w.,-]){NUM}", cell):
                     unit = re.match(rf"\s?({UNIT})(?![\w/])", cell[m.end():])
-                    found.append((m.group(0), unit.group(1) if unit else "", line))
+                    if unit or re.search(r"[,.]", m.group(0)):  # a bare small integer counts things ("of 3")
+                        found.append((m.group(0), unit.group(1) if unit else "", line))
     return found
 
 
@@ -123,9 +125,10 @@ def test_the_measurement_patterns_tell_measurements_from_settings():
                     "at most one commit per 60 s by default", "relative error within 1e-2 (bf16), 1e-5 (float32)",
                     "compute capability 9.0 (H100, H200)", "docs/benchmarks.md, 2026-11-30 to 2026-12-01"):
         assert not measurements(setting), setting
-    record = "| qwen3-8b | 44,880 | 76.9% | 20.1 s |\nruns 1.36-1.84× better; 4.1× against the first"
+    record = "| qwen3-8b | 44,880 | 76.9% | 20.1 s |\nruns 1.36-1.84× better; 4.1× against the first; 13-35 min"
     assert recorded("44,880", "", record) and recorded("76.9", "%", record) and recorded("1.84", "×", record)
-    assert recorded("4.1", "×", record) and not recorded("43,277", "", record) and not recorded("20", "s", record)
+    assert recorded("4.1", "×", record) and recorded("13", "min", record) and recorded("35", "min", record)
+    assert not recorded("43,277", "", record) and not recorded("20", "s", record) and not recorded("13", "s", record)
     figures = {(n, u) for n, u, _ in readme_figures("at 71–78% of the rate, 8–10× faster, `--unit-tokens 800`\n"
                                                     "## Benchmarks\n| shape | tok/s |\n|---|---|\n| s | 43,277 |\n")}
     assert figures == {("71", "%"), ("78", "%"), ("8", "×"), ("10", "×"), ("43,277", "")}
