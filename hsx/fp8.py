@@ -19,9 +19,9 @@ a Triton kernel (slower than bf16: a fallback).
 In a compiled layer, projections of one input (q/k/v, gate/up) share one quantization (`compile_options`' pass
 merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the pass that computes it
 (`fuse_gated_mlps`), so an FP8 layer adds little beyond its quantization passes to the bf16 layer's non-GEMM time
-(docs/benchmarks.md, 2026-12-02: FP8 layers quantize each input once). Elsewhere (CPU, older GPUs) transformers dequantizes the weights to the
-model's dtype at load and that runs instead (`runs_instead`). Experts in this layout (transformers' FP8Experts) run in
-hsx.moe's grouped path (`fp8_experts_forward`).
+(docs/benchmarks.md, 2026-12-02: FP8 layers quantize each input once). Elsewhere (CPU, older GPUs) transformers
+dequantizes the weights to the model's dtype at load and that runs instead (`runs_instead`). Experts in this
+layout (transformers' FP8Experts) run in hsx.moe's grouped path (`fp8_experts_forward`).
 """
 
 from __future__ import annotations

@@ -252,8 +252,8 @@ class Damaged(ValueError):
 # job.json an input file per entry, a ledger a line per unit), sized here from generous counts. A bigger file is
 # not hsx's (damaged or forged) and is refused before it is parsed: parsed whole, 1 GiB of JSON such as
 # `[[],[],...]` is ~20 GB of Python objects.
-MAX_UNITS = 1_000_000  # units of one job: 2 PB at the default ~2 GiB per unit, and ten times the files the Hub
-# advises one repo to hold (each unit is a file there)
+MAX_UNITS = 1_000_000  # units of one job: petabytes at the default unit size (hsx.job.UNIT_BYTES), and ten times
+# the files the Hub advises one repo to hold (each unit is a file there)
 MAX_INPUT_FILES = 1_000_000  # files of a local dataset folder, each in job.json with its size and sha256
 UNIT_ENTRY_BYTES = 320  # a unit's entry in hsx.json (~155 bytes, indented), its manifest line (~230; 262 at most)
 INPUT_FILE_ENTRY_BYTES = 256  # an input file's entry in job.json: ~100 bytes and its path in the folder
@@ -268,8 +268,8 @@ MAX_LEDGER_LINE_BYTES = 64 << 10
 # unit listing every file written for it (in the SpecForge and speculators layouts a file per row) and a line per
 # unit a --delete-source export released.
 MAX_EXPORT_FILES = 10_000_000  # files of one export: a file per row, each MBs of states at real hidden sizes
-MAX_EXPORT_FILES_PER_UNIT = 1_000_000  # rows of one unit: a default unit (~2 GiB of states) of a million rows
-# holds ~2 KiB of states per row, one token of a 1024-wide model
+MAX_EXPORT_FILES_PER_UNIT = 1_000_000  # rows of one unit: a default unit (hsx.job.UNIT_BYTES) of a million rows
+# holds about one token of a 1024-wide model per row
 EXPORT_FILE_ENTRY_BYTES = 128  # a file's entry in its line: path, bytes and CRC-32 (~60 bytes; +9 per 256 MiB)
 JOURNAL_UNIT_BYTES = 256  # a unit's line without its files, and its release line (~80 bytes each)
 MAX_JOURNAL_LINE_BYTES = MAX_EXPORT_FILES_PER_UNIT * EXPORT_FILE_ENTRY_BYTES + JOURNAL_UNIT_BYTES  # 128 MB
