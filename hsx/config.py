@@ -78,7 +78,8 @@ class ExtractConfig:
     revision: str | None = _key(None, help="model revision (branch, tag or commit) on the Hub")
     tokenizer: str | None = _key(None, help="tokenizer folder or Hub id (default: the model's)")
     dataset: str = _key("", help="Hub id, or a local .jsonl/.json/.parquet/.arrow file or folder")
-    dataset_config: str | None = _key(None, help="the dataset's configuration name on the Hub")
+    dataset_config: str | None = _key(None, help="the dataset's configuration name (a Hub dataset's, or one a local "
+                                      "folder's README.md lists under `configs`)")
     split: str = _key("train", help="input split (slicing like train[:1000] works)")
     limit: int | None = _key(None, minimum=1, help="only the first N input rows: for trying a recipe out")
     # What to capture.
