@@ -38,8 +38,8 @@ class TorchStream(torch.utils.data.IterableDataset):
 
 class Follow(torch.utils.data.IterableDataset):
     """`hsx.follow`'s dataset (see there): a reader of a job's units as they are committed, its position, and its
-    ledger. It pickles (its source reconnects), but reads only in the training process: a DataLoader worker's copy
-    refuses to hand out rows."""
+    ledger. It pickles with its position (its source too: a local one with a new lock, a grpc:// one connecting
+    again), but reads only in the training process: a DataLoader worker's copy refuses to hand out rows."""
 
     def __init__(self, source, consumer: str, delete_consumed: bool, rows: str, layout, commit: str,
                  poll_seconds: float, rank: int, world_size: int, timeout: float | None, batch_size: int | None,
@@ -57,6 +57,9 @@ class Follow(torch.utils.data.IterableDataset):
         self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
         self.iterating = False
         self._see(self.src.records())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "iterating": False}  # (a copy has no rows being handed out)
 
     # ---- position ----
 

@@ -401,7 +401,7 @@ def test_every_config_key_has_help_and_its_metadata_is_what_is_checked():
 
     for f in dataclasses.fields(ExtractConfig):
         assert f.metadata.get("help", "").strip(), f"ExtractConfig.{f.name} has no help"
-        assert set(f.metadata) <= {"help", "choices", "minimum", "maximum"}, f.name
+        assert set(f.metadata) <= {"help", "choices", "minimum", "maximum", "advanced"}, f.name
     assert CHOICES["storage_dtype"] == ("bfloat16", "float16", "float32", "float8_e4m3")
     assert MINIMUM["limit"] == 1 and MINIMUM["topk_logits"] == 0
     from hsx.config import FIELDS, MAXIMUM
