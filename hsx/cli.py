@@ -15,7 +15,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from hsx.config import FIELD_KINDS, FIELDS, default_of
+from hsx.config import ADVANCED, FIELD_KINDS, FIELDS, default_of
 from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed,
                         exit_status, file_system_error, file_system_line, usage_line)
 
@@ -84,10 +84,15 @@ def config_flag(p: argparse.ArgumentParser, name: str, prefix: str = "", default
         p.set_defaults(**{name: default})
 
 
+ADVANCED_HELP = ("kernel choices, for benchmarking or stepping around a kernel: each default picks what works "
+                 "fastest on the device (recipe keys too)")
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML recipe; flags override its keys")
+    advanced = p.add_argument_group("advanced", ADVANCED_HELP)
     for name in FIELDS:
-        config_flag(p, name)
+        config_flag(advanced if name in ADVANCED else p, name)
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str) -> None:

@@ -59,14 +59,15 @@ ROWS_INT64 = (INT64_MAX, "row and sample indices are int64")
 
 def _key(default: Any = dataclasses.MISSING, *, help: str, choices: tuple[str, ...] | None = None,
          minimum: float | None = None, maximum: tuple[int, str] | None = None,
-         default_factory: Any = dataclasses.MISSING) -> Any:
+         default_factory: Any = dataclasses.MISSING, advanced: bool = False) -> Any:
     """A config key: `field(default=..., metadata={"help": ..., "choices": ..., "minimum": ..., "maximum": ...})`,
     the one place of a key's help, default, choices and range (HfArgumentParser's convention; hsx.cli builds each
     flag from it, and parse_value checks values against it). `maximum` is (largest value, why); an integer key
-    without one gets ROWS_INT64."""
+    without one gets ROWS_INT64. `advanced`: a kernel choice whose default picks what works fastest on the device,
+    set to benchmark or to step around a kernel (its flag is listed under ADVANCED_HELP in --help)."""
     metadata = {"help": help, **({"choices": choices} if choices else {}),
                 **({"minimum": minimum} if minimum is not None else {}),
-                **({"maximum": maximum} if maximum is not None else {})}
+                **({"maximum": maximum} if maximum is not None else {}), **({"advanced": True} if advanced else {})}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -77,7 +78,8 @@ class ExtractConfig:
     revision: str | None = _key(None, help="model revision (branch, tag or commit) on the Hub")
     tokenizer: str | None = _key(None, help="tokenizer folder or Hub id (default: the model's)")
     dataset: str = _key("", help="Hub id, or a local .jsonl/.json/.parquet/.arrow file or folder")
-    dataset_config: str | None = _key(None, help="the dataset's configuration name on the Hub")
+    dataset_config: str | None = _key(None, help="the dataset's configuration name (a Hub dataset's, or one a local "
+                                      "folder's README.md lists under `configs`)")
     split: str = _key("train", help="input split (slicing like train[:1000] works)")
     limit: int | None = _key(None, minimum=1, help="only the first N input rows: for trying a recipe out")
     # What to capture.
@@ -136,23 +138,23 @@ class ExtractConfig:
     # (compile, sdpa_backend, packing, experts_implementation, fp8_gemm), and run.values_used every value the
     # runs that wrote its units used.
     dtype: str = _key("bfloat16", choices=COMPUTE_DTYPES, help="compute dtype of the model")
-    attn_implementation: str = _key("sdpa", help="transformers attention implementation")
-    sdpa_backend: str = _key("flash", choices=("flash", "cudnn", "efficient", "default"),
-                             help="attention kernel for sdpa on CUDA (`default`: torch's own pick); see the "
-                             "README's numbers")
-    experts_implementation: str = _key("auto", choices=EXPERTS_CHOICES, help="MoE experts: hsx_grouped (two "
-                                       "grouped GEMMs, hsx.moe), grouped_mm (transformers'), eager (a loop over "
-                                       "experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
-    fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, help="FP8 targets on CUDA: the block-scaled GEMM "
-                         "(deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "
+    attn_implementation: str = _key("sdpa", advanced=True, help="transformers attention implementation")
+    sdpa_backend: str = _key("flash", choices=("flash", "cudnn", "efficient", "default"), advanced=True,
+                             help="attention kernel for sdpa on CUDA (`default`: torch's own pick; why flash: "
+                             "docs/benchmarks.md, cuDNN attention's host overhead)")
+    experts_implementation: str = _key("auto", choices=EXPERTS_CHOICES, advanced=True, help="MoE experts: "
+                                       "hsx_grouped (two grouped GEMMs, hsx.moe), grouped_mm (transformers'), eager "
+                                       "(a loop over experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
+    fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, advanced=True, help="FP8 targets on CUDA: the block-scaled "
+                         "GEMM (deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "
                          "the first batch, for products of 8192 rows or more, cuBLAS below; cublas: torch's "
-                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, a quarter slower "
-                         "on an H200; triton: hsx's, slower than bf16); each checked against a float32 product "
-                         "before use, the next fastest running where it fails (one warning); auto: the first of "
-                         "deepgemm, cublas, fbgemm, triton that works")
-    packing: str = _key("auto", choices=("auto", "varlen", "none"), help="varlen: each batch as one packed sequence "
-                        "(torch's flash varlen attention); none: right-padded batches; auto: varlen on one GPU per "
-                        "copy where the model allows it, else none")
+                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, a quarter slower on "
+                         "an H200; triton: hsx's, slower than bf16); each checked against a float32 product before "
+                         "use, the next fastest running where it fails (one warning); auto: the first of deepgemm, "
+                         "cublas, fbgemm, triton that works")
+    packing: str = _key("auto", choices=("auto", "varlen", "none"), advanced=True, help="varlen: each batch as one "
+                        "packed sequence (torch's flash varlen attention); none: right-padded batches; auto: varlen on "
+                        "one GPU per copy where the model allows it, else none")
     gpus_per_copy: int = _key(1, minimum=1, help="GPUs one model copy is spread over (device_map); launch one "
                               "process per group: `hsx launch --num_processes GPUS/N extract ...`")
     tp_size: int = _key(1, minimum=1, help="tensor parallel: shard each model copy over this many processes (one "
@@ -163,7 +165,8 @@ class ExtractConfig:
     unit_tokens: int | None = _key(None, minimum=1, maximum=TOKENS_INT32,
                                    help="tokens per output file, the grain of commit and resume "
                                    "(default: ~2 GiB of states)")
-    compile: str = _key("auto", choices=("auto", "on", "off"), help="torch.compile the model (auto: on for CUDA)")
+    compile: str = _key("auto", choices=("auto", "on", "off"), advanced=True,
+                        help="torch.compile the model (auto: on for CUDA)")
     num_proc: int | None = _key(None, minimum=1, help="tokenization processes (default: up to 8 for 20k+ rows; "
                                 "never more than the cores this process may run on)")
     trust_remote_code: bool = _key(False, help="run the model repo's own code")
@@ -176,6 +179,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(ExtractConfig)}
 # The keys whose value is one of a few names (flags get them as argparse `choices`), and the integer keys' least
 # values (None is allowed where the field's type says `| None`): views of the fields' metadata.
 CHOICES = {name: f.metadata["choices"] for name, f in FIELDS.items() if "choices" in f.metadata}
+ADVANCED = tuple(name for name, f in FIELDS.items() if f.metadata.get("advanced"))  # kernel choices (`_key`)
 MINIMUM = {name: f.metadata["minimum"] for name, f in FIELDS.items() if "minimum" in f.metadata}
 MAXIMUM = {name: f.metadata.get("maximum", ROWS_INT64) for name, f in FIELDS.items()}
 REQUIRED = ("model", "dataset", "output_dir")  # the keys a job needs (a stream, hsx.stream, writes nothing)

@@ -52,6 +52,9 @@ def load_input(cfg: ExtractConfig):
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[cfg.split]
         elif path.exists():
+            if cfg.dataset_config is not None and not path.is_dir():
+                raise HsxError(f"--dataset-config {cfg.dataset_config!r}: {path} is a file; a configuration is one "
+                               "of a Hub dataset, or of a local folder whose README.md lists `configs`")
             splits = local_splits(path)
             files = [f for fs in splits.values() for f in fs]
             builder = LOCAL_BUILDERS[files[0].suffix]
@@ -59,7 +62,9 @@ def load_input(cfg: ExtractConfig):
                 for f in files:
                     check_json_nesting(f)
             empty = _empty_files(files, builder)
-            if empty is not None:  # (datasets' readers raise StopIteration or ArrowInvalid on 0 rows)
+            if cfg.dataset_config is not None:  # the files its README.md's `configs` give that name, as on the Hub
+                ds = datasets.load_dataset(str(path), cfg.dataset_config, split=cfg.split)
+            elif empty is not None:  # (datasets' readers raise StopIteration or ArrowInvalid on 0 rows)
                 ds = empty
             else:
                 ds = datasets.load_dataset(builder, data_files={k: [str(f) for f in fs] for k, fs in splits.items()},
@@ -252,13 +257,15 @@ def _innermost(e: BaseException) -> str:
 
 def input_fingerprint(cfg: ExtractConfig, ds) -> dict[str, Any]:
     """What identifies the input data: a local file or folder by its files' names, sizes and sha256 (content,
-    not how its path is spelled: hsx.fingerprint); a Hub dataset by its name and datasets' fingerprint."""
+    not how its path is spelled: hsx.fingerprint) and the configuration read; a Hub dataset by its name and
+    datasets' fingerprint (which differs by configuration)."""
     from hsx.fingerprint import files_identity
 
     path = Path(cfg.dataset)
     if path.exists():  # (datasets' fingerprint of a local file includes temp paths)
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-        return {"split": cfg.split, **files_identity(path, files)}
+        config = {"config": cfg.dataset_config} if cfg.dataset_config is not None else {}  # (none: as before)
+        return {"split": cfg.split, **config, **files_identity(path, files)}
     return {"dataset": cfg.dataset, "split": cfg.split, "fingerprint": ds._fingerprint}
 
 

@@ -58,6 +58,10 @@ class FlightSource:
         self.options = flight.FlightCallOptions(headers=bearer(token if token is not None else
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
+        self.token = token
+
+    def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
+        return FlightSource, (self.where, self.token)
 
     def _call(self, fn, *args):
         import pyarrow.flight as flight

@@ -10,10 +10,10 @@ once consumed, so the job needs disk for a window of units, not for the whole da
   StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
   `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
-  `commit="unit"` does so for a unit once the training step over its last row has returned (`_batch_start`). A
-  unit is deleted only after that line is on disk; the extractor counts a wholly consumed unit as done
-  (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub upload), so a resumed job never redoes it and
-  hsx.json lists it.
+  `commit="unit"` does so for a unit once the training step over its last row has returned
+  (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
+  consumed unit as done (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub upload), so a resumed job
+  never redoes it and hsx.json lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
 
@@ -23,28 +23,24 @@ checkpoints saves `state_dict()` with its weights and calls `commit(that state)`
 then a kill on either side loses no row and repeats none (docs/follow.md).
 
 One reader per process (DataLoader `num_workers=0`): the position a checkpoint saves must be the one that handed
-the rows out. Several trainer ranks each read their share (unit i of the plan goes to rank i % world_size).
+the rows out (the reader, hsx.torch_data.Follow, pickles, but a worker's copy refuses to read). Several trainer ranks each read their share (unit i of the plan goes to rank i % world_size).
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import json
 import os
 import re
-import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
 
 CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
-STATE_VERSION = 1
 MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits or more)
-WAIT_HINT_SECONDS = 60.0  # waiting this long for a unit with uncommitted rows: say why the extractor may be waiting
 
 
 # ---- the extractor's side: --max-pending-gb ---------------------------------------------------------------------
@@ -133,9 +129,6 @@ class ConsumerWindow:
 
 # ---- the trainer's side: hsx.follow ------------------------------------------------------------------------------
 
-_FOLLOW_CLASS = None
-
-
 def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_consumed: bool = False,
            rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
            poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
@@ -164,9 +157,8 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     - `timeout`: seconds without a new unit before giving up (HsxError); None waits as long as the job runs.
 
     Rows come in unit order among the units committed (not the output's global order across ranks)."""
-    global _FOLLOW_CLASS
-    if _FOLLOW_CLASS is None:
-        _FOLLOW_CLASS = _make_class()
+    from hsx.torch_data import Follow
+
     if isinstance(output_dir, str) and output_dir.startswith("grpc"):
         from hsx.flight import FlightSource
 
@@ -175,8 +167,35 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
         if token is not None:
             raise ValueError("token= is for a grpc://HOST:PORT source (hsx serve), not a local dir")
         source = LocalSource(Path(output_dir), delete_consumed)
-    return _FOLLOW_CLASS(source, consumer, delete_consumed, rows, layers, dequantize, commit, poll_seconds, rank,
-                         world_size, timeout, batch_size, prefetch)
+    if rows not in ("torch", "dict"):
+        raise ValueError(f"rows={rows!r}: 'torch' (hsx.torch_view's rows) or 'dict' (hsx.load's rows)")
+    if layers is not None and rows != "torch":
+        raise ValueError("layers= selects stored layers of torch rows: use rows='torch'")
+    if commit not in ("unit", "manual"):
+        raise ValueError(f"commit={commit!r}: 'unit' or 'manual'")
+    if not poll_seconds > 0:
+        raise ValueError("poll_seconds must be positive")
+    if batch_size is not None and not (type(batch_size) is int and batch_size >= 1):
+        raise ValueError(f"batch_size={batch_size!r}: a positive integer, or None (the DataLoader's)")
+    if not (type(prefetch) is int and prefetch >= 0):
+        raise ValueError(f"prefetch={prefetch!r}: a non-negative integer")
+    if (rank is None) != (world_size is None):
+        raise ValueError("give both rank and world_size, or neither")
+    if rank is None:
+        rank, world_size = _default_rank()
+    check_consumer(consumer, rank, world_size)
+    layout = functools.partial(unit_layout, layers=layers, dequantize=dequantize) if rows == "torch" else None
+    return Follow(source, consumer, delete_consumed, rows, layout, commit, poll_seconds, rank, world_size, timeout,
+                  batch_size, prefetch)
+
+
+def unit_layout(summary, layers: list[int] | None, dequantize: bool):
+    """How torch rows of a job's units are decoded (hsx.load._Layout), from its plan (`summary`)."""
+    from hsx.load import _Layout, layer_positions
+
+    positions = None if layers is None else layer_positions(summary.layers, list(layers), summary.num_model_layers)
+    return _Layout(hidden=summary.hidden_size, num_layers=len(summary.layers), dtype=summary.storage_dtype,
+                   positions=positions, dequantize=dequantize)
 
 
 def _default_rank() -> tuple[int, int]:
@@ -199,16 +218,6 @@ def check_consumer(consumer: str, rank, world_size) -> None:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size at most {MAX_WORLD_SIZE})")
 
 
-def check_position(position: dict[str, int], records: dict[str, dict[str, Any]], where: str) -> None:
-    """HsxError naming the first unit whose position is past its rows: a state of another job, or damaged. Units
-    not committed yet are checked once they are (`Follow._unit_rows`)."""
-    for unit, row in position.items():
-        rec = records.get(unit)
-        if rec is not None and row > rec["rows"]:
-            raise HsxError(f"{where}: the position says {row} rows of unit {unit} were read, it holds "
-                           f"{rec['rows']} (a state of another job, or damaged)")
-
-
 class LocalSource:
     """An output dir on this machine's filesystem, as hsx.follow reads it (and `hsx serve` serves it): its plan,
     manifests, hsx.json, the consumers' ledgers, and the units. `write`: whether ledgers may be written and units
@@ -227,6 +236,13 @@ class LocalSource:
         self.recorded: dict[str, dict[str, int]] = {}  # consumer -> unit -> row its ledger records (valid lines)
         self.swept: set[str] = set()  # consumers whose wholly consumed units were deleted once
         self.lock = threading.Lock()  # (hsx serve records for several clients at once)
+
+    def __getstate__(self) -> dict[str, Any]:  # (a pickled hsx.follow, for a spawn DataLoader worker: a new lock)
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
     def summary(self):
         return self.out.read_summary()
@@ -369,262 +385,3 @@ class LocalSource:
                 self.swept.add(consumer)
                 whole += [records[u]["file"] for u, row in recorded.items() if row == records[u]["rows"]]
             self.out.remove_data_files(whole, links=True)  # only after the ledger line is on disk
-
-
-def _batch_start(frame) -> bool | None:
-    """Whether the row asked for starts a batch, when a DataLoader asks (in the process that runs the training
-    step: num_workers=0): its fetcher collects a batch's rows into `data` and hands the batch on once full, so a
-    request with `data` empty means every row asked for before has been returned to the training step and the
-    step over them has returned (the loop asked for the next batch). None when no DataLoader asks. A DataLoader
-    whose fetcher reads otherwise (another torch) is an error: a guess could commit rows no step has seen."""
-    from torch.utils.data._utils.fetch import _IterableDatasetFetcher
-
-    fetch = _IterableDatasetFetcher.fetch.__code__
-    if frame is not None and frame.f_code is fetch:
-        if not getattr(frame.f_locals.get("self"), "auto_collation", False):  # (batch_size=None: a row is a step)
-            return True
-        data = frame.f_locals.get("data")
-        if isinstance(data, list):
-            return not data
-    else:
-        callers = [frame]
-        while len(callers) < 4 and callers[-1] is not None:
-            callers.append(callers[-1].f_back)
-        if not any(c is not None and c.f_code.co_filename == fetch.co_filename for c in callers):
-            return None
-    raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
-                   "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
-
-
-def _make_class():
-    import torch.utils.data
-
-    class Follow(torch.utils.data.IterableDataset):
-        """hsx.follow's dataset (see `follow`)."""
-
-        def __init__(self, source, consumer: str, delete_consumed: bool, rows: str, layers, dequantize: bool,
-                     commit: str, poll_seconds: float, rank: int | None, world_size: int | None,
-                     timeout: float | None, batch_size: int | None, prefetch: int):
-            if rows not in ("torch", "dict"):
-                raise ValueError(f"rows={rows!r}: 'torch' (hsx.torch_view's rows) or 'dict' (hsx.load's rows)")
-            if layers is not None and rows != "torch":
-                raise ValueError("layers= selects stored layers of torch rows: use rows='torch'")
-            if commit not in ("unit", "manual"):
-                raise ValueError(f"commit={commit!r}: 'unit' or 'manual'")
-            if not poll_seconds > 0:
-                raise ValueError("poll_seconds must be positive")
-            if batch_size is not None and not (type(batch_size) is int and batch_size >= 1):
-                raise ValueError(f"batch_size={batch_size!r}: a positive integer, or None (the DataLoader's)")
-            if not (type(prefetch) is int and prefetch >= 0):
-                raise ValueError(f"prefetch={prefetch!r}: a non-negative integer")
-            if (rank is None) != (world_size is None):
-                raise ValueError("give both rank and world_size, or neither")
-            if rank is None:
-                rank, world_size = _default_rank()
-            check_consumer(consumer, rank, world_size)
-            self.src = source
-            self.consumer, self.delete_consumed, self.rows, self.layers = consumer, delete_consumed, rows, layers
-            self.dequantize, self.commit_mode, self.poll_seconds = dequantize, commit, poll_seconds
-            self.rank, self.world_size, self.timeout = rank, world_size, timeout
-            self.batch_size, self.prefetch = batch_size, prefetch
-            self.unchecked = self.src.ledger(consumer)  # ledger lines not yet checked against their manifest line
-            self.position: dict[str, int] = {u: r["row"] for u, r in self.unchecked.items()}  # rows handed out
-            self.committed: dict[str, int] = dict(self.position)  # what the ledger says
-            self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
-            self.iterating = False
-            self._see(self.src.records())
-
-        # ---- position ----
-
-        def state_dict(self) -> dict[str, Any]:
-            """The rows handed out so far (per unit): save it with the trainer's checkpoint."""
-            return {"version": STATE_VERSION, "consumer": self.consumer, "rank": self.rank,
-                    "world_size": self.world_size, "position": dict(self.position)}
-
-        def load_state_dict(self, state: dict[str, Any]) -> None:
-            """Resume from a checkpoint's `state_dict()`: its position, not the ledger's. Refused (HsxError) when
-            the ledger says units this state has not finished were released and deleted since (an older
-            checkpoint than the last commit), since those rows are gone, and when it says more rows of a unit
-            were read than it holds."""
-            if not (isinstance(state, dict) and state.get("version") == STATE_VERSION
-                    and isinstance(state.get("position"), dict)
-                    and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in state["position"].items())):
-                raise ValueError("not an hsx.follow state_dict()")
-            if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
-                raise HsxError(f"this state is rank {state.get('rank')} of {state.get('world_size')}, the reader "
-                               f"rank {self.rank} of {self.world_size}: resume with the same ranks")
-            if self.iterating:
-                raise RuntimeError("load_state_dict before iterating, not during")
-            position = dict(state["position"])
-            self._see(self.src.records())
-            check_position(position, self.records, self.src.where)
-            gone = [u for u, row in self.committed.items() if position.get(u, 0) < row
-                    and (u not in self.records or self.src.gone(self.records[u]))]
-            if gone:
-                raise HsxError(f"{self.src.where}: this checkpoint is older than what consumer {self.consumer!r} "
-                               f"committed and deleted ({len(gone)} unit(s), e.g. train-{gone[0]}.arrow): resume "
-                               "from the checkpoint saved last")
-            self.position = position
-            # The state comes from a durable checkpoint: record it, so units it finished are released now (a kill
-            # between the trainer's checkpoint and its commit() must not leave the extractor waiting for them).
-            self.commit(state)
-
-        def commit(self, state: dict[str, Any] | None = None) -> None:
-            """Record the position (`state`, a `state_dict()` the trainer saved, or every row handed out) in the
-            ledger, fsynced, then delete the units it says are wholly consumed (`delete_consumed`). Without
-            `delete_consumed` nothing is written: the position is the trainer's `state_dict()`."""
-            position = (state or self.state_dict())["position"]
-            if any(u not in self.records for u in position):
-                self._see(self.src.records())
-            check_position(position, self.records, self.src.where)
-            if not self.delete_consumed:
-                return
-            forward = {u: row for u, row in position.items() if u in self.records and row > self.committed.get(u, 0)}
-            self.src.record(self.consumer, self.rank, self.world_size, forward)
-            self.committed.update(forward)
-
-        # ---- rows ----
-
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            if info is not None:
-                raise HsxError("hsx.follow reads in the training process: use DataLoader(num_workers=0) (the "
-                               "position a checkpoint saves must be the one that handed the rows out)")
-            self.iterating = True
-            # commit="unit": units whose last row was handed out, by the count of rows handed out then; the counts
-            # at the last batch starts; a unit is recorded once a batch start `prefetch` batches back is past it
-            ends: collections.deque[tuple[int, str]] = collections.deque()
-            starts: collections.deque[int] = collections.deque(maxlen=self.prefetch + 1)
-            count, last, held = 0, [-1], None
-
-            def asked() -> None:  # a row is asked for: record the units the training step is done with
-                if last[0] == count:
-                    return  # (this request, seen already)
-                last[0] = count
-                start = _batch_start(sys._getframe(2)) if self.batch_size is None else count % self.batch_size == 0
-                if start is None or start:
-                    starts.append(count)
-                if len(starts) == starts.maxlen and ends and ends[0][0] <= starts[0]:
-                    done = {}
-                    while ends and ends[0][0] <= starts[0]:
-                        unit = ends.popleft()[1]
-                        done[unit] = self.records[unit]["rows"]
-                    self.commit({"position": done})
-
-            try:
-                waited_since, warned = time.monotonic(), False
-                while True:
-                    if self.commit_mode == "unit":
-                        asked()
-                    unit = self._next_unit()
-                    if unit is None:
-                        if self._finished():
-                            return
-                        holding = sorted(u for u, row in self.position.items()
-                                         if row > self.committed.get(u, 0) and u in self.records)
-                        if holding != held and self.delete_consumed:
-                            self.src.hold(self.consumer, self.rank, self.world_size, holding)
-                            held = holding
-                        if not warned and time.monotonic() - waited_since > WAIT_HINT_SECONDS and any(
-                                self.committed.get(u, 0) < row for u, row in self.position.items()):
-                            warnings.warn(f"hsx.follow: waiting for a new unit of {self.src.where} while rows "
-                                          "handed out are not committed: an `hsx extract --max-pending-gb` job "
-                                          "waits for commit() (checkpoint more often, or raise --max-pending-gb)",
-                                          stacklevel=2)
-                            warned = True
-                        if self.timeout is not None and time.monotonic() - waited_since > self.timeout:
-                            raise HsxError(f"{self.src.where}: no new unit for {self.timeout:g} s (is hsx extract "
-                                           "running?)")
-                        time.sleep(self.poll_seconds)
-                        continue
-                    for row in self._unit_rows(unit):
-                        count += 1
-                        if self.position[unit["unit"]] == unit["rows"]:
-                            ends.append((count, unit["unit"]))
-                        yield row
-                        if self.commit_mode == "unit":
-                            asked()
-                    waited_since, warned = time.monotonic(), False
-            finally:
-                self.iterating = False
-
-        def _unit_rows(self, rec: dict[str, Any]):
-            unit, n = rec["unit"], rec["rows"]
-            self.position.setdefault(unit, 0)
-            check_position({unit: self.position[unit]}, {unit: rec}, self.src.where)
-            if self.position[unit] >= n:
-                return
-            ds = self.src.open(rec)
-            if self.rows == "torch":
-                layout, table = self._layout(), ds.with_format("arrow")
-                get = lambda i: layout.row(table[i])  # noqa: E731
-            else:
-                get = ds.__getitem__
-            for i in range(self.position[unit], n):
-                row = get(i)
-                self.position[unit] = i + 1  # handed out: in the next state_dict()
-                yield row
-
-        def _layout(self):
-            from hsx.load import _Layout, layer_positions
-
-            s = self.src.summary()
-            positions = None if self.layers is None else layer_positions(s.layers, list(self.layers),
-                                                                        s.num_model_layers)
-            return _Layout(hidden=s.hidden_size, num_layers=len(s.layers), dtype=s.storage_dtype,
-                           positions=positions, dequantize=self.dequantize)
-
-        def _mine(self) -> list[str] | None:
-            summary = self.src.summary()
-            if summary is None:
-                return None  # not planned yet
-            return [u for i, u in enumerate(summary.unit_names) if i % self.world_size == self.rank]
-
-        def _see(self, records: dict[str, dict[str, Any]]) -> None:
-            """Take these manifest records as the units' own. A ledger line of a unit with other bytes, rows or
-            CRC-32 than its manifest line was about another file (a ledger another job left in the dir, a unit
-            redone with other bytes, a forged line): its position is dropped, so that unit is read, and never
-            deleted as consumed, on its word (hsx.sink.OutputDir.consumed counts it so for the extractor)."""
-            from hsx.sink import uploaded_matches
-
-            self.records.update(records)
-            for unit in [u for u in self.unchecked if u in records]:
-                led, rec = self.unchecked.pop(unit), records[unit]
-                if led["rows"] != rec["rows"] or not uploaded_matches(led, rec):
-                    self.position.pop(unit, None)
-                    self.committed.pop(unit, None)
-
-        def _next_unit(self) -> dict[str, Any] | None:
-            """The first of this consumer's committed units (in name order) not wholly handed out, or None."""
-            mine = self._mine()
-            if mine is None:
-                return None
-            records = self.src.records()
-            for unit in sorted(set(mine) & set(records)):
-                rec = records[unit]
-                self._see({unit: rec})
-                if self.position.get(unit, -1) >= rec["rows"]:
-                    continue
-                if self.src.readable(rec, self.consumer):
-                    return rec
-            return None
-
-        def _finished(self) -> bool:
-            """Whether the job is complete and every unit of this reader was handed out. A complete job whose
-            plan (.hsx/summary.json) is not there, or has units without a manifest line, will never commit
-            them (nothing runs): HsxError, rather than waiting for ever."""
-            if not self.src.complete():
-                return False
-            records, mine = self.src.records(), self._mine()
-            if mine is None:
-                raise HsxError(f"{self.src.where}: a complete output without its job's plan (.hsx/summary.json: "
-                               "copied or downloaded without .hsx/?): read it with hsx.load or hsx.torch_view")
-            never = [u for u in mine if u not in records]
-            if never:
-                raise HsxError(f"{self.src.where}: hsx.json says the job is complete, but {len(never)} unit(s) of "
-                               f"its plan have no manifest line (train-{never[0]}.arrow"
-                               f"{', ...' if len(never) > 1 else ''}): run the job's `hsx extract` command again "
-                               "to redo them")
-            return all(self.position.get(u, -1) >= records[u]["rows"] for u in mine)
-
-    return Follow

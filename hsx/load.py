@@ -444,32 +444,16 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
         return self.layout.row(self.ds[int(i)])  # a one-row pyarrow Table sliced from the mapped file
 
 
-_STREAM_CLASS = None
-
-
 def torch_stream(source, layers: list[int] | None = None, meta: dict[str, Any] | None = None,
                  hidden_size: int | None = None, dequantize: bool = True):
     """Rows of a streamed hsx output (`datasets.IterableDataset`) as torch tensors, like `torch_view`'s rows.
 
-    A `torch.utils.data.IterableDataset`: in a DataLoader with workers, datasets hands each worker its own
-    files (so use at least as many files as workers). Every row is downloaded and parsed whole: `layers=` saves
+    A `torch.utils.data.IterableDataset` (hsx.torch_data.TorchStream, which pickles: fork or spawn workers): in a
+    DataLoader with workers, datasets hands each worker its own files (so use at least as many files as workers). Every row is downloaded and parsed whole: `layers=` saves
     memory, not bandwidth."""
-    global _STREAM_CLASS
-    if _STREAM_CLASS is None:
-        import torch.utils.data
+    from hsx.torch_data import TorchStream
 
-        class TorchStream(torch.utils.data.IterableDataset):
-            def __init__(self, ds, layout: _Layout):
-                self.ds, self.layout = ds, layout
-
-            def __iter__(self):
-                for t in self.ds.with_format("arrow"):
-                    if not hasattr(t, "column_names"):
-                        raise TypeError("torch_stream needs an IterableDataset that yields Arrow rows")
-                    yield self.layout.row(t)
-
-        _STREAM_CLASS = TorchStream
-    return _STREAM_CLASS(source, _layout(meta, getattr(source, "features", None), hidden_size, layers, dequantize))
+    return TorchStream(source, _layout(meta, getattr(source, "features", None), hidden_size, layers, dequantize))
 
 
 def table_rows(table, num_layers: int, hidden_size: int, storage_dtype: str, dequantize: bool = True):

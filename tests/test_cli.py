@@ -517,6 +517,26 @@ def test_every_flag_and_positional_has_help(command):
     assert not missing, f"hsx {command}: no help for {missing}"
 
 
+def test_kernel_choices_are_advanced_flags_that_still_override_a_recipe(tmp_path):
+    """The benchmarking knobs sit in extract's and plan's "advanced" help group, and are flags and recipe keys as
+    before; no flag's help points to README numbers."""
+    from hsx.config import ADVANCED, config_of
+
+    kernels = {"attn_implementation", "sdpa_backend", "experts_implementation", "fp8_gemm", "packing", "compile"}
+    assert set(ADVANCED) == kernels
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: m\ndataset: d\noutput_dir: o\nlayers: [1]\nsdpa_backend: cudnn\npacking: none\n")
+    for command in ("extract", "plan"):
+        parser = _subcommands()[command]
+        groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+        assert groups["advanced"] == kernels and not kernels & groups["options"]
+        text = parser.format_help()
+        assert "README's" not in text and text.index("advanced:") > text.index("--trust-remote-code")
+        args = parser.parse_args(["--config", str(recipe), "--fp8-gemm", "cublas", "--packing", "varlen"])
+        cfg = config_of(args)
+        assert (cfg.sdpa_backend, cfg.fp8_gemm, cfg.packing, cfg.compile) == ("cudnn", "cublas", "varlen", "auto")
+
+
 def test_hub_visibility_is_spelled_the_same_for_extract_and_push():
     def flags(command):
         return {s for a in _subcommands()[command]._actions for s in a.option_strings if "hub-" in s}

@@ -401,7 +401,7 @@ def test_every_config_key_has_help_and_its_metadata_is_what_is_checked():
 
     for f in dataclasses.fields(ExtractConfig):
         assert f.metadata.get("help", "").strip(), f"ExtractConfig.{f.name} has no help"
-        assert set(f.metadata) <= {"help", "choices", "minimum", "maximum"}, f.name
+        assert set(f.metadata) <= {"help", "choices", "minimum", "maximum", "advanced"}, f.name
     assert CHOICES["storage_dtype"] == ("bfloat16", "float16", "float32", "float8_e4m3")
     assert MINIMUM["limit"] == 1 and MINIMUM["topk_logits"] == 0
     from hsx.config import FIELDS, MAXIMUM
@@ -455,3 +455,29 @@ def test_bench_and_push_take_the_config_keys_help_default_and_choices():
     push = {a.dest: a for a in sub.choices["push"]._actions}
     assert push["hub_private"].default is True and push["hub_revision"].default is None
     assert FIELDS["hub_private"].metadata["help"] in push["hub_private"].help
+
+
+# ---- dataset_config: a dataset's named configuration ------------------------------------------------------------
+
+def test_dataset_config_reads_the_named_configuration_of_a_folder(tmp_path):
+    """`dataset_config` is `load_dataset(DATASET, NAME)`'s name: a Hub dataset's configuration, or one a local
+    folder's README.md lists (a snapshot of a Hub dataset with configs); the name is part of the input's identity."""
+    from hsx.data import input_fingerprint, load_input
+
+    folder = tmp_path / "ds"
+    for name, texts in (("easy", ["a"]), ("hard", ["b", "c"])):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "rows.jsonl").write_text("".join(f'{{"text": "{t}"}}\n' for t in texts))
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: easy\n  data_files: easy/*.jsonl\n"
+                                      "- config_name: hard\n  data_files: hard/*.jsonl\n---\n")
+    base = {"model": "m", "dataset": str(folder), "output_dir": "o", "layers": [1]}
+    hard, easy = config_from({**base, "dataset_config": "hard"}), config_from({**base, "dataset_config": "easy"})
+    assert load_input(hard)["text"] == ["b", "c"] and load_input(easy)["text"] == ["a"]
+    assert sorted(load_input(config_from(base))["text"]) == ["a", "b", "c"]  # without it: every file, as before
+    ds = load_input(hard)
+    assert input_fingerprint(hard, ds) != input_fingerprint(easy, ds)
+    assert "config" not in input_fingerprint(config_from(base), ds)  # (jobs without it keep their fingerprint)
+    with pytest.raises(HsxError, match="cannot read dataset .*nope"):
+        load_input(config_from({**base, "dataset_config": "nope"}))
+    with pytest.raises(HsxError, match="is a file; a configuration is one of a Hub dataset"):
+        load_input(config_from({**base, "dataset": str(folder / "easy" / "rows.jsonl"), "dataset_config": "easy"}))

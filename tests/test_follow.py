@@ -205,6 +205,25 @@ def test_follow_refuses_dataloader_workers(fault_reference):
         next(iter(loader))
 
 
+def test_follow_pickles_and_a_spawn_worker_refuses_with_the_same_error(fault_reference):
+    """The reader pickles with its position (a spawn DataLoader worker gets it so), and the worker's copy refuses
+    to read with the error a fork worker gives, not a pickling error."""
+    import pickle
+
+    f = hsx.follow(fault_reference.out, commit="manual")
+    it = iter(f)
+    next(it)
+    copy = pickle.loads(pickle.dumps(f))  # (while f hands out rows: the copy is not iterating)
+    assert copy.state_dict() == f.state_dict() and sum(f.state_dict()["position"].values()) == 1
+    copy.load_state_dict(f.state_dict())
+    assert torch.equal(next(iter(copy))["hidden_states"], next(it)["hidden_states"])  # the copy reads on from there
+    assert copy.state_dict() == f.state_dict()  # (2 rows handed out by each)
+    loader = torch.utils.data.DataLoader(hsx.follow(fault_reference.out, commit="manual"), num_workers=1,
+                                         collate_fn=hsx.collate, multiprocessing_context="spawn")
+    with pytest.raises(HsxError, match="hsx.follow reads in the training process: use DataLoader.num_workers=0"):
+        next(iter(loader))
+
+
 def test_follow_splits_units_between_ranks(fault_reference):
     seen = [r["sample_id"] for k in range(3)
             for r in hsx.follow(fault_reference.out, rows="dict", commit="manual", rank=k, world_size=3)]

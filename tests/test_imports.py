@@ -21,9 +21,10 @@ LAYERS: list[set[str]] = [
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
-    # (hsx.flight: follow's network source; hsx.serve: the server answering it)
+    # (hsx.flight: follow's network source; hsx.serve: the server answering it; hsx.torch_data: the torch datasets
+    # follow and load hand out, imported when they build one)
     {"hsx.cost", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow",
-     "hsx.flight", "hsx.serve"},
+     "hsx.flight", "hsx.serve", "hsx.torch_data"},
     {"hsx.job"},  # one job's steps
     {"hsx.run"},  # running them as one rank of a launch
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark

@@ -134,6 +134,17 @@ def test_local_streaming(out, table):
         assert torch.equal(bits(got[i]["final_hidden_state"]), stored(table, i, "final_hidden_state"))
 
 
+def test_a_spawn_dataloader_worker_reads_torch_stream_rows(out, table):
+    """A spawn worker (the start method off Linux, and with CUDA) gets torch_stream's dataset by pickle and hands
+    out every row, bit for bit as the stored ones."""
+    rows = hsx.load(str(out), streaming=True, layers=[3, 1])
+    loader = torch.utils.data.DataLoader(rows, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    got = list(loader)
+    assert [r["sample_id"] for r in got] == table.column("sample_id").to_pylist()
+    for i in (0, len(got) - 1):
+        assert torch.equal(bits(got[i]["hidden_states"]), stored(table, i)[:, [2, 1]])
+
+
 def test_hub_repo_one_type_per_call_form(out, meta, monkeypatch):
     """A repo id goes to load_dataset and hsx.json comes from the repo (both stubbed: no network); the type
     depends only on the call form, as for a local dir: Dataset, IterableDataset, torch_view, torch_stream."""

@@ -58,6 +58,20 @@ def test_rows_over_flight_equal_the_local_readers_and_consumption_lands_in_out(s
     assert list(hsx.follow(url, rows="dict", token=token, timeout=5)) == []
 
 
+def test_a_pickled_remote_reader_reconnects_with_its_token(served, monkeypatch):
+    """A spawn DataLoader worker gets hsx.follow's reader by pickle: a grpc:// one connects again, with its token."""
+    import pickle
+
+    monkeypatch.delenv("HSX_SERVE_TOKEN", raising=False)
+    out, url, token = served
+    f = hsx.follow(url, rows="dict", commit="manual", token=token)
+    it = iter(f)
+    next(it)
+    copy = pickle.loads(pickle.dumps(f))
+    assert copy.state_dict() == f.state_dict()
+    assert next(iter(copy)) == next(it)  # read over its own connection, from the position it was pickled at
+
+
 def test_a_client_without_the_token_is_refused_and_a_public_bind_needs_one(served, tmp_path):
     from hsx.serve import make_server
 
