@@ -592,11 +592,27 @@ def edit_info(out: Path, **changes) -> None:
     (out / "hsx.json").write_text(json.dumps(info))
 
 
-def drop_manifest_line(out: Path, unit: str) -> None:
-    """`unit`'s line taken out of `out`'s manifest (as a kill between a unit's file and its commit leaves it)."""
+def drop_manifest_line(out: Path, unit: str | None = None) -> str:
+    """`unit`'s line (the first unit's by name, by default) taken out of `out`'s manifest, as a kill between a unit's
+    file and its commit leaves it; that unit's name."""
     manifest = next((out / ".hsx").glob("manifest-*.jsonl"))
     lines = manifest.read_text().splitlines(keepends=True)
+    unit = min(json.loads(ln)["unit"] for ln in lines) if unit is None else unit
     manifest.write_text("".join(ln for ln in lines if json.loads(ln)["unit"] != unit))
+    return unit
+
+
+def swap_for_link(f: Path, target: Path) -> None:
+    """`f` replaced by a link to `target`, as an attacker does between hsx's check of a file and its open."""
+    f.unlink()
+    os.symlink(target, f)
+
+
+def planted_secret(tmp_path: Path) -> Path:
+    """A file outside any output (a token, say) that hsx must never read or upload through a link planted in one."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    return secret
 
 
 def call_with_deadline(fn, seconds: float = 30.0, fifo: Path | None = None) -> tuple[bool, Any]:

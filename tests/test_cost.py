@@ -1,4 +1,5 @@
-"""The automatic token budget: capped at the measured-fastest 16k, limited by memory, never below one row."""
+"""The automatic token budget: capped at the measured-fastest 16k, limited by memory, never below one row; a budget
+no memory holds is one line; a plan of a tiny model on a CPU says what it is for."""
 
 from hsx.cost import DEFAULT_BUDGET_CAP, auto_token_budget, shape_config
 

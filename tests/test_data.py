@@ -1,4 +1,6 @@
-"""Input rows -> token ids and loss masks: chat (messages / ShareGPT), text, pre-tokenized; skips; truncation."""
+"""Input rows -> token ids and loss masks: chat (messages / ShareGPT), text, pre-tokenized; skips; truncation.
+Hostile or damaged input (empty, not UTF-8, nested too deeply, bad pre-tokenized values, hostile tool calls, a slow
+tokenizer where the masks need offsets, an unusable datasets cache) is a counted skip or one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -992,8 +994,6 @@ def test_a_slow_tokenizer_is_refused_before_any_row_when_the_masks_need_offsets(
     """Masks read off the chat template (derived turns, generation markers, plain completions) take character
     offsets from the tokenizer; a slow one has none (its encodings silently lack offset_mapping: a KeyError
     traceback from inside datasets.map, or from deriving the turns): one line naming the tokenizer and the fix."""
-    from hsx import data
-
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o", **extra)
     with pytest.raises(HsxError, match=f"tokenizer slow-model is a slow .* the '{method}' loss masks .* "
@@ -1003,8 +1003,6 @@ def test_a_slow_tokenizer_is_refused_before_any_row_when_the_masks_need_offsets(
 
 
 def test_a_slow_tokenizer_still_tokenizes_text_rows(tmp_path):
-    from hsx import data
-
     path = write_jsonl(tmp_path / "rows.jsonl", [{"text": "hi ok"}])
     cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o")
     rows = data.tokenize(data.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),

@@ -12,7 +12,7 @@ from helpers import LONG_DIGITS, call_with_deadline, hsx_main, quiet, the_error_
 from test_hub import REPO, FakeHfApi
 import hsx
 from hsx.config import HsxError
-from hsx.export import export_specforge
+from hsx.export import JOURNAL, export_specforge
 from hsx.hub import push_output
 
 
@@ -35,8 +35,6 @@ def test_an_export_journal_alone_never_deletes_a_source_unit(finished_copy, tmp_
 
 
 def test_an_export_journal_line_with_a_number_too_long_is_not_a_traceback(finished_copy, tmp_path):
-    from hsx.export import JOURNAL, export_specforge
-
     dest = tmp_path / "dest"
     export_specforge(finished_copy, dest, layout="dflash")
     with open(dest / JOURNAL, "a") as f:
@@ -46,8 +44,6 @@ def test_an_export_journal_line_with_a_number_too_long_is_not_a_traceback(finish
 
 def test_a_huge_export_journal_is_refused_not_read_whole(finished_copy, tmp_path, monkeypatch):
     import hsx.export
-    from hsx.export import JOURNAL, export_specforge
-
     dest = tmp_path / "dest"
     export_specforge(finished_copy, dest, layout="dflash")
     limit = (dest / JOURNAL).stat().st_size + 100
@@ -62,8 +58,6 @@ def test_an_export_journal_line_longer_than_any_hsx_writes_is_refused_naming_it(
     """The journal was read whole (up to 1 GiB) and split into lines; it is read a line at a time as the ledgers
     are, each line bounded (hsx.schema: a unit's files at most), so a line past that is one error naming the line."""
     import hsx.export
-    from hsx.export import JOURNAL, export_specforge
-
     dest = tmp_path / "dest"
     export_specforge(finished_copy, dest, layout="dflash")
     journal = dest / JOURNAL
@@ -112,8 +106,6 @@ def test_exporting_a_running_or_foreign_dir_says_it_is_not_finished(tmp_path):
 
 
 def test_a_fifo_at_exported_jsonl_does_not_hang_an_export_that_deletes_its_source(finished_copy, tmp_path):
-    from hsx.export import export_specforge
-
     fifo = finished_copy / ".hsx" / "exported.jsonl"
     os.mkfifo(fifo)
     units = sorted((finished_copy / "data").glob("train-*.arrow"))

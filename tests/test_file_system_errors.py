@@ -1,9 +1,10 @@
 """File-system errors in extract, merge and export: a full disk (a real one: a small tmpfs, where this machine lets
 the test mount one), a file size limit (`ulimit -f`: a child process with RLIMIT_FSIZE; Python ignores SIGXFSZ, so
 the write fails with EFBIG), a read-only or unwritable dir, a failing disk (injected). Each is one line naming the
-path and what to do, exit 1, every committed unit kept, and the same command continues once the cause is gone.
+path and what to do, exit 1, every committed unit kept, and the same command continues once the cause is gone; an
+output dir or DEST that cannot be made is one line too.
 
-The jobs are `fault_reference`'s (conftest.py): model4, the demo chat, ~55 units.
+The jobs are `fault_reference`'s (conftest.py): model4, the demo chat, ~55 units (or conftest's smaller `finished`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """hsx.hub against a stubbed HfApi (no network): what a push uploads, failures and resumption, stream mode's
-batching, deletion only of what the Hub confirmed, done_units() over deleted units, and the token never written."""
+batching, deletion only of what the Hub confirmed, done_units() over deleted units, and the token never written. A
+push uploads the bytes it checked: no link, no damaged or swapped unit, no FIFO, no file outside data/; a hostile
+remote hsx.json is not this job's."""
 
 from __future__ import annotations
 
@@ -731,7 +733,7 @@ def test_push_replans_when_a_unit_vanishes_after_another_rank_uploaded_it(out):
 import os  # noqa: E402
 import re  # noqa: E402
 
-from helpers import call_with_deadline, copy_of, flip_unit_bytes  # noqa: E402
+from helpers import call_with_deadline, copy_of, flip_unit_bytes, planted_secret, swap_for_link  # noqa: E402
 from test_merge import split_like_two_nodes  # noqa: E402
 import hsx  # noqa: E402
 from hsx.merge import merge  # noqa: E402
@@ -745,12 +747,7 @@ def pushed(api) -> dict[str, bytes]:
 
 
 def test_push_uploads_no_link_and_no_damaged_unit(finished, tmp_path):
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
-    secret = tmp_path / "secret.txt"
-    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    secret = planted_secret(tmp_path)
     out = copy_of(finished, tmp_path, "out")
     (out / "data" / "train-999-00000.arrow").symlink_to(secret)
     api = FakeHfApi()
@@ -779,10 +776,6 @@ def test_push_uploads_no_link_and_no_damaged_unit(finished, tmp_path):
 
 
 def test_a_merged_output_pushes_its_linked_units(finished, tmp_path):
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
     nodes = split_like_two_nodes(finished, tmp_path)
     merge(str(nodes[0]), [str(n) for n in nodes], log=lambda *a: None)
     api = FakeHfApi()
@@ -794,12 +787,7 @@ def test_a_merged_output_pushes_its_linked_units(finished, tmp_path):
 
 
 def test_a_files_list_that_points_out_of_data_is_refused(finished, tmp_path):
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
-    secret = tmp_path / "secret.txt"
-    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    secret = planted_secret(tmp_path)
     out = copy_of(finished, tmp_path, "out")
     info = json.loads((out / "hsx.json").read_text())
     info["files"].append({"file": "../../secret.txt", "bytes": secret.stat().st_size, "crc32": None, "rows": 0})
@@ -808,12 +796,6 @@ def test_a_files_list_that_points_out_of_data_is_refused(finished, tmp_path):
         push_output(out, "someone/states", api=FakeHfApi(), log=lambda *a: None)
     with pytest.raises(HsxError, match="`files` is damaged"):
         hsx.load(str(out))
-
-
-def swap_for_link(unit: Path, target: Path) -> None:
-    """What an attacker does between hsx's check of a unit and its open: the name now leads out of the output."""
-    unit.unlink()
-    os.symlink(target, unit)
 
 
 def test_a_unit_swapped_for_a_link_after_its_check_is_not_pushed(finished_copy, tmp_path):
@@ -865,11 +847,6 @@ def test_push_refuses_a_fifo_named_like_its_card_before_uploading(finished_copy)
     b"\xff\xfe{}",  # not UTF-8
 ])
 def test_push_reads_a_hostile_remote_hsx_json_as_not_this_jobs(finished, tmp_path, remote):
-    from test_hub import REPO, FakeHfApi
-
-    from hsx.config import HsxError
-    from hsx.hub import push_output
-
     out = Path(shutil.copytree(finished, tmp_path / "out"))
     api = FakeHfApi()
     api.create_repo(REPO, repo_type="dataset", exist_ok=True)

@@ -2,7 +2,8 @@
 
 The launched runs use 2 gloo processes on this CPU machine (as tests/test_distributed.py does), or 1 (accelerate's
 plain subprocess). SIGINT goes to the launcher's whole process group, as a terminal's Ctrl-C does: the ranks, in
-sessions of their own, get it from the launcher only.
+sessions of their own, get it from the launcher only. Process counts, machine ranks, accelerate config files and
+the hsx recipe are checked before any rank starts (one line); a process killed by a signal is named.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Consumer side (hsx.load): local dirs memory-mapped, Hub repos streamed, layer subsets as views, collate for a
 DataLoader, SpecForge's offline export, and the dataset card (configs, fingerprint, decode snippet, streaming
-advice, and datasets' stale local cache)."""
+advice, and datasets' stale local cache). A damaged, incomplete, changed or linked output is refused in one line by
+every reader (hsx.load, load_dataset, hsx verify, hsx push), never read as fewer rows; datasets' caches stay out of
+the output."""
 
 from __future__ import annotations
 
@@ -480,9 +482,11 @@ def test_a_hub_hsx_json_bigger_than_hsx_writes_is_not_downloaded(monkeypatch, tm
 import importlib  # noqa: E402
 import re  # noqa: E402
 
-from helpers import copy_of, edit_info, flip_unit_bytes, hsx_main, message_lines, tree_bytes  # noqa: E402
-from test_hub import pushed, swap_for_link  # noqa: E402
+from helpers import (copy_of, edit_info, flip_unit_bytes, hsx_main, message_lines, planted_secret,  # noqa: E402
+                     swap_for_link, tree_bytes)
+from test_hub import FakeHfApi, pushed  # noqa: E402
 from hsx.config import HsxError  # noqa: E402
+from hsx.hub import push_output  # noqa: E402
 from hsx.sink import OutputDir, file_crc32  # noqa: E402
 
 
@@ -574,10 +578,6 @@ def test_load_refuses_a_unit_swapped_for_a_link_after_its_check(finished_copy, f
 
 def refused_everywhere(out: Path, *needles: str) -> None:
     """hsx.load, hsx verify and a push all refuse `out` in one line naming what disagrees; nothing is uploaded."""
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
     for read in (lambda: hsx.load(str(out)), lambda: hsx.load(str(out), verify=True)):
         with pytest.raises(HsxError) as e:
             read()
@@ -640,12 +640,7 @@ def listed_link_to(out: Path, secret: Path, name: str = "train-998-00000.arrow")
 
 
 def test_a_listed_link_to_a_secret_is_neither_read_nor_pushed(finished, tmp_path):
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
-    secret = tmp_path / "secret.txt"
-    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    secret = planted_secret(tmp_path)
     with_state = copy_of(finished, tmp_path, "with-state")
     listed_link_to(with_state, secret)  # the manifests know no such unit
     refused_everywhere(with_state, "data/train-998-00000.arrow is listed in hsx.json but in no manifest")
@@ -703,10 +698,6 @@ def test_cache_writing_ops_write_nothing_into_the_output(finished, tmp_path):
     assert len(hsx.load(str(out), verify=True)) == len(ids)
     rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
     assert rc == 0, err
-    from test_hub import FakeHfApi
-
-    from hsx.hub import push_output
-
     api = FakeHfApi()
     push_output(out, "someone/states", api=api, log=lambda *a: None)
     assert "data/cache-0123456789abcdef.arrow" not in api.files()

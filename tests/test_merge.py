@@ -1,4 +1,6 @@
-"""hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata."""
+"""hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata. A
+merge is locked against running jobs, keeps a finished output's units, links no unit that is itself a link, refuses a
+foreign dir keeping its files, and names the argument that gave a refused dir."""
 
 import json
 import os
@@ -277,7 +279,7 @@ def test_a_job_json_whose_inputs_are_not_its_fingerprints_is_refused(reference, 
     assert info["counts"] == json.loads((reference / "hsx.json").read_text())["counts"]
 
 
-from helpers import copy_of, hsx_main, quiet, the_error_line, tree_bytes  # noqa: E402
+from helpers import copy_of, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes  # noqa: E402
 from hsx.sink import OutputDir  # noqa: E402
 
 
@@ -340,16 +342,10 @@ def test_merge_links_are_read_from_their_units(finished, tmp_path):
 def test_merge_links_no_unit_that_is_itself_a_link(finished, tmp_path):
     """A node dir whose unit is a link (to a copy elsewhere, or to anything) is not that dir's unit: merge said
     "merged" and wrote an output every reader then refused; now the merge refuses, in one line, before writing."""
-    from test_merge import split_like_two_nodes
-
-    from hsx.merge import merge
-
     node0, node1 = split_like_two_nodes(finished, tmp_path)
     unit = sorted((node1 / "data").iterdir())[0]
-    elsewhere = tmp_path / "elsewhere.arrow"
-    shutil.copy(unit, elsewhere)
-    unit.unlink()
-    unit.symlink_to(elsewhere)
+    shutil.copy(unit, tmp_path / "elsewhere.arrow")
+    swap_for_link(unit, tmp_path / "elsewhere.arrow")
     with pytest.raises(HsxError, match="in none of the dirs"):
         merge(str(tmp_path / "m"), [str(node0), str(node1)], log=quiet)
     assert not (tmp_path / "m" / "hsx.json").exists()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import chat_tokenize_peak
-from chat_families import QWEN3, family
+from chat_families import FAMILIES, QWEN3, family
 from hsx import data, masks
 from hsx.config import HsxError
 
@@ -80,8 +80,6 @@ def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
     gets its own budget."""
     import time
 
-    from chat_families import family
-
     monkeypatch.setattr(masks, "ROW_CPU_SECONDS", 0.5, raising=False)
     tok = family("qwen3")
     fmt = masks.derive_chat_format(tok, {})
@@ -99,8 +97,6 @@ def test_unrendered_finds_its_sentinels_in_one_pass():
     """masks.unrendered searched the render once per sentinel: 80,000 tool results (a 2.4 MB row) took 39 s after
     the render. One pass over the render finds them all; a message the template drops is still named."""
     import time
-
-    from chat_families import family
 
     tok = family("qwen3")
     call = {"role": "assistant", "content": None,
@@ -158,12 +154,6 @@ def test_a_literal_width_past_the_bound_is_refused_before_it_compiles(template):
     """A filter or `%` of literal operands is computed while jinja compiles the template (transformers compiles it
     before the first render), so no render bound can see it: a literal width or count above MAX_REPEAT is refused
     by the static check, as `'x' * 10**10` is. The templates of the model families pass."""
-    from chat_families import FAMILIES
-
-    from hsx.config import HsxError
-
-    from chat_families import family
-
     assert masks.unbounded_step(template) is not None
     with pytest.raises(HsxError, match="a step without a bound"):
         masks.check_template_bounds(family("qwen3", template), {})
@@ -177,10 +167,6 @@ def test_a_literal_width_past_the_bound_is_refused_before_it_compiles(template):
 def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
     """`'x' * (message.content | int)`: the static check sees no literal count; a row of '90000000' built 90 MB
     (a row of '10000000000', 10 GB) before the render's length bound could look at it."""
-    from chat_families import QWEN3, family
-
-    from hsx import masks
-
     bomb = "{%- if message.content is string and message.content[:1] == '9' %}{{ 'x' * (message.content | int) }}" \
            "{% endif %}"
     if markers:  # (rendered and tokenized by transformers in one call)
@@ -247,8 +233,6 @@ def test_a_step_a_row_sizes_is_refused_before_it_allocates(step):
     `10000000000`, and the process killed) before the render's length could be looked at, and no CPU timer
     interrupts a C call: each is checked against the render's bound before it runs, and the row is a counted
     chat_template_output_too_long. The other rows render as before."""
-    from chat_families import QWEN3, family
-
     bomb = "{%- if message.content is string and message.content[:1] == '2' %}" + STEPS[step] + "{% endif %}"
     template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
     tok = family("qwen3", template)
@@ -265,8 +249,6 @@ def test_a_step_a_row_sizes_is_refused_before_it_allocates(step):
 def test_the_checked_steps_render_as_before_within_the_bound_and_outside_it():
     """The same steps on small operands render what jinja renders (the checks only refuse), inside hsx's render
     bounds and outside them (another user of the compiled template in this process)."""
-    from chat_families import family
-
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     small = ("{{ 'x'.center(5) }}|{{ 'ab'|center(6) }}|{{ '%*s' % (4, 'y') }}|{{ '{:>{}}'.format('z', 3) }}|"

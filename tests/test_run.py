@@ -1,4 +1,5 @@
-"""torch's CPU threads per process: from the cores and the processes on this machine, as accelerate sets them."""
+"""torch's CPU threads per process: from the cores and the processes on this machine, as accelerate sets them; a
+launcher's variable that is no count (WORLD_SIZE=abc, OMP_NUM_THREADS of 20 digits) is one line or as if unset."""
 
 import torch
 

@@ -1,6 +1,8 @@
 """hsx.schema: the output format in one place. The plan prices exactly what extraction writes, for every storage
 dtype, with and without top-k logits and the final-norm state; hsx.json as main writes it reads back as a typed
-record, byte for byte; damaged records are one sentence."""
+record, byte for byte; damaged records are one sentence, and one line from every command that reads them (extract's
+resume, verify, merge, push, load, the exports): a key given twice, a number too long for int(), a unit that is not a
+name. hsx.json lists every unit with its rows, size and CRC-32."""
 
 from __future__ import annotations
 

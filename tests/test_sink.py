@@ -1,4 +1,6 @@
-"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs."""
+"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
+deleted or written through a link (--overwrite, a resume's leftovers, atomic_write); hsx.json, the manifests and
+job.json read as bounded regular files, torn ledger lines passed over."""
 
 from __future__ import annotations
 
@@ -271,8 +273,8 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from helpers import (LONG_DIGITS, call_with_deadline, drop_manifest_line, fault_argv, finished_argv, hsx_main,  # noqa: E402
-                     quiet, the_error_line, tree_bytes)
+from helpers import (LONG_DIGITS, call_with_deadline, drop_manifest_line, fault_argv,  # noqa: E402
+                     finished_argv, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes)
 from hsx.sink import atomic_write  # noqa: E402
 
 
@@ -324,8 +326,6 @@ def test_atomic_write_replaces_a_link_never_its_target(tmp_path, victim):
 
 
 def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(finished_copy):
-    from hsx.sink import atomic_write
-
     os.mkfifo(finished_copy / ".hsx" / ".summary.json.tmp")
     done, error = call_with_deadline(lambda: atomic_write(finished_copy / ".hsx" / "summary.json", "{}\n"), 60,
                                      finished_copy / ".hsx" / ".summary.json.tmp")
@@ -335,9 +335,7 @@ def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(finished_copy):
 # ---- a resume's removal of a killed commit's leftover unit ---------------------------------------------------------
 
 def test_remove_uncommitted_deletes_nothing_through_a_linked_data_dir(finished_copy, tmp_path):
-    records = OutputDir(finished_copy).manifest_records()
-    unit = sorted(records)[0]
-    drop_manifest_line(finished_copy, unit)
+    unit = drop_manifest_line(finished_copy)
     elsewhere = tmp_path / "elsewhere"
     shutil.move(finished_copy / "data", elsewhere)
     (finished_copy / "data").symlink_to(elsewhere)
@@ -350,9 +348,7 @@ def test_remove_uncommitted_deletes_nothing_through_a_linked_data_dir(finished_c
 
 def test_remove_uncommitted_removes_only_the_name_of_a_hard_linked_unit(finished_copy, tmp_path):
     """A leftover that is a hard link (a `cp -al` snapshot of the dir): the snapshot's file stays whole."""
-    records = OutputDir(finished_copy).manifest_records()
-    unit = sorted(records)[0]
-    drop_manifest_line(finished_copy, unit)
+    unit = drop_manifest_line(finished_copy)
     snapshot = tmp_path / "snapshot.arrow"
     os.link(finished_copy / "data" / f"train-{unit}.arrow", snapshot)
     size = snapshot.stat().st_size
@@ -396,10 +392,8 @@ def test_a_fifo_for_hsx_own_json_is_refused_not_waited_on(finished_copy, name, m
 def test_a_huge_or_linked_hsx_json_is_refused_unread(finished_copy, tmp_path):
     """A 1.2 GB hsx.json would be read whole into memory (then parsed); a link would read another output's."""
     hsx_json = finished_copy / "hsx.json"
-    other = tmp_path / "elsewhere.json"
-    shutil.copy(hsx_json, other)
-    hsx_json.unlink()
-    hsx_json.symlink_to(other)
+    shutil.copy(hsx_json, tmp_path / "elsewhere.json")
+    swap_for_link(hsx_json, tmp_path / "elsewhere.json")
     with pytest.raises(HsxError, match="symbolic link"):
         hsx.load(finished_copy)
     hsx_json.unlink()

@@ -1,6 +1,7 @@
 """Draft vocabulary: token_frequencies.npy written when a job finishes equals a direct count over the output; the
 d2t/t2d mapping (most frequent first, ties to the lower id, the lowest unseen ids filling in); `hsx vocab`'s files;
-damaged frequency files and --overwrite. (The trainers' own code reads these in test_trainers.py.)"""
+damaged frequency files (an entry of another shape, a header claiming a huge array) and --overwrite; --dest written
+through no planted link, no foreign file replaced. (The trainers' own code reads these in test_trainers.py.)"""
 
 from __future__ import annotations
 

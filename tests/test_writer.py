@@ -1,5 +1,6 @@
 """hsx.writer: the unit file's bytes are datasets' own, its streamed CRC-32 is file_crc32's, errors surface; in
-memory (tmpfs) the same through spares prepared ahead, and a job killed mid-write resumes to the same output."""
+memory (tmpfs) the same through spares prepared ahead, and a job killed mid-write resumes to the same output. The
+same job writes the same bytes, in another process too; file_crc32 neither waits on a FIFO nor follows a link."""
 
 from __future__ import annotations
 
