@@ -10,6 +10,7 @@ import pytest
 
 from helpers import LONG_DIGITS, call_with_deadline, hsx_main, quiet, the_error_line
 from test_hub import REPO, FakeHfApi
+
 import hsx
 from hsx.config import HsxError
 from hsx.export import JOURNAL, export_specforge

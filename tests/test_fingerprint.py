@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_error_line, call_with_deadline, fault_argv, hsx_main, manifest_records, the_error_line
+
 from hsx import fingerprint
 
 
@@ -71,8 +72,6 @@ def test_digests_are_cached_and_a_rewrite_with_the_mtime_set_back_is_read_again(
     flip_tensor_bytes(f)
     again = fingerprint.file_digests([f])
     assert len(reads) == 2 and again[0][0] == first[0][0] and again[0][1] != first[0][1]
-    import hashlib
-
     assert again[0][1] == hashlib.sha256(f.read_bytes()).hexdigest()  # all bytes, the Hub's LFS oid
 
 

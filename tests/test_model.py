@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import fault_argv, hsx_main, message_lines, the_error_line
+
 import hsx.model
 from hsx.config import ExtractConfig, HsxError
 
@@ -45,8 +46,6 @@ def test_a_model_folder_json_past_its_bound_is_refused_before_it_is_parsed(model
                                                                             bound):
     """config.json and model.safetensors.index.json were read whole, whatever their size (json.loads of 1 GB of
     `[[],...]` takes ~20 GB): past a bound far above any real one, one line naming the file, nothing parsed."""
-    import hsx.model
-
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
     monkeypatch.setattr(hsx.model, bound, 1 << 20)
     if name == "config.json":
@@ -56,19 +55,17 @@ def test_a_model_folder_json_past_its_bound_is_refused_before_it_is_parsed(model
     parsed = []
     real_loads = json.loads
     monkeypatch.setattr(hsx.model.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
-    cfg = ExtractConfig(model=str(model), dataset="d", layers=[1], output_dir="o", dtype="float32")
+    cfg = _cfg(str(model))
     with pytest.raises(HsxError, match=re.escape(str(model / name)) + r" is [\d,]+ bytes, more than any"):
         hsx.model.load_model(cfg, __import__("torch").device("cpu"))
     assert not [n for n in parsed if n > 1 << 20]
 
 
 def test_a_model_folder_json_that_is_not_a_file_is_one_line(model4, tmp_path):
-    import os
-
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
     (model / "model.safetensors.index.json").unlink(missing_ok=True)
     os.mkfifo(model / "model.safetensors.index.json")  # (read, it would wait forever)
-    cfg = ExtractConfig(model=str(model), dataset="d", layers=[1], output_dir="o", dtype="float32")
+    cfg = _cfg(str(model))
     with pytest.raises(HsxError, match="model.safetensors.index.json is not a regular file"):
         hsx.model.load_model(cfg, __import__("torch").device("cpu"))
 
@@ -85,8 +82,6 @@ def test_a_hub_ids_config_json_is_bounded_too(tmp_path, monkeypatch):
     """A Hub id's config.json (what `hsx plan` and the benchmark read by id) is checked in the HF cache before
     transformers parses it, as a folder's is."""
     import huggingface_hub
-
-    import hsx.model
 
     snapshot = tmp_path / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)

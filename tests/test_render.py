@@ -9,6 +9,7 @@ import pytest
 
 from helpers import chat_tokenize_peak
 from chat_families import FAMILIES, QWEN3, family
+
 from hsx import data, masks
 from hsx.config import HsxError
 

@@ -12,6 +12,7 @@ import pytest
 
 from helpers import (assert_same_output, copy_of, drop_manifest_line, edit_info, fault_argv, finished_argv,
                      flip_unit_bytes, hsx_main, message_lines, quiet, the_error_line)
+
 import hsx
 from hsx.config import HsxError
 from hsx.sink import OutputDir
