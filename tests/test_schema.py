@@ -280,13 +280,13 @@ def _commands(out: Path, argv: list[str], tmp: Path) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("how", list(DAMAGED_INFO))
 def test_a_damaged_hsx_json_is_one_line_for_every_command(finished_copy, model4, small_chat_path, tmp_path, how):
-    out, argv = finished_copy, finished_argv(model4, small_chat_path, finished_copy)
-    _damage_info(out, how)
-    for name, command in _commands(out, argv, tmp_path).items():
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    _damage_info(finished_copy, how)
+    for name, command in _commands(finished_copy, argv, tmp_path).items():
         rc, _, err = hsx_main(command)
         assert_one_error_line(rc, err, "hsx.json", prefix="hsx: ")
-    for read in (lambda: hsx.load(str(out), layers=[1]), lambda: hsx.torch_view(str(out)),
-                 lambda: output_info(str(out))):
+    for read in (lambda: hsx.load(str(finished_copy), layers=[1]), lambda: hsx.torch_view(str(finished_copy)),
+                 lambda: output_info(str(finished_copy))):
         with pytest.raises(HsxError, match="hsx.json is damaged"):
             read()
 
@@ -302,18 +302,18 @@ MANIFEST_DAMAGE = {
 
 @pytest.mark.parametrize("how", list(MANIFEST_DAMAGE))
 def test_a_damaged_manifest_line_is_one_line_for_every_command(finished_copy, model4, small_chat_path, tmp_path, how):
-    out, argv = finished_copy, finished_argv(model4, small_chat_path, finished_copy)
-    manifest = sorted((out / ".hsx").glob("manifest-*.jsonl"))[0]
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    manifest = sorted((finished_copy / ".hsx").glob("manifest-*.jsonl"))[0]
     lines = manifest.read_text().splitlines()
     lines[1] = json.dumps(MANIFEST_DAMAGE[how](json.loads(lines[1])))
     manifest.write_text("\n".join(lines) + "\n")
-    commands = _commands(out, argv, tmp_path)
+    commands = _commands(finished_copy, argv, tmp_path)
     commands.pop("export-specforge")  # reads hsx.json and the data files only
-    commands["merge"] = ["merge", str(tmp_path / "merged"), str(out)]
+    commands["merge"] = ["merge", str(tmp_path / "merged"), str(finished_copy)]
     commands["extract"] = commands.pop("extract")  # last, resuming: without hsx.json the units are checked
     for name, command in commands.items():
         if name == "extract":
-            (out / "hsx.json").unlink()
+            (finished_copy / "hsx.json").unlink()
         rc, _, err = hsx_main(command)
         line = assert_one_error_line(rc, err, manifest.name, "line 2", prefix="hsx: ")
         assert "damaged" in line, (name, line)
@@ -322,9 +322,9 @@ def test_a_damaged_manifest_line_is_one_line_for_every_command(finished_copy, mo
 @pytest.mark.parametrize(("name", "content"), [("job.json", b"\xff\xfe"), ("job.json", b'{"inputs": {}}'),
                                                ("summary.json", b"{}"), ("summary.json", b"[]")])
 def test_damaged_run_state_is_one_line(finished_copy, model4, small_chat_path, tmp_path, name, content):
-    out, argv = finished_copy, finished_argv(model4, small_chat_path, finished_copy)
-    (out / ".hsx" / name).write_bytes(content)
-    commands = {"merge": ["merge", str(tmp_path / "merged"), str(out)]}
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    (finished_copy / ".hsx" / name).write_bytes(content)
+    commands = {"merge": ["merge", str(tmp_path / "merged"), str(finished_copy)]}
     if name == "job.json":
         commands["extract"] = argv
     for command in commands.values():
@@ -338,29 +338,27 @@ def test_damaged_run_state_is_one_line(finished_copy, model4, small_chat_path, t
     ("summary vocab_size", 10**12, "vocab_size"),
 ])
 def test_a_damaged_merge_target_or_summary_vocab_size_is_one_line(finished_copy, tmp_path, where, damage, needle):
-    out = finished_copy
     if where == "merge-target job.json":
         target = tmp_path / "merged"
         (target / ".hsx").mkdir(parents=True)
         (target / ".hsx" / "job.json").write_bytes(damage)
-        command = ["merge", str(target), str(out)]
+        command = ["merge", str(target), str(finished_copy)]
     elif where == "summary vocab_size":
-        f = out / ".hsx" / "summary.json"
+        f = finished_copy / ".hsx" / "summary.json"
         f.write_text(json.dumps({**json.loads(f.read_text()), "vocab_size": damage}))
-        command = ["merge", str(tmp_path / "merged"), str(out)]
+        command = ["merge", str(tmp_path / "merged"), str(finished_copy)]
     rc, _, err = hsx_main(command)
     assert_one_error_line(rc, err, needle, prefix="hsx: error: ")
 
 
 @pytest.mark.parametrize("unit", [["a"], "../x", 7])
 def test_a_listed_file_whose_unit_is_not_a_name_is_one_error(finished_copy, unit):
-    out = finished_copy
-    f = out / "hsx.json"
+    f = finished_copy / "hsx.json"
     meta = json.loads(f.read_text())
     meta["files"][0]["unit"] = unit
     f.write_text(json.dumps(meta))
     with pytest.raises(HsxError, match="files` is damaged"):
-        hsx.load(str(out))
+        hsx.load(str(finished_copy))
 
 
 @pytest.mark.parametrize("where", ["hsx.json", "summary"])

@@ -415,8 +415,8 @@ def test_a_ledger_line_with_a_number_too_long_is_passed_over_as_a_torn_one(finis
 
 def test_a_torn_manifest_line_is_still_passed_over(finished_copy, model4, small_chat_path):
     """A kill mid-append leaves a line that is not JSON: that unit is redone, nothing is refused."""
-    out, argv = finished_copy, finished_argv(model4, small_chat_path, finished_copy)
-    manifest = sorted((out / ".hsx").glob("manifest-*.jsonl"))[0]
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    manifest = sorted((finished_copy / ".hsx").glob("manifest-*.jsonl"))[0]
     with open(manifest, "ab") as f:
         f.write(b'{"unit": "999-99999", "file": "train-999-99')
     rc, stdout, err = hsx_main(argv)

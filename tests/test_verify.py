@@ -39,10 +39,9 @@ def _point_at(out: Path, model_folder: Path, trust: object) -> None:
 
 @pytest.mark.parametrize("trust", [True, "true", False])
 def test_verify_never_runs_code_an_output_dir_names(finished_copy, evil_model, trust):
-    out = finished_copy
     folder, marker = evil_model
-    _point_at(out, folder, trust)
-    rc, _, err = hsx_main(["verify", str(out), "--samples", "2"])
+    _point_at(finished_copy, folder, trust)
+    rc, _, err = hsx_main(["verify", str(finished_copy), "--samples", "2"])
     assert not marker.exists(), "verify ran code from a model folder that hsx.json named"
     if trust is not False:
         assert_one_error_line(rc, err, "--trust-remote-code", prefix="hsx: verify failed: ")
@@ -51,27 +50,24 @@ def test_verify_never_runs_code_an_output_dir_names(finished_copy, evil_model, t
 
 
 def test_verify_trust_remote_code_needs_a_model_named_on_the_command_line(finished_copy, evil_model):
-    out = finished_copy
     folder, marker = evil_model
-    _point_at(out, folder, True)
-    rc, _, err = hsx_main(["verify", str(out), "--samples", "2", "--trust-remote-code"])
+    _point_at(finished_copy, folder, True)
+    rc, _, err = hsx_main(["verify", str(finished_copy), "--samples", "2", "--trust-remote-code"])
     assert_one_error_line(rc, err, "--model", prefix="hsx: error: ")
     assert not marker.exists()
 
 
 def test_verify_with_model_flag_recomputes_against_it(finished_copy, evil_model, model4):
-    out = finished_copy
     folder, marker = evil_model
-    _point_at(out, folder, True)  # the recorded folder is ignored: --model is the reference
-    rc, stdout, err = hsx_main(["verify", str(out), "--samples", "2", "--model", str(model4.path)])
+    _point_at(finished_copy, folder, True)  # the recorded folder is ignored: --model is the reference
+    rc, stdout, err = hsx_main(["verify", str(finished_copy), "--samples", "2", "--model", str(model4.path)])
     assert rc == 0, err
     assert "2 rows recomputed" in stdout
     assert not marker.exists()
 
 
 def test_verify_with_a_model_of_another_depth_is_one_line(finished_copy, model8):
-    out = finished_copy
-    rc, _, err = hsx_main(["verify", str(out), "--samples", "2", "--model", str(model8.path)])
+    rc, _, err = hsx_main(["verify", str(finished_copy), "--samples", "2", "--model", str(model8.path)])
     assert_one_error_line(rc, err, "8 layers", prefix="hsx: verify failed: ")
 
 

@@ -125,10 +125,9 @@ from helpers import assert_one_error_line, quiet, the_error_line  # noqa: E402
 
 @pytest.mark.parametrize("entry", [5, [1, 2], {"vocab_size": "8", "supervised_tokens": 1}])
 def test_damaged_token_frequencies_entry_is_one_line(finished_copy, entry):
-    out = finished_copy
-    f = out / "hsx.json"
+    f = finished_copy / "hsx.json"
     f.write_text(json.dumps({**json.loads(f.read_text()), "token_frequencies": entry}))
-    rc, _, err = hsx_main(["vocab", str(out), "--draft-vocab-size", "4"])
+    rc, _, err = hsx_main(["vocab", str(finished_copy), "--draft-vocab-size", "4"])
     assert_one_error_line(rc, err, "token_frequencies", prefix="hsx: error: ")
 
 
