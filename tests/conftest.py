@@ -29,7 +29,9 @@ from helpers import (  # noqa: E402
     ChatData,
     FaultReference,
     TinyModel,
+    copy_of,
     fault_argv,
+    finished_job,
     hsx_main,
     mixed_chat_rows,
     output_table,
@@ -166,3 +168,19 @@ def fault_reference(tmp_path_factory, model4, fault_dataset) -> FaultReference:
                          sample_ids=output_table(out).column("sample_id").to_pylist())
     assert len(ref.sample_ids) == info["counts"]["rows_written"] == 96
     return ref
+
+
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory, model4, small_chat_path) -> Path:
+    """A finished job (model4, the small chat, 200-token units: 4 or more), shared by the whole session: read it,
+    never change it; a test that damages or resumes an output works on `finished_copy`."""
+    out = finished_job(tmp_path_factory, model4, small_chat_path, "finished")
+    assert len(list((out / "data").glob("train-*.arrow"))) >= 4
+    return out
+
+
+@pytest.fixture
+def finished_copy(finished, tmp_path) -> Path:
+    """This test's own copy of `finished` (tmp_path/out); `finished_argv(model4, small_chat_path, finished_copy)`
+    runs its job again on it."""
+    return copy_of(finished, tmp_path)

@@ -545,14 +545,97 @@ def chat_tokenize_peak(tok, conversations, fmt):
         tracemalloc.stop()
 
 
+def finished_argv(model, chat_path, out) -> list[str]:
+    """The argv of finished_job's job with `out` as its output dir (run again on a copy: that copy's resume)."""
+    return fault_argv(model.path, chat_path, out, "--unit-tokens", "200")
+
+
 def finished_job(tmp_path_factory, model, chat_path, name: str) -> Path:
-    """A finished extract of `chat_path` on `model` in 200-token units (the trust rounds' shared subject)."""
+    """A finished extract of `chat_path` on `model` in 200-token units (conftest.py's `finished`)."""
     out = tmp_path_factory.mktemp(name) / "finished"
-    rc, _, err = hsx_main(fault_argv(model.path, chat_path, out, "--unit-tokens", "200"))
+    rc, _, err = hsx_main(finished_argv(model, chat_path, out))
     assert rc == 0, err
     return out
 
 
-def copy_of(finished: Path, tmp_path: Path) -> Path:
-    """A test's own copy of a finished output dir (links kept as links)."""
-    return Path(shutil.copytree(finished, tmp_path / "out", symlinks=True))
+def copy_of(finished: Path, tmp_path: Path, name: str = "out") -> Path:
+    """A test's own copy of a finished output dir, as tmp_path/name (links kept as links)."""
+    return Path(shutil.copytree(finished, tmp_path / name, symlinks=True))
+
+
+# ---- damaging an output dir, and reading it under a deadline ----------------------------------------------------
+
+LONG_DIGITS = "1" * 5000  # past Python's 4300-digit limit for int(str): json.loads and yaml raise a bare ValueError
+
+
+def quiet(*a, **k) -> None:
+    """A `log` that prints nothing."""
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file's bytes under `root` (lock files aside: taking a lock creates them)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(("lock", "busy"))}
+
+
+def flip_unit_bytes(f: Path) -> None:
+    """One byte of `f` changed in place: the same size, other bytes (a CRC-32 tells)."""
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def edit_info(out: Path, **changes) -> None:
+    """`out`'s hsx.json with `changes` set at its top level."""
+    info = json.loads((out / "hsx.json").read_text())
+    info.update(changes)
+    (out / "hsx.json").write_text(json.dumps(info))
+
+
+def drop_manifest_line(out: Path, unit: str | None = None) -> str:
+    """`unit`'s line (the first unit's by name, by default) taken out of `out`'s manifest, as a kill between a unit's
+    file and its commit leaves it; that unit's name."""
+    manifest = next((out / ".hsx").glob("manifest-*.jsonl"))
+    lines = manifest.read_text().splitlines(keepends=True)
+    unit = min(json.loads(ln)["unit"] for ln in lines) if unit is None else unit
+    manifest.write_text("".join(ln for ln in lines if json.loads(ln)["unit"] != unit))
+    return unit
+
+
+def swap_for_link(f: Path, target: Path) -> None:
+    """`f` replaced by a link to `target`, as an attacker does between hsx's check of a file and its open."""
+    f.unlink()
+    os.symlink(target, f)
+
+
+def planted_secret(tmp_path: Path) -> Path:
+    """A file outside any output (a token, say) that hsx must never read or upload through a link planted in one."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_TopSecretTokenCCCCCCCCCCCCCCCCCCCC")
+    return secret
+
+
+def call_with_deadline(fn, seconds: float = 30.0, fifo: Path | None = None) -> tuple[bool, Any]:
+    """fn() in a thread: (True, its result or the exception it raised) when it ends within `seconds`; (False, None)
+    when it is still blocked, after opening `fifo` at both ends (which frees a reader or writer blocked opening it),
+    so that a failing test ends instead of hanging."""
+    import threading
+
+    got: list = []
+
+    def call():
+        try:
+            got.append(fn())
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    if not t.is_alive():
+        return True, got[0]
+    if fifo is not None:
+        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        t.join(10)
+        os.close(fd)
+    return False, None

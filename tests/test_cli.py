@@ -720,3 +720,55 @@ def test_an_interrupt_that_lands_inside_the_finalizer_hook_is_sent_once_more(mon
     monkeypatch.setattr(cli, "_interrupt_main_later", broken)
     with cli._interrupts_out_of_finalizers(), pytest.raises(ValueError, match="a bug"):
         sys.unraisablehook(types.SimpleNamespace(exc_value=KeyboardInterrupt()))
+
+
+from helpers import child_env, the_error_line  # noqa: E402
+
+
+# ---- numbers out of range, an unwritable --json, and SIGTERM: one line ---------------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "{out}", "--samples", "-3"],
+    ["verify", "{out}", "--samples", "1", "--seed", "-1"],
+    ["verify", "{out}", "--samples", "1", "--tolerance", "nan"],
+    ["plan", "--model", "{model}", "--layers", "1", "--tokens", "-5"],
+    ["plan", "--model", "{model}", "--layers", "1", "--rate", "nan"],
+    ["plan", "--model", "{model}", "--layers", "1", "--gpu-memory-gib", "inf"],
+    ["bench", "--model", "{model}", "--count", "-1", "--skip", "a,b"],
+    ["bench", "--model", "{model}", "--mean", "nan", "--skip", "a,b"],
+])
+def test_numeric_options_out_of_range_are_one_line(finished, model4, argv, tmp_path):
+    """Negative, NaN and infinite values of verify's, plan's and bench's numbers: one line, exit 2 (they were
+    numpy's `negative dimensions` and an OverflowError, as tracebacks, or a verify failing every layer)."""
+    argv = [a.format(out=finished, model=model4.path) for a in argv]
+    if argv[0] == "bench":
+        argv += ["--output-dir", str(tmp_path / "b")]
+    rc, _, err = hsx_main(argv)
+    assert rc == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1 and "must be" in lines[0], err
+
+
+def test_a_json_path_that_cannot_be_written_is_one_line(tmp_path, model4):
+    """`hsx plan --json` into a folder or under a missing parent was an OSError traceback."""
+    for dest in (tmp_path, tmp_path / "missing" / "plan.json"):
+        rc, _, err = hsx_main(["plan", "--model", str(model4.path), "--layers", "1", "--json", str(dest)])
+        assert rc == 1 and "cannot write --json" in the_error_line(err), err
+
+
+def test_sigterm_ends_a_command_with_one_line_and_143(tmp_path):
+    """Any command, not only extract: a SIGTERM during an export killed it silently (exit -15, no line)."""
+    code = ("import os, signal, sys, time\n"
+            "import hsx.commands as c\n"
+            "def slow(args):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n"
+            "c.COMMANDS['vocab'] = slow\n"
+            "from hsx.cli import main\n"
+            "sys.exit(main(['vocab', 'OUT', '--draft-vocab-size', '8']))\n")
+    res = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert res.returncode == 143, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    assert [line for line in res.stderr.splitlines() if line.startswith("hsx: ")] == [
+        "hsx: interrupted; finished units are kept: run the same command to continue"]

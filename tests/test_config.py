@@ -481,3 +481,123 @@ def test_dataset_config_reads_the_named_configuration_of_a_folder(tmp_path):
         load_input(config_from({**base, "dataset_config": "nope"}))
     with pytest.raises(HsxError, match="is a file; a configuration is one of a Hub dataset"):
         load_input(config_from({**base, "dataset": str(folder / "easy" / "rows.jsonl"), "dataset_config": "easy"}))
+
+
+import json  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+
+from helpers import LONG_DIGITS, assert_one_error_line, fault_argv, hsx_main, the_error_line  # noqa: E402
+from hsx.config import parse_value  # noqa: E402
+
+
+# ---- numbers: bounded, and too long for int() is one line ----------------------------------------------------------
+
+@pytest.mark.parametrize("name, value", [("max_length", 99999999999999999999), ("token_budget", 99999999999999),
+                                         ("unit_tokens", 2**40), ("limit", 10**30), ("topk_logits", 2**31),
+                                         ("num_proc", 10**25), ("gpus_per_copy", 10**19)])
+def test_an_integer_key_too_large_for_any_machine_is_one_line(name, value):
+    with pytest.raises(HsxError, match=f"{name} must be at most"):
+        parse_value(name, value)
+
+
+def test_a_huge_max_length_in_a_recipe_is_one_usage_line(tmp_path, model4, small_chat_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_length: 99999999999999999999\n")
+    rc, _, err = hsx_main(["extract", "--config", str(recipe), *fault_argv(model4.path, small_chat_path,
+                                                                           tmp_path / "out")[1:]])
+    assert rc == 2
+    assert_one_error_line(rc, err, "max_length must be at most 2,147,483,647")
+
+
+def test_a_recipe_with_a_number_too_long_is_one_line(tmp_path, capsys):
+    from hsx.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"layers: [1]\nlimit: {LONG_DIGITS}\n")
+    rc = main(["extract", "--config", str(recipe), "--model", "m", "--dataset", "d", "--output-dir",
+               str(tmp_path / "o")])
+    line = the_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(recipe) in line, line
+    rc = main(["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir", str(tmp_path / "o"),
+               "--chat-template-kwargs", f'{{"x": {LONG_DIGITS}}}'])
+    line = the_error_line(capsys.readouterr().err)
+    assert rc == 2 and "chat_template_kwargs" in line, line
+
+
+def test_a_huge_dflash_k_fails_before_building_anything():
+    tracemalloc.start()
+    t = time.perf_counter()
+    with pytest.raises(HsxError, match="at most 33"):
+        resolve_layers(parse_layer_spec("dflash-999999"), 36, False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert time.perf_counter() - t < 0.5 and peak < 1 << 20, peak  # no million-entry list was built
+    with pytest.raises(HsxError, match="--layers"):
+        parse_layer_spec("dflash-999999999")  # no model is that deep: refused as it is parsed
+
+
+def test_layers_flag_with_a_huge_preset_or_nothing_is_one_line(tmp_path, model4, small_chat_path):
+    for layers in (["dflash-999999999"], [""], ["dflash-99999"]):
+        t = time.perf_counter()
+        argv = ["extract", "--model", str(model4.path), "--dataset", str(small_chat_path), "--output-dir",
+                str(tmp_path / "o"), "--layers", *layers]
+        rc, _, err = hsx_main(argv)
+        assert_one_error_line(rc, err, "layers", prefix="hsx: error: ")
+        assert time.perf_counter() - t < 5
+
+
+def test_topk_logits_above_the_vocabulary_is_one_line(tmp_path, model4, small_chat_path):
+    argv = fault_argv(model4.path, small_chat_path, tmp_path / "o", "--topk-logits", "1000000")
+    rc, _, err = hsx_main(argv)
+    assert_one_error_line(rc, err, "--topk-logits 1000000", "vocabulary", prefix="hsx: error: ")
+    assert not (tmp_path / "o" / "hsx.json").exists()
+
+
+# ---- recipe files and paths ----------------------------------------------------------------------------------------
+
+def test_a_recipe_that_is_a_fifo_or_a_folder_is_one_line(tmp_path, capsys):
+    from hsx.cli import main
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for recipe in (tmp_path / "fifo.yaml", tmp_path):
+        rc = main(["extract", "--config", str(recipe), "--output-dir", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert rc == 2 and "is not a regular file" in the_error_line(err), err
+
+
+def test_a_recipe_path_starting_with_tilde_is_under_home(tmp_path, monkeypatch):
+    """`output_dir: ~/out` in a recipe wrote into a folder literally named `~` in the working directory."""
+    from hsx.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("output_dir: ~/out\nmodel: ~/models/m\ndataset: d.jsonl\nlayers: [1]\n")
+    cfg = load_config(str(recipe), {})
+    assert cfg.output_dir == str(tmp_path / "home" / "out") and cfg.model == str(tmp_path / "home" / "models" / "m")
+
+
+# ---- chat_template_kwargs may not set what hsx passes --------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["tokenize", "messages", "tools", "add_generation_prompt", "eos_token",
+                                 "return_assistant_tokens_mask"])
+def test_chat_template_kwargs_may_not_set_a_key_hsx_passes(tmp_path, model4, small_chat_path, key):
+    argv = fault_argv(model4.path, small_chat_path, tmp_path / "out", "--chat-template-kwargs",
+                      json.dumps({key: True, "enable_thinking": False}))
+    rc, _, err = hsx_main(argv)
+    assert rc == 2
+    assert_one_error_line(rc, err, f"chat_template_kwargs may not set {key}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_reserved_template_kwargs_cover_apply_chat_template(tokenizer):
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from hsx.config import RESERVED_TEMPLATE_KWARGS
+
+    params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    assert params <= RESERVED_TEMPLATE_KWARGS
+    assert set(tokenizer.special_tokens_map) <= RESERVED_TEMPLATE_KWARGS  # (what it passes the template too)

@@ -1,4 +1,5 @@
-"""The automatic token budget: capped at the measured-fastest 16k, limited by memory, never below one row."""
+"""The automatic token budget: capped at the measured-fastest 16k, limited by memory, never below one row; a budget
+no memory holds is one line; a plan of a tiny model on a CPU says what it is for."""
 
 from hsx.cost import DEFAULT_BUDGET_CAP, auto_token_budget, shape_config
 
@@ -89,3 +90,35 @@ def test_a_plan_says_what_makes_its_output_fit_with_its_numbers(capsys):
     assert main(["plan", "--shape", "qwen3.6-27b", "--layers", "1", "--tokens", "1000", "--storage-dtype",
                  "float8_e4m3"]) == 0
     assert "--storage-dtype float8_e4m3:" not in capsys.readouterr().out  # (it is what the plan stores already)
+
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from helpers import assert_one_error_line, fault_argv, hsx_main  # noqa: E402
+
+
+# ---- the plan: a budget memory holds, and what a plan is for -------------------------------------------------------
+
+def test_a_token_budget_no_memory_holds_is_one_line(tmp_path, model4, small_chat_path):
+    argv = fault_argv(model4.path, small_chat_path, tmp_path / "out")
+    argv[argv.index("--token-budget") + 1] = "2000000000"
+    rc, _, err = hsx_main(argv)
+    assert_one_error_line(rc, err, "--token-budget 2,000,000,000", "GiB", "memory")
+
+
+def test_a_plan_of_a_tiny_model_on_a_cpu_says_what_it_is_for_and_no_nonsense_rate(tmp_path):
+    from hsx.cost import WRITER_BYTES_PER_S
+
+    repo = Path(__file__).resolve().parent.parent
+    rc, said, err = hsx_main(["plan", "--config", str(repo / "recipes" / "demo.yaml"), "--json", "-"])
+    assert rc == 0, err
+    p = json.loads(said)
+    assert p["write_bytes_per_s"] <= WRITER_BYTES_PER_S * 1.0001
+    assert p["rate_bound"] == "writer"
+    rc, said, err = hsx_main(["plan", "--config", str(repo / "recipes" / "demo.yaml")])
+    assert said.startswith("planned for H200 GPUs")
+    import torch
+
+    assert ("this machine has no GPU" in said) == (not torch.cuda.is_available())
+    assert "561" not in said and "GB/s per copy" in said

@@ -1,4 +1,6 @@
-"""Input rows -> token ids and loss masks: chat (messages / ShareGPT), text, pre-tokenized; skips; truncation."""
+"""Input rows -> token ids and loss masks: chat (messages / ShareGPT), text, pre-tokenized; skips; truncation.
+Hostile or damaged input (empty, not UTF-8, nested too deeply, bad pre-tokenized values, hostile tool calls, a slow
+tokenizer where the masks need offsets, an unusable datasets cache) is a counted skip or one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -691,3 +693,318 @@ def test_prompt_turn_not_attributable_is_skipped():
     out = data.tokenize_batch({"prompt": [_FEW_SHOT, _TOOL_PROMPT], "completion": [_COMPLETION] * 2}, [0, 1], tok,
                               "prompt+completion", 4096, {})
     assert out["skip_reason"] == ["prompt_turn_unattributed", ""]
+
+
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from helpers import LONG_DIGITS, assert_one_error_line, fault_argv, hsx_main, the_error_line  # noqa: E402
+import hsx  # noqa: E402
+
+
+# ---- the input: empty, missing, not UTF-8, nested too deeply, an unusable cache ------------------------------------
+
+def test_num_proc_is_capped_at_the_cores_this_process_may_use():
+    cores = data.cpu_count()
+    assert data.tokenize_processes(100000, 10) == cores
+    assert data.tokenize_processes(None, 50_000) == min(8, cores)
+    assert data.tokenize_processes(None, 10) is None
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "blank-jsonl", "parquet"])
+def test_an_empty_input_is_zero_rows_not_a_traceback(tmp_path, model4, kind):
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "empty.parquet"
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        path = tmp_path / "empty.jsonl"
+        path.write_text("" if kind == "jsonl" else "\n \n")
+    rc, _, err = hsx_main(fault_argv(model4.path, path, tmp_path / "a"))
+    assert rc == 1
+    assert_one_error_line(rc, err, "has no rows", "--allow-empty")
+    assert "StopIteration" not in err
+    rc, _, err = hsx_main(fault_argv(model4.path, path, tmp_path / "b", "--allow-empty"))
+    assert rc == 0, err
+    import hsx
+
+    assert len(hsx.load(tmp_path / "b")) == 0
+
+
+def test_a_missing_offline_hub_dataset_says_what_and_where(tmp_path, model4):
+    rc, _, err = hsx_main(fault_argv(model4.path, "nobody-hsx/no-such-dataset", tmp_path / "out"))
+    line = assert_one_error_line(rc, err, "nobody-hsx/no-such-dataset", "datasets' cache",
+                                 os.environ["HF_DATASETS_CACHE"])
+    assert "None" not in line
+
+
+def test_an_unusable_datasets_cache_is_named_not_the_dataset(tmp_path, model4, small_chat_path, monkeypatch):
+    """HF_DATASETS_CACHE (or HF_HOME) naming a file: 'no file or folder <the dataset>' (which exists) or a raw
+    FileExistsError; now the cache is named."""
+    import datasets
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", afile / "datasets")
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "o"))
+    line = the_error_line(err)
+    assert rc == 1 and f"datasets' cache {afile / 'datasets'} cannot be used" in line, line
+
+
+def test_a_jsonl_line_nested_too_deeply_is_one_line_not_a_crash(tmp_path, model4):
+    """pyarrow's JSON reader (datasets') crashed the process with a segmentation fault on a line nested 100,000
+    levels deep; now the line is named. Brackets inside strings, and nesting of a few hundred levels, still load."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    good = {"messages": [{"role": "user", "content": "[" * 5000 + "{"}, {"role": "assistant", "content": "ok"}]}
+    data = tmp_path / "deep.jsonl"
+    data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    argv = [sys.executable, "-m", "hsx", *fault_argv(model4.path, data, tmp_path / "out")]
+    res = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    lines = [line for line in res.stderr.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1 and "line 2 nests JSON too deeply" in lines[0], res.stderr[-2000:]
+    from hsx.data import check_json_nesting
+
+    data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 300 + "]" * 300 + "}\n")
+    check_json_nesting(data)  # (no error: a string full of brackets, and 300 levels, are fine)
+
+
+def _tokenize_file(tmp_path, content: bytes):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
+    raw = data.load_input(cfg)
+    return data.tokenize(raw, None, cfg, str(tmp_path / "t.arrow"), fingerprint=f"untrusted-{hash(content)}")
+
+
+@pytest.mark.parametrize("content", [
+    b'{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n',  # Latin-1, not UTF-8
+    b'{"messages": [{"role": "user", "content": "h\xffi"}, {"role": "assistant", "content": "x"}]}\n',
+    b'{"input_ids": [1, 2], "note": "\xc3"}\n',  # in a column hsx does not even use
+])
+def test_non_utf8_jsonl_is_one_clear_error(tmp_path, content):
+    with pytest.raises(HsxError, match="not UTF-8"):
+        _tokenize_file(tmp_path, content)
+
+
+def test_non_utf8_jsonl_through_the_cli_is_one_line(tmp_path, model4):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    rc, _, err = hsx_main(fault_argv(model4.path, path, tmp_path / "o"))
+    assert_one_error_line(rc, err, "not UTF-8", "row 0", prefix="hsx: error: ")
+
+
+# ---- bad values in pre-tokenized rows: a counted skip, or one clear error ------------------------------------------
+
+@pytest.mark.parametrize(("ids", "mask", "reason"), [
+    ([1.0, 2.0], None, "bad_input_ids"),
+    ([0.2, 1], None, "bad_input_ids"),
+    (["1", "2"], None, "bad_input_ids"),
+    ([[1, 2]], None, "bad_input_ids"),
+    ([1, None], None, "bad_input_ids"),
+    ([True, False], None, "bad_input_ids"),
+    ("1 2 3", None, "bad_input_ids"),
+    (7, None, "bad_input_ids"),
+    ([1, 2 ** 40], None, "bad_input_ids"),
+    (None, None, "missing_value"),
+    ([1, 2], ["0", "1"], "bad_loss_mask"),  # strings: each truthy, so once every token was supervised
+    ([1, 2], ["", "x"], "bad_loss_mask"),
+    ([1, 2], [0.2, 1], "bad_loss_mask"),
+    ([1, 2], [True, False], "bad_loss_mask"),
+    ([1, 2], [2, 1], "bad_loss_mask"),
+    ([1, 2], [-1, 1], "bad_loss_mask"),
+    ([1, 2], [[1], [0]], "bad_loss_mask"),
+    ([1, 2], [1, None], "bad_loss_mask"),
+    ([1, 2], "11", "bad_loss_mask"),
+    ([1, 2], [1], "loss_mask_length_mismatch"),
+    ([1, 2], [0, 1], ""),
+])
+def test_bad_pretokenized_values_are_counted_skips(ids, mask, reason):
+    batch = {"input_ids": [ids, [3, 4]], "loss_mask": [mask, None]}
+    out = data.tokenize_batch(batch, [0, 1], None, "input_ids", 4096, {})
+    assert out["skip_reason"] == [reason, ""]
+    assert out["input_ids"][1] == [3, 4] and out["loss_mask"][1] == [1, 1]
+    if reason:
+        assert out["input_ids"][0] == [] and out["num_tokens"][0] == 0
+    else:
+        assert out["loss_mask"][0] == [0, 1]
+
+
+def test_bad_rows_through_datasets_are_counted(tmp_path):
+    rows = [{"input_ids": [1, 2, 3], "loss_mask": [True, True, False]}, {"input_ids": [1, 2], "loss_mask": None},
+            {"input_ids": [4, None]}, {"input_ids": [4, 5], "loss_mask": [False, True]}, {"input_ids": None}]
+    tok = _tokenize_file(tmp_path, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    assert tok["skip_reason"] == ["bad_loss_mask", "", "bad_input_ids", "bad_loss_mask", "missing_value"]
+    _, _, _, skipped, _ = data.usable_rows(tok)
+    assert skipped == {"bad_loss_mask": 2, "bad_input_ids": 1, "missing_value": 1}
+
+
+@pytest.mark.parametrize(("rows", "needle"), [
+    ([{"input_ids": [1, 2]}, {"input_ids": [0.2, 1]}], "'input_ids' holds float64"),
+    ([{"input_ids": [1, 2], "loss_mask": [0.2, 1]}, {"input_ids": [1, 2], "loss_mask": [1, 1]}],
+     "'loss_mask' holds float64"),
+    # datasets reads a column of mixed types as JSON and decodes the string "0" as 0: refused, not guessed
+    ([{"input_ids": [5, 6], "loss_mask": ["0", "1"]}, {"input_ids": [5, 6], "loss_mask": [1, 1]}],
+     "'loss_mask' mixes value types"),
+    ([{"input_ids": [[1], [2]]}, {"input_ids": [4, 5]}], "'input_ids' mixes value types"),
+    ([{"input_ids": ["7", "8"]}, {"input_ids": [4, 5]}], "'input_ids' mixes value types"),
+])
+def test_a_float_or_mixed_column_is_one_clear_error(tmp_path, rows, needle):
+    """Arrow makes the whole column float when one row holds a float: the integer rows cannot be told apart."""
+    with pytest.raises(HsxError, match=needle):
+        _tokenize_file(tmp_path, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+
+
+def test_a_string_loss_mask_supervises_nothing_end_to_end(tmp_path, model4):
+    path = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": ["0", "0", "1"]},
+                                                {"input_ids": [5, 6, 7, 8]}])
+    rc, _, err = hsx_main(fault_argv(model4.path, path, tmp_path / "o"))
+    assert rc == 0, err
+    info = json.loads((tmp_path / "o" / "hsx.json").read_text())
+    assert info["counts"]["rows_written"] == 1 and info["counts"]["skipped"] == {"bad_loss_mask": 1}
+    assert hsx.load(str(tmp_path / "o"))["loss_mask"] == [[1, 1, 1, 1]]  # no loss_mask: every token
+
+
+# ---- hostile chat rows: rendered without what is broken, or a counted skip, never a traceback ----------------------
+
+def test_hostile_tools_and_tool_calls_are_no_traceback(tmp_path, model4):
+    """A `tools` or tool-call `arguments` string nested 100k deep (json.loads: RecursionError) and a `tool_calls`
+    that is not a list: each row is rendered without them or skipped with a reason, never a traceback."""
+    deep = "[" * 100_000
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+             "tools": deep},
+            {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": None,
+                           "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": deep}}]}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo",
+                                                              "tool_calls": 7}]}]
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(path), "--layers", "1",
+                           "--output-dir", str(tmp_path / "out"), "--allow-empty"])
+    assert "Traceback" not in err and "RecursionError" not in err, err
+    assert rc == 0, err
+
+
+def test_a_rows_tools_or_tool_arguments_with_a_number_too_long_is_not_json(tmp_path):
+    """A dataset row's `tools` string or a tool call's `arguments` holding a 5000-digit number: taken as text
+    (as any string that is not JSON), not a ValueError out of the tokenizing map."""
+    from hsx.data import _parsed_arguments, row_tools
+
+    assert row_tools(f'[{{"n": {LONG_DIGITS}}}]') is None
+    call = {"function": {"name": "f", "arguments": f'{{"n": {LONG_DIGITS}}}'}}
+    assert _parsed_arguments(call) == call
+
+
+DEEP = '{"a":' * 980 + "1" + "}" * 980
+
+
+@pytest.mark.parametrize("raw,system,reason", [
+    # tool-call arguments as JSON text: nested ~1000 deep, a 5000-digit int (int() refuses it), not an object
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": DEEP}}]}], None, ""),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": ' + "1" * 5000 + "}"}}]}], None, ""),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}], None, ""),
+    # a messages cell of JSON text nested past the parser's depth; content parts by the 100,000
+    ("[" * 100_000, None, "bad_conversation"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}, {"role": "assistant", "content": "b"}],
+     None, ""),
+    ([{"role": "user", "content": [[{"type": "text", "text": "a"}]]}, {"role": "assistant", "content": "b"}],
+     None, "bad_content"),
+    # a system column of another type is no system prompt
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], {"role": "system"}, ""),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], ["x"] * 10, ""),
+])
+def test_hostile_row_formats_are_a_reason_or_a_render(raw, system, reason):
+    from chat_families import family
+
+    conv, why = data.normalize_conversation(raw, system)
+    assert why == reason
+    if not why:
+        assert all(m["role"] != "system" for m in conv)
+        tok = family("qwen3")
+        rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), masks.render_char_limit(64))
+        assert rows[0][2] in ("", "chat_template_output_too_long"), rows[0][2]
+
+
+# ---- a slow tokenizer: refused before any row when the masks need offsets ------------------------------------------
+
+def slow_tokenizer(template: str):
+    """A word-level slow (Python) tokenizer: transformers' PreTrainedTokenizer, no tokenizer.json, no offsets."""
+    from transformers import PreTrainedTokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "hi", "ok", "\n", " "]
+
+    class WordTokenizer(PreTrainedTokenizer):
+        def __init__(self, **kwargs):
+            self.vocab = {w: i for i, w in enumerate(words)}
+            super().__init__(unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"], **kwargs)
+
+        @property
+        def vocab_size(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+        def _tokenize(self, text):
+            return re.findall(r"\w+|\s|[^\w\s]", text)
+
+        def _convert_token_to_id(self, token):
+            return self.vocab.get(token, 0)
+
+        def _convert_id_to_token(self, index):
+            return words[index] if 0 <= index < len(words) else "<unk>"
+
+    tok = WordTokenizer()
+    tok.chat_template = template
+    assert not tok.is_fast
+    return tok
+
+
+PLAIN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+MARKERS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+           "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,rows,extra,method", [
+    (PLAIN, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}], {},
+     "derived"),
+    (MARKERS, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}], {},
+     "markers"),
+    (PLAIN, [{"prompt": "hi", "completion": "ok"}], {"prompt_completion": "text"}, "completion"),
+])
+def test_a_slow_tokenizer_is_refused_before_any_row_when_the_masks_need_offsets(tmp_path, template, rows, extra,
+                                                                                 method):
+    """Masks read off the chat template (derived turns, generation markers, plain completions) take character
+    offsets from the tokenizer; a slow one has none (its encodings silently lack offset_mapping: a KeyError
+    traceback from inside datasets.map, or from deriving the turns): one line naming the tokenizer and the fix."""
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o", **extra)
+    with pytest.raises(HsxError, match=f"tokenizer slow-model is a slow .* the '{method}' loss masks .* "
+                                       "tokenizer.json"):
+        data.tokenize(data.load_input(cfg), slow_tokenizer(template), cfg, str(tmp_path / "t.arrow"),
+                      fingerprint="test-slow")
+
+
+def test_a_slow_tokenizer_still_tokenizes_text_rows(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"text": "hi ok"}])
+    cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o")
+    rows = data.tokenize(data.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),
+                         fingerprint="test-slow-text")
+    assert rows[0]["input_ids"] == [6, 9, 7] and rows[0]["loss_mask"] == [1, 1, 1]

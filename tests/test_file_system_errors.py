@@ -1,9 +1,10 @@
 """File-system errors in extract, merge and export: a full disk (a real one: a small tmpfs, where this machine lets
 the test mount one), a file size limit (`ulimit -f`: a child process with RLIMIT_FSIZE; Python ignores SIGXFSZ, so
 the write fails with EFBIG), a read-only or unwritable dir, a failing disk (injected). Each is one line naming the
-path and what to do, exit 1, every committed unit kept, and the same command continues once the cause is gone.
+path and what to do, exit 1, every committed unit kept, and the same command continues once the cause is gone; an
+output dir or DEST that cannot be made is one line too.
 
-The jobs are `fault_reference`'s (conftest.py): model4, the demo chat, ~55 units.
+The jobs are `fault_reference`'s (conftest.py): model4, the demo chat, ~55 units (or conftest's smaller `finished`).
 """
 
 from __future__ import annotations
@@ -310,3 +311,46 @@ def test_a_file_system_error_in_datasets_cache_is_named_not_blamed_on_the_datase
     assert rc == 1 and "cannot read dataset" not in line
     rc, err = hsx_limited(["plan", "--config", str(demo)], resource.RLIM_INFINITY, HF_DATASETS_CACHE=str(cache))
     assert rc == 0, err
+
+
+from helpers import fault_argv, the_error_line  # noqa: E402
+
+
+# ---- a disk full as a unit's file closes; an output dir or DEST that cannot be made --------------------------------
+
+def test_a_full_disk_when_a_unit_file_closes_is_one_line(tmp_path, monkeypatch, model4, small_chat_path):
+    """ENOSPC as a unit's file is closed: datasets' map then finalizes its writer again, on the closed stream, and
+    raises 'I/O operation on closed file' with the ENOSPC as its context. Still the disk-full line."""
+    import errno
+
+    from hsx import writer
+
+    real_close = writer.UnitFile.close
+    fired = []
+
+    def close(self):
+        if not fired and not self.closed:
+            fired.append(1)
+            real_close(self)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_close(self)
+
+    monkeypatch.setattr(writer.UnitFile, "close", close)
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "out"))
+    assert fired
+    assert_one_error_line(rc, err, "disk full while writing", "run the same command to continue")
+    monkeypatch.setattr(writer.UnitFile, "close", real_close)
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "out"))
+    assert rc == 0, err
+
+
+def test_an_output_dir_or_dest_that_cannot_be_made_is_one_line(tmp_path, finished, model4, small_chat_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, afile / "out"))
+    assert rc == 1 and "cannot create" in the_error_line(err)
+    rc, _, err = hsx_main(["merge", str(afile / "merged"), str(finished)])
+    assert rc == 1 and "cannot create" in the_error_line(err)
+    rc, _, err = hsx_main(["export-specforge", "--layout", "dflash", str(finished), str(afile / "dest")])
+    assert rc == 1 and "cannot create" in the_error_line(err)
+    assert afile.read_text() == ""

@@ -583,3 +583,117 @@ def test_a_dataloader_whose_batches_follow_cannot_see_is_an_error_not_a_guess(tm
     seen = [r["sample_id"] for batch in torch.utils.data.DataLoader(
         hsx.follow(out, rows="dict", batch_size=4), batch_size=4, collate_fn=list) for r in batch]
     assert sorted(seen) == sorted(fault_reference.sample_ids)
+
+
+import os  # noqa: E402
+
+from helpers import LONG_DIGITS, call_with_deadline, drop_manifest_line  # noqa: E402
+from hsx.sink import OutputDir  # noqa: E402
+
+
+# ---- consumed ledgers: forged, torn, linked or FIFO ledgers never lose or hang a unit ------------------------------
+
+def test_follow_and_the_window_read_a_ledger_line_with_a_number_too_long_as_torn(finished_copy):
+    from hsx.follow import pending_bytes
+
+    before = pending_bytes(OutputDir(finished_copy))
+    (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(f'{{"unit": "x", "n": {LONG_DIGITS}}}\n')
+    assert pending_bytes(OutputDir(finished_copy)) == before  # (read as a torn line: nothing consumed)
+    assert len(list(hsx.follow(finished_copy, rows="dict", commit="manual"))) == len(hsx.load(str(finished_copy)))
+
+
+def test_follow_deletes_no_unit_a_ledger_of_other_bytes_says_was_consumed(finished_copy):
+    """A ledger line for a unit with other bytes or CRC-32 than the manifest's (another job's ledger left in the
+    dir, a forged one) made follow(delete_consumed=True) skip that unit and delete it unread."""
+    records = OutputDir(finished_copy).manifest_records()
+    victim = sorted(records.values(), key=lambda r: r["unit"])[0]
+    forged = {**victim, "row": victim["rows"], "crc32": "00000000"}
+    forged = {k: forged[k] for k in ("unit", "file", "bytes", "rows", "row", "crc32")}
+    (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(forged) + "\n")
+    rows = list(hsx.follow(finished_copy, rows="dict", delete_consumed=True))
+    assert sum(r["rows"] for r in records.values()) == len(rows)  # the victim's rows were handed out too
+    assert OutputDir(finished_copy).done_units().keys() == records.keys()
+
+
+def test_the_window_counts_a_unit_whose_ledger_line_is_of_other_bytes(finished_copy):
+    """A consumed line with another CRC-32 than the unit's manifest line is no consumption of that unit (as
+    done_units and hsx.follow read it): the window still counts the unit as pending."""
+    from hsx.follow import pending_bytes
+
+    before = pending_bytes(OutputDir(finished_copy))
+    rec = sorted(OutputDir(finished_copy).manifest_records().values(), key=lambda r: r["unit"])[0]
+    line = {"unit": rec["unit"], "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
+            "row": rec["rows"], "crc32": "00000000"}
+    (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(line) + "\n")
+    assert pending_bytes(OutputDir(finished_copy)) == before
+    line["crc32"] = rec["crc32"]
+    (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(line) + "\n")
+    assert pending_bytes(OutputDir(finished_copy)) == before - rec["bytes"]
+
+
+def test_follow_refuses_a_ledger_that_is_a_link_or_a_fifo_before_appending(finished_copy, tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("")
+    ledger = finished_copy / ".hsx" / "consumed-trainer-00000.jsonl"
+    ledger.symlink_to(outside)
+    with pytest.raises(HsxError, match="symbolic link"):
+        list(hsx.follow(finished_copy, rows="dict"))
+    assert outside.read_text() == ""
+    ledger.unlink()
+    os.mkfifo(ledger)
+    with pytest.raises(HsxError, match="not a regular file"):
+        hsx.follow(finished_copy, rows="dict")
+
+
+def test_the_window_of_a_job_is_not_hung_by_a_fifo_ledger(finished_copy):
+    from hsx.follow import pending_bytes
+
+    os.mkfifo(finished_copy / ".hsx" / "consumed-trainer-00000.jsonl")
+    with pytest.raises(HsxError, match="not a regular file"):
+        pending_bytes(OutputDir(finished_copy))
+
+
+def test_a_fifo_planted_at_the_ledger_after_follow_started_is_refused_not_waited_on(finished_copy):
+    # (no ledger yet: nothing to check; it appends to one)
+    f = hsx.follow(finished_copy, rows="dict", delete_consumed=True)
+    ledger = finished_copy / ".hsx" / "consumed-trainer-00000.jsonl"
+    os.mkfifo(ledger)
+    done, error = call_with_deadline(lambda: list(f), 60, ledger)
+    assert done and isinstance(error, HsxError) and "not a regular file" in str(error), error
+    # a reader that deletes nothing reads the ledger (its resume point) and writes none: not held by the FIFO either
+    done, error = call_with_deadline(lambda: list(hsx.follow(finished_copy, rows="dict")), 60, ledger)
+    assert done and isinstance(error, HsxError) and "not a regular file" in str(error), error
+
+
+def test_follow_deletes_nothing_through_a_data_dir_swapped_for_a_link(finished_copy, tmp_path):
+    """The links are checked when the reader starts; data/ moved elsewhere and linked while the trainer runs
+    (days) made each deletion of a consumed unit go through the link."""
+    f = hsx.follow(finished_copy, rows="dict", delete_consumed=True)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(finished_copy / "data", elsewhere)
+    (finished_copy / "data").symlink_to(elsewhere)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(HsxError, match="symbolic link"):
+        list(f)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+def test_follow_of_a_complete_job_that_will_never_commit_a_unit_says_so(finished_copy, tmp_path):
+    """hsx.json complete, but a planned unit without a manifest line (or no plan at all: a dir copied without
+    .hsx/): nothing will ever commit it, and the reader waited for ever (or until its timeout)."""
+    copy = Path(shutil.copytree(finished_copy, tmp_path / "copy"))
+    unit = sorted(OutputDir(finished_copy).manifest_records())[-1]
+    drop_manifest_line(finished_copy, unit)
+    with pytest.raises(HsxError, match=f"complete, but 1 unit\\(s\\) of its plan have no manifest line "
+                                       f"\\(train-{unit}.arrow\\)"):
+        list(hsx.follow(finished_copy, rows="dict", commit="manual", timeout=30))
+    shutil.rmtree(copy / ".hsx")
+    with pytest.raises(HsxError, match="without its job's plan"):
+        list(hsx.follow(copy, rows="dict", commit="manual", timeout=30))
+
+
+@pytest.mark.parametrize("rank,world_size", [(0.5, 2), ("0", 1), (True, 2), (0, 2.0)])
+def test_follow_takes_only_integer_ranks(finished_copy, rank, world_size):
+    """A float rank passed the range check and failed later formatting the ledger's name; True read as rank 1."""
+    with pytest.raises(ValueError, match="integers"):
+        hsx.follow(finished_copy, rank=rank, world_size=world_size)

@@ -1,5 +1,7 @@
 """hsx.hub against a stubbed HfApi (no network): what a push uploads, failures and resumption, stream mode's
-batching, deletion only of what the Hub confirmed, done_units() over deleted units, and the token never written."""
+batching, deletion only of what the Hub confirmed, done_units() over deleted units, and the token never written. A
+push uploads the bytes it checked: no link, no damaged or swapped unit, no FIFO, no file outside data/; a hostile
+remote hsx.json is not this job's."""
 
 from __future__ import annotations
 
@@ -726,3 +728,129 @@ def test_push_replans_when_a_unit_vanishes_after_another_rank_uploaded_it(out):
     assert any("vanished" in line for line in log)
     assert set(api.files()) == set(expected_repo(out)) | {f"data/{first.name}"}
     assert not first.exists()
+
+
+import os  # noqa: E402
+import re  # noqa: E402
+
+from helpers import call_with_deadline, copy_of, flip_unit_bytes, planted_secret, swap_for_link  # noqa: E402
+from test_merge import split_like_two_nodes  # noqa: E402
+import hsx  # noqa: E402
+from hsx.merge import merge  # noqa: E402
+
+
+# ---- push uploads the bytes it checked: no link, no damaged unit, no FIFO, no file out of data/ --------------------
+
+def pushed(api) -> dict[str, bytes]:
+    """What a FakeHfApi holds on someone/states' main branch (nothing when no repo was made)."""
+    return api.repos.get("someone/states", {}).get("branches", {}).get("main", {})
+
+
+def test_push_uploads_no_link_and_no_damaged_unit(finished, tmp_path):
+    secret = planted_secret(tmp_path)
+    out = copy_of(finished, tmp_path, "out")
+    (out / "data" / "train-999-00000.arrow").symlink_to(secret)
+    api = FakeHfApi()
+    with pytest.raises(HsxError, match="data/ holds 1 data file.* does not list"):
+        push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert not pushed(api)
+
+    swapped = copy_of(finished, tmp_path, "swapped")  # a unit replaced by a link to the secret
+    name = sorted((swapped / "data").glob("train-0*.arrow"))[0].name
+    (swapped / "data" / name).unlink()
+    (swapped / "data" / name).symlink_to(secret)
+    flipped = copy_of(finished, tmp_path, "flipped")
+    flip_unit_bytes(flipped / "data" / name)
+    for bad, why in ((swapped, "is a symbolic link, and not one `hsx merge` made"),
+                     (flipped, "does not match hsx.json")):
+        api = FakeHfApi()
+        with pytest.raises(HsxError, match=f"{name} {re.escape(why)}"):
+            push_output(bad, "someone/states", api=api, log=lambda *a: None)
+        assert f"data/{name}" not in api.repos.get("someone/states", {}).get("branches", {}).get("main", {})
+        assert not any(b"TopSecret" in v for v in pushed(api).values())
+    linked = copy_of(finished, tmp_path, "linked-card")
+    (linked / "README.md").unlink()
+    (linked / "README.md").symlink_to(secret)
+    with pytest.raises(HsxError, match="symbolic link"):
+        push_output(linked, "someone/states", api=FakeHfApi(), log=lambda *a: None)
+
+
+def test_a_merged_output_pushes_its_linked_units(finished, tmp_path):
+    nodes = split_like_two_nodes(finished, tmp_path)
+    merge(str(nodes[0]), [str(n) for n in nodes], log=lambda *a: None)
+    api = FakeHfApi()
+    push_output(nodes[0], "someone/states", api=api, log=lambda *a: None)
+    pushed = {k for k in api.files() if k.startswith("data/")}
+    assert pushed == {f"data/{p.name}" for p in (finished / "data").iterdir()}
+    for p in (finished / "data").iterdir():
+        assert api.files()[f"data/{p.name}"] == p.read_bytes()
+
+
+def test_a_files_list_that_points_out_of_data_is_refused(finished, tmp_path):
+    secret = planted_secret(tmp_path)
+    out = copy_of(finished, tmp_path, "out")
+    info = json.loads((out / "hsx.json").read_text())
+    info["files"].append({"file": "../../secret.txt", "bytes": secret.stat().st_size, "crc32": None, "rows": 0})
+    (out / "hsx.json").write_text(json.dumps(info))
+    with pytest.raises(HsxError, match="`files` is damaged"):
+        push_output(out, "someone/states", api=FakeHfApi(), log=lambda *a: None)
+    with pytest.raises(HsxError, match="`files` is damaged"):
+        hsx.load(str(out))
+
+
+def test_a_unit_swapped_for_a_link_after_its_check_is_not_pushed(finished_copy, tmp_path):
+    """The bytes checked against hsx.json are the bytes uploaded: the file is opened once, checked on that fd,
+    and uploaded from it; a name swapped for a link to a secret after the check uploads no secret."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"SECRET" * 1000)
+    api = FakeHfApi()
+    real = api.create_commit
+    swapped = []
+
+    def swap_then_commit(repo_id, operations, **kw):  # after check_before_upload, before the file is read
+        for unit in sorted((finished_copy / "data").glob("train-*.arrow")):
+            if not unit.is_symlink():
+                swapped.append(unit.name)
+                swap_for_link(unit, secret)
+        return real(repo_id, operations, **kw)
+
+    api.create_commit = swap_then_commit
+    try:
+        push_output(finished_copy, REPO, api=api, log=quiet)
+    except HsxError:
+        pass  # a later commit may refuse the swapped names; what matters is what went up
+    assert swapped
+    uploaded = api.files()
+    assert all(b"SECRET" not in data for data in uploaded.values())
+    assert uploaded, "the first commit's units went up from the files as checked"
+
+
+def test_push_refuses_a_fifo_named_like_its_card_before_uploading(finished_copy):
+    """README.md, hsx.json and token_frequencies.npy go up as regular files only: a FIFO there was read (and
+    waited on forever) by the upload; now it is refused before anything is uploaded."""
+    (finished_copy / "README.md").unlink()
+    os.mkfifo(finished_copy / "README.md")
+    api = FakeHfApi()
+    done, result = call_with_deadline(lambda: push_output(finished_copy, REPO, api=api, log=quiet), 30,
+                                      finished_copy / "README.md")
+    assert done, "push waited on a FIFO"
+    assert isinstance(result, HsxError) and "not a regular file" in str(result)
+    assert REPO not in api.repos or not any(api.files())
+
+
+@pytest.mark.parametrize("remote", [
+    b"[1, 2, 3]",  # JSON, not an object
+    b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's depth
+    b'{"fingerprint": ' + b"1" * 5000 + b"}",  # a number int() refuses
+    b'{"fingerprint": {"a": "b"}}',  # not a string
+    b'{"fingerprint": ""}',
+    b"\xff\xfe{}",  # not UTF-8
+])
+def test_push_reads_a_hostile_remote_hsx_json_as_not_this_jobs(finished, tmp_path, remote):
+    out = Path(shutil.copytree(finished, tmp_path / "out"))
+    api = FakeHfApi()
+    api.create_repo(REPO, repo_type="dataset", exist_ok=True)
+    api.files().update({"hsx.json": remote})
+    with pytest.raises(HsxError, match=r"holds an hsx.json that is not this job's.*--hub-overwrite"):
+        push_output(out, REPO, api=api, log=lambda *a: None)
+    assert api.files() == {"hsx.json": remote} and api.commits == []

@@ -2,7 +2,8 @@
 
 The launched runs use 2 gloo processes on this CPU machine (as tests/test_distributed.py does), or 1 (accelerate's
 plain subprocess). SIGINT goes to the launcher's whole process group, as a terminal's Ctrl-C does: the ranks, in
-sessions of their own, get it from the launcher only.
+sessions of their own, get it from the launcher only. Process counts, machine ranks, accelerate config files and
+the hsx recipe are checked before any rank starts (one line); a process killed by a signal is named.
 """
 
 from __future__ import annotations
@@ -192,3 +193,131 @@ def test_a_launch_passes_the_values_accelerate_would_warn_it_defaulted(caplog, t
         with caplog.at_level(logging.WARNING):
             _validate_launch_command(args)
         assert "were not passed" not in caplog.text, caplog.text
+
+
+from helpers import LONG_DIGITS, the_error_line  # noqa: E402
+
+
+# ---- accelerate's options and config files, and the hsx command, checked before any rank starts --------------------
+
+@pytest.fixture
+def accelerate_files(tmp_path) -> dict[str, Path]:
+    files = {"bomb": "a: &a [x, x]\nb: [*a, *a]\n", "list": "[1, 2]\n",
+             "sagemaker": "compute_environment: AMAZON_SAGEMAKER\n", "many": "num_processes: 999999\n",
+             "zero": "num_processes: 0\n"}
+    paths = {}
+    for name, text in files.items():
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(text)
+    paths["fifo"] = tmp_path / "fifo.yaml"
+    os.mkfifo(paths["fifo"])
+    paths["missing"] = tmp_path / "missing.yaml"
+    return paths
+
+
+@pytest.mark.parametrize("options,needle", [
+    (["--num_processes", "0"], "at least 1"),
+    (["--num_processes", "-1"], "at least 1"),
+    (["--num_processes", "100000"], "processes on each"),
+    (["--config_file", "{zero}"], "at least 1"),
+    (["--config_file", "{many}"], "processes on each"),
+    (["--config_file", "{missing}"], "No such file"),
+    (["--config_file", "{fifo}"], "not a regular file"),
+    (["--config_file", "{bomb}"], "aliases"),
+    (["--config_file", "{list}"], "expected a mapping"),
+    (["--config_file", "{sagemaker}"], "LOCAL_MACHINE"),
+])
+def test_launch_refuses_bad_process_counts_and_config_files_in_one_line(accelerate_files, options, needle,
+                                                                        tmp_path, capsys):
+    """0 or -1 processes ran one; 100,000 would start them all; a missing --config_file was accelerate's
+    traceback, a FIFO hung it; a SageMaker config sends the job to AWS. All before any rank starts."""
+    from hsx.cli import main
+
+    options = [o.format(**accelerate_files) for o in options]
+    rc = main(["launch", *options, "extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in the_error_line(err), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text,needle", [
+    (f"num_processes: {LONG_DIGITS}\n", "accelerate config file"),
+    ("num_processes: 1\nwhen: 2001-13-45\n", "accelerate config file"),  # a date YAML reads, that is no date
+    (f'{{"num_processes": {LONG_DIGITS}}}\n', "accelerate config file"),
+])
+def test_launch_config_with_a_value_yaml_cannot_build_is_one_line(tmp_path, text, needle, capsys):
+    from hsx.cli import main
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    rc = main(["launch", "--config_file", str(path), "extract", "--config", "recipes/demo.yaml",
+               "--output-dir", str(tmp_path / "o")])
+    line = the_error_line(capsys.readouterr().err)
+    assert rc == 2 and needle in line and str(path) in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("options,needle", [
+    (["--num_machines", "2", "--machine_rank", "2", "--num_processes", "2"], "0 to 1"),
+    (["--num_machines", "2", "--machine_rank", "-1", "--num_processes", "2"], "0 to 1"),
+    (["--num_machines", "2", "--machine_rank", "0", "--num_processes", "3"], "multiple of 2"),
+    (["--num_machines", "2", "--machine_rank", "0", "--num_processes", "1"], "multiple of 2"),
+    (["--config_file", "{two}", "--num_processes", "2"], "0 to 1"),
+])
+def test_launch_refuses_a_machine_rank_or_process_count_the_machines_cannot_run(tmp_path, monkeypatch, capsys,
+                                                                                  options, needle):
+    """A --machine_rank outside --num_machines made torchrun wait for ever for its rendezvous; 3 processes over 2
+    machines started 2 (accelerate gives each machine num_processes // num_machines), 1 over 2 started none."""
+    import accelerate.commands.launch
+
+    from hsx.cli import main
+
+    started = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", started.append)
+    (tmp_path / "two.yaml").write_text("num_machines: 2\nmachine_rank: 7\n")
+    options = [o.format(two=tmp_path / "two.yaml") for o in options]
+    rc = main(["launch", *options, "extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    line = the_error_line(capsys.readouterr().err)
+    assert rc == 2 and needle in line and not started, line
+    rc = main(["launch", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "extract", "--config",
+               "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")])
+    assert rc == 0 and len(started) == 1  # (the launch a good command line makes)
+
+
+def test_launch_reads_the_hsx_recipe_and_flags_once_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """A recipe every rank fails on (a FIFO each rank's read refused, a key with a wrong value, --layers missing)
+    started all the ranks, each printing its own line, then the launcher's."""
+    import accelerate.commands.launch
+
+    from hsx.cli import main
+
+    started = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", started.append)
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "bad.yaml").write_text("layers: [1]\nstorage_dtype: int4\n")
+    for argv, needle in ((["--config", str(tmp_path / "fifo.yaml")], "is not a regular file"),
+                         (["--config", str(tmp_path / "bad.yaml")], "storage_dtype"),
+                         (["--model", "m", "--dataset", "d"], "--layers is required")):
+        rc = main(["launch", "--num_processes", "2", "extract", *argv, "--output-dir", str(tmp_path / "o")])
+        line = the_error_line(capsys.readouterr().err)
+        assert rc != 0 and needle in line and not started, line
+    assert not (tmp_path / "o").exists()
+    rc = main(["launch", "--num_processes", "2", "extract", "--config", "recipes/demo.yaml", "--output-dir",
+               str(tmp_path / "o")])
+    assert rc == 0 and len(started) == 1
+
+
+def test_one_launched_process_killed_by_a_signal_is_named(monkeypatch, capsys):
+    """`hsx launch --num_processes 1` whose process was SIGKILLed (the OOM killer) exited 137 without a word."""
+    import accelerate.commands.launch as accelerate_launch
+    import accelerate.utils
+
+    from hsx import launch
+
+    cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    monkeypatch.setattr(accelerate.utils, "prepare_simple_launcher_cmd_env", lambda args: (cmd, dict(os.environ)))
+    with launch._one_process_forwarding() as status:
+        accelerate_launch.simple_launcher(None)
+    assert status == [137]
+    assert the_error_line(capsys.readouterr().err) == (
+        "hsx: error: the process was killed by SIGKILL; finished units are kept: run the same command to continue")

@@ -1,6 +1,8 @@
 """Consumer side (hsx.load): local dirs memory-mapped, Hub repos streamed, layer subsets as views, collate for a
 DataLoader, SpecForge's offline export, and the dataset card (configs, fingerprint, decode snippet, streaming
-advice, and datasets' stale local cache)."""
+advice, and datasets' stale local cache). A damaged, incomplete, changed or linked output is refused in one line by
+every reader (hsx.load, load_dataset, hsx verify, hsx push), never read as fewer rows; datasets' caches stay out of
+the output."""
 
 from __future__ import annotations
 
@@ -486,3 +488,227 @@ def test_a_hub_hsx_json_bigger_than_hsx_writes_is_not_downloaded(monkeypatch, tm
     with pytest.raises(HsxError, match=r"hsx.json is damaged: [\d,]+ bytes, more than hsx writes there"):
         hub_info("someone/states", "v2")
     assert len(asked) == 1 and len(downloaded) == 1
+
+
+import importlib  # noqa: E402
+import re  # noqa: E402
+
+from helpers import (copy_of, edit_info, flip_unit_bytes, hsx_main, message_lines, planted_secret,  # noqa: E402
+                     swap_for_link, tree_bytes)
+from test_hub import FakeHfApi, pushed  # noqa: E402
+from hsx.config import HsxError  # noqa: E402
+from hsx.hub import push_output  # noqa: E402
+from hsx.sink import OutputDir, file_crc32  # noqa: E402
+
+
+# ---- a damaged, incomplete or changed output is refused, never read as fewer rows ----------------------------------
+
+def info_rows(out: Path) -> int:
+    return json.loads((out / "hsx.json").read_text())["counts"]["rows_written"]
+
+
+def unit_rows(out: Path, name: str) -> int:
+    return next(f["rows"] for f in json.loads((out / "hsx.json").read_text())["files"] if f["file"] == name)
+
+
+def test_load_refuses_a_damaged_or_incomplete_dir(finished, tmp_path):
+    rows = info_rows(finished)
+    units = sorted((finished / "data").glob("*.arrow"))
+    flipped = copy_of(finished, tmp_path, "flipped")
+    flip_unit_bytes(flipped / "data" / units[1].name)
+    assert len(hsx.load(str(flipped))) == rows  # sizes agree: only verify=True reads every byte
+    with pytest.raises(HsxError, match=f"damaged.*{units[1].name}: its bytes do not match its CRC-32"):
+        hsx.load(str(flipped), verify=True)
+    deleted = copy_of(finished, tmp_path, "deleted")
+    (deleted / "data" / units[2].name).unlink()
+    with pytest.raises(HsxError, match=f"damaged: 1 of the {len(units)} files .*{units[2].name}: missing"):
+        hsx.load(str(deleted))
+    with pytest.raises(HsxError, match="damaged"):
+        hsx.torch_view(str(deleted))
+    with pytest.warns(UserWarning, match="1 are missing or damaged"):
+        part = hsx.load(str(deleted), allow_incomplete=True)
+    assert len(part) == rows - unit_rows(finished, units[2].name)
+    truncated = copy_of(finished, tmp_path, "truncated")
+    with open(truncated / "data" / units[0].name, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(HsxError, match="100 bytes, not"):
+        hsx.load(str(truncated))
+    killed = copy_of(finished, tmp_path, "killed")  # as a kill before finalization leaves it
+    (killed / "hsx.json").unlink()
+    (killed / "data" / units[-1].name).unlink()
+    with pytest.raises(HsxError, match=r"not a finished hsx output \(\d+ of \d+ units committed"):
+        hsx.load(str(killed))
+    with pytest.warns(UserWarning, match="the job is not finished"):
+        assert len(hsx.load(str(killed), allow_incomplete=True)) == rows - unit_rows(finished, units[-1].name)
+
+
+def test_load_dataset_on_a_dir_with_a_unit_gone_fails_instead_of_fewer_rows(finished, tmp_path):
+    from datasets import load_dataset
+
+    gone = copy_of(finished, tmp_path, "trust-unit-gone")  # a folder name of its own (datasets' cache key)
+    name = sorted((gone / "data").glob("*.arrow"))[1].name
+    (gone / "data" / name).unlink()
+    with pytest.raises(Exception, match=name.replace(".", r"\.")):
+        sum(1 for _ in load_dataset(str(gone), split="train", streaming=True))
+    card = (gone / "README.md").read_text()
+    assert "train-*.arrow" not in card.split("---")[1]
+
+
+def test_load_dataset_on_an_unfinished_dir_fails_instead_of_part_of_it(finished, tmp_path):
+    from datasets import load_dataset
+
+    out = tmp_path / "trust-unfinished"  # a folder name of its own (datasets' cache key)
+    with OutputDir(out).locked():
+        assert OutputDir(out).claim({"fingerprint": "a", "inputs": {}}, False) == "new"
+    shutil.copytree(finished / "data", out / "data")  # units committed so far
+    with pytest.raises(FileNotFoundError, match="NOT-FINISHED-run-the-same-hsx-extract-command"):
+        load_dataset(str(out), split="train", streaming=True)
+    with pytest.raises(FileNotFoundError, match="NOT-FINISHED"):
+        load_dataset(str(out), split="train")
+
+
+def test_load_refuses_a_unit_swapped_for_a_link_after_its_check(finished_copy, finished, tmp_path, monkeypatch):
+    """hsx.load checks each unit's name, then maps it: a swap in between (a link to another output's unit, valid
+    Arrow of the same schema) is caught, never read as this output's rows."""
+    other = tmp_path / "other.arrow"
+    victim = sorted((finished_copy / "data").glob("train-*.arrow"))[0]
+    shutil.copy(sorted((finished / "data").glob("train-*.arrow"))[-1], other)
+    load_module = importlib.import_module("hsx.load")  # (hsx.load is also the function)
+    real = load_module.open_arrow_files
+
+    def swap_then_open(files):
+        swap_for_link(victim, other)
+        return real(files)
+
+    monkeypatch.setattr(load_module, "open_arrow_files", swap_then_open)
+    with pytest.raises(HsxError, match="changed while it was being opened|not the regular file"):
+        hsx.load(finished_copy)
+
+
+# ---- hsx.json's list, the manifests, the counts and data/ tell one story to every reader ---------------------------
+
+def refused_everywhere(out: Path, *needles: str) -> None:
+    """hsx.load, hsx verify and a push all refuse `out` in one line naming what disagrees; nothing is uploaded."""
+    for read in (lambda: hsx.load(str(out)), lambda: hsx.load(str(out), verify=True)):
+        with pytest.raises(HsxError) as e:
+            read()
+        assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    assert rc == 1 and "Traceback" not in err
+    assert [line for line in message_lines(err) if all(n in line for n in needles)] == message_lines(err)
+    assert len(message_lines(err)) == 1 and message_lines(err)[0].startswith("hsx: verify failed: ")
+    api = FakeHfApi()
+    with pytest.raises(HsxError, match=re.escape(needles[0])):
+        push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert not pushed(api)
+
+
+def test_a_cut_or_emptied_file_list_is_refused_not_read_as_fewer_rows(finished, tmp_path):
+    info = json.loads((finished / "hsx.json").read_text())
+    rows = info["counts"]["rows_written"]
+    cut = copy_of(finished, tmp_path, "cut")
+    edit_info(cut, files=info["files"][:2])
+    listed = sum(f["rows"] for f in info["files"][:2])
+    refused_everywhere(cut, f"`files` list 2 file(s) of {listed:,} rows, its counts say {rows:,} rows")
+    emptied = copy_of(finished, tmp_path, "emptied")
+    edit_info(emptied, files=[])
+    refused_everywhere(emptied, f"`files` list 0 file(s) of 0 rows, its counts say {rows:,} rows")
+    # the counts made to fit the cut list: the manifests still name every unit
+    fitted = copy_of(finished, tmp_path, "fitted")
+    edit_info(fitted, files=info["files"][:2], counts={**info["counts"], "rows_written": listed})
+    refused_everywhere(fitted, f"hsx.json lists 2 file(s), the manifests in .hsx/ {len(info['files'])}",
+                       "is in the manifests but not listed")
+    # and without .hsx/ (as a copy of the Hub's files has it): data/ still holds the units it does not list
+    shutil.rmtree(fitted / ".hsx")
+    refused_everywhere(fitted, f"data/ holds {len(info['files']) - 2} data file(s) hsx.json does not list")
+    # an older hsx's hsx.json without a list, its data files cut: their rows against the counts
+    older = copy_of(finished, tmp_path, "older")
+    info_older = {k: v for k, v in info.items() if k != "files"}
+    (older / "hsx.json").write_text(json.dumps(info_older))
+    shutil.rmtree(older / ".hsx")
+    (older / "data" / info["files"][0]["file"]).unlink()
+    with pytest.raises(HsxError, match=f"hold {rows - info['files'][0]['rows']:,} rows, its hsx.json counts {rows:,}"):
+        hsx.load(str(older))
+
+
+def test_load_refuses_a_data_file_hsx_json_does_not_list(finished, tmp_path):
+    planted = copy_of(finished, tmp_path, "planted")
+    first = sorted((planted / "data").glob("*.arrow"))[0]
+    shutil.copy(first, planted / "data" / "train-999-00000.arrow")
+    refused_everywhere(planted, "data/ holds 1 data file(s) hsx.json does not list (train-999-00000.arrow)",
+                       "move away the files it does not list")
+
+
+# ---- no link is read or pushed but those `hsx merge` makes ---------------------------------------------------------
+
+def listed_link_to(out: Path, secret: Path, name: str = "train-998-00000.arrow") -> None:
+    """A link in data/ to `secret`, listed in hsx.json with the secret's size and CRC-32 (and no rows)."""
+    (out / "data" / name).symlink_to(secret)
+    info = json.loads((out / "hsx.json").read_text())
+    info["files"].append({"file": name, "unit": name[6:-6], "rows": 0, "bytes": secret.stat().st_size,
+                          "crc32": file_crc32(secret)})
+    (out / "hsx.json").write_text(json.dumps(info))
+
+
+def test_a_listed_link_to_a_secret_is_neither_read_nor_pushed(finished, tmp_path):
+    secret = planted_secret(tmp_path)
+    with_state = copy_of(finished, tmp_path, "with-state")
+    listed_link_to(with_state, secret)  # the manifests know no such unit
+    refused_everywhere(with_state, "data/train-998-00000.arrow is listed in hsx.json but in no manifest")
+    hub_copy = copy_of(finished, tmp_path, "hub-copy")  # no .hsx/ to compare with: the link itself is refused
+    shutil.rmtree(hub_copy / ".hsx")
+    listed_link_to(hub_copy, secret)
+    refused_everywhere(hub_copy, "train-998-00000.arrow is a symbolic link, and not one `hsx merge` made")
+    # a link that claims to be a merge's: hsx.json names the secret's folder as a merged dir
+    evil = tmp_path / "evil"
+    (evil / "data").mkdir(parents=True)
+    shutil.copy(secret, evil / "data" / "train-998-00000.arrow")
+    claimed = copy_of(finished, tmp_path, "claimed")
+    shutil.rmtree(claimed / ".hsx")
+    (claimed / "data" / "train-998-00000.arrow").symlink_to(evil / "data" / "train-998-00000.arrow")
+    info = json.loads((claimed / "hsx.json").read_text())
+    info["files"].append({"file": "train-998-00000.arrow", "unit": "998-00000", "rows": 0,
+                          "bytes": secret.stat().st_size, "crc32": file_crc32(secret)})
+    info["run"] = {"merged_from": [str(evil.resolve()), str(claimed.resolve())]}
+    (claimed / "hsx.json").write_text(json.dumps(info))
+    refused_everywhere(claimed, "train-998-00000.arrow is a symbolic link, and not one `hsx merge` made")
+    for out in (with_state, hub_copy, claimed):
+        api = FakeHfApi()
+        with pytest.raises(HsxError):
+            push_output(out, "someone/states", api=api, log=lambda *a: None)
+        assert not any(b"TopSecret" in v for v in pushed(api).values())
+
+
+def test_a_data_folder_that_is_a_link_is_not_read(finished, tmp_path):
+    elsewhere = copy_of(finished, tmp_path, "elsewhere")
+    out = copy_of(finished, tmp_path, "out")
+    shutil.rmtree(out / "data")
+    (out / "data").symlink_to(elsewhere / "data")
+    refused_everywhere(out, "data is a symbolic link; hsx reads and pushes no link out of the output")
+
+
+# ---- datasets' caches stay out of the output -----------------------------------------------------------------------
+
+def test_cache_writing_ops_write_nothing_into_the_output(finished, tmp_path):
+    out = copy_of(finished, tmp_path, "out")
+    before = tree_bytes(out)
+    ds = hsx.load(str(out))
+    ids = ds["sample_id"]
+    assert ds.sort("num_tokens")["num_tokens"] == sorted(ds["num_tokens"])
+    assert len(ds.filter(lambda r: r["num_tokens"] > 20)) == sum(n > 20 for n in ds["num_tokens"])
+    assert ds.map(lambda r: {"twice": 2 * r["sample_id"]})["twice"] == [2 * i for i in ids]
+    assert sorted(ds.shuffle(seed=0).flatten_indices()["sample_id"]) == sorted(ids)
+    assert ds.select(range(3)).sort("sample_id", reverse=True)["sample_id"] == sorted(ids[:3], reverse=True)
+    assert tree_bytes(out) == before, sorted(set(tree_bytes(out)) - set(before))
+    import datasets
+
+    assert all(Path(f["filename"]).is_relative_to(datasets.config.HF_DATASETS_CACHE) for f in ds.cache_files)
+    # cache files an older hsx let datasets write into data/: nothing reads or refuses them
+    old_cache = out / "data" / "cache-0123456789abcdef.arrow"
+    shutil.copy(sorted((out / "data").glob("train-*.arrow"))[0], old_cache)
+    assert len(hsx.load(str(out), verify=True)) == len(ids)
+    rc, _, err = hsx_main(["verify", str(out), "--samples", "0"])
+    assert rc == 0, err
+    api = FakeHfApi()
+    push_output(out, "someone/states", api=api, log=lambda *a: None)
+    assert "data/cache-0123456789abcdef.arrow" not in api.files()

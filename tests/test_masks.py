@@ -620,3 +620,27 @@ def test_rows_read_through_datasets_equal_the_rows_as_written(tmp_path):
     assert tokenized["skip_reason"] == direct["skip_reason"] == ["", "", ""]
     assert tokenized["input_ids"] == direct["input_ids"] and tokenized["loss_mask"] == direct["loss_mask"]
     assert runs(tok, direct["input_ids"][0], direct["loss_mask"][0])[0].startswith("<tool_call>")
+
+
+# ---- a turn end in plain text --------------------------------------------------------------------------------------
+
+# ChatML's layout with its turn end as plain text: '</s>' is no special token of this tokenizer, only
+# '<|im_start|>' is, so the first special token after an answer is the next turn's header.
+TEXT_END = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '</s>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_turn_end_in_plain_text_is_derived_and_supervised_through_it_only():
+    from chat_families import family_tokenizer
+
+    tok = family_tokenizer(TEXT_END, ("<|endoftext|>", "<|im_start|>"), "<|endoftext|>")
+    fmt = masks.derive_chat_format(tok, {})
+    assert fmt.eot_tokens == () and fmt.eot_texts == ("</s>",)
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "the end"}, {"role": "assistant", "content": "hi hi"}]
+    ids, mask, reason = masks.derived_mask_tokenize(tok, conv, None, {}, fmt)
+    assert reason == ""
+    text = tok.apply_chat_template(conv, tokenize=False)
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    supervised = "".join(text[s:e] for (s, e), m in zip(offsets, mask) if m)
+    assert supervised == "hello there</s>hi hi</s>"  # never the '\n' or the next turn's '<|im_start|>'

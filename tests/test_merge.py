@@ -1,4 +1,6 @@
-"""hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata."""
+"""hsx merge: the dirs that the nodes of one job wrote (no shared filesystem) join into one output, by metadata. A
+merge is locked against running jobs, keeps a finished output's units, links no unit that is itself a link, refuses a
+foreign dir keeping its files, and names the argument that gave a refused dir."""
 
 import json
 import os
@@ -275,3 +277,95 @@ def test_a_job_json_whose_inputs_are_not_its_fingerprints_is_refused(reference, 
     (node1 / ".hsx" / "job.json").write_text(json.dumps(job))
     info = merge(str(tmp_path / "joined"), [str(node0), str(node1)], log=lambda *a: None)
     assert info["counts"] == json.loads((reference / "hsx.json").read_text())["counts"]
+
+
+from helpers import copy_of, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes  # noqa: E402
+from hsx.sink import OutputDir  # noqa: E402
+
+
+# ---- merge: locked, and careful with what it links and the dirs it is given ----------------------------------------
+
+def test_merge_refuses_a_foreign_dir_and_keeps_its_files(finished, tmp_path):
+    nodes = split_like_two_nodes(finished, tmp_path)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "README.md").write_text("my notes")
+    (foreign / "hsx.json").write_text('{"mine": true}')
+    with pytest.raises(HsxError, match="not written by hsx"):
+        merge(str(foreign), [str(n) for n in nodes], log=lambda *a: None)
+    assert tree_bytes(foreign) == {"README.md": b"my notes", "hsx.json": b'{"mine": true}'}
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_merge_refuses_a_dir_a_job_is_running_in(finished, tmp_path, rank):
+    nodes = split_like_two_nodes(finished, tmp_path)
+    before = {n: tree_bytes(n) for n in nodes}
+    with OutputDir(nodes[1], rank=rank).locked():  # a running job's rank `rank` holds its locks
+        with pytest.raises(HsxError, match="in use by a running hsx job"):
+            merge(str(nodes[0]), [str(n) for n in nodes], log=lambda *a: None)
+    assert {n: tree_bytes(n) for n in nodes} == before
+    with pytest.raises(HsxError, match="in use by another hsx job|being merged"):
+        with OutputDir(nodes[0]).locked_whole():
+            with OutputDir(nodes[0], rank=5).locked():  # and no job starts while a merge runs
+                pass
+
+
+def test_merge_keeps_the_units_of_a_finished_output(finished, tmp_path):
+    nodes = split_like_two_nodes(finished, tmp_path)
+    whole = copy_of(finished, tmp_path, "whole")
+    before = tree_bytes(whole / "data")
+    merge(str(whole), [str(nodes[0]), str(nodes[1]), str(whole)], log=lambda *a: None)
+    assert tree_bytes(whole / "data") == before and not any(p.is_symlink() for p in (whole / "data").iterdir())
+    assert hsx.load(str(whole), verify=True).data.table.equals(hsx.load(str(finished)).data.table)
+    other = copy_of(finished, tmp_path, "other-job")
+    job = json.loads((other / ".hsx" / "job.json").read_text())
+    (other / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "another"}))
+    with pytest.raises(HsxError, match="another job's output"):
+        merge(str(other), [str(n) for n in nodes], log=lambda *a: None)
+
+
+def test_merge_links_are_read_from_their_units(finished, tmp_path):
+    nodes = split_like_two_nodes(finished, tmp_path)
+    merge(str(tmp_path / "joined"), [str(n) for n in nodes], log=lambda *a: None)
+    joined = tmp_path / "joined"
+    ds = hsx.load(str(joined), verify=True)
+    assert ds.data.table.equals(hsx.load(str(finished)).data.table)
+    rc, _, err = hsx_main(["verify", str(joined), "--samples", "0"])
+    assert rc == 0, err
+    # a merged dir whose job.json is another job's is no known source
+    job = json.loads((nodes[1] / ".hsx" / "job.json").read_text())
+    (nodes[1] / ".hsx" / "job.json").write_text(json.dumps({**job, "fingerprint": "another"}))
+    with pytest.raises(HsxError, match="is a symbolic link, and not one `hsx merge` made"):
+        hsx.load(str(joined))
+
+
+def test_merge_links_no_unit_that_is_itself_a_link(finished, tmp_path):
+    """A node dir whose unit is a link (to a copy elsewhere, or to anything) is not that dir's unit: merge said
+    "merged" and wrote an output every reader then refused; now the merge refuses, in one line, before writing."""
+    node0, node1 = split_like_two_nodes(finished, tmp_path)
+    unit = sorted((node1 / "data").iterdir())[0]
+    shutil.copy(unit, tmp_path / "elsewhere.arrow")
+    swap_for_link(unit, tmp_path / "elsewhere.arrow")
+    with pytest.raises(HsxError, match="in none of the dirs"):
+        merge(str(tmp_path / "m"), [str(node0), str(node1)], log=quiet)
+    assert not (tmp_path / "m" / "hsx.json").exists()
+
+
+def test_a_refused_merge_or_push_dir_is_named_by_its_own_argument_not_output_dir(finished_copy, tmp_path):
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    rc, _, err = hsx_main(["merge", str(tmp_path / "merged"), str(finished_copy), str(stranger)])
+    line = the_error_line(err)
+    assert rc != 0 and "choose another DIR of `hsx merge`" in line and "--output-dir" not in line, line
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc, _, err = hsx_main(["merge", str(afile), str(finished_copy)])
+    line = the_error_line(err)
+    assert rc != 0 and "is a file, not a folder; choose another OUTPUT_DIR of `hsx merge`" in line, line
+    assert afile.read_text() == "x" and (stranger / "notes.txt").read_text() == "mine"
+    hub_copy = tmp_path / "downloaded"  # (an output without .hsx/, as the Hub holds it)
+    shutil.copytree(finished_copy, hub_copy, ignore=shutil.ignore_patterns(".hsx"))
+    rc, _, err = hsx_main(["push", str(hub_copy), "someone/states"])
+    line = the_error_line(err)
+    assert rc != 0 and "OUTPUT_DIR of `hsx push`" in line and "--output-dir" not in line, line

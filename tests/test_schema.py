@@ -1,6 +1,8 @@
 """hsx.schema: the output format in one place. The plan prices exactly what extraction writes, for every storage
 dtype, with and without top-k logits and the final-norm state; hsx.json as main writes it reads back as a typed
-record, byte for byte; damaged records are one sentence."""
+record, byte for byte; damaged records are one sentence, and one line from every command that reads them (extract's
+resume, verify, merge, push, load, the exports): a key given twice, a number too long for int(), a unit that is not a
+name. hsx.json lists every unit with its rows, size and CRC-32."""
 
 from __future__ import annotations
 
@@ -219,3 +221,186 @@ def test_plan_refuses_a_topk_over_the_vocabulary_like_extract():
     assert_one_error_line(rc, err, "more than the model's vocabulary (512 tokens)")
     assert rc == 1  # as extract: the model's facts, not the command line, refuse it
     assert hsx.plan(shape="tiny", layers=[1], final_hidden=True, topk_logits=512)["bytes_per_token"] > 0
+
+
+import shutil  # noqa: E402
+
+from helpers import LONG_DIGITS, finished_argv, manifest_records, the_error_line  # noqa: E402
+from hsx.config import HsxError  # noqa: E402
+from hsx.load import info as output_info  # noqa: E402
+from hsx.sink import file_crc32  # noqa: E402
+
+
+# ---- hsx.json lists every unit; a damaged record is one line from every command that reads it ----------------------
+
+def test_hsx_json_lists_every_unit(finished):
+    info = json.loads((finished / "hsx.json").read_text())
+    recs = {r["file"]: r for r in manifest_records(finished)}
+    assert [f["file"] for f in info["files"]] == sorted(recs) == sorted(p.name for p in (finished / "data").iterdir())
+    for f in info["files"]:
+        r = recs[f["file"]]
+        assert (f["unit"], f["rows"], f["bytes"], f["crc32"]) == (r["unit"], r["rows"], r["bytes"], r["crc32"])
+        assert f["crc32"] == file_crc32(finished / "data" / f["file"])
+    assert sum(f["rows"] for f in info["files"]) == info["counts"]["rows_written"]
+
+
+DAMAGED_INFO = {
+    "garbage": b"\x00\xff not json",
+    "truncated": b'{"model": "m", "layers": [1, ',
+    "not an object": b"[1, 2, 3]",
+    "no layers": None,  # built from the real one below
+    "layers wrong": None,
+    "counts missing": None,
+    "storage dtype unknown": None,
+}
+
+
+def _damage_info(out: Path, how: str) -> None:
+    f = out / "hsx.json"
+    info = json.loads(f.read_text())
+    if DAMAGED_INFO[how] is not None:
+        f.write_bytes(DAMAGED_INFO[how])
+        return
+    if how == "no layers":
+        del info["layers"]
+    elif how == "layers wrong":
+        info["layers"] = "1,3"
+    elif how == "counts missing":
+        del info["counts"]["rows_written"]
+    elif how == "storage dtype unknown":
+        info["storage_dtype"] = "int4"
+    f.write_text(json.dumps(info))
+
+
+def _commands(out: Path, argv: list[str], tmp: Path) -> dict[str, list[str]]:
+    return {"extract": argv, "verify": ["verify", str(out), "--samples", "1"],
+            "export-specforge": ["export-specforge", str(out), str(tmp / "sf")],
+            "push": ["push", str(out), "someone/repo"]}
+
+
+@pytest.mark.parametrize("how", list(DAMAGED_INFO))
+def test_a_damaged_hsx_json_is_one_line_for_every_command(finished_copy, model4, small_chat_path, tmp_path, how):
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    _damage_info(finished_copy, how)
+    for name, command in _commands(finished_copy, argv, tmp_path).items():
+        rc, _, err = hsx_main(command)
+        assert_one_error_line(rc, err, "hsx.json", prefix="hsx: ")
+    for read in (lambda: hsx.load(str(finished_copy), layers=[1]), lambda: hsx.torch_view(str(finished_copy)),
+                 lambda: output_info(str(finished_copy))):
+        with pytest.raises(HsxError, match="hsx.json is damaged"):
+            read()
+
+
+MANIFEST_DAMAGE = {
+    "unit missing": lambda rec: {k: v for k, v in rec.items() if k != "unit"},
+    "bytes missing": lambda rec: {k: v for k, v in rec.items() if k != "bytes"},
+    "bytes a string": lambda rec: {**rec, "bytes": str(rec["bytes"])},
+    "file a path": lambda rec: {**rec, "file": "../../../etc/passwd"},
+    "not an object": lambda rec: [rec],
+}
+
+
+@pytest.mark.parametrize("how", list(MANIFEST_DAMAGE))
+def test_a_damaged_manifest_line_is_one_line_for_every_command(finished_copy, model4, small_chat_path, tmp_path, how):
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    manifest = sorted((finished_copy / ".hsx").glob("manifest-*.jsonl"))[0]
+    lines = manifest.read_text().splitlines()
+    lines[1] = json.dumps(MANIFEST_DAMAGE[how](json.loads(lines[1])))
+    manifest.write_text("\n".join(lines) + "\n")
+    commands = _commands(finished_copy, argv, tmp_path)
+    commands.pop("export-specforge")  # reads hsx.json and the data files only
+    commands["merge"] = ["merge", str(tmp_path / "merged"), str(finished_copy)]
+    commands["extract"] = commands.pop("extract")  # last, resuming: without hsx.json the units are checked
+    for name, command in commands.items():
+        if name == "extract":
+            (finished_copy / "hsx.json").unlink()
+        rc, _, err = hsx_main(command)
+        line = assert_one_error_line(rc, err, manifest.name, "line 2", prefix="hsx: ")
+        assert "damaged" in line, (name, line)
+
+
+@pytest.mark.parametrize(("name", "content"), [("job.json", b"\xff\xfe"), ("job.json", b'{"inputs": {}}'),
+                                               ("summary.json", b"{}"), ("summary.json", b"[]")])
+def test_damaged_run_state_is_one_line(finished_copy, model4, small_chat_path, tmp_path, name, content):
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    (finished_copy / ".hsx" / name).write_bytes(content)
+    commands = {"merge": ["merge", str(tmp_path / "merged"), str(finished_copy)]}
+    if name == "job.json":
+        commands["extract"] = argv
+    for command in commands.values():
+        rc, _, err = hsx_main(command)
+        assert_one_error_line(rc, err, name, "damaged", prefix="hsx: error: ")
+
+
+@pytest.mark.parametrize(("where", "damage", "needle"), [
+    ("merge-target job.json", b"\xff\xfe", "job.json"),
+    ("summary vocab_size", "x", "vocab_size"),
+    ("summary vocab_size", 10**12, "vocab_size"),
+])
+def test_a_damaged_merge_target_or_summary_vocab_size_is_one_line(finished_copy, tmp_path, where, damage, needle):
+    if where == "merge-target job.json":
+        target = tmp_path / "merged"
+        (target / ".hsx").mkdir(parents=True)
+        (target / ".hsx" / "job.json").write_bytes(damage)
+        command = ["merge", str(target), str(finished_copy)]
+    elif where == "summary vocab_size":
+        f = finished_copy / ".hsx" / "summary.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), "vocab_size": damage}))
+        command = ["merge", str(tmp_path / "merged"), str(finished_copy)]
+    rc, _, err = hsx_main(command)
+    assert_one_error_line(rc, err, needle, prefix="hsx: error: ")
+
+
+@pytest.mark.parametrize("unit", [["a"], "../x", 7])
+def test_a_listed_file_whose_unit_is_not_a_name_is_one_error(finished_copy, unit):
+    f = finished_copy / "hsx.json"
+    meta = json.loads(f.read_text())
+    meta["files"][0]["unit"] = unit
+    f.write_text(json.dumps(meta))
+    with pytest.raises(HsxError, match="files` is damaged"):
+        hsx.load(str(finished_copy))
+
+
+@pytest.mark.parametrize("where", ["hsx.json", "summary"])
+def test_a_number_too_long_in_what_hsx_wrote_is_one_line(finished_copy, model4, small_chat_path, where):
+    """hsx.json, .hsx/summary.json: json.loads raised a ValueError no reader caught."""
+    if where == "hsx.json":
+        target = finished_copy / "hsx.json"
+        target.write_text(target.read_text().replace('"complete": true', f'"complete": true, "x": {LONG_DIGITS}', 1))
+        argv = ["verify", str(finished_copy)]
+    else:
+        target = finished_copy / ".hsx" / "summary.json"
+        target.write_text(target.read_text().replace("{", f'{{"x": {LONG_DIGITS}, ', 1))
+        argv = finished_argv(model4, small_chat_path, finished_copy)  # the same job: a resume
+    rc, _, err = hsx_main(argv)
+    line = the_error_line(err)
+    assert rc != 0 and "damaged" in line and target.name in line, line
+
+
+def with_key_twice(path: Path, key: str, value) -> None:
+    """The JSON object in `path` with `key` given again first (json.loads kept the last one, silently)."""
+    text = path.read_text()
+    assert text.lstrip().startswith("{")
+    path.write_text("{" + json.dumps(key) + ": " + json.dumps(value) + ", " + text.lstrip()[1:])
+
+
+def test_a_key_given_twice_in_hsx_json_or_job_json_is_refused(finished_copy, model4, small_chat_path):
+    with_key_twice(finished_copy / "hsx.json", "complete", False)
+    with pytest.raises(HsxError, match="key 'complete' given twice"):
+        hsx.load(finished_copy)
+    rc, _, err = hsx_main(["verify", str(finished_copy), "--samples", "0"])
+    assert rc == 1 and "given twice" in the_error_line(err)
+    shutil.copy(finished_copy / "hsx.json", finished_copy / "hsx.json.bak")
+    info = (finished_copy / "hsx.json").read_text()
+    (finished_copy / "hsx.json").write_text(info.replace('"complete": false, ', "", 1))
+    with_key_twice(finished_copy / ".hsx" / "job.json", "fingerprint", "0" * 64)
+    rc, _, err = hsx_main(finished_argv(model4, small_chat_path, finished_copy))
+    assert rc == 1 and "job.json is damaged: key 'fingerprint' given twice" in the_error_line(err)
+
+
+def test_a_manifest_line_with_a_key_given_twice_is_damaged(finished_copy):
+    manifest = sorted((finished_copy / ".hsx").glob("manifest-*.jsonl"))[0]
+    first, rest = manifest.read_text().split("\n", 1)
+    manifest.write_text('{"bytes": 1, ' + first.lstrip()[1:] + "\n" + rest)
+    with pytest.raises(HsxError, match="line 1 is damaged: key 'bytes' given twice"):
+        hsx.load(finished_copy)

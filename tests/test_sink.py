@@ -1,4 +1,6 @@
-"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs."""
+"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
+deleted or written through a link (--overwrite, a resume's leftovers, atomic_write); hsx.json, the manifests and
+job.json read as bounded regular files, torn ledger lines passed over."""
 
 from __future__ import annotations
 
@@ -265,3 +267,158 @@ def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
         "sdpa_backend": "flash", "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped",
         "fp8_gemm": "cublas"}
     assert run["kernels"] == rank["kernels"] and run["versions"] == rank["versions"]  # (README: run.kernels)
+
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from helpers import (LONG_DIGITS, call_with_deadline, drop_manifest_line, fault_argv,  # noqa: E402
+                     finished_argv, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes)
+from hsx.sink import atomic_write  # noqa: E402
+
+
+# ---- no delete or write through a link -----------------------------------------------------------------------------
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    v = tmp_path / "victim"
+    (v / "data").mkdir(parents=True)
+    for name in ("job.json", "manifest-00000.jsonl", "summary.json", "README.md", "hsx.json"):
+        (v / name).write_text("precious")
+    (v / "data" / "train-000-00000.arrow").write_text("precious")
+    return v
+
+
+@pytest.mark.parametrize("link", [".hsx", "data", ".hsx/tmp", ".hsx/job.json"])
+def test_overwrite_never_deletes_through_a_link(model4, small_chat_path, tmp_path, victim, link):
+    out = tmp_path / "out"
+    argv = fault_argv(model4.path, small_chat_path, out)
+    assert hsx_main(argv)[0] == 0
+    target = out / link
+    shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    target.symlink_to(victim if link != ".hsx/job.json" else victim / "job.json")
+    before = tree_bytes(victim)
+    rc, _, err = hsx_main(argv + ["--overwrite"])
+    line = the_error_line(err)
+    assert rc != 0 and "symbolic link" in line and link in line, line
+    assert tree_bytes(victim) == before
+
+
+def test_unit_links_lose_the_link_only(tmp_path, victim):
+    out = OutputDir(tmp_path / "out")
+    with out.locked():
+        out.claim({"fingerprint": "a", "inputs": {}}, False)
+        out.data.mkdir()
+        (out.data / "train-000-00000.arrow").symlink_to(victim / "data" / "train-000-00000.arrow")
+        out.claim({"fingerprint": "b", "inputs": {}}, overwrite=True)
+    assert not (out.data / "train-000-00000.arrow").is_symlink()
+    assert (victim / "data" / "train-000-00000.arrow").read_text() == "precious"
+
+
+def test_atomic_write_replaces_a_link_never_its_target(tmp_path, victim):
+    (tmp_path / ".job.json.tmp").symlink_to(victim / "job.json")
+    (tmp_path / "hsx.json").symlink_to(victim / "hsx.json")
+    atomic_write(tmp_path / "job.json", "mine")
+    atomic_write(tmp_path / "hsx.json", "mine")
+    assert (victim / "job.json").read_text() == (victim / "hsx.json").read_text() == "precious"
+    assert (tmp_path / "job.json").read_text() == "mine" and not (tmp_path / "hsx.json").is_symlink()
+
+
+def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(finished_copy):
+    os.mkfifo(finished_copy / ".hsx" / ".summary.json.tmp")
+    done, error = call_with_deadline(lambda: atomic_write(finished_copy / ".hsx" / "summary.json", "{}\n"), 60,
+                                     finished_copy / ".hsx" / ".summary.json.tmp")
+    assert done and error is None and (finished_copy / ".hsx" / "summary.json").read_text() == "{}\n"
+
+
+# ---- a resume's removal of a killed commit's leftover unit ---------------------------------------------------------
+
+def test_remove_uncommitted_deletes_nothing_through_a_linked_data_dir(finished_copy, tmp_path):
+    unit = drop_manifest_line(finished_copy)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(finished_copy / "data", elsewhere)
+    (finished_copy / "data").symlink_to(elsewhere)
+    log: list[str] = []
+    with pytest.raises(HsxError, match="data is a symbolic link or not a folder; hsx never deletes through links"):
+        OutputDir(finished_copy)._remove_uncommitted([unit], log.append)
+    assert (elsewhere / f"train-{unit}.arrow").is_file()
+    assert not log
+
+
+def test_remove_uncommitted_removes_only_the_name_of_a_hard_linked_unit(finished_copy, tmp_path):
+    """A leftover that is a hard link (a `cp -al` snapshot of the dir): the snapshot's file stays whole."""
+    unit = drop_manifest_line(finished_copy)
+    snapshot = tmp_path / "snapshot.arrow"
+    os.link(finished_copy / "data" / f"train-{unit}.arrow", snapshot)
+    size = snapshot.stat().st_size
+    OutputDir(finished_copy)._remove_uncommitted([unit], quiet)
+    assert not (finished_copy / "data" / f"train-{unit}.arrow").exists()
+    assert snapshot.stat().st_size == size and snapshot.stat().st_nlink == 1
+
+
+def test_remove_uncommitted_leaves_folders_fifos_and_links_alone(finished_copy, tmp_path):
+    names = ["a-0", "b-0", "c-0"]
+    (finished_copy / "data" / "train-a-0.arrow").mkdir()
+    os.mkfifo(finished_copy / "data" / "train-b-0.arrow")
+    (tmp_path / "t").write_text("x")
+    (finished_copy / "data" / "train-c-0.arrow").symlink_to(tmp_path / "t")
+    OutputDir(finished_copy)._remove_uncommitted(names, quiet)
+    assert (finished_copy / "data" / "train-a-0.arrow").is_dir() and (tmp_path / "t").read_text() == "x"
+    data = finished_copy / "data"
+    assert os.path.lexists(data / "train-b-0.arrow") and (data / "train-c-0.arrow").is_symlink()
+
+
+# ---- hsx.json, the manifests and job.json: read as regular files, bounded, torn lines passed over ------------------
+
+@pytest.mark.parametrize("name", ["hsx.json", ".hsx/manifest-00000.jsonl", ".hsx/job.json"])
+def test_a_fifo_for_hsx_own_json_is_refused_not_waited_on(finished_copy, name, model4, small_chat_path):
+    """hsx.json, a manifest or job.json replaced by a FIFO: load and extract waited forever (and a SIGTERM, which
+    hsx takes as "stop after this unit", never stopped them); now one line."""
+    (finished_copy / name).unlink()
+    os.mkfifo(finished_copy / name)
+    if name == ".hsx/job.json":
+        done, res = call_with_deadline(lambda: hsx_main(finished_argv(model4, small_chat_path, finished_copy)), 60,
+                                       finished_copy / name)
+        assert done, "extract waited on a FIFO"
+        rc, _, err = res
+        assert rc == 1 and "Traceback" not in err and "not a regular file" in err, err
+    else:
+        done, res = call_with_deadline(lambda: hsx.load(finished_copy), 30, finished_copy / name)
+        assert done, "hsx.load waited on a FIFO"
+        assert isinstance(res, HsxError) and "not a regular file" in str(res)
+
+
+def test_a_huge_or_linked_hsx_json_is_refused_unread(finished_copy, tmp_path):
+    """A 1.2 GB hsx.json would be read whole into memory (then parsed); a link would read another output's."""
+    hsx_json = finished_copy / "hsx.json"
+    shutil.copy(hsx_json, tmp_path / "elsewhere.json")
+    swap_for_link(hsx_json, tmp_path / "elsewhere.json")
+    with pytest.raises(HsxError, match="symbolic link"):
+        hsx.load(finished_copy)
+    hsx_json.unlink()
+    with open(hsx_json, "wb") as f:
+        f.truncate(1_200_000_000)  # (sparse: no disk used)
+    with pytest.raises(HsxError, match="more than hsx writes there"):
+        hsx.load(finished_copy)
+
+
+def test_a_ledger_line_with_a_number_too_long_is_passed_over_as_a_torn_one(finished_copy):
+    """(A torn line's unit is redone, uploaded again or read again: never a loss.)"""
+    manifest = next((finished_copy / ".hsx").glob("manifest-*.jsonl"))
+    with open(manifest, "a") as f:
+        f.write(f'{{"unit": "zz", "bytes": {LONG_DIGITS}}}\n')
+    (finished_copy / ".hsx" / "uploaded-push.jsonl").write_text(f'{{"file": "data/x.arrow", "bytes": {LONG_DIGITS}}}\n')
+    o = OutputDir(finished_copy)
+    assert o.uploaded() == {} and "zz" not in o.manifest_records() and len(o.done_units()) >= 3
+
+
+def test_a_torn_manifest_line_is_still_passed_over(finished_copy, model4, small_chat_path):
+    """A kill mid-append leaves a line that is not JSON: that unit is redone, nothing is refused."""
+    argv = finished_argv(model4, small_chat_path, finished_copy)
+    manifest = sorted((finished_copy / ".hsx").glob("manifest-*.jsonl"))[0]
+    with open(manifest, "ab") as f:
+        f.write(b'{"unit": "999-99999", "file": "train-999-99')
+    rc, stdout, err = hsx_main(argv)
+    assert rc == 0, err
+    assert "already complete" in stdout + err

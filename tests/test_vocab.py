@@ -1,6 +1,7 @@
 """Draft vocabulary: token_frequencies.npy written when a job finishes equals a direct count over the output; the
 d2t/t2d mapping (most frequent first, ties to the lower id, the lowest unseen ids filling in); `hsx vocab`'s files;
-damaged frequency files and --overwrite. (The trainers' own code reads these in test_trainers.py.)"""
+damaged frequency files (an entry of another shape, a header claiming a huge array) and --overwrite; --dest written
+through no planted link, no foreign file replaced. (The trainers' own code reads these in test_trainers.py.)"""
 
 from __future__ import annotations
 
@@ -113,3 +114,57 @@ def test_overwrite_removes_frequencies_and_mappings(out, tmp_path):
     assert (copy / "d2t-8.npy").exists() and (copy / "vocab_mapping-8.pt").exists()
     OutputDir(copy).clear()  # what --overwrite runs: only what hsx wrote, these files included
     assert [p.name for p in copy.iterdir()] == [".hsx"]
+
+
+import os  # noqa: E402
+
+from helpers import assert_one_error_line, quiet, the_error_line  # noqa: E402
+
+
+# ---- damaged frequencies and planted files -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("entry", [5, [1, 2], {"vocab_size": "8", "supervised_tokens": 1}])
+def test_damaged_token_frequencies_entry_is_one_line(finished_copy, entry):
+    f = finished_copy / "hsx.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "token_frequencies": entry}))
+    rc, _, err = hsx_main(["vocab", str(finished_copy), "--draft-vocab-size", "4"])
+    assert_one_error_line(rc, err, "token_frequencies", prefix="hsx: error: ")
+
+
+def test_a_frequencies_file_whose_header_claims_a_huge_array_is_damaged_not_a_memory_error(finished_copy, tmp_path):
+    """np.load allocates the shape the .npy header claims: 100 bytes claiming 10**12 int64 were a MemoryError
+    traceback from `hsx vocab` and the speculators export."""
+    import io
+
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<i8", "fortran_order": False, "shape": (10**12,)})
+    (finished_copy / "token_frequencies.npy").write_bytes(header.getvalue() + bytes(64))
+    rc, _, err = hsx_main(["vocab", str(finished_copy), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
+    line = the_error_line(err)
+    assert rc != 0 and "does not match hsx.json's token_frequencies" in line, line
+    (finished_copy / "token_frequencies.npy").unlink()
+    (finished_copy / "token_frequencies.npy").symlink_to(tmp_path / "elsewhere.npy")
+    rc, _, err = hsx_main(["vocab", str(finished_copy), "--draft-vocab-size", "4", "--dest", str(tmp_path / "v")])
+    assert rc != 0, err
+    the_error_line(err)
+
+
+def test_vocab_writes_through_no_planted_link_and_replaces_no_foreign_file(finished, tmp_path):
+    """`hsx vocab --dest D` opened D/.NAME.tmp with open(): a link planted there had its target overwritten; a
+    foreign d2t-K.npy in D was replaced without a word."""
+    from hsx.vocab import write_draft_vocab
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    target = tmp_path / "target"
+    target.write_text("SECRET")
+    os.symlink(target, dest / ".t2d-8.npy.tmp")
+    write_draft_vocab(finished, 8, dest, log=quiet)
+    assert target.read_text() == "SECRET" and (dest / "t2d-8.npy").is_file()
+    write_draft_vocab(finished, 8, dest, log=quiet)  # the same mapping again: fine
+    (dest / "d2t-16.npy").write_text("FOREIGN")
+    with pytest.raises(ValueError, match="is not this mapping"):
+        write_draft_vocab(finished, 16, dest, log=quiet)
+    assert (dest / "d2t-16.npy").read_text() == "FOREIGN"

@@ -1,5 +1,6 @@
 """hsx.writer: the unit file's bytes are datasets' own, its streamed CRC-32 is file_crc32's, errors surface; in
-memory (tmpfs) the same through spares prepared ahead, and a job killed mid-write resumes to the same output."""
+memory (tmpfs) the same through spares prepared ahead, and a job killed mid-write resumes to the same output. The
+same job writes the same bytes, in another process too; file_crc32 neither waits on a FIFO nor follows a link."""
 
 from __future__ import annotations
 
@@ -728,3 +729,40 @@ def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "storage (" in printed and "the writer alone (" in printed
     assert not (tmp_path / "out").exists()  # removed as before (no --keep)
+
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from helpers import call_with_deadline, child_env  # noqa: E402
+from hsx.config import HsxError  # noqa: E402
+
+
+# ---- the same job writes the same bytes; file_crc32 neither waits on a FIFO nor follows a link ---------------------
+
+@pytest.mark.slow
+def test_the_same_job_writes_the_same_bytes(fault_reference, tmp_path):
+    again = tmp_path / "again"  # in another process: nothing of the process (its id) may reach the bytes
+    done = subprocess.run([sys.executable, "-m", "hsx", *fault_reference.argv(again)], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in (fault_reference.out / "data").iterdir())
+    assert names == sorted(p.name for p in (again / "data").iterdir())
+    differ = [n for n in names if (again / "data" / n).read_bytes() != (fault_reference.out / "data" / n).read_bytes()]
+    assert not differ, differ
+
+
+def test_a_crc_never_waits_on_a_fifo_nor_follows_a_link(tmp_path):
+    """file_crc32 opens once, without following a link and without blocking: a FIFO named like a unit (swapped in
+    after a check) is refused at once, not waited on forever."""
+    fifo = tmp_path / "train-001-00000.arrow"
+    os.mkfifo(fifo)
+    done, result = call_with_deadline(lambda: file_crc32(fifo), 10, fifo)
+    assert done, "file_crc32 blocked on a FIFO"
+    assert isinstance(result, HsxError)
+    real = tmp_path / "real"
+    real.write_bytes(b"x" * 10)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(HsxError, match="symbolic link"):
+        file_crc32(link)

@@ -1,7 +1,7 @@
-"""A ninth round: a Hub model's config.json size asked before it is downloaded; the other files transformers reads
-from a model or tokenizer folder (or Hub id) before any weight bounded before it opens them (every file but weights
-and code, for extract, verify and bench alike; the Hub's listing skipped only when the Hub cannot say); and the
-resume notice naming the rank of an earlier run that computed with other flags."""
+"""A model or tokenizer (a folder or a Hub id) is checked before transformers reads it (hsx.model): config.json, the
+checkpoint index and every file a tokenizer reader opens are bounded in size, by stat in a folder and by the Hub's
+listing before a download; a config that does not build the model is one line naming the key; verify and bench
+resolve a model as extract does."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import copy_of, fault_argv, finished_job, hsx_main, message_lines
+from helpers import fault_argv, hsx_main, message_lines, the_error_line
 
 import hsx.model
 from hsx.config import ExtractConfig, HsxError
 
+
+# ---- config.json and the checkpoint index: bounded before they are parsed ------------------------------------------
 
 def _sparse(path: Path, size: int) -> Path:
     """A file of `size` bytes that takes no disk (a hostile folder's can be many GB)."""
@@ -33,7 +35,114 @@ def _cfg(model: str, **extra) -> ExtractConfig:
     return ExtractConfig(model=model, dataset="d", layers=[1], output_dir="o", dtype="float32", **extra)
 
 
-# ---- a model folder's tokenizer files and small configs, bounded before transformers opens them ----------------
+def _big_json(path: Path, size: int, obj: dict) -> None:
+    """A valid JSON object of at least `size` bytes (its padding in one key)."""
+    path.write_text(json.dumps({**obj, "padding": "x" * size}))
+
+
+@pytest.mark.parametrize("name,bound", [("config.json", "MAX_CONFIG_BYTES"),
+                                        ("model.safetensors.index.json", "MAX_INDEX_BYTES")])
+def test_a_model_folder_json_past_its_bound_is_refused_before_it_is_parsed(model4, tmp_path, monkeypatch, name,
+                                                                            bound):
+    """config.json and model.safetensors.index.json were read whole, whatever their size (json.loads of 1 GB of
+    `[[],...]` takes ~20 GB): past a bound far above any real one, one line naming the file, nothing parsed."""
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    monkeypatch.setattr(hsx.model, bound, 1 << 20)
+    if name == "config.json":
+        _big_json(model / name, 2 << 20, json.loads((model / name).read_text()))
+    else:
+        _big_json(model / name, 2 << 20, {"metadata": {}, "weight_map": {}})
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(hsx.model.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
+    cfg = _cfg(str(model))
+    with pytest.raises(HsxError, match=re.escape(str(model / name)) + r" is [\d,]+ bytes, more than any"):
+        hsx.model.load_model(cfg, __import__("torch").device("cpu"))
+    assert not [n for n in parsed if n > 1 << 20]
+
+
+def test_a_model_folder_json_that_is_not_a_file_is_one_line(model4, tmp_path):
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    (model / "model.safetensors.index.json").unlink(missing_ok=True)
+    os.mkfifo(model / "model.safetensors.index.json")  # (read, it would wait forever)
+    cfg = _cfg(str(model))
+    with pytest.raises(HsxError, match="model.safetensors.index.json is not a regular file"):
+        hsx.model.load_model(cfg, __import__("torch").device("cpu"))
+
+
+def test_real_sized_model_jsons_are_within_the_bounds():
+    from hsx.model import MAX_CHECKPOINT_TENSORS, MAX_CONFIG_BYTES, MAX_INDEX_BYTES
+
+    name = "model.language_model.layers.60.mlp.experts.383.down_proj.weight_scale_inv"
+    entry = json.dumps({name: "model-01999-of-02000.safetensors"})
+    assert MAX_INDEX_BYTES >= MAX_CHECKPOINT_TENSORS * len(entry) and MAX_CONFIG_BYTES >= 1 << 20
+
+
+def test_a_hub_ids_config_json_is_bounded_too(tmp_path, monkeypatch):
+    """A Hub id's config.json (what `hsx plan` and the benchmark read by id) is checked in the HF cache before
+    transformers parses it, as a folder's is."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    _big_json(snapshot / "config.json", 2 << 20, {"model_type": "llama", "num_hidden_layers": 2})
+    monkeypatch.setattr(hsx.model, "MAX_CONFIG_BYTES", 1 << 20)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **k: str(snapshot / name))
+    with pytest.raises(HsxError, match=re.escape(str(snapshot / "config.json")) + " is [\\d,]+ bytes, more than any"):
+        hsx.model.read_model_config("someone/model", "someone/model", False)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 10**11}))
+    with pytest.raises(HsxError, match="num_hidden_layers = 100000000000"):
+        hsx.model.read_model_config("someone/model", "someone/model", False)
+
+
+@pytest.mark.parametrize("case", ["config_deep", "tokenizer_deep", "layers_huge"])
+def test_a_deeply_nested_or_impossibly_deep_model_is_one_line(tmp_path, model4, small_chat_path, case):
+    """A config.json or tokenizer.json nested 200,000 deep was a RecursionError traceback; a config.json saying
+    99,999,999,999 layers never returned (transformers builds a per-layer list first)."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    deep = '{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    if case == "config_deep":
+        (model / "config.json").write_text(deep)
+    elif case == "tokenizer_deep":
+        (model / "tokenizer.json").write_text(deep)
+    else:
+        config = json.loads((model / "config.json").read_text())
+        config.pop("layer_types", None)
+        config["num_hidden_layers"] = 99_999_999_999
+        (model / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "hsx", *fault_argv(model, small_chat_path, tmp_path / "out")]
+    res = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("hsx: error: ")]
+    assert len(lines) == 1, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["hidden_size_str", "layer_types_short", "hidden_act_unknown"])
+def test_a_config_that_does_not_build_the_model_is_one_line_naming_the_key(tmp_path, model4, small_chat_path,
+                                                                             case):
+    """transformers' validation error was cut to its first line ('Validation error for field ...:'), without the
+    why; an unknown hidden_act was a KeyError traceback."""
+    model = Path(shutil.copytree(model4.path, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    if case == "hidden_size_str":
+        config["hidden_size"], needle = "x", "expected int"
+    elif case == "layer_types_short":
+        config["layer_types"], needle = ["full_attention"], "must be equal to the number of `layer_types`"
+    else:
+        config["hidden_act"], needle = "nope", "KeyError: 'nope'"
+    (model / "config.json").write_text(json.dumps(config))
+    rc, _, err = hsx_main(fault_argv(model, small_chat_path, tmp_path / "o"))
+    line = the_error_line(err)
+    assert rc == 1 and needle in line, line
+
+
+# ---- a model folder's tokenizer files and small configs: bounded before transformers opens them --------------------
 
 @pytest.mark.parametrize("name,bound", [
     ("tokenizer.json", "MAX_TOKENIZER_BYTES"), ("tokenizer_config.json", "MAX_TOKENIZER_BYTES"),
@@ -133,7 +242,38 @@ def test_real_sized_tokenizer_files_are_within_the_bounds():
     assert model_file_limit("model-00001-of-00002.safetensors") is None
 
 
-# ---- a Hub id: sizes asked before anything is downloaded ----------------------------------------------------------
+def test_a_folders_files_of_any_name_are_bounded_and_its_weights_and_subfolders_are_not(model4, tmp_path,
+                                                                                        monkeypatch):
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
+    _sparse(tok / "source.spm", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    opened = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
+    cfg = _cfg(str(model4.path), tokenizer=str(tok))
+    with pytest.raises(HsxError, match=re.escape(str(tok / "source.spm")) + " is 536,870,913 bytes"):
+        _tokenizer(cfg, str(model4.path))
+    (tok / "source.spm").unlink()
+    _sparse(tok / "pytorch_model.bin", hsx.model.MAX_TOKENIZER_BYTES + 1)
+    _sparse(tok / "original" / "big.txt", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
+    _sparse(tok / "backup.tar", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
+    (tok / "loop.json").symlink_to(tok / "loop.json")  # (cannot be stat'ed: said, not a way to skip the others)
+    with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop.json'}")):
+        _tokenizer(cfg, str(model4.path))
+    (tok / "loop.json").unlink()
+    _tokenizer(cfg, str(model4.path))
+    assert len(opened) == 1
+    assert hsx.model.model_file_limit("sub/tokenizer.json") == hsx.model.MAX_TOKENIZER_BYTES
+    assert hsx.model.model_file_limit("model.safetensors.index.json") == hsx.model.MAX_INDEX_BYTES
+    assert hsx.model.model_file_limit("Model.SafeTensors") is hsx.model.model_file_limit("x/y.gguf") is None
+    assert hsx.model.model_file_limit("data.parquet") is hsx.model.model_file_limit("README.md") is None
+    assert hsx.model.model_file_limit("vocab.bpe") == hsx.model.model_file_limit("Tokenizer.MODEL") == (
+        hsx.model.MAX_TOKENIZER_BYTES)
+
+
+# ---- a Hub id: sizes asked before anything is downloaded -----------------------------------------------------------
 
 class FakeHub:
     """HfApi's metadata calls, from a dict of path -> size (None: a folder); `fail`: what listing raises (True:
@@ -218,7 +358,65 @@ def test_a_hub_tokenizers_templates_folder_is_asked_too(online, monkeypatch):
     assert hub.calls == [("list_repo_tree", "someone/tok", None, True, None)]  # (one listing, every folder's)
 
 
-# ---- verify and bench load a model as extract does: its small files and config.json bounded first ---------------
+def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, monkeypatch):
+    """A tokenizer class reads files of its own names (bpe.codes, source.spm, emoji.json, ...), which transformers
+    fetched unchecked: every file of the repo a reader opens as text (READABLE_SUFFIXES), at any depth, is held to
+    MAX_TOKENIZER_BYTES; weights, code, data and archives are not (a repo is not refused for a large one)."""
+    import transformers
+
+    from hsx.job import _tokenizer
+
+    big = hsx.model.MAX_TOKENIZER_BYTES + 1
+    hub = FakeHub({"tokenizer.json": 9 << 20, "bpe.codes": big, "model.safetensors": 50 << 30,
+                   "pytorch_model.bin": 50 << 30, "original": None, "original/consolidated.00.pth": 50 << 30,
+                   "tokenization_mine.py": 1 << 10, "train.parquet": 4 << 30, "images/plot.png": big,
+                   "backup.tar": 3 << 30})
+    online(hub)
+    opened = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
+    cfg = _cfg("someone/model", tokenizer="someone/tok")
+    with pytest.raises(HsxError, match=f"someone/tok: its bpe.codes on the Hub is {big:,} bytes, more than any "
+                                       f"bpe.codes is \\({hsx.model.MAX_TOKENIZER_BYTES:,} at most\\); not downloaded"):
+        _tokenizer(cfg, "/unused")
+    hub.sizes.update({"bpe.codes": 1 << 20, "original/notes.txt": big})  # (a download's patterns match any depth)
+    with pytest.raises(HsxError, match="its original/notes.txt on the Hub is"):
+        _tokenizer(cfg, "/unused")
+    del hub.sizes["original/notes.txt"]
+    _tokenizer(cfg, "/unused")  # (weights, code, data and archives are no tokenizer's to bound)
+    assert opened == [("someone/tok",)]
+
+
+def _client_error(name: str, *args, **kwargs) -> BaseException:
+    """An error of the HTTP client huggingface_hub uses (httpx, or the module its errors import)."""
+    import importlib
+
+    from huggingface_hub import errors
+
+    return getattr(importlib.import_module(errors.HTTPError.__module__.split(".")[0]), name)(*args, **kwargs)
+
+
+def test_the_hub_listing_skips_only_when_the_hub_cannot_say(online):
+    """Any exception of the listing was taken as "the Hub cannot say" and the check skipped: a bug in hsx (or in a
+    huggingface_hub it misreads) silently dropped the bound. HTTP, connection and OS errors still skip (the
+    download says why); anything else is raised."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    request = _client_error("Request", "GET", "https://huggingface.co/api/models/someone/model/tree/main")
+    response = _client_error("Response", 404, request=request)
+    hub = FakeHub({"tokenizer.json": 600 << 20})
+    downloads = online(hub)
+    for unreachable in (HfHubHTTPError("404 Client Error", response=response),
+                        _client_error("ConnectError", "connection refused"), OSError("no network")):
+        hub.fail = unreachable
+        hsx.model.resolve_model_path("someone/model", None, False)
+    assert len(downloads) == 3
+    hub.fail = TypeError("list_repo_tree() got an unexpected keyword argument 'recursive'")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        hsx.model.resolve_model_path("someone/model", None, False)
+    assert len(downloads) == 3
+
+
+# ---- verify and bench load a model as extract does: its files bounded first ----------------------------------------
 
 def _bench_argv(model: str) -> list[str]:
     return ["bench", "--model", model, "--layers", "1", "--count", "4", "--max-length", "64", "--skip", "a,b",
@@ -260,138 +458,3 @@ def test_verify_asks_a_hub_models_sizes_before_it_is_downloaded(finished, online
     rc, _, err = hsx_main(["verify", str(finished), "--samples", "2", "--model", "someone/model"])
     assert rc == 1 and "someone/model: its tokenizer.json on the Hub is 629,145,600 bytes" in err, err[-2000:]
     assert downloads == [] and hub.calls == [("list_repo_tree", "someone/model", None, True, None)]
-
-
-# ---- any file a Hub id's download could bring, not only the names hsx knows ----------------------------------------
-
-def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, monkeypatch):
-    """A tokenizer class reads files of its own names (bpe.codes, source.spm, emoji.json, ...), which transformers
-    fetched unchecked: every file of the repo a reader opens as text (READABLE_SUFFIXES), at any depth, is held to
-    MAX_TOKENIZER_BYTES; weights, code, data and archives are not (a repo is not refused for a large one)."""
-    import transformers
-
-    from hsx.job import _tokenizer
-
-    big = hsx.model.MAX_TOKENIZER_BYTES + 1
-    hub = FakeHub({"tokenizer.json": 9 << 20, "bpe.codes": big, "model.safetensors": 50 << 30,
-                   "pytorch_model.bin": 50 << 30, "original": None, "original/consolidated.00.pth": 50 << 30,
-                   "tokenization_mine.py": 1 << 10, "train.parquet": 4 << 30, "images/plot.png": big,
-                   "backup.tar": 3 << 30})
-    online(hub)
-    opened = []
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
-    cfg = _cfg("someone/model", tokenizer="someone/tok")
-    with pytest.raises(HsxError, match=f"someone/tok: its bpe.codes on the Hub is {big:,} bytes, more than any "
-                                       f"bpe.codes is \\({hsx.model.MAX_TOKENIZER_BYTES:,} at most\\); not downloaded"):
-        _tokenizer(cfg, "/unused")
-    hub.sizes.update({"bpe.codes": 1 << 20, "original/notes.txt": big})  # (a download's patterns match any depth)
-    with pytest.raises(HsxError, match="its original/notes.txt on the Hub is"):
-        _tokenizer(cfg, "/unused")
-    del hub.sizes["original/notes.txt"]
-    _tokenizer(cfg, "/unused")  # (weights, code, data and archives are no tokenizer's to bound)
-    assert opened == [("someone/tok",)]
-
-
-def test_a_folders_files_of_any_name_are_bounded_and_its_weights_and_subfolders_are_not(model4, tmp_path,
-                                                                                        monkeypatch):
-    import transformers
-
-    from hsx.job import _tokenizer
-
-    tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
-    _sparse(tok / "source.spm", hsx.model.MAX_TOKENIZER_BYTES + 1)
-    opened = []
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
-    cfg = _cfg(str(model4.path), tokenizer=str(tok))
-    with pytest.raises(HsxError, match=re.escape(str(tok / "source.spm")) + " is 536,870,913 bytes"):
-        _tokenizer(cfg, str(model4.path))
-    (tok / "source.spm").unlink()
-    _sparse(tok / "pytorch_model.bin", hsx.model.MAX_TOKENIZER_BYTES + 1)
-    _sparse(tok / "original" / "big.txt", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
-    _sparse(tok / "backup.tar", hsx.model.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
-    (tok / "loop.json").symlink_to(tok / "loop.json")  # (cannot be stat'ed: said, not a way to skip the others)
-    with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop.json'}")):
-        _tokenizer(cfg, str(model4.path))
-    (tok / "loop.json").unlink()
-    _tokenizer(cfg, str(model4.path))
-    assert len(opened) == 1
-    assert hsx.model.model_file_limit("sub/tokenizer.json") == hsx.model.MAX_TOKENIZER_BYTES
-    assert hsx.model.model_file_limit("model.safetensors.index.json") == hsx.model.MAX_INDEX_BYTES
-    assert hsx.model.model_file_limit("Model.SafeTensors") is hsx.model.model_file_limit("x/y.gguf") is None
-    assert hsx.model.model_file_limit("data.parquet") is hsx.model.model_file_limit("README.md") is None
-    assert hsx.model.model_file_limit("vocab.bpe") == hsx.model.model_file_limit("Tokenizer.MODEL") == (
-        hsx.model.MAX_TOKENIZER_BYTES)
-
-
-# ---- the Hub's listing: only the Hub's not answering is skipped -----------------------------------------------------
-
-def _client_error(name: str, *args, **kwargs) -> BaseException:
-    """An error of the HTTP client huggingface_hub uses (httpx, or the module its errors import)."""
-    import importlib
-
-    from huggingface_hub import errors
-
-    return getattr(importlib.import_module(errors.HTTPError.__module__.split(".")[0]), name)(*args, **kwargs)
-
-
-def test_the_hub_listing_skips_only_when_the_hub_cannot_say(online):
-    """Any exception of the listing was taken as "the Hub cannot say" and the check skipped: a bug in hsx (or in a
-    huggingface_hub it misreads) silently dropped the bound. HTTP, connection and OS errors still skip (the
-    download says why); anything else is raised."""
-    from huggingface_hub.errors import HfHubHTTPError
-
-    request = _client_error("Request", "GET", "https://huggingface.co/api/models/someone/model/tree/main")
-    response = _client_error("Response", 404, request=request)
-    hub = FakeHub({"tokenizer.json": 600 << 20})
-    downloads = online(hub)
-    for unreachable in (HfHubHTTPError("404 Client Error", response=response),
-                        _client_error("ConnectError", "connection refused"), OSError("no network")):
-        hub.fail = unreachable
-        hsx.model.resolve_model_path("someone/model", None, False)
-    assert len(downloads) == 3
-    hub.fail = TypeError("list_repo_tree() got an unexpected keyword argument 'recursive'")
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        hsx.model.resolve_model_path("someone/model", None, False)
-    assert len(downloads) == 3
-
-
-# ---- the resume notice: every rank's recorded values count --------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, model4, small_chat_path) -> Path:
-    return finished_job(tmp_path_factory, model4, small_chat_path, "round9")
-
-
-def test_a_resume_names_a_rank_of_an_earlier_run_that_computed_with_other_flags(finished, tmp_path, model4,
-                                                                              small_chat_path):
-    """The notice said only that this run's values were new to the dir: an earlier run whose rank 1 packed its
-    units (rank 0 padded) and a resume that pads said nothing, though the output mixes both. Every rank's ledger
-    counts, and the rank that computed otherwise is named."""
-    out = copy_of(finished, tmp_path)
-    state = out / ".hsx"
-    manifest = state / "manifest-00000.jsonl"
-    lines = manifest.read_text().splitlines()
-    assert len(lines) >= 3
-    moved = json.loads(lines[-1])  # (rank 1 committed this unit, with packing varlen)
-    manifest.write_text("\n".join(lines[:-1]) + "\n")
-    (state / "manifest-00001.jsonl").write_text(json.dumps({**moved, "session": "rank1run"}) + "\n")
-    ours = json.loads((state / "runs-00000.jsonl").read_text().splitlines()[-1])
-    (state / "runs-00001.jsonl").write_text(json.dumps({**ours, "session": "rank1run", "packing": "varlen"}) + "\n")
-    redo = json.loads(lines[0])["file"]
-    (out / "data" / redo).unlink()
-    rc, stdout, err = hsx_main(fault_argv(model4.path, small_chat_path, out, "--unit-tokens", "200"))
-    assert rc == 0, err
-    notices = [line for line in message_lines(stdout + "\n" + err) if line.startswith("hsx: notice:")]
-    assert len(notices) == 1, notices
-    assert "this run computes with packing none" in notices[0] and "packing varlen (rank 1)" in notices[0], notices
-    assert "rank 0" not in notices[0] and "compile" not in notices[0]
-    info = json.loads((out / "hsx.json").read_text())
-    assert info["run"]["values_used"]["packing"] == ["none", "varlen"]
-
-
-def test_the_notice_names_ranks_and_older_units_in_a_bounded_line():
-    from hsx.job import _named
-
-    assert _named(["rank 1"]) == "rank 1"
-    assert _named([f"rank {i}" for i in range(20)] + ["hsx.json"]) == (
-        "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 12 more; as hsx.json records")
