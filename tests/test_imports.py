@@ -15,9 +15,10 @@ LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
     {"hsx.config"},  # the job's settings
-    # what a config is turned into: the fingerprint, loss masks, the model and its kernels, length buckets
-    {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets",
-     "hsx.kernels"},
+    # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
+    # renders, the model and its kernels, length buckets
+    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8",
+     "hsx.buckets", "hsx.kernels"},
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, reading, merging, exporting, checking, publishing and following an output dir

@@ -175,7 +175,7 @@ def test_a_resume_never_takes_a_stale_or_forged_digest_for_the_swapped_weights(t
 # ---- a template's render is bounded in time and size -----------------------------------------------------------
 
 from chat_families import QWEN3, family  # noqa: E402
-from hsx import masks  # noqa: E402
+from hsx import masks, render  # noqa: E402
 
 CONV = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -188,8 +188,8 @@ def test_a_template_that_multiplies_every_row_stops_the_job_in_one_line(monkeypa
 
 
 def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch):
-    monkeypatch.setattr(masks, "RENDER_CPU_SECONDS", 0.5)
-    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    monkeypatch.setattr(render, "RENDER_CPU_SECONDS", 0.5)
+    monkeypatch.setattr(render.cpu_time_limit, "__defaults__", (0.5,))
     loops = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}{% endfor %}" \
             "{% endfor %}{% endfor %}"
     tok = family("qwen3", loops + QWEN3)
@@ -198,7 +198,7 @@ def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch
 
 
 def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
-    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    monkeypatch.setattr(render.cpu_time_limit, "__defaults__", (0.5,))
     bomb = ("{%- if 'BOOM' in message.content %}{{ message.content * 3000000 }}{% endif %}"
             "{%- if 'LOOP' in message.content %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
             "{% endfor %}{% endif %}")
@@ -206,7 +206,7 @@ def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
     assert bomb in tok.chat_template
     fmt = masks.derive_chat_format(tok, {})
     convs = [CONV, [{"role": "user", "content": "BOOM"}, CONV[1]], [{"role": "user", "content": "LOOP"}, CONV[1]]]
-    reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, masks.render_char_limit(64))]
+    reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, render.render_char_limit(64))]
     assert reasons == ["", "chat_template_output_too_long", "chat_template_timeout"]
 
 
@@ -223,15 +223,15 @@ def test_a_template_with_an_unbounded_step_is_refused_before_it_renders(power):
         masks.derive_chat_format(tok, {}, name="evil")
     tok.chat_template = {"default": QWEN3, "tool_use": power + QWEN3}  # every named template is read
     with pytest.raises(HsxError, match="small constant"):
-        masks.check_template_bounds(tok, {}, name="evil")
-    assert masks.unbounded_step(power + QWEN3).startswith("`*")
+        render.check_template_bounds(tok, {}, name="evil")
+    assert render.unbounded_step(power + QWEN3).startswith("`*")
 
 
 def test_small_constant_powers_render_as_before():
     tok = family("qwen3", "{%- set unit = 2 ** 10 %}{%- set half = 2 ** -1 %}{%- set root = messages | length ** 0.5 %}"
                           + QWEN3)
-    assert masks.unbounded_step(tok.chat_template) is None
-    assert masks.unbounded_step("{{ '-' * 2 ** 20 }}{{ messages[0].content * 3000000 }}") is None
+    assert render.unbounded_step(tok.chat_template) is None
+    assert render.unbounded_step("{{ '-' * 2 ** 20 }}{{ messages[0].content * 3000000 }}") is None
     plain = masks.derive_chat_format(family("qwen3", QWEN3), {})
     assert masks.derive_chat_format(tok, {}) == plain
 
@@ -374,7 +374,7 @@ def test_a_row_that_explodes_a_template_with_generation_markers_never_reaches_th
         return real_call(self, text, *a, **k)
 
     monkeypatch.setattr(type(tok), "__call__", counting_call)
-    rows = data.chat_tokenize(tok, convs, {}, None, None, masks.render_char_limit(64))
+    rows = data.chat_tokenize(tok, convs, {}, None, None, render.render_char_limit(64))
     assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
     assert rows[0][:2] == rows[2][:2] and sum(rows[0][1]) > 0  # marker masks of the other rows
-    assert seen and max(seen) < masks.render_char_limit(64)  # the tokenizer never saw the exploded render
+    assert seen and max(seen) < render.render_char_limit(64)  # the tokenizer never saw the exploded render

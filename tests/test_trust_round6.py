@@ -385,7 +385,7 @@ def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
     (a row of '10000000000', 10 GB) before the render's length bound could look at it."""
     from chat_families import QWEN3, family
 
-    from hsx import masks
+    from hsx import masks, render
 
     bomb = "{%- if message.content is string and message.content[:1] == '9' %}{{ 'x' * (message.content | int) }}" \
            "{% endif %}"
@@ -398,7 +398,7 @@ def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
         template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
         tok = family("qwen3", template)
     assert bool(masks.GENERATION_TAG.search(template)) == markers
-    assert masks.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
+    assert render.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
     conv = [{"role": "user", "content": "90000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = None if markers else masks.derive_chat_format(tok, {})

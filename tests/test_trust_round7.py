@@ -14,7 +14,7 @@ import pytest
 
 from helpers import chat_tokenize_peak, fault_argv, hsx_main, message_lines
 
-from hsx import data, masks
+from hsx import data, masks, render
 
 
 def one_error_line(err: str) -> str:
@@ -72,7 +72,7 @@ def test_a_step_a_row_sizes_is_refused_before_it_allocates(step):
     bomb = "{%- if message.content is string and message.content[:1] == '2' %}" + STEPS[step] + "{% endif %}"
     template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
     tok = family("qwen3", template)
-    assert masks.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
+    assert render.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
     conv = [{"role": "user", "content": "20000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = masks.derive_chat_format(tok, {})
@@ -97,7 +97,7 @@ def test_the_checked_steps_render_as_before_within_the_bound_and_outside_it():
     want = "  x  |  ab  |   y|  z|a\n  b|a-b|xy1|pq|ayya|2|s-7|aBBc|[1, 1, 1]||hihello"
     tok = family("qwen3", small)
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    with masks.render_bounds(tok, {}, None):
+    with render.render_bounds(tok, {}, None):
         assert tok.apply_chat_template(conv, tokenize=False) == want
     assert getattr(_compile_jinja_template(small), "_hsx_bounded", False)
     assert tok.apply_chat_template(conv, tokenize=False) == want
@@ -125,11 +125,11 @@ def test_a_literal_width_past_the_bound_is_refused_before_it_compiles(template):
 
     from chat_families import family
 
-    assert masks.unbounded_step(template) is not None
+    assert render.unbounded_step(template) is not None
     with pytest.raises(HsxError, match="a step without a bound"):
-        masks.check_template_bounds(family("qwen3", template), {})
+        render.check_template_bounds(family("qwen3", template), {})
     for name, spec in FAMILIES.items():
-        assert masks.unbounded_step(spec["template"]) is None, name
+        assert render.unbounded_step(spec["template"]) is None, name
 
 
 # ---- hsx verify: rows longer than the job's max_length -------------------------------------------------------
@@ -207,7 +207,7 @@ def test_hostile_row_formats_are_a_reason_or_a_render(raw, system, reason):
     if not why:
         assert all(m["role"] != "system" for m in conv)
         tok = family("qwen3")
-        rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), masks.render_char_limit(64))
+        rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), render.render_char_limit(64))
         assert rows[0][2] in ("", "chat_template_output_too_long"), rows[0][2]
 
 
@@ -289,13 +289,13 @@ def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
 
     from chat_families import family
 
-    monkeypatch.setattr(masks, "ROW_CPU_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(render, "ROW_CPU_SECONDS", 0.5, raising=False)
     tok = family("qwen3")
     fmt = masks.derive_chat_format(tok, {})
     many = [m for _ in range(300) for m in ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     start = time.process_time()
-    rows = data.chat_tokenize(tok, [fine, many, fine], {}, None, fmt, masks.render_char_limit(131072))
+    rows = data.chat_tokenize(tok, [fine, many, fine], {}, None, fmt, render.render_char_limit(131072))
     spent = time.process_time() - start
     assert [r[2] for r in rows] == ["", "chat_template_timeout", ""]
     assert rows[0][0] and rows[0] == rows[2]
