@@ -27,8 +27,9 @@ from typing import Any, NamedTuple
 import torch
 
 from hsx import attention, fp8, gdn, kernels
-from hsx.config import ExtractConfig, HsxError, layers_run, resolve_layers
+from hsx.config import ExtractConfig, HsxError, layers_run, target_layers
 from hsx.errors import one_line
+from hsx.schema import OutputFormat
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
@@ -335,21 +336,64 @@ def group_device_map(devices: list[torch.device]) -> dict[str, Any]:
     return {"device_map": "auto", "max_memory": {i: int(0.85 * f) for i, f in free.items()}}
 
 
+# ---- the target: its facts, then its weights -----------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """The model as a job sees it: where it is, its text config, the layers captured from it, and the output
+    format they make (read once, by `read_target`: the job's steps and `load_model` all take this one)."""
+    model_path: str
+    revision: str | None
+    text: Any  # the text model's PretrainedConfig (the full depth)
+    num_layers: int
+    layers: list[int]
+    final_hidden: bool
+    format: OutputFormat
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text.vocab_size)
+
+
+def read_target(cfg: ExtractConfig, model: LoadedModel | None = None) -> Target:
+    """The model's config (not its weights) and the layers `cfg` asks for, refused as `config.target_layers`
+    refuses them; `model` (a LoadedModel, hsx bench's or a caller's) is used as it is."""
+    if model is None:
+        model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
+        full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
+        text = fp8.carry_quantization(full, text_config_of(full))
+        check_checkpoint(model_path, cfg.model, text)  # (before the job claims a dir: a damaged one is refused first)
+        num_layers = int(text.num_hidden_layers)
+        layers, final_hidden = target_layers(cfg, text)
+    else:
+        model_path, revision, text = model.model_path, model.revision, model.text_config
+        num_layers = model.num_model_layers
+        layers, final_hidden = target_layers(cfg, text, (model.layers, model.final_hidden))
+    return Target(model_path, revision, text, num_layers, layers, final_hidden,
+                  OutputFormat.of_job(cfg, layers, text.hidden_size, final_hidden))
+
+
 def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
-               distributed_config=None) -> LoadedModel:
-    """`distributed_config` (transformers' DistributedConfig, from hsx.run) shards the copy over processes."""
+               distributed_config=None, target: Target | None = None) -> LoadedModel:
+    """The target's weights, cut after the deepest layer it needs. `target`: the job's (`read_target`), whose
+    config and layers are used as read, not read again (None: read here). `distributed_config` (transformers'
+    DistributedConfig, from hsx.run) shards the copy over processes."""
     import transformers
     from safetensors import SafetensorError
     from transformers import AutoModel
 
-    path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-    full = read_model_config(path, cfg.model, cfg.trust_remote_code)
-    text = fp8.carry_quantization(full, text_config_of(full))
-    n = int(text.num_hidden_layers)
-    layers, final_hidden = resolve_layers(cfg.layers, n, cfg.final_hidden)
+    if target is None:
+        target = read_target(cfg)  # (which checks the checkpoint)
+    else:  # the files again: a job's target was read before it tokenized, maybe minutes ago
+        check_checkpoint(target.model_path, cfg.model, target.text)
+    path, revision, text, n = target.model_path, target.revision, target.text, target.num_layers
+    layers, final_hidden = target.layers, target.final_hidden
     depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
-    check_checkpoint(path, cfg.model, text)
     quant = fp8.quantization_of(tcfg)
     attn = supported_attn_implementation(tcfg, cfg.attn_implementation)
     kwargs: dict[str, Any] = {}

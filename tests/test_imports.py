@@ -21,9 +21,9 @@ LAYERS: list[set[str]] = [
      "hsx.buckets", "hsx.kernels"},
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
-    # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
-    # (hsx.flight: follow's network source; hsx.serve: the server answering it)
-    {"hsx.cost", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow",
+    # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
+    # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it)
+    {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow",
      "hsx.flight", "hsx.serve"},
     {"hsx.job"},  # one job's steps
     {"hsx.run"},  # running them as one rank of a launch
