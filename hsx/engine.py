@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hsx.buckets import PAD_MULTIPLE
+from hsx.buckets import PAD_MULTIPLE, padded_length
 from hsx.capture import capture
 from hsx import gdn
 from hsx.model import LoadedModel, PreparedModel
@@ -182,7 +182,7 @@ class Extractor:
             a, z = pending.pop(0)
             sub_len = lengths[a:z]
             if self.packing == "none":
-                padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+                padded = padded_length(sub_len)
                 cost = (z - a) * padded  # tokens computed, padding included
             else:  # one sequence: the rows back to back, then padding up to a multiple of 8 (16: fla's kernels)
                 padded = cost = int(-(-int(sub_len.sum()) // self.pack_multiple) * self.pack_multiple)
