@@ -31,7 +31,8 @@ import torch
 from hsx.buckets import PAD_MULTIPLE, padded_length
 from hsx.capture import capture
 from hsx import gdn
-from hsx.model import LoadedModel, PreparedModel
+from hsx.model import LoadedModel
+from hsx.prepare import PreparedModel
 from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 
 

@@ -289,7 +289,7 @@ class RunStats:
     experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
     fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
-    versions: dict[str, str] | None = None  # hsx.model.library_versions: the libraries that computed the states
+    versions: dict[str, str] | None = None  # hsx.prepare.library_versions: the libraries that computed the states
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
     write_seconds: float | None = None
@@ -315,7 +315,7 @@ class Extraction:
 
         from hsx.cost import layer_params, measure_matmul_tflops
         from hsx.engine import Extractor, Pipeline
-        from hsx.model import library_versions
+        from hsx.prepare import library_versions
         from hsx.ready import ready_model
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log

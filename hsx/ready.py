@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from hsx.config import ExtractConfig, HsxError
 
 if TYPE_CHECKING:
-    from hsx.model import LoadedModel, PreparedModel, Target
+    from hsx.model import LoadedModel, Target
+    from hsx.prepare import PreparedModel
 
 CPU_TOKEN_BUDGET = 4096
 
@@ -28,7 +29,7 @@ class ReadyModel:
     """A model ready for the engine, and what was chosen for it."""
     loaded: LoadedModel
     prepared: PreparedModel  # packing, Gated DeltaNet kernels, the compile worker
-    kernels: dict[str, Any]  # hsx.model.kernel_report's, with DeepGEMM's build when one ran
+    kernels: dict[str, Any]  # hsx.prepare.kernel_report's, with DeepGEMM's build when one ran
     packing: str  # "none" (right-padded rows) or "varlen"
     budget: int  # tokens per forward, the same on every rank of a copy
     compile: bool
@@ -45,7 +46,8 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
 
     from hsx import fp8
     from hsx.cost import auto_token_budget, check_token_budget, memory_bytes
-    from hsx.model import kernel_report, load_model, prepare_model, resolve_packing
+    from hsx.model import load_model
+    from hsx.prepare import kernel_report, prepare_model, resolve_packing
     from hsx.moe import has_experts, resolve_experts, use_experts
 
     device = proc.device

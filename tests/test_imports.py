@@ -16,9 +16,9 @@ LAYERS: list[set[str]] = [
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
     {"hsx.config"},  # the job's settings
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
-    # renders, the model and its kernels, length buckets
-    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8",
-     "hsx.buckets", "hsx.kernels"},
+    # renders, the model (loaded; prepared to run) and its kernels, length buckets
+    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.prepare", "hsx.attention", "hsx.gdn", "hsx.moe",
+     "hsx.fp8", "hsx.buckets", "hsx.kernels"},
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
