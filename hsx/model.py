@@ -302,7 +302,8 @@ def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 # What hsx did to a model it loaded, kept beside the model (weakly: gone with it) instead of as attributes on
-# transformers' objects: the attention implementation the job asked for (hsx.prepare.kernel_report reads both).
+# transformers' objects: the attention implementation the job asked for, and (below) the checkpoint's FP8
+# quantization; hsx.prepare's kernel report reads both.
 _ATTN_REQUESTED: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 # The checkpoint's fp8 quantization (transformers drops quantization_config from a model it dequantized on load)
 _QUANTIZATION: "weakref.WeakKeyDictionary[torch.nn.Module, fp8.Fp8Config]" = weakref.WeakKeyDictionary()

@@ -24,6 +24,8 @@ from hsx import attention, fp8, gdn, kernels
 from hsx.config import HsxError
 from hsx.model import checkpoint_quantization, decoder_layers, requested_attention
 
+# How `compile_layers` compiled a model, kept beside it (weakly: gone with it), not as an attribute on
+# transformers' objects
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
