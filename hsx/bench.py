@@ -144,6 +144,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     from hsx import model as hsx_model
     from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
     from hsx.cost import _num_experts, budget_cap, flops, layer_params, measure_matmul_tflops, shape_config
+    from hsx.prepare import compiled_state
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
 
@@ -307,7 +308,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     warm = ExtractConfig(**{**common, "dataset": str(work / "warm"), "output_dir": str(work / "warm-out")})
     warm_info = extract(warm, log=quiet, model=loaded)
     warm_extract_s = time.perf_counter() - t0
-    compiler = hsx_model.compiled_state(loaded.base)
+    compiler = compiled_state(loaded.base)
     if compiler:  # compiled ahead in a worker: the timed run starts on compiled layers (or gives up, one line)
         compiler.wait(WARMUP_COMPILE_WAIT_S)
     warmup_s = time.perf_counter() - t0
@@ -493,7 +494,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     from torch.profiler import ProfilerActivity, profile
 
     from hsx.engine import Extractor, sdpa_backend
-    from hsx.model import compiled_state, prepare_model
+    from hsx.prepare import compiled_state, prepare_model
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0
@@ -583,7 +584,7 @@ def _free(device) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from hsx.model import library_versions
+    from hsx.prepare import library_versions
     from hsx.version import __version__
 
     return {"hsx": __version__, **library_versions()}

@@ -95,4 +95,6 @@ def plan_units(sample_ids: np.ndarray, num_tokens: np.ndarray, max_length: int,
 
 
 def padded_length(lengths: np.ndarray) -> int:
+    """The length a right-padded batch of rows of these lengths runs at: the longest, up to a multiple of
+    PAD_MULTIPLE (hsx.engine pads each batch to it)."""
     return int(-(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)

@@ -504,8 +504,7 @@ def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bo
 
     layers, final_hidden = resolved or resolve_layers(cfg.layers, int(text_config.num_hidden_layers),
                                                       cfg.final_hidden)
-    problem = OutputFormat(len(layers), int(text_config.hidden_size), final_hidden, cfg.storage_dtype,
-                           cfg.topk_logits).problem()
+    problem = OutputFormat.of_job(cfg, layers, text_config.hidden_size, final_hidden).problem()
     if problem:
         raise UsageError(problem)
     check_topk_logits(cfg.topk_logits, int(text_config.vocab_size))

@@ -15,6 +15,7 @@ layer per sequence of length L (sliding-window layers: the pairs inside the wind
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shlex
@@ -502,7 +503,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
             source = (f"the writer's fastest measured {WRITER_BYTES_PER_S / 1e9:.2f} GB/s per process, not the "
                       f"GPU's FLOPs; a model this small is bound by per-batch overheads this plan does not model")
         if storage_dtype != SCALED_DTYPE:  # what --storage-dtype float8_e4m3 would write instead (plan's "to fit")
-            fp8_bpt = OutputFormat(len(layers), h, final_hidden, SCALED_DTYPE, topk_logits).bytes_per_token
+            fp8_bpt = dataclasses.replace(fmt, storage_dtype=SCALED_DTYPE).bytes_per_token
             out.update({"float8_bytes_per_token": fp8_bpt, "float8_total_bytes": tokens * fp8_bpt})
         out.update({"tokens": tokens, "total_bytes": tokens * bpt, "flops_per_token": per_token,
                     "rate_tokens_per_s": rate, "rate_bound": "writer" if "writer" in source else "compute",

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hsx import masks as loss_masks
+from hsx import render
 from hsx.config import ExtractConfig, HsxError
 from hsx.errors import file_system_error, file_system_line
 from hsx.schema import ROW_COLUMNS
@@ -347,7 +348,7 @@ def tokenize(ds, tokenizer, cfg: ExtractConfig, cache_file: str, fingerprint: st
             chat_format = loss_masks.derive_chat_format(tokenizer, dict(cfg.chat_template_kwargs),  # derived
                                                         name=cfg.tokenizer or cfg.model)
         else:  # (derive_chat_format checks this too)
-            loss_masks.check_template_bounds(tokenizer, dict(cfg.chat_template_kwargs), cfg.tokenizer or cfg.model)
+            render.check_template_bounds(tokenizer, dict(cfg.chat_template_kwargs), cfg.tokenizer or cfg.model)
     features = datasets.Features({
         "sample_id": datasets.Value("int64"),
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -479,7 +480,7 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
             tools.append(row_tools(batch["tools"][r]) if "tools" in batch else None)
             prompt_turns.append(prompt_len if any(m["role"] == "assistant" for m in conv[:prompt_len]) else 0)
         if good:
-            max_chars = loss_masks.render_char_limit(max_length)
+            max_chars = render.render_char_limit(max_length)
             rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars, prompt_turns)
             for r, row in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row
@@ -688,7 +689,7 @@ def row_tools(raw: Any) -> list | None:
 
 def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs: dict[str, Any],
                   tools: list | None = None, chat_format: loss_masks.ChatFormat | None = None,
-                  max_chars: int = loss_masks.RENDER_MIN_CHARS,
+                  max_chars: int = render.RENDER_MIN_CHARS,
                   contexts: list[int] | None = None) -> list[loss_masks.Row]:
     """(input_ids, loss_mask, skip_reason) per conversation, by the template's generation markers when it has
     them, else by turns derived from the template (hsx.masks); the assistant turns among a conversation's first
@@ -696,7 +697,7 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
     conversation (masks.derived_mask_tokenize, masks.context_unsupervised: `prompt_turn_unattributed` where a
     marker template's run cannot be told). A conversation the template refuses (a role it
     rejects with raise_exception, content it cannot render, ...) is skipped as `chat_template_error`; one whose
-    render runs past the bounds of hsx.masks (CPU time; characters, `max_chars`) as
+    render runs past the bounds of hsx.render (CPU time; characters, `max_chars`) as
     `chat_template_timeout` / `chat_template_output_too_long`. A row whose tool calls or messages of a role other
     than user, assistant and system the template renders nothing of is skipped as `tool_call_not_rendered` /
     `message_not_rendered` (hsx.masks.unrendered): its mask or its context would be wrong."""
@@ -721,10 +722,10 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
             if rows is not None:
                 results = []
                 for row, conv, context in zip(rows, firsts, contexts):
-                    with loss_masks.row_budget():
+                    with render.row_budget():
                         try:
                             results.append(checked(context_free(row, conv, None, context), conv, None))
-                        except loss_masks.RenderLimit as e:
+                        except render.RenderLimit as e:
                             results.append(([], [], e.reason))
                 return results
 
@@ -739,12 +740,12 @@ def chat_tokenize(tokenizer, convs: list[list[dict[str, Any]]], template_kwargs:
                                                     context)
     results = []
     for conv, row_tools, context in zip(convs, tools, contexts):
-        with loss_masks.row_budget():  # (every render of the row, its variants and checks, together)
+        with render.row_budget():  # (every render of the row, its variants and checks, together)
             for variant in _render_variants(conv):
                 try:
                     results.append(checked(one(variant, row_tools, context), variant, row_tools))
                     break
-                except loss_masks.RenderLimit as e:  # (another variant would run as long)
+                except render.RenderLimit as e:  # (another variant would run as long)
                     results.append(([], [], e.reason))
                     break
                 except Exception:  # noqa: BLE001
@@ -804,17 +805,17 @@ def _text_arguments(call: Any) -> Any:
 
 
 def _generation_mask_tokenize(tokenizer, convs, template_kwargs, tools,
-                              max_chars: int = loss_masks.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
+                              max_chars: int = render.RENDER_MIN_CHARS) -> list[loss_masks.Row]:
     """Rendered as text first, its length checked, then rendered and tokenized with the assistant mask: transformers
     renders and tokenizes in one call there, and a render of hundreds of MB reaching the tokenizer aborts the
     process (an allocation it cannot make). The second render costs about what the first does, a small part of
     tokenizing."""
     # (a batch's normal rows take a fraction of its CPU time)
-    with loss_masks.render_bounds(tokenizer, template_kwargs, tools, max_chars):
+    with render.render_bounds(tokenizer, template_kwargs, tools, max_chars):
         texts = tokenizer.apply_chat_template(convs, tools=tools, tokenize=False, **template_kwargs)
         for text in [texts] if isinstance(texts, str) else texts:
             if len(text) > max_chars:
-                raise loss_masks.RenderLimit("chat_template_output_too_long", f"the chat template rendered "
+                raise render.RenderLimit("chat_template_output_too_long", f"the chat template rendered "
                                              f"{len(text):,} characters for one conversation (at most {max_chars:,})")
         enc = tokenizer.apply_chat_template(convs, tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, **template_kwargs)

@@ -28,11 +28,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hsx.buckets import PAD_MULTIPLE
+from hsx.buckets import PAD_MULTIPLE, padded_length
 from hsx.capture import capture
 from hsx import gdn
-from hsx.model import LoadedModel, PreparedModel
-from hsx.schema import DEFAULT_STORAGE_DTYPE, ROW_COLUMNS, Column, OutputFormat, encode
+from hsx.model import LoadedModel
+from hsx.prepare import PreparedModel
+from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 
 
 @dataclass
@@ -65,19 +66,20 @@ class Extractor:
     """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
-                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip",
-                 storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0):
+                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None):
+        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype and top-k logits); None: the loaded
+        layers in the default storage dtype."""
+        fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device
         self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
         self.layers, self.final = loaded.layers, loaded.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
-        self.storage_dtype = storage_dtype
-        self.topk = topk_logits
+        self.storage_dtype = fmt.storage_dtype
+        self.topk = fmt.topk
         if self.topk and (not self.final or loaded.lm_head is None):
             raise ValueError("top-k logits need the final-norm state and the lm_head weight")
-        self.columns = OutputFormat(len(self.layers), self.hidden, self.final, storage_dtype,
-                                    topk_logits).state_columns()
+        self.columns = fmt.state_columns()
         self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
         self.cuda = device.type == "cuda"
@@ -181,7 +183,7 @@ class Extractor:
             a, z = pending.pop(0)
             sub_len = lengths[a:z]
             if self.packing == "none":
-                padded = int(-(-int(sub_len.max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+                padded = padded_length(sub_len)
                 cost = (z - a) * padded  # tokens computed, padding included
             else:  # one sequence: the rows back to back, then padding up to a multiple of 8 (16: fla's kernels)
                 padded = cost = int(-(-int(sub_len.sum()) // self.pack_multiple) * self.pack_multiple)

@@ -6,10 +6,11 @@ finishes with hsx.json and the card. `hsx.run.stream` runs tokenize → units �
 training loop. Both compute the same rows in the same order: what tokenization keeps, in units planned the same
 way, through the same Extractor and Pipeline.
 
-Each step takes what the one before returned: `Job.prepare` (the model's facts, the input, the job's fingerprint)
-→ `Job.claim` + `Job.tokenize_into`, or `Job.tokenize` (tokenized rows) → `Job.units` (`Units`: the ordered rows,
-the units, the input's counts) → `Extraction` (model → Extractor → Pipeline; `RunStats`, `UnitCounts`)
-→ `commit_units` → `finish` (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
+Each step takes what the one before returned: `Job.prepare` (the target, hsx.model.Target: the model's facts and
+layers, read once; the input; the job's fingerprint) → `Job.claim` + `Job.tokenize_into`, or `Job.tokenize`
+(tokenized rows) → `Job.units` (`Units`: the ordered rows, the units, the input's counts) → `Extraction` (the
+model hsx.ready makes ready → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units` → `finish`
+(hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
 """
 
 from __future__ import annotations
@@ -20,56 +21,26 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsx.version import __version__
 from hsx.buckets import UNIT_PLAN, Unit, plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError, target_layers
-from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord, OutputFormat
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
+from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
                       job_fingerprint, read_json)
 from hsx.vocab import write_token_frequencies
 
-CPU_TOKEN_BUDGET = 4096
+if TYPE_CHECKING:
+    from hsx.model import Target
+
 RANK_STATS_WAIT_SECONDS = 60.0
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
 
 
 # ---- the model's facts and the input: Job.prepare ----------------------------------------------------------------
-
-@dataclass
-class Target:
-    """The model as the job sees it: where it is, its text config, and the layers captured from it."""
-    model_path: str
-    revision: str | None
-    text: Any  # the text model's PretrainedConfig
-    num_layers: int
-    layers: list[int]
-    final_hidden: bool
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.text.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.text.vocab_size)
-
-
-def read_target(cfg: ExtractConfig, model=None) -> Target:
-    """The model's config (not its weights) and the layers `cfg` asks for; `model` (a LoadedModel) is used as is."""
-    if model is None:
-        model_path, revision, text = _model_facts(cfg)
-        num_layers = int(text.num_hidden_layers)
-        layers, final_hidden = target_layers(cfg, text)
-    else:
-        model_path, revision, text = model.model_path, model.revision, model.text_config
-        num_layers = model.num_model_layers
-        layers, final_hidden = target_layers(cfg, text, (model.layers, model.final_hidden))
-    return Target(model_path, revision, text, num_layers, layers, final_hidden)
-
 
 @dataclass
 class InputCounts:
@@ -108,14 +79,13 @@ class Job:
     @classmethod
     def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
         from hsx import data
+        from hsx.model import read_target
 
         began_ns = time.time_ns()
         target = read_target(cfg, model)
         raw = data.load_input(cfg)
         tokenizer = _tokenizer(cfg, target.model_path) if data.row_format(raw.column_names) != "input_ids" else None
-        bytes_per_token = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden,
-                                       cfg.storage_dtype, cfg.topk_logits).bytes_per_token
-        unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // bytes_per_token)
+        unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // target.format.bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         plain = data.plain_completion(raw, cfg)
         mask = data.mask_method(raw.column_names, tokenizer, plain)
@@ -244,18 +214,6 @@ def command_line() -> str:
     return "hsx " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and sys.argv[0] else "hsx extract"
 
 
-def _model_facts(cfg: ExtractConfig):
-    from hsx.model import check_checkpoint, read_model_config, resolve_model_path, text_config_of
-
-    model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
-    from hsx.fp8 import carry_quantization
-
-    full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
-    text = carry_quantization(full, text_config_of(full))
-    check_checkpoint(model_path, cfg.model, text)  # (before the job claims a dir: a damaged one is refused first)
-    return model_path, revision, text
-
-
 def _tokenizer(cfg: ExtractConfig, model_path: str):
     from transformers import AutoTokenizer
 
@@ -331,7 +289,7 @@ class RunStats:
     experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
     fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
-    versions: dict[str, str] | None = None  # hsx.model.library_versions: the libraries that computed the states
+    versions: dict[str, str] | None = None  # hsx.prepare.library_versions: the libraries that computed the states
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
     write_seconds: float | None = None
@@ -343,7 +301,7 @@ class RunStats:
 
 
 class Extraction:
-    """The job's engine step on this rank: the model loaded and prepared, hsx.engine's Extractor and Pipeline over
+    """The job's engine step on this rank: the model made ready (hsx.ready), hsx.engine's Extractor and Pipeline over
     `units`' batches, in order, with the run's stats and progress bar. Call it on each batch (the
     function `datasets.map` runs, or a stream's loop), `release()` after each unit, and `close()` (or use it as a
     context manager) at the end: that stops the producer thread and frees the slots."""
@@ -351,95 +309,31 @@ class Extraction:
     def __init__(self, cfg: ExtractConfig, proc, target: Target, ordered, units: list[Unit], loaded=None,
                  log=print, progress: bool = True, feed=None):
         """`feed`: the units to run, in order, when they are claimed as the job goes (hsx.claims.Claimed.feed);
-        `units` are then those it may give (they size the batches and the progress bar)."""
-        import torch
+        `units` are then those it may give (they size the batches and the progress bar); `loaded`: a model given
+        (hsx bench's), which outlives the job, and so does its compile."""
         from tqdm.auto import tqdm
 
-        from hsx import fp8
-        from hsx.cost import (auto_token_budget, check_token_budget, layer_params, measure_matmul_tflops,
-                              memory_bytes)
+        from hsx.cost import layer_params, measure_matmul_tflops
         from hsx.engine import Extractor, Pipeline
-        from hsx.model import kernel_report, library_versions, load_model, prepare_model, resolve_packing
-        from hsx.moe import has_experts, resolve_experts, use_experts
+        from hsx.prepare import library_versions
+        from hsx.ready import ready_model
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device
         cuda = device.type == "cuda"
-        self.owns_model = loaded is None  # a model given (hsx bench's) outlives the job, and so does its compile
-        self.loaded = loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config())
-        use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
-        quant = fp8.quantization_of(loaded.text_config)
-        # Options a recipe may set for every model, which this one leaves unused: one line each, not a refusal (a
-        # recipe shared between a dense and an MoE model, a bf16 and an FP8 one, stays usable for both)
-        if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
-            log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "
-                "mixture-of-experts layers")
-        if cfg.fp8_gemm != "auto" and quant is None:
-            log(f"hsx: --fp8-gemm {cfg.fp8_gemm} does not apply: {cfg.model} is not an FP8 checkpoint (its linear "
-                f"layers run in {cfg.dtype})")
-        instead = fp8.runs_instead(quant, device) if quant is not None else None
-        gemm = None
-        if quant is not None and instead is None:
-            gemm = fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
-        blocker = fp8.transformers_fp8_blocker(loaded.base) if quant is not None else None
-        if blocker:
-            raise HsxError(blocker)
-        kernels = kernel_report(loaded.base)
-        if instead:
-            log(instead)
-        for line in kernels.get("fallbacks", {}).values():  # kernels not checked on this GPU (hsx.kernels)
-            log(line)
-        if kernels.get("linear_attention_forward") == "transformers":
-            log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "
-                f"({kernels.get('linear_attention_note')}; kernels: {kernels.get('linear_attention')}, conv "
-                f"{kernels.get('causal_conv1d')})")
-        if kernels.get("attn_implementation") != kernels.get("attn_implementation_requested"):
-            log(f"hsx: attention runs as {kernels.get('attn_implementation')!r} "
-                f"({kernels.get('attn_implementation_requested')!r} is not available for this model)")
-        packing, why_not = resolve_packing(loaded.base, cfg.packing, cuda,
-                                           cfg.gpus_per_copy == 1 and cfg.tp_size == 1, cfg.attn_implementation)
-        if why_not:
-            log(f"hsx: batches run right-padded, not packed: {why_not}")
-        fmt = OutputFormat(len(target.layers), target.hidden_size, target.final_hidden, cfg.storage_dtype,
-                           cfg.topk_logits, cfg.nonfinite == "keep")
+        self.ready = ready = ready_model(cfg, proc, target, loaded, log)
+        self.loaded, self.budget = ready.loaded, ready.budget
+        budget, kernels, fmt = ready.budget, ready.kernels, target.format
         self.values_per_token = fmt.values_per_token  # hidden states and the final-norm state
-        if cfg.token_budget:
-            budget = cfg.token_budget
-            check_token_budget(loaded.text_config, self.values_per_token, budget, memory_bytes(device),
-                               "this machine's memory" if device.type == "cpu" else f"GPU {device}")
-        elif cuda:
-            budget = auto_token_budget(loaded.text_config, self.values_per_token,
-                                       torch.cuda.mem_get_info(device)[0],
-                                       cfg.max_length, eager_attention=packing == "none"
-                                       and kernels.get("attn_implementation") == "eager")
-        else:
-            budget = CPU_TOKEN_BUDGET
-        # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).
-        self.budget = budget = -proc.agree_max(-budget)
-        # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
-        use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
-                                              and cfg.tp_size == 1)
-        prepared = prepare_model(loaded.base, packing, compile_model=use_compile, cuda=cuda, log=log)
-        self.extractor = Extractor(loaded, device, budget, prepared, sdpa_backend=cfg.sdpa_backend,
-                                   nonfinite=cfg.nonfinite, storage_dtype=cfg.storage_dtype,
-                                   topk_logits=cfg.topk_logits)
-        if gemm is not None:  # (DeepGEMM may run some shapes as the fallback of another device choice too)
-            rows = max(budget, cfg.max_length or 0)
-            shapes, products, seconds = fp8.build_deepgemm_kernels(loaded.base, rows)
-            if shapes:
-                kernels["deepgemm_build"] = {"weight_shapes": shapes, "rows": [fp8.DEEPGEMM_MIN_ROWS, rows],
-                                             "products": products, "seconds": round(seconds, 1)}
-                log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
-                    + (f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
-                       f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products
-                       else "rows: built earlier in this process"))
+        self.extractor = Extractor(ready.loaded, device, budget, ready.prepared, sdpa_backend=cfg.sdpa_backend,
+                                   nonfinite=cfg.nonfinite, fmt=fmt)
         self.features = fmt.features()
-        self.peak_tflops = measure_matmul_tflops(device, fp8=quant is not None and not instead) if cuda else None
-        self.per_layer = layer_params(loaded.text_config)
-        self.stats = RunStats(flops=0.0, token_budget=budget, compile=use_compile, device=str(device),
+        self.peak_tflops = measure_matmul_tflops(device, fp8=ready.fp8_matmuls) if cuda else None
+        self.per_layer = layer_params(ready.loaded.text_config)
+        self.stats = RunStats(flops=0.0, token_budget=budget, compile=ready.compile, device=str(device),
                               tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,
-                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=packing,
-                              experts_implementation=kernels.get("experts_implementation"), fp8_gemm=gemm,
+                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=ready.packing,
+                              experts_implementation=kernels.get("experts_implementation"), fp8_gemm=ready.fp8_gemm,
                               kernels=kernels, versions=library_versions())
         max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)
         self.bar = tqdm(total=sum(u.tokens for u in units), unit="tok", unit_scale=True, desc="extracting",
@@ -506,7 +400,7 @@ class Extraction:
             self.pipeline.close()
         finally:
             if self.extractor.compiler is not None:
-                self.extractor.compiler.close(finish=not self.owns_model)
+                self.extractor.compiler.close(finish=not self.ready.owns_model)
         self.bar.close()
         s.seconds = time.perf_counter() - self.t0
         s.gpu_waited_for_writer_seconds = self.pipeline.wait_seconds

@@ -120,6 +120,14 @@ class OutputFormat:
     flag_nonfinite: bool = False
 
     @classmethod
+    def of_job(cls, cfg, layers: list[int], hidden: int, final_hidden: bool) -> "OutputFormat":
+        """The format a job's config (its storage dtype, top-k logits, `nonfinite`) gives `layers` (and the
+        final-norm state) of a model `hidden` wide: where a job's format is made (hsx.model.Target's, the checks of
+        hsx.config.target_layers)."""
+        return cls(len(layers), int(hidden), final_hidden, cfg.storage_dtype, cfg.topk_logits,
+                   cfg.nonfinite == "keep")
+
+    @classmethod
     def of(cls, info: "Info | Summary") -> "OutputFormat":
         """The format an hsx.json (or summary) describes."""
         return cls(len(info.layers), info.hidden_size, info.final_hidden, info.storage_dtype,

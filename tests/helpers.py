@@ -535,11 +535,11 @@ def chat_tokenize_peak(tok, conversations, fmt):
     max_length, and the peak of Python's allocations (tracemalloc) while it ran: (rows, peak bytes)."""
     import tracemalloc
 
-    from hsx import data, masks
+    from hsx import data, render
 
     tracemalloc.start()
     try:
-        rows = data.chat_tokenize(tok, conversations, {}, None, fmt, masks.render_char_limit(64))
+        rows = data.chat_tokenize(tok, conversations, {}, None, fmt, render.render_char_limit(64))
         return rows, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -30,8 +30,8 @@ import transformers
 from helpers import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
 from hsx.config import HsxError
 from hsx.engine import Extractor, Pipeline
-from hsx.model import (kernel_report, load_model, packing_blocker, prepare_model, resolve_packing,
-                       text_weights_prefix, truncated_view)
+from hsx.model import load_model, text_weights_prefix, truncated_view
+from hsx.prepare import kernel_report, packing_blocker, prepare_model, resolve_packing
 
 CPU = torch.device("cpu")
 VOCAB = 512  # >= hsx.demo.build_tokenizer()'s vocabulary, for the end-to-end runs
@@ -601,7 +601,7 @@ def test_hybrid_packing_resolution_without_fla_or_cuda(tmp_path_factory, monkeyp
     """Gated DeltaNet layers pack only on hsx's fla forward: on CPU, or without flash-linear-attention, auto picks
     right-padded batches and says why in one line; an explicit --packing varlen is refused with the reason."""
     from hsx import gdn
-    from hsx.model import use_packing
+    from hsx.prepare import use_packing
 
     fam = get_family("qwen3_5", tmp_path_factory)
     for fla_present, why in ((False, "flash-linear-attention is not installed"), (True, "need CUDA")):

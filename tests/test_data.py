@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
-from hsx import data, masks
+from hsx import data, masks, render
 from hsx.config import ExtractConfig, HsxError
 
 EXPECTED_HAND_TEXT = (
@@ -934,7 +934,7 @@ def test_hostile_row_formats_are_a_reason_or_a_render(raw, system, reason):
     if not why:
         assert all(m["role"] != "system" for m in conv)
         tok = family("qwen3")
-        rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), masks.render_char_limit(64))
+        rows = data.chat_tokenize(tok, [conv], {}, None, masks.derive_chat_format(tok, {}), render.render_char_limit(64))
         assert rows[0][2] in ("", "chat_template_output_too_long"), rows[0][2]
 
 

@@ -15,7 +15,8 @@ import torch
 from helpers import as_table, bf16_ulps, make_cfg
 from hsx.capture import capture
 from hsx.engine import Extractor, Pipeline
-from hsx.model import load_model, prepare_model
+from hsx.model import load_model
+from hsx.prepare import prepare_model
 
 CPU = torch.device("cpu")
 
@@ -308,7 +309,7 @@ def test_inductors_fx_trace_runs_before_the_compile_worker(monkeypatch):
     import torch
     from torch._inductor.loop_body import InterpreterShim
 
-    from hsx.model import CompileAhead
+    from hsx.prepare import CompileAhead
 
     InterpreterShim._dummy_gm.cache_clear()
     traced_on = []
@@ -335,7 +336,7 @@ def test_a_second_ctrl_c_while_joining_the_compile_worker_ends_it_first():
 
     import torch
 
-    from hsx.model import CompileAhead
+    from hsx.prepare import CompileAhead
     from hsx.run import stop_on_signal
 
     compiling, compiled = threading.Event(), []
@@ -376,8 +377,8 @@ def test_the_compile_waits_for_a_representative_batch_and_takes_the_largest():
     asks for it (a benchmark's warm-up), never on a small first batch alone."""
     import torch
 
-    from hsx import model
-    from hsx.model import CompileAhead
+    from hsx import prepare
+    from hsx.prepare import CompileAhead
 
     ran = []
     cpu = torch.device("cpu")
@@ -397,10 +398,10 @@ def test_the_compile_waits_for_a_representative_batch_and_takes_the_largest():
     assert state.ready.is_set() and ran == [2048]
 
     state = compiling(CompileAhead(log=lambda *a: None))
-    for i in range(model.SAMPLE_FORWARDS):
+    for i in range(prepare.SAMPLE_FORWARDS):
         state.record(("a",), (torch.zeros(1, 10 + i % 3, 4),), {})
         state.start(cpu, 10 + i % 3, 4096)
-        assert (state.thread is None) == (i < model.SAMPLE_FORWARDS - 1)  # small batches only: the 16th starts it
+        assert (state.thread is None) == (i < prepare.SAMPLE_FORWARDS - 1)  # small batches only: the 16th starts it
     state.thread.join(30)
     assert ran[-1] == 12
 

@@ -37,6 +37,8 @@ from helpers import (
     torn_manifest_copy,
 )
 
+from hsx.buckets import padded_length
+
 
 def unit_crcs(out: Path) -> dict[str, str]:
     return {r["unit"]: r["crc32"] for r in manifest_records(out)}
@@ -131,7 +133,23 @@ def test_signal_stops_after_the_current_unit_and_resumes(tmp_path, fault_referen
 # ---- CUDA out of memory (faked) --------------------------------------------------------------------------------
 
 def padded(n: int) -> int:
-    return -(-n // 8) * 8
+    """The length a row of n tokens runs at alone (hsx.engine pads a batch to `padded_length`)."""
+    return padded_length(np.array([n]))
+
+
+def hook_loaded_models(monkeypatch, install) -> None:
+    """`install(base)` on each model a job loads (hsx.model.load_model, which hsx.ready calls): a fault enters
+    where a real one does, in the model's own forward."""
+    import hsx.model
+
+    real_load_model = hsx.model.load_model
+
+    def load_model(*args, **kwargs):
+        loaded = real_load_model(*args, **kwargs)
+        install(loaded.base)
+        return loaded
+
+    monkeypatch.setattr(hsx.model, "load_model", load_model)
 
 
 @pytest.mark.slow
@@ -160,16 +178,15 @@ def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypat
         drop = {s for s, v in rows.items() if padded(len(v)) > limit}
         assert 1 <= len(drop) < 5
     calls = {"oom": 0, "forward": 0}
-    real_forward = Extractor._forward
 
-    def forward(self, ids, index, packed=None):
+    def forward(module, args, kwargs):  # (before the model's forward: where a CUDA OOM is raised)
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         has_victim = victim is not None and ids.shape[1] >= len(victim) and bool(
             (ids[:, :len(victim)] == victim).all(1).any())
         if ids.numel() > limit or (ids.shape[0] > 1 and ids.numel() > multi_row_limit) or has_victim:
             calls["oom"] += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (fake)")
         calls["forward"] += 1
-        return real_forward(self, ids, index, packed)
 
     real_run_batch = Extractor.run_batch
     whole = set()  # sample_ids of the map batches that ran as one forward, at the reference's shapes
@@ -181,7 +198,7 @@ def test_fake_oom_splits_and_drops_only_rows_that_cannot_fit(tmp_path, monkeypat
             whole.update(table.column("sample_id").to_pylist())
         return result
 
-    monkeypatch.setattr(Extractor, "_forward", forward)
+    hook_loaded_models(monkeypatch, lambda base: base.register_forward_pre_hook(forward, with_kwargs=True))
     monkeypatch.setattr(Extractor, "run_batch", run_batch)
     out = tmp_path / "out"
     rc, stdout, stderr = hsx_main(ref.argv(out))
@@ -333,32 +350,30 @@ def marker_token(table) -> tuple[int, set[int]]:
     return token, where[token]
 
 
-def poison_rows_with(monkeypatch, token: int) -> None:
-    """Make the model produce NaN for every sequence that holds `token`: decoder layer 0's output becomes NaN in
-    those rows of the batch, so every captured layer and the final norm are NaN there (and nowhere else)."""
+def poison(base, token: int) -> None:
+    """Make `base` produce NaN for every sequence that holds `token`: decoder layer 0's output becomes NaN in those
+    rows of the batch, so every captured layer and the final norm are NaN there (and nowhere else)."""
     import hsx.model
 
-    real_load_model = hsx.model.load_model
+    seen = {}
 
-    def load_model(*args, **kwargs):
-        loaded = real_load_model(*args, **kwargs)
-        seen = {}
+    def remember_ids(module, args, kwargs):
+        seen["ids"] = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
 
-        def remember_ids(module, args, kwargs):
-            seen["ids"] = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    def poison_layer(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        rows = (seen["ids"] == token).any(dim=1)
+        if bool(rows.any()):
+            h[rows] = float("nan")
+        return output
 
-        def poison(module, args, output):
-            h = output[0] if isinstance(output, tuple) else output
-            rows = (seen["ids"] == token).any(dim=1)
-            if bool(rows.any()):
-                h[rows] = float("nan")
-            return output
+    base.register_forward_pre_hook(remember_ids, with_kwargs=True)
+    hsx.model.decoder_layers(base)[0].register_forward_hook(poison_layer)
 
-        loaded.base.register_forward_pre_hook(remember_ids, with_kwargs=True)
-        hsx.model.decoder_layers(loaded.base)[0].register_forward_hook(poison)
-        return loaded
 
-    monkeypatch.setattr(hsx.model, "load_model", load_model)
+def poison_rows_with(monkeypatch, token: int) -> None:
+    """Every model the job loads poisoned (`poison`)."""
+    hook_loaded_models(monkeypatch, lambda base: poison(base, token))
 
 
 @pytest.fixture(scope="module")
@@ -429,20 +444,8 @@ def test_verify_accepts_flagged_rows_the_model_really_produces(tmp_path, monkeyp
     real = transformers.AutoModel.from_pretrained
 
     def from_pretrained(*a, **k):  # the reference forward of verify produces the same NaN for the same rows
-        import hsx.model
-
         model = real(*a, **k)
-        seen = {}
-        model.register_forward_pre_hook(lambda m, args, kw: seen.__setitem__("ids", kw["input_ids"]), with_kwargs=True)
-
-        def poison(module, args, output):
-            h = output[0] if isinstance(output, tuple) else output
-            rows = (seen["ids"] == token).any(dim=1)
-            if bool(rows.any()):
-                h[rows] = float("nan")
-            return output
-
-        hsx.model.decoder_layers(model)[0].register_forward_hook(poison)
+        poison(model, token)
         return model
 
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", from_pretrained)

@@ -231,7 +231,8 @@ def test_fp8_checkpoint_loads_on_cpu_dequantized_and_the_fingerprint_records_it(
     """On CPU, transformers dequantizes at load: the states equal the bf16 model of the dequantized weights (the
     line above says so), and the job fingerprint / kernel report name the quantization."""
     from hsx.job import _quantization_identity
-    from hsx.model import kernel_report, load_model
+    from hsx.model import load_model
+    from hsx.prepare import kernel_report
 
     folder, causal = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
     loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1, 3],
@@ -324,7 +325,8 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     import transformers
 
     from hsx.engine import Extractor, Pipeline
-    from hsx.model import kernel_report, load_model, prepare_model
+    from hsx.model import load_model
+    from hsx.prepare import kernel_report, prepare_model
 
     device = torch.device("cuda", 0)
     folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
@@ -555,7 +557,8 @@ def test_fp8_expert_ops_are_the_block_scaled_products():
 def test_fp8_moe_checkpoint_loads_on_cpu_dequantized(tmp_path, capsys):
     """On CPU transformers dequantizes the experts too: the states equal the float32 model of the dequantized
     weights, the line says so, and hsx.json's report names it."""
-    from hsx.model import kernel_report, load_model
+    from hsx.model import load_model
+    from hsx.prepare import kernel_report
 
     folder, causal = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
     loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1],
@@ -646,7 +649,8 @@ def test_fp8_moe_blocks_equal_transformers_fp8_forward(tmp_path, kind):
     import transformers
 
     from hsx import moe
-    from hsx.model import kernel_report, load_model
+    from hsx.model import load_model
+    from hsx.prepare import kernel_report
 
     device = torch.device("cuda", 0)
     folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
@@ -1554,7 +1558,7 @@ def test_library_versions_name_the_kernel_packages_present_and_a_source_tree_mod
     import sys
     from importlib import metadata
 
-    from hsx.model import STATE_LIBRARIES, library_versions
+    from hsx.prepare import STATE_LIBRARIES, library_versions
 
     found = library_versions()
     assert found["torch"] == torch.__version__ and found["datasets"] == metadata.version("datasets")

@@ -10,7 +10,8 @@ import torch
 
 from hsx.demo import build_model, build_tokenizer
 from hsx.engine import Extractor, Pipeline
-from hsx.model import LoadedModel, prepare_model, truncated_view
+from hsx.model import LoadedModel, truncated_view
+from hsx.prepare import prepare_model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -150,7 +151,7 @@ def test_packed_hybrid_equals_one_row_reference():
     the varlen kernel) equals transformers' one-row forward within bf16 tolerance, eager and compiled; so do
     right-padded batches on the same fla forward."""
     pytest.importorskip("fla")
-    from hsx.model import kernel_report
+    from hsx.prepare import kernel_report
 
     causal = _hybrid()
     rng = np.random.default_rng(3)
@@ -219,11 +220,11 @@ def _torch_delta_rule(causal):
     throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
     chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). Older transformers
     bound the rule to each layer when built; later ones (5.17 on) call a module-level function that dispatches to
-    fla when fla is installed (`hsx.model.fallback_closure` finds its torch rule). Both are rebound, and restored
+    fla when fla is installed (`hsx.prepare.fallback_closure` finds its torch rule). Both are rebound, and restored
     after."""
     import sys
 
-    from hsx.model import fallback_closure
+    from hsx.prepare import fallback_closure
 
     modeling = sys.modules[type(causal).__module__]
     dispatch = getattr(modeling, "torch_chunk_gated_delta_rule", None)
@@ -255,7 +256,7 @@ def test_packed_hybrid_moe_equals_one_row_reference():
     pytest.importorskip("fla")
     pytest.importorskip("transformers.models.qwen3_5_moe")
     from hsx import gdn, moe
-    from hsx.model import kernel_report
+    from hsx.prepare import kernel_report
 
     causal = _hybrid_moe()
     rng = np.random.default_rng(6)
@@ -291,7 +292,7 @@ def test_fla_autotuning_is_settled_ahead():
     from triton.runtime.autotuner import Autotuner
 
     from hsx import gdn, kernels
-    from hsx.model import kernel_report
+    from hsx.prepare import kernel_report
 
     if not kernels.runs_on("fla_tuned_configs", tuple(torch.cuda.get_device_capability())):
         pytest.skip("hsx's fla configs are for the GPUs hsx.kernels says they were checked on")

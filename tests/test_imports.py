@@ -15,16 +15,17 @@ LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
     {"hsx.config"},  # the job's settings
-    # what a config is turned into: the fingerprint, loss masks, the model and its kernels, length buckets
-    {"hsx.fingerprint", "hsx.masks", "hsx.model", "hsx.attention", "hsx.gdn", "hsx.moe", "hsx.fp8", "hsx.buckets",
-     "hsx.kernels"},
+    # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
+    # renders, the model (loaded; prepared to run) and its kernels, length buckets
+    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.prepare", "hsx.attention", "hsx.gdn", "hsx.moe",
+     "hsx.fp8", "hsx.buckets", "hsx.kernels"},
     # rows in, states out, and the output dir they are written to
     {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
-    # pricing a job, reading, merging, exporting, checking, publishing and following an output dir
-    # (hsx.flight: follow's network source; hsx.serve: the server answering it; hsx.torch_data: the torch datasets
-    # follow and load hand out, imported when they build one)
-    {"hsx.cost", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub", "hsx.follow",
-     "hsx.flight", "hsx.serve", "hsx.torch_data"},
+    # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
+    # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
+    # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)
+    {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
+     "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data"},
     {"hsx.job"},  # one job's steps
     {"hsx.run"},  # running them as one rank of a launch
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark

@@ -87,7 +87,7 @@ def test_cpu_and_other_dtypes():
                          ids=["sm_90", "sm_120"])
 def test_the_kernel_report_records_the_capability_and_each_fallback(cap, fallbacks, monkeypatch, tokenizer):
     from hsx.demo import build_model
-    from hsx.model import kernel_report
+    from hsx.prepare import kernel_report
 
     import torch
 
@@ -103,7 +103,7 @@ def test_the_kernel_report_records_the_capability_and_each_fallback(cap, fallbac
 
 def test_packing_is_refused_where_flash_varlen_does_not_run(monkeypatch, tokenizer):
     from hsx.demo import build_model
-    from hsx.model import packing_blocker
+    from hsx.prepare import packing_blocker
 
     base = build_model(tokenizer, num_layers=2).model
     monkeypatch.setattr(kernels, "capability_of", lambda device: (7, 5))

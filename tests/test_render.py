@@ -10,7 +10,7 @@ import pytest
 from helpers import chat_tokenize_peak
 from chat_families import FAMILIES, QWEN3, family
 
-from hsx import data, masks
+from hsx import data, masks, render
 from hsx.config import HsxError
 
 
@@ -28,7 +28,7 @@ def test_a_template_that_multiplies_every_row_stops_the_job_in_one_line(monkeypa
 
 def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch):
     monkeypatch.setattr(masks, "RENDER_CPU_SECONDS", 0.5)
-    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    monkeypatch.setattr(render.cpu_time_limit, "__defaults__", (0.5,))
     loops = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}{% endfor %}" \
             "{% endfor %}{% endfor %}"
     tok = family("qwen3", loops + QWEN3)
@@ -37,7 +37,7 @@ def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch
 
 
 def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
-    monkeypatch.setattr(masks.cpu_time_limit, "__defaults__", (0.5,))
+    monkeypatch.setattr(render.cpu_time_limit, "__defaults__", (0.5,))
     bomb = ("{%- if 'BOOM' in message.content %}{{ message.content * 3000000 }}{% endif %}"
             "{%- if 'LOOP' in message.content %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
             "{% endfor %}{% endif %}")
@@ -45,7 +45,7 @@ def test_a_row_whose_render_explodes_is_a_counted_skip_naming_why(monkeypatch):
     assert bomb in tok.chat_template
     fmt = masks.derive_chat_format(tok, {})
     convs = [CONV, [{"role": "user", "content": "BOOM"}, CONV[1]], [{"role": "user", "content": "LOOP"}, CONV[1]]]
-    reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, masks.render_char_limit(64))]
+    reasons = [r[2] for r in data.chat_tokenize(tok, convs, {}, None, fmt, render.render_char_limit(64))]
     assert reasons == ["", "chat_template_output_too_long", "chat_template_timeout"]
 
 
@@ -68,10 +68,10 @@ def test_a_row_that_explodes_a_template_with_generation_markers_never_reaches_th
         return real_call(self, text, *a, **k)
 
     monkeypatch.setattr(type(tok), "__call__", counting_call)
-    rows = data.chat_tokenize(tok, convs, {}, None, None, masks.render_char_limit(64))
+    rows = data.chat_tokenize(tok, convs, {}, None, None, render.render_char_limit(64))
     assert [r[2] for r in rows] == ["", "chat_template_output_too_long", ""]
     assert rows[0][:2] == rows[2][:2] and sum(rows[0][1]) > 0  # marker masks of the other rows
-    assert seen and max(seen) < masks.render_char_limit(64)  # the tokenizer never saw the exploded render
+    assert seen and max(seen) < render.render_char_limit(64)  # the tokenizer never saw the exploded render
 
 
 def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
@@ -87,7 +87,7 @@ def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
     many = [m for _ in range(300) for m in ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     start = time.process_time()
-    rows = data.chat_tokenize(tok, [fine, many, fine], {}, None, fmt, masks.render_char_limit(131072))
+    rows = data.chat_tokenize(tok, [fine, many, fine], {}, None, fmt, render.render_char_limit(131072))
     spent = time.process_time() - start
     assert [r[2] for r in rows] == ["", "chat_template_timeout", ""]
     assert rows[0][0] and rows[0] == rows[2]
@@ -128,15 +128,15 @@ def test_a_template_with_an_unbounded_step_is_refused_before_it_renders(power):
         masks.derive_chat_format(tok, {}, name="evil")
     tok.chat_template = {"default": QWEN3, "tool_use": power + QWEN3}  # every named template is read
     with pytest.raises(HsxError, match="small constant"):
-        masks.check_template_bounds(tok, {}, name="evil")
-    assert masks.unbounded_step(power + QWEN3).startswith("`*")
+        render.check_template_bounds(tok, {}, name="evil")
+    assert render.unbounded_step(power + QWEN3).startswith("`*")
 
 
 def test_small_constant_powers_render_as_before():
     tok = family("qwen3", "{%- set unit = 2 ** 10 %}{%- set half = 2 ** -1 %}{%- set root = messages | length ** 0.5 %}"
                           + QWEN3)
-    assert masks.unbounded_step(tok.chat_template) is None
-    assert masks.unbounded_step("{{ '-' * 2 ** 20 }}{{ messages[0].content * 3000000 }}") is None
+    assert render.unbounded_step(tok.chat_template) is None
+    assert render.unbounded_step("{{ '-' * 2 ** 20 }}{{ messages[0].content * 3000000 }}") is None
     plain = masks.derive_chat_format(family("qwen3", QWEN3), {})
     assert masks.derive_chat_format(tok, {}) == plain
 
@@ -155,11 +155,11 @@ def test_a_literal_width_past_the_bound_is_refused_before_it_compiles(template):
     """A filter or `%` of literal operands is computed while jinja compiles the template (transformers compiles it
     before the first render), so no render bound can see it: a literal width or count above MAX_REPEAT is refused
     by the static check, as `'x' * 10**10` is. The templates of the model families pass."""
-    assert masks.unbounded_step(template) is not None
+    assert render.unbounded_step(template) is not None
     with pytest.raises(HsxError, match="a step without a bound"):
-        masks.check_template_bounds(family("qwen3", template), {})
+        render.check_template_bounds(family("qwen3", template), {})
     for name, spec in FAMILIES.items():
-        assert masks.unbounded_step(spec["template"]) is None, name
+        assert render.unbounded_step(spec["template"]) is None, name
 
 
 # ---- a step whose size a row decides is checked against the render's bound before it allocates ---------------------
@@ -179,7 +179,7 @@ def test_a_repetition_a_row_sizes_is_refused_before_it_allocates(markers):
         template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
         tok = family("qwen3", template)
     assert bool(masks.GENERATION_TAG.search(template)) == markers
-    assert masks.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
+    assert render.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
     conv = [{"role": "user", "content": "90000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = None if markers else masks.derive_chat_format(tok, {})
@@ -237,7 +237,7 @@ def test_a_step_a_row_sizes_is_refused_before_it_allocates(step):
     bomb = "{%- if message.content is string and message.content[:1] == '2' %}" + STEPS[step] + "{% endif %}"
     template = QWEN3.replace("{%- for message in messages %}", "{%- for message in messages %}" + bomb, 1)
     tok = family("qwen3", template)
-    assert masks.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
+    assert render.unbounded_step(tok.chat_template) is None and bomb in tok.chat_template
     conv = [{"role": "user", "content": "20000000"}, {"role": "assistant", "content": "ok"}]
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     fmt = masks.derive_chat_format(tok, {})
@@ -260,7 +260,7 @@ def test_the_checked_steps_render_as_before_within_the_bound_and_outside_it():
     want = "  x  |  ab  |   y|  z|a\n  b|a-b|xy1|pq|ayya|2|s-7|aBBc|[1, 1, 1]||hihello"
     tok = family("qwen3", small)
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    with masks.render_bounds(tok, {}, None):
+    with render.render_bounds(tok, {}, None):
         assert tok.apply_chat_template(conv, tokenize=False) == want
     assert getattr(_compile_jinja_template(small), "_hsx_bounded", False)
     assert tok.apply_chat_template(conv, tokenize=False) == want
