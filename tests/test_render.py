@@ -27,7 +27,7 @@ def test_a_template_that_multiplies_every_row_stops_the_job_in_one_line(monkeypa
 
 
 def test_a_template_that_loops_without_end_stops_the_job_in_one_line(monkeypatch):
-    monkeypatch.setattr(masks, "RENDER_CPU_SECONDS", 0.5)
+    monkeypatch.setattr(render, "RENDER_CPU_SECONDS", 0.5)
     monkeypatch.setattr(render.cpu_time_limit, "__defaults__", (0.5,))
     loops = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}{% endfor %}" \
             "{% endfor %}{% endfor %}"
@@ -81,7 +81,7 @@ def test_a_row_of_many_turns_is_bounded_by_a_row_budget(monkeypatch):
     gets its own budget."""
     import time
 
-    monkeypatch.setattr(masks, "ROW_CPU_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(render, "ROW_CPU_SECONDS", 0.5, raising=False)
     tok = family("qwen3")
     fmt = masks.derive_chat_format(tok, {})
     many = [m for _ in range(300) for m in ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})]
