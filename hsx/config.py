@@ -42,8 +42,7 @@ LAYER_CONVENTION = (
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
 # hsx.fp8's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works on the device,
-# fastest first; docs/fp8.md: DeepGEMM 1,283-1,464 TFLOP/s on an H100, on an H200 cuBLAS 1,120-1,270, fbgemm 790-975,
-# Triton 609-663)
+# fastest first by the GEMM rates in docs/benchmarks.md)
 FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "triton")
 PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 
@@ -127,8 +126,7 @@ class ExtractConfig:
     nonfinite: str = _key("skip", choices=("skip", "keep"), help="rows whose states hold NaN/Inf: skip (and count) "
                           "them, or keep them with has_nonfinite set")
     overwrite: bool = _key(False, help="delete what hsx wrote in --output-dir and start over")
-    # Reading every unit kept costs 3.2 min per TB at the 5.2 GB/s file_crc32 ran on an H200 host's 16 cores (20 min
-    # per TB on a 2-core box).
+    # Off by default: reading every unit kept costs minutes per TB (hsx.checksums' rates in docs/benchmarks.md).
     check_crc: bool = _key(False, help="on resume or rerun, check the CRC-32 of every unit kept (off: sizes of "
                            "all, CRC-32 of the units of the interrupted run)")
     # How fast. None changes which rows, tokens or masks are written; packing and tensor parallelism change the
@@ -148,8 +146,8 @@ class ExtractConfig:
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, advanced=True, help="FP8 targets on CUDA: the block-scaled "
                          "GEMM (deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "
                          "the first batch, for products of 8192 rows or more, cuBLAS below; cublas: torch's "
-                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, a quarter slower on "
-                         "an H200; triton: hsx's, slower than bf16); each checked against a float32 product before "
+                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, slower than "
+                         "cuBLAS; triton: hsx's, slower than bf16); each checked against a float32 product before "
                          "use, the next fastest running where it fails (one warning); auto: the first of deepgemm, "
                          "cublas, fbgemm, triton that works")
     packing: str = _key("auto", choices=("auto", "varlen", "none"), advanced=True, help="varlen: each batch as one "

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from hsx.model import Target
 
 RANK_STATS_WAIT_SECONDS = 60.0
-UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: ~1 s of H200 output, a comfortable Hub file size
+UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: seconds of a GPU's output, a comfortable Hub file size
 
 
 # ---- the model's facts and the input: Job.prepare ----------------------------------------------------------------
