@@ -20,8 +20,10 @@ from typing import Any
 from hsx.config import HsxError
 from hsx.errors import UsageError, file_system_error, file_system_line, one_line
 from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
-from hsx.sink import (OutputDir, atomic_write, complete_info, file_crc32, info_features, job_fingerprint, open_regular,
-                      read_json)
+from hsx.checksums import file_crc32
+from hsx.files import atomic_write, open_regular, read_json
+from hsx.info import complete_info, info_features, write_summary
+from hsx.sink import OutputDir, job_fingerprint
 
 
 def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
@@ -266,7 +268,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
     atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
     atomic_write(out.state / "job.json", json.dumps(jobs[0].to_dict(), indent=2, sort_keys=True))
     sources_now = out.merged_sources([str(Path(d).resolve()) for d in dirs])
-    out.write_summary(summary)
+    write_summary(out.state, summary)
     if missing:
         info = out.read_info()
         if info is not None and info.complete:  # OUT was a finished output once: no longer

@@ -11,7 +11,8 @@ import pytest
 import hsx
 from hsx.config import HsxError
 from hsx.schema import OutputFormat
-from hsx.sink import OutputDir, info_features, job_fingerprint
+from hsx.info import info_features
+from hsx.sink import OutputDir, job_fingerprint
 
 CARD = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.arrow\n---\n"
 INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True, "model": "m",
@@ -199,7 +200,7 @@ def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
         finally:
             tracemalloc.stop()
     from hsx.schema import JobRecord
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     (out.state / "job.json").write_text(json.dumps({"fingerprint": "f" * 32, "inputs": {}}))
     tracemalloc.start()
@@ -255,7 +256,7 @@ def test_a_ledger_is_read_a_line_at_a_time(tmp_path):
 def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
     """Like compile, sdpa_backend and packing, the experts kernel and the FP8 GEMM (numerically different
     kernels, allowed to change on a resume) are in the job's `run`, not only under each rank's."""
-    from hsx.sink import combine_rank_stats
+    from hsx.info import combine_rank_stats
 
     rank = {"seconds": 1.0, "tokens": 10, "padded_tokens": 12, "gpu_seconds": 0.5, "sdpa_backend": "flash",
             "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas",

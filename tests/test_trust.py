@@ -22,7 +22,9 @@ import hsx
 from hsx import fingerprint
 from hsx.config import HsxError
 from hsx.merge import merge
-from hsx.sink import OutputDir, atomic_write, file_crc32
+from hsx.checksums import file_crc32
+from hsx.files import atomic_write
+from hsx.sink import OutputDir
 
 
 def one_error_line(rc: int, err: str, *needles: str) -> str:

@@ -18,7 +18,7 @@ import hsx
 from hsx.config import HsxError
 from hsx.export import export_specforge
 from hsx.hub import push_output
-from hsx.sink import file_crc32
+from hsx.checksums import file_crc32
 from test_hub import REPO, FakeHfApi
 
 

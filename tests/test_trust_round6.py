@@ -347,7 +347,7 @@ def test_a_fifo_at_exported_jsonl_does_not_hang_an_export_that_deletes_its_sourc
 
 
 def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(out):
-    from hsx.sink import atomic_write
+    from hsx.files import atomic_write
 
     os.mkfifo(out / ".hsx" / ".summary.json.tmp")
     done, error = _finishes(lambda: atomic_write(out / ".hsx" / "summary.json", "{}\n"),
@@ -438,7 +438,7 @@ def test_a_resume_clears_partial_units_of_ranks_this_run_does_not_have(out):
     (each rank cleared only its own), and counted by --max-pending-gb's window for ever."""
     from hsx.follow import pending_bytes
     from hsx.schema import JobRecord
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     _drop_manifest_line(out, sorted(OutputDir(out).manifest_records())[0])  # (a resume, not a finished dir)
     stale = out / ".hsx" / "tmp" / "rank-00007" / "train-zzz-00000.arrow"
