@@ -456,7 +456,7 @@ def gpu_clocks(device, every: float = 0.25):
 
 
 def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any]:
-    """The output storage's own sequential write rates (hsx.writer.measure_storage), and (c)'s rates as shares of
+    """The output storage's own sequential write rates (hsx.storage.measure_storage), and (c)'s rates as shares of
     the better one."""
     from hsx.storage import measure_storage, measure_writer, storage_probe_bytes
 

@@ -158,7 +158,7 @@ def _states(row: dict, key: str):
 # ---- DEST and its record --------------------------------------------------------------------------------------
 
 def _crc(data) -> str:
-    """CRC-32 of bytes in hsx.sink.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
+    """CRC-32 of bytes in hsx.checksums.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
     view = memoryview(data).cast("B")
     return ":".join(f"{crc32(view[i:i + CRC_CHUNK]):08x}" for i in range(0, max(len(view), 1), CRC_CHUNK))
 

@@ -1,22 +1,55 @@
-"""The output dir: Arrow shards under data/, hsx's run state under .hsx/, hsx.json and a dataset card.
+"""The output dir: Arrow shards under data/, hsx's run state under .hsx/, hsx.json and a dataset card. `OutputDir`
+claims a dir for a job (or resumes it), commits the job's units and finalizes it; what each record file holds is
+read and written by hsx.ledgers, hsx.json by hsx.info, each file through hsx.files.
 
-    OUT/data/train-<bucket>-<chunk>.arrow   Arrow IPC stream files (what datasets writes; `Dataset.from_file`
-                                            memory-maps them; `load_dataset(OUT)` reads them)
-    OUT/README.md                           dataset card (hsx.card): YAML `configs` naming the data files
-    OUT/hsx.json                            what was run, counts, layer convention; `complete` once finalized
-    OUT/.hsx/job.json                       the fingerprint of what decides the output
-    OUT/.hsx/manifest-<rank>.jsonl          one line per committed unit: rows, tokens, bytes, CRC-32
-                                            (one file per rank; datasets ignores dot-folders)
-    OUT/.hsx/uploaded-<rank>.jsonl          one line per file a Hub push committed (hsx.hub); a unit deleted
-                                            after upload (--delete-after-upload) still counts as done
-    OUT/.hsx/consumed-<consumer>.jsonl      one line per unit a trainer reading the running job (hsx.follow)
-                                            consumed, whole or up to a row; a wholly consumed unit it deleted
-                                            still counts as done
-    OUT/.hsx/holding-<consumer>-<rank>.json the units such a trainer holds in a step not yet returned while it
-                                            waits for a unit (hsx.follow.held_files)
-    OUT/.hsx/exported.jsonl                 one line per unit an export with --delete-source deleted, and where
-                                            its rows went (hsx.export), so a reader says so
-    OUT/.hsx/damaged/                       units a resume found damaged (wrong CRC-32), moved aside and redone
+This is the one drawing of the dir (README.md links here; tests/test_sink.py compares it with what an extraction
+writes). `<name>` stands for a part of a name; a path ending in `?` is there only in some states (`hsx vocab`, a
+running or killed job, several ranks or nodes, a push, a trainer following the job, an export, a merge, a resume),
+every other one in every finished extraction's dir.
+
+    OUT/data/train-<bucket>-<chunk>.arrow       Arrow IPC stream files, one per unit (what datasets writes:
+                                                `Dataset.from_file` memory-maps them, `load_dataset(OUT)` reads them);
+                                                `hsx merge` may make them links to the units of the dirs it joined
+    OUT/README.md                               dataset card (hsx.card): YAML `configs` naming the data files
+                                                (a placeholder naming a file that does not exist until finalized)
+    OUT/hsx.json                                model, revision, layers, convention, counts, config, run stats,
+                                                and `files`: each unit's name, rows, bytes and CRC-32; `complete`
+                                                once finalized (hsx.info)
+    OUT/token_frequencies.npy                   supervised-token counts per token id, the draft vocabulary's input
+                                                (hsx.vocab)
+    OUT/vocab_mapping-<K>.pt?                   `hsx vocab OUT`'s draft vocabularies (hsx.vocab): SpecForge's,
+    OUT/d2t-<K>.npy?                            and speculators' pair
+    OUT/t2d-<K>.npy?
+    OUT/.hsx/job.json                           the fingerprint of what decides the output (`job_fingerprint`)
+    OUT/.hsx/summary.json                       the plan: units, counts, config; hsx.json is built from it
+    OUT/.hsx/tokenized/tokens.arrow             the tokenized rows, cached for a resume
+    OUT/.hsx/lock                               flock(2)ed by a running job (empty, never read); `lock-<rank>`
+                                                by ranks past the first
+    OUT/.hsx/lock-<rank>?
+    OUT/.hsx/busy                               flock(2)ed shared by every rank, exclusive by `hsx merge`
+    OUT/.hsx/finalize.lock                      flock(2)ed by each rank as it finalizes, one at a time
+    OUT/.hsx/manifest-<rank>.jsonl              one line per committed unit: rows, tokens, bytes, CRC-32, session
+                                                (one file per rank; datasets ignores dot-folders) (hsx.ledgers)
+    OUT/.hsx/runs-<rank>.jsonl                  what each run of a rank computed the states with (hsx.ledgers)
+    OUT/.hsx/tmp/rank-<rank>/?                  units being written, renamed into data/ once whole; gone once
+                                                finalized
+    OUT/.hsx/ranks/<run>/<rank>.here?           which ranks of a run write here, and which finished (their
+    OUT/.hsx/ranks/<run>/<rank>.done?           throughput numbers): a run of several processes
+    OUT/.hsx/share-done.json?                   a node's finished share of a job whose nodes write their own dirs
+    OUT/.hsx/uploaded-<rank>.jsonl?             one line per file a Hub push committed (hsx.hub; `uploaded-push`
+                                                for `hsx push`); a unit deleted after upload (--delete-after-upload)
+                                                still counts as done
+    OUT/.hsx/uploaded-push.jsonl?
+    OUT/.hsx/consumed-<consumer>-<rank>.jsonl?  one line per unit a trainer reading the running job (hsx.follow)
+                                                consumed, whole or up to a row; a wholly consumed unit it deleted
+                                                still counts as done
+    OUT/.hsx/holding-<consumer>-<rank>.json?    the units such a trainer holds in a step not yet returned while it
+                                                waits for a unit (hsx.follow.held_files)
+    OUT/.hsx/exported.jsonl?                    one line per unit an export with --delete-source deleted, and where
+                                                its rows went (hsx.export), so a reader says so
+    OUT/.hsx/merged-from.json?                  the dirs `hsx merge` linked units from (hsx.merge)
+    OUT/.hsx/manifest-merged.jsonl?             the merged dirs' manifest records, as one manifest (hsx.merge)
+    OUT/.hsx/damaged/?                          units a resume found damaged (wrong CRC-32), moved aside and redone
 
 hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
 the Hub, where .hsx/ does not, so a reader (hsx.load, hsx push) checks what it reads against it. Every JSON file

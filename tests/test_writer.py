@@ -703,7 +703,7 @@ def test_measure_storage(tmp_path, monkeypatch):
         assert s["direct_gb_per_s"] == s["direct"][0]["gb_per_s"]
     assert (s["best"] == "buffered") == (s["best_gb_per_s"] == s["buffered_gb_per_s"])
     assert list((tmp_path / "probe").iterdir()) == []  # the probe files are gone
-    monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
+    monkeypatch.setattr(storage, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
     s = storage.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
     assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
     assert storage.storage_probe_bytes(tmp_path, 1e30) < 1e30  # capped by a quarter of the free space
