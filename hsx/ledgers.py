@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.files import append_synced, atomic_write, file_size, read_bounded, read_jsonl
+from hsx.files import append_synced, atomic_write, file_size, read_bounded, read_json, read_jsonl
 from hsx.info import recorded_run_values
 from hsx.schema import (RECORD_REST_BYTES, RUN_VARIANT_KEYS, ConsumedRecord, ManifestRecord, RunRecord, UploadRecord,
                         merged_values, values_used)
@@ -90,7 +90,7 @@ def record_run(state: Path, rank: int, session: str, settings: dict[str, Any]) -
     units' manifest lines name its session, so what computed each unit is known after any kill."""
     state.mkdir(parents=True, exist_ok=True)
     line = {"session": session, **{k: settings[k] for k in RUN_VARIANT_KEYS if k in settings}}
-    append_synced(state / f"runs-{rank:05d}.jsonl", json.dumps(line, sort_keys=True) + "\n")  # (a torn line: ended first)
+    append_synced(state / f"runs-{rank:05d}.jsonl", json.dumps(line, sort_keys=True) + "\n")  # (a torn one: ended)
 
 
 def run_values_by_rank(state: Path, units: dict[str, dict[str, Any]]) -> dict[str, dict[str, list]]:
@@ -150,6 +150,28 @@ def consumed(state: Path) -> dict[str, dict[str, Any]]:
             last[rec["file"]] = rec
         whole.update({f: r for f, r in last.items() if r["row"] == r["rows"]})
     return whole
+
+
+# ---- merges (hsx.merge) -----------------------------------------------------------------------------------------
+
+def merged_sources(state: Path, add: list[str] | None = None) -> list[str]:
+    """The dirs `hsx merge` linked units from into this one (.hsx/merged-from.json), with `add` recorded too: a
+    partial merge's links stay readable once the job's `hsx extract` finishes the dir (its hsx.json's
+    `run.merged_from` is this list)."""
+    path = state / "merged-from.json"
+    known = read_json(path, limit=RECORD_REST_BYTES).get("dirs") if path.exists() else []  # (a path per dir)
+    if not isinstance(known, list) or not all(isinstance(d, str) for d in known):
+        raise HsxError(f"{path} is damaged (its `dirs` is not a list of paths); remove it and merge again")
+    if add:
+        known = [*known, *(d for d in add if d not in known)]
+        atomic_write(path, json.dumps({"dirs": known}, indent=2) + "\n")
+    return known
+
+
+def write_merged_manifest(state: Path, records: list[dict[str, Any]]) -> None:
+    """.hsx/manifest-merged.jsonl: the manifest records of the units a merge joined, written whole (a manifest
+    like every rank's: `manifest_records` reads it with theirs)."""
+    atomic_write(state / "manifest-merged.jsonl", "\n".join(json.dumps(r, sort_keys=True) for r in records) + "\n")
 
 
 # ---- exports that deleted their source (hsx.export) -------------------------------------------------------------

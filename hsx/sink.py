@@ -89,7 +89,7 @@ from hsx.errors import HsxError
 from hsx.files import atomic_write, flock, fsync_dir, fsync_file, link_target, open_regular, read_json
 from hsx.fingerprint import differing_files
 from hsx.info import info_features, listed_files, merged_from, read_info, read_summary, unit_entry, write_info
-from hsx.schema import RECORD_REST_BYTES, Info, JobRecord, Summary
+from hsx.schema import Info, JobRecord, Summary
 
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
 # What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
@@ -208,7 +208,7 @@ class OutputDir:
                                "use another --output-dir, or --overwrite to delete it and start over")
             self.clear()  # a job that failed before committing anything: drop its job.json, tokenized cache, tmp
         self.state.mkdir(parents=True, exist_ok=True)
-        atomic_write(job_file, json.dumps(job, indent=2, sort_keys=True))
+        write_job(self.state, job)
         if check:
             self.write_unfinished_card()
         return "new"
@@ -414,6 +414,9 @@ class OutputDir:
     def finished_share(self) -> tuple[int, int] | None:
         return ledgers.finished_share(self.state, self.data)
 
+    def merged_sources(self, add: list[str] | None = None) -> list[str]:
+        return ledgers.merged_sources(self.state, add)
+
     # ---- units ----
 
     def clear_tmp(self, every_rank: bool = False) -> None:
@@ -462,19 +465,6 @@ class OutputDir:
         return None
 
     # ---- checking a finished output before reading or pushing it ----
-
-    def merged_sources(self, add: list[str] | None = None) -> list[str]:
-        """The dirs `hsx merge` linked units from into this one (.hsx/merged-from.json), with `add` recorded too:
-        a partial merge's links stay readable once the job's `hsx extract` finishes the dir (its hsx.json's
-        `run.merged_from` is this list)."""
-        path = self.state / "merged-from.json"
-        known = read_json(path, limit=RECORD_REST_BYTES).get("dirs") if path.exists() else []  # (a path per dir)
-        if not isinstance(known, list) or not all(isinstance(d, str) for d in known):
-            raise HsxError(f"{path} is damaged (its `dirs` is not a list of paths); remove it and merge again")
-        if add:
-            known = [*known, *(d for d in add if d not in known)]
-            atomic_write(path, json.dumps({"dirs": known}, indent=2) + "\n")
-        return known
 
     def unit_source(self, name: str, info: Info | None = None, sources: dict | None = None, *,
                     dirs: list[str] | None = None, fingerprint: str | None = None) -> Path:
@@ -711,6 +701,11 @@ def job_fingerprint(inputs: dict[str, Any], given: dict[str, Any] | None = None)
     were named on the command line) is kept beside it for messages, outside the hash."""
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs, "given": given or {}}
+
+
+def write_job(state: Path, job: dict[str, Any]) -> None:
+    """.hsx/job.json: the job's fingerprint (`job_fingerprint`), which a later run of the dir is checked against."""
+    atomic_write(state / "job.json", json.dumps(job, indent=2, sort_keys=True))
 
 
 def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
