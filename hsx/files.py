@@ -1,11 +1,11 @@
 """File primitives for hsx's output dir: locks, atomic and synced writes, and bounded reads of what hsx wrote.
 
-Everything here opens a file without following a link (O_NOFOLLOW) and without waiting on a FIFO (O_NONBLOCK),
-then checks it is a regular file: hsx never writes, deletes or reads through a link it did not make, and never
-blocks on something planted at one of its names. Reads are bounded by hsx.schema's limit for that file (a bigger
-one is not hsx's; read whole it would take the machine's memory), and a JSON object with a key given twice is
-damaged, not silently the last value. Which files these are and what they hold: hsx.sink (the dir), hsx.ledgers
-(the record files), hsx.info (hsx.json)."""
+Files are written, locked and read here without following a link (O_NOFOLLOW) and without waiting on a FIFO
+(O_NONBLOCK), each checked to be a regular file once open: hsx never writes, deletes or reads through a link it did
+not make, and never blocks on something planted at one of its names. Reads are bounded by hsx.schema's limit for
+that file (a bigger one is not hsx's; read whole it would take the machine's memory), and a JSON object with a key
+given twice is damaged, not silently the last value. Which files these are and what they hold: hsx.sink (the dir),
+hsx.ledgers (the record files), hsx.info (hsx.json)."""
 
 from __future__ import annotations
 

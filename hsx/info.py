@@ -2,11 +2,11 @@
 file of the output with its rows, bytes and CRC-32. It travels with the data to the Hub, where .hsx/ does not, so a
 reader (hsx.load, hsx push) checks what it reads against it.
 
-Like datasets' `DatasetInfo`, it is one type that reads, writes and merges itself: `read_info` gives the checked
-record (hsx.schema.Info), `write_info` writes it atomically, `complete_info` builds a finished job's from the
-planning-time summary (.hsx/summary.json, `read_summary`/`write_summary`) and the manifests' records,
-`combine_rank_stats` merges its ranks' throughput into its `run`. The other readings of it (its file list, the dirs
-a merge joined, the output schema and size) are here too."""
+Its checked record is hsx.schema.Info; this module is the one that reads it (`read_info`), writes it
+(`write_info`, atomically) and builds it, as datasets' `DatasetInfo` reads, writes and merges dataset_info.json:
+`complete_info` makes a finished job's from the planning-time summary (.hsx/summary.json, `read_summary`,
+`write_summary`) and the manifests' records, `combine_rank_stats` merges its ranks' throughput into its `run`. The
+other readings of it (its file list, the dirs a merge joined, the output schema and size) are here too."""
 
 from __future__ import annotations
 

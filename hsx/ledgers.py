@@ -1,14 +1,8 @@
-"""The record files under an output dir's .hsx/ (drawn in hsx.sink): each one's name, how a record is appended
-(fsynced, a torn last line ended first: hsx.files.append_synced) and how it is read back and checked (each line
-through its typed record in hsx.schema; a torn line from a kill is passed over, a whole line that is not a valid
-record is one HsxError line naming file and line).
-
-- manifest-<rank>.jsonl: one line per committed unit (rows, tokens, bytes, CRC-32, the session that wrote it);
-- runs-<rank>.jsonl: what each run of a rank computed the states with (RUN_VARIANT_KEYS);
-- uploaded-<rank>.jsonl, uploaded-push.jsonl: one line per file a Hub push committed (hsx.hub);
-- consumed-<consumer>.jsonl: what trainers following the job consumed (hsx.follow), whole or up to a row;
-- exported.jsonl: units an export with --delete-source deleted, and where their rows went (hsx.export);
-- ranks/<run>/<rank>.here, .done and share-done.json: which ranks of a run write into the dir, which finished.
+"""The record files under an output dir's .hsx/ (which ones, and when each is there: hsx.sink's drawing of the
+dir): the manifests of committed units, the runs, uploads, consumers, exports, merges and ranks. For each, how a
+record is appended (fsynced, a torn last line ended first: hsx.files.append_synced) and how it is read back and
+checked (each line through its typed record in hsx.schema; a torn line from a kill is passed over, a whole line
+that is not a valid record is one HsxError line naming file and line).
 
 Every function takes the dir's .hsx/ folder (`state`; `data`: its data/), so hsx.sink.OutputDir, hsx.merge and
 the readers share one reading of each file."""

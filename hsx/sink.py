@@ -51,10 +51,8 @@ every other one in every finished extraction's dir.
     OUT/.hsx/manifest-merged.jsonl?             the merged dirs' manifest records, as one manifest (hsx.merge)
     OUT/.hsx/damaged/?                          units a resume found damaged (wrong CRC-32), moved aside and redone
 
-hsx.json lists every file of the finished output (name, unit, rows, bytes, CRC-32): it travels with the data to
-the Hub, where .hsx/ does not, so a reader (hsx.load, hsx push) checks what it reads against it. Every JSON file
-and ledger line here is read through its typed, checked record in hsx.schema (Info, Summary, JobRecord,
-ManifestRecord, UploadRecord): a damaged one is one line naming the file.
+Every JSON file and ledger line here is read through its typed, checked record in hsx.schema (Info, Summary,
+JobRecord, ManifestRecord, UploadRecord, ...): a damaged one is one line naming the file.
 
 hsx never writes or deletes through a symbolic link in the dir (.hsx/, data/, hsx.json, README.md and anything
 under .hsx/ must be what they seem: a link there is refused in one line). Units under data/ may be links only as
