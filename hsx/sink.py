@@ -689,7 +689,7 @@ def _merged_units(src: Path, fingerprint: str | None) -> set[str]:
             return set()
         if fingerprint is None or read_json(state / "job.json", JobRecord).fingerprint != fingerprint:
             return set()
-        return {r["file"] for r in OutputDir(src).manifest_records().values()}
+        return {r["file"] for r in ledgers.manifest_records(state).values()}
     except (OSError, HsxError):
         return set()
 
