@@ -352,7 +352,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
             "writer_gb_per_s = output_bytes / pipeline.write_seconds: the wall seconds map had writing to do (from "
             "returning a table to its next call, and from the last one until the unit's file was closed), not a "
             "sum over the writer's copy, checksum and spare-preparing threads")
-    from hsx.sink import CRC32_LIBRARY
+    from hsx.checksums import CRC32_LIBRARY
     from hsx.writer import resolve_mode
 
     results["c"]["write_mode"] = resolve_mode(out_dir / ".hsx")  # (what hsx.writer picked for the units there)
@@ -457,9 +457,9 @@ def gpu_clocks(device, every: float = 0.25):
 
 
 def storage_report(out_dir: Path, gb: float, c: dict[str, Any]) -> dict[str, Any]:
-    """The output storage's own sequential write rates (hsx.writer.measure_storage), and (c)'s rates as shares of
+    """The output storage's own sequential write rates (hsx.storage.measure_storage), and (c)'s rates as shares of
     the better one."""
-    from hsx.writer import measure_storage, measure_writer, storage_probe_bytes
+    from hsx.storage import measure_storage, measure_writer, storage_probe_bytes
 
     nbytes = storage_probe_bytes(out_dir, gb * 1e9)
     try:
@@ -595,7 +595,7 @@ def read_baseline(path: str, results: dict[str, Any]) -> float:
     anything is measured (a file given by the user: one clear line if it is not what it should be)."""
     from hsx.config import HsxError
     from hsx.schema import RECORD_REST_BYTES
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     base = read_json(Path(path), limit=RECORD_REST_BYTES)  # (a bench's JSON: its config and numbers, a few KB)
     one = base["c"].get("tok_per_s") if isinstance(base.get("c"), dict) else None

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from hsx.schema import DEFAULT_STORAGE_DTYPE, human_bytes
-from hsx.sink import output_bytes
+from hsx.info import output_bytes
 
 BIG_OUTPUT_BYTES = 50e9  # above this (or on the Hub) the card leads with streaming / hsx.load
 

@@ -58,8 +58,11 @@ import numpy as np
 from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
                         dequantize)
-from hsx.sink import (CRC_CHUNK, OutputDir, _flock, append_synced, atomic_tmp_name, atomic_write, crc32,
-                      file_crc32, fsync_dir, fsync_file, listed_files, read_json, read_jsonl)
+from hsx.checksums import CRC_CHUNK, crc32, file_crc32
+from hsx.files import append_synced, atomic_tmp_name, atomic_write, flock, fsync_dir, fsync_file, read_json, read_jsonl
+from hsx.info import listed_files
+from hsx.ledgers import record_exported
+from hsx.sink import OutputDir
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash")
@@ -155,7 +158,7 @@ def _states(row: dict, key: str):
 # ---- DEST and its record --------------------------------------------------------------------------------------
 
 def _crc(data) -> str:
-    """CRC-32 of bytes in hsx.sink.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
+    """CRC-32 of bytes in hsx.checksums.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
     view = memoryview(data).cast("B")
     return ":".join(f"{crc32(view[i:i + CRC_CHUNK]):08x}" for i in range(0, max(len(view), 1), CRC_CHUNK))
 
@@ -219,7 +222,7 @@ class _Dest:
         append_synced(self.root / JOURNAL, json.dumps({"token": self.token, "released": unit.name}) + "\n")
         entry = next(e for e in src.units if e["file"] == unit.name)
         out = OutputDir(src.root)
-        out.record_exported(entry, str(self.root.resolve()), command)
+        record_exported(out.state, entry, str(self.root.resolve()), command)
         out.write_exported_card(len(self.released | {unit.name}), len(src.units), str(self.root.resolve()), command)
         unit.unlink()
         fsync_dir(unit.parent)
@@ -402,7 +405,7 @@ def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: boo
 
     stack = ExitStack()
     path = _claimed(out_dir, dest, dirs)
-    stack.enter_context(_flock(path / LOCK, fcntl.LOCK_EX,
+    stack.enter_context(flock(path / LOCK, fcntl.LOCK_EX,
                                f"{path} is in use by another hsx export (lock held on {LOCK})"))
     if delete_source:
         given_as = "OUTPUT_DIR (a dir `hsx extract` wrote)"

@@ -70,7 +70,7 @@ def pending_bytes(out, in_flight=()) -> int:
         name = f"train-{unit}.arrow"
         if name not in sizes:
             add(name, out.unit_tmp_path(unit), out.data / name)
-    from hsx.sink import uploaded_matches
+    from hsx.ledgers import uploaded_matches
 
     consumed, held = out.consumed(), held_files(out)
     for rec in out.manifest_records().values() if out.state.is_dir() else ():
@@ -85,7 +85,7 @@ def held_files(out) -> set[str]:
     a batch (`.hsx/holding-<consumer>-<rank>.json`, LocalSource.hold): the window does not wait for them, or a
     batch holding more than the window would wait for a unit the job waits to write."""
     from hsx.schema import RECORD_REST_BYTES
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     names: set[str] = set()
     for f in out.state.glob("holding-*.json"):
@@ -258,7 +258,7 @@ class LocalSource:
         """This consumer's ledger records (every rank's: a resume with another world size finds a unit in
         progress where its previous owner left it), the furthest of each unit."""
         from hsx.schema import ConsumedRecord
-        from hsx.sink import read_jsonl
+        from hsx.files import read_jsonl
 
         found: dict[str, dict[str, Any]] = {}
         for ledger in sorted(self.out.state.glob(f"consumed-{consumer}-*.jsonl")):
@@ -302,7 +302,8 @@ class LocalSource:
                           lambda t: t.num_rows)
 
     def _read(self, rec: dict[str, Any], read, rows_of):
-        from hsx.sink import merged_from, still_the_file
+        from hsx.files import still_the_file
+        from hsx.info import merged_from
 
         dirs: list[str] = []
         if (self.out.data / rec["file"]).is_symlink():  # (a regular file needs no merged dir: no hsx.json read)
@@ -325,14 +326,14 @@ class LocalSource:
 
     def _fingerprint(self) -> str | None:
         from hsx.schema import JobRecord
-        from hsx.sink import read_json
+        from hsx.files import read_json
 
         f = self.out.state / "job.json"
         return read_json(f, JobRecord).fingerprint if f.exists() else None
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
         """Say which units this reader holds in steps not yet returned while it waits for a unit (held_files)."""
-        from hsx.sink import atomic_write
+        from hsx.files import atomic_write
 
         check_consumer(consumer, rank, world_size)
         records = self.records()
@@ -349,7 +350,8 @@ class LocalSource:
         the link only). Refused whole (HsxError, nothing written) when a unit is not a committed unit of this
         output, a row is not in 0..its rows, or a row is not past what the consumer's ledger already records (a
         replayed or rewound position). Without `write` nothing is written."""
-        from hsx.sink import append_synced, uploaded_matches
+        from hsx.files import append_synced
+        from hsx.ledgers import uploaded_matches
 
         check_consumer(consumer, rank, world_size)
         if not isinstance(rows, dict):

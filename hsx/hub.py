@@ -66,8 +66,11 @@ from typing import Any
 
 from hsx.errors import HsxError
 from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_bytes
-from hsx.sink import (OutputDir, file_crc32, fsync_dir, listed_files, open_regular, read_json, read_jsonl,
-                      uploaded_matches)
+from hsx.checksums import file_crc32
+from hsx.files import fsync_dir, open_regular, read_json, read_jsonl
+from hsx.info import listed_files
+from hsx.ledgers import record_uploaded, uploaded_matches
+from hsx.sink import OutputDir
 
 REPO_TYPE = "dataset"
 MAX_FILES_PER_COMMIT = 50  # the Hub recommends fewer than 100 files per commit
@@ -406,7 +409,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         remote = hub.remote_files()
         uploaded = out.uploaded()
         todo, skipped, new_records = _plan_data(out, hub, remote, uploaded, by_file, local)
-        out.record_uploaded(new_records, PUSH_LEDGER)
+        record_uploaded(out.state, PUSH_LEDGER, new_records)
         summary["skipped"] = sorted(set(skipped) - set(summary["uploaded"]))
         try:
             _push_data(out, hub, todo, by_file, summary, max_files_per_commit, max_bytes_per_commit, log)
@@ -436,7 +439,8 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         summary["uploaded"] += [n for n, _ in tops]
         summary["deleted"] = stale
         summary["bytes"] += sum(os.fstat(f.fileno()).st_size for _, f in tops)
-        out.record_uploaded([_record(n, os.fstat(f.fileno()).st_size, None, hub, oid) for n, f in tops], PUSH_LEDGER)
+        record_uploaded(out.state, PUSH_LEDGER,
+                        [_record(n, os.fstat(f.fileno()).st_size, None, hub, oid) for n, f in tops])
     for _, f in tops:
         f.close()
     if summary["commits"]:
@@ -506,8 +510,8 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
         finally:
             for f in opened:
                 f.close()
-        out.record_uploaded([_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
-                             for p, s in zip(batch, batch_sizes)], PUSH_LEDGER)
+        record_uploaded(out.state, PUSH_LEDGER, [_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
+                                                 for p, s in zip(batch, batch_sizes)])
         summary["commits"] += 1
         summary["uploaded"] += [f"data/{p.name}" for p in batch]
         summary["bytes"] += sum(batch_sizes)
@@ -717,8 +721,9 @@ class StreamUploader:
             for f in opened:
                 f.close()
         manifest = {rec["file"]: rec for rec in self.out.manifest_records().values()}
-        self.out.record_uploaded([_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
-                                  for u in batch])  # fsynced before any deletion
+        record_uploaded(self.out.state, f"{self.out.rank:05d}",  # (this rank's; fsynced before any deletion)
+                        [_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
+                         for u in batch])
         self.stats["units"] += len(batch)
         self.stats["bytes"] += size
         self.stats["commits"] += 1

@@ -29,8 +29,9 @@ from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
 from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
-from hsx.sink import (Committer, OutputDir, combine_rank_stats, complete_info, info_features,
-                      job_fingerprint, read_json)
+from hsx.files import read_json
+from hsx.info import combine_rank_stats, complete_info, info_features
+from hsx.sink import Committer, OutputDir, job_fingerprint
 from hsx.vocab import write_token_frequencies
 
 if TYPE_CHECKING:
@@ -427,7 +428,8 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
     import datasets
 
     from hsx.schema import TOKEN_COLUMNS
-    from hsx.writer import checksum_pool, spares_for, unit_files, unit_fingerprint
+    from hsx.checksums import checksum_pool
+    from hsx.writer import spares_for, unit_files, unit_fingerprint
 
     unit_rows, step, budget, feats = extraction.rows, extraction, extraction.budget, extraction.features
     values_per_token = extraction.values_per_token

@@ -127,7 +127,7 @@ def open_checked_files(out, files: list[Path]):
     without following a link and compared with what was approved (`OutputDir.open_unit`) before it is mapped, and
     its name checked to still lead to that file after, so a unit swapped for a link out of the output (or another
     file) between the check and the mapping is refused (HsxError), not read."""
-    from hsx.sink import still_the_file
+    from hsx.files import still_the_file
 
     fds = [out.open_unit(f) for f in files]
     try:
@@ -190,7 +190,8 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     are the whole output (not a part read with allow_incomplete, or of units deleted after their upload), after the
     OutputDir that approved them (its `open_unit` opens them as approved)."""
     from hsx.config import HsxError
-    from hsx.sink import OutputDir, listed_files
+    from hsx.info import listed_files
+    from hsx.sink import OutputDir
 
     out = OutputDir(root)
     meta = out.read_info()
@@ -269,7 +270,7 @@ def info(path: str | os.PathLike) -> dict[str, Any]:
 
 def read_info(path: str | os.PathLike) -> Info:
     """hsx.json of a local output dir as an `hsx.schema.Info` (HsxError, one line, when missing or damaged)."""
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     return read_json(Path(path) / "hsx.json", Info)
 
@@ -281,7 +282,7 @@ def hub_info(repo_id: str, revision: str | None = None) -> Info:
 
     from hsx.config import HsxError
     from hsx.schema import MAX_INFO_BYTES
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     if not constants.HF_HUB_OFFLINE:  # (offline: only a copy already in the cache is read, as read_json bounds it)
         listed = HfApi().get_paths_info(repo_id, ["hsx.json"], repo_type="dataset", revision=revision)

@@ -10,7 +10,6 @@ imports neither the card nor the vocabulary: they sit above it.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from contextlib import ExitStack
@@ -20,8 +19,11 @@ from typing import Any
 from hsx.config import HsxError
 from hsx.errors import UsageError, file_system_error, file_system_line, one_line
 from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
-from hsx.sink import (OutputDir, atomic_write, complete_info, file_crc32, info_features, job_fingerprint, open_regular,
-                      read_json)
+from hsx.checksums import file_crc32
+from hsx.files import open_regular, read_json
+from hsx.info import complete_info, info_features, write_info, write_summary
+from hsx.ledgers import write_merged_manifest
+from hsx.sink import OutputDir, job_fingerprint, write_job
 
 
 def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
@@ -250,7 +252,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
         if src is not out and target.resolve() != link.resolve() and link.exists() and not link.is_symlink():
             raise HsxError(f"{link} is not a unit of this job's dirs; move it away, then merge")
     out.data.mkdir(parents=True, exist_ok=True)
-    lines = []
+    merged = []  # (the joined units' manifest records)
     for unit in summary["unit_names"]:
         if unit not in done:
             continue
@@ -262,20 +264,20 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
             else:
                 made.append(link)
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
-        lines.append(json.dumps(rec, sort_keys=True))
-    atomic_write(out.state / "manifest-merged.jsonl", "\n".join(lines) + "\n")
-    atomic_write(out.state / "job.json", json.dumps(jobs[0].to_dict(), indent=2, sort_keys=True))
+        merged.append(rec)
+    write_merged_manifest(out.state, merged)
+    write_job(out.state, jobs[0].to_dict())
     sources_now = out.merged_sources([str(Path(d).resolve()) for d in dirs])
-    out.write_summary(summary)
+    write_summary(out.state, summary)
     if missing:
         info = out.read_info()
         if info is not None and info.complete:  # OUT was a finished output once: no longer
-            atomic_write(out.root / "hsx.json", json.dumps(info.unfinished().to_dict(), indent=2) + "\n")
+            write_info(out.root, info.unfinished().to_dict())
         out.write_unfinished_card()
-        log(f"hsx merge: {out.root}: {len(lines)} of {len(summary['unit_names'])} units from {len(dirs)} dirs "
+        log(f"hsx merge: {out.root}: {len(merged)} of {len(summary['unit_names'])} units from {len(dirs)} dirs "
             f"(symlinked, nothing copied); {len(missing)} missing: run the job's `hsx extract` with --output-dir "
             f"{out.root} to write them")
-        return {"complete": False, "units": len(lines), "missing": len(missing)}
+        return {"complete": False, "units": len(merged), "missing": len(missing)}
     dirs_used = {id(d): d for d, _ in done.values()}.values()
     used = merged_values(*(d.run_values({u: rec for u, (s, rec) in done.items() if s is d}) for d in dirs_used))
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
@@ -285,6 +287,6 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
 
     info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
     out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
-    log(f"hsx merge: {out.root}: {info['counts']['rows_written']:,} rows in {len(lines)} units from "
+    log(f"hsx merge: {out.root}: {info['counts']['rows_written']:,} rows in {len(merged)} units from "
         f"{len(dirs)} dirs (symlinked, nothing copied)")
     return info

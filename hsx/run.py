@@ -23,6 +23,8 @@ from hsx.config import ExtractConfig, HsxError, UsageError, check_config
 from hsx.errors import Stopped, file_system_error, file_system_line
 from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
                      refuse_empty)
+from hsx.info import write_summary
+from hsx.ledgers import announce, announced
 from hsx.sink import OutputDir
 
 
@@ -397,7 +399,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     units = job.units(tokenized)
     summary = job.summary(units)
     if share.leads:
-        out.write_summary(summary)
+        write_summary(out.state, summary)
     done = units_done_anywhere(proc, units.all, out.done_units() if share.leads else {})  # (one reader per dir)
     pending = [u for u in units.all if u.name not in done]
     claims = None
@@ -520,9 +522,9 @@ def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
     listing lagging on one client cannot split a shared dir)."""
     if proc.world_size == 1:
         return DirShare(run_id, 0, [0], 1)
-    out.announce(run_id, proc.rank)
+    announce(out.state, run_id, proc.rank)
     proc.barrier()
-    seen = proc.all_gather(out.announced(run_id))
+    seen = proc.all_gather(announced(out.state, run_id))
     group = list(range(proc.world_size))  # union-find over "r sees s"
 
     def root(r: int) -> int:

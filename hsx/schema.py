@@ -424,7 +424,7 @@ def _output_fields(d: dict[str, Any], checks: dict[str, tuple[Any, str]], counts
 
 @dataclass(frozen=True)
 class _Output:
-    MAX_BYTES = MAX_INFO_BYTES  # (a class constant: hsx.sink.read_json's bound)
+    MAX_BYTES = MAX_INFO_BYTES  # (a class constant: hsx.files.read_json's bound)
 
     model: str
     layers: list[int]

@@ -203,7 +203,7 @@ class Follow(torch.utils.data.IterableDataset):
         CRC-32 than its manifest line was about another file (a ledger another job left in the dir, a unit
         redone with other bytes, a forged line): its position is dropped, so that unit is read, and never
         deleted as consumed, on its word (hsx.sink.OutputDir.consumed counts it so for the extractor)."""
-        from hsx.sink import uploaded_matches
+        from hsx.ledgers import uploaded_matches
 
         self.records.update(records)
         for unit in [u for u in self.unchecked if u in records]:

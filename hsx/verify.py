@@ -42,7 +42,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     from hsx.config import HsxError
     from hsx.errors import check_range
     from hsx.load import open_checked_files, torch_view
-    from hsx.sink import OutputDir, uploaded_matches
+    from hsx.ledgers import uploaded_matches
+    from hsx.sink import OutputDir
 
     check_range("samples", samples, 0, 2**31 - 1)
     check_range("seed", seed, 0, 2**32 - 1)  # (numpy's seeds)
@@ -150,7 +151,7 @@ def _crc_of_approved(out, f: Path) -> str:
     import os
 
     from hsx.config import HsxError
-    from hsx.sink import file_crc32
+    from hsx.checksums import file_crc32
 
     try:
         fd = out.open_unit(f)
@@ -318,7 +319,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
 
 def _job_record(out):
     from hsx.schema import JobRecord
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     f = out.state / "job.json"
     return read_json(f, JobRecord) if f.is_file() else None

@@ -96,7 +96,7 @@ def _read_counts(path: Path, vocab_size: int) -> np.ndarray | None:
     """The (vocab_size,) int64 array of a .npy file hsx wrote, its header checked before any allocation: np.load
     allocates the shape a header claims (a 100-byte file claiming 10**12 entries: a MemoryError); the file is
     a regular one reached through no link, of exactly the size that header says. None when it is not."""
-    from hsx.sink import open_regular
+    from hsx.files import open_regular
 
     with os.fdopen(open_regular(path), "rb") as f:
         try:

@@ -4,7 +4,7 @@
 buffers to its `write` zero-copy, so nearly all of the writing time is the kernel's write call, and a CRC-32 read
 back at commit would be a second pass over every byte. `UnitFile` takes the same calls and:
 
-- checksums the bytes as they pass, in threads (`sink.crc32` releases the GIL; pieces joined by `crc32_combine`), in
+- checksums the bytes as they pass, in threads (`hsx.checksums.StreamCrc`: pieces joined by `crc32_combine`), in
   `file_crc32`'s format (a CRC-32 per 256 MiB chunk), so the commit never reads the unit back;
 - writes big buffers straight from the pinned slot with os.write (no Python file layers);
 - with O_DIRECT on disks (not in memory: `resolve_mode` says why): 64 MiB aligned blocks (a unit's first ones
@@ -40,10 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
-from hsx import sink
+from hsx.checksums import SMALL, StreamCrc, crc32, wait_all
 
-CRC_PIECE = 32 << 20  # a big buffer is checksummed in pieces of this size, in parallel
-SMALL = 1 << 20  # writes below this (IPC framing, offsets, the small columns) are gathered before a syscall
 DIRECT_BLOCK = 64 << 20  # O_DIRECT writes: this size, aligned (a multiple of any logical block size)
 DIRECT_ALIGN = 4096
 DIRECT_IN_FLIGHT = 2  # O_DIRECT writes at once (one per I/O thread): the disk gets the next while one completes
@@ -58,110 +56,6 @@ def unit_fingerprint(job_fingerprint: str, unit: str) -> str:
     back as the dataset's): the job's and the unit's names, nothing of the process or the clock, so the same job
     writes the same bytes. Different jobs differ in it, so datasets' caches keyed by it never mix two outputs."""
     return f"hsx-{job_fingerprint[:24]}-{unit}"
-
-
-# ---- CRC-32 of pieces computed apart ---------------------------------------------------------------------------
-
-_ZEROS_OPS: list[list[int]] = []  # _ZEROS_OPS[k]: the GF(2) operator that appends 2**k zero bytes to a CRC-32
-
-
-def _times(op: list[int], vec: int) -> int:
-    s, i = 0, 0
-    while vec:
-        if vec & 1:
-            s ^= op[i]
-        vec >>= 1
-        i += 1
-    return s
-
-
-def _zeros_ops() -> list[list[int]]:
-    if not _ZEROS_OPS:
-        op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit (reflected polynomial)
-        for _ in range(3):  # 2, 4, 8 bits: one zero byte
-            op = [_times(op, op[n]) for n in range(32)]
-        ops = [op]
-        for _ in range(47):  # up to 2**47 bytes
-            op = [_times(op, op[n]) for n in range(32)]
-            ops.append(op)
-        _ZEROS_OPS[:] = ops
-    return _ZEROS_OPS
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's crc32_combine: the CRC-32 of A+B from crc32(A), crc32(B) and len(B) (Python's zlib lacks it)."""
-    ops = _zeros_ops()
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(ops[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
-
-
-CRC_THREADS = 4  # checksum (and, mapped, copy) threads per writing process
-
-
-def checksum_pool(threads: int | None = None) -> ThreadPoolExecutor:
-    """The threads that checksum (and in "mapped" mode store) big pieces, for UnitFiles to share. A pool per file
-    would be shut down at every unit's close, and its threads' exits wait for the GIL, which the GPU thread and
-    map keep busy: tens of milliseconds a unit. One pool for the job's units costs that once."""
-    return ThreadPoolExecutor(max_workers=max(1, threads or min(CRC_THREADS, os.cpu_count() or 1)),
-                              thread_name_prefix="hsx-crc")
-
-
-class StreamCrc:
-    """`file_crc32`'s CRC-32s (one per 256 MiB chunk) of a byte stream fed in order; big pieces are checksummed
-    by a thread pool (`pool`, shared and left running; else one of `threads` of its own) while the caller writes
-    them."""
-
-    def __init__(self, threads: int | None = None, pool: ThreadPoolExecutor | None = None):
-        self.own_pool = pool is None
-        self.pool = checksum_pool(threads) if pool is None else pool
-        self.chunk = sink.CRC_CHUNK  # file_crc32's chunk
-        self.pos = 0
-        self.chunks: list[list[tuple[int | Future, int]]] = []  # per chunk: (crc or its future, length)
-
-    def feed(self, view: memoryview, put=None, on_pool: bool = False) -> list[Future]:
-        """Account for `view` (the next bytes of the stream); returns the futures still reading it: the caller
-        waits for them before the memory may change. `put(piece, offset)`, if given, stores a piece at its offset
-        in the stream and returns its CRC-32: run on the pool for big pieces (copy and checksum in parallel), and
-        for small ones too with `on_pool`."""
-        futures: list[Future] = []
-        at = 0
-        try:
-            while at < len(view):
-                chunk, inside = divmod(self.pos, self.chunk)
-                if chunk == len(self.chunks):
-                    self.chunks.append([])
-                n = min(len(view) - at, self.chunk - inside, CRC_PIECE)
-                piece = view[at:at + n]
-                if n < SMALL and not on_pool:
-                    self.chunks[chunk].append((sink.crc32(piece) if put is None else put(piece, self.pos), n))
-                else:
-                    f = self.pool.submit(sink.crc32, piece) if put is None else self.pool.submit(put, piece, self.pos)
-                    futures.append(f)
-                    self.chunks[chunk].append((f, n))
-                at += n
-                self.pos += n
-        except BaseException:
-            wait_all(futures)  # (an inline piece failed: the pieces already handed out still read `view`)
-            raise
-        return futures
-
-    def hexdigest(self) -> str:
-        out = []
-        for pieces in self.chunks or [[]]:
-            crc = 0
-            for value, n in pieces:
-                crc = crc32_combine(crc, value.result() if isinstance(value, Future) else value, n)
-            out.append(f"{crc:08x}")
-        return ":".join(out)
-
-    def close(self) -> None:
-        if self.own_pool:
-            self.pool.shutdown(wait=True)
 
 
 # ---- the file -----------------------------------------------------------------------------------------------------
@@ -186,14 +80,6 @@ def _address(view: memoryview) -> int:
     import numpy as np
 
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
-
-
-def wait_all(futures: list[Future]) -> None:
-    """Wait for every future, then raise the first one's error (none is left reading memory the caller frees)."""
-    if futures:
-        wait(futures)
-        for f in futures:
-            f.result()
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -384,7 +270,7 @@ class UnitFile:
             ctypes.memmove(spare.addr + offset, _address(piece), n)  # (releases the GIL)
         else:
             _pwrite_all(self.fd, piece, offset)
-        return sink.crc32(piece)
+        return crc32(piece)
 
     def _finish_mapped(self) -> None:
         try:
@@ -907,139 +793,3 @@ def spares_for(folder: str | os.PathLike, sizes: list[int], mode: str = "auto") 
     resolved = resolve_mode(folder, mode)
     return (Spares(folder, sizes) if resolved == "mapped" else DirectStages(max(sizes)) if resolved == "direct"
             else None)
-
-
-# ---- what the storage itself takes ------------------------------------------------------------------------------
-
-PROBE_DIRECT = ((DIRECT_BLOCK, 1), (DIRECT_BLOCK, DIRECT_IN_FLIGHT), (DIRECT_BLOCK, 4), (4 * DIRECT_BLOCK, 1),
-                (4 * DIRECT_BLOCK, DIRECT_IN_FLIGHT))
-"""The O_DIRECT ways the storage probe tries, (block, writes in flight): one write at a time, the writer's way, more in flight, larger blocks one and DIRECT_IN_FLIGHT at a time (disks
-differ in which of these they take fastest); its best is
-the best of all of them and buffered, so a disk that takes more than the writer asks of it reads as such."""
-
-
-def measure_storage(folder: str | os.PathLike, nbytes: int, block: int = DIRECT_BLOCK,
-                    direct_ways: tuple[tuple[int, int], ...] = PROBE_DIRECT) -> dict:
-    """Sequential write rate of `folder`'s filesystem: `nbytes` in `block`-sized writes, buffered, and with
-    O_DIRECT (where files there open with it) in each of `direct_ways` (block, writes in flight: that many
-    threads taking the next block; with more than one, the file fallocated to its length first, as UnitFile
-    extends it ahead), each until fsync returns, as a unit's commit waits for it. The file is removed after each.
-    Rates in GB/s (1e9 bytes): `direct_gb_per_s` is the first way's (one `block` at a time), `direct` lists every
-    way's, `best_gb_per_s` is the best of all; O_DIRECT's are None / empty where it does not apply."""
-    import time
-
-    import numpy as np
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    nbytes = max(block, nbytes // block * block)
-    largest = max([block] + [b for b, _ in direct_ways])
-    source = mmap.mmap(-1, largest)  # page-aligned, as O_DIRECT needs; random bytes (no zero-page shortcuts)
-    np.frombuffer(source, dtype=np.uint8)[:] = np.random.default_rng(0).integers(0, 256, largest, dtype=np.uint8)
-    result = {"path": str(folder), "filesystem": filesystem_type(folder), "bytes": nbytes, "block_bytes": block,
-              "direct": []}
-
-    def timed(direct: bool, size: int, in_flight: int) -> float:
-        path = folder / f".hsx-storage-probe-{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | (os.O_DIRECT if direct else 0)
-        fd = os.open(path, flags, 0o644)
-        total = max(size, nbytes // size * size)
-        offsets = iter(range(0, total, size))
-        lock = threading.Lock()
-
-        def write_blocks() -> None:
-            with memoryview(source) as view:
-                while True:
-                    with lock:
-                        offset = next(offsets, None)
-                    if offset is None:
-                        return
-                    _pwrite_all(fd, view[:size], offset)
-
-        try:
-            t0 = time.perf_counter()
-            if in_flight > 1:
-                _libc().fallocate(fd, 0, 0, total)  # (as UnitFile's _extend; where it fails, the writes extend)
-            with ThreadPoolExecutor(max_workers=in_flight) as pool:
-                wait_all([pool.submit(write_blocks) for _ in range(in_flight)])
-            os.fsync(fd)
-            return total / (time.perf_counter() - t0) / 1e9
-        finally:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-
-    try:
-        result["buffered_gb_per_s"] = timed(False, block, 1)
-        result["direct_gb_per_s"] = None
-        if supports_direct(folder):
-            for size, in_flight in direct_ways:
-                rate = timed(True, size, in_flight)
-                result["direct"].append({"block_bytes": size, "in_flight": in_flight, "gb_per_s": rate})
-            result["direct_gb_per_s"] = result["direct"][0]["gb_per_s"] if result["direct"] else None
-    finally:
-        source.close()
-    ways = [("buffered", result["buffered_gb_per_s"])] + [
-        (f"O_DIRECT, {w['block_bytes'] >> 20} MiB x {w['in_flight']} in flight", w["gb_per_s"])
-        for w in result["direct"]]
-    result["best"], result["best_gb_per_s"] = max(ways, key=lambda w: w[1])
-    return result
-
-
-def storage_probe_bytes(folder: str | os.PathLike, wanted: float) -> int:
-    """`wanted` bytes, or a quarter of the free space of `folder`'s filesystem if that is less."""
-    import shutil
-
-    return int(min(wanted, shutil.disk_usage(folder).free / 4))
-
-
-def measure_writer(folder: str | os.PathLike, nbytes: int, unit_bytes: int, piece: int = 512 << 20,
-                   mode: str = "auto") -> dict:
-    """hsx's writer alone on `folder`'s filesystem, fed as fast as it takes bytes: `nbytes` of random bytes as
-    units of `unit_bytes` (UnitFiles as a job writes its units: `mode` resolved there, one checksum pool, the
-    DirectStages or Spares `spares_for` makes), in `piece`-sized writes (a batch's big buffer), each unit fsynced
-    on a thread while the next one is written, as hsx.sink's Committer does. Against `measure_storage`'s best it
-    says how much of the storage the writer can use, unit boundaries included; against a run's write rate,
-    whether the GPU or the writer limited it. The files are removed after."""
-    import time
-
-    import numpy as np
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    unit_bytes = max(1, min(int(unit_bytes), int(nbytes)))
-    sizes = [unit_bytes] * max(1, int(nbytes) // unit_bytes)
-    source = mmap.mmap(-1, max(1, min(piece, unit_bytes)))
-    np.frombuffer(source, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 256, len(source), dtype=np.uint8)
-    resolved = resolve_mode(folder, mode)
-    pool, syncs = checksum_pool(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-probe-fsync")
-    futures: list[Future] = []
-
-    def fsync_and_remove(path: str) -> None:
-        try:
-            sink.fsync_file(Path(path))
-        finally:
-            os.unlink(path)
-
-    spares = spares_for(folder, sizes, resolved)
-    try:
-        with memoryview(source) as view:
-            t0 = time.perf_counter()
-            for i, size in enumerate(sizes):
-                path = str(folder / f".hsx-writer-probe-{os.getpid()}-{i}")
-                with UnitFile(path, resolved, spares=spares, pool=pool) as f:
-                    for at in range(0, size, len(view)):
-                        f.write(view[:min(len(view), size - at)])
-                futures.append(syncs.submit(fsync_and_remove, path))
-            wait_all(futures)
-            seconds = time.perf_counter() - t0
-    finally:
-        wait(futures)
-        if spares is not None:
-            spares.close()
-        pool.shutdown(wait=True)
-        syncs.shutdown(wait=True)
-        source.close()
-        for leftover in folder.glob(f".hsx-writer-probe-{os.getpid()}-*"):
-            leftover.unlink(missing_ok=True)
-    return {"mode": resolved, "bytes": sum(sizes), "units": len(sizes), "unit_bytes": unit_bytes,
-            "gb_per_s": sum(sizes) / seconds / 1e9}

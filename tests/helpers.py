@@ -397,7 +397,7 @@ def committed_units(out: Path) -> int:
 
 def assert_units_intact(out: Path) -> list[dict[str, Any]]:
     """Every unit a manifest records is there, with the recorded size and CRC-32, and recorded once."""
-    from hsx.sink import file_crc32
+    from hsx.checksums import file_crc32
 
     recs = manifest_records(out)
     names = [r["unit"] for r in recs]

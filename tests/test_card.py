@@ -13,12 +13,12 @@ FILES = ["train-000-00000.arrow", "train-003-00001.arrow"]
 
 
 def info_of(**changes) -> dict:
-    info = {"counts": {"rows_written": 12, "tokens_written": 3456, "skipped": {"empty_conversation": 1},
-                       "truncated": 2},
+    info = {"counts": {"rows_in": 15, "rows_written": 12, "tokens_written": 3456, "skipped": {"empty_conversation": 1},
+                       "truncated": 2}, "complete": True,
             "layers": [0, 1, 3], "hidden_size": 64, "storage_dtype": "bfloat16", "final_hidden": True,
             "config": {"dataset": "chat.jsonl", "split": "train"}, "fingerprint": "0123abcd", "model": "tiny",
             "hsx_version": "0.1.0", "num_model_layers": 4, "layer_convention": "layer i is decoder layer i",
-            "max_length": 128, "files": [{"file": name} for name in FILES]}
+            "max_length": 128, "files": [{"file": name, "bytes": 100, "crc32": "0000abcd"} for name in FILES]}
     return {**info, **changes}
 
 

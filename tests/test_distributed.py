@@ -253,11 +253,12 @@ def test_eight_processes_killed_resume_on_four_with_a_node_replaced(tmp_path, fa
     assert_equals_reference(tmp_path / "merged", ref, world_size=0, verify=False)
 
 
-def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric():
+def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric(monkeypatch):
     """share_dir groups ranks by the announce files each sees: one-sided sight (a listing lagging on one client)
     still joins two ranks, and ranks that see nothing of each other write separate dirs."""
     from types import SimpleNamespace
 
+    import hsx.run
     from hsx.run import Process, share_dir
 
     views = [[0], [0, 1], [2, 3], [2, 3], [4]]  # rank 0 does not (yet) see rank 1's file; rank 1 sees rank 0's
@@ -265,7 +266,9 @@ def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric():
         proc = Process(rank=rank, world_size=5, device=None)
         proc.barrier = lambda: None
         proc.all_gather = lambda value, rank=rank: [value if r == rank else v for r, v in enumerate(views)]
-        out = SimpleNamespace(announce=lambda run_id, r: None, announced=lambda run_id, rank=rank: views[rank])
+        out = SimpleNamespace(state=rank)  # (the announce files each rank sees: `views`, by its .hsx/)
+        monkeypatch.setattr(hsx.run, "announce", lambda state, run_id, r: None)
+        monkeypatch.setattr(hsx.run, "announced", lambda state, run_id: views[state])
         share = share_dir(out, proc, "run")
         assert share.ranks == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3], 4: [4]}[rank]
         assert share.leads == (rank in (0, 2, 4)) and not share.whole

@@ -237,6 +237,7 @@ def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monke
     """ENOSPC while `datasets` writes a unit's Arrow file, while committing it (fsync), while writing hsx.json, and
     while writing the tokenized cache. One line, non-zero, committed units intact; once space is freed, the same
     command finishes the job."""
+    import hsx.info
     import hsx.sink
     from datasets.arrow_writer import ArrowWriter
 
@@ -262,7 +263,7 @@ def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monke
         return real_write_table(self, pa_table, writer_batch_size)
 
     monkeypatch.setattr(ArrowWriter, "write_table", write_table)
-    real_fsync_file, real_atomic_write = hsx.sink.fsync_file, hsx.sink.atomic_write
+    real_fsync_file, real_atomic_write = hsx.sink.fsync_file, hsx.info.atomic_write
 
     def fsync_file(path):
         if where == "commit":
@@ -276,7 +277,7 @@ def test_disk_full_is_one_line_keeps_committed_units_and_resumes(tmp_path, monke
         return real_atomic_write(path, text)
 
     monkeypatch.setattr(hsx.sink, "fsync_file", fsync_file)
-    monkeypatch.setattr(hsx.sink, "atomic_write", atomic_write)
+    monkeypatch.setattr(hsx.info, "atomic_write", atomic_write)  # (hsx.json: hsx.info.write_info)
 
     out = tmp_path / "out"
     rc, stdout, stderr = hsx_main(ref.argv(out))
@@ -595,7 +596,7 @@ def test_verify_detects_a_unit_missing_from_the_manifest(ref_copy):
 
 def test_verify_detects_a_duplicated_unit(ref_copy):
     """A unit's file present twice (under another unit name, recorded in the manifest): rows repeat."""
-    from hsx.sink import file_crc32
+    from hsx.checksums import file_crc32
 
     f = _a_unit(ref_copy)
     dup = ref_copy / "data" / "train-999-00000.arrow"

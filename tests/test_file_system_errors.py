@@ -118,7 +118,9 @@ def test_a_file_system_error_at_each_moment_of_extract(tmp_path, monkeypatch, fa
     """EFBIG while a unit is written, EIO while its manifest line is appended, EROFS while hsx.json is written,
     EACCES on .hsx/lock (a dir readable but not writable): one line naming the path, what it is and what to do;
     the units committed kept; the same command, the cause gone, finishes the job."""
-    import hsx.sink
+    import hsx.files
+    import hsx.info
+    import hsx.ledgers
     from hsx import writer
 
     ref = fault_reference
@@ -129,8 +131,8 @@ def test_a_file_system_error_at_each_moment_of_extract(tmp_path, monkeypatch, fa
             fired.append(str(path))
             raise OSError(code, os.strerror(code), str(path))
 
-    real_close, real_append, real_atomic, real_open = (writer.UnitFile.close, hsx.sink.append_synced,
-                                                       hsx.sink.atomic_write, hsx.sink._open_no_follow)
+    real_close, real_append, real_atomic, real_open = (writer.UnitFile.close, hsx.ledgers.append_synced,
+                                                       hsx.info.atomic_write, hsx.files.open_no_follow)
     units = []
 
     def close(self):
@@ -159,9 +161,9 @@ def test_a_file_system_error_at_each_moment_of_extract(tmp_path, monkeypatch, fa
             fault(path)
         return real_open(path, flags)
 
-    patch = {"unit_write": (writer.UnitFile, "close", close), "manifest": (hsx.sink, "append_synced", append_synced),
-             "hsx.json": (hsx.sink, "atomic_write", atomic_write),
-             "lock": (hsx.sink, "_open_no_follow", open_no_follow)}[where]
+    patch = {"unit_write": (writer.UnitFile, "close", close), "manifest": (hsx.ledgers, "append_synced", append_synced),
+             "hsx.json": (hsx.info, "atomic_write", atomic_write),
+             "lock": (hsx.files, "open_no_follow", open_no_follow)}[where]
     monkeypatch.setattr(*patch)
     out = tmp_path / "out"
     rc, _, err = hsx_main(ref.argv(out))
@@ -290,7 +292,7 @@ def test_a_record_appended_after_a_ledger_line_a_full_disk_cut_is_not_lost(tmp_p
     the rerun's upload record) joined that torn line and readers passed over the joined line, so the record
     appended after the fault was lost (a follow consumer's progress read back older, its units deleted as
     consumed). Every ledger hsx appends to goes through `append_synced`, which ends a torn line first."""
-    from hsx.sink import append_synced, read_jsonl
+    from hsx.files import append_synced, read_jsonl
 
     path = tmp_path / ledger
     append_synced(path, '{"unit": "000-00000", "row": 3}\n')

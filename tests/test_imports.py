@@ -12,15 +12,18 @@ TOP = {"hsx.cli", "hsx.commands", "hsx.launch", "hsx.__main__"}  # the command l
 # The data flow, lowest first: a module imports only from its own layer or the ones before it (imports inside
 # functions count: a late import is still a dependency). A new module goes into the layer of what it does.
 LAYERS: list[set[str]] = [
-    # errors and the output format every layer names; the demo's seeded tokenizer, model and chats
-    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train"},
+    # errors and the output format every layer names; the demo's seeded tokenizer, model and chats; the file
+    # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses
+    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
     {"hsx.config"},  # the job's settings
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
     # renders, the model (loaded; prepared to run) and its kernels, length buckets
     {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.prepare", "hsx.attention", "hsx.gdn", "hsx.moe",
      "hsx.fp8", "hsx.buckets", "hsx.kernels"},
-    # rows in, states out, and the output dir they are written to
-    {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.sink", "hsx.card", "hsx.vocab"},
+    # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
+    # the storage's own rates: storage)
+    {"hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.storage", "hsx.info", "hsx.ledgers",
+     "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)

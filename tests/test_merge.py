@@ -187,7 +187,7 @@ def test_merge_checks_every_unit_it_links_before_writing(reference, tmp_path, da
     """A unit that is not what the manifests it trusts say (size, CRC-32), or that is no valid Arrow unit of the
     job even where the manifest was forged to match it, or units and summary that disagree on the rows: one line
     naming the file or dir, exit 1, nothing written to OUT; the units repaired, the same merge goes through."""
-    from hsx.sink import file_crc32
+    from hsx.checksums import file_crc32
 
     node0, node1 = split_like_two_nodes(reference, tmp_path)
     unit = sorted((node1 / "data").iterdir())[0]
@@ -242,7 +242,7 @@ def test_merge_checks_every_unit_it_links_before_writing(reference, tmp_path, da
 def test_two_dirs_with_different_units_of_one_name_are_refused(reference, tmp_path):
     """Two dirs each offering a unit of one name with other bytes (each file matching its own manifest): merge
     does not pick one; it names both. The same bytes in two dirs (a copy) are one unit."""
-    from hsx.sink import file_crc32
+    from hsx.checksums import file_crc32
 
     node0, node1 = split_like_two_nodes(reference, tmp_path)
     unit = sorted((node1 / "data").iterdir())[0]

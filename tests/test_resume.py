@@ -103,7 +103,7 @@ def test_a_resume_clears_partial_units_of_ranks_this_run_does_not_have(finished_
     (each rank cleared only its own), and counted by --max-pending-gb's window for ever."""
     from hsx.follow import pending_bytes
     from hsx.schema import JobRecord
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     drop_manifest_line(finished_copy)  # (a resume, not a finished dir)
     stale = finished_copy / ".hsx" / "tmp" / "rank-00007" / "train-zzz-00000.arrow"

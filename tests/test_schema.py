@@ -228,7 +228,7 @@ import shutil  # noqa: E402
 from helpers import LONG_DIGITS, finished_argv, manifest_records, the_error_line  # noqa: E402
 from hsx.config import HsxError  # noqa: E402
 from hsx.load import info as output_info  # noqa: E402
-from hsx.sink import file_crc32  # noqa: E402
+from hsx.checksums import file_crc32  # noqa: E402
 
 
 # ---- hsx.json lists every unit; a damaged record is one line from every command that reads it ----------------------

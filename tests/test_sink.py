@@ -5,15 +5,18 @@ job.json read as bounded regular files, torn ledger lines passed over."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import hsx
 from hsx.config import HsxError
 from hsx.schema import OutputFormat
-from hsx.sink import OutputDir, info_features, job_fingerprint
+from hsx.info import info_features
+from hsx.sink import OutputDir, job_fingerprint
 
 CARD = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.arrow\n---\n"
 INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True, "model": "m",
@@ -201,7 +204,7 @@ def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
         finally:
             tracemalloc.stop()
     from hsx.schema import JobRecord
-    from hsx.sink import read_json
+    from hsx.files import read_json
 
     (out.state / "job.json").write_text(json.dumps({"fingerprint": "f" * 32, "inputs": {}}))
     tracemalloc.start()
@@ -257,7 +260,7 @@ def test_a_ledger_is_read_a_line_at_a_time(tmp_path):
 def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
     """Like compile, sdpa_backend and packing, the experts kernel and the FP8 GEMM (numerically different
     kernels, allowed to change on a resume) are in the job's `run`, not only under each rank's."""
-    from hsx.sink import combine_rank_stats
+    from hsx.info import combine_rank_stats
 
     rank = {"seconds": 1.0, "tokens": 10, "padded_tokens": 12, "gpu_seconds": 0.5, "sdpa_backend": "flash",
             "packing": "varlen", "compile": True, "experts_implementation": "hsx_grouped", "fp8_gemm": "cublas",
@@ -275,7 +278,7 @@ from pathlib import Path  # noqa: E402
 
 from helpers import (LONG_DIGITS, call_with_deadline, drop_manifest_line, fault_argv,  # noqa: E402
                      finished_argv, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes)
-from hsx.sink import atomic_write  # noqa: E402
+from hsx.files import atomic_write  # noqa: E402
 
 
 # ---- no delete or write through a link -----------------------------------------------------------------------------
@@ -422,3 +425,52 @@ def test_a_torn_manifest_line_is_still_passed_over(finished_copy, model4, small_
     rc, stdout, err = hsx_main(argv)
     assert rc == 0, err
     assert "already complete" in stdout + err
+
+
+# ---- the drawing in hsx.sink's docstring is what an extraction writes ------------------------------------------
+
+def drawing() -> list[tuple[re.Pattern, bool, str]]:
+    """hsx.sink's drawing of the output dir: for each drawn path (`OUT/...`, the first word of its line), the
+    pattern of the paths it stands for (`<name>`: a part of a name; a path ending in `/`: that folder and all in
+    it), whether it is there only in some states (`?`), and the path as drawn."""
+    import hsx.sink
+
+    found = []
+    for line in hsx.sink.__doc__.splitlines():
+        m = re.match(r"    OUT/(\S+)", line)
+        if not m:
+            continue
+        drawn = m.group(1)
+        path = drawn.removesuffix("?")
+        rx = "".join("[^/]+" if part.startswith("<") else re.escape(part) for part in re.split(r"(<[^>]+>)", path))
+        found.append((re.compile(rx + (".*" if path.endswith("/") else "")), drawn.endswith("?"), drawn))
+    return found
+
+
+def undrawn_and_unwritten(written: list[str]) -> tuple[list[str], list[str]]:
+    """The written paths no drawn path stands for, and the drawn paths (not marked `?`) that stand for none."""
+    drawn = drawing()
+    undrawn = [w for w in written if not any(rx.fullmatch(w) for rx, _, _ in drawn)]
+    unwritten = [d for rx, optional, d in drawn if not optional and not any(rx.fullmatch(w) for w in written)]
+    return undrawn, unwritten
+
+
+@pytest.mark.slow
+def test_the_drawing_of_the_output_dir_names_every_file_an_extraction_writes(tmp_path, model4, small_chat_path):
+    """A real extraction's dir holds exactly what hsx.sink's docstring draws: no file the drawing lacks, and every
+    file it draws as always there (the README links to this drawing instead of drawing its own)."""
+    from helpers import hsx_main
+
+    out = tmp_path / "out"
+    rc, _, err = hsx_main(["extract", "--model", str(model4.path), "--dataset", str(small_chat_path), "--layers",
+                           "1", "--output-dir", str(out), "--unit-tokens", "300", "--compile", "off"])
+    assert rc == 0, err
+    written = sorted(str(p.relative_to(out)) + ("/" if p.is_dir() else "") for p in out.rglob("*")
+                     if not p.is_dir() or not any(p.iterdir()))  # (files, and folders holding nothing)
+    assert len([w for w in written if w.startswith("data/train-")]) > 1
+    assert undrawn_and_unwritten(written) == ([], [])
+    # The comparison itself: a file the drawing lacks is named, and so is a drawn file that was not written.
+    stray = [w for w in written if w != ".hsx/summary.json"] + [".hsx/notes.json"]
+    assert undrawn_and_unwritten(stray) == ([".hsx/notes.json"], [".hsx/summary.json"])
+    assert any(optional for _, optional, _ in drawing()) and "[hsx/sink.py](hsx/sink.py)" in (
+        Path(hsx.__file__).parents[1] / "README.md").read_text()

@@ -12,7 +12,6 @@ import shutil
 import signal
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import datasets
@@ -20,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from hsx import sink, writer
+from hsx import checksums, sink, storage, writer
+from hsx.checksums import file_crc32
 from hsx.schema import OutputFormat
-from hsx.sink import file_crc32
-from hsx.writer import Spares, UnitFile, crc32_combine, resolve_mode, unit_files
+from hsx.writer import Spares, UnitFile, resolve_mode, unit_files
 
 WIDTH, HIDDEN = 3 * 64, 64
 
@@ -58,39 +57,13 @@ def folder_for(request, tmp_path):
     return lambda mode: _where(mode, tmp_path, request.getfixturevalue("shm") if mode == "mapped" else None)
 
 
-def test_crc32_combine_is_zlibs():
-    rng = np.random.default_rng(0)
-    for n1, n2 in [(0, 5), (7, 0), (1, 1), (1000, 4097), (3, 1 << 20)]:
-        a, b = rng.bytes(n1), rng.bytes(n2)
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
-
-
-def test_checksums_are_zlibs_crc32_whichever_library_computes_them(tmp_path, monkeypatch):
-    """sink.crc32 (zlib-ng where installed) gives zlib's values: whole, resumed from a value, over a memoryview;
-    file_crc32 and a UnitFile's streamed CRC are zlib's per chunk, so manifests written with either library
-    verify with the other."""
-    rng = np.random.default_rng(1)
-    data = rng.bytes((5 << 20) + 123)
-    assert sink.crc32(data) == zlib.crc32(data)
-    assert sink.crc32(memoryview(data)[7:], 0x1234) == zlib.crc32(data[7:], 0x1234)
-    monkeypatch.setattr(sink, "CRC_CHUNK", 2 << 20)
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
-    path = tmp_path / "f.bin"
-    with UnitFile(path) as f:
-        f.write(data)
-    expected = ":".join(f"{zlib.crc32(data[i:i + (2 << 20)]):08x}" for i in range(0, len(data), 2 << 20))
-    assert file_crc32(path) == expected
-    assert f.crc32() == expected
-    assert sink.CRC32_LIBRARY in ("zlib", "zlib-ng")
-
-
 @pytest.mark.parametrize("mode", ["buffered", "direct", "mapped-short", "mapped-long", "mapped-none"])
 def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
     """Small and big writes, pieces over several CRC chunks: the file holds exactly the bytes (its size is theirs
     after close), and the streamed CRC-32s are what file_crc32 reads back. mapped: a spare shorter than the file
     (the rest by pwrite), longer (cut at close), or none."""
-    monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(checksums, "CRC_CHUNK", 3 << 20)  # several chunks in a small file
+    monkeypatch.setattr(checksums, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_EXTEND", 3 << 20)  # (extended past the end, then cut at close)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
@@ -126,17 +99,17 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["buffered", "direct", "mapped"])
 def test_unit_files_share_one_checksum_pool_and_leave_it_running(folder_for, monkeypatch, mode):
-    """A job's units checksum on one pool (hsx.writer.checksum_pool): each file's bytes and CRC-32s are its own,
+    """A job's units checksum on one pool (hsx.checksums.checksum_pool): each file's bytes and CRC-32s are its own,
     closing a file leaves the shared pool running (the next unit uses it), and no file starts threads of its own."""
-    monkeypatch.setattr(sink, "CRC_CHUNK", 2 << 20)
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(checksums, "CRC_CHUNK", 2 << 20)
+    monkeypatch.setattr(checksums, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     folder = folder_for(mode)
     rng = np.random.default_rng(2)
     blobs = [rng.bytes((3 << 20) + 17), rng.bytes((5 << 20) + 1), rng.bytes(4097)]
     started = []
-    monkeypatch.setattr(writer, "checksum_pool", lambda threads=None: started.append(threads))  # (none may be made)
+    monkeypatch.setattr(checksums, "checksum_pool", lambda threads=None: started.append(threads))  # (none may be made)
     pool = writer.ThreadPoolExecutor(max_workers=3, thread_name_prefix="hsx-crc")
     spares = Spares(folder, [len(b) for b in blobs]) if mode == "mapped" else None
     try:
@@ -350,10 +323,10 @@ def test_measure_writer(folder_for, monkeypatch, mode):
     synced = []
     real = os.fsync
     monkeypatch.setattr(writer.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
-    w = writer.measure_writer(folder, (5 << 20) + 3, 2 << 20, piece=1 << 20, mode=mode)
+    w = storage.measure_writer(folder, (5 << 20) + 3, 2 << 20, piece=1 << 20, mode=mode)
     assert w["mode"] == mode and w["units"] == 2 == len(synced) and w["bytes"] == 4 << 20 and w["gb_per_s"] > 0
     assert list(folder.iterdir()) == []
-    w = writer.measure_writer(folder, 1 << 20, 8 << 20, piece=1 << 19, mode=mode)  # (a unit larger than the bytes)
+    w = storage.measure_writer(folder, 1 << 20, 8 << 20, piece=1 << 19, mode=mode)  # (a unit larger than the bytes)
     assert w["units"] == 1 and w["bytes"] == 1 << 20 and list(folder.iterdir()) == []
 
 
@@ -427,8 +400,9 @@ def test_map_through_unit_files_writes_datasets_own_bytes(tmp_path, folder_for, 
     folder = folder_for(mode) / "unit"
     folder.mkdir()
     (tmp_path / "plain").mkdir()
-    monkeypatch.setattr(writer, "CRC_PIECE", 64 << 10)
+    monkeypatch.setattr(checksums, "CRC_PIECE", 64 << 10)
     monkeypatch.setattr(writer, "SMALL", 16 << 10)
+    monkeypatch.setattr(checksums, "SMALL", 16 << 10)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 64 << 10)
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 64 << 10)
     monkeypatch.setattr(writer, "DIRECT_EXTEND", 128 << 10)
@@ -462,8 +436,8 @@ def test_mapped_small_writes_are_stored_as_one_piece(shm, monkeypatch):
     """In tmpfs a record batch's small writes (IPC framing, offsets, the token columns) are gathered and stored
     as one piece before its big one (and the trailing ones at close): each store lets go of the GIL, which the
     GPU thread may keep for a switch interval. The file and its CRC-32s are the bytes written, in order."""
-    monkeypatch.setattr(sink, "CRC_CHUNK", 3 << 20)  # (a gathered piece may straddle a chunk)
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(checksums, "CRC_CHUNK", 3 << 20)  # (a gathered piece may straddle a chunk)
+    monkeypatch.setattr(checksums, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     data = np.random.default_rng(3).integers(0, 256, 9 << 20, dtype=np.uint8)
     small = [b"\xff\xff\xff\xff", bytes(range(200)), b"\x00" * 7, memoryview(data)[:5000], b"abc" * 100]
@@ -543,7 +517,7 @@ def test_spare_populates_in_steps(shm, monkeypatch):
 def test_mapped_copy_error_surfaces(shm, monkeypatch):
     """A copy thread's error (here ENOSPC from pwrite past the spare) is raised by that write, by every later
     one and by close, after every piece handed out has finished (none still reads the caller's memory)."""
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(checksums, "CRC_PIECE", 1 << 20)
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     spares = Spares(shm, [2 << 20])
     _wait_prepared(spares.next)
@@ -583,7 +557,7 @@ def test_spare_skips_what_the_writer_passed(shm, monkeypatch):
     import threading
 
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
-    monkeypatch.setattr(writer, "CRC_PIECE", 1 << 20)
+    monkeypatch.setattr(checksums, "CRC_PIECE", 1 << 20)
     gate = threading.Event()
     spares = Spares(shm, [], threads=1)
     spares.pool.submit(gate.wait)  # the preparing thread is busy until the gate opens
@@ -693,7 +667,7 @@ def test_extract_commits_the_streamed_crc(tmp_path, model4, small_chat_path, mon
 
 def test_measure_storage(tmp_path, monkeypatch):
     ways = ((1 << 20, 1), (1 << 20, 2), (2 << 20, 1))
-    s = writer.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20, direct_ways=ways)
+    s = storage.measure_storage(tmp_path / "probe", 3 << 20, block=1 << 20, direct_ways=ways)
     assert s["bytes"] == 3 << 20 and s["buffered_gb_per_s"] > 0
     rates = [s["buffered_gb_per_s"]] + [w["gb_per_s"] for w in s["direct"]]
     assert s["best_gb_per_s"] == max(rates) and all(r > 0 for r in rates)  # the best of every way tried
@@ -703,10 +677,10 @@ def test_measure_storage(tmp_path, monkeypatch):
         assert s["direct_gb_per_s"] == s["direct"][0]["gb_per_s"]
     assert (s["best"] == "buffered") == (s["best_gb_per_s"] == s["buffered_gb_per_s"])
     assert list((tmp_path / "probe").iterdir()) == []  # the probe files are gone
-    monkeypatch.setattr(writer, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
-    s = writer.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
+    monkeypatch.setattr(storage, "supports_direct", lambda folder: False)  # (tmpfs before Linux 6.6, ...)
+    s = storage.measure_storage(tmp_path / "probe", 1 << 20, block=1 << 20)
     assert s["direct_gb_per_s"] is None and s["best_gb_per_s"] == s["buffered_gb_per_s"]
-    assert writer.storage_probe_bytes(tmp_path, 1e30) < 1e30  # capped by a quarter of the free space
+    assert storage.storage_probe_bytes(tmp_path, 1e30) < 1e30  # capped by a quarter of the free space
 
 
 def test_bench_reports_the_storage(tmp_path, capsys, monkeypatch):

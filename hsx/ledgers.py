@@ -1,0 +1,280 @@
+"""The record files under an output dir's .hsx/ (which ones, and when each is there: hsx.sink's drawing of the
+dir): the manifests of committed units, the runs, uploads, consumers, exports, merges and ranks. For each, how a
+record is appended (fsynced, a torn last line ended first: hsx.files.append_synced) and how it is read back and
+checked (each line through its typed record in hsx.schema; a torn line from a kill is passed over, a whole line
+that is not a valid record is one HsxError line naming file and line).
+
+Every function takes the dir's .hsx/ folder (`state`; `data`: its data/), so hsx.sink.OutputDir, hsx.merge and
+the readers share one reading of each file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hsx.errors import HsxError
+from hsx.files import append_synced, atomic_write, file_size, read_bounded, read_json, read_jsonl
+from hsx.info import recorded_run_values
+from hsx.schema import (RECORD_REST_BYTES, RUN_VARIANT_KEYS, ConsumedRecord, ManifestRecord, RunRecord, UploadRecord,
+                        merged_values, values_used)
+
+MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
+UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
+CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
+RUNS = "runs-*.jsonl"  # what each run of a rank computed the states with (hsx.schema.RunRecord): one per rank
+EXPORTED = "exported.jsonl"  # units an export with --delete-source deleted (hsx.export), and where to
+
+
+def uploaded_matches(uploaded: dict[str, Any] | None, rec: dict[str, Any]) -> bool:
+    """Whether an upload record is of this manifest record's file: same size, and same CRC-32 where both say."""
+    return (uploaded is not None and uploaded.get("bytes") == rec["bytes"]
+            and (uploaded.get("crc32") is None or rec.get("crc32") is None or uploaded["crc32"] == rec["crc32"]))
+
+
+# ---- manifests: the committed units -----------------------------------------------------------------------------
+
+def append_manifest(state: Path, rank: int, record: dict[str, Any]) -> None:
+    """Append a committed unit's record to .hsx/manifest-<rank>.jsonl, fsynced (after a kill mid-append the last
+    line is torn: append_synced ends it, this record starts a line)."""
+    append_synced(state / f"manifest-{rank:05d}.jsonl", json.dumps(record, sort_keys=True) + "\n")
+
+
+def manifest_records(state: Path) -> dict[str, dict[str, Any]]:
+    """Every committed unit's manifest record (every rank's), by unit name; whether its file is still here or not."""
+    records = {}
+    for manifest in sorted(state.glob(MANIFESTS)):
+        for rec in read_jsonl(manifest, ManifestRecord):  # a torn line from a kill: that unit is redone
+            records[rec["unit"]] = rec
+    return records
+
+
+def last_session_units(state: Path) -> set[str]:
+    """The units the last run of each rank committed (the last manifest line's session, per manifest)."""
+    units = set()
+    for manifest in sorted(state.glob(MANIFESTS)):
+        recs = list(read_jsonl(manifest, ManifestRecord))
+        last = recs[-1].get("session") if recs else None
+        units |= {r["unit"] for r in recs if last is not None and r.get("session") == last}
+    return units
+
+
+def done_units(state: Path, data: Path) -> dict[str, dict[str, Any]]:
+    """Committed units from the manifests (every rank's) whose files exist in `data` with the recorded size, or that
+    a Hub push recorded as uploaded (in .hsx/uploaded-*.jsonl, with the same size and CRC-32), or a trainer as
+    wholly consumed: with --delete-after-upload those are gone from disk and must not be redone."""
+    up, used = uploaded(state), consumed(state)
+    done = {}
+    for unit, rec in manifest_records(state).items():
+        f = data / rec["file"]
+        if file_size(f) == rec["bytes"]:
+            done[unit] = rec
+        elif (uploaded_matches(up.get(f"data/{rec['file']}"), rec)
+              or uploaded_matches(used.get(rec["file"]), rec)) and not (
+                state / "damaged" / rec["file"]).exists():  # (gone after its upload, not moved aside)
+            done[unit] = rec
+    return done
+
+
+# ---- runs: what computed each unit ------------------------------------------------------------------------------
+
+def record_run(state: Path, rank: int, session: str, settings: dict[str, Any]) -> None:
+    """Append this run's RUN_VARIANT_KEYS values to .hsx/runs-<rank>.jsonl (fsynced, before its first commit): its
+    units' manifest lines name its session, so what computed each unit is known after any kill."""
+    state.mkdir(parents=True, exist_ok=True)
+    line = {"session": session, **{k: settings[k] for k in RUN_VARIANT_KEYS if k in settings}}
+    append_synced(state / f"runs-{rank:05d}.jsonl", json.dumps(line, sort_keys=True) + "\n")  # (a torn one: ended)
+
+
+def run_values_by_rank(state: Path, units: dict[str, dict[str, Any]]) -> dict[str, dict[str, list]]:
+    """Every RUN_VARIANT_KEYS value the runs that committed `units` (manifest records, as done_units gives)
+    computed with, by whose they are: "rank N" for the records of .hsx/runs-<N>.jsonl (every rank's ledger, each
+    read bounded, as read_jsonl reads), "hsx.json" for units of an older hsx, which kept none (the values its
+    hsx.json's run records: hsx.info.recorded_run_values); only those with values."""
+    sessions = {rec.get("session") for rec in units.values()}
+    found: set[str] = set()
+    by_rank: dict[str, list[RunRecord]] = {}
+    for ledger in sorted(state.glob(RUNS)) if units else ():
+        runs = [RunRecord.from_dict(rec) for rec in read_jsonl(ledger, RunRecord) if rec["session"] in sessions]
+        found |= {r.session for r in runs}
+        rank = ledger.name[len("runs-"):-len(".jsonl")]
+        by_rank.setdefault(f"rank {int(rank)}" if rank.isdigit() and len(rank) < 10 else ascii(ledger.name),
+                           []).extend(runs)
+    older = recorded_run_values(state.parent) if sessions - found else []
+    whose = {"hsx.json": values_used(older)} if older else {}
+    whose.update({k: values_used(runs) for k, runs in by_rank.items()})
+    return {k: v for k, v in whose.items() if v}
+
+
+def run_values(state: Path, units: dict[str, dict[str, Any]]) -> dict[str, list]:
+    """`run_values_by_rank`'s values, merged: every value the runs that committed `units` computed with."""
+    return merged_values(*run_values_by_rank(state, units).values())
+
+
+# ---- uploads (hsx.hub) and consumers (hsx.follow) ---------------------------------------------------------------
+
+def uploaded(state: Path) -> dict[str, dict[str, Any]]:
+    """What Hub pushes recorded as committed on the Hub, by path in the repo (`data/train-....arrow`): the last
+    record of each path over every .hsx/uploaded-*.jsonl (one per rank, and one for `hsx push`)."""
+    records: dict[str, dict[str, Any]] = {}
+    for ledger in sorted(state.glob(UPLOADED)):
+        for rec in read_jsonl(ledger, UploadRecord):  # a torn line: uploaded again (a no-op on the Hub)
+            records[rec["file"]] = rec
+    return records
+
+
+def record_uploaded(state: Path, name: str, records: list[dict[str, Any]]) -> None:
+    """Append upload records to .hsx/uploaded-<name>.jsonl and fsync: called only after the Hub confirmed the
+    commit, and before any local file is deleted."""
+    if not records:
+        return
+    state.mkdir(parents=True, exist_ok=True)
+    append_synced(state / f"uploaded-{name}.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def consumed(state: Path) -> dict[str, dict[str, Any]]:
+    """The units trainers following the job (hsx.follow) recorded as wholly consumed, by file name: the last
+    record of each unit in each .hsx/consumed-*.jsonl whose `row` is its `rows`. Such a unit may be deleted
+    (`delete_consumed`) and is still done, as a unit deleted after its upload is."""
+    whole: dict[str, dict[str, Any]] = {}
+    for ledger in sorted(state.glob(CONSUMED)):
+        last: dict[str, dict[str, Any]] = {}
+        for rec in read_jsonl(ledger, ConsumedRecord):  # a torn line: that progress is read again
+            last[rec["file"]] = rec
+        whole.update({f: r for f, r in last.items() if r["row"] == r["rows"]})
+    return whole
+
+
+# ---- merges (hsx.merge) -----------------------------------------------------------------------------------------
+
+def merged_sources(state: Path, add: list[str] | None = None) -> list[str]:
+    """The dirs `hsx merge` linked units from into this one (.hsx/merged-from.json), with `add` recorded too: a
+    partial merge's links stay readable once the job's `hsx extract` finishes the dir (its hsx.json's
+    `run.merged_from` is this list)."""
+    path = state / "merged-from.json"
+    known = read_json(path, limit=RECORD_REST_BYTES).get("dirs") if path.exists() else []  # (a path per dir)
+    if not isinstance(known, list) or not all(isinstance(d, str) for d in known):
+        raise HsxError(f"{path} is damaged (its `dirs` is not a list of paths); remove it and merge again")
+    if add:
+        known = [*known, *(d for d in add if d not in known)]
+        atomic_write(path, json.dumps({"dirs": known}, indent=2) + "\n")
+    return known
+
+
+def write_merged_manifest(state: Path, records: list[dict[str, Any]]) -> None:
+    """.hsx/manifest-merged.jsonl: the manifest records of the units a merge joined, written whole (a manifest
+    like every rank's: `manifest_records` reads it with theirs)."""
+    atomic_write(state / "manifest-merged.jsonl", "\n".join(json.dumps(r, sort_keys=True) for r in records) + "\n")
+
+
+# ---- exports that deleted their source (hsx.export) -------------------------------------------------------------
+
+def record_exported(state: Path, entry: dict[str, Any], dest: str, command: str) -> None:
+    """Append to .hsx/exported.jsonl that `entry`'s unit is about to be deleted by `hsx <command> --delete-source`
+    into `dest` (fsynced before the deletion), so a reader of this dir is told where its rows went."""
+    append_synced(state / EXPORTED, json.dumps({"file": entry["file"], "bytes": entry["bytes"],
+                                                "crc32": entry.get("crc32"), "dest": dest,
+                                                "command": command}, sort_keys=True) + "\n")
+
+
+def exported(state: Path) -> dict[str, dict[str, Any]]:
+    """What .hsx/exported.jsonl says exports deleted, by file name (well-formed lines only: it only explains a
+    missing unit, it never makes one count as present)."""
+    path = state / EXPORTED
+    if not path.is_file() or path.is_symlink():
+        return {}
+    records = {}
+    for rec in read_jsonl(path):
+        if isinstance(rec.get("file"), str) and isinstance(rec.get("dest"), str) \
+                and isinstance(rec.get("command"), str):
+            records[rec["file"]] = rec
+    return records
+
+
+def used_up(root: Path, entries: list[dict[str, Any]]) -> str | None:
+    """The line for a dir an export with --delete-source used up: of `entries` (hsx.json's or the manifests'
+    records), those missing from its data/ that .hsx/exported.jsonl records with their size and CRC-32, and where
+    their rows went. None when there are none (a missing unit is then just missing)."""
+    records = exported(root / ".hsx")
+    gone = [e["file"] for e in entries
+            if not os.path.lexists(root / "data" / e["file"]) and uploaded_matches(records.get(e["file"]), e)]
+    if not gone:
+        return None
+    rec = records[gone[0]]
+    # (what the ledger says is shown as a quoted string: a forged one prints no second line)
+    dest = rec["dest"] if rec["dest"].isprintable() else repr(rec["dest"])
+    command = rec["command"] if rec["command"].isprintable() else repr(rec["command"])
+    return (f"{root}: {len(gone)} of its {len(entries)} files were exported and then deleted "
+            f"(`hsx {command[:40]} --delete-source` into {dest[:300]}); its rows are there now, in that "
+            "trainer's layout, not here")
+
+
+def gone_file(state: Path, entry: dict[str, Any]) -> str:
+    """Why a file hsx.json (or a manifest) lists is not in data/: 'uploaded' for a unit deleted after its upload
+    (--delete-after-upload), 'consumed' for one a trainer consumed and deleted (hsx.follow), 'exported' for one an
+    export deleted, else 'missing'."""
+    if uploaded_matches(uploaded(state).get(f"data/{entry['file']}"), entry):
+        return "uploaded"
+    if uploaded_matches(consumed(state).get(entry["file"]), entry):
+        return "consumed"
+    return "exported" if uploaded_matches(exported(state).get(entry["file"]), entry) else "missing"
+
+
+# ---- the ranks of a run (hsx.run, hsx.job) ----------------------------------------------------------------------
+
+def announce(state: Path, run_id: str, rank: int) -> None:
+    """Leave a file saying `rank` of run `run_id` writes here (hsx.run.share_dir: which ranks share a dir)."""
+    folder = state / "ranks" / run_id
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"{rank:05d}.here", run_id + "\n")
+
+
+def announced(state: Path, run_id: str) -> list[int]:
+    """The ranks of run `run_id` that announced themselves here."""
+    folder = state / "ranks" / run_id
+    return sorted(int(f.name[:-5]) for f in folder.glob("*.here") if f.name[:-5].isdigit())
+
+
+def mark_rank_done(state: Path, run_id: str, rank: int, world_size: int,
+                   stats: dict[str, Any] | None = None) -> bool:
+    """Record that `rank` finished its share of run `run_id` (with its throughput numbers); True once all
+    `world_size` ranks of the run that write into this dir have."""
+    folder = state / "ranks" / run_id
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool))}
+    atomic_write(folder / f"{rank:05d}.done", json.dumps({"rank": rank, **record}) + "\n")
+    return len(list(folder.glob("*.done"))) >= world_size
+
+
+def rank_stats(state: Path, run_id: str) -> list[dict[str, Any]]:
+    """What each rank of run `run_id` recorded when it finished, in rank order."""
+    stats = []
+    for f in sorted((state / "ranks" / run_id).glob("*.done")):
+        try:  # (a rank's numbers: a few hundred bytes, well within the rest of a record)
+            record = json.loads(read_bounded(f, RECORD_REST_BYTES) or b"{}")
+        except (OSError, ValueError, RecursionError, HsxError):
+            continue
+        if isinstance(record, dict):
+            stats.append(record)
+    return stats
+
+
+def mark_share_done(state: Path, units: int, of: int) -> None:
+    """This dir holds a finished node's share of a job whose nodes each write their own dir: `units` of its `of`
+    units. Readers then name `hsx merge` as the next step, not the same `hsx extract` (nothing is left to run)."""
+    atomic_write(state / "share-done.json", json.dumps({"units": units, "of": of}) + "\n")
+
+
+def finished_share(state: Path, data: Path) -> tuple[int, int] | None:
+    """(units, of) when this dir is a node's finished share (`mark_share_done`) and no unit was committed or lost
+    since (`done_units`); None otherwise, or when the record is damaged (it only chooses which next step a message
+    names)."""
+    try:
+        record = json.loads(read_bounded(state / "share-done.json", 256))
+        units, of = record["units"], record["of"]
+    except (OSError, ValueError, TypeError, KeyError, HsxError):
+        return None
+    if type(units) is not int or type(of) is not int or not 0 < units < of or units != len(done_units(state, data)):
+        return None
+    return units, of
