@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+from hsx.info import read_info
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -318,7 +319,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
     if proc.world_size > 1:  # the job's numbers, every rank's combined, from whichever process finalized
         proc.barrier()
-        info = OutputDir(out_dir).read_info().to_dict()  # (checked: hsx.schema.Info)
+        info = read_info(OutputDir(out_dir).root).to_dict()  # (checked: hsx.schema.Info)
         results["processes"] = proc.world_size
     run = info["run"]
     out_bytes = sum(f.stat().st_size for f in (out_dir / "data").glob("*.arrow"))

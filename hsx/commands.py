@@ -17,6 +17,8 @@ from pathlib import Path
 
 from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError, file_system_error, file_system_line
+from hsx import ledgers
+from hsx.info import read_info
 
 
 def write_json(dest: str, obj) -> None:
@@ -90,7 +92,8 @@ def push(args: argparse.Namespace) -> None:
     if not (Path(args.output_dir) / "hsx.json").is_file():
         raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
     out = OutputDir(args.output_dir, given_as="OUTPUT_DIR of `hsx push` (a dir `hsx extract` wrote)")
-    out.read_info(), out.manifest_records(), out.uploaded()  # damage is named before the Hub is reached
+    # damage is named before the Hub is reached
+    read_info(out.root), ledgers.manifest_records(out.state), ledgers.uploaded(out.state)
     with out.locked():
         push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision,
                     overwrite=args.hub_overwrite)

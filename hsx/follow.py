@@ -12,7 +12,7 @@ once consumed, so the job needs disk for a window of units, not for the whole da
   `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
   `commit="unit"` does so for a unit once the training step over its last row has returned
   (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
-  consumed unit as done (hsx.sink.OutputDir.done_units, as a unit deleted after its Hub upload), so a resumed job
+  consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
   never redoes it and hsx.json lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
@@ -29,7 +29,6 @@ the rows out (the reader, hsx.torch_data.Follow, pickles, but a worker's copy re
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import threading
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
+from hsx import ledgers
+from hsx.info import read_info, read_summary
 
 CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits or more)
@@ -70,30 +71,12 @@ def pending_bytes(out, in_flight=()) -> int:
         name = f"train-{unit}.arrow"
         if name not in sizes:
             add(name, out.unit_tmp_path(unit), out.data / name)
-    from hsx.ledgers import uploaded_matches
-
-    consumed, held = out.consumed(), held_files(out)
-    for rec in out.manifest_records().values() if out.state.is_dir() else ():
+    consumed, held = ledgers.consumed(out.state), ledgers.held_files(out.state)
+    for rec in ledgers.manifest_records(out.state).values() if out.state.is_dir() else ():
         name = rec["file"]
-        if not uploaded_matches(consumed.get(name), rec) and name not in sizes and name not in held:
+        if not ledgers.uploaded_matches(consumed.get(name), rec) and name not in sizes and name not in held:
             add(name, out.data / name)
     return sum(sizes.values())
-
-
-def held_files(out) -> set[str]:
-    """The units trainers hold in training steps that have not returned, while they wait for a unit to complete
-    a batch (`.hsx/holding-<consumer>-<rank>.json`, LocalSource.hold): the window does not wait for them, or a
-    batch holding more than the window would wait for a unit the job waits to write."""
-    from hsx.schema import RECORD_REST_BYTES
-    from hsx.files import read_json
-
-    names: set[str] = set()
-    for f in out.state.glob("holding-*.json"):
-        files = read_json(f, limit=RECORD_REST_BYTES).get("files") if f.is_file() else None
-        if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
-            raise HsxError(f"{f} is damaged (its `files` is not a list of names); remove it")
-        names.update(files)
-    return names
 
 
 class ConsumerWindow:
@@ -245,30 +228,18 @@ class LocalSource:
         self.lock = threading.Lock()
 
     def summary(self):
-        return self.out.read_summary()
+        return read_summary(self.out.state)
 
     def records(self) -> dict[str, dict[str, Any]]:
-        return self.out.manifest_records() if self.out.state.is_dir() else {}
+        return ledgers.manifest_records(self.out.state) if self.out.state.is_dir() else {}
 
     def complete(self) -> bool:
-        info = self.out.read_info()
+        info = read_info(self.out.root)
         return info is not None and info.complete
 
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
-        """This consumer's ledger records (every rank's: a resume with another world size finds a unit in
-        progress where its previous owner left it), the furthest of each unit."""
-        from hsx.schema import ConsumedRecord
-        from hsx.files import read_jsonl
-
-        found: dict[str, dict[str, Any]] = {}
-        for ledger in sorted(self.out.state.glob(f"consumed-{consumer}-*.jsonl")):
-            last: dict[str, dict[str, Any]] = {}
-            for rec in read_jsonl(ledger, ConsumedRecord):
-                last[rec["unit"]] = rec
-            for u, rec in last.items():
-                if u not in found or rec["row"] > found[u]["row"]:
-                    found[u] = rec
-        return found
+        """This consumer's ledger records, the furthest of each unit (hsx.ledgers.consumer_positions)."""
+        return ledgers.consumer_positions(self.out.state, consumer)
 
     def gone(self, rec: dict[str, Any]) -> bool:
         return not os.path.lexists(self.out.data / rec["file"])
@@ -307,8 +278,9 @@ class LocalSource:
 
         dirs: list[str] = []
         if (self.out.data / rec["file"]).is_symlink():  # (a regular file needs no merged dir: no hsx.json read)
-            dirs = merged_from(self.out.read_info()) or [os.path.normpath(d) for d in self.out.merged_sources()
-                                                          if os.path.isabs(d)]
+            dirs = merged_from(read_info(self.out.root)) or [os.path.normpath(d)
+                                                             for d in ledgers.merged_sources(self.out.state)
+                                                             if os.path.isabs(d)]
         fingerprint = self._fingerprint() if dirs else None
         path = self.out.unit_source(rec["file"], dirs=dirs, fingerprint=fingerprint, sources=self.sources)
         fd = self.out.open_unit(path)
@@ -332,17 +304,14 @@ class LocalSource:
         return read_json(f, JobRecord).fingerprint if f.exists() else None
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
-        """Say which units this reader holds in steps not yet returned while it waits for a unit (held_files)."""
-        from hsx.files import atomic_write
-
+        """Say which units this reader holds in steps not yet returned while it waits for a unit
+        (hsx.ledgers.held_files)."""
         check_consumer(consumer, rank, world_size)
         records = self.records()
         if not (isinstance(units, list) and all(isinstance(u, str) and u in records for u in units)):
             raise HsxError("hold: units must be committed units of this output")
         if self.write:
-            self.out.state.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.out.state / f"holding-{consumer}-{rank:05d}.json",
-                         json.dumps({"files": sorted(records[u]["file"] for u in units)}) + "\n")
+            ledgers.write_holding(self.out.state, consumer, rank, [records[u]["file"] for u in units])
 
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
         """Record that rows [0, ROW) of each UNIT of `rows` were consumed: one ledger line per unit (built from its
@@ -350,9 +319,6 @@ class LocalSource:
         the link only). Refused whole (HsxError, nothing written) when a unit is not a committed unit of this
         output, a row is not in 0..its rows, or a row is not past what the consumer's ledger already records (a
         replayed or rewound position). Without `write` nothing is written."""
-        from hsx.files import append_synced
-        from hsx.ledgers import uploaded_matches
-
         check_consumer(consumer, rank, world_size)
         if not isinstance(rows, dict):
             raise HsxError("commit: rows must be an object of unit -> row")
@@ -361,7 +327,7 @@ class LocalSource:
             if self.recorded.get(consumer) is None:
                 self.recorded[consumer] = {u: r["row"] for u, r in self.ledger(consumer).items()
                                            if u in records and r["rows"] == records[u]["rows"]
-                                           and uploaded_matches(r, records[u])}
+                                           and ledgers.uploaded_matches(r, records[u])}
             recorded = self.recorded[consumer]
             lines = []
             for unit, row in sorted(rows.items()):
@@ -378,9 +344,7 @@ class LocalSource:
             if not self.write:
                 return
             if lines:
-                self.out.state.mkdir(parents=True, exist_ok=True)
-                append_synced(self.out.state / f"consumed-{consumer}-{rank:05d}.jsonl",
-                              "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines))
+                ledgers.record_consumed(self.out.state, consumer, rank, lines)
                 recorded.update({r["unit"]: r["row"] for r in lines})
             whole = [r["file"] for r in lines if r["row"] == r["rows"]]
             if consumer not in self.swept:  # also the units a kill left between their ledger line and delete

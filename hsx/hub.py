@@ -32,7 +32,7 @@ How:
   names the repo and the step, never the token.
 - Upload records: after the Hub confirms a commit, one line per file goes to .hsx/uploaded-<rank>.jsonl (fsynced;
   `hsx push` writes uploaded-push.jsonl): path, bytes, CRC-32 (from the manifest), repo, revision, commit. Only then
-  is a unit deleted with delete_after_upload, and `OutputDir.done_units()` counts recorded units as done, so a
+  is a unit deleted with delete_after_upload, and `hsx.ledgers.done_units` counts recorded units as done, so a
   resumed job does not redo them. A restarted push skips the files it recorded that the Hub still has with the
   same size; a file the Hub has without a record (a kill between the commit and the record) is compared by sha256
   (LFS) or git blob id before it is skipped.
@@ -68,8 +68,8 @@ from hsx.errors import HsxError
 from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_bytes
 from hsx.checksums import file_crc32
 from hsx.files import fsync_dir, open_regular, read_json, read_jsonl
-from hsx.info import listed_files
-from hsx.ledgers import record_uploaded, uploaded_matches
+from hsx import ledgers
+from hsx.info import listed_files, read_info
 from hsx.sink import OutputDir
 
 REPO_TYPE = "dataset"
@@ -261,7 +261,7 @@ def _recorded_here(rec: dict | None, hub: _Hub, size: int, manifest: dict | None
     """An upload record says this file, as it is, went to this repo and revision."""
     if rec is None or rec.get("repo") != hub.repo_id or rec.get("revision") != (hub.revision or "main"):
         return False
-    return uploaded_matches(rec, {"bytes": size, "crc32": (manifest or {}).get("crc32")})
+    return ledgers.uploaded_matches(rec, {"bytes": size, "crc32": (manifest or {}).get("crc32")})
 
 
 # ---- whose repo is it --------------------------------------------------------------------------------------------
@@ -322,8 +322,8 @@ def check_destination(out: OutputDir, hub: _Hub, *, overwrite: bool, log: Callab
     same bytes, and `known` ({path in repo: bytes}: `job_files` of the job's dirs; default this dir's)."""
     job = out.state / "job.json"
     fingerprint = read_json(job, JobRecord).fingerprint if os.path.lexists(job) else None
-    uploaded = out.uploaded()
-    mine = {rec["file"]: rec for rec in out.manifest_records().values()}
+    uploaded = ledgers.uploaded(out.state)
+    mine = {rec["file"]: rec for rec in ledgers.manifest_records(out.state).values()}
     known = job_files(out, hub.repo_id, hub.revision) if known is None else known
 
     def ours(path: str, r: RemoteFile) -> bool:
@@ -373,7 +373,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
 
     Returns {"uploaded": files, "skipped": files, "deleted": remote files, "commits": n, "bytes": uploaded bytes}."""
     out = OutputDir(out_dir)
-    info = out.read_info()
+    info = read_info(out.root)
     if info is None or not info.complete:
         raise HsxError(f"{out_dir} is not a complete hsx output (hsx.json missing or not complete): run the same "
                        "`hsx extract` command to finish it, or push units as they are written with --push-mode stream")
@@ -386,9 +386,9 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
     out.check_finished(info)  # the list, the manifests, the counts and data/ agree
     by_file = output_records(out, info)
     local = local_units(out, info, by_file)  # (a link that is not one `hsx merge` made: HsxError)
-    uploaded = out.uploaded()
-    used_up = out.used_up([rec for name, rec in by_file.items()
-                           if not uploaded_matches(uploaded.get(f"data/{name}"), rec)])
+    uploaded = ledgers.uploaded(out.state)
+    used_up = ledgers.used_up(out.root, [rec for name, rec in by_file.items()
+                           if not ledgers.uploaded_matches(uploaded.get(f"data/{name}"), rec)])
     if used_up:  # (before the repo is created: there is no whole output to push; units it pushed before may go)
         raise HsxError(f"{used_up}: push that export, or run `hsx extract` again into another dir")
     hub = _Hub(repo_id, revision=revision, api=api, token=token, retries=retries, backoff=backoff, log=log)
@@ -407,9 +407,9 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
 
     for round_ in range(3):  # a unit may vanish under us (another rank deleting it after its upload): re-plan
         remote = hub.remote_files()
-        uploaded = out.uploaded()
+        uploaded = ledgers.uploaded(out.state)
         todo, skipped, new_records = _plan_data(out, hub, remote, uploaded, by_file, local)
-        record_uploaded(out.state, PUSH_LEDGER, new_records)
+        ledgers.record_uploaded(out.state, PUSH_LEDGER, new_records)
         summary["skipped"] = sorted(set(skipped) - set(summary["uploaded"]))
         try:
             _push_data(out, hub, todo, by_file, summary, max_files_per_commit, max_bytes_per_commit, log)
@@ -439,7 +439,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
         summary["uploaded"] += [n for n, _ in tops]
         summary["deleted"] = stale
         summary["bytes"] += sum(os.fstat(f.fileno()).st_size for _, f in tops)
-        record_uploaded(out.state, PUSH_LEDGER,
+        ledgers.record_uploaded(out.state, PUSH_LEDGER,
                         [_record(n, os.fstat(f.fileno()).st_size, None, hub, oid) for n, f in tops])
     for _, f in tops:
         f.close()
@@ -478,7 +478,7 @@ def _plan_data(out: OutputDir, hub: _Hub, remote: dict[str, RemoteFile], uploade
             continue
         pir = f"data/{name}"
         up = uploaded.get(pir)
-        if not uploaded_matches(up, rec):
+        if not ledgers.uploaded_matches(up, rec):
             raise HsxError(f"{out.root}: unit {name} is in the manifest but neither on disk nor recorded as "
                            "uploaded; run the same `hsx extract` command to redo it")
         r = remote.get(pir)
@@ -510,7 +510,7 @@ def _push_data(out: OutputDir, hub: _Hub, todo: list[Path], by_file: dict[str, d
         finally:
             for f in opened:
                 f.close()
-        record_uploaded(out.state, PUSH_LEDGER, [_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
+        ledgers.record_uploaded(out.state, PUSH_LEDGER, [_record(f"data/{p.name}", s, by_file.get(p.name), hub, oid)
                                                  for p, s in zip(batch, batch_sizes)])
         summary["commits"] += 1
         summary["uploaded"] += [f"data/{p.name}" for p in batch]
@@ -525,9 +525,9 @@ def job_files(out: OutputDir, repo_id: str, revision: str | None) -> dict[str, i
     """What this dir knows of the job's files on the Hub, {path in repo: bytes}: the units it recorded as uploaded
     to `repo_id`@`revision` and the units it committed (a killed run's may be on the Hub without a record). Each
     node's dir of a multi-node job is gathered into StreamUploader's `known`."""
-    files = {f"data/{rec['file']}": rec["bytes"] for rec in out.manifest_records().values()}
+    files = {f"data/{rec['file']}": rec["bytes"] for rec in ledgers.manifest_records(out.state).values()}
     here = (repo_id, revision or "main")
-    for path, rec in out.uploaded().items():
+    for path, rec in ledgers.uploaded(out.state).items():
         if (rec.get("repo"), rec.get("revision")) == here and isinstance(rec.get("bytes"), int):
             files[path] = rec["bytes"]
     return files
@@ -539,7 +539,7 @@ def output_records(out: OutputDir, info: Info) -> dict[str, dict[str, Any]]:
     files = listed_files(info)
     if files is not None:
         return {e["file"]: e for e in files}
-    by_file = {rec["file"]: rec for rec in out.manifest_records().values()}
+    by_file = {rec["file"]: rec for rec in ledgers.manifest_records(out.state).values()}
     if not by_file:
         by_file = {p.name: {"file": p.name, "bytes": p.stat().st_size} for p in out.data_files()
                    if not p.is_symlink()}
@@ -720,8 +720,8 @@ class StreamUploader:
         finally:
             for f in opened:
                 f.close()
-        manifest = {rec["file"]: rec for rec in self.out.manifest_records().values()}
-        record_uploaded(self.out.state, f"{self.out.rank:05d}",  # (this rank's; fsynced before any deletion)
+        manifest = {rec["file"]: rec for rec in ledgers.manifest_records(self.out.state).values()}
+        ledgers.record_uploaded(self.out.state, f"{self.out.rank:05d}",  # (this rank's; fsynced before any deletion)
                         [_record(f"data/{u.path.name}", u.size, manifest.get(u.path.name), self.hub, oid)
                          for u in batch])
         self.stats["units"] += len(batch)
@@ -739,8 +739,8 @@ class StreamUploader:
 
     def _check_records(self) -> None:
         """Units deleted after an upload to another repo or revision cannot be uploaded here."""
-        uploaded = self.out.uploaded()
-        for rec in self.out.manifest_records().values():
+        uploaded = ledgers.uploaded(self.out.state)
+        for rec in ledgers.manifest_records(self.out.state).values():
             up = uploaded.get(f"data/{rec['file']}")
             if (up is not None and not (self.out.data / rec["file"]).exists()
                     and (up.get("repo"), up.get("revision")) != (self.repo_id, self.revision or "main")):
@@ -756,7 +756,7 @@ class StreamUploader:
         manifest = self.out.state / f"manifest-{self.out.rank:05d}.jsonl"
         if not manifest.exists():
             return
-        uploaded = self.out.uploaded()
+        uploaded = ledgers.uploaded(self.out.state)
         mine = {rec["unit"]: rec for rec in read_jsonl(manifest, ManifestRecord)}
         for unit, rec in sorted(mine.items()):
             f = self.out.data / rec["file"]

@@ -30,7 +30,8 @@ from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.card import dataset_card
 from hsx.files import read_json
-from hsx.info import combine_rank_stats, complete_info, info_features
+from hsx import ledgers
+from hsx.info import combine_rank_stats, complete_info, info_features, read_info
 from hsx.sink import Committer, OutputDir, job_fingerprint
 from hsx.vocab import write_token_frequencies
 
@@ -495,9 +496,9 @@ def record_run(out: OutputDir, stats: RunStats, say, compare: bool = True) -> No
     resume may change them, and the output then holds units whose states differ by the compute dtype's rounding
     (hsx.json's run.values_used lists every value). Then this run's values, recorded in the dir."""
     mine = {k: v for k, v in stats.as_dict().items() if k in RUN_VARIANT_KEYS}
-    done = out.done_units() if compare else {}
+    done = ledgers.done_units(out.state, out.data) if compare else {}
     other: dict[str, dict[tuple[str, Any], tuple[Any, list[str]]]] = {}  # key -> value -> (value, whose)
-    for whose, used in out.run_values_by_rank(done).items():
+    for whose, used in ledgers.run_values_by_rank(out.state, done).items():
         for k, values in used.items():
             for v in values:
                 if k in mine and not (type(v) is type(mine[k]) and v == mine[k]):
@@ -508,7 +509,7 @@ def record_run(out: OutputDir, stats: RunStats, say, compare: bool = True) -> No
             f"{'; '.join(f'{k} ' + ' or '.join(f'{v} ({_named(w)})' for v, w in other[k].values()) for k in other)}"
             ": the output holds units whose states differ by the compute dtype's rounding (hsx.json's "
             "run.values_used lists every value)")
-    out.record_run(mine)
+    ledgers.record_run(out.state, out.rank, out.session, mine)
 
 
 def _named(whose: list[str], most: int = 8) -> str:
@@ -533,10 +534,11 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
     its own dir, a dir holds only its node's units: it stays unfinished (no hsx.json, the unfinished card) and
     `hsx merge` of the node dirs makes the whole output."""
     run_id, writers = share.run_id, len(share.ranks)
-    all_ranks_done = out.mark_rank_done(run_id, proc.rank, writers, stats) if proc.world_size > 1 else True
+    all_ranks_done = (ledgers.mark_rank_done(out.state, run_id, proc.rank, writers, stats) if proc.world_size > 1
+                      else True)
     # Read the manifests only after marking this rank done: read before, a rank that committed and marked in
     # between made this one see every rank done but that rank's last unit missing ("1 unit(s) were not written").
-    done = out.done_units()
+    done = ledgers.done_units(out.state, out.data)
     missing = [u.name for u in units if u.name not in done]
     if missing:
         if not all_ranks_done:
@@ -544,7 +546,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
                 "finish finalizes it")
             return {"complete": False, "rank": proc.rank, "run": stats}
         if not share.whole:  # this node's share of a job whose nodes each write their own dir
-            out.mark_share_done(len(units) - len(missing), len(units))
+            ledgers.mark_share_done(out.state, len(units) - len(missing), len(units))
             log(f"hsx: {cfg.output_dir} holds {len(units) - len(missing)} of the job's {len(units)} units (this "
                 "node's share; the other nodes' dirs hold the rest): once every node has finished, join them with "
                 "`hsx merge OUT NODE_DIR...` (see docs/scale-out.md)")
@@ -554,17 +556,18 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
         # Every unit is committed, so the other ranks are past their last commit and about to say they are done:
         # wait briefly for their numbers (not for a rank that died after its last commit).
         deadline = time.monotonic() + RANK_STATS_WAIT_SECONDS
-        while len(out.rank_stats(run_id)) < writers and time.monotonic() < deadline:
+        while len(ledgers.rank_stats(out.state, run_id)) < writers and time.monotonic() < deadline:
             time.sleep(0.2)
     with out.finalizing() as already:
         if already:
-            return out.read_info().to_dict()
+            return read_info(out.root).to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
-            stats = {**stats, **combine_rank_stats(out.rank_stats(run_id))}
-        used = out.run_values(done)  # (the keys above are the last run's; these, every run's)
+            stats = {**stats, **combine_rank_stats(ledgers.rank_stats(out.state, run_id))}
+        used = ledgers.run_values(out.state, done)  # (the keys above are the last run's; these, every run's)
         if used:
             stats = {**stats, "values_used": used}
-        merged = out.merged_sources()  # dirs a `hsx merge --partial` linked units from: readers follow only those
+        # dirs a `hsx merge --partial` linked units from: readers follow only those
+        merged = ledgers.merged_sources(out.state)
         info = complete_info(summary, done, proc.world_size, {**stats, "merged_from": merged} if merged else stats)
         info["token_frequencies"] = write_token_frequencies(out, summary.get("vocab_size"))
         out.finalize(info, lambda i: dataset_card(i, summary["command"]), features=info_features(info))
@@ -593,7 +596,7 @@ def _what_was_written(out: OutputDir, units: list[Unit], pending: list[str] | No
     whole = f"{counts['rows_written']:,} rows, {counts['tokens_written']:,} tokens to {where} ({len(units)} files)"
     if pending is None or len(pending) >= len(units):
         return f"wrote {whole}"
-    done = out.done_units()
+    done = ledgers.done_units(out.state, out.data)
     mine = [done[u] for u in pending if u in done]
     rows, tokens = sum(r.get("rows", 0) for r in mine), sum(r.get("tokens", 0) for r in mine)
     return (f"this run wrote {rows:,} rows, {tokens:,} tokens ({len(mine)} of the {len(units)} files; the others "

@@ -146,6 +146,46 @@ def consumed(state: Path) -> dict[str, dict[str, Any]]:
     return whole
 
 
+
+def consumer_positions(state: Path, consumer: str) -> dict[str, dict[str, Any]]:
+    """One consumer's ledger records (every rank's .hsx/consumed-<consumer>-<rank>.jsonl: a resume with another
+    world size finds a unit in progress where its previous owner left it), the furthest of each unit."""
+    found: dict[str, dict[str, Any]] = {}
+    for ledger in sorted(state.glob(f"consumed-{consumer}-*.jsonl")):
+        last: dict[str, dict[str, Any]] = {}
+        for rec in read_jsonl(ledger, ConsumedRecord):
+            last[rec["unit"]] = rec
+        for u, rec in last.items():
+            if u not in found or rec["row"] > found[u]["row"]:
+                found[u] = rec
+    return found
+
+
+def record_consumed(state: Path, consumer: str, rank: int, records: list[dict[str, Any]]) -> None:
+    """Append a consumer rank's ledger lines (hsx.schema.ConsumedRecord), fsynced before any unit is deleted."""
+    state.mkdir(parents=True, exist_ok=True)
+    append_synced(state / f"consumed-{consumer}-{rank:05d}.jsonl",
+                  "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def write_holding(state: Path, consumer: str, rank: int, files: list[str]) -> None:
+    """Say which unit files a consumer rank holds in training steps not yet returned (`held_files`)."""
+    state.mkdir(parents=True, exist_ok=True)
+    atomic_write(state / f"holding-{consumer}-{rank:05d}.json", json.dumps({"files": sorted(files)}) + "\n")
+
+
+def held_files(state: Path) -> set[str]:
+    """The unit files trainers hold in training steps that have not returned, while they wait for a unit to
+    complete a batch (.hsx/holding-<consumer>-<rank>.json, hsx.follow's LocalSource.hold): the job's window does
+    not wait for them, or a batch holding more than the window would wait for a unit the job waits to write."""
+    names: set[str] = set()
+    for f in state.glob("holding-*.json"):
+        files = read_json(f, limit=RECORD_REST_BYTES).get("files") if f.is_file() else None
+        if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+            raise HsxError(f"{f} is damaged (its `files` is not a list of names); remove it")
+        names.update(files)
+    return names
+
 # ---- merges (hsx.merge) -----------------------------------------------------------------------------------------
 
 def merged_sources(state: Path, add: list[str] | None = None) -> list[str]:

@@ -87,9 +87,9 @@ def _check_rows(root: Path, split: str, ds) -> None:
     """A whole finished output has the rows its hsx.json counts (a dir whose list was cut, or an older hsx's
     without a list, would otherwise read as fewer rows, silently)."""
     from hsx.config import HsxError
-    from hsx.sink import OutputDir
+    from hsx.info import read_info as recorded_info
 
-    meta = OutputDir(root).read_info()
+    meta = recorded_info(Path(root))
     if meta is None or not meta.complete or split != "train":
         return
     if len(ds) != meta.counts.rows_written:
@@ -190,32 +190,34 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     are the whole output (not a part read with allow_incomplete, or of units deleted after their upload), after the
     OutputDir that approved them (its `open_unit` opens them as approved)."""
     from hsx.config import HsxError
-    from hsx.info import listed_files
+    from hsx import ledgers
+    from hsx.info import listed_files, read_info as recorded_info, read_summary
     from hsx.sink import OutputDir
 
     out = OutputDir(root)
-    meta = out.read_info()
+    meta = recorded_info(out.root)
     complete = meta is not None and meta.complete
     listed = None
     if complete:
         out.check_finished(meta)
         listed = listed_files(meta)
         if listed is None and out.state.is_dir():  # an older hsx's hsx.json: its manifests list the files
-            listed = list(out.manifest_records().values()) or None
+            listed = list(ledgers.manifest_records(out.state).values()) or None
     if listed is not None:
         entries = [e for e in listed if e["file"].startswith(f"{split}-")]
         what = "listed in its hsx.json"
     elif out.state.is_dir() and not complete:
-        entries = [r for r in out.manifest_records().values() if r["file"].startswith(f"{split}-")]
-        summary = out.read_summary()
+        entries = [r for r in ledgers.manifest_records(out.state).values() if r["file"].startswith(f"{split}-")]
+        summary = read_summary(out.state)
         total = len(summary.unit_names if summary else []) or "?"
-        share = out.finished_share()
+        share = ledgers.finished_share(out.state, out.data)
         if share and not allow_incomplete:
             raise HsxError(f"{root} is one node's finished share of a job ({share[0]} of its {share[1]} units; the "
                            "other nodes' dirs hold the rest): join them with `hsx merge OUT NODE_DIR...` "
                            "(docs/scale-out.md), or load(..., allow_incomplete=True) to read this share")
         if not allow_incomplete:
-            raise HsxError(f"{root} is not a finished hsx output ({len(out.done_units())} of {total} units "
+            committed = ledgers.done_units(out.state, out.data)
+            raise HsxError(f"{root} is not a finished hsx output ({len(committed)} of {total} units "
                            "committed: a job is running or was interrupted); run the same `hsx extract` command "
                            "to finish it, or load(..., allow_incomplete=True) to read the committed units")
         what = "committed"
@@ -236,7 +238,8 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     bad = {n: p for n, p in problems.items() if p and p not in ("uploaded", "consumed", "exported")}
     left = len(entries) - len(bad) - len(uploaded) - len(consumed) - len(exported)
     if exported and (not allow_incomplete or not left):
-        raise HsxError(out.used_up(entries) + (f" (load(..., allow_incomplete=True) reads the {left} files left)"
+        raise HsxError(ledgers.used_up(out.root, entries)
+                       + (f" (load(..., allow_incomplete=True) reads the {left} files left)"
                                                if left else "; no file of it is left here to load"))
     if bad and not allow_incomplete:
         name, why = next(iter(bad.items()))
@@ -244,7 +247,7 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
                        f"(data/{name}: {why}); run the same `hsx extract` command with --check-crc to redo them "
                        "(it checks every unit's CRC-32), or load(..., allow_incomplete=True) to read the intact ones")
     if uploaded:
-        repos = sorted({f"{u.get('repo')}" for u in out.uploaded().values() if u.get("repo")})
+        repos = sorted({f"{u.get('repo')}" for u in ledgers.uploaded(out.state).values() if u.get("repo")})
         warnings.warn(f"{root}: {len(uploaded)} unit(s) were deleted after their upload to "
                       f"{', '.join(repos) or 'the Hub'}; this dir holds only part of the output: load the repo "
                       "instead", stacklevel=3)

@@ -21,8 +21,8 @@ from hsx.errors import UsageError, file_system_error, file_system_line, one_line
 from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
 from hsx.checksums import file_crc32
 from hsx.files import open_regular, read_json
-from hsx.info import complete_info, info_features, write_info, write_summary
-from hsx.ledgers import write_merged_manifest
+from hsx import ledgers
+from hsx.info import complete_info, info_features, read_info, read_summary, write_info, write_summary
 from hsx.sink import OutputDir, job_fingerprint, write_job
 
 
@@ -97,7 +97,7 @@ def _plan(summary: Summary) -> dict[str, Any]:
 
 def _summary(dirs: list[OutputDir], fingerprint: str) -> Summary:
     """The job's planning summary, the same in every dir that has one (PER_NODE_KEYS aside), of this job."""
-    found = [(d, s) for d, s in ((d, d.read_summary()) for d in dirs) if s is not None]
+    found = [(d, s) for d, s in ((d, read_summary(d.state)) for d in dirs) if s is not None]
     if not found:
         raise HsxError("no dir has a planning summary (.hsx/summary.json): did the job get past tokenization?")
     first, summary = found[0]
@@ -215,7 +215,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
     # against the plan and against every other dir's copy of it
     offers: dict[str, list[tuple[OutputDir, dict[str, Any]]]] = {}
     for src in holders:
-        records = src.manifest_records()
+        records = ledgers.manifest_records(src.state)
         stray = sorted(u for u in records if u not in plan)
         if stray:
             raise HsxError(f"{src.state}: its manifests record unit {stray[0]}, which is not in the job's plan "
@@ -226,7 +226,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
                 raise HsxError(f"{f} is damaged: {f.stat().st_size:,} bytes, its manifest records {rec['bytes']:,}; "
                                f"nothing was merged: run the job's `hsx extract` on {src.root} to redo it (or merge "
                                "without that dir), then merge")
-        for unit, rec in src.done_units().items():
+        for unit, rec in ledgers.done_units(src.state, src.data).items():
             f = src.data / rec["file"]
             if f.is_file() and not f.is_symlink():  # (a link there is no unit of that dir: reads refuse it)
                 offers.setdefault(unit, []).append((src, rec))
@@ -265,12 +265,12 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
                 made.append(link)
             os.symlink(os.path.relpath(target.resolve(), out.data.resolve()), link)
         merged.append(rec)
-    write_merged_manifest(out.state, merged)
+    ledgers.write_merged_manifest(out.state, merged)
     write_job(out.state, jobs[0].to_dict())
-    sources_now = out.merged_sources([str(Path(d).resolve()) for d in dirs])
+    sources_now = ledgers.merged_sources(out.state, [str(Path(d).resolve()) for d in dirs])
     write_summary(out.state, summary)
     if missing:
-        info = out.read_info()
+        info = read_info(out.root)
         if info is not None and info.complete:  # OUT was a finished output once: no longer
             write_info(out.root, info.unfinished().to_dict())
         out.write_unfinished_card()
@@ -279,7 +279,8 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
             f"{out.root} to write them")
         return {"complete": False, "units": len(merged), "missing": len(missing)}
     dirs_used = {id(d): d for d, _ in done.values()}.values()
-    used = merged_values(*(d.run_values({u: rec for u, (s, rec) in done.items() if s is d}) for d in dirs_used))
+    used = merged_values(*(ledgers.run_values(d.state, {u: rec for u, (s, rec) in done.items() if s is d})
+                           for d in dirs_used))
     info = complete_info(summary, {u: rec for u, (_, rec) in done.items()}, world_size=0,
                          run={"merged_from": sources_now, **({"values_used": used} if used else {})})
     from hsx.card import dataset_card

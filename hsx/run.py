@@ -23,8 +23,8 @@ from hsx.config import ExtractConfig, HsxError, UsageError, check_config
 from hsx.errors import Stopped, file_system_error, file_system_line
 from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
                      refuse_empty)
-from hsx.info import write_summary
-from hsx.ledgers import announce, announced
+from hsx import ledgers
+from hsx.info import read_info, write_summary
 from hsx.sink import OutputDir
 
 
@@ -360,7 +360,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
         if fault is None:
             raise
         try:
-            kept = f"{len(out.done_units())} unit(s) are complete and intact"
+            kept = f"{len(ledgers.done_units(out.state, out.data))} unit(s) are complete and intact"
         except (OSError, HsxError):  # (the dir cannot be read either: EIO, EACCES)
             kept = "the units committed are kept"
         raise HsxError(file_system_line(fault, cfg.output_dir, kept)) from None
@@ -379,7 +379,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     state = job.claim(out, share.leads)
     states = [s for s in proc.all_gather(state if share.leads else None) if s]  # each dir's, as its first rank found it
     if all(s == "complete" for s in states):
-        info = out.read_info().to_dict()
+        info = read_info(out.root).to_dict()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
         refuse_empty(cfg, info["counts"], written=True)
         if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo
@@ -400,7 +400,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     summary = job.summary(units)
     if share.leads:
         write_summary(out.state, summary)
-    done = units_done_anywhere(proc, units.all, out.done_units() if share.leads else {})  # (one reader per dir)
+    # (one reader per dir)
+    done = units_done_anywhere(proc, units.all, ledgers.done_units(out.state, out.data) if share.leads else {})
     pending = [u for u in units.all if u.name not in done]
     claims = None
     if proc.claims_store is not None:  # claimed as this process goes, through the store (hsx.claims)
@@ -458,7 +459,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     if uploader is not None:
         uploader.abort() if stop.is_set() else uploader.close()
     if stop.is_set():
-        raise stop.stopped(f"stopped cleanly after {len(out.done_units())} of {len(units.all)} units; run the same "
+        committed = ledgers.done_units(out.state, out.data)
+        raise stop.stopped(f"stopped cleanly after {len(committed)} of {len(units.all)} units; run the same "
                            "command to continue")
 
     info = finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log,
@@ -522,9 +524,9 @@ def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
     listing lagging on one client cannot split a shared dir)."""
     if proc.world_size == 1:
         return DirShare(run_id, 0, [0], 1)
-    announce(out.state, run_id, proc.rank)
+    ledgers.announce(out.state, run_id, proc.rank)
     proc.barrier()
-    seen = proc.all_gather(announced(out.state, run_id))
+    seen = proc.all_gather(ledgers.announced(out.state, run_id))
     group = list(range(proc.world_size))  # union-find over "r sees s"
 
     def root(r: int) -> int:

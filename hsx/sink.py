@@ -44,7 +44,7 @@ every other one in every finished extraction's dir.
                                                 consumed, whole or up to a row; a wholly consumed unit it deleted
                                                 still counts as done
     OUT/.hsx/holding-<consumer>-<rank>.json?    the units such a trainer holds in a step not yet returned while it
-                                                waits for a unit (hsx.follow.held_files)
+                                                waits for a unit (hsx.ledgers.held_files)
     OUT/.hsx/exported.jsonl?                    one line per unit an export with --delete-source deleted, and where
                                                 its rows went (hsx.export), so a reader says so
     OUT/.hsx/merged-from.json?                  the dirs `hsx merge` linked units from (hsx.merge)
@@ -87,7 +87,7 @@ from hsx.errors import HsxError
 from hsx.files import atomic_write, flock, fsync_dir, fsync_file, link_target, open_regular, read_json
 from hsx.fingerprint import differing_files
 from hsx.info import info_features, listed_files, merged_from, read_info, read_summary, unit_entry, write_info
-from hsx.schema import Info, JobRecord, Summary
+from hsx.schema import Info, JobRecord
 
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
 # What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
@@ -175,7 +175,7 @@ class OutputDir:
         if any(self.data_files()) or (self.root / "hsx.json").exists():
             return True
         try:
-            return bool(self.manifest_records())
+            return bool(ledgers.manifest_records(self.state))
         except HsxError:
             return True
 
@@ -233,20 +233,21 @@ class OutputDir:
     def _resume_state(self, check_crc: bool, log, check: bool) -> str:
         """'complete' or 'resume'. `check`: this process checks the units (one per dir: the other ranks of the
         job come after it and only count them)."""
-        info = self.read_info()
+        info = read_info(self.root)
         complete = info is not None and info.complete
         damaged = self.check_units(check_crc) if check else []
-        summary = self.read_summary()
+        summary = read_summary(self.state)
         expected = ((summary.unit_names if summary else [])
                     or [e.unit for e in (info.files if info else None) or () if e.unit])
-        done = self.done_units()
+        done = ledgers.done_units(self.state, self.data)
         missing = [u for u in expected if u not in done]
         if complete and not (damaged or missing):
             problem = self.listing_problem(info, data_dir=False) if check else None
             if problem is None:
                 return "complete"
             log(f"hsx: {self.root}: {problem}; hsx.json is written again from the manifests")
-        lost = [u for u in missing if u in self.manifest_records()]  # committed once (damaged ones too), now gone
+        # committed once (damaged ones too), now gone
+        lost = [u for u in missing if u in ledgers.manifest_records(self.state)]
         if damaged or lost:
             names = damaged or [f"train-{u}.arrow" for u in lost]
             log(f"hsx: {self.root}: {len(damaged)} damaged and {len(lost) - len(damaged)} missing unit(s) "
@@ -268,7 +269,7 @@ class OutputDir:
         for output and no `--max-pending-gb` window may wait for a trainer to consume it, so it goes now. Files
         that are not units of this job's plan are left alone, and so is anything but a regular file
         (`remove_data_files`: never through a link)."""
-        records = self.manifest_records()
+        records = ledgers.manifest_records(self.state)
         gone = self.remove_data_files([f"train-{unit}.arrow" for unit in units if unit not in records])
         if gone:
             log(f"hsx: {self.root}: {len(gone)} unit file(s) a killed run renamed into data/ but never recorded "
@@ -312,7 +313,7 @@ class OutputDir:
         (done_units) and is redone. Returns the names of the files moved aside."""
         check = set(ledgers.manifest_records(self.state)) if all_crc else ledgers.last_session_units(self.state)
         damaged = []
-        for unit, rec in self.manifest_records().items():
+        for unit, rec in ledgers.manifest_records(self.state).items():
             f = self.data / rec["file"]
             try:
                 if unit not in check or not f.exists() or f.stat().st_size != rec["bytes"] or "crc32" not in rec:
@@ -355,7 +356,7 @@ class OutputDir:
         fd = os.open(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            info = self.read_info()
+            info = read_info(self.root)
             yield info is not None and info.complete
         finally:
             os.close(fd)
@@ -367,53 +368,6 @@ class OutputDir:
         dest = dest if dest.isprintable() else repr(dest)
         atomic_write(self.root / "README.md", EXPORTED_CARD.format(gone=gone, total=total, dest=dest,
                                                                    command=command))
-
-    # ---- its record files, as hsx.ledgers and hsx.info read and write them (what each holds: there) ----
-
-    def read_info(self) -> Info | None:
-        return read_info(self.root)
-
-    def read_summary(self) -> Summary | None:
-        return read_summary(self.state)
-
-    def manifest_records(self) -> dict[str, dict[str, Any]]:
-        return ledgers.manifest_records(self.state)
-
-    def done_units(self) -> dict[str, dict[str, Any]]:
-        return ledgers.done_units(self.state, self.data)
-
-    def uploaded(self) -> dict[str, dict[str, Any]]:
-        return ledgers.uploaded(self.state)
-
-    def consumed(self) -> dict[str, dict[str, Any]]:
-        return ledgers.consumed(self.state)
-
-    def used_up(self, entries: list[dict[str, Any]]) -> str | None:
-        return ledgers.used_up(self.root, entries)
-
-    def record_run(self, settings: dict[str, Any]) -> None:
-        ledgers.record_run(self.state, self.rank, self.session, settings)
-
-    def run_values(self, units: dict[str, dict[str, Any]]) -> dict[str, list]:
-        return ledgers.run_values(self.state, units)
-
-    def run_values_by_rank(self, units: dict[str, dict[str, Any]]) -> dict[str, dict[str, list]]:
-        return ledgers.run_values_by_rank(self.state, units)
-
-    def mark_rank_done(self, run_id: str, rank: int, world_size: int, stats: dict[str, Any] | None = None) -> bool:
-        return ledgers.mark_rank_done(self.state, run_id, rank, world_size, stats)
-
-    def rank_stats(self, run_id: str) -> list[dict[str, Any]]:
-        return ledgers.rank_stats(self.state, run_id)
-
-    def mark_share_done(self, units: int, of: int) -> None:
-        ledgers.mark_share_done(self.state, units, of)
-
-    def finished_share(self) -> tuple[int, int] | None:
-        return ledgers.finished_share(self.state, self.data)
-
-    def merged_sources(self, add: list[str] | None = None) -> list[str]:
-        return ledgers.merged_sources(self.state, add)
 
     # ---- units ----
 
@@ -521,7 +475,8 @@ class OutputDir:
         listed = listed_files(info)
         counts = info.counts
         try:
-            records = {r["file"]: r for r in self.manifest_records().values()} if self.state.is_dir() else {}
+            records = ({r["file"]: r for r in ledgers.manifest_records(self.state).values()} if self.state.is_dir()
+                       else {})
         except HsxError as e:
             return str(e)
         if listed is None:  # an older hsx's hsx.json: the manifests are the list (and without them, no list)
@@ -593,7 +548,8 @@ class OutputDir:
         A job with no usable rows committed no unit; it gets one empty data file with the output schema
         (`features`, a datasets.Features; by default the one `info` describes), so `load_dataset(OUT)` and
         `hsx.load` give 0 rows instead of failing."""
-        if not self.data_files() and not self.done_units():  # (units uploaded and deleted are not "no unit")
+        # (units uploaded and deleted are not "no unit")
+        if not self.data_files() and not ledgers.done_units(self.state, self.data):
             features = features if features is not None else info_features(info)
             if features is not None:
                 f = self.write_empty_data_file(features)

@@ -202,7 +202,7 @@ class Follow(torch.utils.data.IterableDataset):
         """Take these manifest records as the units' own. A ledger line of a unit with other bytes, rows or
         CRC-32 than its manifest line was about another file (a ledger another job left in the dir, a unit
         redone with other bytes, a forged line): its position is dropped, so that unit is read, and never
-        deleted as consumed, on its word (hsx.sink.OutputDir.consumed counts it so for the extractor)."""
+        deleted as consumed, on its word (hsx.ledgers.consumed counts it so for the extractor)."""
         from hsx.ledgers import uploaded_matches
 
         self.records.update(records)

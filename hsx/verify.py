@@ -26,6 +26,8 @@ import numpy as np
 
 from hsx.errors import HsxError, VerifyFailed
 from hsx.schema import Info
+from hsx import ledgers
+from hsx.info import read_info
 
 TRUST_NEEDS_MODEL = ("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
                      "command line, never from the one OUT's hsx.json names")
@@ -54,9 +56,9 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     out = OutputDir(out_dir)
     problems: list[str] = []
     try:
-        info = out.read_info()
-        records = out.manifest_records()
-        uploaded = out.uploaded()
+        info = read_info(out.root)
+        records = ledgers.manifest_records(out.state)
+        uploaded = ledgers.uploaded(out.state)
     except HsxError as e:
         raise VerifyFailed(str(e)) from None
     if info is None or not info.complete:
@@ -82,10 +84,10 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
             problems.append(f"{f.name}: CRC-32 differs from the manifest (the file changed after it was written)")
     missing = {r["file"] for r in records.values()
                if not uploaded_matches(uploaded.get("data/" + r["file"]), r)} - {f.name for f in files}
-    used_up = out.used_up([r for r in records.values() if r["file"] in missing]) if missing else None
+    used_up = ledgers.used_up(out.root, [r for r in records.values() if r["file"] in missing]) if missing else None
     if used_up:
         raise VerifyFailed(used_up)
-    consumed = out.consumed() if missing else {}
+    consumed = ledgers.consumed(out.state) if missing else {}
     eaten = [r["file"] for r in records.values()
              if r["file"] in missing and uploaded_matches(consumed.get(r["file"]), r)]
     if eaten:  # (as hsx.load says it)
@@ -251,7 +253,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
     if trust_remote_code and not model:
         raise HsxError(TRUST_NEEDS_MODEL)
     out = OutputDir(out_dir)
-    info = out.read_info()
+    info = read_info(out.root)
     if info is None or not info.complete:
         raise HsxError(f"{out_dir}: hsx.json is missing or the job is not complete")
     job = _job_record(out)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from hsx import ledgers
+from hsx.info import read_info
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -53,7 +55,7 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
 
     if not vocab_size:
         return None
-    files = [out.data / r["file"] for r in out.manifest_records().values()]  # every committed unit
+    files = [out.data / r["file"] for r in ledgers.manifest_records(out.state).values()]  # every committed unit
     counts = None
     if all(f.exists() for f in files):
         try:
@@ -80,7 +82,7 @@ def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
     root = Path(out_dir)
     from hsx.sink import OutputDir
 
-    info = OutputDir(root).read_info()  # (its token_frequencies entry checked: hsx.schema.Info)
+    info = read_info(OutputDir(root).root)  # (its token_frequencies entry checked: hsx.schema.Info)
     meta = info.token_frequencies if info is not None else None
     path = root / FREQUENCIES_FILE
     if not meta or not path.is_file():

@@ -258,7 +258,7 @@ def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric(monkeypatch):
     still joins two ranks, and ranks that see nothing of each other write separate dirs."""
     from types import SimpleNamespace
 
-    import hsx.run
+    from hsx import ledgers
     from hsx.run import Process, share_dir
 
     views = [[0], [0, 1], [2, 3], [2, 3], [4]]  # rank 0 does not (yet) see rank 1's file; rank 1 sees rank 0's
@@ -267,8 +267,8 @@ def test_which_ranks_share_a_dir_is_what_they_see_made_symmetric(monkeypatch):
         proc.barrier = lambda: None
         proc.all_gather = lambda value, rank=rank: [value if r == rank else v for r, v in enumerate(views)]
         out = SimpleNamespace(state=rank)  # (the announce files each rank sees: `views`, by its .hsx/)
-        monkeypatch.setattr(hsx.run, "announce", lambda state, run_id, r: None)
-        monkeypatch.setattr(hsx.run, "announced", lambda state, run_id: views[state])
+        monkeypatch.setattr(ledgers, "announce", lambda state, run_id, r: None)
+        monkeypatch.setattr(ledgers, "announced", lambda state, run_id: views[state])
         share = share_dir(out, proc, "run")
         assert share.ranks == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3], 4: [4]}[rank]
         assert share.leads == (rank in (0, 2, 4)) and not share.whole

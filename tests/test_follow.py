@@ -25,6 +25,7 @@ import torch
 
 import hsx
 from helpers import Child, child_env, committed_units, hsx_child, hsx_main, manifest_records
+from hsx import ledgers
 from hsx.config import HsxError, config_from
 
 
@@ -99,7 +100,7 @@ def test_consumed_units_are_done_and_resume_from_the_ledger(tmp_path, fault_refe
     whole = [u for u, n in state["position"].items() if n == f.records[u]["rows"]]
     assert whole and all(not (out / "data" / f"train-{u}.arrow").exists() for u in whole)
     o = OutputDir(out)
-    assert set(o.done_units()) == {r["unit"] for r in manifest_records(out)}  # deleted, still done
+    assert set(ledgers.done_units(o.state, o.data)) == {r["unit"] for r in manifest_records(out)}  # deleted, still done
     assert o.file_problem({"file": f"train-{whole[0]}.arrow", "bytes": f.records[whole[0]]["bytes"],
                            "crc32": f.records[whole[0]]["crc32"]}) == "consumed"
     assert o.check_units(all_crc=True) == []
@@ -139,7 +140,7 @@ def test_the_window_counts_committed_and_in_flight_units_not_a_killed_commits_le
     out = tmp_path / "out"
     shutil.copytree(fault_reference.out, out)
     o = OutputDir(out)
-    records = o.manifest_records()
+    records = ledgers.manifest_records(o.state)
     biggest = max(records.values(), key=lambda r: r["bytes"])
     assert pending_bytes(o) == sum(r["bytes"] for r in records.values())  # nothing consumed: every unit
     f = hsx.follow(out, rows="dict", commit="manual", delete_consumed=True)
@@ -168,7 +169,7 @@ def test_a_resume_removes_a_killed_commits_leftover_and_does_not_wait_for_it(tmp
     ref = fault_reference
     out = tmp_path / "out"
     shutil.copytree(ref.out, out)
-    records = OutputDir(out).manifest_records()
+    records = ledgers.manifest_records(OutputDir(out).state)
     biggest = max(records.values(), key=lambda r: r["bytes"])
     f = hsx.follow(out, rows="dict", commit="manual", delete_consumed=True)
     f.commit({**f.state_dict(), "position": {u: r["rows"] for u, r in records.items() if u != biggest["unit"]}})
@@ -183,7 +184,7 @@ def test_a_resume_removes_a_killed_commits_leftover_and_does_not_wait_for_it(tmp
     said = child.stdout + child.stderr
     assert f"never recorded ({biggest['file']}) removed; they are redone" in said, said
     assert "waiting:" not in said
-    redone = OutputDir(out).manifest_records()[biggest["unit"]]
+    redone = ledgers.manifest_records(OutputDir(out).state)[biggest["unit"]]
     assert (redone["bytes"], redone["crc32"]) == (biggest["bytes"], biggest["crc32"])  # the same bytes, redone
     assert json.loads((out / "hsx.json").read_text())["complete"]
 
@@ -299,7 +300,7 @@ def unconsumed_on_disk(out: Path) -> int:
 
     data = [p.name for p in (out / "data").glob("train-*.arrow")] if (out / "data").is_dir() else []
     writing = list((out / ".hsx").glob("tmp/*/train-*.arrow"))
-    consumed = OutputDir(out).consumed() if (out / ".hsx").is_dir() else {}
+    consumed = ledgers.consumed(OutputDir(out).state) if (out / ".hsx").is_dir() else {}
     return len([n for n in data if n not in consumed]) + len(writing)
 
 
@@ -605,14 +606,14 @@ def test_follow_and_the_window_read_a_ledger_line_with_a_number_too_long_as_torn
 def test_follow_deletes_no_unit_a_ledger_of_other_bytes_says_was_consumed(finished_copy):
     """A ledger line for a unit with other bytes or CRC-32 than the manifest's (another job's ledger left in the
     dir, a forged one) made follow(delete_consumed=True) skip that unit and delete it unread."""
-    records = OutputDir(finished_copy).manifest_records()
+    records = ledgers.manifest_records(OutputDir(finished_copy).state)
     victim = sorted(records.values(), key=lambda r: r["unit"])[0]
     forged = {**victim, "row": victim["rows"], "crc32": "00000000"}
     forged = {k: forged[k] for k in ("unit", "file", "bytes", "rows", "row", "crc32")}
     (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(forged) + "\n")
     rows = list(hsx.follow(finished_copy, rows="dict", delete_consumed=True))
     assert sum(r["rows"] for r in records.values()) == len(rows)  # the victim's rows were handed out too
-    assert OutputDir(finished_copy).done_units().keys() == records.keys()
+    assert ledgers.done_units(finished_copy / ".hsx", finished_copy / "data").keys() == records.keys()
 
 
 def test_the_window_counts_a_unit_whose_ledger_line_is_of_other_bytes(finished_copy):
@@ -621,7 +622,7 @@ def test_the_window_counts_a_unit_whose_ledger_line_is_of_other_bytes(finished_c
     from hsx.follow import pending_bytes
 
     before = pending_bytes(OutputDir(finished_copy))
-    rec = sorted(OutputDir(finished_copy).manifest_records().values(), key=lambda r: r["unit"])[0]
+    rec = sorted(ledgers.manifest_records(OutputDir(finished_copy).state).values(), key=lambda r: r["unit"])[0]
     line = {"unit": rec["unit"], "file": rec["file"], "bytes": rec["bytes"], "rows": rec["rows"],
             "row": rec["rows"], "crc32": "00000000"}
     (finished_copy / ".hsx" / "consumed-trainer-00000.jsonl").write_text(json.dumps(line) + "\n")
@@ -682,7 +683,7 @@ def test_follow_of_a_complete_job_that_will_never_commit_a_unit_says_so(finished
     """hsx.json complete, but a planned unit without a manifest line (or no plan at all: a dir copied without
     .hsx/): nothing will ever commit it, and the reader waited for ever (or until its timeout)."""
     copy = Path(shutil.copytree(finished_copy, tmp_path / "copy"))
-    unit = sorted(OutputDir(finished_copy).manifest_records())[-1]
+    unit = sorted(ledgers.manifest_records(OutputDir(finished_copy).state))[-1]
     drop_manifest_line(finished_copy, unit)
     with pytest.raises(HsxError, match=f"complete, but 1 unit\\(s\\) of its plan have no manifest line "
                                        f"\\(train-{unit}.arrow\\)"):

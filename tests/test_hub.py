@@ -21,8 +21,10 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub import errors as hub_errors
 from huggingface_hub.errors import HfHubHTTPError
 
+from hsx import ledgers
 from hsx.config import HsxError, load_config
 from hsx.hub import StreamUploader, is_transient, push_output
+from hsx.info import read_info
 
 TOP_FILES = ["README.md", "token_frequencies.npy", "hsx.json"]  # what the last commit adds, in order
 from hsx.run import extract
@@ -433,11 +435,11 @@ def test_stream_batches_units_into_few_commits_and_deletes_after_upload(out):
     assert not list((out / "data").glob("*.arrow"))  # deleted locally, each after its commit
     recorded = [json.loads(x) for x in (out / ".hsx" / "uploaded-00000.jsonl").read_text().splitlines()]
     assert sorted(r["file"] for r in recorded) == sorted(want)
-    manifest = OutputDir(out).manifest_records()
+    manifest = ledgers.manifest_records(OutputDir(out).state)
     crc = {f"data/{r['file']}": r["crc32"] for r in manifest.values()}
     assert all(r["crc32"] == crc[r["file"]] and r["unit"] for r in recorded)
     # resume knows they are done although their files are gone
-    assert set(OutputDir(out).done_units()) == set(manifest) == set(names)
+    assert set(ledgers.done_units(out / ".hsx", out / "data")) == set(manifest) == set(names)
     assert up.stats == {"units": len(names), "bytes": sum(map(len, want.values())), "commits": len(commits),
                         "deleted": len(names)}
 
@@ -464,7 +466,7 @@ def test_stream_failure_deletes_only_what_was_uploaded_then_resumes(out):
     on_disk = {f"data/{p.name}" for p in (out / "data").glob("*.arrow")}
     assert uploaded and not uploaded & on_disk  # uploaded: deleted
     assert on_disk == {f"data/train-{u}.arrow" for u in names} - uploaded  # the rest stays, failed commit included
-    assert set(OutputDir(out).done_units()) == set(names)  # deleted-and-uploaded plus on-disk
+    assert set(ledgers.done_units(out / ".hsx", out / "data")) == set(names)  # deleted-and-uploaded plus on-disk
     # a new uploader (the resumed job) re-submits this rank's units that were never recorded as uploaded
     up2 = StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet)
     up2.close()
@@ -530,7 +532,7 @@ def test_committer_hands_committed_units_to_the_uploader(tmp_path):
     out.state.mkdir(parents=True)
     seen = []
     committer = Committer(out, on_commit=lambda unit, path: seen.append((unit, path, path.exists(),
-                                                                         unit in out.manifest_records())))
+                                                                         unit in ledgers.manifest_records(out.state))))
     for unit in ("000-00000", "001-00000"):
         out.unit_tmp(unit).write_bytes(b"x" * 10)
         committer.submit(unit, {"rows": 1, "tokens": 1})
@@ -543,7 +545,7 @@ def test_finalize_writes_no_empty_file_when_every_unit_was_uploaded_and_deleted(
     api = FakeHfApi()
     StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
     o = OutputDir(out)
-    info = o.read_info().to_dict()
+    info = read_info(o.root).to_dict()
     o.finalize(info, (out / "README.md").read_text())
     assert not list((out / "data").glob("*.arrow"))  # no 0-row train-000-00000.arrow over an uploaded unit
 
@@ -599,7 +601,7 @@ def test_loading_a_dir_with_deleted_units_warns(out):
     up.submit(names[0])
     up.close()
     with pytest.warns(UserWarning, match=r"1 unit\(s\) were deleted after their upload to someone/states"):
-        assert len(hsx.load(str(out))) < OutputDir(out).read_info().counts.rows_written
+        assert len(hsx.load(str(out))) < read_info(OutputDir(out).root).counts.rows_written
 
 
 def test_abort_leaves_pending_units_on_disk_for_the_next_run(out):
@@ -636,7 +638,7 @@ def test_extract_pushes(tmp_path, model4, chat_data, monkeypatch, mode):
               "layers": ["1", "3"], "final_hidden": True, "max_length": 160, "token_budget": 640,
               "unit_tokens": 300, "push_to_hub": REPO, "push_mode": mode, "delete_after_upload": mode == "stream"}
     info = extract(load_config(None, values), log=quiet)
-    names = info["unit_names"] if "unit_names" in info else OutputDir(root).manifest_records()
+    names = info["unit_names"] if "unit_names" in info else ledgers.manifest_records(OutputDir(root).state)
     want = {f"data/train-{u}.arrow" for u in names} | set(TOP_FILES)
     assert set(api.files()) == want
     assert api.files()["hsx.json"] == (root / "hsx.json").read_bytes()
@@ -697,7 +699,7 @@ def test_extract_pushing_at_the_end_into_another_jobs_repo_is_refused_before_ext
     values.pop("hub_revision")
     with pytest.raises(HsxError, match="someone/states holds the output of another job"):
         extract(load_config(None, values), log=quiet)
-    assert not OutputDir(root).manifest_records() and api.files() == before and api.commits == []
+    assert not ledgers.manifest_records(OutputDir(root).state) and api.files() == before and api.commits == []
     assert not [c for c in api.calls if c[0] in ("create_repo", "create_branch")]
     log: list[str] = []
     info = extract(load_config(None, {**values, "hub_overwrite": True}), log=log.append)

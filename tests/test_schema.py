@@ -15,7 +15,9 @@ from datasets import Features, List, Value
 
 import hsx
 from helpers import assert_one_error_line, hsx_main
+from hsx import ledgers
 from hsx.config import load_config
+from hsx.info import read_info
 from hsx.run import extract
 from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, JobRecord, ManifestRecord, OutputFormat, Summary,
                         decode, dequantize, encode)
@@ -91,7 +93,7 @@ def test_plan_bytes_per_token_equal_the_written_arrow_data(written, model4, smal
     assert p["bytes_per_token"] * tokens == measured
     assert p["token_bytes"] * tokens == _value_bytes(table.column("input_ids")) + _value_bytes(
         table.column("loss_mask"))
-    info = OutputDir(out).read_info()
+    info = read_info(OutputDir(out).root)
     assert info.format == fmt and info.format.features() == hsx.load(str(out)).features
     # Every buffer: per-token values, per-row scalars and int32 offsets (+1 per list column and chunk)
     chunks = max(c.num_chunks for c in table.columns)
@@ -163,7 +165,7 @@ def test_an_output_written_by_main_loads(tmp_path):
                       "crc32": None}]
     meta["counts"].update(rows_written=0, tokens_written=0)  # (what its one empty file holds: the list and the
     (out / "hsx.json").write_text(json.dumps(meta, indent=2) + "\n")  # counts must agree, or the load refuses)
-    assert OutputDir(out).read_info().files[0].file == path.name
+    assert read_info(OutputDir(out).root).files[0].file == path.name
     assert len(hsx.load(str(out))) == 0 and hsx.load(str(out)).features == fmt.features()
 
 
@@ -210,7 +212,7 @@ def test_a_manifest_holding_only_a_torn_line_is_no_output(tmp_path):
     out = OutputDir(tmp_path / "out")
     out.state.mkdir(parents=True)
     (out.state / "manifest-00000.jsonl").write_bytes(b'{"unit": "000-00000", "file": "train-0')
-    assert out.manifest_records() == {} and not out.has_output()
+    assert ledgers.manifest_records(out.state) == {} and not out.has_output()
     (out.state / "manifest-00001.jsonl").write_text('{"unit": 5}\n')  # a whole line, damaged: kept as output
     assert out.has_output()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import hsx
+from hsx import ledgers
 from hsx.config import HsxError
 from hsx.schema import OutputFormat
 from hsx.info import info_features
@@ -187,6 +188,7 @@ def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
     naming it, read no further."""
     import tracemalloc
 
+    from hsx.info import read_summary
     from hsx.load import read_info
     from hsx.schema import MAX_INFO_BYTES, MAX_JOB_BYTES
 
@@ -194,7 +196,7 @@ def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
     _sparse(out.root / "hsx.json", MAX_INFO_BYTES + 1)
     _sparse(out.state / "summary.json", MAX_INFO_BYTES + 1)
     _sparse(out.state / "job.json", MAX_JOB_BYTES + 1)
-    for name, read in (("hsx.json", lambda: read_info(out.root)), ("summary.json", out.read_summary),
+    for name, read in (("hsx.json", lambda: read_info(out.root)), ("summary.json", lambda: read_summary(out.state)),
                        ("job.json", lambda: out.claim({"fingerprint": "f" * 32, "inputs": {}}, overwrite=False))):
         tracemalloc.start()
         try:
@@ -248,13 +250,13 @@ def test_a_ledger_is_read_a_line_at_a_time(tmp_path):
     manifest.write_text("\n" * (8 << 20) + json.dumps(rec) + "\n")
     tracemalloc.start()
     try:
-        assert list(out.manifest_records()) == ["000-00000"]
+        assert list(ledgers.manifest_records(out.state)) == ["000-00000"]
         assert tracemalloc.get_traced_memory()[1] < 2 << 20
     finally:
         tracemalloc.stop()
     manifest.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "session": "s" * MAX_LEDGER_LINE_BYTES}) + "\n")
     with pytest.raises(HsxError, match=r"manifest-00000.jsonl: line 2 is damaged: over [\d,]+ bytes"):
-        out.manifest_records()
+        ledgers.manifest_records(out.state)
 
 
 def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
@@ -274,7 +276,6 @@ def test_the_jobs_run_record_names_the_kernels_every_rank_ran():
 
 import os  # noqa: E402
 import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from helpers import (LONG_DIGITS, call_with_deadline, drop_manifest_line, fault_argv,  # noqa: E402
                      finished_argv, hsx_main, quiet, swap_for_link, the_error_line, tree_bytes)
@@ -413,7 +414,8 @@ def test_a_ledger_line_with_a_number_too_long_is_passed_over_as_a_torn_one(finis
         f.write(f'{{"unit": "zz", "bytes": {LONG_DIGITS}}}\n')
     (finished_copy / ".hsx" / "uploaded-push.jsonl").write_text(f'{{"file": "data/x.arrow", "bytes": {LONG_DIGITS}}}\n')
     o = OutputDir(finished_copy)
-    assert o.uploaded() == {} and "zz" not in o.manifest_records() and len(o.done_units()) >= 3
+    assert ledgers.uploaded(o.state) == {} and "zz" not in ledgers.manifest_records(o.state)
+    assert len(ledgers.done_units(o.state, o.data)) >= 3
 
 
 def test_a_torn_manifest_line_is_still_passed_over(finished_copy, model4, small_chat_path):
