@@ -159,7 +159,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 # VMs differ, rounded down from the lower median; FP8 shapes of the FP8 matmul rate on cuBLAS's GEMM (hsx's
 # default without DeepGEMM installed: DeepGEMM's faster runs are not planned on).
 MEASURED_MFU: dict[str, float] = {"qwen3.6-27b": 0.72, "qwen3-30b-a3b": 0.46, "gpt-oss-20b": 0.52,
-                                  "qwen3.6-35b-a3b": 0.37, "qwen3-8b-fp8": 0.53, "qwen3.6-27b-fp8": 0.55,
+                                  "qwen3.6-35b-a3b": 0.45, "qwen3-8b-fp8": 0.53, "qwen3.6-27b-fp8": 0.55,
                                   "qwen3-30b-a3b-fp8": 0.24}
 
 # Hub model ids whose shape ships here: `hsx plan --model ID` (or a recipe naming it) plans offline.

@@ -122,3 +122,19 @@ def test_a_plan_of_a_tiny_model_on_a_cpu_says_what_it_is_for_and_no_nonsense_rat
 
     assert ("this machine has no GPU" in said) == (not torch.cuda.is_available())
     assert "561" not in said and "GB/s per copy" in said
+
+
+def test_the_plans_measured_mfu_is_the_readmes_measured_range():
+    """`hsx plan` plans a known shape at MEASURED_MFU; the README's Benchmarks table states what was measured. Each
+    planned figure lies in its row's range of MFU (rounded down by at most 3 points), so neither drifts alone."""
+    import re
+    from pathlib import Path
+
+    from hsx.cost import MEASURED_MFU
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([\w.-]+)[^|]*\|[^|]*\| ([^|]*%[^|]*) \|", readme, re.M)}
+    for shape, planned in MEASURED_MFU.items():
+        assert shape in rows, f"{shape}: no row in the README's Benchmarks table"
+        measured = [float(x) / 100 for x in re.findall(r"\d+(?:\.\d+)?", rows[shape])]
+        assert min(measured) - 0.03 <= planned <= max(measured), (shape, planned, measured)
