@@ -40,8 +40,8 @@ def file_crc32(path: Path, fd: int | None = None) -> str:
     The file is opened once (`open_regular`: no link followed) and every chunk read from that fd (`fd`: one the
     caller opened, so what it checks is what it then reads), never re-opened by name between chunks.
 
-    One thread manages ~1-2 GB/s with zlib, slower than an H200 writes an 8B model's states (1.6 GB/s): measured
-    there, a single-threaded checksum fell behind the writer and added 6.4 s to a 9 s run."""
+    Several threads because one thread's zlib CRC is slower than a GPU writes states: single-threaded, the
+    checksum fell behind the writer (docs/benchmarks.md, 2026-11-30 to 2026-12-01)."""
     own = fd is None
     if own:
         fd = open_regular(path)
