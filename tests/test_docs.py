@@ -132,3 +132,121 @@ def test_the_measurement_patterns_tell_measurements_from_settings():
     figures = {(n, u) for n, u, _ in readme_figures("at 71–78% of the rate, 8–10× faster, `--unit-tokens 800`\n"
                                                     "## Benchmarks\n| shape | tok/s |\n|---|---|\n| s | 43,277 |\n")}
     assert figures == {("71", "%"), ("78", "%"), ("8", "×"), ("10", "×"), ("43,277", "")}
+
+
+# Figures in docs pages and recipe comments that are not measurements: settings, bounds and the planner's assumed
+# rates that the code defines, arithmetic on them, and a test's own parameters. (file, the phrase that holds it)
+NOT_MEASURED_IN_DOCS = {
+    ("docs/follow.md", "a watcher that lists the dir every 2 ms"),  # tests/test_follow.py's polling interval
+    # the plan's assumed share of the H200's datasheet peak (hsx.cost) and what `hsx plan` derives from it
+    ("recipes/dflash-qwen3-8b.yaml", "70% of an H200's 790 TFLOP/s"),
+    ("recipes/dflash-qwen3-8b.yaml", "It would write ~13 GB/s (1.7 GB/s per GPU)"),
+    ("recipes/dflash-qwen3.6-27b.yaml", "72% of an H200's 790 TFLOP/s"),
+    ("recipes/dflash-qwen3.6-27b-fp8.yaml", "55% of an H200's 1419 FP8 TFLOP/s"),
+    ("recipes/eagle3-llama3.1-8b-instruct.yaml", "70% of an H200's 790 TFLOP/s"),
+    ("recipes/eagle3-qwen3-8b.yaml", "70% of an H200's 790 TFLOP/s"),
+    ("recipes/eagle3-qwen3-235b-a22b.yaml", "40% of an H200's 790 TFLOP/s"),
+    ("recipes/medusa-llama3.1-8b-instruct.yaml", "70% of an H200's 790 TFLOP/s"),
+}
+
+
+def statements() -> dict[str, str]:
+    """The prose of every docs page but the record (docs/benchmarks.md), and every recipe's comments but its first
+    line (the command that runs it), each flattened to one line, the allowed phrases taken out."""
+    found = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "benchmarks.md":
+            found[str(page.relative_to(ROOT))] = prose(page.read_text())
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        comments = [line.split("#", 1)[1] for line in recipe.read_text().splitlines()[1:] if "#" in line]
+        found[str(recipe.relative_to(ROOT))] = "\n".join(comments)
+    for where in found:
+        flat = " ".join(found[where].split())
+        for file, phrase in NOT_MEASURED_IN_DOCS:
+            if file == where:
+                assert phrase in flat, f"{where}: the allowed phrase {phrase!r} is gone: drop it from the list"
+                flat = flat.replace(phrase, "")
+        found[where] = flat
+    return found
+
+
+# In prose, a result also reads as a verb of running or measuring before a time, ratio or share ("took 5.7 s",
+# "ran at 67%", "cover 99.46%", "49 s after the kill"); "5 × 3" is a product, not a ratio.
+RESULT = re.compile(rf"\b(?:took|takes|ran|runs|reached|reaches|covers?|came|measured|after the kill)\b[^.;]{{0,60}}?"
+                    rf"(?<![\w.]){NUM}\s?(?:×|%|s|ms|min)(?![\w/]|\s?\d)")
+
+
+def doc_measurements(text: str) -> list[str]:
+    return measurements(text) + [m.group(0) for m in RESULT.finditer(text)]
+
+
+def test_no_docs_page_or_recipe_comment_carries_a_measurement():
+    pages = statements()
+    assert len(pages) > 12 and {"docs/storage.md", "recipes/demo.yaml"} <= set(pages)
+    found = [f"{where}: {hit}" for where, text in pages.items() for hit in doc_measurements(text)]
+    assert not found, ("measurements outside docs/benchmarks.md (move them there with their date and commit, "
+                       "link to it):\n" + "\n".join(found))
+
+
+def test_the_prose_patterns_tell_results_from_settings():
+    for result in ("the write calls took 5.7 s", "a copy over 2 H200s ran at 67% of one GPU",
+                   "256 of 512 tokens cover 99.46% of its tokens", "measured 1.5 s after the kill"):
+        assert doc_measurements(result), result
+    for setting in ("it takes a node for dead after 5 × 3 seconds", "a render is bounded (5 s of CPU)",
+                    "the agent gives the ranks 30 s to end", "reading the ledgers every 0.2 s"):
+        assert not doc_measurements(setting), setting
+
+
+def anchors(markdown: str) -> set[str]:
+    """The `#fragment`s a page offers: its headings as GitHub makes them (lower case, punctuation dropped, spaces
+    to hyphens, a repeated one numbered) and its explicit `id="..."`s."""
+    found, seen = set(re.findall(r'<a id="([^"]+)"', markdown)), {}
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_every_relative_link_and_anchor_in_the_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken, checked = [], 0
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and file.suffix == ".md" and fragment not in anchors(file.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such anchor)")
+    assert checked > 15
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_the_anchor_reader_makes_githubs_slugs():
+    page = "# A title\n## 2026-12-01: the writer's rate (tmpfs)\n## Notes\n## Notes\n<a id=\"kept\"></a>\n"
+    assert anchors(page) == {"a-title", "2026-12-01-the-writers-rate-tmpfs", "notes", "notes-1", "kept"}
+
+
+def test_the_design_map_names_every_module_once_in_its_import_layer():
+    """docs/design.md's "The code, in data-flow order": one row per layer of tests/test_imports.py (the authority),
+    each naming exactly that layer's modules, so a module added to hsx/ without its line in the map fails here."""
+    from test_imports import LAYERS
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("## The code, in data-flow order", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    modules = {".".join(("hsx", *p.relative_to(ROOT / "hsx").with_suffix("").parts)).removesuffix(".__init__")
+               for p in (ROOT / "hsx").rglob("*.py")}
+    assert len(modules) > 40 and {"hsx", "hsx.sink", "hsx.demo.train"} <= modules
+    named = [{n for n in (("hsx" if t == "hsx" else f"hsx.{t}") for t in re.findall(r"`([\w.]+)`", row))
+              if n in modules} for row in rows]
+    assert len(rows) == len(LAYERS), f"the map has {len(rows)} rows, tests/test_imports.py {len(LAYERS)} layers"
+    for row, names, layer in zip(rows, named, LAYERS):
+        assert names == layer, (f"{row.split('|')[1].strip()}: missing {sorted(layer - names)}, "
+                                f"not of this layer {sorted(names - layer)}")
+    assert set().union(*named) == modules
