@@ -20,7 +20,7 @@ CRC_CHUNK = 256 << 20
 def _crc32_function():
     """zlib's CRC-32, computed by zlib-ng where it is installed (the `gpu` extra): the same values, with carry-less
     multiply instructions, about twice zlib's rate per core; in tmpfs the checksum is the largest part of the
-    writer's work (docs/storage.md)."""
+    writer's work (docs/benchmarks.md#the-writer-and-the-outputs-filesystem)."""
     try:
         from zlib_ng import zlib_ng
 

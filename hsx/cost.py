@@ -67,9 +67,9 @@ DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: at or under the dense shapes' measured end-to-end MFU (README's table)
 PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): under the MoE shapes' measured MFU (README's table),
 # for the shapes not measured (other widths, experts and head layouts)
-# The fastest the writer has stored states, per process, into tmpfs (docs/storage.md's writer table; docs/
-# benchmarks.md, session 13). A plan's rate is never more than this many bytes per second of output: a small
-# model's FLOPs would otherwise promise hundreds of GB/s of writes.
+# The fastest the writer has stored states, per process, into tmpfs (docs/benchmarks.md: "the writer and the
+# output's filesystem", and session 13). A plan's rate is never more than this many bytes per second of output: a
+# small model's FLOPs would otherwise promise hundreds of GB/s of writes.
 WRITER_BYTES_PER_S = 4.79e9
 PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: under the dense FP8 shapes' measured MFU on cuBLAS
 # (docs/benchmarks.md, 2026-12-02 and 2026-12-02 (later))

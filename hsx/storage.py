@@ -1,7 +1,7 @@
 """What the output storage itself takes, measured apart from a job: its sequential write rates (`measure_storage`:
 buffered and O_DIRECT, in the ways hsx's writer writes) and hsx's writer alone on it (`measure_writer`). `hsx bench`
 reports them beside a run's own write rate, so a slow run is put down to the storage, the writer or the GPU
-(docs/storage.md)."""
+(docs/storage.md: what to choose)."""
 
 from __future__ import annotations
 

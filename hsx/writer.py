@@ -20,7 +20,7 @@ back at commit would be a second pass over every byte. `UnitFile` takes the same
   as they checksum them; a record batch's small writes are gathered and handed to them with its big one.
 
 One `checksum_pool` serves a job's units: a pool per unit cost each unit's close its threads' exits, each waiting
-for the GIL. The rates behind these choices are in docs/storage.md.
+for the GIL. The rates behind these choices: docs/benchmarks.md#the-writer-and-the-outputs-filesystem.
 
 The file's bytes are exactly what datasets writes (same writer, same schema metadata; tests/test_writer.py
 compares them), so `load_dataset` and `Dataset.from_file` read a unit as before. `unit_files` puts `UnitFile`
@@ -497,7 +497,7 @@ class DirectStages:
 SPARE_CHUNK = 64 << 20  # a spare is prepared in steps of this size, a few at once
 # Per madvise call: each holds the mmap lock that mmap/munmap wait for (16 MiB cut map's time at unit boundaries
 # on a 2-core VM, but more of each unit then went by pwrite, its spare not ready: kept at one call per chunk until
-# an H200 run decides; docs/storage.md)
+# a GPU run decides; docs/benchmarks.md#the-writer-and-the-outputs-filesystem)
 POPULATE_STEP = SPARE_CHUNK
 SPARE_THREADS = 3  # preparing threads (fallocate takes the file's lock; the page faults run in parallel)
 SPARE_NAME = ".hsx-spare"  # in the unit folder, while prepared (then renamed to the unit's file)
@@ -709,7 +709,8 @@ def resolve_mode(folder: str | os.PathLike, mode: str = "auto") -> str:
     tmpfs it does not (its staging copy costs more than it saves), and a write call there pays for allocating each
     new page under the file's lock, so "mapped" moves the allocation (fallocate) and the page faults
     (MADV_POPULATE_WRITE, in parallel) to threads that prepare the next unit's file, leaving a copy and the CRC-32
-    on each writing thread. The measured rates of each mode: docs/storage.md."""
+    on each writing thread. The measured rates of each mode:
+    docs/benchmarks.md#the-writer-and-the-outputs-filesystem."""
     if mode not in WRITE_MODES:
         raise ValueError(f"write mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
     if mode == "auto":

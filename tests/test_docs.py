@@ -21,14 +21,6 @@ NOT_MEASURED = {
     ("1.25", "×"),  # the bar notebooks/train-drafter.ipynb asserts, not a result
 }
 
-# Measurements in docstrings of modules other helpers of issue 45 restructure: each to move to docs/benchmarks.md
-# with its module's next edit (then its line here goes).
-PENDING = (
-    # hsx/sink.py's file_crc32 (to hsx/checksums.py)
-    "One thread manages ~1-2 GB/s with zlib, slower than an H200 writes an 8B model's states (1.6 GB/s): measured "
-    "there, a single-threaded checksum fell behind the writer and added 6.4 s to a 9 s run.",
-)
-
 
 def prose(text: str) -> str:
     """Markdown without code blocks and inline code: commands and flags are not statements of a result."""
@@ -102,8 +94,6 @@ def docstrings(path: Path) -> list[tuple[str, str]]:
 
 def measurements(text: str) -> list[str]:
     flat = " ".join(text.split())
-    for pending in PENDING:
-        flat = flat.replace(pending, "")
     return [m.group(0) for pattern in MEASUREMENT for m in pattern.finditer(flat)]
 
 
