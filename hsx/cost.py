@@ -763,7 +763,8 @@ def local_tokens(cfg) -> tuple[int, int, str]:
 
     import datasets
 
-    from hsx.data import load_input, row_format, tokenize, usable_rows
+    from hsx.data import row_format, tokenize, usable_rows
+    from hsx.inputs import load_input
 
     ds = load_input(cfg)
     rows = len(ds)

@@ -80,12 +80,12 @@ class Job:
 
     @classmethod
     def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
-        from hsx import data
+        from hsx import data, inputs
         from hsx.model import read_target
 
         began_ns = time.time_ns()
         target = read_target(cfg, model)
-        raw = data.load_input(cfg)
+        raw = inputs.load_input(cfg)
         tokenizer = _tokenizer(cfg, target.model_path) if data.row_format(raw.column_names) != "input_ids" else None
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // target.format.bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
@@ -187,14 +187,14 @@ class Job:
 
 def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None, mask: dict) -> dict[str, Any]:
     """What the job's fingerprint is made of: everything that changes which rows, tokens or states are written."""
-    from hsx import data
+    from hsx import inputs
 
     return {
         "model": model_identity(cfg.model, target.model_path, cfg.trust_remote_code), "revision": target.revision,
         "tokenizer": tokenizer_identity(cfg.tokenizer, cfg.trust_remote_code), "layers": target.layers,
         "final_hidden": target.final_hidden, "storage_dtype": cfg.storage_dtype, "dtype": cfg.dtype,
         "max_length": cfg.max_length, "chat_template_sha256": template_sha,
-        "chat_template_kwargs": cfg.chat_template_kwargs, "input": data.input_fingerprint(cfg, raw),
+        "chat_template_kwargs": cfg.chat_template_kwargs, "input": inputs.input_fingerprint(cfg, raw),
         # unit_tokens as given: the derived default follows from layers, dtype and model, already in here (so
         # changing only --layers reports `differs in: layers`, not unit_tokens too)
         "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "unit_plan": UNIT_PLAN, "nonfinite": cfg.nonfinite,

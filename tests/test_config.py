@@ -462,7 +462,7 @@ def test_bench_and_push_take_the_config_keys_help_default_and_choices():
 def test_dataset_config_reads_the_named_configuration_of_a_folder(tmp_path):
     """`dataset_config` is `load_dataset(DATASET, NAME)`'s name: a Hub dataset's configuration, or one a local
     folder's README.md lists (a snapshot of a Hub dataset with configs); the name is part of the input's identity."""
-    from hsx.data import input_fingerprint, load_input
+    from hsx.inputs import input_fingerprint, load_input
 
     folder = tmp_path / "ds"
     for name, texts in (("easy", ["a"]), ("hard", ["b", "c"])):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import HAND_CONVERSATION, LONG_USER, expected_tokenization, write_jsonl
-from hsx import data, masks, render
+from hsx import data, inputs, masks, render
 from hsx.config import ExtractConfig, HsxError
 
 EXPECTED_HAND_TEXT = (
@@ -127,7 +127,7 @@ def test_template_whose_turns_cannot_be_derived_stops(tmp_path, chat_data):
                                        r"loss_mask") as e:
         tok_batch(counting, "messages", [HAND_CONVERSATION])
     assert "\n" not in str(e.value)
-    raw = data.load_input(cfg_for(chat_data.path))
+    raw = inputs.load_input(cfg_for(chat_data.path))
     with pytest.raises(HsxError, match="no assistant header"):  # before any row is tokenized
         data.tokenize(raw, counting, cfg_for(chat_data.path), str(tmp_path / "t.arrow"), fingerprint="test-tok-count")
     assert not (tmp_path / "t.arrow").exists()
@@ -226,7 +226,7 @@ def test_content_parts_read_through_datasets(tmp_path):
                           {"role": "assistant", "content": _parts("a cat")}]}]
     path = write_jsonl(tmp_path / "parts.jsonl", rows)
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
-    out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-parts")
+    out = data.tokenize(inputs.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-parts")
     assert out["skip_reason"] == ["", "non_text_content"]
     direct = tok_batch(tok, "messages", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]])
     assert out["input_ids"][0] == direct["input_ids"][0] and out["loss_mask"][0] == direct["loss_mask"][0]
@@ -296,7 +296,7 @@ def test_json_text_conversations_and_tool_calls(tmp_path):
         for row in (json.dumps(conv), json.dumps(as_text), "not json", json.dumps({"role": "user"})):
             w.writerow([row])
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
-    out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-csv-chat")
+    out = data.tokenize(inputs.load_input(cfg), tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-csv-chat")
     ref = tok_batch(tok, "messages", [conv])
     assert out["skip_reason"] == ["", "", "bad_conversation", "bad_conversation"]
     assert out["input_ids"][0] == out["input_ids"][1] == ref["input_ids"][0]
@@ -398,7 +398,7 @@ def cfg_for(path, **kw):
 
 
 def test_tokenize_through_datasets(tmp_path, tokenizer, chat_data):
-    raw = data.load_input(cfg_for(chat_data.path, max_length=160))
+    raw = inputs.load_input(cfg_for(chat_data.path, max_length=160))
     assert len(raw) == len(chat_data.rows)
     tok = data.tokenize(raw, tokenizer, cfg_for(chat_data.path, max_length=160), str(tmp_path / "t.arrow"),
                         fingerprint="test-tok-1")
@@ -429,7 +429,7 @@ def test_tokenize_checks_vocab_size_through_datasets(tmp_path):
     path = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 20, 30, 40]}, {"input_ids": [1, 20, 99999]},
                                                 {"input_ids": [-3, 4]}, {"input_ids": [7, 8]}])
     cfg = cfg_for(path)
-    raw = data.load_input(cfg)
+    raw = inputs.load_input(cfg)
     tok = data.tokenize(raw, None, cfg, str(tmp_path / "t.arrow"), fingerprint="test-tok-vocab", vocab_size=512)
     assert tok["skip_reason"] == ["", "token_id_out_of_range", "token_id_out_of_range", ""]
     sample_ids, num_tokens, _, skipped, _ = data.usable_rows(tok)
@@ -441,7 +441,7 @@ def test_tokenize_checks_vocab_size_through_datasets(tmp_path):
 def test_tokenize_chat_without_template_is_an_error(tmp_path, chat_data):
     from hsx.demo import build_tokenizer
 
-    raw = data.load_input(cfg_for(chat_data.path))
+    raw = inputs.load_input(cfg_for(chat_data.path))
     with pytest.raises(HsxError, match="chat template"):
         data.tokenize(raw, build_tokenizer(chat_template=None), cfg_for(chat_data.path), str(tmp_path / "t.arrow"),
                       fingerprint="test-tok-2")
@@ -451,20 +451,20 @@ def test_load_input_folder_and_limit(tmp_path):
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "a"}, {"text": "b"}])
     write_jsonl(tmp_path / "d" / "b.jsonl", [{"text": "c"}])
     write_jsonl(tmp_path / "d" / ".hidden" / "x.jsonl", [{"text": "zzz"}])
-    ds = data.load_input(cfg_for(tmp_path / "d"))
+    ds = inputs.load_input(cfg_for(tmp_path / "d"))
     assert ds["text"] == ["a", "b", "c"]
-    assert data.load_input(cfg_for(tmp_path / "d", limit=2))["text"] == ["a", "b"]
+    assert inputs.load_input(cfg_for(tmp_path / "d", limit=2))["text"] == ["a", "b"]
 
 
 def test_load_input_errors(tmp_path, broken_jsonl):
     with pytest.raises(HsxError, match="cannot read dataset"):
-        data.load_input(cfg_for(broken_jsonl))
+        inputs.load_input(cfg_for(broken_jsonl))
     (tmp_path / "x.xml").write_text("<a/>")
     with pytest.raises(HsxError, match="unsupported"):
-        data.load_input(cfg_for(tmp_path / "x.xml"))
+        inputs.load_input(cfg_for(tmp_path / "x.xml"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(HsxError):
-        data.load_input(cfg_for(tmp_path / "empty"))
+        inputs.load_input(cfg_for(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize("layout", ["folders", "hub"])
@@ -481,20 +481,20 @@ def test_load_input_splits_like_load_dataset(tmp_path, monkeypatch, layout):
         write_jsonl(root / "data" / "train-00000-of-00001.jsonl", train)
         write_jsonl(root / "data" / "test-00000-of-00001.jsonl", test)
     reference = datasets.load_dataset(str(root))
-    assert data.load_input(cfg_for(root))["text"] == reference["train"]["text"] == [r["text"] for r in train]
-    assert data.load_input(cfg_for(root, split="test"))["text"] == reference["test"]["text"]
-    assert data.load_input(cfg_for(root, split="test[:1]"))["text"] == ["test 0"]
+    assert inputs.load_input(cfg_for(root))["text"] == reference["train"]["text"] == [r["text"] for r in train]
+    assert inputs.load_input(cfg_for(root, split="test"))["text"] == reference["test"]["text"]
+    assert inputs.load_input(cfg_for(root, split="test[:1]"))["text"] == ["test 0"]
     with pytest.raises(HsxError, match="validation"):
-        data.load_input(cfg_for(root, split="validation"))
+        inputs.load_input(cfg_for(root, split="validation"))
     monkeypatch.chdir(tmp_path)  # a relative path, as typed
-    assert data.load_input(cfg_for("d", split="test"))["text"] == reference["test"]["text"]
+    assert inputs.load_input(cfg_for("d", split="test"))["text"] == reference["test"]["text"]
 
 
 def test_load_input_csv(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "rows.csv").write_text('text\nhello\n"two, with a comma"\n')
-    assert data.load_input(cfg_for(tmp_path / "d" / "rows.csv"))["text"] == ["hello", "two, with a comma"]
-    assert data.load_input(cfg_for(tmp_path / "d"))["text"] == ["hello", "two, with a comma"]
+    assert inputs.load_input(cfg_for(tmp_path / "d" / "rows.csv"))["text"] == ["hello", "two, with a comma"]
+    assert inputs.load_input(cfg_for(tmp_path / "d"))["text"] == ["hello", "two, with a comma"]
 
 
 # ---- prompt / completion ----------------------------------------------------------------------------------------
@@ -512,7 +512,7 @@ def test_standard_prompt_completion_as_plain_text(tmp_path):
     tok = build_tokenizer(None)  # (a base model's: no chat template)
     path = write_jsonl(tmp_path / "pc.jsonl", PLAIN_ROWS)
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
-    ds = data.load_input(cfg)
+    ds = inputs.load_input(cfg)
     assert data.plain_completion(ds, cfg)
     assert data.mask_method(ds.column_names, tok, data.plain_completion(ds, cfg))["method"] == "completion"
     out = data.tokenize(ds, tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-plain")
@@ -533,7 +533,7 @@ def test_standard_prompt_completion_default_is_chat(tmp_path, tokenizer):
     assert ExtractConfig().prompt_completion == "chat"
     path = write_jsonl(tmp_path / "pc.jsonl", PLAIN_ROWS[:1])
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
-    ds = data.load_input(cfg)
+    ds = inputs.load_input(cfg)
     assert not data.plain_completion(ds, cfg)
     out = data.tokenize(ds, tokenizer, cfg, str(tmp_path / "t.arrow"), fingerprint="test-chat-pc")
     ref = tok_batch(tokenizer, "messages", [[{"role": "user", "content": "The sky is"},
@@ -549,14 +549,14 @@ def test_plain_text_prompt_completion_takes_messages_as_chat_and_refuses_system(
     conv = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "hello"}]}
     path = write_jsonl(tmp_path / "conv.jsonl", [conv])
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
-    ds = data.load_input(cfg)
+    ds = inputs.load_input(cfg)
     assert not data.plain_completion(ds, cfg)
     out = data.tokenize(ds, tokenizer, cfg, str(tmp_path / "t.arrow"), fingerprint="test-conv-text")
     assert out["input_ids"][0] == tok_batch(tokenizer, "messages", [conv["prompt"] + conv["completion"]])["input_ids"][0]
     path = write_jsonl(tmp_path / "sys.jsonl", [{**PLAIN_ROWS[0], "system": "Be brief."}])
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
     with pytest.raises(HsxError, match="system column needs the chat template"):
-        data.plain_completion(data.load_input(cfg), cfg)
+        data.plain_completion(inputs.load_input(cfg), cfg)
 
 
 @pytest.mark.parametrize("name", ["markers", "qwen3", "llama3.1", "harmony", "mistral"])
@@ -772,7 +772,7 @@ def test_a_jsonl_line_nested_too_deeply_is_one_line_not_a_crash(tmp_path, model4
     assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
     lines = [line for line in res.stderr.splitlines() if line.startswith("hsx: error: ")]
     assert len(lines) == 1 and "line 2 nests JSON too deeply" in lines[0], res.stderr[-2000:]
-    from hsx.data import check_json_nesting
+    from hsx.inputs import check_json_nesting
 
     data.write_text(json.dumps(good) + "\n" + '{"messages": ' + "[" * 300 + "]" * 300 + "}\n")
     check_json_nesting(data)  # (no error: a string full of brackets, and 300 levels, are fine)
@@ -782,7 +782,7 @@ def _tokenize_file(tmp_path, content: bytes):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(content)
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
-    raw = data.load_input(cfg)
+    raw = inputs.load_input(cfg)
     return data.tokenize(raw, None, cfg, str(tmp_path / "t.arrow"), fingerprint=f"untrusted-{hash(content)}")
 
 
@@ -998,13 +998,13 @@ def test_a_slow_tokenizer_is_refused_before_any_row_when_the_masks_need_offsets(
     cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o", **extra)
     with pytest.raises(HsxError, match=f"tokenizer slow-model is a slow .* the '{method}' loss masks .* "
                                        "tokenizer.json"):
-        data.tokenize(data.load_input(cfg), slow_tokenizer(template), cfg, str(tmp_path / "t.arrow"),
+        data.tokenize(inputs.load_input(cfg), slow_tokenizer(template), cfg, str(tmp_path / "t.arrow"),
                       fingerprint="test-slow")
 
 
 def test_a_slow_tokenizer_still_tokenizes_text_rows(tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", [{"text": "hi ok"}])
     cfg = ExtractConfig(model="slow-model", dataset=str(path), layers=[1], output_dir="o")
-    rows = data.tokenize(data.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),
+    rows = data.tokenize(inputs.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),
                          fingerprint="test-slow-text")
     assert rows[0]["input_ids"] == [6, 9, 7] and rows[0]["loss_mask"] == [1, 1, 1]

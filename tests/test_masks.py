@@ -10,7 +10,7 @@ import pytest
 
 import chat_families as cf
 from helpers import HAND_CONVERSATION, hsx_main, message_lines, write_jsonl
-from hsx import data, masks
+from hsx import data, inputs, masks
 from hsx.config import HsxError
 
 SYSTEM = {"role": "system", "content": "You are the assistant. Think, then end."}
@@ -461,7 +461,7 @@ def test_developer_rows_in_a_job(tmp_path):
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
     for name in ("qwen3", "mistral"):
         tok = cf.family(name)
-        out = data.tokenize(data.load_input(cfg), tok, cfg, str(tmp_path / f"{name}.arrow"), fingerprint=f"dev-{name}")
+        out = data.tokenize(inputs.load_input(cfg), tok, cfg, str(tmp_path / f"{name}.arrow"), fingerprint=f"dev-{name}")
         assert out["skip_reason"] == ["", ""]
         assert out["input_ids"][0] == out["input_ids"][1] and out["loss_mask"][0] == out["loss_mask"][1]
         assert "Other." not in tok.decode(out["input_ids"][0])
@@ -614,7 +614,7 @@ def test_rows_read_through_datasets_equal_the_rows_as_written(tmp_path):
             {"messages": [{"from": "human", "value": "hi", "role": None}, {"from": "gpt", "value": "hello"}]}]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o")
-    raw = data.load_input(cfg)
+    raw = inputs.load_input(cfg)
     tokenized = data.tokenize(raw, tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-masks-union")
     direct = tokenize(tok, [r["messages"] for r in rows])
     assert tokenized["skip_reason"] == direct["skip_reason"] == ["", "", ""]
