@@ -175,8 +175,8 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
         out["gemm_by_shape"] = by_shape
     if mods and how == "hsx fp8 (deepgemm)":
-        out["gemm_under_rows"] = {"rows": DEEPGEMM_MIN_ROWS,
-                                  "gemm": fp8_gemm._runs(mods[0].weight, mods[0].weight_scale_inv, DEEPGEMM_MIN_ROWS - 1)}
+        under = fp8_gemm._runs(mods[0].weight, mods[0].weight_scale_inv, DEEPGEMM_MIN_ROWS - 1)
+        out["gemm_under_rows"] = {"rows": DEEPGEMM_MIN_ROWS, "gemm": under}
     experts = [m for m in base.modules() if is_experts_module(m)]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]

@@ -71,7 +71,7 @@ KERNELS: dict[str, Kernel] = {
                           "fla's causal_conv1d, the l2norm and the gated RMSNorm in torch"),
     "fla_tuned_configs": Kernel("hsx's tuned tiles for fla's delta-rule kernels (gdn.TUNED_CONFIGS)",
                                 "fla's own autotuning"),
-    # FP8 checkpoints: activation quantization and block-scaled GEMMs (hsx.fp8.GEMMS, fastest first)
+    # FP8 checkpoints: activation quantization and block-scaled GEMMs (hsx.fp8_gemm.GEMMS, fastest first)
     "fp8_gemm_deepgemm": Kernel("DeepGEMM's fp8_gemm_nt", "the next block-scaled GEMM",
                                 source="hsx calls its SM90 recipe (float32 1x128 / 128x128 scales); DeepGEMM's "
                                        "SM100 kernels take UE8M0 scales"),
@@ -160,7 +160,7 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
     return picks
 
 
-FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.fp8.GEMMS: what auto tries, fastest first
+FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.fp8_gemm.GEMMS: what auto tries, fastest first
 FP8_PACKAGES = {"deepgemm": "deep_gemm", "fbgemm": "fbgemm_gpu"}  # GEMMs that run only with their package
 
 
