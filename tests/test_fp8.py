@@ -785,7 +785,7 @@ CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 def gemm_state(monkeypatch):
     """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
     for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
 
     def reference(xq, xs, w, ws):
@@ -840,7 +840,7 @@ def test_a_wrong_or_failing_fbgemm_falls_back_to_cublas_with_one_warning(gemm_st
         raise RuntimeError("cutlass cannot initialize\nmore")
 
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(raises, None)])
     with pytest.warns(UserWarning, match="RuntimeError: cutlass cannot initialize more;") as seen:
         assert fp8_gemm.use_gemm(cpu, "fbgemm") == "cublas"
@@ -860,12 +860,12 @@ def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
 
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     monkeypatch.setattr(fp8_gemm, "_cublas_mm", cublas_fails)
     with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on fbgemm's"):
         assert fp8_gemm.use_gemm(cpu) == "fbgemm"  # the next fastest
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(None, None)])
     monkeypatch.setattr(fp8_gemm, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
     with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on hsx's Triton") as seen:
@@ -873,7 +873,7 @@ def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(
     assert "fbgemm" not in str(seen[0].message)  # not installed, not asked for: not a word
     monkeypatch.setattr(fp8_gemm, "_cublas_mm", lambda *a: cublas.append(a[2].shape) or fp8.reference_mm(*a))
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu) == "cublas"
     assert not seen
@@ -1046,7 +1046,7 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
         assert fp8_gemm.use_gemm(cpu) == "deepgemm"  # installed and right: auto's first
     assert not seen and calls == [(fp8_gemm.DEEPGEMM_MIN_ROWS, 384, 512)] and not cublas
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(None, None)])
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu) == "cublas"  # not installed: auto goes on without a word
@@ -1057,7 +1057,7 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
     fp8_gemm._block_mm(xq, xs, w, ws)
     assert not calls and cublas[-1] == (256, 512)
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     with pytest.warns(UserWarning, match=r"deep_gemm is not installed \(github.com/deepseek-ai/DeepGEMM\); FP8 "
                                          r"linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
         assert fp8_gemm.use_gemm(cpu, "deepgemm") == "cublas"
@@ -1069,7 +1069,7 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(SimpleNamespace(fp8_gemm_nt=no_compiler), None)])
     for choice in ("auto", "deepgemm"):  # installed but failing: said either way
         for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-            monkeypatch.setattr(fp8, name, {})
+            monkeypatch.setattr(fp8_gemm, name, {})
         with pytest.warns(UserWarning, match=r"DeepGEMM's fp8_gemm_nt: RuntimeError: .*NVCC compilation failed.*; "
                                              r"FP8 linears run on cuBLAS's") as seen:
             assert fp8_gemm.use_gemm(cpu, choice) == "cublas"
@@ -1133,7 +1133,7 @@ def test_optional_gemm_equals_the_float32_product_on_cuda(name, monkeypatch):
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
     for state in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-        monkeypatch.setattr(fp8, state, {})
+        monkeypatch.setattr(fp8_gemm, state, {})
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(device, name) == name
     assert not seen, [str(s.message) for s in seen]
@@ -1591,7 +1591,7 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
     if run is None:
         pytest.skip(why)
     for state in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
-        monkeypatch.setattr(fp8, state, {})
+        monkeypatch.setattr(fp8_gemm, state, {})
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
     assert fp8_gemm.use_gemm(device, "deepgemm") == "deepgemm"
