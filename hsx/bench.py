@@ -708,12 +708,12 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
-# bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
+# bf16 `x @ w.t()`, then hsx.fp8_gemm's block-scaled GEMMs (Triton left out)
 GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
-    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8's cuBLAS,
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8_gemm's cuBLAS,
     DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already quantized: the GEMM alone, the weight
     scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
     3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time

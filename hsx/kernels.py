@@ -6,7 +6,7 @@ GPU (A100 8.0, L40S 8.9, B200 10.0, RTX PRO 6000 Blackwell 12.0, ...) each runs 
 source says it supports that GPU (`Kernel.documented`, cited in `Kernel.source`); elsewhere the portable path named
 in `Kernel.instead` runs, and one line says so (`choose`: hsx extract logs it, hsx.json's run.kernels.fallbacks
 records it). Portable kernels (`instead` None) run everywhere they can, each checked against its reference on the
-device before use (hsx.fp8's Triton GEMM and quantization, hsx.moe's FP8 expert kernels).
+device before use (hsx.fp8_gemm's Triton GEMM and quantization, hsx.moe_kernels' FP8 expert kernels).
 
 `choose` is a pure function of (capability, installed packages, dtype, what the model has), so a CPU test can ask
 what any GPU gets; the modules that run the kernels ask `allowed(name, device)` (`runs_on` the device's capability)
