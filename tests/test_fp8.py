@@ -336,7 +336,8 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     loaded = load_model(cfg, device)
     report = kernel_report(loaded.base)["quantization"]
     assert report["linear"].startswith("hsx fp8") and report["fp8_linears"] == 3 * 7, report
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules() if isinstance(m, fp8_gemm.Fp8Linear))
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules()
+               if isinstance(m, fp8_gemm.Fp8Linear))
     x = torch.randn(100, 768, device=device, dtype=torch.bfloat16)
     for name, m in loaded.base.named_modules():  # each layer alone first: the kernels equal the maths
         if isinstance(m, fp8_gemm.Fp8Linear):
@@ -698,7 +699,8 @@ def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_refere
     gate_up, gate_up_scale = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
     monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
     with pytest.warns(UserWarning, match="gate_up kernel failed its check on cpu .*slow reference"):
-        assert not moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # no Triton kernel runs on CPU tensors
+        # no Triton kernel runs on CPU tensors
+        assert not moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
     assert not moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # decided once: no second warning
     # a kernel that computes the reference passes; one that is off by 5% does not
     monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
@@ -729,7 +731,8 @@ def test_the_record_says_which_fp8_experts_ran_on_the_reference_after_a_failed_c
             self.down_proj, self.down_proj_scale_inv = down.view(4, 256, 128), down_scale.view(4, 2, 1)
 
     monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
-    monkeypatch.setattr(moe_kernels, "_fp8_gate_up_cuda", moe_kernels._fp8_gate_up_reference)  # (CPU tensors: the kernels' maths)
+    # (CPU tensors: the kernels' maths)
+    monkeypatch.setattr(moe_kernels, "_fp8_gate_up_cuda", moe_kernels._fp8_gate_up_reference)
     monkeypatch.setattr(moe_kernels, "_fp8_down_cuda", moe_kernels._fp8_down_reference)
     right = TinyExperts()
     assert moe_kernels.fp8_experts_run_on(right, cuda=True) == "triton"
@@ -783,7 +786,7 @@ CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 
 @pytest.fixture
 def gemm_state(monkeypatch):
-    """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
+    """hsx.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
     for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
         monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
@@ -1181,7 +1184,8 @@ def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(
     folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
     model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
     monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
-    why = fp8_model.transformers_fp8_blocker(model)  # transformers' FP8Linear modules: their forward needs the kernel too
+    # transformers' FP8Linear modules: their forward needs the kernel too
+    why = fp8_model.transformers_fp8_blocker(model)
     assert why.startswith("8 FP8 linear layers and 2 FP8 experts modules would run on transformers' FP8 forward"), why
     fp8_model.install(model)  # what hsx does on CUDA: its Fp8Linear in their place
     ids = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0))
