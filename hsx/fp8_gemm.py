@@ -24,6 +24,7 @@ from hsx.errors import HsxError, one_line
 from hsx.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight, quantize_activation,
                      quantize_activation_padded, quantize_weight, reference_mm, relative_error)
 
+
 # ---- the GEMM ------------------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("hsx::fp8_linear", mutates_args=())

@@ -176,6 +176,7 @@ def _to_tokens(z: torch.Tensor, order: torch.Tensor, k: int, extra: torch.Tensor
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return sum_pairs(z, inverse, k, extra)
 
+
 # ---- FP8 experts (the official `-FP8` MoE checkpoints) --------------------------------------------------------------
 
 FP8_EXPERTS = fp8_model.FP8_EXPERTS  # set on an experts module by use_experts: its e4m3 experts run as below
@@ -212,6 +213,7 @@ def _fp8_experts_form(module: torch.nn.Module) -> bool:
     gate, up = probe.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=0)
+
 
 def fp8_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, order: torch.Tensor,
                         offsets: torch.Tensor, top_k_weights: torch.Tensor, k: int) -> torch.Tensor:
