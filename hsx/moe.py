@@ -239,6 +239,7 @@ def dequantized_experts_forward(self: torch.nn.Module, hidden_states: torch.Tens
     z = fp8_grouped_reference(y, offsets, self.down_proj, self.down_proj_scale_inv, dtype)
     return z * gather_rows(top_k_weights.reshape(-1, 1), order).to(dtype)
 
+
 # Routers whose forward is Qwen3-MoE's (the same source in transformers; `_router_renormalizes` checks it): linear,
 # float32 softmax, top-k, renormalization (optional by config, or always: Qwen3.5/3.6-MoE), weights back in the
 # logits' dtype.
