@@ -141,7 +141,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hsx import fp8
+    from hsx import fp8, fp8_gemm, fp8_model
     from hsx import model as hsx_model
     from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
     from hsx.cost import _num_experts, budget_cap, flops, layer_params, measure_matmul_tflops, shape_config
@@ -198,7 +198,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     elif quant is not None:  # e4m3 weights built directly, layer by layer: never a bf16 copy of the model
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
-        causal = fp8.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
+        causal = fp8_model.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -208,7 +208,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     causal.eval().requires_grad_(False)
     causal.config.use_cache = False
     if args.model and on_fp8 and len(proc.devices) == 1:
-        fp8.install(causal)
+        fp8_model.install(causal)
     if on_fp8 and len(proc.devices) == 1 and _num_experts(text):
         # e4m3 experts on hsx's grouped path, a checkpoint's as random ones: in (a) and (b) too, and the drift
         # column's bf16 forward switches only experts on that path
@@ -216,7 +216,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
 
         use_experts(causal, EXPERTS_IMPLEMENTATION)
     if on_fp8:
-        log(f"  FP8 GEMM: {fp8.use_gemm(device, args.fp8_gemm)}")
+        log(f"  FP8 GEMM: {fp8_gemm.use_gemm(device, args.fp8_gemm)}")
     build_s = time.perf_counter() - t0
     base = causal.get_decoder() if hasattr(causal, "get_decoder") else causal.model
     vocab = int(text.vocab_size)
@@ -241,7 +241,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "model_build_seconds": build_s, "versions": _versions(),
     }
     if quant is not None:
-        results["quantization"] = fp8.report(base, quant)
+        results["quantization"] = fp8_model.report(base, quant)
         results["matmul_rate_of"] = "e4m3" if on_fp8 else "bf16"
     if on_fp8 and args.drift_rows > 0:
         results["drift"] = bench_drift(base, layers, final_hidden, rows[:args.drift_rows], device, log)
@@ -708,19 +708,19 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
-# bf16 `x @ w.t()`, then hsx.fp8's block-scaled GEMMs (Triton left out)
+# bf16 `x @ w.t()`, then hsx.fp8_gemm's block-scaled GEMMs (Triton left out)
 GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
-    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8's cuBLAS,
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8_gemm's cuBLAS,
     DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already quantized: the GEMM alone, the weight
     scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
     3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time
     of all the model's linears per `tokens` tokens."""
     import torch
 
-    from hsx import fp8
+    from hsx import fp8, fp8_gemm, fp8_model
     from hsx.cost import shape_config
     from hsx.errors import HsxError
     from hsx.model import text_config_of
@@ -730,11 +730,11 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device())
     results: dict[str, Any] = {"tokens": tokens, "device_name": torch.cuda.get_device_name(device),
                                "versions": _versions(), "shapes": {}}
-    missing = {name: fp8.gemm(name)[1] for name in GEMM_BENCH[1:] if fp8.gemm(name)[0] is None}
+    missing = {name: fp8_gemm.gemm(name)[1] for name in GEMM_BENCH[1:] if fp8_gemm.gemm(name)[0] is None}
     if missing:
         results["not_run"] = missing
     for shape in shapes:
-        counts = fp8.linear_shapes(text_config_of(shape_config(shape)))
+        counts = fp8_model.linear_shapes(text_config_of(shape_config(shape)))
         rows, totals = [], {name: 0.0 for name in GEMM_BENCH}
         for (n, k), count in sorted(counts.items()):
             row = _gemm_row(device, tokens, n, k, missing)
@@ -755,20 +755,20 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
 def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> dict[str, Any]:
     import torch
 
-    from hsx import fp8
+    from hsx import fp8, fp8_gemm
     from hsx.errors import one_line
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=g, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) * 0.02
     wq, ws = fp8.quantize_weight(w)
-    xq, xs = fp8.fp8_quantize(x)
+    xq, xs = fp8_gemm.fp8_quantize(x)
     want = fp8.reference_mm(xq[:256], xs[:256], wq, ws, torch.float32)
     row: dict[str, Any] = {"n": n, "k": k, "bf16": _tflops(lambda: x @ w.t(), tokens, n, k, device)}
     for name in GEMM_BENCH[1:]:
         if name in missing:
             continue
-        run = fp8.gemm(name)[0]
+        run = fp8_gemm.gemm(name)[0]
         try:
             got = run(xq, xs, wq, ws)[:256]
             row[f"{name}_error"] = fp8.relative_error(got, want)

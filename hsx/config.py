@@ -41,8 +41,8 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.moe; the last two are transformers' own
-# hsx.fp8's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works on the device,
-# fastest first by the GEMM rates in docs/benchmarks.md)
+# hsx.fp8_gemm's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works on the
+# device, fastest first by the GEMM rates in docs/benchmarks.md)
 FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "triton")
 PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 

@@ -4,7 +4,7 @@
 
 Each row runs alone (batch 1, unpadded) through the model with extraction's capture hooks (hsx.capture: each
 chosen layer's output; with `final_hidden`, the final norm's output as the model returns it, as hsx.engine stores
-it): once as loaded (the FP8 forward), once within `fp8.bf16_reference` (the same weights dequantized, the same
+it): once as loaded (the FP8 forward), once within `fp8_model.bf16_reference` (the same weights dequantized, the same
 activations unquantized). A layer's relative error is the Frobenius one over every token of the rows,
 sqrt(Σ‖a − b‖² / Σ‖b‖²), and the same over the loss-masked tokens alone. With stored states given (an output's
 rows), they are compared with both forwards too: stored vs fresh FP8 is storage (dtype) error, stored vs bf16 what a
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsx import fp8
+from hsx import fp8_model
 from hsx.capture import capture
 from hsx.errors import HsxError
 
@@ -89,7 +89,7 @@ def compare(base: torch.nn.Module, layers: list[int], final_hidden: bool, rows: 
     `rows`. `switched` says how many modules the bf16 forward runs on dequantized weights: 0 where the model holds
     no e4m3 weights (transformers dequantized them at load), and then the two forwards are one (fp8_vs_bf16 = 0).
     An e4m3 module the bf16 forward would not switch is refused (its number would understate the drift)."""
-    blockers = fp8.reference_blockers(base)
+    blockers = fp8_model.reference_blockers(base)
     if blockers:
         raise HsxError(f"no bf16 reference for {len(blockers)} FP8 module(s) on transformers' FP8 forward "
                        f"({blockers[0]}, ...): hsx switches only its own FP8 linear layers and experts")
@@ -101,7 +101,7 @@ def compare(base: torch.nn.Module, layers: list[int], final_hidden: bool, rows: 
             ids = torch.as_tensor(np.asarray(row.ids), dtype=torch.long).to(device)
             mask = None if row.loss_mask is None else torch.as_tensor(np.asarray(row.loss_mask)).to(device).bool()
             fresh = forward_states(base, layers, final_hidden, ids)
-            with fp8.bf16_reference(base) as switched:
+            with fp8_model.bf16_reference(base) as switched:
                 ref = forward_states(base, layers, final_hidden, ids) if switched else fresh
             sums.add("fp8_vs_bf16", fresh, ref, mask)
             if row.stored is not None:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hsx import fp8
+from hsx import fp8, fp8_model
 from hsx.config import ExtractConfig, HsxError, layers_run, target_layers
 from hsx.errors import one_line
 from hsx.schema import OutputFormat
@@ -437,7 +437,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     if quant is not None:
         _QUANTIZATION[base] = quant
     if quant is not None and distributed_config is None and fp8.runs_instead(quant, device) is None:
-        fp8.install(base)  # (tensor-parallel shards stay on transformers' FP8 forward: DTensor weights)
+        fp8_model.install(base)  # (tensor-parallel shards stay on transformers' FP8 forward: DTensor weights)
     head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg,

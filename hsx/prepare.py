@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hsx import attention, fp8, gdn, kernels
+from hsx import attention, fp8, fp8_gemm, fp8_model, gdn, kernels
 from hsx.config import HsxError
 from hsx.model import checkpoint_quantization, decoder_layers, requested_attention
 
@@ -69,12 +69,12 @@ def compile_layers(base: torch.nn.Module, ahead: bool = True, log=print) -> "Com
     layers = decoder_layers(base)
     if not ahead:
         for layer in layers:
-            layer.forward = torch.compile(layer.forward, dynamic=True, options=fp8.compile_options(layer))
+            layer.forward = torch.compile(layer.forward, dynamic=True, options=fp8_model.compile_options(layer))
         _COMPILED[base] = False
         return None
     ahead_state = CompileAhead(log=log)
     for layer in layers:
-        layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer), fp8.compile_options(layer))
+        layer.forward = _AheadLayer(layer.forward, ahead_state, _layer_kind(layer), fp8_model.compile_options(layer))
     _COMPILED[base] = ahead_state
     return ahead_state
 
@@ -345,7 +345,7 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
                 "causal_conv1d", "causal_conv1d_fn")) else "torch fallback"
             report.update(linear_attention_forward="transformers", linear_attention_note=blocker)
     report["packing_safe"], report["packing_note"] = _packing(report, config)
-    quantization = fp8.report(base, checkpoint_quantization(base) or fp8.quantization_of(config))
+    quantization = fp8_model.report(base, checkpoint_quantization(base) or fp8.quantization_of(config))
     if quantization is not None:  # (absent for unquantized models: their hsx.json stays as it was)
         report["quantization"] = quantization
     report.update(kernel_choices(base, has_experts, bool(linear), quantization))
@@ -364,7 +364,7 @@ def kernel_choices(base: torch.nn.Module, has_experts: bool, linear: bool, quant
     hsx_fp8 = bool(quantization) and str(quantization.get("linear", "")).startswith("hsx fp8")
     picks = kernels.choose(cap, kernels.installed_packages(), str(getattr(base, "dtype", "")).removeprefix("torch."),
                            experts=has_experts, linear_attention=linear, fp8=hsx_fp8,
-                           fp8_gemm=fp8._CHOSEN.get(device.index, "auto"))
+                           fp8_gemm=fp8_gemm._CHOSEN.get(device.index, "auto"))
     out: dict[str, Any] = {"compute_capability": kernels.cap_str(cap),
                            "kernels_checked_on": sorted({kernels.cap_str(c) for k in kernels.KERNELS.values()
                                                          for c in k.checked_on}),

@@ -45,7 +45,7 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     it is (else `target`'s weights are loaded)."""
     import torch
 
-    from hsx import fp8
+    from hsx import fp8, fp8_gemm, fp8_model
     from hsx.cost import auto_token_budget, check_token_budget, memory_bytes
     from hsx.model import load_model
     from hsx.prepare import kernel_report, prepare_model, resolve_packing
@@ -66,8 +66,8 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     instead = fp8.runs_instead(quant, device) if quant is not None else None
     gemm = None
     if quant is not None and instead is None:
-        gemm = fp8.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
-    blocker = fp8.transformers_fp8_blocker(loaded.base) if quant is not None else None
+        gemm = fp8_gemm.use_gemm(device, cfg.fp8_gemm)  # before the report: hsx.json names the GEMM that runs
+    blocker = fp8_model.transformers_fp8_blocker(loaded.base) if quant is not None else None
     if blocker:
         raise HsxError(blocker)
     kernels = kernel_report(loaded.base)
@@ -105,11 +105,11 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     prepared = prepare_model(loaded.base, packing, compile_model=use_compile, cuda=cuda, log=log)
     if gemm is not None:  # (DeepGEMM may run some shapes as the fallback of another device choice too)
         rows = max(budget, cfg.max_length or 0)
-        shapes, products, seconds = fp8.build_deepgemm_kernels(loaded.base, rows)
+        shapes, products, seconds = fp8_gemm.build_deepgemm_kernels(loaded.base, rows)
         if shapes:
-            kernels["deepgemm_build"] = {"weight_shapes": shapes, "rows": [fp8.DEEPGEMM_MIN_ROWS, rows],
+            kernels["deepgemm_build"] = {"weight_shapes": shapes, "rows": [fp8_gemm.DEEPGEMM_MIN_ROWS, rows],
                                          "products": products, "seconds": round(seconds, 1)}
-            log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
+            log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8_gemm.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
                 + (f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
                    f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products
                    else "rows: built earlier in this process"))

@@ -241,7 +241,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
     fingerprint records. Refused (HsxError) when the target is not FP8."""
     import torch
 
-    from hsx import drift, fp8
+    from hsx import drift, fp8, fp8_model
     from hsx.config import EXPERTS_CHOICES, config_from
     from hsx.errors import check_range
     from hsx.load import torch_view
@@ -311,7 +311,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
     report = {"output_dir": str(out_dir), "model": folder, "device": str(device), "sample_ids": sample_ids,
               "skipped_nonfinite": nonfinite, "storage_dtype": info.storage_dtype,
               "quantization": quant.record(), "extracted_with": recorded_quant or None,
-              "runs_here": fp8.report(loaded.base, quant),
+              "runs_here": fp8_model.report(loaded.base, quant),
               **result}
     report["notes"] = _drift_notes(report, instead)
     for line in format_drift(report):

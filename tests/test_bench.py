@@ -225,7 +225,7 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     import torch
     import transformers
 
-    from hsx import fp8, moe
+    from hsx import fp8_model, moe
     from hsx.bench import bench_drift
 
     if not hasattr(transformers, "Qwen3_5MoeTextConfig") and kind != "qwen3_moe":
@@ -235,7 +235,7 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     config = _moe_config(kind)
     config.quantization_config = dict(OFFICIAL)
     torch.manual_seed(0)
-    causal = fp8.random_causal_lm(config, torch.device("cpu"), "sdpa")
+    causal = fp8_model.random_causal_lm(config, torch.device("cpu"), "sdpa")
     moe.use_experts(causal, moe.EXPERTS_IMPLEMENTATION)
     rows = [np.arange(3, 40), np.arange(100, 130)]
     lines = []
@@ -245,8 +245,8 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     assert all(1e-3 < v < 0.5 for v in d["relative_error"].values()), d
     assert "relative error per layer on 2 rows" in lines[0]
     for m in causal.modules():  # experts left on transformers' FP8 forward: the reference cannot switch them
-        if getattr(m, fp8.FP8_EXPERTS, False):
-            setattr(m, fp8.FP8_EXPERTS, False)
+        if getattr(m, fp8_model.FP8_EXPERTS, False):
+            setattr(m, fp8_model.FP8_EXPERTS, False)
     lines.clear()
     d = bench_drift(causal.model, [0, 1], True, rows, torch.device("cpu"), lines.append)
     assert set(d) == {"not_measured"} and "no bf16 reference" in lines[0]

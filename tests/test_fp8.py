@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hsx import fp8
+from hsx import fp8, fp8_gemm, fp8_model
 from hsx.config import ExtractConfig, HsxError
 
 STD = 0.02  # the init std of Qwen3 (initializer_range)
@@ -61,13 +61,13 @@ def test_activation_quantization_is_per_row_block_and_the_product_matches_float(
     want = x @ w.t()
     assert (y - want).norm() / want.norm() < 0.06
     # the custom op's CPU path is the reference
-    assert torch.equal(fp8.fp8_linear(x, wq, ws), fp8.reference_mm(xq, xs, wq, ws))
+    assert torch.equal(fp8_gemm.fp8_linear(x, wq, ws), fp8.reference_mm(xq, xs, wq, ws))
 
 
 def test_fp8_linear_shares_the_tensors_and_its_reference_mode_is_the_dequantized_weight():
     torch.manual_seed(2)
     wq, ws = fp8.quantize_weight(torch.randn(256, 128) * 0.05)
-    lin = fp8.Fp8Linear(torch.nn.Parameter(wq, requires_grad=False), torch.nn.Parameter(ws, requires_grad=False),
+    lin = fp8_gemm.Fp8Linear(torch.nn.Parameter(wq, requires_grad=False), torch.nn.Parameter(ws, requires_grad=False),
                         None)
     assert lin.weight.data_ptr() == wq.data_ptr()
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
@@ -75,7 +75,7 @@ def test_fp8_linear_shares_the_tensors_and_its_reference_mode_is_the_dequantized
     assert y.shape == (2, 3, 256) and y.dtype == torch.bfloat16
     base = torch.nn.Module()
     base.proj = lin
-    with fp8.bf16_reference(base) as n:
+    with fp8_model.bf16_reference(base) as n:
         assert n == 1
         ref = lin(x)
     assert not lin.reference
@@ -104,7 +104,7 @@ def test_compiled_layer_quantizes_each_input_once_and_equals_eager():
     torch.manual_seed(4)
 
     def linear(n, k):
-        return fp8.Fp8Linear(*(torch.nn.Parameter(t, requires_grad=False)
+        return fp8_gemm.Fp8Linear(*(torch.nn.Parameter(t, requires_grad=False)
                                for t in fp8.quantize_weight(torch.randn(n, k) * 0.05)), None)
 
     class Block(torch.nn.Module):
@@ -123,13 +123,13 @@ def test_compiled_layer_quantizes_each_input_once_and_equals_eager():
     x = torch.randn(2, 37, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
         eager = block(x)
-        compiled = torch.compile(block, dynamic=True, options=fp8.compile_options(block))
+        compiled = torch.compile(block, dynamic=True, options=fp8_model.compile_options(block))
         got, code = run_and_get_code(compiled, x)
     code = "\n".join(code)
     assert code.count("torch.ops.hsx.fp8_mm.default(") == 4 and "hsx.fp8_linear" not in code
     assert code.count("torch.ops.hsx.fp8_quantize.default(") == 3  # h (q and k), a, silu(up)
     assert torch.equal(got, eager)
-    assert fp8.compile_options(torch.nn.Linear(2, 2)) is None  # bf16 layers compile as before
+    assert fp8_model.compile_options(torch.nn.Linear(2, 2)) is None  # bf16 layers compile as before
 
 
 def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone():
@@ -141,7 +141,7 @@ def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone()
     x = torch.randn(20, 256)
     gm = make_fx(two)(x)
     before = len(gm.graph.nodes)
-    assert fp8._dedupe(gm.graph) > 0 and len(gm.graph.nodes) < before
+    assert fp8_model._dedupe(gm.graph) > 0 and len(gm.graph.nodes) < before
     gm.recompile()
     assert torch.equal(gm(x), two(x))
 
@@ -151,13 +151,13 @@ def test_dedupe_merges_equal_pure_calls_and_leaves_graphs_with_mutations_alone()
         return y + x.abs()  # the same call as y's, on a tensor mutated in between
 
     gm = make_fx(mutating)(torch.zeros(3))
-    assert fp8._dedupe(gm.graph) == 0
+    assert fp8_model._dedupe(gm.graph) == 0
 
     def returned(x):  # two tensors the caller gets: merged, mutating one would change the other
         return x.abs() + 1.0, x.abs() + 1.0
 
     gm = make_fx(returned)(torch.zeros(3))
-    fp8._dedupe(gm.graph)
+    fp8_model._dedupe(gm.graph)
     gm.recompile()
     a, b = gm(torch.zeros(3))
     assert a.data_ptr() != b.data_ptr()
@@ -171,15 +171,15 @@ def test_fused_gated_mlp_equals_its_own_forward_and_keeps_the_reference_mode():
     mlp = Qwen3MLP(transformers.Qwen3Config(hidden_size=256, intermediate_size=384, hidden_act="silu"))
     for name in ("gate_proj", "up_proj", "down_proj"):
         q, s = fp8.quantize_weight(getattr(mlp, name).weight.detach() * 2.0)
-        setattr(mlp, name, fp8.Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
+        setattr(mlp, name, fp8_gemm.Fp8Linear(torch.nn.Parameter(q, requires_grad=False),
                                          torch.nn.Parameter(s, requires_grad=False), None))
     x = torch.randn(3, 7, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
         want = mlp(x)  # its own forward: three Fp8Linear calls
-        assert fp8.fuse_gated_mlps(mlp) == 1 and fp8.fuse_gated_mlps(torch.nn.Linear(2, 2)) == 0
+        assert fp8_model.fuse_gated_mlps(mlp) == 1 and fp8_model.fuse_gated_mlps(torch.nn.Linear(2, 2)) == 0
         got = mlp(x)
         assert got.shape == want.shape and torch.equal(got, want)
-        with fp8.bf16_reference(mlp):
+        with fp8_model.bf16_reference(mlp):
             ref = mlp(x)
         assert 0 < (ref.float() - got.float()).norm() / ref.float().norm() < 0.1  # the bf16 product: near
 
@@ -306,11 +306,11 @@ def test_activation_quantization_builds_one_kernel_for_every_row_count_on_cuda()
     g = torch.Generator(device=device).manual_seed(4)
     for m in (17, 32, 33, 48, 1000, 1024):
         x = torch.randn(m, 512, device=device, generator=g, dtype=torch.bfloat16)
-        q, s = fp8.fp8_quantize(x)
-        want_q, want_s = fp8.quantize_activation_padded(x, fp8.ROW_ALIGN)
+        q, s = fp8_gemm.fp8_quantize(x)
+        want_q, want_s = fp8.quantize_activation_padded(x, fp8_gemm.ROW_ALIGN)
         assert q.shape == want_q.shape and torch.allclose(s, want_s, rtol=1e-6, atol=0), m
         assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 1e-3, m  # (division's last bit)
-    kernel = fp8._QUANT_KERNEL
+    kernel = fp8_gemm._QUANT_KERNEL
     caches = getattr(kernel, "device_caches", None)
     built = caches[device.index][0] if caches is not None else kernel.cache[device.index]
     assert len(built) == 1, list(built)
@@ -336,10 +336,11 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     loaded = load_model(cfg, device)
     report = kernel_report(loaded.base)["quantization"]
     assert report["linear"].startswith("hsx fp8") and report["fp8_linears"] == 3 * 7, report
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules() if isinstance(m, fp8.Fp8Linear))
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in loaded.base.modules()
+               if isinstance(m, fp8_gemm.Fp8Linear))
     x = torch.randn(100, 768, device=device, dtype=torch.bfloat16)
     for name, m in loaded.base.named_modules():  # each layer alone first: the kernels equal the maths
-        if isinstance(m, fp8.Fp8Linear):
+        if isinstance(m, fp8_gemm.Fp8Linear):
             xi = x[:, :m.in_features]
             want = _emulated_fp8_linear_forward(m, xi).float()
             assert ((m(xi).float() - want).norm() / want.norm()).item() < 1e-2, name
@@ -399,7 +400,7 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     # itself with SDPA. hsx (its packed attention kernel, compiled norms) must be no further than twice that.
     noise = _rel(other, ref)
     print(f"hsx vs {which}: relative error {rel:.2e}; transformers eager vs sdpa attention {noise:.2e} "
-          f"(compile={compile_model}, {fp8.backend_of(device)})")
+          f"(compile={compile_model}, {fp8_gemm.backend_of(device)})")
     assert rel < max(2 * noise, 1e-2), (which, rel, noise)
 
 
@@ -515,18 +516,18 @@ def test_fp8_experts_run_in_hsx_grouped_path_and_equal_transformers_fp8_maths(tm
         moe.use_experts(model, "eager")
         want = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states[1:])
         moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
-        assert all(getattr(m, fp8.FP8_EXPERTS) for m in experts)
+        assert all(getattr(m, fp8_model.FP8_EXPERTS) for m in experts)
         got = torch.stack(model(input_ids=ids, output_hidden_states=True).hidden_states[1:])
     assert want.abs().max() > 0.1
     assert _rel(got, want) < 1e-3, _rel(got, want)
-    report = fp8.report(model, fp8.quantization_of(model.config))
+    report = fp8_model.report(model, fp8.quantization_of(model.config))
     assert report["experts"] == "hsx fp8 grouped (torch reference)" and report["fp8_experts"] == 2
 
 
 def test_fp8_expert_ops_are_the_block_scaled_products():
     """The two ops against the maths written out per pair: x quantized per 1×128 block, each expert's weight
     dequantized per 128×128 block."""
-    from hsx import moe
+    from hsx import moe_kernels
 
     torch.manual_seed(7)
     experts, hidden, width, k, tokens = 4, 256, 256, 2, 9
@@ -540,10 +541,10 @@ def test_fp8_expert_ops_are_the_block_scaled_products():
     w = torch.rand(tokens, k)
     expert_of_pair, order = torch.sort(ids.reshape(-1), stable=True)
     offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1), out_int32=True)
-    xq, xs = fp8.fp8_quantize(x)
-    y = moe.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.float32)
-    aq, a_s = fp8.fp8_quantize(y)
-    z = moe.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.float32)
+    xq, xs = fp8_gemm.fp8_quantize(x)
+    y = moe_kernels.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.float32)
+    aq, a_s = fp8_gemm.fp8_quantize(y)
+    z = moe_kernels.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.float32)
     for r, p in enumerate(order.tolist()):
         e, t = ids.reshape(-1)[p].item(), p // k
         xr = fp8.reference_mm(*fp8.quantize_activation(x[t:t + 1]), gq[e], gs[e], torch.float32)
@@ -587,12 +588,12 @@ def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
     assert fast["expected_seconds"] >= 0.99 * slow["expected_seconds"]
     tiny = _moe_config("qwen3_moe")
     tiny.quantization_config = dict(OFFICIAL)
-    causal = fp8.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
+    causal = fp8_model.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
     experts = [m for m in causal.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(m.gate_up_proj.dtype == torch.float8_e4m3fn and m.down_proj_scale_inv.shape == (8, 2, 1)
                            for m in experts)
     moe.use_experts(causal, moe.EXPERTS_IMPLEMENTATION)
-    assert all(getattr(m, fp8.FP8_EXPERTS) for m in experts)
+    assert all(getattr(m, fp8_model.FP8_EXPERTS) for m in experts)
     assert type(causal.model.layers[0].mlp.gate).__name__.endswith("Router")  # the router stays bf16
     with torch.inference_mode():
         out = causal.model(input_ids=torch.arange(3, 40)[None]).last_hidden_state
@@ -606,7 +607,7 @@ def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
 def test_fp8_expert_kernels_equal_the_reference(tokens):
     """The Triton FP8 experts kernels against their torch reference (the same ops on CPU tensors), at
     Qwen3-30B-A3B's expert shape (hidden 2048, width 768, 128 experts, top-8), some experts without rows."""
-    from hsx import moe
+    from hsx import moe_kernels
 
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
@@ -624,14 +625,14 @@ def test_fp8_expert_kernels_equal_the_reference(tokens):
     expert_of_pair, order = torch.sort(ids.reshape(-1).to(torch.int16), stable=True)
     offsets = torch.searchsorted(expert_of_pair, torch.arange(1, experts + 1, device=device, dtype=torch.int16),
                                  out_int32=True)
-    xq, xs = fp8.fp8_quantize(x)
-    y = moe.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.bfloat16)
+    xq, xs = fp8_gemm.fp8_quantize(x)
+    y = moe_kernels.fp8_gate_up_activation(xq, xs, order, offsets, gq, gs, k, torch.bfloat16)
     cpu = [t.cpu() for t in (xq, xs, order, offsets, gq, gs)]
-    y_ref = moe.fp8_gate_up_activation(*cpu, k, torch.bfloat16)
+    y_ref = moe_kernels.fp8_gate_up_activation(*cpu, k, torch.bfloat16)
     assert _rel(y.cpu(), y_ref) < 1e-2, _rel(y.cpu(), y_ref)
-    aq, a_s = fp8.fp8_quantize(y)
-    z = moe.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.bfloat16)
-    z_ref = moe.fp8_grouped_down(*(t.cpu() for t in (aq, a_s, order, offsets, w, dq, ds)), torch.bfloat16)
+    aq, a_s = fp8_gemm.fp8_quantize(y)
+    z = moe_kernels.fp8_grouped_down(aq, a_s, order, offsets, w, dq, ds, torch.bfloat16)
+    z_ref = moe_kernels.fp8_grouped_down(*(t.cpu() for t in (aq, a_s, order, offsets, w, dq, ds)), torch.bfloat16)
     assert _rel(z.cpu(), z_ref) < 1e-2, _rel(z.cpu(), z_ref)
 
 
@@ -691,30 +692,31 @@ def test_fp8_moe_blocks_equal_transformers_fp8_forward(tmp_path, kind):
 
 
 def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_reference(monkeypatch):
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator().manual_seed(0)
     gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4, 256, 256, generator=g).flatten(0, 1))
     gate_up, gate_up_scale = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
-    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
     with pytest.warns(UserWarning, match="gate_up kernel failed its check on cpu .*slow reference"):
-        assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # no Triton kernel runs on CPU tensors
-    assert not moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # decided once: no second warning
+        # no Triton kernel runs on CPU tensors
+        assert not moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
+    assert not moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")  # decided once: no second warning
     # a kernel that computes the reference passes; one that is off by 5% does not
-    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
-    monkeypatch.setattr(moe, "_fp8_gate_up_cuda", moe._fp8_gate_up_reference)
-    assert moe._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
+    monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe_kernels, "_fp8_gate_up_cuda", moe_kernels._fp8_gate_up_reference)
+    assert moe_kernels._fp8_kernels_take(gate_up, gate_up_scale, "gate_up")
     down, down_scale = fp8.quantize_weight(torch.randn(4 * 256, 128, generator=g))
     down, down_scale = down.view(4, 256, 128), down_scale.view(4, 2, 1)
-    monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
+    monkeypatch.setattr(moe_kernels, "_fp8_down_cuda", lambda *a: moe_kernels._fp8_down_reference(*a) * 1.05)
     with pytest.warns(UserWarning, match="down kernel failed its check .*differs from the reference"):
-        assert not moe._fp8_kernels_take(down, down_scale, "down")
+        assert not moe_kernels._fp8_kernels_take(down, down_scale, "down")
 
 
 def test_the_record_says_which_fp8_experts_ran_on_the_reference_after_a_failed_check(monkeypatch):
     """hsx.json's `experts` names what ran: an FP8 experts module whose kernel failed its check runs (and is
     recorded as) the torch reference, not "triton"."""
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator().manual_seed(0)
     gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4 * 256, 256, generator=g))
@@ -728,21 +730,22 @@ def test_the_record_says_which_fp8_experts_ran_on_the_reference_after_a_failed_c
             self.gate_up_proj, self.gate_up_proj_scale_inv = gate_up.view(4, 256, 256), gate_up_scale.view(4, 2, 2)
             self.down_proj, self.down_proj_scale_inv = down.view(4, 256, 128), down_scale.view(4, 2, 1)
 
-    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
-    monkeypatch.setattr(moe, "_fp8_gate_up_cuda", moe._fp8_gate_up_reference)  # (CPU tensors: the kernels' maths)
-    monkeypatch.setattr(moe, "_fp8_down_cuda", moe._fp8_down_reference)
+    monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
+    # (CPU tensors: the kernels' maths)
+    monkeypatch.setattr(moe_kernels, "_fp8_gate_up_cuda", moe_kernels._fp8_gate_up_reference)
+    monkeypatch.setattr(moe_kernels, "_fp8_down_cuda", moe_kernels._fp8_down_reference)
     right = TinyExperts()
-    assert moe.fp8_experts_run_on(right, cuda=True) == "triton"
-    assert moe.fp8_experts_run_on(right, cuda=False) == "torch reference"
-    monkeypatch.setattr(moe, "_FP8_KERNEL_CHECKS", {})
-    monkeypatch.setattr(moe, "_fp8_down_cuda", lambda *a: moe._fp8_down_reference(*a) * 1.05)
+    assert moe_kernels.fp8_experts_run_on(right, cuda=True) == "triton"
+    assert moe_kernels.fp8_experts_run_on(right, cuda=False) == "torch reference"
+    monkeypatch.setattr(moe_kernels, "_FP8_KERNEL_CHECKS", {})
+    monkeypatch.setattr(moe_kernels, "_fp8_down_cuda", lambda *a: moe_kernels._fp8_down_reference(*a) * 1.05)
     with pytest.warns(UserWarning, match="down kernel failed its check"):
-        assert moe.fp8_experts_run_on(right, cuda=True) == "torch reference"
+        assert moe_kernels.fp8_experts_run_on(right, cuda=True) == "torch reference"
     layers = torch.nn.ModuleList([TinyExperts(), TinyExperts()])
     for m, ran in zip(layers, ("triton", "torch reference")):
-        setattr(m, fp8.FP8_EXPERTS, True)
-        setattr(m, fp8.FP8_EXPERTS_RUN_ON, ran)
-    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+        setattr(m, fp8_model.FP8_EXPERTS, True)
+        setattr(m, fp8_model.FP8_EXPERTS_RUN_ON, ran)
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
     assert report["experts"] == "hsx fp8 grouped (torch reference, triton)" and report["fp8_experts"] == 2
 
 
@@ -778,21 +781,21 @@ def _fbgemm_contract(calls):
     return op
 
 
-CUBLAS_MM = fp8._cublas_mm  # (gemm_state stands in for it)
+CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 
 
 @pytest.fixture
 def gemm_state(monkeypatch):
-    """hsx.fp8's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
+    """hsx.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
     for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
 
     def reference(xq, xs, w, ws):
         cublas.append(w.shape)
         return fp8.reference_mm(xq, xs, w, ws)
 
-    monkeypatch.setattr(fp8, "_cublas_mm", reference)
+    monkeypatch.setattr(fp8_gemm, "_cublas_mm", reference)
     return monkeypatch, cublas
 
 
@@ -803,15 +806,15 @@ def _weights(n=256, k=384, seed=0):
 def test_fbgemm_runs_the_gemm_where_it_agrees_with_the_reference(gemm_state):
     monkeypatch, cublas = gemm_state
     calls = []
-    monkeypatch.setattr(fp8, "_FBGEMM", [(_fbgemm_contract(calls), None)])
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(_fbgemm_contract(calls), None)])
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm" and fp8.backend_of(cpu) == "fbgemm"
+        assert fp8_gemm.use_gemm(cpu, "fbgemm") == "fbgemm" and fp8_gemm.backend_of(cpu) == "fbgemm"
     assert not seen and calls  # checked on a small product (16 and 200 rows), silently
     w, ws = _weights()
-    xq, xs = fp8.quantize_activation_padded(torch.randn(37, 384), fp8.ROW_ALIGN)  # rows padded: M = 48
+    xq, xs = fp8.quantize_activation_padded(torch.randn(37, 384), fp8_gemm.ROW_ALIGN)  # rows padded: M = 48
     calls.clear()
-    y = fp8._block_mm(xq, xs, w, ws)
+    y = fp8_gemm._block_mm(xq, xs, w, ws)
     assert calls[-1] == (48, 256, 384) and not cublas  # the shape's check, then the product itself
     torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
 
@@ -824,104 +827,104 @@ def test_a_wrong_or_failing_fbgemm_falls_back_to_cublas_with_one_warning(gemm_st
     def scales_row_major(xq, wq, x_scale, w_scale):  # reads w_scale (N/128, K/128) as if it were (K/128, N/128)
         return right(xq, wq, x_scale, w_scale.t().contiguous().view(w_scale.shape))
 
-    monkeypatch.setattr(fp8, "_FBGEMM", [(scales_row_major, None)])
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(scales_row_major, None)])
     with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise: relative error .* cuBLAS's block-scaled "
                                          r"_scaled_mm instead") as seen:
-        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
+        assert fp8_gemm.use_gemm(cpu, "fbgemm") == "cublas"
     assert len(seen) == 1
     with warnings_recorded() as again:
-        assert fp8.use_gemm(cpu, "fbgemm") == "cublas" and fp8.backend_of(cpu) == "cublas"  # decided once
+        assert fp8_gemm.use_gemm(cpu, "fbgemm") == "cublas" and fp8_gemm.backend_of(cpu) == "cublas"  # decided once
         w, ws = _weights(256, 512)
-        xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
-        fp8._block_mm(xq, xs, w, ws)
+        xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8_gemm.ROW_ALIGN)
+        fp8_gemm._block_mm(xq, xs, w, ws)
     assert not again and cublas[-1] == (256, 512)
 
     def raises(*a):
         raise RuntimeError("cutlass cannot initialize\nmore")
 
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
-    monkeypatch.setattr(fp8, "_FBGEMM", [(raises, None)])
+        monkeypatch.setattr(fp8_gemm, name, {})
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(raises, None)])
     with pytest.warns(UserWarning, match="RuntimeError: cutlass cannot initialize more;") as seen:
-        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
+        assert fp8_gemm.use_gemm(cpu, "fbgemm") == "cublas"
     assert len(seen) == 1
 
 
 def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(gemm_state):
     monkeypatch, cublas = gemm_state
     calls = []
-    monkeypatch.setattr(fp8, "_FBGEMM", [(_fbgemm_contract(calls), None)])
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(_fbgemm_contract(calls), None)])
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "cublas"  # fbgemm installed and right, but slower: not even checked
+        assert fp8_gemm.use_gemm(cpu) == "cublas"  # fbgemm installed and right, but slower: not even checked
     assert not seen and not calls and cublas
 
     def cublas_fails(*a):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
 
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
-    monkeypatch.setattr(fp8, "_cublas_mm", cublas_fails)
+        monkeypatch.setattr(fp8_gemm, name, {})
+    monkeypatch.setattr(fp8_gemm, "_cublas_mm", cublas_fails)
     with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on fbgemm's"):
-        assert fp8.use_gemm(cpu) == "fbgemm"  # the next fastest
+        assert fp8_gemm.use_gemm(cpu) == "fbgemm"  # the next fastest
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
-    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
-    monkeypatch.setattr(fp8, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
+        monkeypatch.setattr(fp8_gemm, name, {})
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(None, None)])
+    monkeypatch.setattr(fp8_gemm, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
     with pytest.warns(UserWarning, match="CUBLAS_STATUS_NOT_SUPPORTED; FP8 linears run on hsx's Triton") as seen:
-        assert fp8.use_gemm(cpu) == "triton"
+        assert fp8_gemm.use_gemm(cpu) == "triton"
     assert "fbgemm" not in str(seen[0].message)  # not installed, not asked for: not a word
-    monkeypatch.setattr(fp8, "_cublas_mm", lambda *a: cublas.append(a[2].shape) or fp8.reference_mm(*a))
+    monkeypatch.setattr(fp8_gemm, "_cublas_mm", lambda *a: cublas.append(a[2].shape) or fp8.reference_mm(*a))
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "cublas"
+        assert fp8_gemm.use_gemm(cpu) == "cublas"
     assert not seen
     with pytest.warns(UserWarning, match="fbgemm_gpu is not installed .*cuBLAS's block-scaled _scaled_mm instead"):
-        assert fp8.use_gemm(cpu, "fbgemm") == "cublas"
+        assert fp8_gemm.use_gemm(cpu, "fbgemm") == "cublas"
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
+        assert fp8_gemm.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
     assert not seen
     with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, triton"):
-        fp8.use_gemm(cpu, "fast")
+        fp8_gemm.use_gemm(cpu, "fast")
 
 
 def test_a_weight_shape_fbgemm_gets_wrong_runs_on_cublas_and_the_report_says_so(gemm_state):
     monkeypatch, cublas = gemm_state
     right = _fbgemm_contract([])
-    monkeypatch.setattr(fp8, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
                                                                                        else 1.0), None)])
     cpu = torch.device("cpu")
-    assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm"  # its check's shape (384 × 512) is right
+    assert fp8_gemm.use_gemm(cpu, "fbgemm") == "fbgemm"  # its check's shape (384 × 512) is right
     (w1, s1), (w2, s2) = _weights(256, 512), _weights(512, 512, seed=1)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8_gemm.ROW_ALIGN)
     with pytest.warns(UserWarning, match=r"fbgemm's f8f8bf16_groupwise failed its check for 512×512 FP8 weights on "
                                          r"cpu \(relative error .*\); cuBLAS's block-scaled _scaled_mm, else hsx's "
                                          r"Triton block GEMM runs weights of this shape") as seen:
-        fp8._block_mm(xq, xs, w2, s2)
+        fp8_gemm._block_mm(xq, xs, w2, s2)
     assert len(seen) == 1 and cublas[-1] == (512, 512)
     with warnings_recorded() as again:
-        fp8._block_mm(xq, xs, w2, s2)
+        fp8_gemm._block_mm(xq, xs, w2, s2)
     assert not again
-    layers = torch.nn.Sequential(fp8.Fp8Linear(w1, s1, None), fp8.Fp8Linear(w2, s2, None))
-    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w1, s1, None), fp8_gemm.Fp8Linear(w2, s2, None))
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
     assert report["linear"] == "hsx fp8 (fbgemm)" and report["gemm_by_shape"] == {"512x512": "cublas"}
 
 
 def test_the_fallback_warning_names_only_gemms_that_are_installed_and_deepgemm_from_its_row_floor(gemm_state):
     monkeypatch, cublas = gemm_state
     right = _fbgemm_contract([])
-    monkeypatch.setattr(fp8, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(lambda xq, wq, a, b: right(xq, wq, a, b) * (1.1 if wq.shape[0] == 512
                                                                                        else 1.0), None)])
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract([]), None)])
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract([]), None)])
     cpu = torch.device("cpu")
-    assert fp8.use_gemm(cpu, "fbgemm") == "fbgemm"
+    assert fp8_gemm.use_gemm(cpu, "fbgemm") == "fbgemm"
     w2, s2 = _weights(512, 512, seed=1)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8.ROW_ALIGN)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 512), fp8_gemm.ROW_ALIGN)
     with pytest.warns(UserWarning, match=r"512×512 FP8 weights on cpu \(relative error .*\); DeepGEMM's fp8_gemm_nt "
                                          r"\(from 8,192 rows\), else cuBLAS's block-scaled _scaled_mm, else hsx's "
                                          r"Triton block GEMM runs weights of this shape") as seen:
-        fp8._block_mm(xq, xs, w2, s2)  # (5 rows: cuBLAS multiplies them)
+        fp8_gemm._block_mm(xq, xs, w2, s2)  # (5 rows: cuBLAS multiplies them)
     assert len(seen) == 1 and cublas[-1] == (512, 512)
 
 
@@ -929,18 +932,18 @@ def test_weights_whose_k_cublas_cannot_scale_run_on_the_next_gemm_without_a_word
     """cuBLAS's 128×128 scales need K/128 a multiple of 4: torch 2.11 returned wrong products for K = 256 on an
     H200 and refused padded scales, so such weights go to the next GEMM unasked, and hsx.json's record says so."""
     monkeypatch, cublas = gemm_state
-    monkeypatch.setattr(fp8, "_FBGEMM", [(None, None)])
-    monkeypatch.setattr(fp8, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
+    monkeypatch.setattr(fp8_gemm, "_FBGEMM", [(None, None)])
+    monkeypatch.setattr(fp8_gemm, "_triton_mm", fp8.reference_mm)  # (a CUDA kernel: its maths here)
     cpu = torch.device("cpu")
-    assert fp8.use_gemm(cpu) == "cublas"
+    assert fp8_gemm.use_gemm(cpu) == "cublas"
     (w1, s1), (w2, s2) = _weights(256, 512), _weights(256, 256, seed=1)
     with warnings_recorded() as seen:
-        assert fp8._runs(w1, s1) == "cublas" and fp8._runs(w2, s2) == "triton"
+        assert fp8_gemm._runs(w1, s1) == "cublas" and fp8_gemm._runs(w2, s2) == "triton"
     assert not seen and (256, 256) not in cublas
-    layers = torch.nn.Sequential(fp8.Fp8Linear(w1, s1, None), fp8.Fp8Linear(w2, s2, None))
-    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w1, s1, None), fp8_gemm.Fp8Linear(w2, s2, None))
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
     assert report["linear"] == "hsx fp8 (cublas)" and report["gemm_by_shape"] == {"256x256": "triton"}
-    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 256), fp8.ROW_ALIGN)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(5, 256), fp8_gemm.ROW_ALIGN)
     with pytest.raises(ValueError, match="K/128 a multiple of 4"):  # never a wrong product, even called directly
         CUBLAS_MM(xq, xs, w2, s2)
 
@@ -959,7 +962,7 @@ def test_fbgemm_import_keeps_the_root_logger_unconfigured_and_a_missing_op_is_na
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(logging.root, "handlers", [])
     try:
-        op, why = fp8._load_fbgemm()
+        op, why = fp8_gemm._load_fbgemm()
     finally:
         for name in [m for m in sys.modules if m == "fbgemm_gpu" or m.startswith("fbgemm_gpu.")]:
             del sys.modules[name]
@@ -991,23 +994,23 @@ def test_deepgemm_runs_when_asked_from_its_row_floor_and_the_next_gemm_below(gem
     DEEPGEMM_MIN_ROWS rows run on the next GEMM, and its checks multiply that many rows (the kernel larger ones run)."""
     monkeypatch, cublas = gemm_state
     calls = []
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
-    cpu, floor = torch.device("cpu"), fp8.DEEPGEMM_MIN_ROWS
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    cpu, floor = torch.device("cpu"), fp8_gemm.DEEPGEMM_MIN_ROWS
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu, "deepgemm") == "deepgemm" and fp8.backend_of(cpu) == "deepgemm"
+        assert fp8_gemm.use_gemm(cpu, "deepgemm") == "deepgemm" and fp8_gemm.backend_of(cpu) == "deepgemm"
     assert not seen and calls == [(floor, 384, 512)] and not cublas  # the device's check: the floor's rows
     w, ws = _weights(256, 512)
     # (rows padded to ROW_ALIGN decide: floor - 1 rows are the floor's)
-    for rows, runs_on in ((37, "cublas"), (floor - fp8.ROW_ALIGN, "cublas"), (floor - 1, "deepgemm"),
+    for rows, runs_on in ((37, "cublas"), (floor - fp8_gemm.ROW_ALIGN, "cublas"), (floor - 1, "deepgemm"),
                           (floor + 5, "deepgemm")):
-        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8.ROW_ALIGN)
+        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8_gemm.ROW_ALIGN)
         calls.clear(), cublas.clear()
-        y = fp8._block_mm(xq, xs, w, ws)
+        y = fp8_gemm._block_mm(xq, xs, w, ws)
         assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == "deepgemm" else \
             (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
         torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
-    layers = torch.nn.Sequential(fp8.Fp8Linear(w, ws, None))
-    report = fp8.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w, ws, None))
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
     assert report["linear"] == "hsx fp8 (deepgemm)" and "gemm_by_shape" not in report
     assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
 
@@ -1018,70 +1021,70 @@ def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a
     builds them all; weights it does not run (N not whole scale blocks) and row counts under the floor are left."""
     monkeypatch, cublas = gemm_state
     calls = []
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
-    cpu, floor = torch.device("cpu"), fp8.DEEPGEMM_MIN_ROWS
-    assert fp8.use_gemm(cpu, "deepgemm") == "deepgemm"
-    layers = torch.nn.Sequential(*(fp8.Fp8Linear(*_weights(n, k), None)
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    cpu, floor = torch.device("cpu"), fp8_gemm.DEEPGEMM_MIN_ROWS
+    assert fp8_gemm.use_gemm(cpu, "deepgemm") == "deepgemm"
+    layers = torch.nn.Sequential(*(fp8_gemm.Fp8Linear(*_weights(n, k), None)
                                    for n, k in ((256, 512), (128, 512), (256, 512), (200, 512))))
     calls.clear()
-    assert fp8.build_deepgemm_kernels(layers, floor - 1) == (0, 0, 0.0) and not calls
-    assert [fp8._runs(m.weight, m.weight_scale_inv, floor) for m in layers] == ["deepgemm"] * 3 + ["triton"]
+    assert fp8_gemm.build_deepgemm_kernels(layers, floor - 1) == (0, 0, 0.0) and not calls
+    assert [fp8_gemm._runs(m.weight, m.weight_scale_inv, floor) for m in layers] == ["deepgemm"] * 3 + ["triton"]
     calls.clear()  # (each weight shape's check multiplied `floor` rows)
-    shapes, products, seconds = fp8.build_deepgemm_kernels(layers, floor + 100)
+    shapes, products, seconds = fp8_gemm.build_deepgemm_kernels(layers, floor + 100)
     rows = [floor, floor + 64, floor + 128]  # 8,292 rows pick the tile shape of 8,320
     assert (shapes, products) == (2, 6) and seconds >= 0 and not cublas
     assert calls == [(m, n, 512) for n in (256, 128) for m in rows], calls
     calls.clear()  # a second job in this process: nothing built again, only row counts it had not reached
-    assert fp8.build_deepgemm_kernels(layers, floor + 100)[:2] == (2, 0) and not calls
-    assert fp8.build_deepgemm_kernels(layers, floor + 150)[:2] == (2, 2)
+    assert fp8_gemm.build_deepgemm_kernels(layers, floor + 100)[:2] == (2, 0) and not calls
+    assert fp8_gemm.build_deepgemm_kernels(layers, floor + 150)[:2] == (2, 2)
     assert calls == [(floor + 192, n, 512) for n in (256, 128)], calls
 
 
 def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_only_when_asked_for(gemm_state):
     monkeypatch, cublas = gemm_state
     calls = []
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "deepgemm"  # installed and right: auto's first
-    assert not seen and calls == [(fp8.DEEPGEMM_MIN_ROWS, 384, 512)] and not cublas
+        assert fp8_gemm.use_gemm(cpu) == "deepgemm"  # installed and right: auto's first
+    assert not seen and calls == [(fp8_gemm.DEEPGEMM_MIN_ROWS, 384, 512)] and not cublas
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(None, None)])
+        monkeypatch.setattr(fp8_gemm, name, {})
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(None, None)])
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(cpu) == "cublas"  # not installed: auto goes on without a word
+        assert fp8_gemm.use_gemm(cpu) == "cublas"  # not installed: auto goes on without a word
     assert not seen
     w, ws = _weights(256, 512)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8.DEEPGEMM_MIN_ROWS, 512), fp8.ROW_ALIGN)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8_gemm.DEEPGEMM_MIN_ROWS, 512), fp8_gemm.ROW_ALIGN)
     calls.clear()
-    fp8._block_mm(xq, xs, w, ws)
+    fp8_gemm._block_mm(xq, xs, w, ws)
     assert not calls and cublas[-1] == (256, 512)
     for name in ("_BACKEND", "_CHOSEN"):
-        monkeypatch.setattr(fp8, name, {})
+        monkeypatch.setattr(fp8_gemm, name, {})
     with pytest.warns(UserWarning, match=r"deep_gemm is not installed \(github.com/deepseek-ai/DeepGEMM\); FP8 "
                                          r"linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
-        assert fp8.use_gemm(cpu, "deepgemm") == "cublas"
+        assert fp8_gemm.use_gemm(cpu, "deepgemm") == "cublas"
     assert len(seen) == 1
 
     def no_compiler(a, b, d, **kw):  # DeepGEMM's JIT without nvcc (or a kernel its nvcc cannot build)
         raise RuntimeError("Assertion error (compiler.hpp:228): false and \"NVCC compilation failed\"")
 
-    monkeypatch.setattr(fp8, "_DEEPGEMM", [(SimpleNamespace(fp8_gemm_nt=no_compiler), None)])
+    monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(SimpleNamespace(fp8_gemm_nt=no_compiler), None)])
     for choice in ("auto", "deepgemm"):  # installed but failing: said either way
         for name in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-            monkeypatch.setattr(fp8, name, {})
+            monkeypatch.setattr(fp8_gemm, name, {})
         with pytest.warns(UserWarning, match=r"DeepGEMM's fp8_gemm_nt: RuntimeError: .*NVCC compilation failed.*; "
                                              r"FP8 linears run on cuBLAS's") as seen:
-            assert fp8.use_gemm(cpu, choice) == "cublas"
+            assert fp8_gemm.use_gemm(cpu, choice) == "cublas"
         assert len(seen) == 1
 
 
 def test_every_fp8_gemm_choice_is_tried_by_auto_and_each_has_a_name():
     from hsx.config import FP8_GEMM_CHOICES
 
-    assert sorted(fp8.GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8.GEMMS[-1] == "triton"
-    assert all(name in fp8._GEMM_NAMES and callable(fp8._gemm(name)) for name in FP8_GEMM_CHOICES[1:])
-    assert fp8._gemms_from("deepgemm") == ["deepgemm", "cublas", "fbgemm", "triton"]
+    assert sorted(fp8_gemm.GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8_gemm.GEMMS[-1] == "triton"
+    assert all(name in fp8_gemm._GEMM_NAMES and callable(fp8_gemm._gemm(name)) for name in FP8_GEMM_CHOICES[1:])
+    assert fp8_gemm._gemms_from("deepgemm") == ["deepgemm", "cublas", "fbgemm", "triton"]
 
 
 def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_path, monkeypatch):
@@ -1096,7 +1099,7 @@ def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_pa
             (root / "deep_gemm" / "__init__.py").write_text(init)
             monkeypatch.syspath_prepend(str(root))
         try:
-            return fp8._load_deepgemm()
+            return fp8_gemm._load_deepgemm()
         finally:
             for name in [m for m in sys.modules if m == "deep_gemm" or m.startswith("deep_gemm.")]:
                 del sys.modules[name]
@@ -1118,31 +1121,31 @@ def test_optional_gemm_equals_the_float32_product_on_cuda(name, monkeypatch):
     16) against the float32 product, at Qwen3-8B's and Qwen3.6-27B's linear shapes: fbgemm at row counts on both of
     its kernels (M <= 16 and larger), DeepGEMM from DEEPGEMM_MIN_ROWS rows; then chosen by use_gemm and run through
     hsx::fp8_linear (DeepGEMM's smaller products on cuBLAS). Skipped where the package is not installed."""
-    run, why = fp8.gemm(name)
+    run, why = fp8_gemm.gemm(name)
     if run is None:
         pytest.skip(why)
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
-    floor = fp8.DEEPGEMM_MIN_ROWS
+    floor = fp8_gemm.DEEPGEMM_MIN_ROWS
     for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
         w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
         for m in (1, 16, 17, 300, 2048) if name == "fbgemm" else (floor, floor + 333):
-            xq, xs = fp8.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
+            xq, xs = fp8_gemm.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
             got = run(xq, xs, w, ws)
             want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             assert _rel(got, want) < 1e-2, (n, k, m, _rel(got, want))
     for state in ("_BACKEND", "_CHOSEN", "_SHAPES"):
-        monkeypatch.setattr(fp8, state, {})
+        monkeypatch.setattr(fp8_gemm, state, {})
     with warnings_recorded() as seen:
-        assert fp8.use_gemm(device, name) == name
+        assert fp8_gemm.use_gemm(device, name) == name
     assert not seen, [str(s.message) for s in seen]
     w, ws = fp8.quantize_weight(torch.randn(4096, 4096, device=device, generator=g) * 0.02)
     for m in (77, floor):
         x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
         xq, xs = fp8.quantize_activation(x)
-        assert _rel(fp8.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
-        assert fp8._runs(w, ws, m) == (name if name == "fbgemm" or m >= floor else "cublas")
+        assert _rel(fp8_gemm.fp8_linear(x, w, ws), fp8.reference_mm(xq, xs, w, ws, torch.float32)) < 1e-2
+        assert fp8_gemm._runs(w, ws, m) == (name if name == "fbgemm" or m >= floor else "cublas")
 
 
 def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_gpu(capsys):
@@ -1152,7 +1155,7 @@ def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_
     from hsx.model import text_config_of
 
     # Qwen3-8B: q/o 4096², k/v 1024 × 4096, gate/up 12288 × 4096 (2 each of 36 layers), down 4096 × 12288
-    assert fp8.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
+    assert fp8_model.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
         (4096, 4096): 72, (1024, 4096): 72, (12288, 4096): 72, (4096, 12288): 36}
     rows = [{"n": 4096, "k": 4096, "count": 2, "bf16": 700.0, "cublas": 1000.0, "cublas_error": 7e-4,
              "fbgemm": "RuntimeError: cutlass cannot run"}]
@@ -1181,24 +1184,25 @@ def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(
     folder, _ = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
     model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
     monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", unavailable)
-    why = fp8.transformers_fp8_blocker(model)  # transformers' FP8Linear modules: their forward needs the kernel too
+    # transformers' FP8Linear modules: their forward needs the kernel too
+    why = fp8_model.transformers_fp8_blocker(model)
     assert why.startswith("8 FP8 linear layers and 2 FP8 experts modules would run on transformers' FP8 forward"), why
-    fp8.install(model)  # what hsx does on CUDA: its Fp8Linear in their place
+    fp8_model.install(model)  # what hsx does on CUDA: its Fp8Linear in their place
     ids = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(0))
     for name in ("eager", "grouped_mm"):
         moe.use_experts(model, name)
         with pytest.raises(ImportError, match="finegrained-fp8 kernel unavailable"), torch.inference_mode():
             model(input_ids=ids)  # (the crash the line replaces)
-        assert fp8.transformers_fp8_blocker(model) == (
+        assert fp8_model.transformers_fp8_blocker(model) == (
             "2 FP8 experts modules would run on transformers' FP8 forward, whose finegrained-fp8 kernel does not "
             "load here (finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
             "incompatible version); --experts-implementation auto (or hsx_grouped) runs FP8 experts on hsx's "
             "kernels")
     moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
-    assert fp8.transformers_fp8_blocker(model) is None
+    assert fp8_model.transformers_fp8_blocker(model) is None
     monkeypatch.setattr(hf_fp8, "load_finegrained_fp8_kernel", lambda: None)  # a kernel that loads: no objection
     moe.use_experts(model, "eager")
-    assert fp8.transformers_fp8_blocker(model) is None
+    assert fp8_model.transformers_fp8_blocker(model) is None
 
 
 @pytest.mark.slow
@@ -1269,7 +1273,7 @@ def _loaded_as_stored(monkeypatch):
             m.setattr(torch.cuda, "is_available", lambda: True)
             m.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
             loaded = real(cfg, device, *a, **k)
-        assert fp8.install(loaded.base) > 0
+        assert fp8_model.install(loaded.base) > 0
         if moe.has_experts(loaded.base):
             moe.register()
             moe.use_experts(loaded.base, moe.EXPERTS_IMPLEMENTATION)
@@ -1389,7 +1393,7 @@ def test_drift_covers_fp8_experts(tmp_path, monkeypatch, kind):
     rows = [np.arange(3, 40), np.arange(100, 117)]
     with pytest.raises(HsxError, match="no bf16 reference"):
         drift.compare(model, [0, 1], True, [drift.DriftRow(r) for r in rows], torch.device("cpu"))
-    fp8.install(model)
+    fp8_model.install(model)
     moe.register()
     moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
     stored = []
@@ -1587,19 +1591,19 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
     import os
     from pathlib import Path
 
-    run, why = fp8.gemm("deepgemm")
+    run, why = fp8_gemm.gemm("deepgemm")
     if run is None:
         pytest.skip(why)
     for state in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
-        monkeypatch.setattr(fp8, state, {})
+        monkeypatch.setattr(fp8_gemm, state, {})
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
-    assert fp8.use_gemm(device, "deepgemm") == "deepgemm"
-    layers = torch.nn.Sequential(*(fp8.Fp8Linear(*fp8.quantize_weight(torch.randn(n, k, device=device, generator=g)
+    assert fp8_gemm.use_gemm(device, "deepgemm") == "deepgemm"
+    layers = torch.nn.Sequential(*(fp8_gemm.Fp8Linear(*fp8.quantize_weight(torch.randn(n, k, device=device, generator=g)
                                                                        * 0.02), None)
                                    for n, k in ((1024, 4096), (4096, 4096), (1024, 4096))))
-    floor, top = fp8.DEEPGEMM_MIN_ROWS, fp8.DEEPGEMM_MIN_ROWS + 1000
-    shapes, products, _ = fp8.build_deepgemm_kernels(layers, top)
+    floor, top = fp8_gemm.DEEPGEMM_MIN_ROWS, fp8_gemm.DEEPGEMM_MIN_ROWS + 1000
+    shapes, products, _ = fp8_gemm.build_deepgemm_kernels(layers, top)
     assert (shapes, products) == (2, 2 * len(range(floor, -(-top // 64) * 64 + 1, 64)))
     cache = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache"
     built = sorted(p.name for p in cache.glob("kernel.*"))
@@ -1607,10 +1611,10 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
     for m in range(floor + 1, top + 1, 37):
         for layer in layers[:2]:
             x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
-            xq, xs = fp8.fp8_quantize(x)
+            xq, xs = fp8_gemm.fp8_quantize(x)
             want = fp8.reference_mm(xq, xs, layer.weight, layer.weight_scale_inv, torch.float32)
-            assert fp8._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == "deepgemm"
-            assert _rel(fp8._block_mm(xq, xs, layer.weight, layer.weight_scale_inv), want) < 1e-2, m
+            assert fp8_gemm._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == "deepgemm"
+            assert _rel(fp8_gemm._block_mm(xq, xs, layer.weight, layer.weight_scale_inv), want) < 1e-2, m
     assert sorted(p.name for p in cache.glob("kernel.*")) == built  # nothing compiled after the build
 
 

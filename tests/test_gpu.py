@@ -316,19 +316,19 @@ def test_fla_autotuning_is_settled_ahead():
 
 
 def test_sum_pairs_kernel_equals_the_torch_sum_bit_for_bit():
-    """hsx.moe's un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
+    """hsx.moe_kernels' un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
     float32 additions in the same order, one rounding; ragged tiles (tokens, hidden not multiples of the tile),
     GPT-OSS's width and its bias addend, k of 8 and 4."""
     pytest.importorskip("triton")
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(11)
     for tokens, k, hidden, extra in ((16384, 8, 2048, False), (37, 4, 2880, True), (1, 8, 2048, True)):
         z = torch.randn(tokens * k, hidden, device="cuda", generator=g).bfloat16()
         inverse = torch.randperm(tokens * k, device="cuda", generator=g)
         addend = torch.randn(tokens, hidden, device="cuda", generator=g) if extra else None
-        got = moe.sum_pairs(z, inverse, k, addend)
-        ref = moe.sum_pairs(z.cpu(), inverse.cpu(), k, None if addend is None else addend.cpu())
+        got = moe_kernels.sum_pairs(z, inverse, k, addend)
+        ref = moe_kernels.sum_pairs(z.cpu(), inverse.cpu(), k, None if addend is None else addend.cpu())
         assert torch.equal(got.cpu(), ref), (tokens, k, hidden, extra)
 
 
@@ -355,12 +355,12 @@ def _gated_pairs(x, order, offsets, weights, gate_up, transposed, k):
 
 
 def test_gate_up_kernel_equals_the_grouped_path():
-    """hsx.moe's fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its epilogue)
+    """hsx.moe_kernels' fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its epilogue)
     against a float32 reference of the same pairs: as close to it as the torch path (row gather, bf16 grouped
     GEMM, activation), at Qwen3-30B-A3B's shapes with skewed routing, and on a ragged case (hidden and width not
     multiples of the tile, empty experts, the transposed layout, fp16); every pair row written."""
     pytest.importorskip("triton")
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(17)
     for tokens, hidden, experts, width, k, skew, transposed, dtype in (
@@ -371,7 +371,7 @@ def test_gate_up_kernel_equals_the_grouped_path():
         shape = (experts, hidden, 2 * width) if transposed else (experts, 2 * width, hidden)
         gate_up = (torch.randn(shape, device="cuda", generator=g) * hidden ** -0.5).to(dtype)
         weights = weights.to(dtype)
-        got = moe.gate_up_activation(x, order, offsets, weights, gate_up, transposed, k)
+        got = moe_kernels.gate_up_activation(x, order, offsets, weights, gate_up, transposed, k)
         ref = _gated_pairs(x.float(), order, offsets, weights.float(), gate_up.float(), transposed, k)
         torch_path = _gated_pairs(x, order, offsets, weights, gate_up, transposed, k)
         assert got.shape == (tokens * k, width) and got.dtype == dtype and torch.isfinite(got).all()
@@ -398,7 +398,7 @@ def test_gate_up_kernel_clamped_equals_the_grouped_path():
     alpha) against a float32 reference, as close to it as the torch path: at GPT-OSS-20B's shapes (width 2,880, not
     a multiple of the tile) with values past the clamps, and on a ragged case (empty experts, fp16)."""
     pytest.importorskip("triton")
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(19)
     alpha, limit = 1.702, 7.0
@@ -409,7 +409,7 @@ def test_gate_up_kernel_clamped_equals_the_grouped_path():
         gate_up = (torch.randn(experts, hidden, 2 * width, device="cuda", generator=g) * 3 * hidden ** -0.5).to(dtype)
         bias = (torch.randn(experts, 2 * width, device="cuda", generator=g) * 3).to(dtype)
         weights = weights.to(dtype)
-        got = moe.gate_up_activation(x, order, offsets, weights, gate_up, True, k, bias, True, alpha, limit)
+        got = moe_kernels.gate_up_activation(x, order, offsets, weights, gate_up, True, k, bias, True, alpha, limit)
         ref = _clamped_pairs(x.float(), order, offsets, weights.float(), gate_up.float(), bias.float(), k, alpha,
                              limit)
         torch_path = _clamped_pairs(x, order, offsets, weights, gate_up, bias, k, alpha, limit)
@@ -659,17 +659,17 @@ def test_packed_kernel_model_equals_padded_on_cuda():
 
 
 def test_route_topk_kernel_equals_the_torch_router():
-    """hsx.moe's router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
+    """hsx.moe_kernels' router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
     on CUDA: Qwen3-30B-A3B's 128 experts / top-8 at 16k tokens, bf16 logits (ties at the k-th place happen), and
     a ragged small case without renormalization. Experts match wherever the k-th and next probabilities differ
     (at a tie either is a top-k); weights, in descending order, match within a bf16 rounding."""
     pytest.importorskip("triton")
-    from hsx import moe
+    from hsx import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(13)
     for tokens, experts, k, renormalize in ((16384, 128, 8, True), (37, 60, 4, False), (1, 128, 8, True)):
         logits = (torch.randn(tokens, experts, device="cuda", generator=g) * 2).bfloat16()
-        w, i = moe.route_topk(logits, k, renormalize)
+        w, i = moe_kernels.route_topk(logits, k, renormalize)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         rw, ri = torch.topk(probs, k, dim=-1)
         rw = (rw / rw.sum(-1, keepdim=True) if renormalize else rw).to(logits.dtype)
@@ -681,6 +681,6 @@ def test_route_topk_kernel_equals_the_torch_router():
         assert torch.equal(probs.gather(1, i), probs.gather(1, ri).sort(-1, descending=True).values)
     logits = torch.randn(64, 128, device="cuda", generator=g).bfloat16()
     logits[5, 3] = float("nan")  # a token whose hidden state went non-finite
-    w, i = moe.route_topk(logits, 8, True)
+    w, i = moe_kernels.route_topk(logits, 8, True)
     assert int(i.min()) >= 0 and int(i.max()) < 128  # ids the grouped experts can index
     assert not torch.isfinite(w[5]).all() and torch.isfinite(w[torch.arange(64, device="cuda") != 5]).all()

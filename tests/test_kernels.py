@@ -68,9 +68,9 @@ def test_a_gemm_named_by_fp8_gemm_is_tried_first_anywhere():
     assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "cublas") == ("cublas", "triton")
     assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "auto") == ("triton",)
     assert kernels.fp8_gemm_order(H200, EVERYTHING, "triton") == ("triton", "deepgemm", "cublas", "fbgemm")
-    from hsx import fp8
+    from hsx import fp8_gemm
 
-    assert fp8.GEMMS == kernels.FP8_GEMMS  # one order, held by hsx.kernels
+    assert fp8_gemm.GEMMS == kernels.FP8_GEMMS  # one order, held by hsx.kernels
 
 
 def test_cpu_and_other_dtypes():
@@ -134,7 +134,7 @@ def test_gated_deltanet_convolution_runs_fla_s_where_hsx_s_was_not_checked(cap, 
 def test_fp8_gemm_selection_passes_over_gemms_not_checked_on_the_device(cap, allowed, monkeypatch):
     import torch
 
-    from hsx import fp8
+    from hsx import fp8_gemm
 
     monkeypatch.setattr(kernels, "capability_of", lambda device: cap)
-    assert {g for g in fp8.GEMMS if fp8._runs_here(g, torch.device("cpu"))} == allowed
+    assert {g for g in fp8_gemm.GEMMS if fp8_gemm._runs_here(g, torch.device("cpu"))} == allowed

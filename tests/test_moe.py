@@ -159,7 +159,7 @@ def test_compiled_block_keeps_the_pair_gathers_opaque():
 def test_sum_pairs_is_each_tokens_ordered_float32_sum():
     """Token t's output is its k pair rows (at inverse[t·k + j]) added in float32 in order j = 0..k-1, plus the
     optional float32 addend, rounded once to the rows' dtype; with no pairs, no rows."""
-    from hsx.moe import sum_pairs
+    from hsx.moe_kernels import sum_pairs
 
     g = torch.Generator().manual_seed(7)
     tokens, k, hidden = 5, 3, 6
@@ -213,7 +213,7 @@ def test_gate_up_activation_is_each_pairs_gated_product():
     """Row r of the fused gate/up op is pair p = order[r] through the expert whose rows hold r: silu(x @ G) · (x @ U)
     times the pair's routing weight, x the row of token p // k, gate columns first, in both of transformers'
     weight layouts; an expert without pairs and the last expert's rows included."""
-    from hsx.moe import gate_up_activation
+    from hsx.moe_kernels import gate_up_activation
 
     g = torch.Generator().manual_seed(5)
     tokens, k, hidden, width, experts = 7, 2, 8, 4, 4
@@ -238,7 +238,7 @@ def test_gate_up_activation_clamped_is_gpt_oss_gate():
     """The fused op's GPT-OSS form: pair p through expert e is (clamp(u, ±limit) + 1) · g' · sigmoid(alpha · g'),
     g' = min(g, limit), with [g, u] the interleaved columns of x @ W_e + b_e, times the routing weight; values
     past both clamps included."""
-    from hsx.moe import gate_up_activation
+    from hsx.moe_kernels import gate_up_activation
 
     g = torch.Generator().manual_seed(6)
     tokens, k, hidden, width, experts, alpha, limit = 7, 2, 8, 4, 4, 1.702, 1.5
