@@ -20,12 +20,13 @@ import os
 import shutil
 import tempfile
 import time
-from hsx.info import read_info
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hsx.info import read_info
 
 # Defaults by device (`hsx bench` flags left unset): the GPU's are what the benchmarks were measured with; on CPU a
 # tiny shape and rows of at most 512 tokens, so the bench ends in about a minute (an 8B float32 forward takes minutes a

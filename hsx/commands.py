@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hsx import ledgers
 from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError, file_system_error, file_system_line
-from hsx import ledgers
 from hsx.info import read_info
 
 

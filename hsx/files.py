@@ -9,6 +9,7 @@ hsx.ledgers (the record files), hsx.info (hsx.json)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -265,3 +266,20 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
+
+
+
+def atomic_write_with(path: Path, write) -> None:
+    """Write `path` atomically through `write(binary file)` (numpy's and torch's savers): into a temporary name
+    beside it (one a killed run or a planted link left there is removed, the link only, never written through),
+    fsynced, renamed over `path`, the folder fsynced."""
+    tmp = path.with_name(atomic_tmp_name(path.name))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    with os.fdopen(fd, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.errors import HsxError
 from hsx import ledgers
+from hsx.errors import HsxError
 from hsx.info import read_info, read_summary
 
 CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")

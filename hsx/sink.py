@@ -84,7 +84,8 @@ from typing import Any
 from hsx import ledgers
 from hsx.checksums import file_crc32
 from hsx.errors import HsxError
-from hsx.files import atomic_write, flock, fsync_dir, fsync_file, link_target, open_regular, read_json
+from hsx.files import (atomic_write, flock, fsync_dir, fsync_file, link_target, open_no_follow, open_regular,
+                       read_json)
 from hsx.fingerprint import differing_files
 from hsx.info import info_features, listed_files, merged_from, read_info, read_summary, unit_entry, write_info
 from hsx.schema import Info, JobRecord
@@ -353,7 +354,7 @@ class OutputDir:
     @contextmanager
     def finalizing(self) -> Iterator[bool]:
         """Serialize finalization between ranks; yields True when another process already finalized."""
-        fd = os.open(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_follow(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT)  # (a link: refused)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             info = read_info(self.root)

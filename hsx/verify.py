@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from hsx.errors import HsxError, VerifyFailed
-from hsx.schema import Info
 from hsx import ledgers
+from hsx.errors import HsxError, VerifyFailed
 from hsx.info import read_info
+from hsx.schema import Info
 
 TRUST_NEEDS_MODEL = ("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
                      "command line, never from the one OUT's hsx.json names")

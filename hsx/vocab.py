@@ -17,15 +17,16 @@ predict over the K most frequent target tokens instead of the whole vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-from hsx import ledgers
-from hsx.info import read_info
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+
+from hsx import ledgers
+from hsx.files import atomic_write_with
+from hsx.info import read_info
 
 FREQUENCIES_FILE = "token_frequencies.npy"
 SPECULATORS_FREQUENCIES_FILE = "token_freq.pt"  # speculators' name and format: torch.save({token_id: count})
@@ -72,7 +73,7 @@ def write_token_frequencies(out, vocab_size: int | None) -> dict[str, Any] | Non
         cache = Dataset.from_file(str(cache_file)).data.table
         source, tables = "tokenized", [cache.filter(pc.equal(cache.column("skip_reason"), ""))]
         counts = count_supervised(tables, int(vocab_size))
-    _atomic(out.root / FREQUENCIES_FILE, lambda f: np.save(f, counts))
+    atomic_write_with(out.root / FREQUENCIES_FILE, lambda f: np.save(f, counts))
     return {"file": FREQUENCIES_FILE, "vocab_size": int(vocab_size), "supervised_tokens": int(counts.sum()),
             "distinct_tokens": int(np.count_nonzero(counts)), "counted_over": source}
 
@@ -149,7 +150,7 @@ def write_draft_vocab(out_dir: str | os.PathLike, draft_vocab_size: int, dest: s
                 raise ValueError(f"{path} exists and is not this mapping (another output's, or not hsx's); hsx "
                                  "replaces nothing it did not write: move it away or choose another --dest")
     for name, path in paths.items():
-        _atomic(path, writers[name])
+        atomic_write_with(path, writers[name])
     covered = float(counts[t2d].sum() / max(1, counts.sum()))
     log(f"hsx: draft vocabulary of {k:,} of {len(counts):,} tokens covers {covered:.2%} of the "
         f"{int(counts.sum()):,} supervised tokens: {paths['specforge']} (SpecForge --vocab-mapping), "
@@ -162,7 +163,7 @@ def write_speculators_frequencies(counts: np.ndarray, path: Path) -> None:
     import torch
 
     seen = np.flatnonzero(counts)
-    _atomic(path, lambda f: torch.save(dict(zip(seen.tolist(), counts[seen].tolist())), f))
+    atomic_write_with(path, lambda f: torch.save(dict(zip(seen.tolist(), counts[seen].tolist())), f))
 
 
 def _holds(path: Path, write) -> bool:
@@ -175,14 +176,3 @@ def _holds(path: Path, write) -> bool:
             and path.read_bytes() == want)
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # a killed run's, or a link planted there: removed (the link only), never written through
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-                 0o666)
-    with os.fdopen(fd, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -43,7 +43,6 @@ class Recorder:
         if ex.final and isinstance(norm, torch.nn.Module):
             norm.register_forward_hook(lambda m, a, o: setattr(self, "_final", o.detach().clone()))
         ex._forward = self
-        ex.forward = self  # older code paths call self.forward
 
     def __call__(self, ids, index, packed=None):
         if self.fail is not None and self.fail(ids):

@@ -476,3 +476,16 @@ def test_the_drawing_of_the_output_dir_names_every_file_an_extraction_writes(tmp
     assert undrawn_and_unwritten(stray) == ([".hsx/notes.json"], [".hsx/summary.json"])
     assert any(optional for _, optional, _ in drawing()) and "[hsx/sink.py](hsx/sink.py)" in (
         Path(hsx.__file__).parents[1] / "README.md").read_text()
+
+
+def test_the_finalize_lock_is_never_opened_through_a_link(tmp_path):
+    """.hsx/finalize.lock is opened as the other locks are: a link planted there is refused in one line, and the
+    file it names is neither created nor opened for writing."""
+    out = OutputDir(tmp_path / "out")
+    out.state.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere.txt"
+    (out.state / "finalize.lock").symlink_to(elsewhere)
+    with pytest.raises(HsxError, match="symbolic link"):
+        with out.finalizing():
+            pass
+    assert not elsewhere.exists()
