@@ -381,7 +381,7 @@ def test_subprocess_hsx_command_runs(tmp_path, model4, small_chat_path):
     assert ds.num_rows == 6 and ds.features["final_hidden_state"].feature.length == 64
 
 
-# ---- rows that used to crash, and dirs that used to be refused -------------------------------------------------
+# ---- rows that could crash the job, and dirs that could be refused wrongly ----------------------------------------
 
 def test_row_rejected_by_template_is_skipped(tmp_path, capsys, model4):
     """A row the chat template refuses (role 'tool': the demo template raises) is skipped and counted."""
@@ -750,7 +750,7 @@ def test_numeric_options_out_of_range_are_one_line(finished, model4, argv, tmp_p
 
 
 def test_a_json_path_that_cannot_be_written_is_one_line(tmp_path, model4):
-    """`hsx plan --json` into a folder or under a missing parent was an OSError traceback."""
+    """`hsx plan --json` into a folder or under a missing parent is one line (an OSError would be a traceback)."""
     for dest in (tmp_path, tmp_path / "missing" / "plan.json"):
         rc, _, err = hsx_main(["plan", "--model", str(model4.path), "--layers", "1", "--json", str(dest)])
         assert rc == 1 and "cannot write --json" in the_error_line(err), err

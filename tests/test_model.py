@@ -97,8 +97,8 @@ def test_a_hub_ids_config_json_is_bounded_too(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", ["config_deep", "tokenizer_deep", "layers_huge"])
 def test_a_deeply_nested_or_impossibly_deep_model_is_one_line(tmp_path, model4, small_chat_path, case):
-    """A config.json or tokenizer.json nested 200,000 deep was a RecursionError traceback; a config.json saying
-    99,999,999,999 layers never returned (transformers builds a per-layer list first)."""
+    """A config.json or tokenizer.json nested 200,000 deep (a RecursionError in the parser), or a config.json saying
+    99,999,999,999 layers (transformers builds a per-layer list first, and never returns), is one line."""
     import subprocess
     import sys
 
@@ -126,8 +126,8 @@ def test_a_deeply_nested_or_impossibly_deep_model_is_one_line(tmp_path, model4, 
 @pytest.mark.parametrize("case", ["hidden_size_str", "layer_types_short", "hidden_act_unknown"])
 def test_a_config_that_does_not_build_the_model_is_one_line_naming_the_key(tmp_path, model4, small_chat_path,
                                                                              case):
-    """transformers' validation error was cut to its first line ('Validation error for field ...:'), without the
-    why; an unknown hidden_act was a KeyError traceback."""
+    """transformers' validation error is reported with its why, not cut to its first line ('Validation error for
+    field ...:'); an unknown hidden_act is one line, not a KeyError traceback."""
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
     if case == "hidden_size_str":

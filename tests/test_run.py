@@ -43,8 +43,8 @@ from helpers import fault_argv, hsx_main, the_error_line  # noqa: E402
 @pytest.mark.parametrize("var,value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("WORLD_SIZE", "-3"),
                                        ("WORLD_SIZE", "1" * 5000), ("LOCAL_WORLD_SIZE", "x")])
 def test_a_launcher_variable_that_is_no_count_is_one_line(model4, small_chat_path, tmp_path, monkeypatch, var, value):
-    """WORLD_SIZE=abc was a ValueError traceback; WORLD_SIZE=0 ran as a world of no process (an AttributeError
-    at the first all_gather): one line naming the variable, nothing written."""
+    """WORLD_SIZE=abc (a ValueError in int()) or WORLD_SIZE=0 (a world of no process, which would fail at the first
+    all_gather) is one line naming the variable, with nothing written."""
     monkeypatch.setenv(var, value)
     rc, _, err = hsx_main(fault_argv(model4.path, small_chat_path, tmp_path / "o"))
     line = the_error_line(err)

@@ -377,8 +377,8 @@ def test_remove_uncommitted_leaves_folders_fifos_and_links_alone(finished_copy, 
 
 @pytest.mark.parametrize("name", ["hsx.json", ".hsx/manifest-00000.jsonl", ".hsx/job.json"])
 def test_a_fifo_for_hsx_own_json_is_refused_not_waited_on(finished_copy, name, model4, small_chat_path):
-    """hsx.json, a manifest or job.json replaced by a FIFO: load and extract waited forever (and a SIGTERM, which
-    hsx takes as "stop after this unit", never stopped them); now one line."""
+    """hsx.json, a manifest or job.json replaced by a FIFO is one line at once: opened as a file, load and extract
+    would wait forever (and a SIGTERM, which hsx takes as "stop after this unit", would not stop them)."""
     (finished_copy / name).unlink()
     os.mkfifo(finished_copy / name)
     if name == ".hsx/job.json":
