@@ -334,7 +334,7 @@ class Extraction:
         self.per_layer = layer_params(ready.loaded.text_config)
         self.stats = RunStats(flops=0.0, token_budget=budget, compile=ready.compile, device=str(device),
                               tp_size=proc.tp_size, model_copies=proc.dp_size, writes=proc.writes,
-                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=ready.packing,
+                              sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=ready.prepared.packing,
                               experts_implementation=kernels.get("experts_implementation"), fp8_gemm=ready.fp8_gemm,
                               kernels=kernels, versions=library_versions())
         max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)

@@ -31,7 +31,6 @@ class ReadyModel:
     loaded: LoadedModel
     prepared: PreparedModel  # packing, Gated DeltaNet kernels, the compile worker
     kernels: dict[str, Any]  # hsx.prepare.kernel_report's, with DeepGEMM's build when one ran
-    packing: str  # "none" (right-padded rows) or "varlen"
     budget: int  # tokens per forward, the same on every rank of a copy
     compile: bool
     fp8_gemm: str | None  # the GEMM FP8 linear layers run on (None: none run FP8 here)
@@ -113,5 +112,5 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
                 + (f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
                    f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products
                    else "rows: built earlier in this process"))
-    return ReadyModel(loaded, prepared, kernels, packing, budget, use_compile, gemm,
+    return ReadyModel(loaded, prepared, kernels, budget, use_compile, gemm,
                       fp8_matmuls=quant is not None and not instead, owns_model=owns_model)

@@ -49,7 +49,7 @@ def test_ready_model_on_a_cpu_says_which_options_do_not_apply(model4):
     lines = []
     ready = ready_model(cfg, current_process(), read_target(cfg), log=lines.append)
     assert ready.owns_model and ready.budget == CPU_TOKEN_BUDGET and not ready.compile
-    assert ready.fp8_gemm is None and not ready.fp8_matmuls and ready.prepared.packing == ready.packing
+    assert ready.fp8_gemm is None and not ready.fp8_matmuls and ready.prepared.packing == "none"
     assert ready.kernels["attn_implementation"] == ready.kernels["attn_implementation_requested"] == "sdpa"
     assert [line.split(" does not apply")[0] for line in lines[:2]] == [
         "hsx: --experts-implementation eager", "hsx: --fp8-gemm triton"]
