@@ -152,6 +152,49 @@ SHAPES: dict[str, dict[str, Any]] = {
                             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                             max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                             tie_word_embeddings=False),
+    # Frontier mixtures of experts (config.json of each official checkpoint; the MTP layers the checkpoints add,
+    # num_nextn_predict_layers, are not run). DeepSeek-V3 (and R1, V3-0324, V3.1: one shape): MLA, 3 dense layers,
+    # then 256 routed experts of width 2048 (8 per token) and one shared; its checkpoint is block-FP8 (NAME-fp8).
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                        moe_intermediate_size=2048, first_k_dense_replace=3, moe_layer_freq=1, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+                        rms_norm_eps=1e-6, rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1,
+                                                             mscale=1.0, mscale_all_dim=1.0,
+                                                             original_max_position_embeddings=4096),
+                        rope_theta=10000, tie_word_embeddings=False),
+    # Kimi-K2 (Instruct, Base; K2.5's text model): DeepSeek-V3's architecture with 64 heads, 384 experts, one dense
+    # layer; block-FP8 checkpoint.
+    "kimi-k2": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                    num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048,
+                    first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1,
+                    routed_scaling_factor=2.827, norm_topk_prob=True, max_position_embeddings=131072,
+                    rms_norm_eps=1e-6, rope_scaling=dict(type="yarn", factor=32.0, beta_fast=1.0, beta_slow=1.0,
+                                                         mscale=1.0, mscale_all_dim=1.0,
+                                                         original_max_position_embeddings=4096),
+                    rope_theta=50000.0, tie_word_embeddings=False),
+    # GLM-4.5: grouped-query attention (96 heads, 8 kv, biases, half-rotary), 3 dense layers, then 160 experts of
+    # width 1536 (8 per token) and one shared; bf16 checkpoint and an official FP8 one.
+    "glm-4.5": dict(model_type="glm4_moe", hidden_size=5120, intermediate_size=12288, num_hidden_layers=92,
+                    num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+                    attention_bias=True, partial_rotary_factor=0.5, use_qk_norm=False,
+                    n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=1536,
+                    first_k_dense_replace=3, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000,
+                    tie_word_embeddings=False),
+    # GLM-5 (transformers' glm_moe_dsa, whose defaults are this checkpoint's): MLA with DeepSeek sparse attention's
+    # indexer, 3 dense layers, then 256 experts of width 2048 (8 per token) and one shared.
+    "glm-5": dict(model_type="glm_moe_dsa", hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
+                  num_attention_heads=64, num_key_value_heads=64, vocab_size=154880, q_lora_rank=2048,
+                  kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+                  index_head_dim=128, index_topk=2048, n_routed_experts=256, n_shared_experts=1,
+                  num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3, n_group=1,
+                  topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=202752,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
 # End-to-end MFU that `hsx bench --shape NAME` measured (default flags, output to tmpfs; the runs are in
@@ -174,6 +217,20 @@ HUB_SHAPES: dict[str, str] = {
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
     "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "Qwen/Qwen3-235B-A22B-Instruct-2507": "qwen3-235b-a22b",
+    "Qwen/Qwen3-235B-A22B-FP8": "qwen3-235b-a22b-fp8",
+    "deepseek-ai/DeepSeek-V3": "deepseek-v3-fp8",
+    "deepseek-ai/DeepSeek-V3-0324": "deepseek-v3-fp8",
+    "deepseek-ai/DeepSeek-V3.1": "deepseek-v3-fp8",
+    "deepseek-ai/DeepSeek-R1": "deepseek-v3-fp8",
+    "deepseek-ai/DeepSeek-R1-0528": "deepseek-v3-fp8",
+    "moonshotai/Kimi-K2-Instruct": "kimi-k2-fp8",
+    "moonshotai/Kimi-K2-Instruct-0905": "kimi-k2-fp8",
+    "moonshotai/Kimi-K2-Base": "kimi-k2-fp8",
+    "zai-org/GLM-4.5": "glm-4.5",
+    "zai-org/GLM-4.5-FP8": "glm-4.5-fp8",
+    "zai-org/GLM-5": "glm-5",
+    "zai-org/GLM-5-FP8": "glm-5-fp8",
     "Qwen/Qwen3.5-35B-A3B": "qwen3.6-35b-a3b",
     "Qwen/Qwen3.6-35B-A3B": "qwen3.6-35b-a3b",
     "openai/gpt-oss-20b": "gpt-oss-20b",
@@ -236,13 +293,17 @@ def layer_types(c) -> list[str]:
 
 
 def _num_experts(c) -> int:
-    return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
+    return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+               or getattr(c, "n_routed_experts", None) or 0)
 
 
 def _is_moe_layer(c, i: int) -> bool:
-    """Qwen-MoE / Mixtral rule: every `decoder_sparse_step`-th layer routes, except `mlp_only_layers`."""
+    """Qwen-MoE / Mixtral rule: every `decoder_sparse_step`-th layer routes, except `mlp_only_layers`; DeepSeek /
+    GLM rule: `mlp_layer_types` where given, else the layers from `first_k_dense_replace` on (`_deepseek_moe_layer`)."""
     if not _num_experts(c) or not getattr(c, "num_experts_per_tok", None):
         return False
+    if _deepseek_moe_layer(c, i) is not None:
+        return _deepseek_moe_layer(c, i)
     if i in (getattr(c, "mlp_only_layers", None) or []):
         return False
     return (i + 1) % int(getattr(c, "decoder_sparse_step", None) or 1) == 0
@@ -250,6 +311,8 @@ def _is_moe_layer(c, i: int) -> bool:
 
 def _attention_params(c, kind: str) -> int:
     h = int(c.hidden_size)
+    if _is_mla(c):
+        return _mla_params(c)
     if kind == "linear_attention":  # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_a/b, depthwise conv, out_proj
         kd = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
         vd = int(c.linear_num_value_heads) * int(c.linear_value_head_dim)
@@ -268,6 +331,8 @@ def _mlp_params(c, i: int, active: bool) -> int:
     e, k = _num_experts(c), int(c.num_experts_per_tok)
     m = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
     shared = int(getattr(c, "shared_expert_intermediate_size", None) or 0)
+    if not shared and getattr(c, "n_shared_experts", None):  # DeepSeek / GLM: n_shared × the expert width, no gate
+        return h * e + 3 * h * m * (k if active else e) + 3 * h * m * int(c.n_shared_experts)
     return h * e + 3 * h * m * (k if active else e) + (3 * h * shared + h if shared else 0)
 
 
@@ -290,7 +355,10 @@ def attention_flops(c, depth: int, lengths: np.ndarray) -> float:
     lengths = np.asarray(lengths, dtype=np.float64)
     d_attn = int(c.num_attention_heads) * _head_dim(c)
     kinds = layer_types(c)[:depth]
-    total = 2.0 * d_attn * float((lengths**2).sum()) * kinds.count("full_attention")
+    if _is_mla(c):  # scores over the q/k head width, values over v_head_dim
+        d_attn = int(c.num_attention_heads) * (_mla_qk_head_dim(c) + int(c.v_head_dim)) // 2
+    full = kinds.count("full_attention") + kinds.count("indexed_attention")  # DSA counted as full (an upper bound)
+    total = 2.0 * d_attn * float((lengths**2).sum()) * full
     window = getattr(c, "sliding_window", None)
     if kinds.count("sliding_attention"):
         w = float(window) if window else math.inf
@@ -360,6 +428,8 @@ def _transient_values(c, i: int) -> int:
         conv = 2 * kd + hv * dv
         # qkv before and after the conv, z, a/b, the core output, and the per-chunk states spread over the chunk
         attn = 2 * conv + 2 * hv * dv + 2 * hv + hv * int(c.linear_key_head_dim) * dv // FLA_CHUNK + h
+    elif _is_mla(c):
+        attn = _mla_transient_values(c)
     else:
         hd = _head_dim(c)
         q, kv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
@@ -369,6 +439,8 @@ def _transient_values(c, i: int) -> int:
         k, e = int(c.num_experts_per_tok), _num_experts(c)
         m = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
         mlp = k * (2 * h + 3 * m) + 2 * e  # router logits in float32
+        if getattr(c, "n_shared_experts", None):  # the shared expert's gate/up and activation
+            mlp += 3 * m * int(c.n_shared_experts)
     else:
         mlp = 3 * int(c.intermediate_size) + h
     return max(attn, mlp)
@@ -444,6 +516,190 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
     return None
 
 
+# ---- frontier mixtures of experts: MLA, DeepSeek/GLM layer rules, experts sharded over GPUs ------------------
+
+def _is_mla(c) -> bool:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5): queries and keys/values through low-rank
+    projections (`kv_lora_rank`)."""
+    return bool(getattr(c, "kv_lora_rank", None))
+
+
+def _mla_qk_head_dim(c) -> int:
+    return int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
+
+
+def _mla_params(c) -> int:
+    """MLA's matrices: q (through q_lora_rank where set), the joint kv down-projection with the rotary key, kv up,
+    the output; GLM-5's sparse-attention indexer (its query, key and head weights) where the config has one."""
+    h, heads, qk = int(c.hidden_size), int(c.num_attention_heads), _mla_qk_head_dim(c)
+    q_rank, kv_rank = getattr(c, "q_lora_rank", None), int(c.kv_lora_rank)
+    q = h * int(q_rank) + int(q_rank) * heads * qk if q_rank else h * heads * qk
+    kv = h * (kv_rank + int(c.qk_rope_head_dim)) + kv_rank * heads * (int(c.qk_nope_head_dim) + int(c.v_head_dim))
+    out = heads * int(c.v_head_dim) * h
+    indexer = 0
+    if getattr(c, "index_n_heads", None) and q_rank:
+        ih, idim = int(c.index_n_heads), int(c.index_head_dim)
+        indexer = int(q_rank) * ih * idim + h * idim + h * ih
+    return q + kv + out + indexer
+
+
+def _mla_transient_values(c) -> int:
+    """Values per token alive in an MLA layer: q, the compressed kv, the expanded keys and values, the output."""
+    heads, qk, v = int(c.num_attention_heads), _mla_qk_head_dim(c), int(c.v_head_dim)
+    q_rank = int(getattr(c, "q_lora_rank", None) or 0)
+    compressed = q_rank + int(c.kv_lora_rank) + int(c.qk_rope_head_dim)
+    return compressed + heads * qk * 2 + heads * v * 2 + int(c.hidden_size)
+
+
+def _deepseek_moe_layer(c, i: int) -> bool | None:
+    """DeepSeek-V3 / Kimi-K2 / GLM-4.5 / GLM-5's rule (None for a config without one): `mlp_layer_types`
+    ("sparse") where the config lists them, else layer i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0."""
+    kinds = getattr(c, "mlp_layer_types", None)
+    if isinstance(kinds, (list, tuple)) and len(kinds) > i:
+        return kinds[i] == "sparse"
+    first = getattr(c, "first_k_dense_replace", None)
+    if first is None:
+        return None
+    freq = getattr(c, "moe_layer_freq", None)
+    return i >= int(first) and (not isinstance(freq, int) or freq <= 1 or i % freq == 0)
+
+
+def _routed_params(c, i: int) -> int:
+    """Decoder layer i's routed experts (every one of them): what expert parallelism shards."""
+    if not _is_moe_layer(c, i):
+        return 0
+    m = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+    return 3 * int(c.hidden_size) * m * _num_experts(c)
+
+
+def _fp8_scale_bytes(params: int) -> int:
+    """Block-FP8's float32 scale per 128×128 block of a weight (1/4,096 of its bytes)."""
+    from hsx.fp8 import BLOCK
+
+    return 4 * -(-params // (BLOCK * BLOCK))
+
+
+EP_SIZES = (1, 2, 4, 8)  # ranks of an expert-parallel group within one node
+
+
+def expert_split_bytes(c, depth: int, fp8: bool | None = None, dtype_bytes: int = 2) -> dict[str, int]:
+    """The weights of the first `depth` layers + embeddings split as expert parallelism places them: `routed` (the
+    routed experts, sharded over the group's GPUs) and `replicated` (embeddings, attention, dense MLPs, shared
+    experts, routers, norms: whole on every GPU). `fp8` (default: what the config declares): linear layers at one
+    byte plus their block scales, routers, norms and embeddings at `dtype_bytes`, as the official FP8 checkpoints
+    store them."""
+    fp8 = is_fp8(c) if fp8 is None else fp8
+    h = int(c.hidden_size)
+    routed = sum(_routed_params(c, i) for i in range(depth))
+    router = h * _num_experts(c) * sum(_is_moe_layer(c, i) for i in range(depth))
+    other = sum(decoder_layer_params(c, i, active=False) for i in range(depth)) - routed - router
+    norms = depth * 2 * h + (depth * (int(getattr(c, "q_lora_rank", None) or 0) + int(c.kv_lora_rank))
+                             if _is_mla(c) else 0)
+    embeddings = int(c.vocab_size) * h
+    if fp8:
+        return {"routed": routed + _fp8_scale_bytes(routed),
+                "replicated": other + _fp8_scale_bytes(other) + dtype_bytes * (router + norms + embeddings)}
+    return {"routed": dtype_bytes * routed, "replicated": dtype_bytes * (other + router + norms + embeddings)}
+
+
+def expert_parallel_gpu_bytes(split: dict[str, int], ep_size: int) -> int:
+    """One GPU's weights when the routed experts are sharded over `ep_size` GPUs and the rest is replicated."""
+    return split["replicated"] + -(-split["routed"] // ep_size)
+
+
+def expert_parallel_size(split: dict[str, int], batch_bytes: int, gpu_bytes: int,
+                         sizes: tuple[int, ...] = EP_SIZES) -> int | None:
+    """The fewest GPUs of a node whose group holds the weights and a batch on each GPU (GPU_HEADROOM of each);
+    None: no group of one node does."""
+    for n in sizes:
+        if expert_parallel_gpu_bytes(split, n) + batch_bytes <= GPU_HEADROOM * gpu_bytes:
+            return n
+    return None
+
+
+def frontier_fit(c, depth: int, batch_bytes: int, node_gpus: int = NODE_GPUS) -> list[dict[str, Any]]:
+    """For each GPU hsx plans for and each weight format (bf16; FP8, as stored or as an FP8 checkpoint of it would
+    be): the expert-parallel group that holds the model (`ep_size`, None where a node does not) and its per-GPU
+    bytes at that size (at a node's size where none fits)."""
+    sizes = tuple(n for n in EP_SIZES if n <= node_gpus)
+    rows = []
+    for fp8 in (False, True):
+        split = expert_split_bytes(c, depth, fp8=fp8)
+        for name, spec in GPUS.items():
+            if fp8 and spec["fp8_matmul_tflops"] is None:
+                continue  # no FP8 tensor cores: an FP8 checkpoint is dequantized there (the bf16 row)
+            gpu = int(spec["memory_gib"] * 1024**3)
+            n = expert_parallel_size(split, batch_bytes, gpu, sizes)
+            rows.append({"gpu": name, "format": "fp8" if fp8 else "bf16", "ep_size": n, "gpu_bytes": gpu,
+                         "per_gpu_bytes": expert_parallel_gpu_bytes(split, n or sizes[-1])})
+    return rows
+
+
+def expert_parallel_refusal(name: str, p: dict[str, Any], gpu: str) -> str:
+    """The one line `hsx plan` refuses a mixture of experts with that no node of these GPUs holds, with its numbers
+    and what would hold it: another weight format or GPU in one node, or how many nodes pipeline stages would take."""
+    gib = 1024**3
+    ep, n = p["expert_parallel"], p["node_gpus"]
+    batch = p["activation_bytes_per_token"] * p["min_batch_tokens"]
+    need = ep["per_gpu_bytes_at_node"] + batch
+    cap = GPU_HEADROOM * p["gpu_bytes"]
+    stored = "fp8" if ep["fp8"] else "bf16"
+    fits = [r for r in ep["fit"] if r["ep_size"] and (r["format"] == "fp8" or stored == "bf16")]
+    fits.sort(key=lambda r: (r["gpu"] != gpu, r["format"] == stored, r["ep_size"]))
+    fits = fits[:4]  # the nearest few: this GPU first, then the format it is stored in last
+    where = "; ".join(f"{'an FP8 checkpoint' if r['format'] != stored else stored.upper()} on {r['ep_size']} "
+                      f"{r['gpu'].upper()} ({r['per_gpu_bytes'] / gib:,.0f} GiB/GPU)" for r in fits)
+    nodes = math.ceil(p["weight_bytes"] / (n * (cap - batch))) if cap > batch else None
+    return (f"{name}: {p['weight_bytes'] / gib:,.0f} GiB of weights ({stored.upper()}); with its routed experts over "
+            f"the {n} GPUs of a node each {gpu.upper()} needs {ep['replicated_bytes'] / gib:,.1f} GiB replicated + "
+            f"{ep['routed_bytes'] / n / gib:,.1f} GiB of experts + {batch / gib:,.1f} GiB for a batch = "
+            f"{need / gib:,.1f} GiB, more than {GPU_HEADROOM:.0%} of its {p['gpu_bytes'] / gib:,.0f} GiB; it would "
+            f"fit: {where or 'no node of the GPUs hsx knows'}"
+            + (f"; or {nodes} nodes of these as pipeline stages (not built yet: docs/scale-out.md)" if nodes else ""))
+
+
+def expert_parallel_lines(p: dict[str, Any]) -> list[str]:
+    """`hsx plan`'s lines on expert parallelism: the split, the group for these GPUs, and which GPUs hold it."""
+    ep = p.get("expert_parallel")
+    if not ep:
+        return []
+    gib = 1024**3
+    n = ep["ep_size"]
+    lines = [f"experts: {ep['routed_bytes'] / gib:,.1f} GiB routed (sharded by --ep-size), "
+             f"{ep['replicated_bytes'] / gib:,.1f} GiB replicated on every GPU (embeddings, attention, dense and "
+             "shared MLPs, routers)"]
+    if n:
+        lines.append(f"  --ep-size {n}: {ep['per_gpu_bytes'] / gib:,.1f} GiB of weights per GPU, each GPU on its own "
+                     "batches (unmeasured on GPUs: docs/scale-out.md)")
+    elif p.get("gpus_per_copy"):
+        lines.append(f"  no expert-parallel group of a node holds it ({ep['per_gpu_bytes_at_node'] / gib:,.1f} GiB of "
+                     f"weights per GPU at {p['node_gpus']}): only an even split does (--tp-size {p['gpus_per_copy']} or "
+                     f"--gpus-per-copy {p['gpus_per_copy']})")
+    held = {}
+    for r in ep["fit"]:
+        if r["ep_size"]:
+            held.setdefault(r["format"], []).append(f"{r['ep_size']}×{r['gpu']} "
+                                                    f"({r['per_gpu_bytes'] / gib:,.0f} GiB/GPU)")
+    for fmt, where in held.items():
+        lines.append(f"  {fmt} held by: {', '.join(where)}")
+    return lines
+
+
+def expert_parallel_plan(c, depth: int, act: int, min_batch: int, gpu_bytes: int | None,
+                         node_gpus: int = NODE_GPUS) -> dict[str, Any] | None:
+    """The expert-parallel part of a plan for a model with routed experts (None for one without)."""
+    if not any(_is_moe_layer(c, i) for i in range(depth)):
+        return None
+    split = expert_split_bytes(c, depth)
+    batch = act * min_batch
+    n = expert_parallel_size(split, batch, gpu_bytes, tuple(s for s in EP_SIZES if s <= node_gpus)) \
+        if gpu_bytes else None
+    return {"fp8": is_fp8(c), "routed_bytes": split["routed"], "replicated_bytes": split["replicated"],
+            "ep_size": n, "per_gpu_bytes": expert_parallel_gpu_bytes(split, n) if n else None,
+            "per_gpu_bytes_at_node": expert_parallel_gpu_bytes(split, node_gpus),
+            "fit": frontier_fit(c, depth, batch, node_gpus)}
+
+
 # ---- the plan -----------------------------------------------------------------------------------------------
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
@@ -491,6 +747,9 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         copies = node_gpus // gpus if gpus else 0
         out.update({"gpu_bytes": gpu_bytes, "fits": gpus == 1, "gpus_per_copy": gpus, "node_gpus": node_gpus,
                     "copies_per_node": copies})
+    ep = expert_parallel_plan(c, depth, act, token_budget or min_batch, gpu_bytes, node_gpus)
+    if ep:
+        out.update({"expert_parallel": ep, "min_batch_tokens": token_budget or min_batch})
     if tokens is not None:
         mean_len = min(tokens / rows if rows else float(DEFAULT_MEAN_TOKENS), float(max_length))
         per_token = 2.0 * depth * layer_params(c, depth) + attention_flops(c, depth, np.array([mean_len])) / mean_len
@@ -558,6 +817,7 @@ def format_plan(p: dict[str, Any]) -> str:
                          f"(--gpus-per-copy {g}; --tp-size {g} shards it instead) → {node}")
         else:
             lines.append(f"GPUs: a model copy needs more than {p['node_gpus']} GPUs of {size}")
+    lines += expert_parallel_lines(p)
     if "launch" in p:
         lines.append(f"launch: {p['launch']}")
     if p.get("launch_node"):
@@ -670,6 +930,9 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
              token_budget=cfg.token_budget, gpu_name=gpu.upper(),
              matmul_tflops=rate_tflops, **({"mfu": mfu} if mfu is not None else {}))
+    ep = p.get("expert_parallel")
+    if ep and p.get("gpus_per_copy") is None and ep["ep_size"] is None:
+        raise HsxError(expert_parallel_refusal(shape or cfg.model, p, gpu))
     import torch
 
     from hsx.kernels import cap_name, choose

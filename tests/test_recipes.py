@@ -135,8 +135,9 @@ def test_plan_gpus_per_copy_follows_gpu_memory(capsys, monkeypatch):
     flags = plan_json(["--model", "Qwen/Qwen3-235B-A22B", "--layers", "eagle3"], capsys, monkeypatch)
     assert flags["launch"].startswith("hsx launch ") and "--num_processes 2 extract" in flags["launch"]
     assert "--gpus-per-copy 4" in flags["launch"]
-    p40 = plan_json([*base, "--gpu-memory-gib", "40"], capsys, monkeypatch)
-    assert p40["gpus_per_copy"] is None and not p40["fits"] and "launch" not in p40
+    # a mixture of experts no node of these GPUs holds, by even split or by experts: refused in one line
+    rc, err = run_plan([*base, "--gpu-memory-gib", "40"], capsys, monkeypatch)
+    assert rc == 1 and err.count("\n") == 1 and "more than 90% of its 40 GiB" in err and "FP8" in err
     small = plan_json(["--config", "recipes/eagle3-qwen3-8b.yaml"], capsys, monkeypatch)
     assert small["gpus_per_copy"] == 1 and small["launch"].startswith("hsx extract")
     assert small["launch_node"].startswith("hsx launch --config_file recipes/accelerate/8gpu.yaml extract ")
