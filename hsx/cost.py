@@ -645,8 +645,8 @@ def expert_parallel_refusal(name: str, p: dict[str, Any], gpu: str) -> str:
     cap = GPU_HEADROOM * p["gpu_bytes"]
     stored = "fp8" if ep["fp8"] else "bf16"
     fits = [r for r in ep["fit"] if r["ep_size"] and (r["format"] == "fp8" or stored == "bf16")]
-    fits.sort(key=lambda r: (r["gpu"] != gpu, r["format"] == stored, r["ep_size"]))
-    fits = fits[:4]  # the nearest few: this GPU first, then the format it is stored in last
+    fits.sort(key=lambda r: (r["gpu"] != gpu, r["format"] != stored, r["ep_size"]))
+    fits = list({r["gpu"]: r for r in reversed(fits)}.values())[::-1][:4]  # this GPU first; one format per GPU
     where = "; ".join(f"{'an FP8 checkpoint' if r['format'] != stored else stored.upper()} on {r['ep_size']} "
                       f"{r['gpu'].upper()} ({r['per_gpu_bytes'] / gib:,.0f} GiB/GPU)" for r in fits)
     nodes = math.ceil(p["weight_bytes"] / (n * (cap - batch))) if cap > batch else None
