@@ -617,10 +617,12 @@ def expert_parallel_size(split: dict[str, int], batch_bytes: int, gpu_bytes: int
     return None
 
 
-def frontier_fit(c, depth: int, batch_bytes: int, node_gpus: int = NODE_GPUS) -> list[dict[str, Any]]:
+def frontier_fit(c, depth: int, batch_bytes: int, node_gpus: int = NODE_GPUS, gpu: str | None = None,
+                  gpu_bytes: int | None = None) -> list[dict[str, Any]]:
     """For each GPU hsx plans for and each weight format (bf16; FP8, as stored or as an FP8 checkpoint of it would
     be): the expert-parallel group that holds the model (`ep_size`, None where a node does not) and its per-GPU
-    bytes at that size (at a node's size where none fits)."""
+    bytes at that size (at a node's size where none fits). `gpu` planned with `gpu_bytes` of memory (a
+    --gpu-memory-gib) is taken at that size."""
     sizes = tuple(n for n in EP_SIZES if n <= node_gpus)
     rows = []
     for fp8 in (False, True):
@@ -628,9 +630,9 @@ def frontier_fit(c, depth: int, batch_bytes: int, node_gpus: int = NODE_GPUS) ->
         for name, spec in GPUS.items():
             if fp8 and spec["fp8_matmul_tflops"] is None:
                 continue  # no FP8 tensor cores: an FP8 checkpoint is dequantized there (the bf16 row)
-            gpu = int(spec["memory_gib"] * 1024**3)
-            n = expert_parallel_size(split, batch_bytes, gpu, sizes)
-            rows.append({"gpu": name, "format": "fp8" if fp8 else "bf16", "ep_size": n, "gpu_bytes": gpu,
+            memory = gpu_bytes if name == gpu and gpu_bytes else int(spec["memory_gib"] * 1024**3)
+            n = expert_parallel_size(split, batch_bytes, memory, sizes)
+            rows.append({"gpu": name, "format": "fp8" if fp8 else "bf16", "ep_size": n, "gpu_bytes": memory,
                          "per_gpu_bytes": expert_parallel_gpu_bytes(split, n or sizes[-1])})
     return rows
 
@@ -648,7 +650,8 @@ def expert_parallel_refusal(name: str, p: dict[str, Any], gpu: str) -> str:
     fits.sort(key=lambda r: (r["gpu"] != gpu, r["format"] != stored, r["ep_size"]))
     fits = list({r["gpu"]: r for r in reversed(fits)}.values())[::-1][:4]  # this GPU first; one format per GPU
     where = "; ".join(f"{'an FP8 checkpoint' if r['format'] != stored else stored.upper()} on {r['ep_size']} "
-                      f"{r['gpu'].upper()} ({r['per_gpu_bytes'] / gib:,.0f} GiB/GPU)" for r in fits)
+                      f"{r['gpu'].upper()} of {r['gpu_bytes'] / gib:,.0f} GiB ({r['per_gpu_bytes'] / gib:,.0f} "
+                      "GiB/GPU)" for r in fits)
     nodes = math.ceil(p["weight_bytes"] / (n * (cap - batch))) if cap > batch else None
     return (f"{name}: {p['weight_bytes'] / gib:,.0f} GiB of weights ({stored.upper()}); with its routed experts over "
             f"the {n} GPUs of a node each {gpu.upper()} needs {ep['replicated_bytes'] / gib:,.1f} GiB replicated + "
@@ -686,7 +689,7 @@ def expert_parallel_lines(p: dict[str, Any]) -> list[str]:
 
 
 def expert_parallel_plan(c, depth: int, act: int, min_batch: int, gpu_bytes: int | None,
-                         node_gpus: int = NODE_GPUS) -> dict[str, Any] | None:
+                         node_gpus: int = NODE_GPUS, gpu: str | None = None) -> dict[str, Any] | None:
     """The expert-parallel part of a plan for a model with routed experts (None for one without)."""
     if not any(_is_moe_layer(c, i) for i in range(depth)):
         return None
@@ -697,7 +700,7 @@ def expert_parallel_plan(c, depth: int, act: int, min_batch: int, gpu_bytes: int
     return {"fp8": is_fp8(c), "routed_bytes": split["routed"], "replicated_bytes": split["replicated"],
             "ep_size": n, "per_gpu_bytes": expert_parallel_gpu_bytes(split, n) if n else None,
             "per_gpu_bytes_at_node": expert_parallel_gpu_bytes(split, node_gpus),
-            "fit": frontier_fit(c, depth, batch, node_gpus)}
+            "fit": frontier_fit(c, depth, batch, node_gpus, gpu, gpu_bytes)}
 
 
 # ---- the plan -----------------------------------------------------------------------------------------------
@@ -747,7 +750,8 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         copies = node_gpus // gpus if gpus else 0
         out.update({"gpu_bytes": gpu_bytes, "fits": gpus == 1, "gpus_per_copy": gpus, "node_gpus": node_gpus,
                     "copies_per_node": copies})
-    ep = expert_parallel_plan(c, depth, act, token_budget or min_batch, gpu_bytes, node_gpus)
+    ep = expert_parallel_plan(c, depth, act, token_budget or min_batch, gpu_bytes, node_gpus,
+                              gpu_name.lower() if gpu_name else None)
     if ep:
         out.update({"expert_parallel": ep, "min_batch_tokens": token_budget or min_batch})
     if tokens is not None:

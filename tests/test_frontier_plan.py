@@ -145,9 +145,9 @@ def test_plan_places_each_target_on_the_gpus_that_hold_it(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, names", [
-    (["--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100-sxm"], ["FP8 on 8 H200", "2 nodes of these"]),
-    (["--model", "zai-org/GLM-5"], ["an FP8 checkpoint on 8 H200", "2 nodes of these"]),
-    (["--model", "zai-org/GLM-4.5", "--gpu", "h100-sxm"], ["an FP8 checkpoint on 8 H100-SXM", "BF16 on 8 H200"]),
+    (["--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100-sxm"], ["FP8 on 8 H200 of 139 GiB", "2 nodes of these"]),
+    (["--model", "zai-org/GLM-5"], ["an FP8 checkpoint on 8 H200 of 139 GiB", "2 nodes of these"]),
+    (["--model", "zai-org/GLM-4.5", "--gpu", "h100-sxm"], ["an FP8 checkpoint on 8 H100-SXM of 80 GiB", "BF16 on 8 H200"]),
 ])
 def test_plan_refuses_what_no_node_holds_in_one_line_naming_what_would(argv, names, capsys, monkeypatch):
     rc, err = plan([*argv, "--layers", "eagle3"], capsys, monkeypatch)
