@@ -157,6 +157,9 @@ class ExtractConfig:
                               "process per group: `hsx launch --num_processes GPUS/N extract ...`")
     tp_size: int = _key(1, minimum=1, help="tensor parallel: shard each model copy over this many processes (one "
                         "per GPU) with transformers' tp_plan; data parallel across the groups")
+    ep_size: int = _key(1, minimum=1, help="expert parallel: shard a mixture of experts' routed experts over this "
+                        "many processes (one per GPU, of one machine), each process on its own batches, the rest of "
+                        "the model whole in each (docs/scale-out.md)")
     token_budget: int | None = _key(None, minimum=1, maximum=TOKENS_INT32,
                                     help="tokens per batch, padding included (default: 16384 on "
                                     "GPU, 4096 on CPU)")
@@ -484,6 +487,12 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
         raise HsxError("--hub-overwrite needs --push-to-hub REPO")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
+    if cfg.ep_size > 1 and (cfg.tp_size > 1 or cfg.gpus_per_copy > 1):
+        raise HsxError("--ep-size shards the experts over processes that each run a whole copy of the rest; it does "
+                       "not combine with --tp-size or --gpus-per-copy: choose one")
+    if cfg.ep_size > 1 and cfg.elastic:
+        raise HsxError("--ep-size with --elastic is not supported yet: an expert-parallel group runs in lockstep "
+                       "over a process group, and --elastic ranks share none (docs/scale-out.md)")
     return cfg
 
 

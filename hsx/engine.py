@@ -94,6 +94,9 @@ class Extractor:
         self.store: dict[int, torch.Tensor] = {}
         self.sdpa_backend = sdpa_backend
         self.nonfinite = nonfinite  # rows with NaN/Inf states: "skip" them, or "keep" them flagged
+        from hsx.expert_parallel import group_of
+
+        self.lockstep = group_of(loaded.base)  # --ep-size: the group every forward is a collective of
 
     # ---- GPU side ----
 
@@ -103,6 +106,8 @@ class Extractor:
         Packed batches (`packed` holds the forward's position ids and row bounds; Gated DeltaNet layers read theirs
         from `gdn.packed_rows`, set by `_launch`) put the n real tokens first: the states are a slice, no gather."""
         h = self.hidden
+        if self.lockstep is not None:
+            self.lockstep.agree(True)
         if packed is not None:
             n = index.shape[0]
             out = self.loaded.base(input_ids=ids, use_cache=False, **packed)
@@ -120,6 +125,16 @@ class Extractor:
             last = out.last_hidden_state
             states.append(last.reshape(-1, h).index_select(0, index.to(last.device)).to(index.device))
         return states
+
+    def idle_in_lockstep(self) -> None:
+        """--ep-size: once this rank has no forward left, one-token forwards (output dropped) for as long as another
+        rank of its group has one, so that the group's all-to-alls always have every rank."""
+        if self.lockstep is None:
+            return
+        ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        while self.lockstep.agree(False):
+            self.loaded.base(input_ids=ids, use_cache=False)
+            self.store.clear()
 
     def _topk(self, final: torch.Tensor, chunk: int = 2048) -> list[torch.Tensor]:
         """Top-k logits of lm_head(final) in chunks of tokens: full-vocabulary logits exist for `chunk` tokens at a
@@ -196,6 +211,9 @@ class Extractor:
                 written += int(sub_len.sum())
                 result.padded_tokens += cost
             except torch.OutOfMemoryError:
+                if self.lockstep is not None:  # the group's other ranks are inside this forward's all-to-alls
+                    raise HsxError("out of memory in an expert-parallel forward (--ep-size): the group cannot split "
+                                   "a batch one rank alone has started; give a smaller --token-budget") from None
                 self.store.clear()
                 if self.cuda:
                     torch.cuda.empty_cache()
@@ -400,8 +418,9 @@ class Pipeline:
                     slot = self.ex.free.get()
                     self.wait_seconds += time.perf_counter() - t0
                     if slot is None or self.stop.is_set():
-                        return
+                        break
                     self.results.put(self.ex.run_batch(table, slot))
+                self.ex.idle_in_lockstep()  # (not after an error: the rank's end ends its group's collectives)
         except BaseException as e:  # surfaced in the map function, on the main thread
             self.results.put(e)
         finally:

@@ -337,7 +337,7 @@ class Extraction:
                               sdpa_backend=cfg.sdpa_backend if cuda else "n/a", packing=ready.prepared.packing,
                               experts_implementation=kernels.get("experts_implementation"), fp8_gemm=ready.fp8_gemm,
                               kernels=kernels, versions=library_versions())
-        max_batch = max(u.batch_size(budget) * u.upper_bound for u in units)
+        max_batch = max((u.batch_size(budget) * u.upper_bound for u in units), default=budget)
         self.bar = tqdm(total=sum(u.tokens for u in units), unit="tok", unit_scale=True, desc="extracting",
                         disable=not (progress and proc.is_main), dynamic_ncols=True,
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, now "

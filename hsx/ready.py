@@ -55,6 +55,12 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     owns_model = loaded is None
     loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target)
     use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
+    if proc.ep_size > 1:  # this rank keeps its share of the experts; tokens travel to the others' (all-to-all)
+        from hsx.expert_parallel import shard_experts
+
+        modules, local = shard_experts(loaded.base, proc.ep_group)
+        log(f"hsx: --ep-size {proc.ep_size}: each rank holds {local} routed experts of each of {modules} "
+            f"mixture-of-experts layers ({local * proc.ep_size} experts each); each runs its own batches")
     quant = fp8.quantization_of(loaded.text_config)
     if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
         log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "
@@ -98,9 +104,11 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
         budget = CPU_TOKEN_BUDGET
     # Tensor-parallel ranks must run identical batches: the smallest budget any of them can afford (as negative).
     budget = -proc.agree_max(-budget)
+    if proc.ep_size > 1:  # an expert-parallel group's ranks run their forwards in lockstep: one budget for all
+        budget = proc.ep_group.agree_min(budget)
     # Auto compile stays off for a copy spread over GPUs: accelerate's device hooks wrap each layer's forward.
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
-                                          and cfg.tp_size == 1)
+                                          and cfg.tp_size == 1 and cfg.ep_size == 1)
     prepared = prepare_model(loaded.base, packing, compile_model=use_compile, cuda=cuda, log=log)
     if gemm is not None:  # (DeepGEMM may run some shapes as the fallback of another device choice too)
         rows = max(budget, cfg.max_length or 0)

@@ -42,6 +42,8 @@ class Process:
     barriers: int = 0  # barriers passed, naming the next one's keys in `store`
     gathers: int = 0  # all_gathers through `store`, naming the next one's keys
     claims_store: Any = None  # --elastic: the store units are claimed through (hsx.claims); the ranks are this node's
+    ep_size: int = 1  # processes sharing one model's routed experts (--ep-size), each on its own batches and units
+    ep_group: Any = None  # hsx.expert_parallel.EpGroup of this process's group
 
     @property
     def dp_rank(self) -> int:  # which model copy this process belongs to
@@ -148,14 +150,17 @@ def env_int(name: str, default: int, low: int = 0, environ=os.environ) -> int:
     return value
 
 
-def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | None = None) -> Process:
+def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | None = None,
+                    ep_size: int = 1) -> Process:
     """This process's rank and devices. Under `accelerate launch` / torchrun (WORLD_SIZE > 1) the process group
     comes from accelerate. hsx needs it only for barriers and for what the ranks must agree on (`all_gather`:
     small objects), so it is always gloo on the CPU (accelerate's cpu=True state): that also works on machines
     without CUDA (where accelerate's default state is single-process in every rank, so each would process every
     row) and with several GPUs per process (NCCL refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
     With --tp-size > 1 each model copy is its own world instead (`_copy_world`). With `elastic` (--elastic
-    HOST:PORT) the ranks are this node's alone (`_node_world`): nodes share nothing but the claims store."""
+    HOST:PORT) the ranks are this node's alone (`_node_world`): nodes share nothing but the claims store. With
+    --ep-size > 1, ranks [k·ep, (k+1)·ep) share their experts (hsx.expert_parallel), each still a copy of its own
+    for the units."""
     from datetime import timedelta
 
     import torch
@@ -170,6 +175,10 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | Non
     if tp_size > 1 and per_node % tp_size:  # copies are consecutive ranks: one would straddle two machines
         raise HsxError(f"--tp-size {tp_size} with {per_node} processes per machine: a model copy would span two "
                        "machines (its every layer waiting on the network); launch a multiple of --tp-size per machine")
+    if ep_size > 1 and (world % ep_size or per_node % ep_size):
+        raise HsxError(f"--ep-size {ep_size} with {world} processes ({per_node} per machine): the experts are "
+                       "sharded over --ep-size processes of one machine, so launch a multiple of --ep-size processes "
+                       "on each")
     cuda = torch.cuda.is_available()
     torch.set_num_threads(cpu_threads(per_node, cpu_device=not cuda))
     # Ranks meet around tokenization (rank 0 tokenizes, the others wait): allow hours for a big dataset.
@@ -187,9 +196,14 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | Non
         state = PartialState(cpu=True, timeout=timeout)
         rank, world = state.process_index, state.num_processes
         local = env_int("LOCAL_RANK", state.local_process_index)
-    return _with_devices(Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
+    proc = _with_devices(Process(rank=rank, world_size=world, device=torch.device("cpu"), state=state,
                                  local_rank=local, tp_size=tp_size, tp_control=tp_control, store=store),
                          gpus_per_copy)
+    if ep_size > 1:
+        from hsx.expert_parallel import make_groups
+
+        proc.ep_size, proc.ep_group = ep_size, make_groups(rank, world, ep_size, proc.device)
+    return proc
 
 
 def _with_devices(proc: Process, gpus_per_copy: int) -> Process:
@@ -338,7 +352,7 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
 
     `model` (a LoadedModel) skips loading: `hsx bench` passes the random-weight model it built."""
     cfg = check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
-    proc = current_process(cfg.gpus_per_copy, cfg.tp_size, cfg.elastic)
+    proc = current_process(cfg.gpus_per_copy, cfg.tp_size, cfg.elastic, cfg.ep_size)
     say = log if proc.is_main else (lambda *a, **k: None)
     # --elastic: the launch's global rank names this process's files (nodes may share one dir)
     out = OutputDir(cfg.output_dir, rank=env_int("RANK", proc.rank) if cfg.elastic else proc.rank)
@@ -435,7 +449,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
             uploader.submit(name, path)
 
     try:
-        if mine:
+        if mine or (proc.ep_size > 1 and pending):  # (an expert-parallel rank with no unit serves its group)
             with Extraction(cfg, proc, job.target, units.ordered, pending if claims else mine, model, say,
                             feed=mine.feed() if claims else None) as extraction:
                 record_run(out, extraction.stats, say, compare=proc.is_main)
@@ -570,9 +584,10 @@ def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> I
     from hsx.load import table_rows
 
     cfg = check_config(cfg, required=("model", "dataset"))
-    if cfg.tp_size > 1:
+    if cfg.tp_size > 1 or cfg.ep_size > 1:
         raise UsageError("hsx.stream runs a whole model copy in each process, next to the training loop: "
-                         "--tp-size is for hsx extract (--gpus-per-copy spreads a copy over this process's GPUs)")
+                         f"--{'tp' if cfg.tp_size > 1 else 'ep'}-size is for hsx extract (--gpus-per-copy spreads a "
+                         "copy over this process's GPUs)")
     if env_int("WORLD_SIZE", 1, low=1) > 1 and not (torch.distributed.is_available()
                                                           and torch.distributed.is_initialized()):
         raise UsageError("hsx.stream under a launcher: create your Accelerator (or torch.distributed process group) "

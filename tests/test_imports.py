@@ -17,10 +17,12 @@ LAYERS: list[set[str]] = [
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
     {"hsx.config"},  # the job's settings
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
-    # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels; FP8 checkpoints: the
+    # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels, their sharding over
+    # ranks expert_parallel; FP8 checkpoints: the
     # format fp8, the linear layer and its GEMMs fp8_gemm, hsx's FP8 layers in a model fp8_model), length buckets
     {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.prepare", "hsx.attention", "hsx.gdn", "hsx.moe",
-     "hsx.moe_kernels", "hsx.fp8", "hsx.fp8_gemm", "hsx.fp8_model", "hsx.buckets", "hsx.kernels"},
+     "hsx.moe_kernels", "hsx.expert_parallel", "hsx.fp8", "hsx.fp8_gemm", "hsx.fp8_model", "hsx.buckets",
+     "hsx.kernels"},
     # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
     # the storage's own rates: storage)
     {"hsx.inputs", "hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.storage", "hsx.info",

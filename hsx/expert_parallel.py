@@ -1,0 +1,162 @@
+"""Expert parallelism with each rank on its own batches (`--ep-size N`): the routed experts of a mixture of experts
+sharded over the N ranks of a group, everything else (embeddings, attention, dense and shared MLPs, routers)
+whole on each rank, and each (token, expert) pair sent to its expert's rank and back with
+`torch.distributed.all_to_all_single` (first the counts, then the rows). Every rank runs its own batches, hooks and
+units as in data parallelism; only the experts' GEMMs see the other ranks' tokens.
+
+Behind transformers' experts seam: each experts module keeps the forward transformers dispatches through its
+`ExpertsInterface` (hsx.moe's "hsx_grouped", its FP8 path, or transformers' own) and runs it on its local experts;
+`shard_experts` wraps it with the dispatch and the combine. transformers 5.25 has an expert-parallel path of its own
+(`DistributedConfig(ep_size=N, fsdp_size=N, ...)` with the `ep_dispatch_experts` rule's `AllToAllEP`), but it ties
+the ranks' own batches to FSDP-sharded dense weights (gathered at every forward; FSDP2 fails under
+`torch.inference_mode`) and shards over the whole world; hsx replicates the dense weights instead.
+
+The ranks of a group run their forwards in lockstep (every MoE layer is a collective): before each forward they
+agree whether any of them has one to run (`EpGroup.agree`), and a rank with none runs a one-token forward whose
+output is dropped (`Extractor.idle_in_lockstep`), so the others never wait on it; their token budgets are agreed
+(the smallest). The pairs' outputs come back and each token's k outputs are summed in float32 in the routing order,
+as hsx.moe's one-process `sum_pairs` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hsx.errors import HsxError
+
+GROUP = "_hsx_expert_parallel"  # set on the decoder stack by shard_experts: its EpGroup (the engine's lockstep)
+
+
+@dataclass
+class EpGroup:
+    """The ranks that share one model's experts: ranks [k·size, (k+1)·size) of the job."""
+    group: Any  # torch.distributed ProcessGroup of the group's ranks (NCCL on GPUs, gloo on the CPU)
+    size: int
+    rank: int  # within the group
+    device: torch.device  # where the collectives' tensors live
+
+    def agree(self, has_work: bool) -> bool:
+        """Whether any rank of the group has a forward to run (every rank calls this before each forward, and an
+        idle one until it returns False)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(has_work)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def agree_min(self, value: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], device=self.device, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+def make_groups(rank: int, world: int, ep_size: int, device: torch.device) -> EpGroup:
+    """Every rank creates every group, in order (torch.distributed's rule); returns this rank's."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = None
+    for first in range(0, world, ep_size):
+        group = dist.new_group(list(range(first, first + ep_size)), backend=backend)
+        if first <= rank < first + ep_size:
+            mine = EpGroup(group, ep_size, rank - first, device)
+    return mine
+
+
+def group_of(base: torch.nn.Module) -> EpGroup | None:
+    return getattr(base, GROUP, None)
+
+
+def _experts_modules(base: torch.nn.Module):
+    """transformers' fused experts modules: 3-D expert weights (experts first) and `num_experts`."""
+    for name, module in base.named_modules():
+        w = getattr(module, "down_proj", None)
+        if (isinstance(getattr(module, "num_experts", None), int) and isinstance(w, torch.Tensor) and w.dim() == 3
+                and w.shape[0] == module.num_experts):
+            yield name, module
+
+
+def shard_experts(base: torch.nn.Module, ep: EpGroup) -> tuple[int, int]:
+    """Keep this rank's contiguous share of every experts module (every parameter and buffer whose first dimension
+    is the experts), and wrap each module's forward with the dispatch and combine. Returns (how many modules, the
+    experts this rank holds in each)."""
+    count = local = 0
+    for name, module in _experts_modules(base):
+        experts = int(module.num_experts)
+        if experts % ep.size:
+            raise HsxError(f"--ep-size {ep.size}: {name} has {experts} experts, which do not split evenly over "
+                           f"{ep.size} ranks; give an --ep-size that divides {experts}")
+        local = experts // ep.size
+        lo = ep.rank * local
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.dim() >= 1 and p.shape[0] == experts:
+                module.register_parameter(pname, torch.nn.Parameter(p.data[lo:lo + local].clone(),
+                                                                    requires_grad=False))
+        for bname, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.dim() >= 1 and b.shape[0] == experts:
+                module.register_buffer(bname, b[lo:lo + local].clone())
+        module.num_experts = local
+        _install(module, ep, lo, local)
+        count += 1
+    if not count:
+        raise HsxError("--ep-size: this model has no routed experts to shard (a dense model runs one copy per "
+                       "process: leave --ep-size out)")
+    setattr(base, GROUP, ep)
+    return count, local
+
+
+def _install(module: torch.nn.Module, ep: EpGroup, first: int, local: int) -> None:
+    inner = module.forward  # what transformers dispatches to (hsx_grouped, its FP8 path, or its own)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return dispatch_combine(inner, hidden_states, top_k_index, top_k_weights, ep, local)
+
+    module.forward = forward
+
+
+def dispatch_combine(inner, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     ep: EpGroup, local: int) -> torch.Tensor:
+    """Each (token, expert) pair to the rank holding the expert, its rows run there by `inner` as one pair per row
+    (the routing weight applied there, as in one process), the outputs back, and each token's k outputs summed in
+    float32 in routing order."""
+    import torch.distributed as dist
+
+    tokens, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    ids = top_k_index.reshape(-1)
+    owner = torch.div(ids, local, rounding_mode="floor")
+    order = torch.argsort(owner, stable=True)  # pairs grouped by owner rank, (token, slot) order within
+    send_counts = torch.bincount(owner, minlength=ep.size).to(torch.int64)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
+    send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()  # the one host sync of the layer
+    received = sum(recv_sizes)
+    pair_rows = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    local_ids = (ids.index_select(0, order) - owner.index_select(0, order) * local).to(torch.int64)
+    weights = top_k_weights.reshape(-1).index_select(0, order)
+
+    def exchange(x: torch.Tensor, out_rows: int, out_sizes, in_sizes) -> torch.Tensor:
+        out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=ep.group)
+        return out
+
+    rows_in = exchange(pair_rows, received, recv_sizes, send_sizes)
+    ids_in = exchange(local_ids, received, recv_sizes, send_sizes)
+    weights_in = exchange(weights, received, recv_sizes, send_sizes)
+    if received:
+        out = inner(rows_in, ids_in.view(-1, 1), weights_in.view(-1, 1))
+    else:  # nothing routed here this layer: the exchange still runs, with no rows
+        out = rows_in.new_empty((0, hidden))
+    back = exchange(out.to(hidden_states.dtype), tokens * k, send_sizes, recv_sizes)
+    pairs = torch.empty_like(back)
+    pairs[order] = back
+    pairs = pairs.view(tokens, k, hidden)
+    total = pairs[:, 0].float()
+    for j in range(1, k):
+        total = total + pairs[:, j]
+    return total.to(hidden_states.dtype)
