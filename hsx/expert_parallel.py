@@ -44,15 +44,26 @@ class EpGroup:
         import torch.distributed as dist
 
         flag = torch.tensor([int(has_work)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.collective(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
     def agree_min(self, value: int) -> int:
         import torch.distributed as dist
 
         t = torch.tensor([value], device=self.device, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self.collective(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def collective(self, fn, *args, **kwargs):
+        """One collective of the group; a rank of it that ended (killed, failed) is one line, not the backend's
+        traceback: the group cannot go on without it."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # (torch.distributed's DistError and the backends' errors are RuntimeErrors)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise HsxError(f"--ep-size {self.size}: a rank of this process's expert-parallel group ended or failed "
+                           f"({first}); the group cannot go on without it. The units committed are kept: run the "
+                           "same command to continue") from None
 
 
 def make_groups(rank: int, world: int, ep_size: int, device: torch.device) -> EpGroup:
@@ -133,7 +144,7 @@ def dispatch_combine(inner, hidden_states: torch.Tensor, top_k_index: torch.Tens
     order = torch.argsort(owner, stable=True)  # pairs grouped by owner rank, (token, slot) order within
     send_counts = torch.bincount(owner, minlength=ep.size).to(torch.int64)
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
+    ep.collective(dist.all_to_all_single, recv_counts, send_counts, group=ep.group)
     send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()  # the one host sync of the layer
     received = sum(recv_sizes)
     pair_rows = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
@@ -142,7 +153,7 @@ def dispatch_combine(inner, hidden_states: torch.Tensor, top_k_index: torch.Tens
 
     def exchange(x: torch.Tensor, out_rows: int, out_sizes, in_sizes) -> torch.Tensor:
         out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_sizes, in_sizes, group=ep.group)
+        ep.collective(dist.all_to_all_single, out, x.contiguous(), out_sizes, in_sizes, group=ep.group)
         return out
 
     rows_in = exchange(pair_rows, received, recv_sizes, send_sizes)
