@@ -245,3 +245,73 @@ def test_ep_size_must_divide_each_machines_processes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(HsxError, match="--ep-size 4 with 4 processes \\(2 per machine\\)"):
         current_process(ep_size=4)
+
+
+# ---- FP8 experts as stored, sharded --------------------------------------------------------------------------------
+
+def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> None:
+    """One rank: the FP8 checkpoint loaded as stored (e4m3 experts, block scales: transformers does so only where it
+    sees CUDA, so the load is told there is one), run by hsx's grouped FP8 path (its torch reference on CPU); the
+    whole model's states for this rank's own batch, then those of the model with its experts sharded over the
+    group; rank 1 has one batch fewer and serves rank 0's last forward idle."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    import transformers
+
+    from test_fp8 import _emulated_fp8_linear_forward
+
+    from hsx import moe
+    from hsx.expert_parallel import EpGroup, shard_experts
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+    def load():
+        with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)):
+            model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+        for m in model.modules():  # (transformers' FP8 linear GEMM is a CUDA kernel: its maths in float32, as there)
+            if type(m).__name__ == "FP8Linear":
+                m.forward = _emulated_fp8_linear_forward.__get__(m)
+        moe.use_experts(model, moe.EXPERTS_IMPLEMENTATION)
+        return model
+
+    g = torch.Generator().manual_seed(10 + rank)
+    batches = [torch.randint(3, 500, (2 - rank, 29 + 8 * rank), generator=g) for _ in range(2 - rank)]
+    whole, sharded = load(), load()
+    ep = EpGroup(dist.new_group([0, 1], backend="gloo"), world, rank, torch.device("cpu"))
+    modules, local = shard_experts(sharded, ep)
+    experts = [m for m in sharded.modules() if getattr(m, "num_experts", None) == local and hasattr(m, "down_proj")]
+    out = {"modules": modules, "local": local,
+           "e4m3": all(m.gate_up_proj.dtype == torch.float8_e4m3fn and m.gate_up_proj.shape[0] == local
+                       and m.gate_up_proj_scale_inv.shape[0] == local for m in experts), "rel": []}
+    with torch.inference_mode():
+        for ids in batches:
+            want = whole(input_ids=ids).last_hidden_state
+            ep.agree(True)
+            got = sharded(input_ids=ids).last_hidden_state
+            out["rel"].append(((got - want).norm() / want.norm()).item())
+        while ep.agree(False):  # rank 1 once rank 0 is on its last batch: one-token forwards
+            sharded(input_ids=torch.zeros((1, 1), dtype=torch.int64))
+            out["idle_forwards"] = out.get("idle_forwards", 0) + 1
+    Path(results, f"{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fp8_experts_stay_fp8_when_sharded_and_equal_the_whole_model(tmp_path):
+    import torch.multiprocessing as mp
+    from test_fp8 import _save_fp8_moe_checkpoint
+
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    _save_fp8_moe_checkpoint(folder, "qwen3_moe")
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_fp8_worker, args=(2, str(folder), f"tcp://127.0.0.1:{free_port()}", str(results)), nprocs=2)
+    got = [json.loads((results / f"{r}.json").read_text()) for r in (0, 1)]
+    for r in got:
+        assert r["modules"] == 2 and r["local"] == 4 and r["e4m3"], r
+        assert all(rel < 1e-6 for rel in r["rel"]), r
+    assert len(got[0]["rel"]) == 2 and len(got[1]["rel"]) == 1 and got[1]["idle_forwards"] == 1
