@@ -131,9 +131,23 @@ class Extractor:
         rank of its group has one, so that the group's all-to-alls always have every rank."""
         if self.lockstep is None:
             return
-        ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        if self.packing == "none":
+            ids, packed, rows = torch.zeros((1, 1), dtype=torch.int64, device=self.device), {}, None
+        else:  # one packed row of the pack multiple's length, as `_launch` hands the forward its rows
+            n = self.pack_multiple
+            ids = torch.zeros((1, n), dtype=torch.int64, device=self.device)
+            bounds = np.array([0, n], dtype=np.int32)
+            cu = torch.from_numpy(bounds).to(self.device)
+            packed = {"position_ids": torch.arange(n, device=self.device).view(1, n), "cu_seq_lens_q": cu,
+                      "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n}
+            rows = None
+            if self.linear_attention:
+                chunks = gdn.chunk_indices(bounds, np.empty(2 * (n // gdn.FLA_CHUNK + 2), dtype=np.int32))
+                rows = gdn.PackedRows(cu_seqlens=cu, cu_seqlens_cpu=torch.from_numpy(bounds.astype(np.int64)),
+                                      chunk_indices=torch.from_numpy(chunks.copy()).to(self.device).view(-1, 2))
         while self.lockstep.agree(False):
-            self.loaded.base(input_ids=ids, use_cache=False)
+            with gdn.packed_rows(rows):
+                self.loaded.base(input_ids=ids, use_cache=False, **packed)
             self.store.clear()
 
     def _topk(self, final: torch.Tensor, chunk: int = 2048) -> list[torch.Tensor]:

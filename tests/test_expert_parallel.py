@@ -98,7 +98,7 @@ def references(models, tmp_path_factory) -> dict[str, Path]:
     return refs
 
 
-def assert_equals_one_process(out: Path, ref: Path, rows: int = 40) -> None:
+def assert_equals_one_process(out: Path, ref: Path, rows: int = 40, tolerance: float = 1e-7) -> None:
     """The same rows, ids and masks; the states within float32 rounding (relative error norm under 1e-7, float32's
     unit roundoff is 6e-8). `rows`: the first rows of the reference's job (a job of a smaller --limit)."""
     a = hsx.load(str(ref)).data.table.sort_by("sample_id").slice(0, rows)
@@ -110,7 +110,7 @@ def assert_equals_one_process(out: Path, ref: Path, rows: int = 40) -> None:
         x, y = (np.asarray(t.column(c).combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False),
                            dtype=np.float64) for t in (a, b))
         assert np.abs(x).max() > 0.05
-        assert np.linalg.norm(x - y) / np.linalg.norm(x) < 1e-7, c
+        assert np.linalg.norm(x - y) / np.linalg.norm(x) < tolerance, c
 
 
 def writers(out: Path) -> list[str]:
@@ -144,13 +144,15 @@ def test_four_ranks_deepseek_v3_equal_one_process(models, references, tmp_path):
 
 @pytest.mark.slow
 def test_an_idle_rank_serves_its_group_and_two_groups_split_the_units(models, references, tmp_path):
-    """A job of one row (one unit): rank 0 writes it, rank 1 has no unit and runs one-token forwards until rank 0
-    is done (without them rank 0 would wait in its first all-to-all). Then 4 processes as 2 groups of 2."""
+    """A job of one row (one unit): rank 0 writes it, rank 1 has no unit and runs idle forwards until rank 0 is done
+    (without them rank 0 would wait in its first all-to-all); packed (--packing varlen, as on GPUs: the idle
+    forward is one packed row too). Then 4 processes as 2 groups of 2."""
     one = tmp_path / "one-unit"
-    r = run(argv(models["deepseek_v3"], one, "--ep-size", "2", "--limit", "1"), 2)
+    r = run(argv(models["deepseek_v3"], one, "--ep-size", "2", "--limit", "1", "--packing", "varlen"), 2)
     assert r.returncode == 0, failure(r)
     assert writers(one) == ["manifest-00000.jsonl"]
-    assert_equals_one_process(one, references["deepseek_v3"], rows=1)
+    # (the reference ran right-padded: its attention sums in another order than the packed one's)
+    assert_equals_one_process(one, references["deepseek_v3"], rows=1, tolerance=1e-6)
     groups = tmp_path / "two-groups"
     r = run(argv(models["qwen3_moe"], groups, "--ep-size", "2"), 4)
     assert r.returncode == 0, failure(r)
