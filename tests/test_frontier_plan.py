@@ -155,3 +155,35 @@ def test_plan_refuses_what_no_node_holds_in_one_line_naming_what_would(argv, nam
     assert "GiB replicated +" in err and "more than 90% of its" in err and "not built yet" in err
     for name in names:
         assert name in err, err
+
+
+# deepseek-ai/DeepSeek-V3's config.json (the keys that shape the model; MTP and rope details as published)
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1, "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                          "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "original_max_position_embeddings": 4096},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+
+
+def test_a_local_folder_with_only_its_config_plans_like_the_shipped_shape(tmp_path, capsys, monkeypatch):
+    """A checkpoint folder holding config.json alone (no weights): planned from it, the same bytes as the shipped
+    shape of its Hub id."""
+    folder = tmp_path / "DeepSeek-V3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    local = plan_json(["--model", str(folder), "--layers", "eagle3"], capsys, monkeypatch)
+    hub = plan_json(["--model", "deepseek-ai/DeepSeek-V3", "--layers", "eagle3"], capsys, monkeypatch)
+    assert local["weight_bytes"] == hub["weight_bytes"]
+    assert local["expert_parallel"] == hub["expert_parallel"] and local["expert_parallel"]["ep_size"] == 8
+    rc, err = plan(["--model", str(folder), "--layers", "eagle3", "--gpu", "h100-sxm"], capsys, monkeypatch)
+    assert rc == 1 and "FP8 on 8 H200 of 139 GiB" in err
