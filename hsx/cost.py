@@ -664,7 +664,7 @@ def expert_parallel_refusal(name: str, p: dict[str, Any], gpu: str) -> str:
 def expert_parallel_lines(p: dict[str, Any]) -> list[str]:
     """`hsx plan`'s lines on expert parallelism: the split, the group for these GPUs, and which GPUs hold it."""
     ep = p.get("expert_parallel")
-    if not ep:
+    if not ep or p.get("gpus_per_copy") == 1:  # a copy per GPU: data parallel, nothing to shard
         return []
     gib = 1024**3
     n = ep["ep_size"]
@@ -684,8 +684,10 @@ def expert_parallel_lines(p: dict[str, Any]) -> list[str]:
         if r["ep_size"]:
             held.setdefault(r["format"], []).append(f"{r['ep_size']}×{r['gpu']} "
                                                     f"({r['per_gpu_bytes'] / gib:,.0f} GiB/GPU)")
+    stored = "fp8" if ep["fp8"] else "bf16"
     for fmt, where in held.items():
-        lines.append(f"  {fmt} held by: {', '.join(where)}")
+        what = fmt if fmt == stored else f"{fmt} (an FP8 checkpoint of it)"
+        lines.append(f"  {what} held by: {', '.join(where)}")
     return lines
 
 
