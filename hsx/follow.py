@@ -415,6 +415,8 @@ class LocalSource:
         if not (isinstance(units, list) and all(isinstance(u, str) and u in records for u in units)):
             raise HsxError("hold: units must be committed units of this output")
         if self.write:
+            if not units and any(w[:2] == (consumer, rank) for w in self.wanted):
+                return  # (claimed once OUT exists: nothing was held before it did)
             self._check_claim(consumer, rank, session, "hold")
             self._check_share(units, rank, world_size, "hold")
             ledgers.write_holding(self.out.state, consumer, rank, [records[u]["file"] for u in units])

@@ -288,3 +288,20 @@ def test_a_token_file_is_read_as_bytes_and_must_be_printable_ascii(tmp_path, mon
         read_token(None)
     rc, _, err = hsx_main(["serve", str(tmp_path), "--port", "0", "--token-file", str(tmp_path / "nothing")])
     assert_one_error_line(rc, err, "--token-file")
+
+
+def test_a_deleting_reader_started_before_the_output_claims_it_once_it_exists(tmp_path, fault_reference):
+    """The README's two terminals in either order: a reader started before `hsx extract` made OUT declares itself
+    and takes its lock once OUT is there (waiting for a unit meanwhile, as before)."""
+    out = tmp_path / "out"
+    rows = hsx.follow(out, consumer="t", delete_consumed=True, rows="dict", timeout=0.3, poll_seconds=0.05)
+    with pytest.raises(HsxError, match="no new unit"):
+        list(rows)  # (it waits, holding nothing, for a dir that is not there)
+    shutil.copytree(fault_reference.out, out)
+    got = [r["sample_id"] for r in rows]
+    assert sorted(got) == sorted(fault_reference.sample_ids)
+    assert "t" in json.loads((out / ".hsx" / "consumers.json").read_text())["declared"]
+    with pytest.raises(HsxError, match="already has a live reader"):
+        hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
+    rows.commit()
+    assert files(out) == set()
