@@ -10,8 +10,9 @@ protocol, all of it (hsx.serve answers it):
   carries `datasets`' features, so the rows decode as `hsx.load`'s), once the server checked the unit's file
   against its manifest line's CRC-32; each batch's app_metadata is its own CRC-32 (`batch_crc32`), which the
   client checks (a bit flipped after the server's check, in its memory or on the wire, is caught too);
-- DoAction `state` `{}`: `{"summary", "records", "complete", "gone"}`: the job's plan (.hsx/summary.json), the
-  manifest records, whether hsx.json says complete, and the committed units no longer in data/;
+- DoAction `state` `{}`: `{"summary", "records", "complete", "gone", "consumers"}`: the job's plan
+  (.hsx/summary.json), the manifest records, whether hsx.json says complete, the committed units no longer in
+  data/, and the consumers units wait for;
 - DoAction `ledger` `{"consumer"}`: the consumer's ledger (the furthest record of each unit);
 - DoAction `claim` `{"consumer", "rank", "world_size", "session"}`: a deleting reader declares its consumer
   (OUT/.hsx/consumers.json) and becomes the session whose commits the server records for that consumer rank
@@ -123,6 +124,10 @@ class FlightSource:
 
     def complete(self) -> bool:
         return bool((self.last or self._state()).get("complete"))
+
+    def declared(self) -> list[str]:
+        found = self._state().get("consumers")
+        return found if isinstance(found, list) else []
 
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
         from hsx.schema import ConsumedRecord, Damaged

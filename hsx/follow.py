@@ -33,6 +33,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,11 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     check_consumer(consumer, rank, world_size)
     if delete_consumed:  # one live deleting reader per consumer rank; its units then wait for it
         source.claim(consumer, rank, world_size)
+    elif consumer in source.declared():
+        warnings.warn(f"hsx.follow: consumer {consumer!r} is declared in {source.where}, so its units are deleted "
+                      "(and the extractor's --max-pending-gb window released) only once it records them, which a "
+                      "reader without delete_consumed=True never does: pass delete_consumed=True, or read under "
+                      "another consumer= name", stacklevel=2)
     layout = functools.partial(unit_layout, layers=layers, dequantize=dequantize) if rows == "torch" else None
     return Follow(source, consumer, delete_consumed, rows, layout, commit, poll_seconds, rank, world_size, timeout,
                   batch_size, prefetch)
@@ -338,6 +344,10 @@ class LocalSource:
     def complete(self) -> bool:
         info = read_info(self.out.root)
         return info is not None and info.complete
+
+    def declared(self) -> list[str]:
+        """The consumers units wait for (hsx.ledgers.active_consumers)."""
+        return ledgers.active_consumers(self.out.state) if self.out.state.is_dir() else []
 
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
         """This consumer's ledger records, the furthest of each unit (hsx.ledgers.consumer_positions)."""

@@ -149,7 +149,8 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
         if kind == "state":
             summary, records = src.summary(), src.records()
             return {"summary": None if summary is None else summary.to_dict(), "records": records,
-                    "complete": src.complete(), "gone": [u for u, r in records.items() if src.gone(r)]}
+                    "complete": src.complete(), "gone": [u for u, r in records.items() if src.gone(r)],
+                    "consumers": src.declared()}
         consumer = body.get("consumer")
         if kind == "ledger":
             check_consumer(consumer, 0, 1)

@@ -305,3 +305,16 @@ def test_a_deleting_reader_started_before_the_output_claims_it_once_it_exists(tm
         hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
     rows.commit()
     assert files(out) == set()
+
+
+def test_a_reader_of_a_declared_name_that_does_not_delete_is_warned(tmp_path, fault_reference, server_of):
+    """Units wait for a declared consumer until it records them; a reader of that name without delete_consumed
+    never does, so the window would wait for ever: said when it starts."""
+    out = copy_out(tmp_path, fault_reference)
+    rc, _, err = hsx_main(["consumers", str(out), "--declare", "t"])
+    assert rc == 0, err
+    with pytest.warns(UserWarning, match="consumer 't' is declared in .* delete_consumed=True"):
+        hsx.follow(out, consumer="t", rows="dict")
+    url = server_of(out)
+    with pytest.warns(UserWarning, match="consumer 't' is declared in grpc://"):
+        hsx.follow(url, consumer="t", rows="dict", token=TOKEN)
