@@ -29,6 +29,9 @@ from hsx.errors import HsxError, Stopped, UsageError, one_line
 from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV, batch_crc32
 
 SESSION = re.compile(r"[A-Za-z0-9]{1,64}")
+ACTIONS = {"state": "plan, manifests, complete, consumers", "ledger": "a consumer's ledger",
+           "claim": "a deleting reader's consumer rank", "commit": "record a consumer's rows",
+           "hold": "units a waiting step holds"}  # (the protocol: hsx.flight)
 
 MAX_TOKEN_BYTES = 4096
 
@@ -167,21 +170,23 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
             else:
                 src.hold(consumer, rank, world_size, body.get("units"), session=session)
             return {}
-        raise HsxError(f"unknown action {kind[:40]!r}")
+        raise HsxError(f"unknown action {kind!r}")
 
     class Server(flight.FlightServerBase):
         def do_get(self, context, ticket):
             return one_line_errors("get", get, ticket)
 
         def do_action(self, context, action):
-            kind = one_line_errors("action", lambda: str(action.type)[:40])
+            kind = action.type if action.type in ACTIONS else None
+            if kind is None:
+                shown = action.type if re.fullmatch(r"[\w-]{1,40}", action.type, re.ASCII) else "of that name"
+                raise flight.FlightServerError(f"unknown action {shown} (hsx serve answers "
+                                               f"{', '.join(ACTIONS)})")
             answer = one_line_errors(kind, act, kind, action.body.to_pybytes())
             return [json.dumps(answer).encode()]
 
         def list_actions(self, context):
-            return [("state", "plan, manifests, complete"), ("ledger", "a consumer's ledger"),
-                    ("claim", "a deleting reader's consumer rank"), ("commit", "record a consumer's rows"),
-                    ("hold", "units a waiting step holds")]
+            return list(ACTIONS.items())
 
     try:
         server = Server(f"grpc+tcp://{host}:{port}", middleware={"auth": Auth()})
