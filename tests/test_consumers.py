@@ -319,3 +319,30 @@ def test_a_reader_of_a_declared_name_that_does_not_delete_is_warned(tmp_path, fa
     url = server_of(out)
     with pytest.warns(UserWarning, match="consumer 't' is declared in grpc://"):
         hsx.follow(url, consumer="t", rows="dict", token=TOKEN)
+
+
+@pytest.mark.slow
+def test_a_second_deleting_reader_in_another_process_is_refused_until_the_first_ends(tmp_path, fault_reference):
+    """Two trainer processes started with one consumer name: the second is refused in one line while the first
+    lives, and starts once it is gone (its lock dies with it, a SIGKILL included)."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    out = copy_out(tmp_path, fault_reference)
+    script = ("import sys, hsx, hsx.errors\n"
+              "try:\n"
+              "    hsx.follow(sys.argv[1], consumer='t', delete_consumed=True, rows='dict')\n"
+              "except hsx.errors.HsxError as e:\n"
+              "    print(e); sys.exit(1)\n")
+    first = hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
+    refused = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
+                             env=child_env(), timeout=300)
+    assert refused.returncode == 1 and "already has a live reader that deletes" in refused.stdout, refused
+    assert len(refused.stdout.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    del first
+    gc.collect()
+    started = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
+                             env=child_env(), timeout=300)
+    assert started.returncode == 0, started
