@@ -195,8 +195,9 @@ def consumers(args: argparse.Namespace) -> None:
         print(f"hsx consumers: {args.output_dir}: {len(report['consumers'])} consumer(s); {report['released']} of "
               f"its {report['units']} committed unit(s) consumed by all of them")
         for c in report["consumers"]:
+            live = "a live local reader" if c["live"] else "no live local reader"
             print(f"  {c['name']}: declared by {c['declared_by']}; ranks {','.join(map(str, c['ranks'])) or '-'}; "
-                  f"{c['consumed']} unit(s) consumed whole; {'a live local reader' if c['live'] else 'no live local reader'}"
+                  f"{c['consumed']} unit(s) consumed whole; {live}"
                   + (f"; holds back {len(c['holds_back'])} unit(s) the others consumed (--retire {c['name']} "
                      "releases them)" if c["holds_back"] else ""))
         for name, when in report["retired"].items():

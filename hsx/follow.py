@@ -9,7 +9,12 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
   StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
-  `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
+  `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units every declared
+  consumer has consumed whole (hsx.ledgers.released). A reader with `delete_consumed` declares its consumer in
+  OUT and holds its consumer rank's lock (`LocalSource.claim`: a second live one is refused); `hsx consumers OUT`
+  lists the consumers and retires one that stopped for good (`retire`).
+- Each unit's CRC-32 is checked against its manifest line before any of its rows is handed out
+  (`check_unit_crc`; over Flight, each record batch's too: hsx.flight).
   `commit="unit"` does so for a unit once the training step over its last row has returned
   (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
   consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
@@ -52,8 +57,9 @@ MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits 
 
 def pending_bytes(out, in_flight=()) -> int:
     """Bytes of units on disk that are not consumed yet: committed units (a manifest line) not consumed whole by
-    every declared consumer (hsx.ledgers.released: the rule that deletes them), units being written under .hsx/tmp/, and `in_flight` (this process's units submitted to its
-    committer, between .hsx/tmp/ and their manifest line). Counted by name, once each.
+    every declared consumer (hsx.ledgers.released: the rule that deletes them), units being written under
+    .hsx/tmp/, and `in_flight` (this process's units submitted to its committer, between .hsx/tmp/ and their
+    manifest line). Counted by name, once each.
 
     A file in data/ with no manifest line and not in flight is the leftover of a run killed between a unit's rename
     and its manifest line: no trainer can read it (hsx.follow reads committed units), the redo replaces it, and
@@ -534,6 +540,7 @@ def retire(out_dir, consumer: str, log=print) -> list[str]:
     changed) for a name that is not an active consumer, and while a live local reader holds it. Returns the unit
     files deleted."""
     out = _state_of(out_dir)
+    out.check_no_links()  # (it writes .hsx/consumers.json and deletes under data/)
     state = out.state
     rec = ledgers.consumers_record(state)
     active = ledgers.active_consumers(state)
@@ -550,9 +557,11 @@ def retire(out_dir, consumer: str, log=print) -> list[str]:
         records = ledgers.manifest_records(state)
         before = ledgers.released(state, records)
         ledgers.retire_consumer(state, consumer)
+        for holding in state.glob(f"holding-{consumer}-*.json"):  # (what it held no longer holds the window)
+            if holding.is_file() and not holding.is_symlink():
+                holding.unlink()
         left = [c for c in active if c != consumer]
         newly = sorted(ledgers.released(state, records) - before)
-        out.check_no_links()
         deleted = out.remove_data_files([records[u]["file"] for u in newly], links=True)
     finally:
         for fd in taken:
