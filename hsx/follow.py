@@ -136,7 +136,9 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
-      takes another name (and must not delete).
+      takes another name. With `delete_consumed` the name is declared in OUT (.hsx/consumers.json): a unit is
+      deleted only once every declared consumer consumed it, and a second live deleting reader of the same
+      name and rank is refused (`hsx consumers OUT` lists them, `--retire NAME` releases one that stopped).
     - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (the
       batch after it is being fetched; `batch_size`, `prefetch` below), then (`delete_consumed`) deletes it;
       rows not yet recorded at a kill are handed out again. `commit="manual"`: only `commit()` records, for a
