@@ -346,3 +346,12 @@ def test_a_second_deleting_reader_in_another_process_is_refused_until_the_first_
     started = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
                              env=child_env(), timeout=300)
     assert started.returncode == 0, started
+
+
+def test_the_consumer_flags_are_checked_in_one_line(tmp_path):
+    for argv, code, why in ((["serve", str(tmp_path), "--port", "0", "--consumers", "a,,b"], 2, "--consumers"),
+                            (["consumers", str(tmp_path)], 1, "no .hsx/ folder"),
+                            (["consumers", str(tmp_path / "missing"), "--declare", "a"], 1, "is not a folder")):
+        rc, _, err = hsx_main(argv)
+        assert_one_error_line(rc, err, why)
+        assert rc == code
