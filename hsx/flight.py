@@ -15,8 +15,9 @@ protocol, all of it (hsx.serve answers it):
   data/, and the consumers units wait for;
 - DoAction `ledger` `{"consumer"}`: the consumer's ledger (the furthest record of each unit);
 - DoAction `claim` `{"consumer", "rank", "world_size", "session"}`: a deleting reader declares its consumer
-  (OUT/.hsx/consumers.json) and becomes the session whose commits the server records for that consumer rank
-  (the last to claim: a trainer restarted after a kill takes over from its dead self);
+  (OUT/.hsx/consumers.json) and becomes the session whose commits the server records for that consumer rank;
+  it renews the claim every few seconds (the same action): another session's claim is refused while the holder's
+  lease runs, and takes over once it lapsed (a trainer restarted after a kill);
 - DoAction `commit` `{"consumer", "rank", "world_size", "rows": {UNIT: ROW}, "session"}`: record these positions,
   of units of that rank's share only (the server builds the ledger lines from its manifest records, and deletes
   the units every declared consumer has consumed);
@@ -29,13 +30,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
+import weakref
 from typing import Any
 from urllib.parse import urlsplit
 
 from hsx.errors import HsxError, UsageError, one_line
 
 MAX_REQUEST_BYTES = 4 << 20  # a request body or ticket (gRPC's own default message bound)
+CLAIM_RENEW_SECONDS = 2.0  # a deleting reader renews its claim this often (FlightSource.claim)
+CLAIM_LEASE_SECONDS = 10.0  # a claim not renewed for this long is a dead reader's: another may take it over
 TOKEN_ENV = "HSX_SERVE_TOKEN"  # the bearer token, for `hsx serve` and hsx.follow("grpc://...") alike
 
 
@@ -68,7 +74,9 @@ class FlightSource:
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
         self.token = token
-        self.session = uuid.uuid4().hex  # names this reader's claim (a restarted trainer's takes over: `claim`)
+        self.session = uuid.uuid4().hex  # names this reader's claim (`claim`)
+        self.claimed: dict[str, Any] | None = None  # the claim this reader holds and renews
+        self.renewer: threading.Thread | None = None
 
     def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
         return FlightSource, (self.where, self.token)
@@ -179,18 +187,58 @@ class FlightSource:
 
     def claim(self, consumer: str, rank: int, world_size: int) -> None:
         """Claim the consumer rank at the server for this reader (hsx.follow.LocalSource.claim, there): it
-        declares the consumer in OUT and records only this reader's commits for it from now on."""
-        self._action("claim", {"consumer": consumer, "rank": rank, "world_size": world_size,
-                               "session": self.session})
+        declares the consumer in OUT and records only this reader's commits for it while this reader renews the
+        claim (a daemon thread, every CLAIM_RENEW_SECONDS, for as long as this source lives). A claim another live
+        reader holds is asked again until that one's lease would have lapsed (a trainer restarted after a kill
+        waits out its dead self's), then refused (HsxError, one line)."""
+        body = {"consumer": consumer, "rank": rank, "world_size": world_size, "session": self.session}
+        deadline = time.monotonic() + CLAIM_LEASE_SECONDS + CLAIM_RENEW_SECONDS
+        while True:
+            try:
+                self._action("claim", body)
+                break
+            except HsxError as e:
+                if "already has a live reader" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(CLAIM_RENEW_SECONDS / 2)
+        self.claimed = body
+        if self.renewer is None:
+            self.renewer = threading.Thread(target=_renew, args=(weakref.ref(self), CLAIM_RENEW_SECONDS),
+                                            name="hsx-follow-claim", daemon=True)
+            self.renewer.start()
+
+    def _claimed(self, kind: str, body: dict[str, Any]) -> None:
+        """`kind` of this reader's claimed consumer rank; once more after claiming again if the server does not
+        know the claim (it was restarted since)."""
+        try:
+            self._action(kind, {**body, "session": self.session})
+        except HsxError as e:
+            if self.claimed is None or "claims its consumer first" not in str(e):
+                raise
+            self._action("claim", self.claimed)
+            self._action(kind, {**body, "session": self.session})
 
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
         if rows:
-            self._action("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows,
-                                    "session": self.session})
+            self._claimed("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
-        self._action("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units,
-                              "session": self.session})
+        self._claimed("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+
+
+def _renew(source_ref, every: float) -> None:
+    """The claim renewer's loop: renew the source's claim every `every` seconds while the source lives (a failed
+    renewal is tried again next time: the commit that follows says what is wrong, in one line)."""
+    while True:
+        time.sleep(every)
+        source = source_ref()
+        if source is None:
+            return
+        try:
+            source._action("claim", source.claimed)
+        except Exception:  # noqa: BLE001 (unreachable server, lapsed claim: the next commit reports it)
+            pass
+        del source
 
 
 def batch_crc32(batch) -> str:

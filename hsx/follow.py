@@ -264,12 +264,13 @@ class LocalSource:
         # (consumer, rank) -> the session that may record for it (a local reader's: LOCAL; hsx serve's clients:
         # theirs), and the flocks held on .hsx/consumer-<consumer>-<rank>.lock (closed when this source goes)
         self.claims: dict[tuple[str, int], str] = {}
+        self.heard: dict[tuple[str, int], float] = {}  # when the claiming session last called (monotonic)
         self.wanted: list[tuple[str, int, int, str]] = []  # claims waiting for OUT to exist
         self.flocks: dict[tuple[str, int], int] = {}
         weakref.finalize(self, _close_all, self.flocks)
 
     def __getstate__(self) -> dict[str, Any]:  # (a pickled hsx.follow, for a spawn DataLoader worker: a new lock)
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "claims", "wanted", "flocks")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "claims", "heard", "wanted", "flocks")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # (a copy claims nothing: it records nothing)
         self.__dict__.update(state)
@@ -281,15 +282,26 @@ class LocalSource:
         (hsx.ledgers.declare_consumers: units then wait for it) and hold .hsx/consumer-<consumer>-<rank>.lock
         (flock, released when the process ends): a second live local reader of it is refused (HsxError, one
         line). `session`: who records for it here; hsx serve's clients (each its own session, no lock: a server
-        cannot tell a dead client from a quiet one) are recorded for the client that claimed last, so a trainer
-        restarted after a kill takes over from its dead self and a second live one shuts the first out. A
-        retired consumer is refused. A dir not there yet is claimed once it is."""
+        cannot see a client's process) hold it while they renew it (hsx.flight.CLAIM_RENEW_SECONDS): another
+        session's claim is refused while the holder was heard from within CLAIM_LEASE_SECONDS, and takes it over
+        after (a trainer restarted after a kill, once its dead self's lease ran out). A retired consumer is
+        refused. A dir not there yet is claimed once it is."""
         check_consumer(consumer, rank, world_size)
         if not self.write:
             raise HsxError(f"{self.where}: a read-only reader records nothing, so it claims no consumer")
         if not (isinstance(session, str) and session):
             raise HsxError("claim: a session names the reader")
+        from hsx.flight import CLAIM_LEASE_SECONDS
+
         with self.lock:
+            holder = self.claims.get((consumer, rank))
+            if session != LOCAL and holder not in (None, session):
+                quiet = time.monotonic() - self.heard.get((consumer, rank), 0.0)
+                if quiet < CLAIM_LEASE_SECONDS:
+                    raise HsxError(f"{self.where}: consumer {consumer!r} rank {rank} already has a live reader that "
+                                   f"deletes (it renewed its claim {quiet:.0f} s ago): two readers of one name would "
+                                   "delete units the other has not read; give this one another consumer= name, or "
+                                   f"stop the other (a stopped one's claim lapses after {CLAIM_LEASE_SECONDS:g} s)")
             self.wanted.append((consumer, rank, world_size, session))
             self._take_claims(by)
 
@@ -316,16 +328,19 @@ class LocalSource:
                 self.flocks[(consumer, rank)] = fd
             ledgers.declare_consumers(self.out.state, [consumer], by)
             self.claims[(consumer, rank)] = session
+            self.heard[(consumer, rank)] = time.monotonic()
             self.wanted.pop(0)
 
     def _check_claim(self, consumer: str, rank: int, session: str, verb: str) -> None:
         if consumer in ledgers.consumers_record(self.out.state).retired:
             raise HsxError(f"{verb}: consumer {consumer!r} was retired (hsx consumers --retire): it records "
                            "nothing more; read under another consumer= name")
-        if self.claims.get((consumer, rank)) != session:
+        if self.claims.get((consumer, rank)) == session:
+            self.heard[(consumer, rank)] = time.monotonic()
+        else:
             raise HsxError(f"{verb}: consumer {consumer!r} rank {rank} is not this reader's to record"
-                           + (" (another reader of that consumer and rank claimed it since: only the one that "
-                              "claimed last records)" if (consumer, rank) in self.claims else
+                           + (" (another reader of that consumer and rank claimed it, after this one's claim "
+                              "lapsed: two deleting readers of one name?)" if (consumer, rank) in self.claims else
                               " (a deleting reader claims its consumer first: hsx.follow does)"))
 
     def _check_share(self, units, rank: int, world_size: int, verb: str) -> None:

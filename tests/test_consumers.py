@@ -151,9 +151,12 @@ def test_retiring_a_consumer_says_what_it_releases_and_deletes_nothing_else(tmp_
     assert files(out) == {r["file"] for u, r in records.items() if u not in whole}
 
 
-def test_over_flight_only_the_claimer_commits_and_only_its_ranks_share(tmp_path, fault_reference, server_of):
+def test_over_flight_only_the_claimer_commits_and_only_its_ranks_share(tmp_path, fault_reference, server_of,
+                                                                       monkeypatch):
     """Without the checks, a commit as rank 1 of 2 for a unit of rank 0's share was accepted and the unit deleted."""
     import pyarrow.flight as flight
+
+    import hsx.flight
 
     out = copy_out(tmp_path, fault_reference)
     url = server_of(out, consumers=["t"])
@@ -164,7 +167,7 @@ def test_over_flight_only_the_claimer_commits_and_only_its_ranks_share(tmp_path,
     for body, why in (({"rank": 1, "world_size": 2, "session": "a", "rows": {plan[0]: records[plan[0]]["rows"]}},
                        "rank 0's of 2, not rank 1's"),
                       ({"rank": 1, "world_size": 2, "session": "zz", "rows": {plan[1]: 1}}, "not this reader's"),
-                      ({"rank": 0, "world_size": 2, "session": "a", "rows": {plan[0]: 1}}, "not this reader's")):
+                      ({"rank": 0, "world_size": 2, "session": "a", "rows": {plan[0]: 1}}, "claims its consumer")):
         with pytest.raises(flight.FlightServerError, match=why) as e:
             act(url, "commit", {"consumer": "u", **body})
         assert "Traceback" not in str(e.value)
@@ -173,10 +176,15 @@ def test_over_flight_only_the_claimer_commits_and_only_its_ranks_share(tmp_path,
     act(url, "commit", {"consumer": "u", "rank": 1, "world_size": 2, "session": "a",
                         "rows": {plan[1]: records[plan[1]]["rows"]}})
     assert files(out) == before and ledgers.wholly_consumed(out / ".hsx", "u", records) == {plan[1]}
-    # a reader restarted after a kill claims again: it takes over, the old session records nothing more
+    # another session's claim is refused while the holder's lease runs; once it lapsed (the holder was killed),
+    # the new one takes over and the old session records nothing more
+    with pytest.raises(flight.FlightServerError, match="already has a live reader that deletes"):
+        act(url, "claim", {"consumer": "u", "rank": 1, "world_size": 2, "session": "b"})
+    monkeypatch.setattr(hsx.flight, "CLAIM_LEASE_SECONDS", 0.0)
     act(url, "claim", {"consumer": "u", "rank": 1, "world_size": 2, "session": "b"})
-    with pytest.raises(flight.FlightServerError, match="claimed it since"):
+    with pytest.raises(flight.FlightServerError, match="after this one's claim lapsed"):
         act(url, "commit", {"consumer": "u", "rank": 1, "world_size": 2, "session": "a", "rows": {plan[3]: 1}})
+    monkeypatch.undo()
     t = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
     assert sorted(r["sample_id"] for r in t) == sorted(fault_reference.sample_ids)
     t.commit()
@@ -355,3 +363,29 @@ def test_the_consumer_flags_are_checked_in_one_line(tmp_path):
         rc, _, err = hsx_main(argv)
         assert_one_error_line(rc, err, why)
         assert rc == code
+
+
+def test_a_second_live_deleting_reader_over_flight_is_refused_and_a_restarted_one_takes_over(
+        tmp_path, fault_reference, server_of, monkeypatch):
+    """A reader over hsx serve renews its claim while it lives: a second one of the same name and rank is refused
+    (after waiting out a lease, as a trainer restarted after a kill waits out its dead self's); once the first
+    is gone (here: its renewals stop), the next one takes over."""
+    import hsx.flight
+
+    monkeypatch.setattr(hsx.flight, "CLAIM_RENEW_SECONDS", 0.1)
+    monkeypatch.setattr(hsx.flight, "CLAIM_LEASE_SECONDS", 1.0)
+    out = copy_out(tmp_path, fault_reference)
+    url = server_of(out)
+    first = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
+    with pytest.raises(HsxError, match="consumer 't' rank 0 already has a live reader that deletes") as e:
+        hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", token=TOKEN)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+    it = iter(first)
+    next(it)
+    first.commit()  # still its claim: renewed all along
+    del it, first
+    gc.collect()  # (its renewer ends with it, as a killed trainer's does)
+    again = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
+    assert len(list(again)) == len(fault_reference.sample_ids) - 1  # from where the first one's ledger left off
+    again.commit()
+    assert files(out) == set()
