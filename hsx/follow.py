@@ -450,8 +450,8 @@ class LocalSource:
         if self.write:
             if not units and any(w[:2] == (consumer, rank) for w in self.wanted):
                 return  # (claimed once OUT exists: nothing was held before it did)
-            self._check_claim(consumer, rank, session, "hold")
             self._check_share(units, rank, world_size, "hold")
+            self._check_claim(consumer, rank, session, "hold")
             ledgers.write_holding(self.out.state, consumer, rank, [records[u]["file"] for u in units])
 
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int], session: str = LOCAL) -> None:
@@ -487,8 +487,8 @@ class LocalSource:
                               "row": row, "crc32": rec.get("crc32")})
             if not self.write:
                 return
-            self._check_claim(consumer, rank, session, "commit")
             self._check_share([r["unit"] for r in lines], rank, world_size, "commit")
+            self._check_claim(consumer, rank, session, "commit")
             if lines:
                 ledgers.record_consumed(self.out.state, consumer, rank, lines)
                 recorded.update({r["unit"]: r["row"] for r in lines})

@@ -160,8 +160,11 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
             return src.ledger(consumer)
         if kind in ("claim", "commit", "hold"):
             session = body.get("session")
-            if not (isinstance(session, str) and SESSION.fullmatch(session)):
+            if not (session is None or (isinstance(session, str) and SESSION.fullmatch(session))):
                 raise HsxError("session: 1 to 64 letters or digits (what the reader names its claim by)")
+            if session is None and kind == "claim":
+                raise HsxError("a claim names its session")
+            session = f"client-{session}"  # (never a local reader's claim: hsx.follow.LOCAL)
             rank, world_size = body.get("rank"), body.get("world_size")
             if kind == "claim":
                 src.claim(consumer, rank, world_size, session=session, by="hsx serve")

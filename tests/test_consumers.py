@@ -171,7 +171,9 @@ def test_over_flight_only_the_claimer_commits_and_only_its_ranks_share(tmp_path,
         with pytest.raises(flight.FlightServerError, match=why) as e:
             act(url, "commit", {"consumer": "u", **body})
         assert "Traceback" not in str(e.value)
-    assert not list((out / ".hsx").glob("consumed-u-*"))
+    with pytest.raises(flight.FlightServerError, match="rank 0's of 2, not rank 1's"):  # (a client of no session)
+        act(url, "commit", {"consumer": "t", "rank": 1, "world_size": 2, "rows": {plan[0]: records[plan[0]]["rows"]}})
+    assert not list((out / ".hsx").glob("consumed-*"))
     # its own share, whole: recorded, not deleted (t, declared by `hsx serve --consumers t`, has not read it)
     act(url, "commit", {"consumer": "u", "rank": 1, "world_size": 2, "session": "a",
                         "rows": {plan[1]: records[plan[1]]["rows"]}})
