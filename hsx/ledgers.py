@@ -27,6 +27,7 @@ MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to it
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
 CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer rank
 CONSUMERS = "consumers.json"  # the consumers the output serves, declared and retired (hsx.schema.ConsumersRecord)
+MAX_CONSUMERS = 1000  # declared at once: each holds every unit back until it consumed it (and bounds the file)
 RUNS = "runs-*.jsonl"  # what each run of a rank computed the states with (hsx.schema.RunRecord): one per rank
 EXPORTED = "exported.jsonl"  # units an export with --delete-source deleted (hsx.export), and where to
 
@@ -189,6 +190,9 @@ def declare_consumers(state: Path, names: list[str], by: str) -> list[str]:
             raise HsxError(f"consumer {retired[0]!r} of {state.parent} was retired ({rec.retired[retired[0]]}): "
                            "units it had not consumed may be deleted since; read under another consumer= name")
         new = [n for n in dict.fromkeys(names) if n not in rec.declared]
+        if len(rec.declared) + len(new) > MAX_CONSUMERS:
+            raise HsxError(f"{state.parent} declares {len(rec.declared)} consumers already (at most "
+                           f"{MAX_CONSUMERS}); retire those that stopped (hsx consumers --retire NAME)")
         if new:
             atomic_write(state / CONSUMERS, json.dumps(ConsumersRecord(
                 {**rec.declared, **{n: by for n in new}}, rec.retired).to_dict(), indent=2) + "\n")

@@ -391,3 +391,17 @@ def test_a_second_live_deleting_reader_over_flight_is_refused_and_a_restarted_on
     assert len(list(again)) == len(fault_reference.sample_ids) - 1  # from where the first one's ledger left off
     again.commit()
     assert files(out) == set()
+
+
+def test_declarations_are_bounded_and_a_damaged_declaration_file_is_one_line(tmp_path, fault_reference, monkeypatch):
+    out = copy_out(tmp_path, fault_reference)
+    monkeypatch.setattr(ledgers, "MAX_CONSUMERS", 3)
+    ledgers.declare_consumers(out / ".hsx", ["a", "b", "c"], "test")
+    ledgers.declare_consumers(out / ".hsx", ["a"], "test")  # (again: nothing new)
+    with pytest.raises(HsxError, match="declares 3 consumers already"):
+        ledgers.declare_consumers(out / ".hsx", ["d"], "test")
+    (out / ".hsx" / "consumers.json").write_text('{"declared": {"a/b": "x"}, "retired": {}}')
+    rc, _, err = hsx_main(["consumers", str(out)])
+    assert_one_error_line(rc, err, "consumers.json is damaged")
+    with pytest.raises(HsxError, match="consumers.json is damaged"):
+        hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
