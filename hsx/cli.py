@@ -247,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "$HSX_SERVE_TOKEN)")
     sv.add_argument("--bench", type=float, metavar="SECONDS", help="instead of serving: GB/s a loopback server "
                     "hands out to one client reading every committed unit for SECONDS")
+    sv.add_argument("--consumers", metavar="NAME,...", help="declare these consumers of the output dir: a unit is "
+                    "deleted only once each of them (and every other declared consumer) consumed it")
+    co = command("consumers", "list an output dir's consumers (hsx.follow with delete_consumed), declare some, or "
+                 "retire one that stopped for good")
+    co.add_argument("output_dir", help="the hsx output dir")
+    co.add_argument("--declare", metavar="NAME,...", help="declare these consumers before any reads: units then "
+                    "wait for each of them")
+    co.add_argument("--retire", metavar="NAME", help="retire this consumer: it no longer holds units back; the units "
+                    "every consumer left consumed are deleted, and named")
+    add_json_flag(co, "the list of consumers")
     return parser
 
 

@@ -153,7 +153,55 @@ def serve(args: argparse.Namespace) -> None:
         check_range("--bench", args.bench, 0.1, 3600, integer=False)
         bench_serve(args.output_dir, args.bench)
         return
-    run_serve(args.output_dir, args.host, args.port, args.token_file)
+    run_serve(args.output_dir, args.host, args.port, args.token_file, consumers=_names(args.consumers, "--consumers"))
+
+
+def _names(given: str | None, flag: str) -> list[str] | None:
+    """A comma-separated list of consumer names (UsageError for an empty one or a name that is not one)."""
+    from hsx.errors import UsageError
+    from hsx.schema import CONSUMER_NAME
+
+    if given is None:
+        return None
+    names = [n.strip() for n in given.split(",")]
+    bad = [n for n in names if not CONSUMER_NAME.fullmatch(n)]
+    if bad:
+        raise UsageError(f"{flag} {given[:80]!r}: comma-separated names of letters, digits and _ "
+                         f"(not {bad[0][:40]!r})")
+    return names
+
+
+def consumers(args: argparse.Namespace) -> None:
+    from hsx.errors import UsageError
+    from hsx.follow import consumer_report, retire
+    from hsx.ledgers import declare_consumers
+    from hsx.sink import OutputDir
+
+    if args.declare is not None and args.retire is not None:
+        raise UsageError("--declare and --retire: one at a time")
+    if args.declare is not None:
+        out = OutputDir(Path(args.output_dir))
+        if not out.root.is_dir():
+            raise HsxError(f"{args.output_dir} is not a folder: make it (or start the job) first")
+        out.check_no_links()
+        new = declare_consumers(out.state, _names(args.declare, "--declare"), "hsx consumers --declare")
+        print(f"hsx consumers: declared {', '.join(new) or 'nothing new'} in {args.output_dir}")
+    elif args.retire is not None:
+        retire(args.output_dir, args.retire)
+    report = consumer_report(args.output_dir)
+    if args.json:
+        write_json(args.json, report)
+    if args.retire is None:
+        print(f"hsx consumers: {args.output_dir}: {len(report['consumers'])} consumer(s); {report['released']} of "
+              f"its {report['units']} committed unit(s) consumed by all of them")
+        for c in report["consumers"]:
+            live = "a live local reader" if c["live"] else "no live local reader"
+            print(f"  {c['name']}: declared by {c['declared_by']}; ranks {','.join(map(str, c['ranks'])) or '-'}; "
+                  f"{c['consumed']} unit(s) consumed whole; {live}"
+                  + (f"; holds back {len(c['holds_back'])} unit(s) the others consumed (--retire {c['name']} "
+                     "releases them)" if c["holds_back"] else ""))
+        for name, when in report["retired"].items():
+            print(f"  {name}: retired {when}")
 
 
 @contextmanager
@@ -171,4 +219,4 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
 
 COMMANDS = {"extract": extract, "plan": plan, "bench": bench, "merge": merge, "push": push,
             "export-specforge": export_specforge, "export-speculators": export_speculators, "vocab": vocab,
-            "verify": verify, "serve": serve}
+            "verify": verify, "serve": serve, "consumers": consumers}

@@ -7,26 +7,41 @@ protocol, all of it (hsx.serve answers it):
 
 - every call carries `authorization: Bearer <token>` when the server was given a token;
 - DoGet, ticket `{"unit": NAME}`: the committed unit NAME's rows as Arrow record batches (its schema metadata
-  carries `datasets`' features, so the rows decode as `hsx.load`'s);
-- DoAction `state` `{}`: `{"summary", "records", "complete", "gone"}`: the job's plan (.hsx/summary.json), the
-  manifest records, whether hsx.json says complete, and the committed units no longer in data/;
+  carries `datasets`' features, so the rows decode as `hsx.load`'s), once the server checked the unit's file
+  against its manifest line's CRC-32; each batch's app_metadata is its own CRC-32 (`batch_crc32`), which the
+  client checks (a bit flipped after the server's check, in its memory or on the wire, is caught too);
+- DoAction `state` `{}`: `{"summary", "records", "complete", "gone", "consumers"}`: the job's plan
+  (.hsx/summary.json), the manifest records, whether hsx.json says complete, the committed units no longer in
+  data/, and the consumers units wait for;
 - DoAction `ledger` `{"consumer"}`: the consumer's ledger (the furthest record of each unit);
-- DoAction `commit` `{"consumer", "rank", "world_size", "rows": {UNIT: ROW}}`: record these positions (the server
-  builds the ledger lines from its manifest records, and deletes the units they finish);
-- DoAction `hold` `{"consumer", "rank", "world_size", "units": [UNIT]}`: the units a waiting step holds.
-Bodies are JSON objects of at most MAX_REQUEST_BYTES.
+- DoAction `claim` `{"consumer", "rank", "world_size", "session"}`: a deleting reader declares its consumer
+  (OUT/.hsx/consumers.json) and becomes the session whose commits the server records for that consumer rank;
+  it renews the claim every few seconds (the same action): another session's claim is refused while the holder's
+  lease runs, and takes over once it lapsed (a trainer restarted after a kill);
+- DoAction `commit` `{"consumer", "rank", "world_size", "rows": {UNIT: ROW}, "session"}`: record these positions,
+  of units of that rank's share only (the server builds the ledger lines from its manifest records, and deletes
+  the units every declared consumer has consumed);
+- DoAction `hold` `{"consumer", "rank", "world_size", "units": [UNIT], "session"}`: the units a waiting step holds.
+Bodies are JSON objects of at most MAX_REQUEST_BYTES. Every other Flight verb answers "not supported"; every
+error is one line (FlightServerError), never the server's traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+import uuid
+import weakref
 from typing import Any
 from urllib.parse import urlsplit
 
 from hsx.errors import HsxError, UsageError, one_line
 
 MAX_REQUEST_BYTES = 4 << 20  # a request body or ticket (gRPC's own default message bound)
+CLAIM_RENEW_SECONDS = 2.0  # a deleting reader renews its claim this often (FlightSource.claim)
+CLAIM_LEASE_SECONDS = 10.0  # a claim not renewed for this long is a dead reader's: another may take it over
 TOKEN_ENV = "HSX_SERVE_TOKEN"  # the bearer token, for `hsx serve` and hsx.follow("grpc://...") alike
 
 
@@ -59,6 +74,9 @@ class FlightSource:
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
         self.token = token
+        self.session = uuid.uuid4().hex  # names this reader's claim (`claim`)
+        self.claimed: dict[str, Any] | None = None  # the claim this reader holds and renews
+        self.renewer: threading.Thread | None = None
 
     def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
         return FlightSource, (self.where, self.token)
@@ -115,6 +133,10 @@ class FlightSource:
     def complete(self) -> bool:
         return bool((self.last or self._state()).get("complete"))
 
+    def declared(self) -> list[str]:
+        found = self._state().get("consumers")
+        return found if isinstance(found, list) else []
+
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
         from hsx.schema import ConsumedRecord, Damaged
 
@@ -132,24 +154,100 @@ class FlightSource:
         return True  # (the server checks the unit as it reads it)
 
     def open(self, rec: dict[str, Any]):
-        """The unit's rows as a `datasets.Dataset` (its features from the schema metadata the server sends)."""
+        """The unit's rows as a `datasets.Dataset` (its features from the schema metadata the server sends), each
+        record batch checked against the CRC-32 the server sent with it (`batch_crc32`: the server checked the
+        unit's file against its manifest line before sending; this checks what came over the wire)."""
+        import pyarrow as pa
         import pyarrow.flight as flight
         from datasets import Dataset
         from datasets.table import InMemoryTable
 
         ticket = flight.Ticket(json.dumps({"unit": rec["unit"]}).encode())
-        table = self._call(lambda **kw: self.client.do_get(ticket, **kw).read_all())
+
+        def read(**kw):
+            reader = self.client.do_get(ticket, **kw)
+            batches = []
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    return pa.Table.from_batches(batches, schema=reader.schema)
+                sent = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
+                if chunk.data is None or sent != batch_crc32(chunk.data).encode():
+                    raise HsxError(f"{self.where}: unit {rec['unit']} came damaged (record batch {len(batches)}: "
+                                   f"its CRC-32 is not the one the server sent{'' if sent else ', or none'}); no "
+                                   "row of it was handed out")
+                batches.append(chunk.data)
+
+        table = self._call(read)
         if table.num_rows != rec["rows"]:
             raise HsxError(f"{self.where}: unit {rec['unit']} came with {table.num_rows} rows, its manifest line "
                            f"says {rec['rows']}")
         return Dataset(InMemoryTable(table))
 
+    def claim(self, consumer: str, rank: int, world_size: int) -> None:
+        """Claim the consumer rank at the server for this reader (hsx.follow.LocalSource.claim, there): it
+        declares the consumer in OUT and records only this reader's commits for it while this reader renews the
+        claim (a daemon thread, every CLAIM_RENEW_SECONDS, for as long as this source lives). A claim another live
+        reader holds is asked again until that one's lease would have lapsed (a trainer restarted after a kill
+        waits out its dead self's), then refused (HsxError, one line)."""
+        body = {"consumer": consumer, "rank": rank, "world_size": world_size, "session": self.session}
+        deadline = time.monotonic() + CLAIM_LEASE_SECONDS + CLAIM_RENEW_SECONDS
+        while True:
+            try:
+                self._action("claim", body)
+                break
+            except HsxError as e:
+                if "already has a live reader" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(CLAIM_RENEW_SECONDS / 2)
+        self.claimed = body
+        if self.renewer is None:
+            self.renewer = threading.Thread(target=_renew, args=(weakref.ref(self), CLAIM_RENEW_SECONDS),
+                                            name="hsx-follow-claim", daemon=True)
+            self.renewer.start()
+
+    def _claimed(self, kind: str, body: dict[str, Any]) -> None:
+        """`kind` of this reader's claimed consumer rank; once more after claiming again if the server does not
+        know the claim (it was restarted since)."""
+        try:
+            self._action(kind, {**body, "session": self.session})
+        except HsxError as e:
+            if self.claimed is None or "claims its consumer first" not in str(e):
+                raise
+            self._action("claim", self.claimed)
+            self._action(kind, {**body, "session": self.session})
+
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
         if rows:
-            self._action("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
+            self._claimed("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
-        self._action("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+        self._claimed("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+
+
+def _renew(source_ref, every: float) -> None:
+    """The claim renewer's loop: renew the source's claim every `every` seconds while the source lives (a failed
+    renewal is tried again next time: the commit that follows says what is wrong, in one line)."""
+    while True:
+        time.sleep(every)
+        source = source_ref()
+        if source is None:
+            return
+        try:
+            source._action("claim", source.claimed)
+        except Exception:  # noqa: BLE001 (unreachable server, lapsed claim: the next commit reports it)
+            pass
+        del source
+
+
+def batch_crc32(batch) -> str:
+    """The CRC-32 (8 hex digits) of a record batch as Arrow IPC serializes it: the same for the batch the server
+    sends and the one the client receives unless a byte changed between (the encoding is canonical: each side
+    serializes the batch it holds)."""
+    from hsx.checksums import crc32
+
+    return f"{crc32(batch.serialize()):08x}"
 
 
 def _check_records(records, kind) -> None:

@@ -9,7 +9,12 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
   StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
-  `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
+  `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units every declared
+  consumer has consumed whole (hsx.ledgers.released). A reader with `delete_consumed` declares its consumer in
+  OUT and holds its consumer rank's lock (`LocalSource.claim`: a second live one is refused); `hsx consumers OUT`
+  lists the consumers and retires one that stopped for good (`retire`).
+- Each unit's CRC-32 is checked against its manifest line before any of its rows is handed out
+  (`check_unit_crc`; over Flight, each record batch's too: hsx.flight).
   `commit="unit"` does so for a unit once the training step over its last row has returned
   (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
   consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
@@ -28,28 +33,33 @@ the rows out (the reader, hsx.torch_data.Follow, pickles, but a worker's copy re
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
-import re
 import threading
 import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
 from hsx import ledgers
 from hsx.errors import HsxError
+from hsx.files import open_no_follow
 from hsx.info import read_info, read_summary
+from hsx.schema import CONSUMER_NAME
 
-CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+LOCAL = "local"  # the session of a local reader's claim (LocalSource.claim); hsx serve's clients send their own
 MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits or more)
 
 
 # ---- the extractor's side: --max-pending-gb ---------------------------------------------------------------------
 
 def pending_bytes(out, in_flight=()) -> int:
-    """Bytes of units on disk that no trainer has consumed yet: committed units (a manifest line) not recorded as
-    wholly consumed, units being written under .hsx/tmp/, and `in_flight` (this process's units submitted to its
-    committer, between .hsx/tmp/ and their manifest line). Counted by name, once each.
+    """Bytes of units on disk that are not consumed yet: committed units (a manifest line) not consumed whole by
+    every declared consumer (hsx.ledgers.released: the rule that deletes them), units being written under
+    .hsx/tmp/, and `in_flight` (this process's units submitted to its committer, between .hsx/tmp/ and their
+    manifest line). Counted by name, once each.
 
     A file in data/ with no manifest line and not in flight is the leftover of a run killed between a unit's rename
     and its manifest line: no trainer can read it (hsx.follow reads committed units), the redo replaces it, and
@@ -71,10 +81,11 @@ def pending_bytes(out, in_flight=()) -> int:
         name = f"train-{unit}.arrow"
         if name not in sizes:
             add(name, out.unit_tmp_path(unit), out.data / name)
-    consumed, held = ledgers.consumed(out.state), ledgers.held_files(out.state)
-    for rec in ledgers.manifest_records(out.state).values() if out.state.is_dir() else ():
+    records = ledgers.manifest_records(out.state) if out.state.is_dir() else {}
+    released, held = ledgers.released(out.state, records), ledgers.held_files(out.state)
+    for unit, rec in records.items():
         name = rec["file"]
-        if not ledgers.uploaded_matches(consumed.get(name), rec) and name not in sizes and name not in held:
+        if unit not in released and name not in sizes and name not in held:
             add(name, out.data / name)
     return sum(sizes.values())
 
@@ -125,7 +136,9 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
-      takes another name (and must not delete).
+      takes another name. With `delete_consumed` the name is declared in OUT (.hsx/consumers.json): a unit is
+      deleted only once every declared consumer consumed it, and a second live deleting reader of the same
+      name and rank is refused (`hsx consumers OUT` lists them, `--retire NAME` releases one that stopped).
     - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (the
       batch after it is being fetched; `batch_size`, `prefetch` below), then (`delete_consumed`) deletes it;
       rows not yet recorded at a kill are handed out again. `commit="manual"`: only `commit()` records, for a
@@ -167,6 +180,13 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     if rank is None:
         rank, world_size = _default_rank()
     check_consumer(consumer, rank, world_size)
+    if delete_consumed:  # one live deleting reader per consumer rank; its units then wait for it
+        source.claim(consumer, rank, world_size)
+    elif consumer in source.declared():
+        warnings.warn(f"hsx.follow: consumer {consumer!r} is declared in {source.where}, so its units are deleted "
+                      "(and the extractor's --max-pending-gb window released) only once it records them, which a "
+                      "reader without delete_consumed=True never does: pass delete_consumed=True, or read under "
+                      "another consumer= name", stacklevel=2)
     layout = functools.partial(unit_layout, layers=layers, dequantize=dequantize) if rows == "torch" else None
     return Follow(source, consumer, delete_consumed, rows, layout, commit, poll_seconds, rank, world_size, timeout,
                   batch_size, prefetch)
@@ -187,6 +207,25 @@ def _default_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def check_unit_crc(path: Path, fd: int, rec: dict[str, Any]) -> None:
+    """HsxError naming the unit unless the file open at `fd` has the CRC-32 its manifest line records (a flipped
+    bit in a unit of the right size is valid Arrow: only the checksum tells). Read whole, before any row of it is
+    handed out; a manifest line without a CRC-32 (an older hsx's) is checked by size only."""
+    from hsx.checksums import file_crc32
+
+    want = rec.get("crc32")
+    if want and file_crc32(path, fd) != want:
+        raise HsxError(f"{path}: unit {rec['unit']}'s bytes do not match the CRC-32 its manifest line records "
+                       f"({want}): damaged on disk; none of its rows were handed out and nothing was deleted (run "
+                       "the job's `hsx extract` command with --check-crc to redo it)")
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def check_consumer(consumer: str, rank, world_size) -> None:
@@ -218,24 +257,120 @@ class LocalSource:
         self.sources: dict = {}  # hsx merge's dirs, each read once (OutputDir.unit_source)
         self.recorded: dict[str, dict[str, int]] = {}  # consumer -> unit -> row its ledger records (valid lines)
         self.swept: set[str] = set()  # consumers whose wholly consumed units were deleted once
-        self.lock = threading.Lock()  # (hsx serve records for several clients at once)
+        self.lock = threading.RLock()  # (hsx serve records for several clients at once)
+        self._claims_init()
+
+    def _claims_init(self) -> None:
+        # (consumer, rank) -> the session that may record for it (a local reader's: LOCAL; hsx serve's clients:
+        # theirs), and the flocks held on .hsx/consumer-<consumer>-<rank>.lock (closed when this source goes)
+        self.claims: dict[tuple[str, int], str] = {}
+        self.heard: dict[tuple[str, int], float] = {}  # when the claiming session last called (monotonic)
+        self.wanted: list[tuple[str, int, int, str]] = []  # claims waiting for OUT to exist
+        self.flocks: dict[tuple[str, int], int] = {}
+        weakref.finalize(self, _close_all, self.flocks)
 
     def __getstate__(self) -> dict[str, Any]:  # (a pickled hsx.follow, for a spawn DataLoader worker: a new lock)
-        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "claims", "heard", "wanted", "flocks")}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:  # (a copy claims nothing: it records nothing)
         self.__dict__.update(state)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self._claims_init()
+
+    def claim(self, consumer: str, rank: int, world_size: int, session: str = LOCAL, by: str = "hsx.follow") -> None:
+        """Make this source the one deleting reader of `consumer`'s rank `rank`: declare the consumer in OUT
+        (hsx.ledgers.declare_consumers: units then wait for it) and hold .hsx/consumer-<consumer>-<rank>.lock
+        (flock, released when the process ends): a second live local reader of it is refused (HsxError, one
+        line). `session`: who records for it here; hsx serve's clients (each its own session, no lock: a server
+        cannot see a client's process) hold it while they renew it (hsx.flight.CLAIM_RENEW_SECONDS): another
+        session's claim is refused while the holder was heard from within CLAIM_LEASE_SECONDS, and takes it over
+        after (a trainer restarted after a kill, once its dead self's lease ran out). A retired consumer is
+        refused. A dir not there yet is claimed once it is."""
+        check_consumer(consumer, rank, world_size)
+        if not self.write:
+            raise HsxError(f"{self.where}: a read-only reader records nothing, so it claims no consumer")
+        if not (isinstance(session, str) and session):
+            raise HsxError("claim: a session names the reader")
+        from hsx.flight import CLAIM_LEASE_SECONDS
+
+        with self.lock:
+            holder = self.claims.get((consumer, rank))
+            if session != LOCAL and holder not in (None, session):
+                quiet = time.monotonic() - self.heard.get((consumer, rank), 0.0)
+                if quiet < CLAIM_LEASE_SECONDS:
+                    raise HsxError(f"{self.where}: consumer {consumer!r} rank {rank} already has a live reader that "
+                                   f"deletes (it renewed its claim {quiet:.0f} s ago): two readers of one name would "
+                                   "delete units the other has not read; give this one another consumer= name, or "
+                                   f"stop the other (a stopped one's claim lapses after {CLAIM_LEASE_SECONDS:g} s)")
+            self.wanted.append((consumer, rank, world_size, session))
+            self._take_claims(by)
+
+    def _take_claims(self, by: str = "hsx.follow") -> None:
+        """Take the claims asked for, once OUT is a dir (its .hsx/ made if the job has not yet). Under self.lock."""
+        if not self.wanted or not self.out.root.is_dir():
+            return
+        self.out.state.mkdir(exist_ok=True)
+        self.out.check_no_links()
+        while self.wanted:
+            consumer, rank, _, session = self.wanted[0]
+            if session == LOCAL and (consumer, rank) not in self.flocks:  # (hsx serve's clients: by session)
+                lock = self.out.state / f"consumer-{consumer}-{rank:05d}.lock"
+                fd = open_no_follow(lock, os.O_RDWR | os.O_CREAT)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    self.wanted.pop(0)
+                    raise HsxError(f"{self.where}: consumer {consumer!r} rank {rank} already has a live reader "
+                                   f"that deletes (it holds .hsx/{lock.name}): two readers of one name would "
+                                   "delete units the other has not read; give this one another consumer= name, "
+                                   "or stop the other") from None
+                self.flocks[(consumer, rank)] = fd
+            ledgers.declare_consumers(self.out.state, [consumer], by)
+            self.claims[(consumer, rank)] = session
+            self.heard[(consumer, rank)] = time.monotonic()
+            self.wanted.pop(0)
+
+    def _check_claim(self, consumer: str, rank: int, session: str, verb: str) -> None:
+        if consumer in ledgers.consumers_record(self.out.state).retired:
+            raise HsxError(f"{verb}: consumer {consumer!r} was retired (hsx consumers --retire): it records "
+                           "nothing more; read under another consumer= name")
+        if self.claims.get((consumer, rank)) == session:
+            self.heard[(consumer, rank)] = time.monotonic()
+        else:
+            raise HsxError(f"{verb}: consumer {consumer!r} rank {rank} is not this reader's to record"
+                           + (" (another reader of that consumer and rank claimed it, after this one's claim "
+                              "lapsed: two deleting readers of one name?)" if (consumer, rank) in self.claims else
+                              " (a deleting reader claims its consumer first: hsx.follow does)"))
+
+    def _check_share(self, units, rank: int, world_size: int, verb: str) -> None:
+        """HsxError unless every unit is of rank `rank`'s share of `world_size` (unit i of the plan to rank i %
+        world_size, as the reader splits them): a rank records and holds only the units it reads."""
+        summary = self.summary()
+        index = {u: i for i, u in enumerate(summary.unit_names)} if summary is not None else {}
+        for unit in units:
+            i = index.get(unit)
+            if i is None or i % world_size != rank:
+                raise HsxError(f"{verb}: unit {str(unit)[:80]} is "
+                               + ("not in the job's plan" if i is None else f"rank {i % world_size}'s of "
+                                  f"{world_size}") + f", not rank {rank}'s: a rank records only units of its share")
 
     def summary(self):
         return read_summary(self.out.state)
 
     def records(self) -> dict[str, dict[str, Any]]:
+        if self.wanted:
+            with self.lock:
+                self._take_claims()
         return ledgers.manifest_records(self.out.state) if self.out.state.is_dir() else {}
 
     def complete(self) -> bool:
         info = read_info(self.out.root)
         return info is not None and info.complete
+
+    def declared(self) -> list[str]:
+        """The consumers units wait for (hsx.ledgers.active_consumers)."""
+        return ledgers.active_consumers(self.out.state) if self.out.state.is_dir() else []
 
     def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
         """This consumer's ledger records, the furthest of each unit (hsx.ledgers.consumer_positions)."""
@@ -265,8 +400,9 @@ class LocalSource:
     def table(self, rec: dict[str, Any]):
         """The unit's rows as the memory-mapped pyarrow Table of its file (what `hsx serve` sends), if it is the
         file its manifest line describes: a regular file opened through no link (or, in a dir `hsx merge` joined,
-        the unit of a merged dir its link leads to: OutputDir.unit_source), of the recorded size and rows, and its
-        name still leading to that file once mapped."""
+        the unit of a merged dir its link leads to: OutputDir.unit_source), of the recorded size, CRC-32
+        (`check_unit_crc`, read from the fd then mapped) and rows, and its name still leading to that file once
+        mapped."""
         import pyarrow as pa
 
         return self._read(rec, lambda path: pa.ipc.open_stream(pa.memory_map(str(path))).read_all(),
@@ -288,6 +424,7 @@ class LocalSource:
             size = os.fstat(fd).st_size
             if size != rec["bytes"]:
                 raise HsxError(f"{path} holds {size:,} bytes, its manifest line says {rec['bytes']:,}")
+            check_unit_crc(path, fd, rec)
             got = read(path)
             still_the_file(path, fd)
         finally:
@@ -303,7 +440,7 @@ class LocalSource:
         f = self.out.state / "job.json"
         return read_json(f, JobRecord).fingerprint if f.exists() else None
 
-    def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
+    def hold(self, consumer: str, rank: int, world_size: int, units: list[str], session: str = LOCAL) -> None:
         """Say which units this reader holds in steps not yet returned while it waits for a unit
         (hsx.ledgers.held_files)."""
         check_consumer(consumer, rank, world_size)
@@ -311,14 +448,21 @@ class LocalSource:
         if not (isinstance(units, list) and all(isinstance(u, str) and u in records for u in units)):
             raise HsxError("hold: units must be committed units of this output")
         if self.write:
+            if not units and any(w[:2] == (consumer, rank) for w in self.wanted):
+                return  # (claimed once OUT exists: nothing was held before it did)
+            self._check_share(units, rank, world_size, "hold")
+            self._check_claim(consumer, rank, session, "hold")
             ledgers.write_holding(self.out.state, consumer, rank, [records[u]["file"] for u in units])
 
-    def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
+    def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int], session: str = LOCAL) -> None:
         """Record that rows [0, ROW) of each UNIT of `rows` were consumed: one ledger line per unit (built from its
         manifest record), appended and fsynced, then the units wholly consumed deleted (a link `hsx merge` made:
         the link only). Refused whole (HsxError, nothing written) when a unit is not a committed unit of this
         output, a row is not in 0..its rows, or a row is not past what the consumer's ledger already records (a
-        replayed or rewound position). Without `write` nothing is written."""
+        replayed or rewound position), and (with `write`) when `session` does not hold the consumer rank's claim
+        (`claim`) or a unit is not of that rank's share. A unit is deleted only once every declared consumer
+        consumed it whole (hsx.ledgers.released): the last of them to commit it deletes it. Without `write`
+        nothing is written."""
         check_consumer(consumer, rank, world_size)
         if not isinstance(rows, dict):
             raise HsxError("commit: rows must be an object of unit -> row")
@@ -343,11 +487,110 @@ class LocalSource:
                               "row": row, "crc32": rec.get("crc32")})
             if not self.write:
                 return
+            self._check_share([r["unit"] for r in lines], rank, world_size, "commit")
+            self._check_claim(consumer, rank, session, "commit")
             if lines:
                 ledgers.record_consumed(self.out.state, consumer, rank, lines)
                 recorded.update({r["unit"]: r["row"] for r in lines})
-            whole = [r["file"] for r in lines if r["row"] == r["rows"]]
+            whole = {r["unit"] for r in lines if r["row"] == r["rows"]}
             if consumer not in self.swept:  # also the units a kill left between their ledger line and delete
                 self.swept.add(consumer)
-                whole += [records[u]["file"] for u, row in recorded.items() if row == records[u]["rows"]]
-            self.out.remove_data_files(whole, links=True)  # only after the ledger line is on disk
+                whole |= {u for u, row in recorded.items() if row == records[u]["rows"]}
+            # only after the ledger line is on disk, and only units every declared consumer consumed whole
+            released = ledgers.released(self.out.state, records) if whole else set()
+            self.out.remove_data_files([records[u]["file"] for u in sorted(whole & released)], links=True)
+
+
+# ---- `hsx consumers OUT`: the consumers an output serves, declared and retired -------------------------------------
+
+def _state_of(out_dir) -> Any:
+    from hsx.sink import OutputDir
+
+    out = OutputDir(Path(out_dir))
+    if not out.state.is_dir():
+        raise HsxError(f"{out_dir}: no .hsx/ folder (not an hsx output dir, or its job has not started)")
+    return out
+
+
+def _live_locks(state: Path, consumer: str) -> tuple[list[int], list[str]]:
+    """Try the locks of `consumer`'s ranks (.hsx/consumer-<consumer>-<rank>.lock): (fds taken, names held by a live
+    reader). The caller closes the fds (holding them keeps a reader from starting meanwhile)."""
+    taken, busy = [], []
+    for lock in sorted(state.glob(f"consumer-{consumer}-*.lock")):
+        fd = open_no_follow(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken.append(fd)
+        except BlockingIOError:
+            os.close(fd)
+            busy.append(lock.name)
+    return taken, busy
+
+
+def consumer_report(out_dir) -> dict[str, Any]:
+    """What `hsx consumers OUT` lists: each consumer (declared or with a ledger) with what declared it, its ranks,
+    the units it consumed whole, whether a live local reader holds it, the units only it holds back (what retiring
+    it would release), and the retired ones."""
+    out = _state_of(out_dir)
+    state = out.state
+    rec, ranks = ledgers.consumers_record(state), ledgers.ledger_consumers(state)
+    records = ledgers.manifest_records(state)
+    active = ledgers.active_consumers(state)
+    whole = {c: ledgers.wholly_consumed(state, c, records) for c in active}
+    consumers = []
+    for name in active:
+        others = [whole[c] for c in active if c != name]
+        held_back = sorted(set.intersection(*others) - whole[name]) if others else []
+        taken, busy = _live_locks(state, name)
+        for fd in taken:
+            os.close(fd)
+        consumers.append({"name": name, "declared_by": rec.declared.get(name, "its ledger (an older hsx)"),
+                          "ranks": ranks.get(name, []), "consumed": len(whole[name]), "live": bool(busy),
+                          "holds_back": held_back})
+    return {"output_dir": str(out_dir), "units": len(records), "released": len(ledgers.released(state, records)),
+            "consumers": consumers, "retired": rec.retired}
+
+
+def retire(out_dir, consumer: str, log=print) -> list[str]:
+    """`hsx consumers OUT --retire NAME`: NAME stops holding units back (it consumes no more; its ledgers stay).
+    The units every consumer left has consumed whole are deleted now, and named. Refused (HsxError, nothing
+    changed) for a name that is not an active consumer, and while a live local reader holds it. Returns the unit
+    files deleted."""
+    out = _state_of(out_dir)
+    out.check_no_links()  # (it writes .hsx/consumers.json and deletes under data/)
+    state = out.state
+    rec = ledgers.consumers_record(state)
+    active = ledgers.active_consumers(state)
+    if consumer not in active:
+        if consumer in rec.retired:
+            raise HsxError(f"{out_dir}: consumer {consumer!r} is retired already ({rec.retired[consumer]})")
+        raise HsxError(f"{out_dir}: {str(consumer)[:80]!r} is not a consumer of it (its consumers: "
+                       f"{', '.join(active) or 'none'})")
+    taken, busy = _live_locks(state, consumer)
+    try:
+        if busy:
+            raise HsxError(f"{out_dir}: consumer {consumer!r} has a live reader (it holds .hsx/{busy[0]}): stop it "
+                           "first; retiring it would delete units under it")
+        records = ledgers.manifest_records(state)
+        before = ledgers.released(state, records)
+        ledgers.retire_consumer(state, consumer)
+        for holding in state.glob(f"holding-{consumer}-*.json"):  # (what it held no longer holds the window)
+            if holding.is_file() and not holding.is_symlink():
+                holding.unlink()
+        left = [c for c in active if c != consumer]
+        newly = sorted(ledgers.released(state, records) - before)
+        deleted = out.remove_data_files([records[u]["file"] for u in newly], links=True)
+    finally:
+        for fd in taken:
+            os.close(fd)
+    if not left:
+        log(f"hsx consumers: {consumer!r} retired; no consumer is left, so no unit is released and nothing is "
+            f"deleted (units wait until a consumer is declared and consumes them)")
+    else:
+        waiting = sum(1 for u in records if u not in before and u not in newly)
+        log(f"hsx consumers: {consumer!r} retired (its ledgers stay); {len(newly)} unit(s) that "
+            f"{', '.join(repr(c) for c in left)} had consumed whole are released"
+            + (f" and deleted: {', '.join(deleted[:5])}{', ...' if len(deleted) > 5 else ''}" if deleted else "")
+            + f"; {waiting} committed unit(s) still wait for a consumer")
+    return deleted
+

@@ -9,20 +9,25 @@ the readers share one reading of each file."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.files import append_synced, atomic_write, file_size, read_bounded, read_json, read_jsonl
+from hsx.files import append_synced, atomic_write, file_size, open_no_follow, read_bounded, read_json, read_jsonl
 from hsx.info import recorded_run_values
-from hsx.schema import (RECORD_REST_BYTES, RUN_VARIANT_KEYS, ConsumedRecord, ManifestRecord, RunRecord, UploadRecord,
-                        merged_values, values_used)
+from hsx.schema import (CONSUMER_NAME, RECORD_REST_BYTES, RUN_VARIANT_KEYS, ConsumedRecord, ConsumersRecord,
+                        ManifestRecord, RunRecord, UploadRecord, merged_values, values_used)
 
 MANIFESTS = "manifest-*.jsonl"  # one per rank: every process appends only to its own
 UPLOADED = "uploaded-*.jsonl"  # Hub upload records (hsx.hub): one per rank, and uploaded-push.jsonl
-CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer
+CONSUMED = "consumed-*.jsonl"  # what trainers following the job consumed (hsx.follow): one per consumer rank
+CONSUMERS = "consumers.json"  # the consumers the output serves, declared and retired (hsx.schema.ConsumersRecord)
+MAX_CONSUMERS = 1000  # declared at once: each holds every unit back until it consumed it (and bounds the file)
 RUNS = "runs-*.jsonl"  # what each run of a rank computed the states with (hsx.schema.RunRecord): one per rank
 EXPORTED = "exported.jsonl"  # units an export with --delete-source deleted (hsx.export), and where to
 
@@ -134,9 +139,10 @@ def record_uploaded(state: Path, name: str, records: list[dict[str, Any]]) -> No
 
 
 def consumed(state: Path) -> dict[str, dict[str, Any]]:
-    """The units trainers following the job (hsx.follow) recorded as wholly consumed, by file name: the last
-    record of each unit in each .hsx/consumed-*.jsonl whose `row` is its `rows`. Such a unit may be deleted
-    (`delete_consumed`) and is still done, as a unit deleted after its upload is."""
+    """The units some consumer following the job (hsx.follow) recorded as wholly consumed, by file name: the last
+    record of each unit in each .hsx/consumed-*.jsonl whose `row` is its `rows`. What explains a unit no longer in
+    data/ (deleted once every declared consumer had consumed it: `released`), which is then still done, as a unit
+    deleted after its upload is. Whether a unit may be deleted, or still counts as pending, is `released`'s."""
     whole: dict[str, dict[str, Any]] = {}
     for ledger in sorted(state.glob(CONSUMED)):
         last: dict[str, dict[str, Any]] = {}
@@ -145,6 +151,99 @@ def consumed(state: Path) -> dict[str, dict[str, Any]]:
         whole.update({f: r for f, r in last.items() if r["row"] == r["rows"]})
     return whole
 
+
+# ---- the consumers an output serves (declared, retired) ---------------------------------------------------------
+
+@contextlib.contextmanager
+def _consumers_lock(state: Path):
+    """The declaration file's read-modify-write, one process at a time (a short blocking flock: declaring and
+    retiring take milliseconds)."""
+    fd = open_no_follow(state / "consumers.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def consumers_record(state: Path) -> ConsumersRecord:
+    """.hsx/consumers.json (an empty record where there is none)."""
+    path = state / CONSUMERS
+    if not os.path.lexists(path):
+        return ConsumersRecord({}, {})
+    return read_json(path, ConsumersRecord)
+
+
+def declare_consumers(state: Path, names: list[str], by: str) -> list[str]:
+    """Declare these consumers of the output (idempotent; written atomically under a lock); returns those new.
+    HsxError for a name that is not one (letters, digits, _) or was retired: a retired consumer's units may be
+    deleted already, so it cannot come back under its name."""
+    bad = [n for n in names if not (isinstance(n, str) and CONSUMER_NAME.fullmatch(n))]
+    if bad:
+        raise HsxError(f"consumer {str(bad[0])[:80]!r}: letters, digits and _ only, at most 64 (it names ledger "
+                       "files)")
+    state.mkdir(parents=True, exist_ok=True)
+    with _consumers_lock(state):
+        rec = consumers_record(state)
+        retired = [n for n in names if n in rec.retired]
+        if retired:
+            raise HsxError(f"consumer {retired[0]!r} of {state.parent} was retired ({rec.retired[retired[0]]}): "
+                           "units it had not consumed may be deleted since; read under another consumer= name")
+        new = [n for n in dict.fromkeys(names) if n not in rec.declared]
+        if len(rec.declared) + len(new) > MAX_CONSUMERS:
+            raise HsxError(f"{state.parent} declares {len(rec.declared)} consumers already (at most "
+                           f"{MAX_CONSUMERS}); retire those that stopped (hsx consumers --retire NAME)")
+        if new:
+            atomic_write(state / CONSUMERS, json.dumps(ConsumersRecord(
+                {**rec.declared, **{n: by for n in new}}, rec.retired).to_dict(), indent=2) + "\n")
+    return new
+
+
+def retire_consumer(state: Path, name: str) -> None:
+    """Mark `name` retired (it no longer holds units back); written atomically under the declaration lock."""
+    with _consumers_lock(state):
+        rec = consumers_record(state)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        atomic_write(state / CONSUMERS, json.dumps(ConsumersRecord(
+            rec.declared, {**rec.retired, name: stamp}).to_dict(), indent=2) + "\n")
+
+
+def ledger_consumers(state: Path) -> dict[str, list[int]]:
+    """The consumers with a ledger here (.hsx/consumed-<name>-<rank>.jsonl), by name, with their ranks."""
+    found: dict[str, list[int]] = {}
+    for ledger in sorted(state.glob(CONSUMED)):
+        name, _, rank = ledger.name[len("consumed-"):-len(".jsonl")].rpartition("-")
+        if CONSUMER_NAME.fullmatch(name) and rank.isdigit():
+            found.setdefault(name, []).append(int(rank))
+    return found
+
+
+def active_consumers(state: Path) -> list[str]:
+    """The consumers a unit waits for: those declared, and those with a ledger (a consumer records only once
+    declared; a ledger without a declaration is an older hsx's), less those retired."""
+    rec = consumers_record(state)
+    return sorted((set(rec.declared) | set(ledger_consumers(state))) - set(rec.retired))
+
+
+def wholly_consumed(state: Path, consumer: str, records: dict[str, dict[str, Any]]) -> set[str]:
+    """The units whose ledger line of `consumer` (any rank's) says consumed whole, about the file its manifest
+    record describes (same bytes, rows and CRC-32: a line about other bytes is no consumption)."""
+    return {u for u, r in consumer_positions(state, consumer).items()
+            if u in records and r["row"] == r["rows"] == records[u]["rows"] and uploaded_matches(r, records[u])}
+
+
+def released(state: Path, records: dict[str, dict[str, Any]] | None = None) -> set[str]:
+    """The committed units every active consumer (`active_consumers`) consumed whole: those that may be deleted,
+    and that no longer count as pending for `--max-pending-gb`. Empty while no consumer is declared: a unit
+    nobody was declared to consume is never released."""
+    if not state.is_dir():
+        return set()
+    records = manifest_records(state) if records is None else records
+    common: set[str] | None = None
+    for name in active_consumers(state):
+        whole = wholly_consumed(state, name, records)
+        common = whole if common is None else common & whole
+    return common or set()
 
 
 def consumer_positions(state: Path, consumer: str) -> dict[str, dict[str, Any]]:

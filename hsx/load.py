@@ -57,7 +57,12 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
 
     A local dir is checked against the files its hsx.json lists (names and sizes; with `verify`, CRC-32 too,
     which reads every byte): an incomplete dir (a job running or interrupted) or a damaged one is refused with
-    one line (HsxError); `allow_incomplete=True` reads the committed, intact units instead (with a warning)."""
+    one line (HsxError); `allow_incomplete=True` reads the committed, intact units instead (with a warning).
+
+    What it does not check without `verify`: the bytes. A unit of the right size with a flipped bit is valid Arrow
+    and is read as it is (hsx.follow checks each unit's CRC-32 before handing out its rows; `hsx verify OUT` checks
+    them and recomputes rows). A Hub repo is read as `load_dataset` reads it (the Hub's own checks, not hsx's
+    CRC-32s)."""
     local = _local_dir(path_or_repo)
     if local is not None:
         if revision is not None:

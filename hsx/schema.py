@@ -582,6 +582,33 @@ class ConsumedRecord:
         return cls(unit, d["file"], d["bytes"], d["rows"], d["row"], crc if isinstance(crc, str) else None)
 
 
+CONSUMER_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # a consumer's name: it names its ledger files
+
+
+@dataclass(frozen=True)
+class ConsumersRecord:
+    """.hsx/consumers.json: the consumers an output serves (hsx.follow with delete_consumed, `hsx serve
+    --consumers`, `hsx consumers --declare`), each by name with what declared it; a unit is deleted only once every
+    declared consumer not `retired` (`hsx consumers --retire`) consumed it whole. A retired name stays retired."""
+    declared: dict[str, str]  # name -> what declared it ("hsx.follow", "hsx serve", ...)
+    retired: dict[str, str]  # name -> when it was retired (UTC, ISO 8601)
+
+    MAX_BYTES = 4 << 20
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ConsumersRecord":
+        def names(v: Any) -> bool:
+            return isinstance(v, dict) and all(isinstance(k, str) and CONSUMER_NAME.fullmatch(k)
+                                               and isinstance(x, str) and len(x) <= 200 for k, x in v.items())
+
+        _check(d, {"declared": (names, "an object of consumer name -> what declared it"),
+                   "retired": (names, "an object of consumer name -> when it was retired")})
+        return cls(dict(d["declared"]), dict(d["retired"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"declared": dict(sorted(self.declared.items())), "retired": dict(sorted(self.retired.items()))}
+
+
 # How a run computed the states, outside the job's fingerprint (a resume may change them: hsx.config says why):
 # each run's values are in its rank's .hsx/runs-<rank>.jsonl, and hsx.json's run.values_used lists every value the
 # runs that wrote the output's units used.

@@ -5,9 +5,13 @@ The server reads OUT as a local hsx.follow does (hsx.follow.LocalSource: the man
 checked against their manifest lines, through no link but hsx merge's) and records each client's consumption in
 OUT's own ledgers, so `hsx extract --max-pending-gb` and `delete_consumed` bound the extractor's disk exactly as
 for a local reader. What a client sends is data, never a path: a unit is named by its manifest name and must be
-committed; a consumer name, rank and rows are checked (hsx.follow.check_consumer, LocalSource.record); a bad
-request gets one error and changes nothing. A bind other than loopback needs a token (`--token-file`, or
-$HSX_SERVE_TOKEN), compared in constant time with every call's `authorization: Bearer` header.
+committed; a consumer name, rank and rows are checked (hsx.follow.check_consumer, LocalSource.record), a commit
+is recorded only from the client that claimed that consumer rank last and only for units of that rank's share; a
+bad request gets one error line and changes nothing; every verb hsx.follow does not use answers "not supported";
+no error carries the server's traceback. A unit is sent only once its file matched its manifest line's CRC-32, each
+record batch with its own CRC-32 for the client to check. A bind other than loopback needs a token
+(`--token-file`, printable ASCII, or $HSX_SERVE_TOKEN), compared in constant time with every call's
+`authorization: Bearer` header.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError, Stopped, UsageError, one_line
-from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV
+from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV, batch_crc32
+
+SESSION = re.compile(r"[A-Za-z0-9]{1,64}")
+ACTIONS = {"state": "plan, manifests, complete, consumers", "ledger": "a consumer's ledger",
+           "claim": "a deleting reader's consumer rank", "commit": "record a consumer's rows",
+           "hold": "units a waiting step holds"}  # (the protocol: hsx.flight)
 
 MAX_TOKEN_BYTES = 4096
 
@@ -36,7 +46,9 @@ def is_loopback(host: str) -> bool:
 
 
 def read_token(token_file: str | None) -> str | None:
-    """The bearer token: the first line of `token_file`, else $HSX_SERVE_TOKEN, else None."""
+    """The bearer token: the first line of `token_file`, else $HSX_SERVE_TOKEN, else None. The file is read as
+    bytes and its line taken as it is: printable ASCII only (a header value carries nothing else intact), never
+    decoded with replacements (the bearer expected must be the file's bytes)."""
     if token_file is None:
         token = os.environ.get(TOKEN_ENV) or None
     else:
@@ -45,18 +57,23 @@ def read_token(token_file: str | None) -> str | None:
                 raw = f.read(MAX_TOKEN_BYTES + 1)
         except OSError as e:
             raise UsageError(f"--token-file {token_file}: {e.strerror or e}") from None
-        token = raw.decode(errors="replace").strip().splitlines()[0] if raw.strip() else ""
-        if not token or len(raw) > MAX_TOKEN_BYTES:
+        if len(raw) > MAX_TOKEN_BYTES or not raw.strip():
             raise UsageError(f"--token-file {token_file}: one line of at most {MAX_TOKEN_BYTES} bytes, not empty")
-    if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
-        raise UsageError("the token must be at least 16 printable characters, without spaces")
+        line = raw.strip().splitlines()[0].strip()
+        if not all(0x21 <= b <= 0x7E for b in line):
+            raise UsageError(f"--token-file {token_file}: its first line is not printable ASCII (a token is letters, "
+                             "digits and punctuation, e.g. `openssl rand -hex 32`)")
+        token = line.decode("ascii")
+    if token is not None and (len(token) < 16 or not token.isascii() or not token.isprintable() or " " in token):
+        raise UsageError("the token must be at least 16 printable ASCII characters, without spaces")
     return token
 
 
 def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                log=print):
+                log=print, consumers: list[str] | None = None):
     """A started Flight server for OUT (`.port`, `.location`; `.shutdown()`), listening on host:port (0: a free
-    port). UsageError for a bind other than loopback without a token."""
+    port). UsageError for a bind other than loopback without a token. `consumers`: names declared in OUT as
+    consumers it serves (units are deleted only once each of them consumed them)."""
     import pyarrow.flight as flight
 
     from hsx.follow import LocalSource, check_consumer
@@ -68,16 +85,23 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
     if not root.is_dir():
         raise HsxError(f"{root} is not a folder (hsx serve serves an hsx output dir, being written or finished)")
     src = LocalSource(root, write=True)
+    if consumers:
+        from hsx.ledgers import declare_consumers
+
+        declare_consumers(src.out.state, list(consumers), "hsx serve")
     expected = f"Bearer {token}".encode() if token else None
+    supported = {flight.FlightMethod.DO_GET, flight.FlightMethod.DO_ACTION, flight.FlightMethod.LIST_ACTIONS}
 
     class Auth(flight.ServerMiddlewareFactory):
         def start_call(self, info, headers):
-            if expected is None:
-                return None
-            given = next(iter(headers.get("authorization", [])), "")
-            given = given.encode() if isinstance(given, str) else bytes(given)
-            if not hmac.compare_digest(given, expected):
-                raise flight.FlightUnauthenticatedError("no valid bearer token")
+            if expected is not None:
+                given = next(iter(headers.get("authorization", [])), "")
+                given = given.encode() if isinstance(given, str) else bytes(given)
+                if not hmac.compare_digest(given, expected):
+                    raise flight.FlightUnauthenticatedError("no valid bearer token")
+            if info.method not in supported:  # (refused here: pyarrow answers some verbs' errors with tracebacks)
+                raise flight.FlightServerError(f"{info.method.name.lower()}: not supported by hsx serve (it answers "
+                                               "do_get, do_action and list_actions: hsx.follow's protocol)")
             return None
 
     def body_of(raw: bytes, what: str) -> dict[str, Any]:
@@ -85,53 +109,87 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
             raise flight.FlightServerError(f"{what}: a request over {MAX_REQUEST_BYTES} bytes")
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             body = None
         if not isinstance(body, dict):
             raise flight.FlightServerError(f"{what}: the request is not a JSON object")
         return body
 
+    def one_line_errors(verb: str, fn, *args):
+        """fn(*args), its errors as one FlightServerError line: what a client sent wrong, said; anything else, named
+        by its type only (logged here in one line), never the server's traceback."""
+        try:
+            return fn(*args)
+        except flight.FlightError:
+            raise
+        except (HsxError, ValueError, TypeError, KeyError, FileNotFoundError, RecursionError) as e:
+            raise flight.FlightServerError(f"{verb}: {one_line(e)}") from None
+        except Exception as e:  # (not KeyboardInterrupt: Ctrl-C still stops the server)
+            log(f"hsx serve: {verb} failed: {type(e).__name__}: {one_line(e)}", flush=True)
+            raise flight.FlightServerError(f"{verb}: the server failed ({type(e).__name__}); its log says more") \
+                from None
+
+    def batches(table, verb: str):
+        """The unit's record batches, each with its CRC-32 as app_metadata (hsx.flight.batch_crc32)."""
+        try:
+            for batch in table.to_batches():
+                yield batch, batch_crc32(batch).encode()
+        except Exception as e:  # (inside the stream too: one line)
+            log(f"hsx serve: {verb} failed: {type(e).__name__}: {one_line(e)}", flush=True)
+            raise flight.FlightServerError(f"{verb}: the server failed ({type(e).__name__})") from None
+
+    def get(ticket):
+        body = body_of(ticket.ticket, "get")
+        unit = body.get("unit")
+        rec = src.records().get(unit) if isinstance(unit, str) else None
+        if rec is None:
+            raise HsxError(f"{str(unit)[:80]!r} is not a committed unit of this output")
+        table = src.table(rec)  # (its file's CRC-32 checked against the manifest line first)
+        return flight.GeneratorStream(table.schema, batches(table, "get"))
+
+    def act(kind: str, raw: bytes) -> Any:
+        body = body_of(raw, kind)
+        if kind == "state":
+            summary, records = src.summary(), src.records()
+            return {"summary": None if summary is None else summary.to_dict(), "records": records,
+                    "complete": src.complete(), "gone": [u for u, r in records.items() if src.gone(r)],
+                    "consumers": src.declared()}
+        consumer = body.get("consumer")
+        if kind == "ledger":
+            check_consumer(consumer, 0, 1)
+            return src.ledger(consumer)
+        if kind in ("claim", "commit", "hold"):
+            session = body.get("session")
+            if not (session is None or (isinstance(session, str) and SESSION.fullmatch(session))):
+                raise HsxError("session: 1 to 64 letters or digits (what the reader names its claim by)")
+            if session is None and kind == "claim":
+                raise HsxError("a claim names its session")
+            session = f"client-{session}"  # (never a local reader's claim: hsx.follow.LOCAL)
+            rank, world_size = body.get("rank"), body.get("world_size")
+            if kind == "claim":
+                src.claim(consumer, rank, world_size, session=session, by="hsx serve")
+            elif kind == "commit":
+                src.record(consumer, rank, world_size, body.get("rows"), session=session)
+            else:
+                src.hold(consumer, rank, world_size, body.get("units"), session=session)
+            return {}
+        raise HsxError(f"unknown action {kind!r}")
+
     class Server(flight.FlightServerBase):
         def do_get(self, context, ticket):
-            body = body_of(ticket.ticket, "get")
-            unit = body.get("unit")
-            try:
-                rec = src.records().get(unit) if isinstance(unit, str) else None
-                if rec is None:
-                    raise HsxError(f"{str(unit)[:80]!r} is not a committed unit of this output")
-                table = src.table(rec)
-            except (HsxError, FileNotFoundError) as e:
-                raise flight.FlightServerError(f"get: {one_line(e)}") from None
-            return flight.RecordBatchStream(table)
+            return one_line_errors("get", get, ticket)
 
         def do_action(self, context, action):
-            body = body_of(action.body.to_pybytes(), action.type)
-            try:
-                answer = self._act(action.type, body)
-            except (HsxError, ValueError, TypeError) as e:
-                raise flight.FlightServerError(f"{action.type}: {one_line(e)}") from None
+            kind = action.type if action.type in ACTIONS else None
+            if kind is None:
+                shown = action.type if re.fullmatch(r"[\w-]{1,40}", action.type, re.ASCII) else "of that name"
+                raise flight.FlightServerError(f"unknown action {shown} (hsx serve answers "
+                                               f"{', '.join(ACTIONS)})")
+            answer = one_line_errors(kind, act, kind, action.body.to_pybytes())
             return [json.dumps(answer).encode()]
 
-        def _act(self, kind: str, body: dict[str, Any]) -> Any:
-            if kind == "state":
-                summary, records = src.summary(), src.records()
-                return {"summary": None if summary is None else summary.to_dict(), "records": records,
-                        "complete": src.complete(), "gone": [u for u, r in records.items() if src.gone(r)]}
-            consumer = body.get("consumer")
-            if kind == "ledger":
-                check_consumer(consumer, 0, 1)
-                return src.ledger(consumer)
-            if kind == "commit":
-                src.record(consumer, body.get("rank"), body.get("world_size"), body.get("rows"))
-                return {}
-            if kind == "hold":
-                src.hold(consumer, body.get("rank"), body.get("world_size"), body.get("units"))
-                return {}
-            raise HsxError(f"unknown action {kind[:40]!r}")
-
         def list_actions(self, context):
-            return [("state", "plan, manifests, complete"), ("ledger", "a consumer's ledger"),
-                    ("commit", "record a consumer's rows"), ("hold", "units a waiting step holds")]
+            return list(ACTIONS.items())
 
     try:
         server = Server(f"grpc+tcp://{host}:{port}", middleware={"auth": Auth()})
@@ -141,9 +199,10 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
     return server
 
 
-def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print) -> None:
+def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,
+          consumers: list[str] | None = None) -> None:
     """`hsx serve OUT`: serve until SIGINT/SIGTERM."""
-    server = make_server(out_dir, host, port, read_token(token_file), log)
+    server = make_server(out_dir, host, port, read_token(token_file), log, consumers)
     log(f"hsx serve: {out_dir} at {server.location} (hsx.follow(\"{server.location}\", ...))", flush=True)
     try:
         server.serve()

@@ -45,6 +45,11 @@ every other one in every finished extraction's dir.
                                                 still counts as done
     OUT/.hsx/holding-<consumer>-<rank>.json?    the units such a trainer holds in a step not yet returned while it
                                                 waits for a unit (hsx.ledgers.held_files)
+    OUT/.hsx/consumers.json?                    the consumers the output serves, declared and retired: a unit is
+                                                deleted once every declared one consumed it (hsx.ledgers.released)
+    OUT/.hsx/consumers.lock?                    flock(2)ed while consumers.json is rewritten
+    OUT/.hsx/consumer-<consumer>-<rank>.lock?   flock(2)ed by the live local reader that deletes for that
+                                                consumer rank (hsx.follow.LocalSource.claim)
     OUT/.hsx/exported.jsonl?                    one line per unit an export with --delete-source deleted, and where
                                                 its rows went (hsx.export), so a reader says so
     OUT/.hsx/merged-from.json?                  the dirs `hsx merge` linked units from (hsx.merge)

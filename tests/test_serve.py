@@ -95,6 +95,8 @@ def test_a_hostile_client_gets_one_error_and_changes_nothing(served):
     opts = flight.FlightCallOptions(headers=bearer(token))
     records = {json.loads(ln)["unit"]: json.loads(ln) for ln in (out / ".hsx" / "manifest-00000.jsonl").open()}
     unit, rec = sorted(records.items())[0]
+    claim = {"consumer": "t", "rank": 0, "world_size": 1, "session": "s1"}  # (commits need the claim: test_consumers)
+    list(client.do_action(flight.Action("claim", json.dumps(claim).encode()), options=opts))
     before = listing(out)
     tickets = [b"not json", b"[1]", json.dumps({"unit": "../../etc/passwd"}).encode(),
                json.dumps({"unit": "/etc/passwd"}).encode(), json.dumps({"unit": 7}).encode(), b"x" * (5 << 20)]
@@ -111,11 +113,12 @@ def test_a_hostile_client_gets_one_error_and_changes_nothing(served):
                ("rm", {}), ("ledger", {"consumer": "a/b"})]
     for kind, body in actions:
         with pytest.raises(flight.FlightError) as e:
-            list(client.do_action(flight.Action(kind, json.dumps(body).encode()), options=opts))
+            list(client.do_action(flight.Action(kind, json.dumps({**body, "session": "s1"}).encode()),
+                                  options=opts))
         assert "Traceback" not in str(e.value)
     assert listing(out) == before
     # a position recorded once, then replayed or rewound: one error, the ledger as it was
-    ok = ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {unit: rec["rows"]}})
+    ok = ("commit", {"consumer": "t", "rank": 0, "world_size": 1, "rows": {unit: rec["rows"]}, "session": "s1"})
     list(client.do_action(flight.Action(ok[0], json.dumps(ok[1]).encode()), options=opts))
     assert not (out / "data" / rec["file"]).exists()
     after = listing(out)
