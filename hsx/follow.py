@@ -11,7 +11,7 @@ once consumed, so the job needs disk for a window of units, not for the whole da
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
   `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
   `commit="unit"` does so for a unit once the training step over its last row has returned
-  (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
+  (hsx.torch_data.batch_start, which reads how many batches the loaders fetch ahead). A unit is deleted only after that line is on disk; the extractor counts a wholly
   consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
   never redoes it and hsx.json lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
@@ -115,7 +115,7 @@ class ConsumerWindow:
 def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_consumed: bool = False,
            rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
            poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
-           timeout: float | None = None, batch_size: int | None = None, prefetch: int = 0,
+           timeout: float | None = None, batch_size: int | None = None, prefetch: int | None = None,
            token: str | None = None):
     """The rows of the job writing `output_dir`, as its units are committed: a `torch.utils.data.IterableDataset`
     that waits for new units and ends when the job is complete and every unit of this consumer was handed out.
@@ -126,13 +126,17 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
       takes another name (and must not delete).
-    - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (the
-      batch after it is being fetched; `batch_size`, `prefetch` below), then (`delete_consumed`) deletes it;
-      rows not yet recorded at a kill are handed out again. `commit="manual"`: only `commit()` records, for a
-      trainer that checkpoints `state_dict()` and calls `commit(state)` after each checkpoint (exactly once).
-    - `batch_size`: rows per training step, for commit="unit" (default: the batch size of the DataLoader that asks
-      for the rows, else 1: each row asked for is its own step). `prefetch`: batches a wrapper around the
-      DataLoader fetches ahead of the training step (accelerate's prepared loaders fetch 1).
+    - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (a batch
+      is fetched that many batches after it as the loaders that fetch ahead of the step take: accelerate's
+      prepared loaders, HF Trainer's accumulation window, read from the call stack; `batch_size`, `prefetch`
+      below), then (`delete_consumed`) deletes it; rows not yet recorded at a kill are handed out again.
+      `commit="manual"`: only `commit()` records, for a trainer that checkpoints the position it trained
+      (`state_dict(batch)`, or a StatefulDataLoader's state_dict()) and commits it after each checkpoint
+      (exactly once).
+    - `batch_size`: rows per training step for commit="unit" when no DataLoader asks for the rows (a DataLoader's
+      own batches win); default 1: each row asked for is its own step. `prefetch`: batches a wrapper hsx does not
+      know fetches ahead of the training step (hsx refuses such a wrapper without it; accelerate's and HF
+      Trainer's are read from the call stack, and a larger `prefetch` only delays commits).
     - `delete_consumed=False`: nothing is written into OUT (a read-only output is readable); the position lives
       in `state_dict()` only.
     - `rank`, `world_size`: this trainer's share, unit i of the job's plan to rank i % world_size (default:
@@ -160,8 +164,8 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
         raise ValueError("poll_seconds must be positive")
     if batch_size is not None and not (type(batch_size) is int and batch_size >= 1):
         raise ValueError(f"batch_size={batch_size!r}: a positive integer, or None (the DataLoader's)")
-    if not (type(prefetch) is int and prefetch >= 0):
-        raise ValueError(f"prefetch={prefetch!r}: a non-negative integer")
+    if prefetch is not None and not (type(prefetch) is int and prefetch >= 0):
+        raise ValueError(f"prefetch={prefetch!r}: a non-negative integer, or None (read from the loaders)")
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
     if rank is None:

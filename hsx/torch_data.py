@@ -9,7 +9,9 @@ torch. The arguments are checked by the functions that build them (`hsx.follow.f
 from __future__ import annotations
 
 import collections
+import inspect
 import sys
+from collections.abc import Mapping
 import time
 import warnings
 from typing import Any
@@ -19,6 +21,7 @@ import torch.utils.data
 from hsx.errors import HsxError
 
 STATE_VERSION = 1
+TRAIL_ROWS = 1 << 14  # rows handed out last whose sample_id a batch position can name (state_dict(batch))
 WAIT_HINT_SECONDS = 60.0  # waiting this long for a unit with uncommitted rows: say why the extractor may be waiting
 
 
@@ -43,7 +46,7 @@ class Follow(torch.utils.data.IterableDataset):
 
     def __init__(self, source, consumer: str, delete_consumed: bool, rows: str, layout, commit: str,
                  poll_seconds: float, rank: int, world_size: int, timeout: float | None, batch_size: int | None,
-                 prefetch: int):
+                 prefetch: int | None):
         """`source`: an hsx.follow.LocalSource or hsx.flight.FlightSource; `layout(summary)`: the hsx.load._Layout
         of torch rows (rows="torch"); the rest as `follow` takes and checks them."""
         self.src = source
@@ -56,23 +59,60 @@ class Follow(torch.utils.data.IterableDataset):
         self.committed: dict[str, int] = dict(self.position)  # what the ledger says
         self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
         self.iterating = False
+        self._new_trail()
         self._see(self.src.records())
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "iterating": False}  # (a copy has no rows being handed out)
 
+    def _new_trail(self) -> None:
+        """Forget which rows this reader handed out (a new iteration): a batch of an earlier one names no row."""
+        self.opened: dict[str, tuple[int, int]] = {}  # units opened in this iteration: unit -> (order, first row)
+        self.handed: dict[int, tuple[int, str, int]] = {}  # sample_id -> (seq, unit, row), the last TRAIL_ROWS
+        self.handed_order: collections.deque[int] = collections.deque()
+
     # ---- position ----
 
-    def state_dict(self) -> dict[str, Any]:
-        """The rows handed out so far (per unit): save it with the trainer's checkpoint."""
+    def state_dict(self, batch=None) -> dict[str, Any]:
+        """The position to save with the trainer's checkpoint. `batch`: a batch of this reader's rows (a dict with
+        a `sample_id` column, as `hsx.collate` and `default_collate` build, or a list of rows): the position after
+        its last row, i.e. what the steps up to this batch trained, whatever fetched batches ahead of the step
+        (accelerate's prepared loaders do). Without `batch`: every row handed out so far, which is the position
+        trained only where nothing fetches ahead (a plain DataLoader; torchdata's StatefulDataLoader calls this
+        between its batches, and accelerate's `use_stateful_dataloader=True` snapshots it before its look-ahead)."""
+        position = dict(self.position) if batch is None else self._position_after(batch)
         return {"version": STATE_VERSION, "consumer": self.consumer, "rank": self.rank,
-                "world_size": self.world_size, "position": dict(self.position)}
+                "world_size": self.world_size, "position": position}
+
+    def _position_after(self, batch) -> dict[str, int]:
+        """The position after the last row of `batch` (its rows found by sample_id among the rows this iteration
+        handed out last): units opened after that row's unit go back to where they were opened."""
+        ids = batch_sample_ids(batch)
+        found = [self.handed.get(i) for i in ids]
+        if not ids or None in found:
+            raise HsxError(f"{self.src.where}: this batch holds rows this reader has not handed out in its current "
+                           f"iteration (a batch of another reader or an earlier run, or older than its last "
+                           f"{TRAIL_ROWS} rows): name the batch just trained")
+        seqs = sorted(seq for seq, _, _ in found)
+        if seqs[-1] - seqs[0] + 1 != len(seqs):
+            raise HsxError(f"{self.src.where}: this batch's rows were not handed out one after another (a shuffle "
+                           "or a second reader between hsx.follow and the batch?): its position would count rows "
+                           "no step has trained")
+        _, unit, row = max(found)
+        order = self.opened[unit][0]
+        position = dict(self.position)
+        for u, (k, first) in self.opened.items():
+            if k > order:
+                position[u] = first
+        position[unit] = row + 1
+        return position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint's `state_dict()`: its position, not the ledger's. Refused (HsxError) when
         the ledger says units this state has not finished were released and deleted since (an older
         checkpoint than the last commit), since those rows are gone, and when it says more rows of a unit
         were read than it holds."""
+        state = follow_state(state)
         if not (isinstance(state, dict) and state.get("version") == STATE_VERSION
                 and isinstance(state.get("position"), dict)
                 and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in state["position"].items())):
@@ -96,11 +136,19 @@ class Follow(torch.utils.data.IterableDataset):
         # between the trainer's checkpoint and its commit() must not leave the extractor waiting for them).
         self.commit(state)
 
-    def commit(self, state: dict[str, Any] | None = None) -> None:
-        """Record the position (`state`, a `state_dict()` the trainer saved, or every row handed out) in the
-        ledger, fsynced, then delete the units it says are wholly consumed (`delete_consumed`). Without
-        `delete_consumed` nothing is written: the position is the trainer's `state_dict()`."""
-        position = (state or self.state_dict())["position"]
+    def commit(self, state=None) -> None:
+        """Record a position in the ledger, fsynced, then delete the units it says are wholly consumed
+        (`delete_consumed`): `state`, a `state_dict()` the trainer saved (or the state_dict() of a StatefulDataLoader
+        or accelerate-prepared loader over this reader, which holds it), or a batch (the position after its last
+        row, `state_dict(batch)`), or, without one, every row handed out. Only forward: a position behind what the
+        ledger records changes nothing. Without `delete_consumed` nothing is written: the position is the
+        trainer's `state_dict()`."""
+        if state is None:
+            position = dict(self.position)
+        elif is_state(state):
+            position = follow_state(state)["position"]
+        else:
+            position = self._position_after(state)
         if any(u not in self.records for u in position):
             self._see(self.src.records())
         check_position(position, self.records, self.src.where)
@@ -118,25 +166,30 @@ class Follow(torch.utils.data.IterableDataset):
             raise HsxError("hsx.follow reads in the training process: use DataLoader(num_workers=0) (the "
                            "position a checkpoint saves must be the one that handed the rows out)")
         self.iterating = True
-        # commit="unit": units whose last row was handed out, by the count of rows handed out then; the counts
-        # at the last batch starts; a unit is recorded once a batch start `prefetch` batches back is past it
+        self._new_trail()
+        # commit="unit": units whose last row was handed out, by the count of rows handed out then; the counts at
+        # the batch starts seen; a unit is recorded once a batch start `ahead` batches after its last row is seen
+        # (`ahead`: the batches fetched ahead of the training step, read from the call stack at each batch start)
         ends: collections.deque[tuple[int, str]] = collections.deque()
-        starts: collections.deque[int] = collections.deque(maxlen=self.prefetch + 1)
+        starts: collections.deque[int] = collections.deque()
         count, last, held = 0, [-1], None
 
         def asked() -> None:  # a row is asked for: record the units the training step is done with
             if last[0] == count:
                 return  # (this request, seen already)
             last[0] = count
-            start = _batch_start(sys._getframe(2)) if self.batch_size is None else count % self.batch_size == 0
-            if start is None or start:
-                starts.append(count)
-            if len(starts) == starts.maxlen and ends and ends[0][0] <= starts[0]:
+            start, ahead = batch_start(sys._getframe(2), self.batch_size, count, self.prefetch, self.world_size)
+            if not start:
+                return
+            starts.append(count)
+            while len(starts) > ahead + 1:
+                starts.popleft()
+            if len(starts) == ahead + 1 and ends and ends[0][0] <= starts[0]:
                 done = {}
                 while ends and ends[0][0] <= starts[0]:
                     unit = ends.popleft()[1]
                     done[unit] = self.records[unit]["rows"]
-                self.commit({"position": done})
+                self.commit({"version": STATE_VERSION, "position": done})
 
         try:
             waited_since, warned = time.monotonic(), False
@@ -164,7 +217,7 @@ class Follow(torch.utils.data.IterableDataset):
                                        "running?)")
                     time.sleep(self.poll_seconds)
                     continue
-                for row in self._unit_rows(unit):
+                for row in self._unit_rows(unit, count):
                     count += 1
                     if self.position[unit["unit"]] == unit["rows"]:
                         ends.append((count, unit["unit"]))
@@ -175,7 +228,9 @@ class Follow(torch.utils.data.IterableDataset):
         finally:
             self.iterating = False
 
-    def _unit_rows(self, rec: dict[str, Any]):
+    def _unit_rows(self, rec: dict[str, Any], seq: int):
+        """The rows of a unit from the position on; `seq`: rows this iteration handed out before it (the trail
+        `state_dict(batch)` reads)."""
         unit, n = rec["unit"], rec["rows"]
         self.position.setdefault(unit, 0)
         check_position({unit: self.position[unit]}, {unit: rec}, self.src.where)
@@ -187,8 +242,17 @@ class Follow(torch.utils.data.IterableDataset):
             get = lambda i: layout.row(table[i])  # noqa: E731
         else:
             get = ds.__getitem__
+        self.opened[unit] = (len(self.opened), self.position[unit])
         for i in range(self.position[unit], n):
             row = get(i)
+            sample_id = int(row["sample_id"])
+            self.handed[sample_id] = (seq, unit, i)
+            self.handed_order.append(sample_id)
+            if len(self.handed_order) > TRAIL_ROWS:
+                old = self.handed_order.popleft()
+                if self.handed.get(old, (seq,))[0] < seq - TRAIL_ROWS:
+                    del self.handed[old]
+            seq += 1
             self.position[unit] = i + 1  # handed out: in the next state_dict()
             yield row
 
@@ -256,26 +320,170 @@ def check_position(position: dict[str, int], records: dict[str, dict[str, Any]],
                            f"{rec['rows']} (a state of another job, or damaged)")
 
 
-def _batch_start(frame) -> bool | None:
-    """Whether the row asked for starts a batch, when a DataLoader asks (in the process that runs the training
-    step: num_workers=0): its fetcher collects a batch's rows into `data` and hands the batch on once full, so a
-    request with `data` empty means every row asked for before has been returned to the training step and the
-    step over them has returned (the loop asked for the next batch). None when no DataLoader asks. A DataLoader
-    whose fetcher reads otherwise (another torch) is an error: a guess could commit rows no step has seen."""
+def is_state(x) -> bool:
+    """Whether `x` is a position to commit (a `state_dict()`, or a loader's state_dict() holding one), not a batch."""
+    return isinstance(x, dict) and (("version" in x and "position" in x) or "_dataset_state" in x)
+
+
+def follow_state(state):
+    """The hsx.follow state in `state`: itself, or the dataset state of a torchdata StatefulDataLoader's (or an
+    accelerate-prepared stateful loader's) state_dict(), which is this reader's state_dict() at the batch it
+    yielded last."""
+    if isinstance(state, dict) and "_dataset_state" in state and "position" not in state:
+        return state["_dataset_state"]
+    return state
+
+
+def batch_sample_ids(batch) -> list[int]:
+    """The sample ids of a batch: its `sample_id` column (a tensor or a list), or each row's (a list of rows)."""
+    if isinstance(batch, Mapping) and "sample_id" in batch:
+        ids = batch["sample_id"]
+        ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    elif isinstance(batch, (list, tuple)) and all(isinstance(r, Mapping) and "sample_id" in r for r in batch):
+        ids = [r["sample_id"] for r in batch]
+    else:
+        raise ValueError("not a batch of hsx.follow rows: a dict with a sample_id column (hsx.collate and "
+                         "default_collate keep it) or a list of rows")
+    return [int(i) for i in ids]
+
+
+def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None,
+                world_size: int) -> tuple[bool, int]:
+    """(whether the row asked for starts a training step's batch, how many batches are fetched ahead of the step
+    being trained), read from `frame`, the frame asking hsx.follow for a row.
+
+    A DataLoader asks from its fetcher (in the process that runs the training step: num_workers=0): the fetcher
+    collects a batch's rows into `data` and hands the batch on once full, so a request with `data` empty means
+    every row asked for before has been returned from the DataLoader (its batches win over `batch_size`). Who
+    asks the DataLoader for batches says how many it fetches ahead of the step (`look_ahead`). Without a
+    DataLoader: every `batch_size` rows (else every row) is a step, `prefetch` fetched ahead. A DataLoader whose
+    fetcher reads otherwise (another torch) is an error unless `batch_size` is given: a guess could commit rows no
+    step has seen."""
     from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
     fetch = _IterableDatasetFetcher.fetch.__code__
     if frame is not None and frame.f_code is fetch:
         if not getattr(frame.f_locals.get("self"), "auto_collation", False):  # (batch_size=None: a row is a step)
-            return True
-        data = frame.f_locals.get("data")
-        if isinstance(data, list):
-            return not data
-    else:
-        callers = [frame]
-        while len(callers) < 4 and callers[-1] is not None:
-            callers.append(callers[-1].f_back)
-        if not any(c is not None and c.f_code.co_filename == fetch.co_filename for c in callers):
-            return None
-    raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
-                   "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
+            start = True
+        else:
+            data = frame.f_locals.get("data")
+            if not isinstance(data, list):
+                raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
+                               "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
+            start = not data
+        return start, (look_ahead(frame.f_back, prefetch, world_size) if start else 0)
+    _refuse_a_dataset_wrapper(frame)
+    callers = [frame]
+    while len(callers) < 4 and callers[-1] is not None:
+        callers.append(callers[-1].f_back)
+    if batch_size is None and any(c is not None and c.f_code.co_filename == fetch.co_filename for c in callers):
+        raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
+                       "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
+    return (True if batch_size is None else count % batch_size == 0), prefetch or 0
+
+
+def _refuse_a_dataset_wrapper(frame) -> None:
+    """accelerate wraps an IterableDataset in IterableDatasetShard when several processes each read
+    (dispatch_batches=False): each process would keep 1 of every N batches of what its own reader hands out."""
+    shard = _accelerate("IterableDatasetShard")
+    if shard is not None and frame is not None and frame.f_code is shard.__iter__.__code__:
+        raise HsxError("hsx.follow under accelerate's IterableDatasetShard (several processes with "
+                       "dispatch_batches=False): each process would drop the batches of the others from its own "
+                       "share; use accelerate's default dispatch_batches=True with hsx.follow(..., rank=0, "
+                       "world_size=1), or give each process a DataLoader that accelerate does not prepare")
+
+
+def _accelerate(name: str):
+    """accelerate.data_loader's `name`, if accelerate is imported (a loader it prepared can only exist then)."""
+    module = sys.modules.get("accelerate.data_loader")
+    return getattr(module, name, None)
+
+
+def _loader_internal(frame) -> bool:
+    """Whether `frame` runs inside a DataLoader's iterator (torch's or torchdata's) or tqdm (which yields what it
+    is given, one at a time): frames between a fetch and whoever asks the loader for a batch."""
+    name = frame.f_globals.get("__name__", "")
+    return name in ("torch.utils.data.dataloader", "torchdata.stateful_dataloader.stateful_dataloader") or \
+        name == "tqdm" or name.startswith("tqdm.")
+
+
+def _asker(frame):
+    while frame is not None and _loader_internal(frame):
+        frame = frame.f_back
+    return frame
+
+
+# Packages whose code drives a training loop or wraps loaders: a frame of theirs asking for batches that hsx does
+# not know is a wrapper whose look-ahead hsx cannot see (user code asking is the training loop itself).
+LOADER_PACKAGES = ("accelerate", "transformers", "torch", "torchdata", "lightning", "pytorch_lightning",
+                   "lightning_fabric", "deepspeed", "trl")
+
+
+def look_ahead(frame, prefetch: int | None, world_size: int) -> int:
+    """Batches a DataLoader has handed out beyond the one whose training step is running, when its fetch starts,
+    from who asks it for batches (`frame`: the caller of the fetch):
+
+    - the training loop itself (user code): 0;
+    - accelerate's DataLoaderShard / DataLoaderDispatcher (Accelerator.prepare): 1 (they fetch one batch ahead to
+      see the last one); a Dispatcher of N processes reads N batches per step on process 0 (then hsx.follow must
+      read every rank's units there: rank=0, world_size=1); plus what their own asker fetches ahead;
+    - transformers' Trainer (get_batch_samples): gradient_accumulation_steps - 1 more (it fetches the
+      accumulation window before training its first batch);
+    - anything else that iterates batches (a generator or __next__ of another package, or of the trainer's):
+      `prefetch`, which the user gave for it; refused when not given: a guess could commit untrained rows.
+
+    A loader that skips batches it fetched (accelerate's skip_first_batches, HF Trainer's resume) is refused: the
+    rows skipped were never trained, and hsx.follow resumes from its own position."""
+    total = _ahead(_asker(frame), prefetch, world_size)
+    return max(total, prefetch or 0)
+
+
+def _ahead(frame, prefetch: int | None, world_size: int) -> int:
+    if frame is None:
+        return 0
+    code = frame.f_code
+    shard, dispatcher, skip = (_accelerate(n) for n in ("DataLoaderShard", "DataLoaderDispatcher", "SkipDataLoader"))
+    if code.co_name == "<genexpr>":  # (yields each batch as it gets it: its asker decides)
+        return _ahead(_asker(frame.f_back), prefetch, world_size)
+    if shard is not None and code in (shard.__iter__.__code__, getattr(skip, "__iter__", shard.__iter__).__code__):
+        _no_skipping(frame)
+        return (1 if code is shard.__iter__.__code__ else 0) + _ahead(_asker(frame.f_back), prefetch, world_size)
+    if dispatcher is not None and code is dispatcher._fetch_batches.__code__:
+        outer = frame.f_back
+        if outer is None or outer.f_code is not dispatcher.__iter__.__code__:
+            return _unknown(frame, prefetch)
+        _no_skipping(outer)
+        processes = frame.f_locals["self"].state.num_processes
+        if processes > 1 and world_size > 1:
+            raise HsxError(f"hsx.follow under accelerate's DataLoaderDispatcher with {processes} processes: it reads "
+                           "on process 0 only and sends each process its slice, so process 0 must read every "
+                           "rank's units: hsx.follow(..., rank=0, world_size=1) (or accelerate's "
+                           "DataLoaderConfiguration(dispatch_batches=False) with a loader it does not prepare)")
+        return processes * (1 + _ahead(_asker(outer.f_back), prefetch, world_size)) + processes - 1
+    trainer = sys.modules.get("transformers.trainer")
+    if trainer is not None and code is trainer.Trainer.get_batch_samples.__code__:
+        return max(0, frame.f_locals["self"].args.gradient_accumulation_steps - 1)
+    package = frame.f_globals.get("__name__", "").partition(".")[0]
+    wrapper = code.co_flags & (inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR) or code.co_name in (
+        "__next__", "__iter__")
+    if wrapper or package in LOADER_PACKAGES:
+        return _unknown(frame, prefetch)
+    return 0
+
+
+def _unknown(frame, prefetch: int | None) -> int:
+    if prefetch is not None:
+        return prefetch
+    where = f"{frame.f_code.co_qualname} ({frame.f_globals.get('__name__', '?')})"
+    raise HsxError(f"hsx.follow cannot tell how many batches {where} fetches ahead of the training step, so "
+                   "commit='unit' cannot tell which rows were trained: pass hsx.follow(..., prefetch=N) with that "
+                   "count (0 if it fetches none), or commit='manual' with rows.commit(batch) after each step")
+
+
+def _no_skipping(frame) -> None:
+    loader = frame.f_locals.get("self")
+    if getattr(loader, "skip_batches", 0):
+        raise HsxError(f"this accelerate loader skips its first {loader.skip_batches} batches (skip_first_batches; "
+                       "HF Trainer's resume from a checkpoint does so): their rows would be handed out and never "
+                       "trained. hsx.follow resumes from its own position: pass TrainingArguments("
+                       "ignore_data_skip=True), or do not skip")
