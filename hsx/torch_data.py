@@ -322,15 +322,15 @@ def check_position(position: dict[str, int], records: dict[str, dict[str, Any]],
 
 def is_state(x) -> bool:
     """Whether `x` is a position to commit (a `state_dict()`, or a loader's state_dict() holding one), not a batch."""
-    return isinstance(x, dict) and (("version" in x and "position" in x) or "_dataset_state" in x)
+    return isinstance(x, dict) and (("version" in x and "position" in x) or "dataset_state" in x)
 
 
 def follow_state(state):
     """The hsx.follow state in `state`: itself, or the dataset state of a torchdata StatefulDataLoader's (or an
     accelerate-prepared stateful loader's) state_dict(), which is this reader's state_dict() at the batch it
     yielded last."""
-    if isinstance(state, dict) and "_dataset_state" in state and "position" not in state:
-        return state["_dataset_state"]
+    if isinstance(state, dict) and "dataset_state" in state and "position" not in state:
+        return state["dataset_state"]
     return state
 
 
