@@ -103,7 +103,10 @@ class Follow(torch.utils.data.IterableDataset):
         position = dict(self.position)
         for u, (k, first) in self.opened.items():
             if k > order:
-                position[u] = first
+                if first:
+                    position[u] = first
+                else:
+                    position.pop(u, None)
         position[unit] = row + 1
         return position
 
@@ -178,8 +181,10 @@ class Follow(torch.utils.data.IterableDataset):
             if last[0] == count:
                 return  # (this request, seen already)
             last[0] = count
-            start, ahead = batch_start(sys._getframe(2), self.batch_size, count, self.prefetch, self.world_size)
-            if not start:
+            # (commit="manual" too: a loader that skips batches or splits them between processes is refused)
+            start, ahead = batch_start(sys._getframe(2), self.batch_size, count, self.prefetch, self.world_size,
+                                       strict=self.commit_mode == "unit")
+            if not start or self.commit_mode != "unit":
                 return
             starts.append(count)
             while len(starts) > ahead + 1:
@@ -194,8 +199,7 @@ class Follow(torch.utils.data.IterableDataset):
         try:
             waited_since, warned = time.monotonic(), False
             while True:
-                if self.commit_mode == "unit":
-                    asked()
+                asked()
                 unit = self._next_unit()
                 if unit is None:
                     if self._finished():
@@ -222,8 +226,7 @@ class Follow(torch.utils.data.IterableDataset):
                     if self.position[unit["unit"]] == unit["rows"]:
                         ends.append((count, unit["unit"]))
                     yield row
-                    if self.commit_mode == "unit":
-                        asked()
+                    asked()
                 waited_since, warned = time.monotonic(), False
         finally:
             self.iterating = False
@@ -347,8 +350,8 @@ def batch_sample_ids(batch) -> list[int]:
     return [int(i) for i in ids]
 
 
-def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None,
-                world_size: int) -> tuple[bool, int]:
+def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None, world_size: int,
+                strict: bool = True) -> tuple[bool, int]:
     """(whether the row asked for starts a training step's batch, how many batches are fetched ahead of the step
     being trained), read from `frame`, the frame asking hsx.follow for a row.
 
@@ -358,7 +361,8 @@ def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None,
     asks the DataLoader for batches says how many it fetches ahead of the step (`look_ahead`). Without a
     DataLoader: every `batch_size` rows (else every row) is a step, `prefetch` fetched ahead. A DataLoader whose
     fetcher reads otherwise (another torch) is an error unless `batch_size` is given: a guess could commit rows no
-    step has seen."""
+    step has seen. `strict=False` (commit="manual", whose positions name batches): only what loses rows whatever
+    is committed is refused (skipped batches, batches split between processes), not a look-ahead hsx cannot see."""
     from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
     fetch = _IterableDatasetFetcher.fetch.__code__
@@ -368,15 +372,18 @@ def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None,
         else:
             data = frame.f_locals.get("data")
             if not isinstance(data, list):
+                if not strict:
+                    return False, 0
                 raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
                                "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
             start = not data
-        return start, (look_ahead(frame.f_back, prefetch, world_size) if start else 0)
+        return start, (look_ahead(frame.f_back, prefetch if strict else 0, world_size) if start else 0)
     _refuse_a_dataset_wrapper(frame)
     callers = [frame]
     while len(callers) < 4 and callers[-1] is not None:
         callers.append(callers[-1].f_back)
-    if batch_size is None and any(c is not None and c.f_code.co_filename == fetch.co_filename for c in callers):
+    if strict and batch_size is None and any(c is not None and c.f_code.co_filename == fetch.co_filename
+                                             for c in callers):
         raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
                        "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
     return (True if batch_size is None else count % batch_size == 0), prefetch or 0

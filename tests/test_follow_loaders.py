@@ -168,3 +168,234 @@ def test_sigkilled_trainers_under_accelerate_and_a_batch_size_mismatch(tmp_path,
     assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
     if recipe:
         assert sorted(model) == sorted(fault_reference.sample_ids)
+
+
+# ---- HF Trainer (transformers): its accumulation window fetches ahead too ---------------------------------------
+
+def hf_trainer(rows, work: Path, kill_at=None, ga: int = 2, dispatch=None, recipe: bool = False,
+               ignore_data_skip: bool = True):
+    """A Trainer over `rows` (hsx.collate batches of BATCH) whose model "trains" each micro-batch's ids
+    (`model.trained`, once its optimizer step has returned; `model.pending` until then) and raises Killed in the
+    forward numbered `kill_at`. `recipe`: the docs' Trainer recipe (a checkpoint every 2 steps holding
+    `rows.state_dict(the batch trained last)`, committed once saved)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.pending, self.trained, self.calls = [], [], 0
+
+        def forward(self, sample_id=None, **_):
+            self.calls += 1
+            if self.calls == kill_at:
+                raise Killed
+            self.pending += sample_id.tolist()
+            return {"loss": (self.w ** 2).sum()}
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **_):
+            model.trained += model.pending
+            model.pending.clear()
+
+    class FollowTrainer(Trainer):  # docs/follow.md's recipe: the batch trained last names the position
+        def training_step(self, model, inputs, *args, **kwargs):
+            self.hsx_batch = inputs
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class FollowCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, model=None, **_):
+            data = rows.state_dict(trainer.hsx_batch)
+            torch.save({"model": model.trained, "data": data},
+                       Path(args.output_dir) / f"checkpoint-{state.global_step}" / "hsx_follow.pt")
+            rows.commit(data)
+
+    args = TrainingArguments(output_dir=str(work), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ga,
+                             max_steps=1000, use_cpu=True, report_to=[], remove_unused_columns=False,
+                             logging_strategy="no", disable_tqdm=True, ignore_data_skip=ignore_data_skip,
+                             save_strategy="steps" if recipe else "no", save_steps=2,
+                             accelerator_config={"dispatch_batches": dispatch})
+    model = Model()
+    trainer = FollowTrainer(model=model, args=args, train_dataset=rows, data_collator=hsx.collate,
+                            callbacks=[Steps()] + ([FollowCheckpoint()] if recipe else []))
+    return trainer, model
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path, fault_reference):
+    """The Trainer fetches its accumulation window (3 batches) before training the first: the old default
+    recorded units of batches fetched but not trained (a kill lost 20 of 96 rows)."""
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    trained = []
+    for kill_at, dispatch in ((7, None), (5, False), (None, False)):  # (the Dispatcher is Trainer's default)
+        rows = hsx.follow(out, delete_consumed=True, poll_seconds=0.01)
+        trainer, model = hf_trainer(rows, tmp_path / "t", kill_at, ga=3, dispatch=dispatch)
+        if kill_at:
+            with pytest.raises(Killed):
+                trainer.train()
+        else:
+            trainer.train()  # (to the end of the rows: a Dispatcher then finds an empty epoch: accelerate's error)
+            rows.commit()
+            trained += model.pending  # (a last window short of 3 batches: Trainer runs its steps, no optimizer step)
+        trained += model.trained
+    assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
+    assert not list((out / "data").glob("train-*.arrow"))
+
+
+@pytest.mark.slow
+def test_hf_trainer_recipe_resumes_exactly_once_and_a_resume_that_skips_batches_is_refused(tmp_path,
+                                                                                          fault_reference):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out, work = tmp_path / "out", tmp_path / "t"
+    shutil.copytree(fault_reference.out, out)
+    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    trainer, model = hf_trainer(rows, work, kill_at=11, recipe=True)
+    with pytest.raises(Killed):
+        trainer.train()
+    last = get_last_checkpoint(str(work))
+    assert last is not None
+    # resumed the Trainer's way (it skips the batches its checkpoint trained): refused, nothing read
+    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    trainer, model = hf_trainer(rows, work, recipe=True, ignore_data_skip=False)
+    with pytest.raises(HsxError, match="ignore_data_skip=True"):
+        trainer.train(resume_from_checkpoint=last)
+    # the recipe: hsx.follow resumes from the state saved with the checkpoint
+    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    saved = torch.load(Path(last) / "hsx_follow.pt")
+    rows.load_state_dict(saved["data"])
+    trainer, model = hf_trainer(rows, work, recipe=True, dispatch=False)
+    model.trained = saved["model"]
+    trainer.train(resume_from_checkpoint=last)
+    rows.commit()  # the steps after the last checkpoint (the loop ended)
+    assert sorted(model.trained + model.pending) == sorted(fault_reference.sample_ids)  # exactly once
+    assert not list((out / "data").glob("train-*.arrow"))
+
+
+# ---- what a batch's position names, and what the default commit refuses to guess --------------------------------
+
+def test_a_batch_names_the_position_after_its_last_row_and_nothing_else(tmp_path, fault_reference):
+    from torch.utils.data import DataLoader, default_collate
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    rows = hsx.follow(out, delete_consumed=True, commit="manual", rows="dict")
+    loader = iter(DataLoader(rows, batch_size=5, collate_fn=list))
+    first = next(loader)
+    after_first = rows.state_dict()
+    second = next(loader)
+    assert rows.state_dict(first) == after_first  # handed out since: not in the first batch's position
+    assert rows.state_dict(second) == rows.state_dict()
+    assert sum(rows.state_dict(first)["position"].values()) == 5
+    tensors = default_collate([{"sample_id": r["sample_id"]} for r in second])  # default_collate's batch
+    assert rows.state_dict(tensors) == rows.state_dict(second)
+    rows.commit(second)
+    rows.commit(first)  # an older batch: the ledger does not go back
+    assert hsx.follow(out, rows="dict").state_dict()["position"] == rows.state_dict(second)["position"]
+    with pytest.raises(HsxError, match="not handed out one after another"):
+        rows.state_dict([first[0], second[0]])  # (a shuffle between the reader and the batch)
+    other = hsx.follow(out, commit="manual", rows="dict")
+    with pytest.raises(HsxError, match="has not handed out in its current iteration"):
+        other.state_dict(second)  # another reader's batch
+    with pytest.raises(ValueError, match="not a batch of hsx.follow rows"):
+        rows.state_dict({"input_ids": torch.zeros(2, 3)})
+
+
+def test_a_stateful_loaders_state_is_the_readers_and_commits(tmp_path, fault_reference):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    rows = hsx.follow(out, delete_consumed=True, commit="manual", rows="dict")
+    loader = StatefulDataLoader(rows, batch_size=BATCH, collate_fn=list)
+    it = iter(loader)
+    batches = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    assert state["dataset_state"] == rows.state_dict(batches[-1])
+    rows.commit(state)
+    resumed = hsx.follow(out, commit="manual", rows="dict")
+    again = StatefulDataLoader(resumed, batch_size=BATCH, collate_fn=list)
+    again.load_state_dict(state)
+    rest = [r["sample_id"] for b in again for r in b]
+    seen = [r["sample_id"] for b in batches for r in b]
+    assert sorted(seen + rest) == sorted(fault_reference.sample_ids)
+
+
+def test_a_wrapper_whose_look_ahead_hsx_cannot_see_is_refused_unless_prefetch_names_it(tmp_path, fault_reference):
+    from torch.utils.data import DataLoader
+
+    def ahead_by_one(loader):  # fetches a batch before handing out the previous one
+        it = iter(loader)
+        held = next(it)
+        for batch in it:
+            yield held
+            held = batch
+        yield held
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    rows = hsx.follow(out, delete_consumed=True, rows="dict")
+    with pytest.raises(HsxError, match=r"cannot tell how many batches .*ahead_by_one.* prefetch=N"):
+        next(ahead_by_one(DataLoader(rows, batch_size=BATCH, collate_fn=list)))
+    rows = hsx.follow(out, delete_consumed=True, rows="dict", prefetch=1)
+    where = {r["sample_id"]: r["unit"] for r in unit_rows(out)}
+    trained = []
+    for batch in ahead_by_one(DataLoader(rows, batch_size=BATCH, collate_fn=list)):
+        ids = [r["sample_id"] for r in batch]
+        assert all((out / "data" / f"train-{where[i]}.arrow").exists() for i in ids)  # not released before its step
+        trained += ids
+    assert sorted(trained) == sorted(fault_reference.sample_ids)
+    # a generator expression and tqdm hand each batch on as they get it: nothing to name
+    from tqdm import tqdm
+
+    out2 = tmp_path / "out2"
+    shutil.copytree(fault_reference.out, out2)
+    rows = hsx.follow(out2, delete_consumed=True, rows="dict")
+    assert sum(len(b) for b in tqdm(DataLoader(rows, batch_size=BATCH, collate_fn=list), disable=True)) == 96
+
+
+def unit_rows(out: Path) -> list[dict]:
+    from datasets import Dataset
+
+    return [{"sample_id": s, "unit": f.name[len("train-"):-len(".arrow")]}
+            for f in sorted((out / "data").glob("train-*.arrow")) for s in Dataset.from_file(str(f))["sample_id"]]
+
+
+def test_accelerate_loaders_that_would_lose_rows_are_refused(tmp_path, fault_reference):
+    """A Dispatcher of several processes reads on process 0 only (each rank reading its share there would leave
+    the other shares unread); accelerate's IterableDatasetShard (several processes, dispatch_batches=False) keeps 1
+    of N batches of each process's rows; a loader skipping its first batches hands rows to no step."""
+    from types import SimpleNamespace
+
+    from accelerate import skip_first_batches
+    from accelerate.data_loader import IterableDatasetShard
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    for commit in ("unit", "manual"):
+        dispatcher = loader_of(hsx.follow(out, commit=commit, rank=0, world_size=2), "dispatcher", hsx.collate)
+        dispatcher.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+        with pytest.raises(HsxError, match=r"rank=0, world_size=1"):
+            next(iter(dispatcher))
+        sharded = torch.utils.data.DataLoader(IterableDatasetShard(hsx.follow(out, commit=commit), batch_size=BATCH,
+                                                                   num_processes=2, process_index=0),
+                                              batch_size=BATCH, collate_fn=hsx.collate)
+        with pytest.raises(HsxError, match="IterableDatasetShard"):
+            next(iter(sharded))
+        skipping = skip_first_batches(loader_of(hsx.follow(out, commit=commit), "shard", hsx.collate), 2)
+        with pytest.raises(HsxError, match="skips its first 2 batches"):
+            next(iter(skipping))
+    # process 0 reading every rank's units (rank=0, world_size=1) for a Dispatcher of 2: it fetches 2 batches per
+    # step and one step ahead; no unit of a row handed to this process (or to process 1: the other half of the same
+    # global batch) is released before its step
+    rows = hsx.follow(out, delete_consumed=True, rank=0, world_size=1, rows="dict")
+    ids = lambda rs: {"sample_id": torch.tensor([r["sample_id"] for r in rs])}  # noqa: E731
+    dispatcher = loader_of(rows, "dispatcher", ids)
+    dispatcher.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    where = {r["sample_id"]: r["unit"] for r in unit_rows(out)}
+    global_batches = []
+    for batch in dispatcher:
+        global_batches.append(batch["sample_id"].tolist())
+        assert all((out / "data" / f"train-{where[i]}.arrow").exists() for i in global_batches[-1])
+    assert len(global_batches) == 96 // (2 * BATCH)
