@@ -11,16 +11,18 @@ once consumed, so the job needs disk for a window of units, not for the whole da
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
   `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units wholly consumed.
   `commit="unit"` does so for a unit once the training step over its last row has returned
-  (hsx.torch_data.batch_start, which reads how many batches the loaders fetch ahead). A unit is deleted only after that line is on disk; the extractor counts a wholly
-  consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
-  never redoes it and hsx.json lists it.
+  (hsx.torch_data.batch_start: where batches start, and how many the loaders fetch ahead of the step). A unit is
+  deleted only after that line is on disk; the extractor counts a wholly consumed unit as done
+  (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job never redoes it and hsx.json
+  lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
 
 Exactly once: rows handed out after the last `commit()` are handed out again after a kill (the ledger is the
-resume point), unless the trainer restores a `state_dict()` it saved with its own checkpoint. A trainer that
-checkpoints saves `state_dict()` with its weights and calls `commit(that state)` once the checkpoint is durable:
-then a kill on either side loses no row and repeats none (docs/follow.md).
+resume point), unless the trainer restores a position it saved with its own checkpoint. A trainer that
+checkpoints saves the position it trained (`state_dict(batch)` of the batch trained last, or a StatefulDataLoader's
+`state_dict()`) with its weights and calls `commit(that state)` once the checkpoint is durable: then a kill on either
+side loses no row and repeats none (docs/follow.md).
 
 One reader per process (DataLoader `num_workers=0`): the position a checkpoint saves must be the one that handed
 the rows out (the reader, hsx.torch_data.Follow, pickles, but a worker's copy refuses to read). Several trainer ranks each read their share (unit i of the plan goes to rank i % world_size).

@@ -11,9 +11,9 @@ from __future__ import annotations
 import collections
 import inspect
 import sys
-from collections.abc import Mapping
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch.utils.data
@@ -463,9 +463,10 @@ def _ahead(frame, prefetch: int | None, world_size: int) -> int:
         processes = frame.f_locals["self"].state.num_processes
         if processes > 1 and world_size > 1:
             raise HsxError(f"hsx.follow under accelerate's DataLoaderDispatcher with {processes} processes: it reads "
-                           "on process 0 only and sends each process its slice, so process 0 must read every "
-                           "rank's units: hsx.follow(..., rank=0, world_size=1) (or accelerate's "
-                           "DataLoaderConfiguration(dispatch_batches=False) with a loader it does not prepare)")
+                           f"on process 0 only and sends each process its slice, so reading rank 0's share of "
+                           f"{world_size} there would leave the others unread: pass hsx.follow(..., rank=0, "
+                           "world_size=1), or give each process a DataLoader over its own share that accelerate "
+                           "does not prepare")
         return processes * (1 + _ahead(_asker(outer.f_back), prefetch, world_size)) + processes - 1
     trainer = sys.modules.get("transformers.trainer")
     if trainer is not None and code is trainer.Trainer.get_batch_samples.__code__:
