@@ -116,10 +116,7 @@ class Follow(torch.utils.data.IterableDataset):
         checkpoint than the last commit), since those rows are gone, and when it says more rows of a unit
         were read than it holds."""
         state = follow_state(state)
-        if not (isinstance(state, dict) and state.get("version") == STATE_VERSION
-                and isinstance(state.get("position"), dict)
-                and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in state["position"].items())):
-            raise ValueError("not an hsx.follow state_dict()")
+        position_of(state)
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
             raise HsxError(f"this state is rank {state.get('rank')} of {state.get('world_size')}, the reader "
                            f"rank {self.rank} of {self.world_size}: resume with the same ranks")
@@ -149,7 +146,7 @@ class Follow(torch.utils.data.IterableDataset):
         if state is None:
             position = dict(self.position)
         elif is_state(state):
-            position = follow_state(state)["position"]
+            position = position_of(follow_state(state))
         else:
             position = self._position_after(state)
         if any(u not in self.records for u in position):
@@ -325,7 +322,16 @@ def check_position(position: dict[str, int], records: dict[str, dict[str, Any]],
 
 def is_state(x) -> bool:
     """Whether `x` is a position to commit (a `state_dict()`, or a loader's state_dict() holding one), not a batch."""
-    return isinstance(x, dict) and (("version" in x and "position" in x) or "dataset_state" in x)
+    return isinstance(x, dict) and ("position" in x or "dataset_state" in x)
+
+
+def position_of(state) -> dict[str, int]:
+    """The position of an hsx.follow `state_dict()`: ValueError for anything else."""
+    if not (isinstance(state, dict) and state.get("version") == STATE_VERSION
+            and isinstance(state.get("position"), dict)
+            and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in state["position"].items())):
+        raise ValueError("not an hsx.follow state_dict()")
+    return state["position"]
 
 
 def follow_state(state):
