@@ -2,6 +2,12 @@
 `hsx.load.torch_stream` returns), `torch.utils.data.IterableDataset`s defined at module level so they pickle by name
 (a DataLoader's spawn worker rebuilds one by importing this module).
 
+`Follow`'s position must be the one trained, not the one handed out, whatever wraps its DataLoader: a batch names
+the position after its last row (`state_dict(batch)`, by the rows' sample_id), torchdata's StatefulDataLoader
+snapshots `state_dict()` between batches, and the default commit reads from the call stack of each fetch where a
+batch starts and how many batches the loaders above fetch ahead of the step (`batch_start`, `look_ahead`):
+accelerate's prepared loaders and HF Trainer's accumulation window are known, a wrapper hsx cannot read is refused.
+
 This module imports torch: hsx.follow and hsx.load import it when they build one, so `import hsx` stays free of
 torch. The arguments are checked by the functions that build them (`hsx.follow.follow`, `hsx.load.torch_stream`).
 """
@@ -488,7 +494,8 @@ def _ahead(frame, prefetch: int | None, world_size: int) -> int:
 def _unknown(frame, prefetch: int | None) -> int:
     if prefetch is not None:
         return prefetch
-    where = f"{frame.f_code.co_qualname} ({frame.f_globals.get('__name__', '?')})"
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # (Python 3.10: co_name)
+    where = f"{name} ({frame.f_globals.get('__name__', '?')})"
     raise HsxError(f"hsx.follow cannot tell how many batches {where} fetches ahead of the training step, so "
                    "commit='unit' cannot tell which rows were trained: pass hsx.follow(..., prefetch=N) with that "
                    "count (0 if it fetches none), or commit='manual' with rows.commit(batch) after each step")

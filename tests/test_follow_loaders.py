@@ -29,7 +29,8 @@ import torch
 import hsx
 from hsx.errors import HsxError
 
-WRAPPERS = ["plain", "shard", "dispatcher", "stateful", "accelerate-stateful", "mismatch"]
+pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")  # (torchdata 0.11 on torch 2.13)
+WRAPPERS = ["plain", "shard", "dispatcher", "stateful", "accelerate-stateful", "accelerate-stateful-shard", "mismatch"]
 BATCH = 4  # rows per step (the fault reference: 96 rows in 40+ units)
 
 
@@ -61,7 +62,8 @@ def loader_of(rows, wrapper: str, collate):
     AcceleratorState._reset_state(True)  # (several trainers in one test process)
     GradientState._reset_state()
     config = {"shard": {"dispatch_batches": False}, "dispatcher": {"dispatch_batches": True},
-              "accelerate-stateful": {"use_stateful_dataloader": True}}[wrapper]  # (the last: a Dispatcher)
+              "accelerate-stateful": {"use_stateful_dataloader": True},  # (a Dispatcher: accelerate's default)
+              "accelerate-stateful-shard": {"use_stateful_dataloader": True, "dispatch_batches": False}}[wrapper]
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
     return accelerator.prepare(DataLoader(rows, batch_size=BATCH, collate_fn=collate))
 
@@ -84,7 +86,7 @@ def train(out: str, log: str, ckpt: str, wrapper: str, recipe: bool, kill: str =
     rows = hsx.follow(out, delete_consumed=True, commit="manual" if recipe else "unit", poll_seconds=0.01,
                       batch_size=BATCH if wrapper == "mismatch" else None)
     loader = loader_of(rows, wrapper, collate)
-    stateful = wrapper in ("stateful", "accelerate-stateful")
+    stateful = wrapper.endswith("stateful") or wrapper.endswith("stateful-shard")
     model: list[int] = []
     if recipe and os.path.exists(ckpt):
         saved = torch.load(ckpt)
