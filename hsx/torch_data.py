@@ -73,9 +73,13 @@ class Follow(torch.utils.data.IterableDataset):
 
     def _new_trail(self) -> None:
         """Forget which rows this reader handed out (a new iteration): a batch of an earlier one names no row."""
-        self.opened: dict[str, tuple[int, int]] = {}  # units opened in this iteration: unit -> (order, first row)
-        self.handed: dict[int, tuple[int, str, int]] = {}  # sample_id -> (seq, unit, row), the last TRAIL_ROWS
+        # units opened in this iteration, in order: unit -> (first row, rows of this iteration handed out before)
+        self.opened: dict[str, tuple[int, int]] = {}
+        self.handed: dict[int, int] = {}  # sample_id -> its row's number in this iteration (the last TRAIL_ROWS)
         self.handed_order: collections.deque[int] = collections.deque()
+        self.batch_starts: collections.deque[int] = collections.deque()  # rows handed out at the last batch starts
+        self.fetched_ahead = 0  # batches the loaders fetch ahead of the step (read at the last batch start)
+        self.stopped_early = False  # the iteration was closed before its rows ended (a loop that stopped)
 
     # ---- position ----
 
@@ -85,35 +89,52 @@ class Follow(torch.utils.data.IterableDataset):
         its last row, i.e. what the steps up to this batch trained, whatever fetched batches ahead of the step
         (accelerate's prepared loaders do). Without `batch`: every row handed out so far, which is the position
         trained only where nothing fetches ahead (a plain DataLoader; torchdata's StatefulDataLoader calls this
-        between its batches, and accelerate's `use_stateful_dataloader=True` snapshots it before its look-ahead)."""
-        position = dict(self.position) if batch is None else self._position_after(batch)
+        between its batches, and accelerate's `use_stateful_dataloader=True` snapshots it before its look-ahead);
+        refused (HsxError) while a loader hsx sees fetching ahead holds rows no step has trained yet."""
+        if batch is None:
+            if self._holding_ahead() and not _called_by_a_stateful_loader(sys._getframe(1)):
+                raise HsxError(f"hsx.follow: the loader fetches {self.fetched_ahead} batch(es) ahead of the training "
+                               "step, so the rows handed out are not the rows trained: save "
+                               "rows.state_dict(batch) of the batch just trained")
+            position = dict(self.position)
+        else:
+            position = self._position_before(self._last_seq(batch) + 1)
         return {"version": STATE_VERSION, "consumer": self.consumer, "rank": self.rank,
                 "world_size": self.world_size, "position": position}
 
-    def _position_after(self, batch) -> dict[str, int]:
-        """The position after the last row of `batch` (its rows found by sample_id among the rows this iteration
-        handed out last): units opened after that row's unit go back to where they were opened."""
+    def _holding_ahead(self) -> bool:
+        """Whether batches were fetched ahead of the step and perhaps never trained: while iterating, and after
+        an iteration closed before its rows ended (the loop above stopped; not after the rows ended, when the
+        loaders hand on every batch they fetched)."""
+        return bool(self.fetched_ahead) and (self.iterating or self.stopped_early)
+
+    def _last_seq(self, batch) -> int:
+        """The number in this iteration of the last row of `batch` (its rows found by sample_id among the rows
+        handed out last), once checked that its rows were handed out one after another."""
         ids = batch_sample_ids(batch)
-        found = [self.handed.get(i) for i in ids]
-        if not ids or None in found:
+        seqs = sorted(self.handed.get(i, -1) for i in ids)
+        if not ids or seqs[0] < 0:
             raise HsxError(f"{self.src.where}: this batch holds rows this reader has not handed out in its current "
                            f"iteration (a batch of another reader or an earlier run, or older than its last "
                            f"{TRAIL_ROWS} rows): name the batch just trained")
-        seqs = sorted(seq for seq, _, _ in found)
         if seqs[-1] - seqs[0] + 1 != len(seqs):
             raise HsxError(f"{self.src.where}: this batch's rows were not handed out one after another (a shuffle "
                            "or a second reader between hsx.follow and the batch?): its position would count rows "
                            "no step has trained")
-        _, unit, row = max(found)
-        order = self.opened[unit][0]
+        return seqs[-1]
+
+    def _position_before(self, n: int) -> dict[str, int]:
+        """The position when this iteration had handed out `n` rows: units opened after that go back to where
+        they were opened."""
         position = dict(self.position)
-        for u, (k, first) in self.opened.items():
-            if k > order:
+        for unit, (first, before) in self.opened.items():
+            if before >= n:
                 if first:
-                    position[u] = first
+                    position[unit] = first
                 else:
-                    position.pop(u, None)
-        position[unit] = row + 1
+                    position.pop(unit, None)
+            elif before + (position[unit] - first) > n:  # (the unit the n-th row is in)
+                position[unit] = first + n - before
         return position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -138,6 +159,7 @@ class Follow(torch.utils.data.IterableDataset):
                            f"committed and deleted ({len(gone)} unit(s), e.g. train-{gone[0]}.arrow): resume "
                            "from the checkpoint saved last")
         self.position = position
+        self._new_trail()  # (a batch of before names no row of this position)
         # The state comes from a durable checkpoint: record it, so units it finished are released now (a kill
         # between the trainer's checkpoint and its commit() must not leave the extractor waiting for them).
         self.commit(state)
@@ -147,14 +169,17 @@ class Follow(torch.utils.data.IterableDataset):
         (`delete_consumed`): `state`, a `state_dict()` the trainer saved (or the state_dict() of a StatefulDataLoader
         or accelerate-prepared loader over this reader, which holds it), or a batch (the position after its last
         row, `state_dict(batch)`), or, without one, every row handed out. Only forward: a position behind what the
-        ledger records changes nothing. Without `delete_consumed` nothing is written: the position is the
-        trainer's `state_dict()`."""
-        if state is None:
-            position = dict(self.position)
+        ledger records changes nothing. Without a state while a loader fetching ahead holds rows (a loop that
+        stopped before the rows ended): the rows before the batches fetched ahead. Without `delete_consumed` nothing
+        is written: the position is the trainer's `state_dict()`."""
+        if state is None:  # (what hsx knows was trained, while a loader fetching ahead holds rows)
+            ahead, starts = (self.fetched_ahead if self._holding_ahead() else 0), self.batch_starts
+            position = dict(self.position) if not ahead else self._position_before(
+                starts[-ahead] if len(starts) >= ahead else 0)
         elif is_state(state):
             position = position_of(follow_state(state))
         else:
-            position = self._position_after(state)
+            position = self._position_before(self._last_seq(state) + 1)
         if any(u not in self.records for u in position):
             self._see(self.src.records())
         check_position(position, self.records, self.src.where)
@@ -177,7 +202,7 @@ class Follow(torch.utils.data.IterableDataset):
         # the batch starts seen; a unit is recorded once a batch start `ahead` batches after its last row is seen
         # (`ahead`: the batches fetched ahead of the training step, read from the call stack at each batch start)
         ends: collections.deque[tuple[int, str]] = collections.deque()
-        starts: collections.deque[int] = collections.deque()
+        starts = self.batch_starts
         count, last, held = 0, [-1], None
 
         def asked() -> None:  # a row is asked for: record the units the training step is done with
@@ -187,12 +212,13 @@ class Follow(torch.utils.data.IterableDataset):
             # (commit="manual" too: a loader that skips batches or splits them between processes is refused)
             start, ahead = batch_start(sys._getframe(2), self.batch_size, count, self.prefetch, self.world_size,
                                        strict=self.commit_mode == "unit")
-            if not start or self.commit_mode != "unit":
+            if not start:
                 return
+            self.fetched_ahead = ahead
             starts.append(count)
             while len(starts) > ahead + 1:
                 starts.popleft()
-            if len(starts) == ahead + 1 and ends and ends[0][0] <= starts[0]:
+            if self.commit_mode == "unit" and len(starts) == ahead + 1 and ends and ends[0][0] <= starts[0]:
                 done = {}
                 while ends and ends[0][0] <= starts[0]:
                     unit = ends.popleft()[1]
@@ -231,6 +257,9 @@ class Follow(torch.utils.data.IterableDataset):
                     yield row
                     asked()
                 waited_since, warned = time.monotonic(), False
+        except GeneratorExit:  # (closed before the rows ended: the loop above stopped)
+            self.stopped_early = True
+            raise
         finally:
             self.iterating = False
 
@@ -248,15 +277,15 @@ class Follow(torch.utils.data.IterableDataset):
             get = lambda i: layout.row(table[i])  # noqa: E731
         else:
             get = ds.__getitem__
-        self.opened[unit] = (len(self.opened), self.position[unit])
+        self.opened[unit] = (self.position[unit], seq)
         for i in range(self.position[unit], n):
             row = get(i)
             sample_id = int(row["sample_id"])
-            self.handed[sample_id] = (seq, unit, i)
+            self.handed[sample_id] = seq
             self.handed_order.append(sample_id)
             if len(self.handed_order) > TRAIL_ROWS:
                 old = self.handed_order.popleft()
-                if self.handed.get(old, (seq,))[0] < seq - TRAIL_ROWS:
+                if self.handed.get(old, seq) < seq - TRAIL_ROWS:
                     del self.handed[old]
             seq += 1
             self.position[unit] = i + 1  # handed out: in the next state_dict()
@@ -324,6 +353,12 @@ def check_position(position: dict[str, int], records: dict[str, dict[str, Any]],
         if rec is not None and row > rec["rows"]:
             raise HsxError(f"{where}: the position says {row} rows of unit {unit} were read, it holds "
                            f"{rec['rows']} (a state of another job, or damaged)")
+
+
+def _called_by_a_stateful_loader(frame) -> bool:
+    """Whether torchdata's StatefulDataLoader asks for the state (its snapshot between batches, which accelerate
+    takes before its look-ahead fetch), rather than the trainer."""
+    return frame.f_globals.get("__name__", "").startswith("torchdata.")
 
 
 def is_state(x) -> bool:

@@ -401,3 +401,25 @@ def test_accelerate_loaders_that_would_lose_rows_are_refused(tmp_path, fault_ref
         global_batches.append(batch["sample_id"].tolist())
         assert all((out / "data" / f"train-{where[i]}.arrow").exists() for i in global_batches[-1])
     assert len(global_batches) == 96 // (2 * BATCH)
+
+
+def test_under_a_look_ahead_the_rows_handed_out_are_never_taken_for_the_rows_trained(tmp_path, fault_reference):
+    """accelerate's loader holds a batch fetched and not yet trained: the old recipe's `state_dict()` saved it as
+    trained (a batch lost per restart): refused, naming state_dict(batch); `commit()` after a loop that stopped
+    early records only the rows before it (the old one recorded every row handed out: a batch lost)."""
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    rows = hsx.follow(out, delete_consumed=True, rows="dict")
+    loader = loader_of(rows, "shard", list)
+    trained = []
+    for step, batch in enumerate(loader, 1):
+        trained += [r["sample_id"] for r in batch]
+        with pytest.raises(HsxError, match=r"fetches 1 batch\(es\) ahead .* rows.state_dict\(batch\)"):
+            rows.state_dict()
+        assert sum(rows.state_dict(batch)["position"].values()) == len(trained)
+        if step == 5:
+            break
+    rows.commit()
+    rest = [r["sample_id"] for r in hsx.follow(out, rows="dict", commit="manual")]
+    assert sorted(set(trained + rest)) == sorted(fault_reference.sample_ids)
+    assert len(trained) + len(rest) - 96 < BATCH + max(e["rows"] for e in fault_reference.info["files"])
