@@ -1,6 +1,7 @@
 """hsx.follow under the loaders trainers really use: a plain DataLoader, accelerate's prepared loaders
 (DataLoaderShard, DataLoaderDispatcher), torchdata's StatefulDataLoader (alone, and under accelerate's
-use_stateful_dataloader=True), and a follow batch_size= that differs from the DataLoader's.
+use_stateful_dataloader=True), HF Trainer (its gradient-accumulation window), and a follow batch_size= that differs
+from the DataLoader's.
 
 The bar, for each: a trainer killed inside steps and inside fetches, and started again, trains every row with the
 default commit (a row may repeat, none is lost), and exactly once with the documented recipe (the rows in its last
@@ -8,9 +9,9 @@ checkpoint's "model" are every row, once). accelerate's loaders fetch one batch 
 handed out is one batch past the position trained (the old recipe lost a batch per restart, the old default a unit
 or two per kill).
 
-The trainer (`train`) runs in this process with a kill simulated by an exception nothing in hsx catches (what is
-on disk is all a killed trainer leaves: the ledger, the deleted units, the checkpoint), and, in the slow tests, as a
-child that SIGKILLs itself at the same points.
+The trainer (`train`) runs in this process with a kill simulated by an exception hsx does not catch and writes
+nothing for on its way out (what is on disk is all a killed trainer leaves: the ledger, the deleted units, the
+checkpoint), and, in the slow tests, as a child that SIGKILLs itself at the same points.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ BATCH = 4  # rows per step (the fault reference: 96 rows in 40+ units)
 
 
 class Killed(BaseException):
-    """A simulated SIGKILL: nothing in hsx catches a BaseException, so only what is on disk survives."""
+    """A simulated SIGKILL: hsx catches no such exception, so only what is on disk survives."""
 
 
 def die(how: str) -> None:
