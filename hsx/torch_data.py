@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import inspect
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -483,12 +484,15 @@ def look_ahead(frame, prefetch: int | None, world_size: int) -> int:
       read every rank's units there: rank=0, world_size=1); plus what their own asker fetches ahead;
     - transformers' Trainer (get_batch_samples): gradient_accumulation_steps - 1 more (it fetches the
       accumulation window before training its first batch);
-    - anything else that iterates batches (a generator or __next__ of another package, or of the trainer's):
-      `prefetch`, which the user gave for it; refused when not given: a guess could commit untrained rows.
+    - anything else that iterates batches (a generator or __next__ of another package, or of the trainer's; any
+      loop on a thread other than the main one, as a background prefetcher runs): `prefetch`, which the user gave
+      for it; refused when not given: a guess could commit untrained rows.
 
     A loader that skips batches it fetched (accelerate's skip_first_batches, HF Trainer's resume) is refused: the
     rows skipped were never trained, and hsx.follow resumes from its own position."""
     total = _ahead(_asker(frame), prefetch, world_size)
+    if threading.current_thread() is not threading.main_thread():
+        total = max(total, _unknown(None, prefetch))
     return max(total, prefetch or 0)
 
 
@@ -527,10 +531,15 @@ def _ahead(frame, prefetch: int | None, world_size: int) -> int:
 
 
 def _unknown(frame, prefetch: int | None) -> int:
+    """`prefetch` for a wrapper hsx cannot read (`frame` asks for batches; None: a thread other than the main
+    one), else HsxError."""
     if prefetch is not None:
         return prefetch
-    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # (Python 3.10: co_name)
-    where = f"{name} ({frame.f_globals.get('__name__', '?')})"
+    if frame is None:
+        where = f"the loop on thread {threading.current_thread().name!r} (a background prefetcher?)"
+    else:
+        name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # (Python 3.10: co_name)
+        where = f"{name} ({frame.f_globals.get('__name__', '?')})"
     raise HsxError(f"hsx.follow cannot tell how many batches {where} fetches ahead of the training step, so "
                    "commit='unit' cannot tell which rows were trained: pass hsx.follow(..., prefetch=N) with that "
                    "count (0 if it fetches none), or commit='manual' with rows.commit(batch) after each step")

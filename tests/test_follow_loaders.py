@@ -424,3 +424,36 @@ def test_under_a_look_ahead_the_rows_handed_out_are_never_taken_for_the_rows_tra
     rest = [r["sample_id"] for r in hsx.follow(out, rows="dict", commit="manual")]
     assert sorted(set(trained + rest)) == sorted(fault_reference.sample_ids)
     assert len(trained) + len(rest) - 96 < BATCH + max(e["rows"] for e in fault_reference.info["files"])
+
+
+def test_a_loader_read_on_another_thread_is_refused_unless_prefetch_names_its_queue(tmp_path, fault_reference):
+    """A background thread filling a queue of batches fetches as far ahead as the queue holds: hsx cannot see it."""
+    import queue
+    import threading
+
+    from torch.utils.data import DataLoader
+
+    def produce(loader, q):
+        try:
+            for batch in loader:
+                q.put(batch)
+            q.put(None)
+        except HsxError as e:
+            q.put(e)
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    for prefetch, depth in ((None, 2), (3, 2)):  # (a queue of 2, plus the batch the thread holds while it waits)
+        q = queue.Queue(maxsize=depth)
+        rows = hsx.follow(out, delete_consumed=True, rows="dict", prefetch=prefetch)
+        thread = threading.Thread(target=produce, args=(DataLoader(rows, batch_size=BATCH, collate_fn=list), q))
+        thread.start()
+        got = []
+        while (batch := q.get()) is not None and not isinstance(batch, HsxError):
+            got += [r["sample_id"] for r in batch]
+        thread.join()
+        if prefetch is None:
+            assert isinstance(batch, HsxError) and "background prefetcher" in str(batch)
+        else:
+            rows.commit()
+            assert sorted(got) == sorted(fault_reference.sample_ids)
