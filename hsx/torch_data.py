@@ -434,7 +434,36 @@ def batch_start(frame, batch_size: int | None, count: int, prefetch: int | None,
                                              for c in callers):
         raise HsxError("hsx.follow cannot tell where this torch's DataLoader starts a batch: pass "
                        "hsx.follow(..., batch_size=B) with the DataLoader's batch size")
-    return (True if batch_size is None else count % batch_size == 0), prefetch or 0
+    if batch_size is not None:
+        return count % batch_size == 0, prefetch or 0
+    if strict and prefetch is None:
+        _rows_are_steps(frame)
+    return True, prefetch or 0
+
+
+def _rows_are_steps(frame) -> None:
+    """Without a DataLoader, each row asked for is taken for a training step of its own: true of a loop
+    (`for row in rows`, through a generator expression or tqdm), not of a generator or iterator that collects rows
+    into batches of its own: HsxError for those."""
+    asker = _asker(frame)
+    while asker is not None and asker.f_code.co_name == "<genexpr>":
+        asker = _asker(asker.f_back)
+    if asker is None or _plain(asker):
+        return
+    name = getattr(asker.f_code, "co_qualname", asker.f_code.co_name)
+    raise HsxError(f"hsx.follow is read by {name} ({asker.f_globals.get('__name__', '?')}), not by a DataLoader: "
+                   "hsx cannot tell which rows make a training step. Pass hsx.follow(..., batch_size=B) with the "
+                   "rows of a step (and prefetch=N if it collects steps ahead of training them), or "
+                   "commit='manual'")
+
+
+def _plain(frame) -> bool:
+    """Whether `frame` is a plain function of the trainer's own code (not a generator or iterator, not a
+    library's): its loop trains each item it asks for before asking for the next."""
+    code = frame.f_code
+    package = frame.f_globals.get("__name__", "").partition(".")[0]
+    return not (code.co_flags & (inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR)
+                or code.co_name in ("__next__", "__iter__") or package in LOADER_PACKAGES)
 
 
 def _refuse_a_dataset_wrapper(frame) -> None:
@@ -522,12 +551,7 @@ def _ahead(frame, prefetch: int | None, world_size: int) -> int:
     trainer = sys.modules.get("transformers.trainer")
     if trainer is not None and code is trainer.Trainer.get_batch_samples.__code__:
         return max(0, frame.f_locals["self"].args.gradient_accumulation_steps - 1)
-    package = frame.f_globals.get("__name__", "").partition(".")[0]
-    wrapper = code.co_flags & (inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR) or code.co_name in (
-        "__next__", "__iter__")
-    if wrapper or package in LOADER_PACKAGES:
-        return _unknown(frame, prefetch)
-    return 0
+    return 0 if _plain(frame) else _unknown(frame, prefetch)
 
 
 def _unknown(frame, prefetch: int | None) -> int:

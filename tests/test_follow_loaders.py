@@ -457,3 +457,32 @@ def test_a_loader_read_on_another_thread_is_refused_unless_prefetch_names_its_qu
         else:
             rows.commit()
             assert sorted(got) == sorted(fault_reference.sample_ids)
+
+
+def test_rows_batched_by_a_generator_of_the_trainer_need_its_batch_size(tmp_path, fault_reference):
+    """Without a DataLoader each row asked for was taken for a step of its own: a generator collecting rows into
+    batches had units released while their last rows waited in its batch (a kill lost them). Refused; with
+    batch_size= the same generator loses nothing."""
+    def batches(rows, size):
+        held = []
+        for row in rows:
+            held.append(row)
+            if len(held) == size:
+                yield held
+                held = []
+        if held:
+            yield held
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    with pytest.raises(HsxError, match=r"read by .*batches.* not by a DataLoader.*batch_size=B"):
+        next(batches(hsx.follow(out, delete_consumed=True, rows="dict"), BATCH))
+    rows = hsx.follow(out, delete_consumed=True, rows="dict", batch_size=BATCH)
+    where = {r["sample_id"]: r["unit"] for r in unit_rows(out)}
+    trained = []
+    for batch in batches(rows, BATCH):
+        ids = [r["sample_id"] for r in batch]
+        assert all((out / "data" / f"train-{where[i]}.arrow").exists() for i in ids)
+        trained += ids
+    assert sorted(trained) == sorted(fault_reference.sample_ids)
+    assert sorted(r["sample_id"] for r in hsx.follow(fault_reference.out, rows="dict")) == sorted(trained)  # a loop
