@@ -136,7 +136,8 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
       (`state_dict(batch)`, or a StatefulDataLoader's state_dict()) and commits it after each checkpoint
       (exactly once).
     - `batch_size`: rows per training step for commit="unit" when no DataLoader asks for the rows (a DataLoader's
-      own batches win); default 1: each row asked for is its own step. `prefetch`: batches a wrapper hsx does not
+      own batches win); default 1: each row asked for is its own step (a generator batching the rows is refused
+      without it). `prefetch`: batches a wrapper hsx does not
       know fetches ahead of the training step (hsx refuses such a wrapper without it; accelerate's and HF
       Trainer's are read from the call stack, and a larger `prefetch` only delays commits).
     - `delete_consumed=False`: nothing is written into OUT (a read-only output is readable); the position lives
