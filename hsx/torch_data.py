@@ -549,8 +549,9 @@ def _ahead(frame, prefetch: int | None, world_size: int) -> int:
                            "does not prepare")
         return processes * (1 + _ahead(_asker(outer.f_back), prefetch, world_size)) + processes - 1
     trainer = sys.modules.get("transformers.trainer")
-    if trainer is not None and code is trainer.Trainer.get_batch_samples.__code__:
-        return max(0, frame.f_locals["self"].args.gradient_accumulation_steps - 1)
+    if trainer is not None and code.co_name == "get_batch_samples" and isinstance(frame.f_locals.get("self"),
+                                                                                  trainer.Trainer):
+        return max(0, frame.f_locals["self"].args.gradient_accumulation_steps - 1)  # (a subclass's too)
     return 0 if _plain(frame) else _unknown(frame, prefetch)
 
 
