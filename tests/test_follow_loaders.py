@@ -224,7 +224,6 @@ def hf_trainer(rows, work: Path, kill_at=None, ga: int = 2, dispatch=None, recip
     return trainer, model
 
 
-@pytest.mark.slow
 def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path, fault_reference):
     """The Trainer fetches its accumulation window (3 batches) before training the first: the old default
     recorded units of batches fetched but not trained (a kill lost 20 of 96 rows)."""
@@ -246,7 +245,6 @@ def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path,
     assert not list((out / "data").glob("train-*.arrow"))
 
 
-@pytest.mark.slow
 def test_hf_trainer_recipe_resumes_exactly_once_and_a_resume_that_skips_batches_is_refused(tmp_path,
                                                                                           fault_reference):
     from transformers.trainer_utils import get_last_checkpoint
