@@ -16,16 +16,18 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - Each unit's CRC-32 is checked against its manifest line before any of its rows is handed out
   (`check_unit_crc`; over Flight, each record batch's too: hsx.flight).
   `commit="unit"` does so for a unit once the training step over its last row has returned
-  (hsx.torch_data._batch_start). A unit is deleted only after that line is on disk; the extractor counts a wholly
-  consumed unit as done (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job
-  never redoes it and hsx.json lists it.
+  (hsx.torch_data.batch_start: where batches start, and how many the loaders fetch ahead of the step). A unit is
+  deleted only after that line is on disk; the extractor counts a wholly consumed unit as done
+  (hsx.ledgers.done_units, as a unit deleted after its Hub upload), so a resumed job never redoes it and hsx.json
+  lists it.
 - `ConsumerWindow` is `hsx extract --max-pending-gb N`: before each unit, the job waits while N GB of committed
   units are not consumed yet.
 
 Exactly once: rows handed out after the last `commit()` are handed out again after a kill (the ledger is the
-resume point), unless the trainer restores a `state_dict()` it saved with its own checkpoint. A trainer that
-checkpoints saves `state_dict()` with its weights and calls `commit(that state)` once the checkpoint is durable:
-then a kill on either side loses no row and repeats none (docs/follow.md).
+resume point), unless the trainer restores a position it saved with its own checkpoint. A trainer that
+checkpoints saves the position it trained (`state_dict(batch)` of the batch trained last, or a StatefulDataLoader's
+`state_dict()`) with its weights and calls `commit(that state)` once the checkpoint is durable: then a kill on either
+side loses no row and repeats none (docs/follow.md).
 
 One reader per process (DataLoader `num_workers=0`): the position a checkpoint saves must be the one that handed
 the rows out (the reader, hsx.torch_data.Follow, pickles, but a worker's copy refuses to read). Several trainer ranks each read their share (unit i of the plan goes to rank i % world_size).
@@ -126,7 +128,7 @@ class ConsumerWindow:
 def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_consumed: bool = False,
            rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
            poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
-           timeout: float | None = None, batch_size: int | None = None, prefetch: int = 0,
+           timeout: float | None = None, batch_size: int | None = None, prefetch: int | None = None,
            token: str | None = None):
     """The rows of the job writing `output_dir`, as its units are committed: a `torch.utils.data.IterableDataset`
     that waits for new units and ends when the job is complete and every unit of this consumer was handed out.
@@ -139,13 +141,18 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
       takes another name. With `delete_consumed` the name is declared in OUT (.hsx/consumers.json): a unit is
       deleted only once every declared consumer consumed it, and a second live deleting reader of the same
       name and rank is refused (`hsx consumers OUT` lists them, `--retire NAME` releases one that stopped).
-    - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (the
-      batch after it is being fetched; `batch_size`, `prefetch` below), then (`delete_consumed`) deletes it;
-      rows not yet recorded at a kill are handed out again. `commit="manual"`: only `commit()` records, for a
-      trainer that checkpoints `state_dict()` and calls `commit(state)` after each checkpoint (exactly once).
-    - `batch_size`: rows per training step, for commit="unit" (default: the batch size of the DataLoader that asks
-      for the rows, else 1: each row asked for is its own step). `prefetch`: batches a wrapper around the
-      DataLoader fetches ahead of the training step (accelerate's prepared loaders fetch 1).
+    - `commit="unit"`: the ledger records a unit once the training step over its last row has returned (a batch
+      is fetched that many batches after it as the loaders that fetch ahead of the step take: accelerate's
+      prepared loaders, HF Trainer's accumulation window, read from the call stack; `batch_size`, `prefetch`
+      below), then (`delete_consumed`) deletes it; rows not yet recorded at a kill are handed out again.
+      `commit="manual"`: only `commit()` records, for a trainer that checkpoints the position it trained
+      (`state_dict(batch)`, or a StatefulDataLoader's state_dict()) and commits it after each checkpoint
+      (exactly once).
+    - `batch_size`: rows per training step for commit="unit" when no DataLoader asks for the rows (a DataLoader's
+      own batches win); default 1: each row asked for is its own step (a generator batching the rows is refused
+      without it). `prefetch`: batches a wrapper hsx does not
+      know fetches ahead of the training step (hsx refuses such a wrapper without it; accelerate's and HF
+      Trainer's are read from the call stack, and a larger `prefetch` only delays commits).
     - `delete_consumed=False`: nothing is written into OUT (a read-only output is readable); the position lives
       in `state_dict()` only.
     - `rank`, `world_size`: this trainer's share, unit i of the job's plan to rank i % world_size (default:
@@ -173,8 +180,8 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
         raise ValueError("poll_seconds must be positive")
     if batch_size is not None and not (type(batch_size) is int and batch_size >= 1):
         raise ValueError(f"batch_size={batch_size!r}: a positive integer, or None (the DataLoader's)")
-    if not (type(prefetch) is int and prefetch >= 0):
-        raise ValueError(f"prefetch={prefetch!r}: a non-negative integer")
+    if prefetch is not None and not (type(prefetch) is int and prefetch >= 0):
+        raise ValueError(f"prefetch={prefetch!r}: a non-negative integer, or None (read from the loaders)")
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
     if rank is None:
