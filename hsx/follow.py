@@ -51,6 +51,7 @@ from hsx.files import open_no_follow
 from hsx.info import read_info, read_summary
 from hsx.schema import CONSUMER_NAME
 
+SUPERSEDED = "superseded"  # an older local reader's claim, once a newer reader in its process took it over
 LOCAL = "local"  # the session of a local reader's claim (LocalSource.claim); hsx serve's clients send their own
 MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits or more)
 
@@ -229,6 +230,31 @@ def check_unit_crc(path: Path, fd: int, rec: dict[str, Any]) -> None:
                        "the job's `hsx extract` command with --check-crc to redo it)")
 
 
+# A process's local claims, by lock file: a newer reader of the same consumer rank in this process (a notebook cell
+# run again, a trainer restarted in-process while its old loader is still referenced) takes the claim over and the
+# older one records nothing more (its commit is refused: `_check_claim`); across processes the flock refuses.
+_IN_PROCESS: dict[tuple[str, str, int], "weakref.ref[LocalSource]"] = {}
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+def _lock_key(lock: Path, consumer: str, rank: int) -> tuple[str, str, int]:
+    return (os.path.realpath(lock.parent), consumer, rank)
+
+
+def _take_over_in_process(source: "LocalSource", lock: Path, consumer: str, rank: int) -> int | None:
+    """The flock fd of an older live reader of this consumer rank in this process, moved to `source` (the older
+    one's claim dropped), or None when no reader of this process holds it."""
+    with _IN_PROCESS_LOCK:
+        ref = _IN_PROCESS.get(_lock_key(lock, consumer, rank))
+        older = ref() if ref is not None else None
+        if older is None or older is source:
+            return None
+        with older.lock:
+            fd = older.flocks.pop((consumer, rank), None)
+            older.claims[(consumer, rank)] = SUPERSEDED
+        return fd
+
+
 def _close_all(fds: dict) -> None:
     for fd in fds.values():
         os.close(fd)
@@ -322,17 +348,21 @@ class LocalSource:
             consumer, rank, _, session = self.wanted[0]
             if session == LOCAL and (consumer, rank) not in self.flocks:  # (hsx serve's clients: by session)
                 lock = self.out.state / f"consumer-{consumer}-{rank:05d}.lock"
-                fd = open_no_follow(lock, os.O_RDWR | os.O_CREAT)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    self.wanted.pop(0)
-                    raise HsxError(f"{self.where}: consumer {consumer!r} rank {rank} already has a live reader "
-                                   f"that deletes (it holds .hsx/{lock.name}): two readers of one name would "
-                                   "delete units the other has not read; give this one another consumer= name, "
-                                   "or stop the other") from None
+                fd = _take_over_in_process(self, lock, consumer, rank)
+                if fd is None:
+                    fd = open_no_follow(lock, os.O_RDWR | os.O_CREAT)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        os.close(fd)
+                        self.wanted.pop(0)
+                        raise HsxError(f"{self.where}: consumer {consumer!r} rank {rank} already has a live reader "
+                                       f"that deletes (it holds .hsx/{lock.name}): two readers of one name would "
+                                       "delete units the other has not read; give this one another consumer= "
+                                       "name, or stop the other") from None
                 self.flocks[(consumer, rank)] = fd
+                with _IN_PROCESS_LOCK:
+                    _IN_PROCESS[_lock_key(lock, consumer, rank)] = weakref.ref(self)
             ledgers.declare_consumers(self.out.state, [consumer], by)
             self.claims[(consumer, rank)] = session
             self.heard[(consumer, rank)] = time.monotonic()
@@ -344,6 +374,9 @@ class LocalSource:
                            "nothing more; read under another consumer= name")
         if self.claims.get((consumer, rank)) == session:
             self.heard[(consumer, rank)] = time.monotonic()
+        elif self.claims.get((consumer, rank)) == SUPERSEDED:
+            raise HsxError(f"{verb}: a newer hsx.follow of consumer {consumer!r} rank {rank} in this process took "
+                           "over; this older reader records nothing more (iterate the newer one)")
         else:
             raise HsxError(f"{verb}: consumer {consumer!r} rank {rank} is not this reader's to record"
                            + (" (another reader of that consumer and rank claimed it, after this one's claim "

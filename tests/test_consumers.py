@@ -5,8 +5,10 @@ reaches a step (CRC-32 before any row of a unit, locally and over Flight); every
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
+import os
 import shutil
 import threading
 
@@ -99,18 +101,26 @@ def test_a_unit_is_deleted_only_once_every_declared_consumer_consumed_it(tmp_pat
     assert files(out) == set() and pending_bytes(o) == 0
 
 
-def test_a_second_live_deleting_reader_of_one_consumer_rank_is_refused_in_one_line(tmp_path, fault_reference):
+def test_a_newer_deleting_reader_in_one_process_takes_over_and_the_older_records_nothing(tmp_path, fault_reference):
+    """In one process (a notebook cell run again, a trainer restarted in-process while its old loader is still
+    referenced) the newest reader of a consumer rank holds the claim: the older one's commit is refused in one
+    line, so two readers of one name never both delete. Across processes the flock refuses the second reader
+    (test_a_second_deleting_reader_in_another_process_is_refused_until_the_first_ends). Without the take-over a re-run cell is
+    refused until the old reader is garbage-collected."""
     out = copy_out(tmp_path, fault_reference)
     first = hsx.follow(out, consumer="t", delete_consumed=True, rows="dict", commit="manual")
-    with pytest.raises(HsxError, match="consumer 't' rank 0 already has a live reader that deletes") as e:
-        hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
+    next(iter(first))
+    newer = hsx.follow(out, consumer="t", delete_consumed=True, rows="dict", commit="manual")
+    with pytest.raises(HsxError, match="a newer hsx.follow of consumer 't' rank 0 in this process took over") as e:
+        first.commit()
     assert "\n" not in str(e.value)
+    assert len(files(out)) == len(manifest_records(out))  # nothing recorded or deleted by the older one
     hsx.follow(out, consumer="t", rows="dict")  # a reader that does not delete records nothing: not refused
     other_rank = hsx.follow(out, consumer="t", delete_consumed=True, rank=1, world_size=2, rows="dict")
     assert other_rank.consumer == "t"
-    del first
-    gc.collect()  # its lock goes with it (a killed process's with the process)
-    hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
+    list(newer)
+    newer.commit()  # the newer one records and deletes its share
+    assert len(files(out)) < len(manifest_records(out))
 
 
 def test_retiring_a_consumer_says_what_it_releases_and_deletes_nothing_else(tmp_path, fault_reference):
@@ -312,8 +322,12 @@ def test_a_deleting_reader_started_before_the_output_claims_it_once_it_exists(tm
     got = [r["sample_id"] for r in rows]
     assert sorted(got) == sorted(fault_reference.sample_ids)
     assert "t" in json.loads((out / ".hsx" / "consumers.json").read_text())["declared"]
-    with pytest.raises(HsxError, match="already has a live reader"):
-        hsx.follow(out, consumer="t", delete_consumed=True, rows="dict")
+    fd = os.open(out / ".hsx" / "consumer-t-00000.lock", os.O_RDWR)
+    try:  # the lock is taken: another process's reader of "t" would be refused
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
     rows.commit()
     assert files(out) == set()
 
