@@ -250,6 +250,51 @@ def storage_dtype_of(features) -> str:
     return value.dtype if value.dtype in STORAGE_DTYPES else DEFAULT_STORAGE_DTYPE
 
 
+LAYOUT_NOTE = "hsx output layout: "  # hsx.load's Dataset carries its row layout in `info.description`, after this
+MAX_LAYOUT_NOTE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """How a row's `hidden_states` split into layers x hidden: what hsx.torch_view needs of a `datasets.Dataset`
+    of an output (its features give only the width, layers x hidden, unless the final-norm state is stored).
+    `hsx.load` writes it into the Dataset's `info.description` (`note`), which datasets keeps through select,
+    shuffle, filter and map; `of_note` reads it back, checked."""
+    layers: list[int]
+    num_model_layers: int
+    hidden_size: int
+    storage_dtype: str
+
+    @classmethod
+    def of(cls, info: "Info | Summary") -> "StoredLayout":
+        return cls(list(info.layers), info.num_model_layers, info.hidden_size, info.storage_dtype)
+
+    def note(self) -> str:
+        import json
+
+        return LAYOUT_NOTE + json.dumps({"layers": self.layers, "num_model_layers": self.num_model_layers,
+                                         "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype})
+
+    @classmethod
+    def of_note(cls, text: Any) -> "StoredLayout | None":
+        """The layout a Dataset's `info.description` carries (None when it carries none); Damaged when it is not
+        what `note` writes."""
+        import json
+
+        if not isinstance(text, str) or not text.startswith(LAYOUT_NOTE):
+            return None
+        if len(text) > MAX_LAYOUT_NOTE_BYTES:
+            raise Damaged("the layout note is longer than hsx writes")
+        try:
+            d = json.loads(text[len(LAYOUT_NOTE):])
+        except ValueError:
+            raise Damaged("the layout note is not JSON") from None
+        _check(d, {k: _OUTPUT_CHECKS[k] for k in ("layers", "num_model_layers", "hidden_size", "storage_dtype")})
+        if max(d["layers"]) >= d["num_model_layers"]:
+            raise Damaged(f"layers {d['layers']} do not fit a model of {d['num_model_layers']} layers")
+        return cls(list(d["layers"]), d["num_model_layers"], d["hidden_size"], d["storage_dtype"])
+
+
 # ---- JSON records of an output dir --------------------------------------------------------------------------------
 
 class Damaged(ValueError):
