@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hsx.cost import DEFAULT_GPU, GPUS
 
     pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
-                    help="the GPU to plan for (the machine planning needs none): its memory and matmul rate (the "
-                    "H200's measured, the others' datasheet figures; hsx.cost.GPUS) and the kernels that run there")
+                    help="the GPU to plan for (the machine planning needs none): its memory, its matmul rate (its "
+                    "datasheet rate x the share of the datasheet a matmul reached on the H200, the GPU measured: one "
+                    "basis for all; hsx.cost.GPUS) and the kernels that run there")
     pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: the MFU measured for "
                     "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's measured "
                     "bf16 matmul rate over the model's FLOPs per token)")
