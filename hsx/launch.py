@@ -17,6 +17,9 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
   machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
   would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
   traceback).
+- several processes start several: a launch accelerate would run as one process (no GPU, no --multi_gpu or other
+  distributed mode) takes its --multi_gpu path, torch's launcher, on CPUs as on GPUs; --cpu with several processes
+  is refused (accelerate runs it as one process, several only through mpirun).
 - --debug (or `debug: true` in the config file) still sets ACCELERATE_DEBUG_MODE in the ranks; a failure still
   ends as above (accelerate's launchers, with --debug and ACCELERATE_ENABLE_RICH set, print the launcher's stack
   trace in place of raising it: the command exited 0 with its ranks failed).
