@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from hsx.config import ADVANCED, FIELD_KINDS, FIELDS, default_of
 from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed,
-                        exit_status, file_system_error, file_system_line, usage_line)
+                        exit_status, file_system_error, file_system_line, one_line, usage_line)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -354,8 +354,10 @@ def _main(argv: list[str], received: list[int]) -> int:
         if argv[:1] == ["launch"]:  # accelerate's options, which hsx's parser does not know: hsx.launch reads them
             from hsx.launch import launch
 
+            _check_temporary_dir()
             return launch(argv[1:], parser)
         args = parser.parse_args(argv)
+        _check_temporary_dir()
         COMMANDS[args.command](args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
@@ -382,6 +384,23 @@ def _main(argv: list[str], received: list[int]) -> int:
         print(INTERRUPTED, file=sys.stderr)
         return _interrupted_status(interrupt, received)
     return 0
+
+
+def _check_temporary_dir() -> None:
+    """HsxError unless Python finds a usable temporary directory: `import datasets` asks for one (through dill), so
+    without one every command that reads or writes an output ended in a 47-line traceback of library imports. A
+    file size limit (`ulimit -f`) makes none usable (Python writes a small file in each to choose)."""
+    import resource
+    import tempfile
+
+    try:
+        tempfile.gettempdir()
+    except OSError as e:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f": files are limited to {limit:,} bytes here (ulimit -f); raise the limit"
+               if limit != resource.RLIM_INFINITY and limit < (1 << 20) else
+               ": make one writable, or set TMPDIR to a writable folder")
+        raise HsxError(f"no usable temporary directory ({one_line(e, 200)}){why}") from None
 
 
 def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
