@@ -318,17 +318,39 @@ def _carried_signal(e: KeyboardInterrupt) -> int | None:
     return e.args[0] if e.args and type(e.args[0]) is int and 0 < e.args[0] < 128 else None
 
 
-def _interrupt_main_later(signum: int, delay: float = 0.01) -> None:
-    """Run the main thread's handler for `signum` again, from another thread, `delay` seconds from now: called at once,
-    the handler would run inside the very hook that asks for it. The caller does not wait for that thread to start
-    (threading.Thread.start does): on a loaded machine the interrupt could land while it waited, inside the hook,
-    and be lost ("Exception ignored in sys.unraisablehook"; 2 of 60 runs with the CPUs busy)."""
+def _interrupt_main_later(signum: int) -> None:
+    """Run the main thread's handler for `signum` again, from another thread, once the main thread has left this
+    hook (`unraisable`): called at once, or at a fixed delay, the handler could run inside the very hook that asks
+    for it, where its exception is lost ("Exception ignored in sys.unraisablehook"; on a loaded machine a 10 ms
+    delay did not always take the main thread out of the hook). The other thread watches the main thread's stack
+    (sys._current_frames) until the hook's frame is gone, then sends the signal to it. The caller does not wait
+    for that thread to start (threading.Thread.start does), for the same reason."""
     import _thread
+    import signal
+    import threading
     import time
 
+    main = threading.main_thread().ident
+    hook = getattr(sys.unraisablehook, "__code__", None)  # (called from the hook: `unraisable`'s code)
+
+    def in_hook() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code is hook:
+                return True
+            frame = frame.f_back
+        return False
+
     def later():
-        time.sleep(delay)
-        _thread.interrupt_main(signum)
+        while hook is not None and in_hook():
+            time.sleep(0.001)
+        if callable(signal.getsignal(signum)) and hasattr(signal, "pthread_kill"):
+            try:  # a real signal: it also ends a blocking call the main thread is in (interrupt_main sets a flag)
+                signal.pthread_kill(main, signum)
+                return
+            except OSError:  # (the main thread is gone)
+                return
+        _thread.interrupt_main(signum)  # (a handler no longer Python's: this does nothing, as the signal would)
 
     try:
         _thread.start_new_thread(later, ())
