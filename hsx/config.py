@@ -484,6 +484,9 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
         raise HsxError("--hub-overwrite needs --push-to-hub REPO")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
+    if cfg.elastic is not None and not cfg.elastic.strip():  # (an empty one ran silently as a fixed split)
+        raise UsageError("--elastic '': give HOST:PORT, the address of torchrun's --rdzv-endpoint (or leave "
+                         "--elastic out for a fixed split of the units)")
     return cfg
 
 
