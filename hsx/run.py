@@ -472,9 +472,11 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     if lost and env_int("TORCHELASTIC_MAX_RESTARTS", 0) > env_int("TORCHELASTIC_RESTART_COUNT", 0):
         # torch's agent would wait 300 s (hard-coded) in its exit barrier for the lost node's agent: a failed
         # worker makes it re-form the launch without that node instead, and the restarted workers find the job done
-        raise HsxError(f"this launch lost the node(s) of agent {', '.join(lost[:3])} and this process took over "
-                       "their units; it exits 1 so that torchrun re-forms the launch without them (the restarted "
-                       "processes find this node's work done and exit 0) instead of waiting 300 s for them")
+        # (the job succeeded: said without `error:`, as a stop is, with the status torchrun restarts on)
+        raise Stopped(f"this launch lost the node(s) of agent {', '.join(lost[:3])}, and this process took over "
+                      "their units and finished the job; it ends with exit status 1 only so that torchrun re-forms "
+                      "the launch without them (the restarted processes find the work done and exit 0) instead of "
+                      "waiting 300 s for them", 1)
     return info
 
 
