@@ -321,7 +321,7 @@ def _carried_signal(e: KeyboardInterrupt) -> int | None:
 def _interrupt_main_later(signum: int) -> None:
     """Run the main thread's handler for `signum` again, from another thread, once the main thread has left this
     hook (`unraisable`): called at once, or at a fixed delay, the handler could run inside the very hook that asks
-    for it, where its exception is lost ("Exception ignored in sys.unraisablehook"; on a loaded machine a 10 ms
+    for it, where its exception is lost ("Exception ignored in sys.unraisablehook"; on a loaded machine a short
     delay did not always take the main thread out of the hook). The other thread watches the main thread's stack
     (sys._current_frames) until the hook's frame is gone, then sends the signal to it. The caller does not wait
     for that thread to start (threading.Thread.start does), for the same reason."""
