@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "datasheet rate x the share of the datasheet a matmul reached on the H200, the GPU measured: one "
                     "basis for all; hsx.cost.GPUS) and the kernels that run there")
     pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: the MFU measured for "
-                    "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's measured "
+                    "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's planned "
                     "bf16 matmul rate over the model's FLOPs per token)")
     pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
     add_json_flag(pl, "the plan")

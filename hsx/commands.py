@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hsx import ledgers
 from hsx.config import config_of, config_overrides
-from hsx.errors import HsxError, file_system_error, file_system_line
+from hsx.errors import HsxError, UsageError, file_system_error, file_system_line
 from hsx.info import read_info
 
 
@@ -170,6 +170,8 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
     file-system error without a path of its own is named as DEST's (what an export writes)."""
     try:
         yield
+    except UsageError:  # (an ArgumentError is a ValueError too: a wrong argument, exit 2)
+        raise
     except (ValueError, OSError) as e:
         fault = file_system_error(e)
         raise HsxError(file_system_line(fault, dest) if fault is not None else str(e)) from None

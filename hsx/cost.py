@@ -91,7 +91,7 @@ PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): under the MoE sha
 WRITER_BYTES_PER_S = 4.79e9
 PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: under the dense FP8 shapes' measured MFU on cuBLAS
 # (docs/benchmarks.md, 2026-12-02 and 2026-12-02 (later))
-# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × the h200 row's bf16
+# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × MEASURED_MATMUL's bf16
 # / FP8 rates), as the FP8 experts measured no faster than the bf16 checkpoint (docs/benchmarks.md, 2026-12-02 (later))
 PLAN_MFU_MOE_FP8 = 0.22
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean

@@ -197,7 +197,7 @@ def test_strict_each_bad_case(tmp_path, capsys, model4, case):
     bad = {
         "empty_conversation": {"messages": []},
         "null_content": {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
-        "missing_value": {"text": "this row has no messages"},
+        "missing_value": {"messages": None},
         "no_supervised_tokens_after_truncation": {"messages": [{"role": "user", "content": LONG_USER},
                                                                {"role": "assistant", "content": "Yes."}]},
     }[case]
@@ -463,7 +463,7 @@ def test_exit_codes_usage_2_runtime_1(tmp_path, capsys, model4, small_chat_path,
             main(argv)
         assert e.value.code == 2, argv
     assert main(base_args(model4, broken_jsonl, tmp_path / "d")) == 1  # the data's fault
-    assert main(base_args(model4, small_chat_path, tmp_path / "e", "99")) == 1  # fine for a deeper model
+    assert main(base_args(model4, small_chat_path, tmp_path / "e", "99")) == 2  # a layer the model lacks: an argument
     capsys.readouterr()
 
 
