@@ -8,16 +8,26 @@ faster node writes more units, a later one fewer. A unit's key holds who has it:
                                 claim:<owner>  being written by <owner>
                                 done:<owner>   committed by <owner> (its manifest line is on <owner>'s disk)
     hsx/claims/<job>/hb/<owner> a counter <owner>'s heartbeat thread adds to every HEARTBEAT seconds
-    hsx/claims/<job>/fin/<owner> set when <owner> ended with its output dir intact (any exit hsx itself reaches)
+    hsx/claims/<job>/fin/<owner> set when <owner> ended with its output dir intact (any exit hsx itself reaches):
+                                the count of processes started (`starts`) then
+    hsx/claims/<job>/starts     a counter each process adds to when it starts (its start number)
     hsx/claims/<job>/who/<owner> the launch <owner> ran in: torchrun's run id and its agent (host, pid)
+    hsx/claims/<job>/agent/<launch> the latest owner that launch's agent started
     hsx/claims/<job>/idle/<owner> set while <owner> has nothing to claim and waits for the others
+    hsx/claims/<job>/pulse      a counter every heartbeat of the job adds to
+    hsx/claims/job              the job the store serves (its fingerprint): another job's process is refused while
+                                that job's pulse moves
 
 Every change of a unit's key is a compare-and-set, so two processes never both claim one unit. An owner is lost
 when its counter has not moved for `lease` seconds of the watcher's own clock (no clock is compared between
 machines). A lost owner's claims return to the pool, and so do the units it committed: its node's dir may be
 gone with it (a survivor with its own dir redoes them; in a shared dir they are there, and the dir's own units
-are never claimed). A unit committed by a live or finished owner is never claimed again. A process whose own dir
-holds a unit never claims it; it marks it done for the others (`adopt`). A process ends when every unit is
+are never claimed). A unit committed by a live owner, or by one that finished while this process ran, is never
+claimed again: a done mark counts only while a dir that holds the unit answers for it. An owner that finished before
+this process started (a rerun into new or emptied dirs while the store lives; workers restarted) answers for
+nothing: its units are redone unless a live process's dir holds them, and such a dir gets a lease to say so. A
+process whose own dir holds a unit never claims it; it marks it done for the others (`adopt`), in place of a mark
+of an owner that has ended. A process ends when every unit is
 committed by an owner that finished or waits idle at its end: until then a node lost mid-job is noticed (by its
 heartbeat) by every process still running, and its units are redone.
 
@@ -129,10 +139,16 @@ class Claims:
         self.store_closed = False  # the store went away while this process waited at its end
         self.stopping = threading.Event()
         self._beat_store = connect_again() if connect_again is not None else store
+        self.job = job
+        self._one_job()
         self._check(f"{self.prefix}plan", plan, "planned other units for this job (their tokenizers or datasets "
                     "libraries differ): give every node the same environment")
+        self.start = int(store.add(f"{self.prefix}starts", 1))  # this process's start number
+        self.started = time.monotonic()
         self.launch = launch
         store.set(f"{self.prefix}who/{self.owner}", "|".join(launch))
+        if any(launch):  # the agent's latest worker: a newer one than a lost owner says the agent lives
+            store.set(f"{self.prefix}agent/{'|'.join(launch)}", self.owner)
         self._beat()
         self._thread = threading.Thread(target=self._beats, name="hsx-heartbeat", daemon=True)
         self._thread.start()
@@ -146,8 +162,30 @@ class Claims:
             raise HsxError(f"another process claiming units through this store {problem} "
                            f"({got.decode(errors='replace')[:16]} vs {value[:16]})")
 
+    def _one_job(self) -> None:
+        """Refuse a process of another job (another fingerprint: other --layers, --unit-tokens, model or data) on a
+        store that serves a job still running (its pulse moved within a lease); a store whose job has ended is
+        taken over."""
+        key = "hsx/claims/job"
+        other = self.store.compare_set(key, "", self.job).decode(errors="replace")
+        if other == self.job:
+            return
+        pulse = f"hsx/claims/{other}/pulse"
+        before, since = self.store.add(pulse, 0), time.monotonic()
+        while time.monotonic() - since < self.lease:
+            time.sleep(min(self.poll, self.lease / 10))
+            if self.store.add(pulse, 0) != before:
+                raise HsxError(f"the claims store of --elastic serves another job, still running (fingerprint "
+                               f"{other[:12]}; this one is {self.job[:12]}): a node joins a job with the very "
+                               "same command (model, data, --layers, --unit-tokens, ...); another job needs a "
+                               "torchrun endpoint of its own")
+        if self.store.compare_set(key, other, self.job).decode(errors="replace") != self.job:
+            raise HsxError("the claims store of --elastic was taken by another job meanwhile; run one job per "
+                           "torchrun endpoint")
+
     def _beat(self) -> None:
         self._beat_store.add(f"{self.prefix}hb/{self.owner}", 1)
+        self._beat_store.add(f"{self.prefix}pulse", 1)
 
     def _beats(self) -> None:
         interval = max(0.2, self.lease / 6)
@@ -161,12 +199,16 @@ class Claims:
 
     def state(self, owner: str) -> str | None:
         """"live" once `owner`'s heartbeat was seen moving within the last lease, "lost" when it has not moved for
-        a lease of this process's clock, "finished" when it ended with its dir intact; None while undecided (seen
-        once, not yet for a lease)."""
+        a lease of this process's clock, "finished" when it ended with its dir intact after this process started,
+        "gone" when it ended before (its marks answer for nothing); None while undecided (seen once, not yet for a
+        lease)."""
         if owner == self.owner:
             return "live"
-        if self.store.check([f"{self.prefix}fin/{owner}"]):
-            return "finished"
+        fin = f"{self.prefix}fin/{owner}"
+        if self.store.check([fin]):
+            at = self.store.get(fin).decode(errors="replace")
+            # ended after this process started (the starts it had seen include this one's): its dir answers
+            return "finished" if at.isdecimal() and len(at) < 19 and int(at) >= self.start else "gone"
         key = f"{self.prefix}hb/{owner}"
         value = self.store.get(key) if self.store.check([key]) else b""
         now = time.monotonic()
@@ -179,25 +221,36 @@ class Claims:
         return "live" if last[2] else None
 
     def lost_agents(self) -> list[str]:
-        """The other agents of this process's own launch (same run id) that lost processes ran under: torch's
-        agent here waits for each of them in its exit barrier (300 s), unless it re-forms the launch without them."""
+        """The other agents of this process's own launch (same run id) that lost processes ran under and that are
+        gone with them (a lost node): torch's agent here waits for each of them in its exit barrier (300 s),
+        unless it re-forms the launch without them. An agent that started workers after the lost one (only its
+        worker was killed, and it restarted its workers) lives: it is not one of them."""
         run, agent = self.launch
         agents = set()
         for owner in self.lost_owners:
             key = f"{self.prefix}who/{owner}"
-            their_run, _, their_agent = (self.store.get(key).decode(errors="replace") if self.store.check([key])
-                                         else "").partition("|")
-            if run and their_run == run and their_agent != agent:
-                agents.add(their_agent)
+            launch = self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+            their_run, _, their_agent = launch.partition("|")
+            if not (run and their_run == run and their_agent != agent):
+                continue
+            latest = f"{self.prefix}agent/{launch}"
+            if self.store.check([latest]) and self.store.get(latest).decode(errors="replace") != owner:
+                continue  # its agent started a worker after it: the agent lives
+            agents.add(their_agent)
         return sorted(agents)
 
     # ---- claiming ----
 
     def adopt(self, names) -> None:
-        """Units this process's output dir holds: never claimed by it, and marked done for the others where free."""
+        """Units this process's output dir holds: never claimed by it, and marked done for the others where free or
+        marked by an owner that has ended (this live dir answers for them now)."""
+        mine = f"done:{self.owner}"
         for name in names:
             self.local.add(name)
-            self.store.compare_set(self._key(name), "", f"done:{self.owner}")
+            got = self.store.compare_set(self._key(name), "", mine).decode(errors="replace")
+            kind, _, owner = got.partition(":")
+            if kind == "done" and owner != self.owner and self.store.check([f"{self.prefix}fin/{owner}"]):
+                self.store.compare_set(self._key(name), got, mine)
 
     def _cas(self, name: str, old: str, new: str) -> bool:
         return self.store.compare_set(self._key(name), old, new) == new.encode()
@@ -266,7 +319,8 @@ class Claims:
             state = self.state(owner)
             if kind == "done" and (state == "finished" or (state == "live" and self._is_idle(owner))):
                 continue
-            if state in (None, "live"):
+            if state in (None, "live") or (state == "gone" and time.monotonic() - self.started < self.lease):
+                # (an ended owner's unit: a live dir that holds it gets a lease to say so, `adopt`)
                 # held, or committed by an owner still at work (or not yet seen alive): it may yet be lost
                 waiting = True
                 continue
@@ -304,7 +358,7 @@ class Claims:
             for name in sorted(self.mine):
                 self._cas(name, f"claim:{self.owner}", "")
             self.mine.clear()
-            self.store.set(f"{self.prefix}fin/{self.owner}", "1")
+            self.store.set(f"{self.prefix}fin/{self.owner}", str(self.store.add(f"{self.prefix}starts", 0)))
         except RuntimeError:  # the store is gone: nothing to tell (an error on the way out is already said)
             pass
         self._thread.join(timeout=5)

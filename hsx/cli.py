@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from hsx.config import ADVANCED, FIELD_KINDS, FIELDS, default_of
 from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed,
-                        exit_status, file_system_error, file_system_line, usage_line)
+                        exit_status, file_system_error, file_system_line, one_line, usage_line)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -176,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     from hsx.cost import DEFAULT_GPU, GPUS
 
     pl.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
-                    help="the GPU to plan for (the machine planning needs none): its memory and matmul rate (the "
-                    "H200's measured, the others' datasheet figures; hsx.cost.GPUS) and the kernels that run there")
+                    help="the GPU to plan for (the machine planning needs none): its memory, its matmul rate (its "
+                    "datasheet rate x the share of the datasheet a matmul reached on the H200, the GPU measured: one "
+                    "basis for all; hsx.cost.GPUS) and the kernels that run there")
     pl.add_argument("--rate", type=float, help="tokens/s per model copy to time the job at (default: the MFU measured for "
-                    "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's measured "
+                    "the model's kind, dense 70%%, mixture of experts hsx.cost.PLAN_MFU_MOE, of --gpu's planned "
                     "bf16 matmul rate over the model's FLOPs per token)")
     pl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: --gpu's, 139 for an H200)")
     add_json_flag(pl, "the plan")
@@ -327,17 +328,39 @@ def _carried_signal(e: KeyboardInterrupt) -> int | None:
     return e.args[0] if e.args and type(e.args[0]) is int and 0 < e.args[0] < 128 else None
 
 
-def _interrupt_main_later(signum: int, delay: float = 0.01) -> None:
-    """Run the main thread's handler for `signum` again, from another thread, `delay` seconds from now: called at once,
-    the handler would run inside the very hook that asks for it. The caller does not wait for that thread to start
-    (threading.Thread.start does): on a loaded machine the interrupt could land while it waited, inside the hook,
-    and be lost ("Exception ignored in sys.unraisablehook"; 2 of 60 runs with the CPUs busy)."""
+def _interrupt_main_later(signum: int) -> None:
+    """Run the main thread's handler for `signum` again, from another thread, once the main thread has left this
+    hook (`unraisable`): called at once, or at a fixed delay, the handler could run inside the very hook that asks
+    for it, where its exception is lost ("Exception ignored in sys.unraisablehook"; on a loaded machine a short
+    delay did not always take the main thread out of the hook). The other thread watches the main thread's stack
+    (sys._current_frames) until the hook's frame is gone, then sends the signal to it. The caller does not wait
+    for that thread to start (threading.Thread.start does), for the same reason."""
     import _thread
+    import signal
+    import threading
     import time
 
+    main = threading.main_thread().ident
+    hook = getattr(sys.unraisablehook, "__code__", None)  # (called from the hook: `unraisable`'s code)
+
+    def in_hook() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code is hook:
+                return True
+            frame = frame.f_back
+        return False
+
     def later():
-        time.sleep(delay)
-        _thread.interrupt_main(signum)
+        while hook is not None and in_hook():
+            time.sleep(0.001)
+        if callable(signal.getsignal(signum)) and hasattr(signal, "pthread_kill"):
+            try:  # a real signal: it also ends a blocking call the main thread is in (interrupt_main sets a flag)
+                signal.pthread_kill(main, signum)
+                return
+            except OSError:  # (the main thread is gone)
+                return
+        _thread.interrupt_main(signum)  # (a handler no longer Python's: this does nothing, as the signal would)
 
     try:
         _thread.start_new_thread(later, ())
@@ -363,8 +386,10 @@ def _main(argv: list[str], received: list[int]) -> int:
         if argv[:1] == ["launch"]:  # accelerate's options, which hsx's parser does not know: hsx.launch reads them
             from hsx.launch import launch
 
+            _check_temporary_dir()
             return launch(argv[1:], parser)
         args = parser.parse_args(argv)
+        _check_temporary_dir()
         COMMANDS[args.command](args)
     except HsxError as e:
         print(f"hsx: error: {e}", file=sys.stderr)
@@ -391,6 +416,23 @@ def _main(argv: list[str], received: list[int]) -> int:
         print(INTERRUPTED, file=sys.stderr)
         return _interrupted_status(interrupt, received)
     return 0
+
+
+def _check_temporary_dir() -> None:
+    """HsxError unless Python finds a usable temporary directory: `import datasets` asks for one (through dill), so
+    without one every command that reads or writes an output ended in a 47-line traceback of library imports. A
+    file size limit (`ulimit -f`) makes none usable (Python writes a small file in each to choose)."""
+    import resource
+    import tempfile
+
+    try:
+        tempfile.gettempdir()
+    except OSError as e:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f": files are limited to {limit:,} bytes here (ulimit -f); raise the limit"
+               if limit != resource.RLIM_INFINITY and limit < (1 << 20) else
+               ": make one writable, or set TMPDIR to a writable folder")
+        raise HsxError(f"no usable temporary directory ({one_line(e, 200)}){why}") from None
 
 
 def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:

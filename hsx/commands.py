@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from hsx import ledgers
 from hsx.config import config_of, config_overrides
-from hsx.errors import HsxError, file_system_error, file_system_line
+from hsx.errors import HsxError, UsageError, file_system_error, file_system_line
 from hsx.info import read_info
 
 
@@ -40,9 +41,16 @@ def log_beside_json(dest: str | None):
 
 
 def extract(args: argparse.Namespace) -> None:
+    cfg = config_of(args)
+    if cfg.elastic and "torch" not in sys.modules:
+        # The claims store's client logs each failed socket call as a C++ warning with a 20-frame stack dump, then
+        # raises it, and hsx says what it means in one line (a store whose agent ended while this node waited at
+        # its end, a lost store): torch's C++ warnings off, its errors kept, unless TORCH_CPP_LOG_LEVEL is set
+        # (read once, when torch loads: hence here, before anything imports it).
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from hsx.run import extract as run_extract
 
-    run_extract(config_of(args))
+    run_extract(cfg)
 
 
 def plan(args: argparse.Namespace) -> None:
@@ -210,6 +218,8 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
     file-system error without a path of its own is named as DEST's (what an export writes)."""
     try:
         yield
+    except UsageError:  # (an ArgumentError is a ValueError too: a wrong argument, exit 2)
+        raise
     except (ValueError, OSError) as e:
         fault = file_system_error(e)
         raise HsxError(file_system_line(fault, dest) if fault is not None else str(e)) from None

@@ -487,6 +487,9 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
         raise HsxError("--hub-overwrite needs --push-to-hub REPO")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
+    if cfg.elastic is not None and not cfg.elastic.strip():  # (an empty one ran silently as a fixed split)
+        raise UsageError("--elastic '': give HOST:PORT, the address of torchrun's --rdzv-endpoint (or leave "
+                         "--elastic out for a fixed split of the units)")
     if cfg.ep_size > 1 and (cfg.tp_size > 1 or cfg.gpus_per_copy > 1):
         raise HsxError("--ep-size shards the experts over processes that each run a whole copy of the rest; it does "
                        "not combine with --tp-size or --gpus-per-copy: choose one")
@@ -526,7 +529,7 @@ LAYERS_HELP = "expected integers (negatives count from the end) or one preset (e
 
 def parse_layer_spec(spec: list | str | int) -> list[int] | str:
     """Normalise `1,-1`, `[1, -1]`, `"1 -1"`, `["1", "-1"]` to [1, -1]; leave a preset name as a string (it needs
-    N). Booleans, floats, nested lists and anything else are refused (HsxError), never converted."""
+    N). Booleans, floats, nested lists and anything else are refused (UsageError), never converted."""
     if type(spec) is int:
         return [spec]
     if isinstance(spec, str):
@@ -544,13 +547,13 @@ def parse_layer_spec(spec: list | str | int) -> list[int] | str:
             elif isinstance(item, str):
                 tokens += [t for t in re.split(r"[,\s]+", item.strip()) if t]
             else:
-                raise HsxError(f"--layers: {_shown(item)} is not a layer; {LAYERS_HELP}")
+                raise UsageError(f"--layers: {_shown(item)} is not a layer; {LAYERS_HELP}")
     else:
-        raise HsxError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
+        raise UsageError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
     if not all(re.fullmatch(r"[-+]?[0-9]+", t) for t in tokens):
-        raise HsxError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
+        raise UsageError(f"--layers {_shown(spec)}: {LAYERS_HELP}")
     if any(len(t) > 12 for t in tokens):  # (Python refuses to parse ints of over 4300 digits)
-        raise HsxError(f"--layers {_shown(spec)}: layer index out of range")
+        raise UsageError(f"--layers {_shown(spec)}: layer index out of range")
     return [int(t) for t in tokens]
 
 
@@ -559,22 +562,23 @@ def preset_layers(name: str, num_layers: int) -> tuple[list[int], bool]:
     n = num_layers
     m = PRESET_RE.fullmatch(name)
     if not m:
-        raise HsxError(f"unknown layer preset {name!r}; known: eagle3, dflash, dflash-K")
+        raise UsageError(f"unknown layer preset {name!r}; known: eagle3, dflash, dflash-K")
     if name == "eagle3":
         return [1, n // 2 - 1, n - 4], True
     k = int(m.group(2)) if m.group(2) else 5
     if k < 1:
-        raise HsxError(f"layer preset {name!r}: K must be at least 1")
+        raise UsageError(f"layer preset {name!r}: K must be at least 1")
     if k == 1:
         return [n // 2], False
     if k > n - 3:  # K layers spread over 1..N-3: more than N-3 of them must repeat (checked before building any)
-        raise HsxError(f"layer preset {name!r}: {k} layers spread over 1..{n - 3} of a model with {n} layers "
+        raise UsageError(f"layer preset {name!r}: {k} layers spread over 1..{n - 3} of a model with {n} layers "
                        f"would be duplicates; K can be at most {max(1, n - 3)} here")
     return [round(1 + j * (n - 4) / (k - 1)) for j in range(k)], False
 
 
 def resolve_layers(spec: list[int] | str, num_layers: int, final_hidden: bool) -> tuple[list[int], bool]:
-    """Turn a layer spec into sorted non-negative indices (and the final-hidden flag a preset may add)."""
+    """Turn a layer spec into sorted non-negative indices (and the final-hidden flag a preset may add). A layer
+    the model does not have, or a duplicate, is a wrong argument: UsageError (exit 2)."""
     if isinstance(spec, str):
         layers, preset_final = preset_layers(spec, num_layers)
         final_hidden = final_hidden or preset_final
@@ -585,11 +589,11 @@ def resolve_layers(spec: list[int] | str, num_layers: int, final_hidden: bool) -
     for i in layers:
         j = i + num_layers if i < 0 else i
         if not 0 <= j < num_layers:
-            raise HsxError(f"{where}: layer {i} is out of range for a model with {num_layers} layers "
+            raise UsageError(f"{where}: layer {i} is out of range for a model with {num_layers} layers "
                            f"(valid: {-num_layers}..{num_layers - 1})")
         resolved.append(j)
     if len(set(resolved)) != len(resolved):
-        raise HsxError(f"{where}: duplicate layers {layers} (resolved: {resolved})")
+        raise UsageError(f"{where}: duplicate layers {layers} (resolved: {resolved})")
     return sorted(resolved), final_hidden
 
 

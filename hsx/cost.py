@@ -35,33 +35,51 @@ DEFAULT_BUDGET_CAP = 16384  # the fastest budget measured at the 8B shape (docs/
 MOE_TOKENS_PER_EXPERT = 1024
 GPU_HEADROOM = 0.9  # of a GPU's memory a model copy may plan on; the CUDA context, cuBLAS and compile take the rest
 NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
-# GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): the dense bf16 matmul
-# rate, the dense e4m3 one (fp8_matmul_tflops, the peak FP8 targets' MFU is taken against; None: no FP8 tensor cores,
-# an FP8 checkpoint runs dequantized), the memory, and the compute capability (hsx.kernels: which kernels run there).
-# The h200 row is measured (the matmul rates `hsx bench` measures in each run, 8192³, and the memory torch sees:
-# docs/benchmarks.md). The others are datasheet figures ("datasheet": True): NVIDIA's dense (not 2:4-sparse)
-# tensor-core rates and the memory the datasheet names (torch sees a little less; GPU_HEADROOM covers it); a
-# datasheet rate is a peak that a measured matmul falls short of (the h200 row's bf16 rate against its datasheet's).
+# GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): NVIDIA's datasheet dense
+# (not 2:4-sparse) tensor-core rates, bf16 and e4m3 (fp8_matmul_tflops: None, no FP8 tensor cores, an FP8 checkpoint
+# runs dequantized), the memory (the datasheet's; the H200's as torch sees it, GPU_HEADROOM covers the rest), and the
+# compute capability (hsx.kernels: which kernels run there). Every GPU's rates are on one basis, the datasheet's:
+# a plan scales each by the share of its datasheet peak a matmul reached where hsx measured it (MEASURED_MATMUL),
+# so no GPU is planned at its peak beside another at its measured rate.
 GPUS: dict[str, dict[str, Any]] = {
-    "h200": {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0, "memory_gib": 139.0, "capability": (9, 0),
-             "datasheet": False},
-    "h100-sxm": {"matmul_tflops": 989.0, "fp8_matmul_tflops": 1979.0, "memory_gib": 80.0, "capability": (9, 0),
-                 "datasheet": True},
-    "h100-pcie": {"matmul_tflops": 756.0, "fp8_matmul_tflops": 1513.0, "memory_gib": 80.0, "capability": (9, 0),
-                  "datasheet": True},
-    "a100-40gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 40.0, "capability": (8, 0),
-                  "datasheet": True},
-    "a100-80gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 80.0, "capability": (8, 0),
-                  "datasheet": True},
-    "l40s": {"matmul_tflops": 362.0, "fp8_matmul_tflops": 733.0, "memory_gib": 48.0, "capability": (8, 9),
-             "datasheet": True},
-    "b200": {"matmul_tflops": 2250.0, "fp8_matmul_tflops": 4500.0, "memory_gib": 180.0, "capability": (10, 0),
-             "datasheet": True},
+    "h200": {"matmul_tflops": 989.0, "fp8_matmul_tflops": 1979.0, "memory_gib": 139.0, "capability": (9, 0)},
+    "h100-sxm": {"matmul_tflops": 989.0, "fp8_matmul_tflops": 1979.0, "memory_gib": 80.0, "capability": (9, 0)},
+    "h100-pcie": {"matmul_tflops": 756.0, "fp8_matmul_tflops": 1513.0, "memory_gib": 80.0, "capability": (9, 0)},
+    "a100-40gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 40.0, "capability": (8, 0)},
+    "a100-80gb": {"matmul_tflops": 312.0, "fp8_matmul_tflops": None, "memory_gib": 80.0, "capability": (8, 0)},
+    "l40s": {"matmul_tflops": 362.0, "fp8_matmul_tflops": 733.0, "memory_gib": 48.0, "capability": (8, 9)},
+    "b200": {"matmul_tflops": 2250.0, "fp8_matmul_tflops": 4500.0, "memory_gib": 180.0, "capability": (10, 0)},
     # RTX PRO 6000 Blackwell (Workstation and Server Edition, 96 GB GDDR7): its datasheet gives 4,000 "AI TOPS"
     # (FP4, 2:4 sparse), i.e. 1,000 FP8 and 500 bf16 dense at the halving per format the others' datasheets show
-    "rtx-pro-6000": {"matmul_tflops": 500.0, "fp8_matmul_tflops": 1000.0, "memory_gib": 96.0,
-                     "capability": (12, 0), "datasheet": True},
+    "rtx-pro-6000": {"matmul_tflops": 500.0, "fp8_matmul_tflops": 1000.0, "memory_gib": 96.0, "capability": (12, 0)},
 }
+# The matmul rates hsx measured (`hsx bench`, 8192³, in each run: docs/benchmarks.md), on the one GPU kind measured;
+# the plan's MFUs (PLAN_MFU*, MEASURED_MFU) are shares of these.
+MEASURED_ON = "h200"
+MEASURED_MATMUL = {"matmul_tflops": 790.0, "fp8_matmul_tflops": 1419.0}
+
+
+def planned_tflops(gpu: str, key: str = "matmul_tflops") -> float | None:
+    """The matmul rate a plan gives `gpu` (`key`: "matmul_tflops", bf16, or "fp8_matmul_tflops"): its datasheet
+    rate × the share of the datasheet a matmul reached on the GPU hsx measured (MEASURED_ON); that GPU's own rate
+    is then exactly the one measured."""
+    datasheet = GPUS[gpu][key]
+    return None if datasheet is None else datasheet * MEASURED_MATMUL[key] / GPUS[MEASURED_ON][key]
+
+
+def rate_basis(gpu: str, key: str = "matmul_tflops") -> str:
+    """How `planned_tflops` came to its rate, in words (`hsx plan` prints it)."""
+    what = "bf16" if key == "matmul_tflops" else "FP8"
+    measured, datasheet = MEASURED_MATMUL[key], GPUS[MEASURED_ON][key]
+    share, on = f"{measured / datasheet:.2f}", MEASURED_ON.upper()
+    if gpu == MEASURED_ON:
+        return (f"{what} matmul {measured:.0f} TFLOP/s, measured: {share} of its datasheet {datasheet:.0f}; every "
+                "GPU is planned at that share of its datasheet rate")
+    return (f"{what} matmul {planned_tflops(gpu, key):.0f} TFLOP/s: its datasheet {GPUS[gpu][key]:.0f} × {share}, the "
+            f"share of the datasheet rate a matmul reached on the {on} ({measured:.0f} of {datasheet:.0f}); "
+            f"not measured on this GPU")
+
+
 FP8_SUFFIX = "-fp8"  # `--shape NAME-fp8`: a shape with its official FP8 checkpoint's quantization_config
 DEFAULT_GPU = "h200"
 PLAN_MFU = 0.70  # the rate a plan assumes: at or under the dense shapes' measured end-to-end MFU (README's table)
@@ -73,7 +91,7 @@ PLAN_MFU_MOE = 0.40  # mixture of experts (active parameters): under the MoE sha
 WRITER_BYTES_PER_S = 4.79e9
 PLAN_MFU_FP8 = 0.48  # FP8 checkpoints, of the FP8 matmul rate: under the dense FP8 shapes' measured MFU on cuBLAS
 # (docs/benchmarks.md, 2026-12-02 and 2026-12-02 (later))
-# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × the h200 row's bf16
+# FP8 mixtures of experts, of the FP8 matmul rate: planned at the bf16 MoE rate (PLAN_MFU_MOE × MEASURED_MATMUL's bf16
 # / FP8 rates), as the FP8 experts measured no faster than the bf16 checkpoint (docs/benchmarks.md, 2026-12-02 (later))
 PLAN_MFU_MOE_FP8 = 0.22
 DEFAULT_MEAN_TOKENS = 354  # tokens per row when only the row count is known: hsx bench's chat-like mean
@@ -710,7 +728,7 @@ def expert_parallel_plan(c, depth: int, act: int, min_batch: int, gpu_bytes: int
 
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
-         matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float | None = None,
+         matmul_tflops: float = MEASURED_MATMUL["matmul_tflops"], mfu: float | None = None,
          storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0,
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
@@ -931,7 +949,8 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
 
         planned = copy.copy(text)
         planned.quantization_config = None
-    rate_tflops = GPUS[gpu]["fp8_matmul_tflops" if is_fp8(planned) else "matmul_tflops"]
+    rate_key = "fp8_matmul_tflops" if is_fp8(planned) else "matmul_tflops"
+    rate_tflops = planned_tflops(gpu, rate_key)
     mfu = MEASURED_MFU.get(known_shape) if planned is text else None
     p = plan(planned, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
@@ -945,9 +964,8 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     from hsx.kernels import cap_name, choose
 
     spec = GPUS[gpu]
-    p["planned_for"] = (f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB, {spec['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
-                        + ("datasheet peak, dense, not measured by hsx: a matmul reaches less, the H200 790 of its "
-                           "989)" if spec["datasheet"] else "measured)"))
+    p["rate_basis"] = rate_basis(gpu, rate_key)
+    p["planned_for"] = f"{gpu.upper()} GPUs ({gpu_gib:.0f} GiB; {p['rate_basis']})"
     p["compute_capability"] = cap_name(spec["capability"])
     picks = choose(spec["capability"], frozenset(("fla",)), cfg.dtype, packing=True,  # (fla: in hsx[gpu])
                    experts=any(_is_moe_layer(text, i) for i in range(int(text.num_hidden_layers))),

@@ -255,6 +255,7 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
                                              [batch[answer][r] for r in plain])
             for r, (row_ids, row_mask, reason) in zip(plain, rows):
                 ids[r], masks[r], reasons[r] = row_ids, row_mask, reason
+    _mixed_formats(batch, fmt, reasons)
     truncated = [False] * n
     for r in range(n):
         if reasons[r]:
@@ -277,6 +278,20 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
         "truncated": truncated,
         "skip_reason": reasons,
     }
+
+
+FORMAT_COLUMNS = ("input_ids", "messages", "conversations", "text", "prompt", "completion", "response")  # row_format's
+MISSING = ("missing_value", "missing_prompt", "missing_completion", "missing_response")
+
+
+def _mixed_formats(batch: dict[str, list], fmt: str, reasons: list[str]) -> None:
+    """A row whose format column is null while a column of another format holds a value is a row of another format
+    in a file that mixes them (datasets gives every row every column): `mixed_input_formats`, not `missing_value`,
+    so the count says what happened."""
+    others = [c for c in FORMAT_COLUMNS if c in batch and c not in fmt.split("+")]
+    for r, reason in enumerate(reasons):
+        if reason in MISSING and any(batch[c][r] is not None for c in others):
+            reasons[r] = "mixed_input_formats"
 
 
 INT32_MAX = 2**31 - 1  # input_ids are stored as int32

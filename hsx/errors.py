@@ -22,6 +22,11 @@ class UsageError(HsxError):
     """A flag, recipe key or argument wrong by itself (before the model or data is read): EXIT_USAGE."""
 
 
+class ArgumentError(UsageError, ValueError):
+    """A library call's argument that does not fit what it is given (an export's `layers` the output does not
+    store): the ValueError a Python caller expects, EXIT_USAGE on the command line."""
+
+
 def usage_line(prog: str, message: str) -> str:
     """A usage error as the command line prints it: one line naming the command and where its flags are listed
     (argparse's own error prints the whole usage first, 29 lines for `hsx extract`)."""

@@ -59,6 +59,7 @@ from hsx.load import layer_positions, read_info, torch_view
 from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
                         dequantize)
 from hsx.checksums import CRC_CHUNK, crc32, file_crc32
+from hsx.errors import ArgumentError
 from hsx.files import append_synced, atomic_tmp_name, atomic_write, flock, fsync_dir, fsync_file, read_json, read_jsonl
 from hsx.info import listed_files
 from hsx.ledgers import record_exported
@@ -415,6 +416,14 @@ def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: boo
 
 # ---- SpecForge ------------------------------------------------------------------------------------------------
 
+def _stored_layers(meta: Info, chosen: list[int]) -> None:
+    """`--layers` of an export must be stored layers of the output: a wrong argument (ArgumentError: exit 2)."""
+    try:
+        layer_positions(meta.layers, chosen, meta.num_model_layers)
+    except ValueError as e:
+        raise ArgumentError(f"--layers: {e}") from None
+
+
 def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers: list[int] | None = None,
                      layout: str = "eagle3", group_size: int = SPECFORGE_GROUP_SIZE, overwrite: bool = False,
                      delete_source: bool = False, log=print) -> dict[str, Any]:
@@ -435,9 +444,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                              "extract with --final-hidden (the eagle3 preset includes it)")
         if len(chosen) != 3:
             example = " ".join(str(i) for i in meta.layers[:3])
-            raise ValueError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta.layers}: "
+            raise ArgumentError(f"SpecForge's EAGLE-3 takes 3 auxiliary layers; this output stores {meta.layers}: "
                              f"pick 3 with --layers, e.g. --layers {example} (in Python: layers=[...])")
-    layer_positions(meta.layers, chosen, meta.num_model_layers)  # a layer not stored: refused before DEST
+    _stored_layers(meta, chosen)  # a layer not stored: refused before DEST
     rows_in = meta.counts.rows_in
     resolved = sorted(x + meta.num_model_layers if x < 0 else x for x in chosen)
     options = {"trainer": "specforge", "layout": layout, "layers": resolved, "group_size": group_size,
@@ -569,13 +578,14 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     if last not in meta.layers:
         raise ValueError(f"{out_dir}: speculators' trainer takes the last decoder layer's output before the final "
                          f"norm (layer {last}) as the verifier state, and this output stores layers "
-                         f"{meta.layers}: extract with that layer too (e.g. --layers 1 17 32 -1)")
+                         f"{meta.layers}: extract with that layer too (e.g. --layers "
+                         f"{' '.join(str(x) for x in meta.layers)} -1)")
     aux = list(layers) if layers is not None else [x for x in meta.layers if x != last]
     aux = sorted(x + meta.num_model_layers if x < 0 else x for x in aux)
     if not aux or last in aux:
-        raise ValueError(f"pick the auxiliary layers among {[x for x in meta.layers if x != last]} (layer "
+        raise ArgumentError(f"pick the auxiliary layers among {[x for x in meta.layers if x != last]} (layer "
                          f"{last} is the verifier state and always comes last)")
-    layer_positions(meta.layers, aux, meta.num_model_layers)
+    _stored_layers(meta, aux)
     options = {"trainer": "speculators", "layers": [*aux, last], "draft_vocab_size": draft_vocab_size,
                "verifier": _verifier(meta), "delete_source": delete_source}
     stack, dest = _exporting(out_dir, dest, src, _SPECULATORS_DIRS, delete_source)

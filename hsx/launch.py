@@ -17,6 +17,9 @@ Every `accelerate launch` option works: accelerate's own `launch_command_parser(
   machine than it has cores; over several machines, a process count that is not a multiple of theirs (accelerate
   would start fewer) or a --machine_rank outside them; any other value accelerate rejects (its ValueError, not its
   traceback).
+- several processes start several: a launch accelerate would run as one process (no GPU, no --multi_gpu or other
+  distributed mode) takes its --multi_gpu path, torch's launcher, on CPUs as on GPUs; --cpu with several processes
+  is refused (accelerate runs it as one process, several only through mpirun).
 - --debug (or `debug: true` in the config file) still sets ACCELERATE_DEBUG_MODE in the ranks; a failure still
   ends as above (accelerate's launchers, with --debug and ACCELERATE_ENABLE_RICH set, print the launcher's stack
   trace in place of raising it: the command exited 0 with its ranks failed).
@@ -74,8 +77,10 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
         raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
     ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: extract's one-line usage error, exit 2
-    if _check_accelerate_config(args) is None:
+    path, config = _check_accelerate_config(args)
+    if path is None:
         _pass_accelerate_defaults(args)
+    _run_every_process(args, config)
     if command == "extract":  # the recipe and the flags, read once here: every rank would fail on them alike,
         from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hangs)
 
@@ -109,11 +114,34 @@ def _pass_accelerate_defaults(args: argparse.Namespace) -> None:
             setattr(args, key, value)
 
 
-def _check_accelerate_config(args: argparse.Namespace) -> str | None:
+def _run_every_process(args: argparse.Namespace, config: dict) -> None:
+    """Several processes start several processes. accelerate runs a launch it does not see as distributed (no GPU
+    count above 1, no --multi_gpu, DeepSpeed, FSDP, Megatron-LM, TPU or mpirun hostfile) as ONE process through its
+    plain subprocess launcher, whatever --num_processes says, and says nothing. hsx's ranks need no GPU to split a
+    job (gloo on CPU: hsx.run), so such a launch takes accelerate's --multi_gpu path: torch's launcher starting
+    every process, on CPUs as on GPUs. --cpu (or `use_cpu` in the config file) keeps accelerate on its plain
+    launcher, which runs several CPU processes only through mpirun: refused in one line, saying so."""
+    processes = getattr(args, "num_processes", None) or config.get("num_processes") or 1
+    machines = getattr(args, "num_machines", None) or config.get("num_machines") or 1
+    if processes <= 1 and machines <= 1:
+        return
+    chosen = [k for k in ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu", "mpirun_hostfile")
+              if getattr(args, k, None)]
+    if chosen or str(config.get("distributed_type", "NO")).upper() not in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        return  # (a distributed type of the config file's, a launcher of its own: accelerate's choice stands)
+    if args.cpu or config.get("use_cpu") is True:
+        raise UsageError(f"--num_processes {processes} with --cpu: accelerate runs --cpu as one process (several "
+                         "only through mpirun, --mpirun_hostfile); drop --cpu: on a machine without GPUs hsx launch "
+                         "starts every process on the CPU")
+    args.multi_gpu = True
+
+
+def _check_accelerate_config(args: argparse.Namespace) -> tuple[str | None, dict]:
     """UsageError in one line for what accelerate would turn into a traceback, a hang or a job elsewhere: a
     --config_file (or accelerate's default one) that is missing, not a regular file (a FIFO hangs its reader),
     not a YAML/JSON mapping, or sets up a SageMaker job; a process count below 1, or more per machine than this
-    machine has cores (each rank is a process with its own model). Returns the config file's path (None: none)."""
+    machine has cores (each rank is a process with its own model). Returns the config file's path (None: none)
+    and what it holds."""
     import yaml
     from accelerate.commands.config import default_config_file
 
@@ -162,7 +190,7 @@ def _check_accelerate_config(args: argparse.Namespace) -> str | None:
     if -(-processes // machines) > cores:
         raise UsageError(f"--num_processes {processes:,} over {machines:,} machine(s) starts "
                          f"{-(-processes // machines):,} processes on each; this one has {cores} cores")
-    return path
+    return path, config
 
 
 def _no_alias_loader(yaml):

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.schema import DTYPES, Damaged, Info, bits_dtype, decode, dequantize, storage_dtype_of
+from hsx.schema import DTYPES, Damaged, Info, StoredLayout, bits_dtype, decode, dequantize, storage_dtype_of
 
 IGNORE_INDEX = -100  # `labels` outside the loss (transformers' and torch's CrossEntropyLoss default)
 
@@ -68,8 +68,9 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
         if revision is not None:
             raise ValueError("revision= is for Hub repos; a local dir is read as it is")
         out, files, whole = _local_files(local, split, verify, allow_incomplete)
+        recorded = _recorded(out)
         if not streaming:
-            ds = open_checked_files(out, files)
+            ds = note_layout(open_checked_files(out, files), recorded)
             if whole:
                 _check_rows(local, split, ds)
             return ds if layers is None else torch_view(ds, layers=layers, meta=read_info(local),
@@ -77,7 +78,8 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     from datasets import load_dataset
 
     if local is not None:
-        ds = load_dataset("arrow", data_files={split: [str(f) for f in files]}, split=split, streaming=True)
+        ds = note_layout(load_dataset("arrow", data_files={split: [str(f) for f in files]}, split=split,
+                                      streaming=True), recorded)
     else:
         ds = load_dataset(str(path_or_repo), split=split, streaming=streaming, revision=revision)
     if layers is None:
@@ -86,6 +88,14 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
     if streaming:
         return torch_stream(ds, layers=layers, meta=meta, dequantize=dequantize)
     return torch_view(ds, layers=layers, meta=meta, dequantize=dequantize)
+
+
+def _recorded(out):
+    """What the output dir `out` (an hsx.sink.OutputDir) records of its job: hsx.json, else (a job running or
+    interrupted) its plan, else None (a dir of data files only)."""
+    from hsx.info import read_info as recorded_info, read_summary
+
+    return recorded_info(out.root) or (read_summary(out.state) if out.state.is_dir() else None)
 
 
 def _check_rows(root: Path, split: str, ds) -> None:
@@ -369,22 +379,32 @@ def pa_list_types():
     return (pa.ListType, pa.LargeListType, pa.FixedSizeListType)
 
 
-def _layout(meta: Info | dict | None, features, hidden_size: int | None, layers: list[int] | None,
-            dequantize: bool = True) -> _Layout:
-    meta = _as_info(meta)
-    width = None
-    try:
-        width = features["hidden_states"].feature.length
-    except (KeyError, TypeError, AttributeError):
-        pass
+def _layout(meta: Info | StoredLayout | dict | None, features, hidden_size: int | None,
+            layers: list[int] | None, dequantize: bool = True) -> _Layout:
+    """The row layout of a Dataset of an output: from `meta` (its hsx.json, or the StoredLayout hsx.load notes in
+    the Dataset's info), `hidden_size`, or its features where they tell (the final-norm state's width is the
+    hidden size; fp8's scales count the layers). Where none tells how the width of `hidden_states` splits into
+    layers x hidden, ValueError: a guess would hand out states of the wrong shape."""
+    meta = meta if isinstance(meta, StoredLayout) else _as_info(meta)
+    width = _feature_length(features, "hidden_states")
     hidden = hidden_size or (meta.hidden_size if meta else None)
-    if hidden is None and features is not None and "final_hidden_state" in features:
-        hidden = features["final_hidden_state"].feature.length
+    if hidden is None:
+        hidden = _feature_length(features, "final_hidden_state")
+    if hidden is None and width is not None and _feature_length(features, "hidden_states_scale"):
+        hidden = width // _feature_length(features, "hidden_states_scale")
     if width is None and meta:
         width = len(meta.layers) * meta.hidden_size
+    how = "pass the output dir, meta=hsx.read_info(OUT) (its hsx.json) or hidden_size="
     if width is None:
-        raise ValueError("cannot tell the row layout: pass the output dir, or meta=<its hsx.json as a dict>")
-    hidden = hidden or width  # unknown: one row of all layers side by side
+        raise ValueError(f"cannot tell the row layout (no hidden_states feature): {how}")
+    if hidden is None:
+        raise ValueError(f"cannot tell how the {width} values a token of hidden_states split into layers x hidden "
+                         f"(a Dataset without hsx.load's layout note, and no final_hidden_state): {how}")
+    if meta and width != len(meta.layers) * meta.hidden_size:
+        raise ValueError(f"hidden_states holds {width} values a token, not the {len(meta.layers)} layers x "
+                         f"{meta.hidden_size} its hsx.json records: the Dataset is of another output")
+    if not (type(hidden) is int and hidden >= 1 and width % hidden == 0):
+        raise ValueError(f"hidden_size={hidden!r} does not divide the {width} values a token of hidden_states")
     positions = None
     if layers is not None:
         if not meta:
@@ -394,6 +414,31 @@ def _layout(meta: Info | dict | None, features, hidden_size: int | None, layers:
     return _Layout(hidden=hidden, num_layers=width // hidden,
                    dtype=meta.storage_dtype if meta else storage_dtype_of(features),
                    positions=positions, dequantize=dequantize)
+
+
+def _feature_length(features, name: str) -> int | None:
+    """The per-token width of a state column's feature (List(List(Value, length=N))), None where there is none."""
+    try:
+        n = features[name].feature.length
+    except (KeyError, TypeError, AttributeError):
+        return None
+    return n if type(n) is int and n >= 1 else None
+
+
+def note_layout(ds, meta):
+    """`ds` with the row layout of `meta` (an Info or Summary) noted in `ds.info.description` (StoredLayout), so `torch_view(ds)` and
+    `torch_stream(ds)` give the rows `torch_view(OUT)` gives; the description is left as it is without `meta`."""
+    if meta is not None:
+        ds.info.description = StoredLayout.of(meta).note()
+    return ds
+
+
+def _noted_layout(source) -> StoredLayout | None:
+    """The layout note hsx.load left in a Dataset's info (None without one); ValueError for a damaged one."""
+    try:
+        return StoredLayout.of_note(getattr(getattr(source, "info", None), "description", None))
+    except Damaged as e:
+        raise ValueError(f"the Dataset's info.description is not hsx.load's layout note ({e}): pass meta=") from None
 
 
 def layer_positions(stored: list[int], wanted: list[int], num_model_layers: int | None = None) -> list[int]:
@@ -433,14 +478,17 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
     with `dequantize=False` come raw as torch.float8_e4m3fn with their `*_scale` columns. A map-style dataset:
     `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with `collate_fn=hsx.collate`.
 
-    `source`: an output dir, or a `datasets.Dataset` of one (from `load`) with `meta` (its hsx.json) or
-    `hidden_size`. `layers`: only these of the stored layers, by model layer index (needs the dir or `meta`)."""
+    `source`: an output dir, or a `datasets.Dataset` of one: from `load` (which notes the layout in its
+    `info.description`), else with `meta` (its hsx.json) or `hidden_size` (ValueError where nothing tells how its
+    states split into layers x hidden). `layers`: only these of the stored layers, by model layer index (needs the dir or `meta`)."""
 
     def __init__(self, source, hidden_size: int | None = None, layers: list[int] | None = None,
                  meta: dict[str, Any] | None = None, dequantize: bool = True):
         if isinstance(source, (str, Path)):
             meta = meta or read_info(source)
             source = load(str(source))
+        if meta is None:
+            meta = _noted_layout(source)
         self.layout = _layout(meta, source.features, hidden_size, layers, dequantize)
         self.ds = source.with_format("arrow")
         self.hidden = self.layout.hidden
@@ -462,6 +510,8 @@ def torch_stream(source, layers: list[int] | None = None, meta: dict[str, Any] |
     memory, not bandwidth."""
     from hsx.torch_data import TorchStream
 
+    if meta is None:
+        meta = _noted_layout(source)
     return TorchStream(source, _layout(meta, getattr(source, "features", None), hidden_size, layers, dequantize))
 
 

@@ -354,6 +354,9 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     cfg = check_config(cfg)  # a config built in Python gets the same typed checks as a recipe's
     proc = current_process(cfg.gpus_per_copy, cfg.tp_size, cfg.elastic, cfg.ep_size)
     say = log if proc.is_main else (lambda *a, **k: None)
+    note = None if cfg.elastic else elastic_note()
+    if note and env_int("LOCAL_RANK", proc.local_rank) == 0:  # (said on every node, once)
+        log(note)
     # --elastic: the launch's global rank names this process's files (nodes may share one dir)
     out = OutputDir(cfg.output_dir, rank=env_int("RANK", proc.rank) if cfg.elastic else proc.rank)
     existed = out.root.exists()
@@ -483,10 +486,48 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     if lost and env_int("TORCHELASTIC_MAX_RESTARTS", 0) > env_int("TORCHELASTIC_RESTART_COUNT", 0):
         # torch's agent would wait 300 s (hard-coded) in its exit barrier for the lost node's agent: a failed
         # worker makes it re-form the launch without that node instead, and the restarted workers find the job done
-        raise HsxError(f"this launch lost the node(s) of agent {', '.join(lost[:3])} and this process took over "
-                       "their units; it exits 1 so that torchrun re-forms the launch without them (the restarted "
-                       "processes find this node's work done and exit 0) instead of waiting 300 s for them")
+        # (the job succeeded: said without `error:`, as a stop is, with the status torchrun restarts on)
+        raise Stopped(f"this launch lost the node(s) of agent {', '.join(lost[:3])}, and this process took over "
+                      "their units and finished the job; it ends with exit status 1 only so that torchrun re-forms "
+                      "the launch without them (the restarted processes find the work done and exit 0) instead of "
+                      "waiting 300 s for them", 1)
     return info
+
+
+def elastic_nnodes(environ=os.environ) -> str | None:
+    """The `--nnodes MIN:MAX` of the torchrun launch this process runs under, when MIN differs from MAX (an elastic
+    launch: nodes may be lost or join); None otherwise or where it cannot be told. torchrun hands its workers no
+    variable for it (TORCHELASTIC_RUN_ID says only that torchrun launched them): it is read from PET_NNODES (the
+    option given by environment) or the agent's command line (/proc, Linux)."""
+    if not environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    value = environ.get("PET_NNODES", "").strip()
+    if not value:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                argv = f.read(1 << 16).decode(errors="replace").split("\0")
+        except OSError:
+            return None
+        for i, arg in enumerate(argv):
+            if arg == "--nnodes" and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith("--nnodes="):
+                value = arg.partition("=")[2]
+    low, sep, high = value.partition(":")
+    return value if sep and low.strip() != high.strip() else None
+
+
+def elastic_note(environ=os.environ) -> str | None:
+    """One line for an elastic torchrun launch of a job without --elastic: what a lost or joining node does to it,
+    and how to have units claimed as processes go instead."""
+    nnodes = elastic_nnodes(environ)
+    if nnodes is None:
+        return None
+    return (f"hsx: torchrun launched this job elastically (--nnodes {nnodes[:20]}), but without --elastic HOST:PORT "
+            "its units are split once between the nodes of the first round: a node lost mid-job leaves its share "
+            "undone (the others write only theirs, then torch waits 300 s for it; rerun on the dirs left to finish), "
+            "and a joining node restarts every node's workers; add --elastic HOST:PORT (your --rdzv-endpoint) to "
+            "claim units as processes go (docs/scale-out.md)")
 
 
 def launch_agent() -> str:

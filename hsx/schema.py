@@ -250,6 +250,91 @@ def storage_dtype_of(features) -> str:
     return value.dtype if value.dtype in STORAGE_DTYPES else DEFAULT_STORAGE_DTYPE
 
 
+# Why an input row was skipped: the keys of hsx.json's counts.skipped (and `hsx.stream`'s counts), each with what it
+# means. docs/inputs.md lists them all (tests/test_data.py checks both ways).
+SKIP_REASONS: dict[str, str] = {
+    "missing_value": "the row's column of the dataset's format (messages, text, input_ids, ...) is null",
+    "mixed_input_formats": "the row's column of the dataset's format is null, and a column of another format holds "
+                           "its data: the file mixes formats, and hsx reads one format per dataset",
+    "missing_prompt": "prompt/completion rows: the prompt is null",
+    "missing_completion": "prompt/completion rows: the completion is null",
+    "missing_response": "prompt/response rows: the response is null",
+    "bad_conversation": "the conversation is a string that is not a JSON list of messages",
+    "empty_conversation": "the conversation is an empty list, or not a list",
+    "message_not_a_mapping": "a message is not an object",
+    "missing_role": "a message has neither role nor from",
+    "missing_content": "a message has neither content nor value",
+    "bad_tool_calls": "a message's tool_calls are not a list of objects",
+    "bad_function_call": "a ShareGPT function_call turn is not a JSON {name, arguments} call (or a list of them)",
+    "bad_content": "a content part is not an object, or a text part has no text",
+    "non_text_content": "a content part is an image, audio or other non-text part",
+    "null_content": "a message's content is null (an assistant message with tool_calls aside)",
+    "no_assistant_turn": "no assistant message: nothing to supervise",
+    "empty_text": "text rows: the text is empty or whitespace",
+    "bad_input_ids": "input_ids rows: not a list of integers in int32 range",
+    "empty_input": "input_ids rows: an empty list",
+    "bad_loss_mask": "input_ids rows: loss_mask is not a list of 0s and 1s",
+    "loss_mask_length_mismatch": "input_ids rows: loss_mask's length differs from input_ids'",
+    "token_id_out_of_range": "a token id outside the model's vocabulary",
+    "no_supervised_tokens": "the loss mask supervises no token",
+    "no_supervised_tokens_after_truncation": "no supervised token is left after the cut at --max-length",
+    "chat_template_error": "the chat template raised on the row",
+    "chat_template_timeout": "the chat template's renders of the row ran over their CPU time bound",
+    "chat_template_output_too_long": "the chat template rendered more than its size bound for the row",
+    "mask_template_error": "a turn does not sit where the template's renders say: no exact mask",
+    "prompt_turn_unattributed": "the prompt's own assistant turns cannot be told apart from the completion",
+    "message_not_rendered": "the template renders nothing of a message of a role other than user, assistant, system",
+    "tool_call_not_rendered": "the template renders nothing of one of the row's tool calls",
+    "oom": "a single row that does not fit the GPU's memory alone",
+    "nonfinite": "the row's states hold NaN or Inf (--nonfinite skip)",
+}
+
+
+LAYOUT_NOTE = "hsx output layout: "  # hsx.load's Dataset carries its row layout in `info.description`, after this
+MAX_LAYOUT_NOTE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """How a row's `hidden_states` split into layers x hidden: what hsx.torch_view needs of a `datasets.Dataset`
+    of an output (its features give only the width, layers x hidden, unless the final-norm state is stored).
+    `hsx.load` writes it into the Dataset's `info.description` (`note`), which datasets keeps through select,
+    shuffle, filter and map; `of_note` reads it back, checked."""
+    layers: list[int]
+    num_model_layers: int
+    hidden_size: int
+    storage_dtype: str
+
+    @classmethod
+    def of(cls, info: "Info | Summary") -> "StoredLayout":
+        return cls(list(info.layers), info.num_model_layers, info.hidden_size, info.storage_dtype)
+
+    def note(self) -> str:
+        import json
+
+        return LAYOUT_NOTE + json.dumps({"layers": self.layers, "num_model_layers": self.num_model_layers,
+                                         "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype})
+
+    @classmethod
+    def of_note(cls, text: Any) -> "StoredLayout | None":
+        """The layout a Dataset's `info.description` carries (None when it carries none); Damaged when it is not
+        what `note` writes."""
+        import json
+
+        if not isinstance(text, str) or not text.startswith(LAYOUT_NOTE):
+            return None
+        if len(text) > MAX_LAYOUT_NOTE_BYTES:
+            raise Damaged("the layout note is longer than hsx writes")
+        try:
+            d = json.loads(text[len(LAYOUT_NOTE):])
+        except ValueError:
+            raise Damaged("the layout note is not JSON") from None
+        _check(d, {k: _OUTPUT_CHECKS[k] for k in ("layers", "num_model_layers", "hidden_size", "storage_dtype")})
+        if max(d["layers"]) >= d["num_model_layers"]:
+            raise Damaged(f"layers {d['layers']} do not fit a model of {d['num_model_layers']} layers")
+        return cls(list(d["layers"]), d["num_model_layers"], d["hidden_size"], d["storage_dtype"])
+
+
 # ---- JSON records of an output dir --------------------------------------------------------------------------------
 
 class Damaged(ValueError):

@@ -82,8 +82,11 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
         raise UsageError(f"--host {host} is reachable from other machines: give a token (--token-file PATH or "
                          f"${TOKEN_ENV}); only a loopback bind (127.0.0.1) may go without one")
     root = Path(out_dir)
-    if not root.is_dir():
+    if root.exists() and not root.is_dir():
         raise HsxError(f"{root} is not a folder (hsx serve serves an hsx output dir, being written or finished)")
+    if not root.exists():  # started beside `hsx extract` (in either order): served as it is created, as follow reads
+        log(f"hsx serve: {root} does not exist yet; its units are served as `hsx extract --output-dir {root}` "
+            "creates and commits them", flush=True)
     src = LocalSource(root, write=True)
     if consumers:
         from hsx.ledgers import declare_consumers

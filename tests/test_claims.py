@@ -79,12 +79,55 @@ def test_a_unit_committed_by_a_live_or_finished_process_is_never_claimed_again()
     assert sorted(rest + [first, second]) == sorted(UNITS)
     a._idle(True)  # a waits at its end: its units are final while its heartbeat moves
     assert b.take() is None and not b.lost_owners
-    a.finish()  # finished: its dir keeps its units
+    a.finish()  # finished while b ran: its dir keeps its units, for b
     time.sleep(2 * LEASE)
-    c = claims(s)
-    assert c.take() is None and not c.lost_owners
+    assert b.take() is None and not b.lost_owners
     b.finish()
-    c.finish()
+
+
+def test_a_done_mark_counts_only_while_a_dir_that_holds_the_unit_answers_for_it():
+    """A rerun into new or emptied dirs while the job's store lives: the marks of processes that ended before it
+    started answered for units no dir held any more, and the rerun exited 0 holding none of them. Such marks are
+    redone, unless a live process's dir holds the units (it adopts them, within a lease of the others' start)."""
+    s = store()
+    old = [claims(s), claims(s)]
+    firsts: list[list[str]] = [[], []]
+    for k in range(len(UNITS)):  # the two share the job
+        name = old[k % 2].take(block=False)
+        old[k % 2].committed(name)
+        firsts[k % 2].append(name)
+    ends = [threading.Thread(target=c.take) for c in old]  # each at its end, waiting for the other's
+    for t in ends:
+        t.start()
+    for t in ends:
+        t.join(timeout=30)
+    assert sorted(firsts[0] + firsts[1]) == sorted(UNITS) and firsts[1]
+    for c in old:
+        c.finish()  # the job ended; then its dirs were emptied (or new ones given)
+    kept = claims(s)  # a rerun on a dir that still holds old[0]'s units, and one on an empty dir
+    kept.adopt(firsts[0])
+    kept._idle(True)  # (nothing else it would claim first: the rest is the other's to redo)
+    empty = claims(s)
+    redone = drain(empty)
+    assert sorted(redone) == sorted(firsts[1])  # no live dir holds old[1]'s: redone; kept's answer for the rest
+    assert not empty.lost_owners
+    kept.finish()
+    empty.finish()
+
+
+def test_a_process_of_another_job_is_refused_while_that_job_runs_and_takes_over_an_ended_one():
+    """A node joining with another plan (other --layers or --unit-tokens: another job) ran a whole job of its own
+    beside the running one on the same store. It is refused while that job's heartbeats move; once they stop for a
+    lease, the store serves the new job."""
+    s = store()
+    running = claims(s)
+    with pytest.raises(HsxError, match="serves another job, still running"):
+        Claims(s, "other-job", UNITS, lease=LEASE, poll=0.02)
+    running.finish()
+    time.sleep(LEASE / 2)
+    other = Claims(s, "other-job", UNITS, lease=LEASE, poll=0.02)  # the first job ended: taken over
+    assert sorted(drain(other)) == sorted(UNITS)
+    other.finish()
 
 
 def test_no_process_ends_while_another_at_work_may_yet_be_lost():
@@ -162,3 +205,50 @@ def test_an_endpoint_where_nothing_listens_is_one_error_at_once_not_minutes_of_r
         with pytest.raises(HsxError, match="connection refused.*no torchrun agent"):
             connect(f"127.0.0.1:{port}")
     assert time.monotonic() - t0 < 10  # (TCPStore alone retried a refused connection for ~150 s)
+
+
+def test_a_lost_worker_whose_agent_restarted_it_is_no_lost_node():
+    """A worker-only kill was reported as "lost the node(s) of agent ..." (and the launch asked to re-form) while
+    that agent was alive and restarting its workers. A lost process's agent is a lost node only while no newer
+    worker of that agent came to the store."""
+    s = store()
+    a = claims(s, launch=("run", "host-a-1"))
+    b = claims(s, launch=("run", "host-b-2"))
+    held = a.take()
+    a.stopping.set()  # a's worker is killed
+    a._thread.join()
+    assert held in drain(b) and b.lost_owners == {a.owner}
+    assert b.lost_agents() == ["host-a-1"]  # no sign of its agent: the node is lost
+    again = claims(s, launch=("run", "host-a-1"))  # its agent restarted its workers
+    assert b.lost_agents() == []
+    again.finish()
+    b.finish()
+
+
+def test_an_elastic_launch_without_elastic_says_what_it_does_and_an_empty_address_is_refused(tmp_path):
+    """`torchrun --nnodes 1:2 ... -m hsx extract` without --elastic split the units once, and a lost node left the
+    others at their share, with no word that --elastic exists: such a launch says so in one line at its start. torchrun
+    tells its workers nothing of --nnodes: the agent's command line (the worker's parent) is read. `--elastic ''` ran
+    as a plain job: exit 2."""
+    import subprocess
+    import sys
+
+    from helpers import assert_one_error_line, child_env, hsx_main
+
+    code = "from hsx.run import elastic_note; print(elastic_note())"
+    for nnodes, says in (("1:2", True), ("2", False), ("2:2", False)):
+        # a parent whose command line holds the option, as torchrun's agent's does (`; true`: sh does not exec)
+        done = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{code}"; true', "torchrun", "--nnodes", nnodes],
+                              capture_output=True, text=True, timeout=120,
+                              env=child_env(TORCHELASTIC_RUN_ID="job-1"))
+        assert done.returncode == 0, done.stderr
+        line = done.stdout.strip()
+        assert ("--elastic HOST:PORT" in line and f"--nnodes {nnodes}" in line) if says else line == "None", line
+    from hsx.run import elastic_note
+
+    assert elastic_note({"PET_NNODES": "1:4"}) is None  # not under torchrun
+    assert "--nnodes 1:4" in elastic_note({"PET_NNODES": "1:4", "TORCHELASTIC_RUN_ID": "x"})
+    rc, _, err = hsx_main(["extract", "--model", "m", "--dataset", "d", "--layers", "1", "--output-dir",
+                           str(tmp_path / "o"), "--elastic", ""])
+    assert_one_error_line(rc, err, "--elastic ''")
+    assert rc == 2 and not (tmp_path / "o").exists()

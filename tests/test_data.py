@@ -1008,3 +1008,52 @@ def test_a_slow_tokenizer_still_tokenizes_text_rows(tmp_path):
     rows = data.tokenize(inputs.load_input(cfg), slow_tokenizer(PLAIN), cfg, str(tmp_path / "t.arrow"),
                          fingerprint="test-slow-text")
     assert rows[0]["input_ids"] == [6, 9, 7] and rows[0]["loss_mask"] == [1, 1, 1]
+
+
+def test_rows_of_another_format_in_a_mixed_file_are_skipped_under_a_reason_that_says_so(tokenizer, tmp_path):
+    """A JSONL file mixing `messages` rows and `text` (or `input_ids`) rows: datasets gives every row every column, hsx
+    reads the first format (messages), and the other rows came out as `missing_value`, a reason named nowhere.
+    They are `mixed_input_formats`; a row that is null in every format column stays `missing_value`."""
+    import datasets
+
+    path = tmp_path / "mixed.jsonl"
+    write_jsonl(path, [{"messages": HAND_CONVERSATION}, {"text": "plain text, another format"},
+                       {"input_ids": [1, 2, 3]}, {"messages": None}])
+    ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    fmt = data.row_format(ds.column_names)
+    assert fmt == "input_ids"  # (the first format its columns have)
+    batch = ds.to_dict()
+    fmt = "messages"  # as a file without input_ids rows would be read
+    del batch["input_ids"]
+    out = data.tokenize_batch(batch, list(range(len(ds))), tokenizer, fmt, 4096, {})
+    assert out["skip_reason"] == ["", "mixed_input_formats", "missing_value", "missing_value"]
+    out = data.tokenize_batch(ds.to_dict(), list(range(len(ds))), tokenizer, "input_ids", 4096, {})
+    assert out["skip_reason"] == ["mixed_input_formats", "mixed_input_formats", "", "missing_value"]
+
+
+def test_every_skip_reason_is_documented_and_every_documented_one_is_hsxs():
+    """docs/inputs.md's table of skip reasons is hsx.schema.SKIP_REASONS, both ways; the reasons the tokenizer
+    gives its bad rows are all in it."""
+    import re
+    from pathlib import Path
+
+    from hsx.schema import SKIP_REASONS
+
+    text = (Path(__file__).parent.parent / "docs" / "inputs.md").read_text()
+    table = text[text.index("## Skipped rows"):]
+    table = table[:table.index("\n## ")]
+    assert re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M) == list(SKIP_REASONS)
+    given = {data.prompt_completion_conversation(p, c, answer)[1]
+             for p, c, answer in (("hi", None, "response"), ("hi", None, "completion"), (None, "x", "completion"))}
+    user = {"role": "user", "content": "hi"}
+    for raw in ([], None, "not json", [1], [{"content": "x"}], [{"role": "user"}], [user],
+                [user, {"role": "assistant", "content": None}],
+                [user, {"role": "assistant", "content": "x", "tool_calls": "nope"}],
+                [user, {"from": "function_call", "value": "nope"}],
+                [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "x"}],
+                [{"role": "user", "content": [IMAGE]}, {"role": "assistant", "content": "x"}]):
+        given.add(data.normalize_conversation(raw)[1])
+    for ids, mask in ((None, None), ("x", None), ([], None), ([1.0], None), ([1], [2]), ([1, 2], [1])):
+        given.add(data.pretokenized_problem(ids, mask))
+    given -= {""}
+    assert len(given) >= 17 and given <= set(SKIP_REASONS), given - set(SKIP_REASONS)

@@ -153,3 +153,41 @@ def test_a_forged_exported_ledger_prints_no_second_line(finished_copy, tmp_path)
     with pytest.raises(HsxError) as e:
         hsx.load(finished_copy)
     assert "\n" not in str(e.value) and "exported and then deleted" in str(e.value)
+
+
+def test_an_export_suggests_layers_the_model_has_and_a_wrong_layer_argument_exits_2(tmp_path, model4,
+                                                                                    small_chat_path, finished):
+    """export-speculators on an output without the last decoder layer suggested `--layers 1 17 32 -1` (a 36-layer
+    model's) whatever the model: the demo's extract then refused layer 17 with exit 1. The suggestion is the
+    output's own layers plus -1, which its model has; a layer the model lacks, or one an export cannot find stored,
+    is a wrong argument: exit 2."""
+    import re
+
+    from helpers import assert_one_error_line, fault_argv
+
+    out = tmp_path / "out"
+    argv = fault_argv(model4.path, small_chat_path, out)
+    argv[argv.index("--layers") + 1: argv.index("--layers") + 3] = ["0", "1"]  # not layer 3, the last of 4
+    rc, _, err = hsx_main(argv)
+    assert rc == 0, err
+    rc, _, err = hsx_main(["export-speculators", str(out), str(tmp_path / "dest")])
+    line = assert_one_error_line(rc, err, "verifier state")
+    suggested = re.search(r"--layers ([-0-9 ]+)\)", line).group(1).split()
+    assert suggested == ["0", "1", "-1"], line
+    again = list(argv)
+    again[again.index("--layers") + 1: again.index("--layers") + 3] = suggested
+    again[again.index("--output-dir") + 1] = str(tmp_path / "again")
+    rc, _, err = hsx_main(again)  # the suggestion runs on this model
+    assert rc == 0, err
+    rc, _, err = hsx_main(["export-speculators", str(tmp_path / "again"), str(tmp_path / "dest")])
+    assert rc == 0, err
+    bad = list(argv)
+    bad[bad.index("--layers") + 1: bad.index("--layers") + 3] = ["1", "17"]
+    rc, _, err = hsx_main(bad)
+    assert_one_error_line(rc, err, "out of range for a model with 4 layers")
+    assert rc == 2
+    for command in (["export-speculators", str(finished), str(tmp_path / "d1"), "--layers", "2"],
+                    ["export-specforge", str(finished), str(tmp_path / "d2"), "--layout", "dflash", "--layers", "2"]):
+        rc, _, err = hsx_main(command)
+        assert_one_error_line(rc, err, "layer 2 is not in this output")
+        assert rc == 2

@@ -356,3 +356,13 @@ def test_an_output_dir_or_dest_that_cannot_be_made_is_one_line(tmp_path, finishe
     rc, _, err = hsx_main(["export-specforge", "--layout", "dflash", str(finished), str(afile / "dest")])
     assert rc == 1 and "cannot create" in the_error_line(err)
     assert afile.read_text() == ""
+
+
+def test_no_usable_temporary_directory_is_one_line(tmp_path, finished):
+    """`ulimit -f 0; hsx merge ...` ended in a 47-line traceback: `import datasets` (through dill) asks for a
+    temporary directory, and a file size limit of 0 leaves Python none it can write to. One line, exit 1, saying
+    why, before anything is written."""
+    out = tmp_path / "merged"
+    rc, err = hsx_limited(["merge", str(out), str(finished)], 0)
+    line = assert_one_error_line(rc, err, "no usable temporary directory", "ulimit -f")
+    assert rc == 1 and not out.exists(), line

@@ -212,7 +212,7 @@ def test_runs_instead_says_what_runs_on_cpu():
 
 
 def test_fp8_shapes_plan_with_one_byte_weights_and_the_fp8_rate():
-    from hsx.cost import GPUS, HUB_SHAPES, is_fp8, job_plan, shape_config, weight_bytes
+    from hsx.cost import HUB_SHAPES, MEASURED_MATMUL, is_fp8, job_plan, shape_config, weight_bytes
 
     c8, c = shape_config("qwen3-8b-fp8"), shape_config("qwen3-8b")
     assert is_fp8(c8) and not is_fp8(c)
@@ -221,7 +221,7 @@ def test_fp8_shapes_plan_with_one_byte_weights_and_the_fp8_rate():
     assert weight_bytes(c8, 36) - 2 * c.vocab_size * c.hidden_size == layers_bf16 // 2
     assert HUB_SHAPES["Qwen/Qwen3.6-27B-FP8"] == "qwen3.6-27b-fp8"
     p = job_plan(None, {"model": "Qwen/Qwen3.6-27B-FP8", "layers": "dflash"}, tokens=10**9)
-    assert f"{GPUS['h200']['fp8_matmul_tflops']:.0f} TFLOP/s" in p["rate_source"]
+    assert f"{MEASURED_MATMUL['fp8_matmul_tflops']:.0f} TFLOP/s" in p["rate_source"]
     with pytest.raises(HsxError):
         shape_config("nope-fp8")
 

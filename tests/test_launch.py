@@ -31,8 +31,8 @@ from helpers import (
 
 
 def hsx_launch(argv: list[str], processes: int = 2) -> list[str]:
-    return [sys.executable, "-m", "hsx", "launch", *(["--multi_gpu"] if processes > 1 else []), "--num_processes",
-            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    """The launch command as a user types it: no --multi_gpu on this CPU machine (hsx launch starts every process)."""
+    return [sys.executable, "-m", "hsx", "launch", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), *argv]
 
 
@@ -193,6 +193,29 @@ def test_a_launch_passes_the_values_accelerate_would_warn_it_defaulted(caplog, t
         with caplog.at_level(logging.WARNING):
             _validate_launch_command(args)
         assert "were not passed" not in caplog.text, caplog.text
+
+
+def test_several_processes_without_a_gpu_start_several_processes(tmp_path, monkeypatch):
+    """accelerate runs `--num_processes 2` without GPUs and without --multi_gpu as ONE process (its plain
+    launcher), silently: hsx launch takes torch's launcher for it (every rank on the CPU), and refuses --cpu, which
+    accelerate can run as several processes only through mpirun, in one line."""
+    from hsx.cli import build_parser
+    from hsx.errors import UsageError
+    from hsx.launch import parse
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no accelerate default config file
+    monkeypatch.setenv("ACCELERATE_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    argv = ["extract", "--config", "recipes/demo.yaml", "--output-dir", str(tmp_path / "o")]
+    assert parse(["--num_processes", "2", *argv], build_parser()).multi_gpu
+    assert not parse(["--num_processes", "1", *argv], build_parser()).multi_gpu
+    config = tmp_path / "two.yaml"
+    config.write_text("distributed_type: 'NO'\nnum_processes: 2\n")
+    assert parse(["--config_file", str(config), *argv], build_parser()).multi_gpu
+    with pytest.raises(UsageError, match="--num_processes 2 with --cpu: .*drop --cpu"):
+        parse(["--cpu", "--num_processes", "2", *argv], build_parser())
+    config.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")  # its own launcher: accelerate's choice
+    assert not parse(["--config_file", str(config), *argv], build_parser()).multi_gpu
 
 
 from helpers import LONG_DIGITS, the_error_line  # noqa: E402

@@ -108,8 +108,11 @@ def test_layer_subsets_are_views_when_evenly_spaced(out, meta):
 def test_layer_errors(out, meta):
     with pytest.raises(ValueError, match=r"layer 2 is not in this output; its layers are \[0, 1, 3\]"):
         hsx.load(str(out), layers=[2])
+    from datasets import Dataset
+
+    bare = Dataset.from_file(str(next((out / "data").glob("train-*.arrow"))))  # no hsx.json, no layout note
     with pytest.raises(ValueError, match="needs|pass the output dir"):
-        torch_view(hsx.load(str(out)), layers=[1])  # a bare Dataset does not know the model layer indices
+        torch_view(bare, layers=[1])  # a bare Dataset does not know the model layer indices
     assert layer_positions([1, 4, 7], [-1, 1], num_model_layers=8) == [2, 0]
     with pytest.raises(FileNotFoundError):
         hsx.load(str(out / "missing"))
@@ -117,6 +120,41 @@ def test_layer_errors(out, meta):
         hsx.load(str(out), split="test")
     with pytest.raises(ValueError, match="revision"):
         hsx.load(str(out), revision="v1")
+
+
+def test_a_dataset_of_an_output_without_the_final_norm_state_gives_the_dirs_shapes(tmp_path, model4,
+                                                                                   small_chat_path):
+    """Without the final-norm state a Dataset's features give only hidden_states' width (layers x hidden): torch_view
+    of hsx.load's Dataset must still give (T, layers, hidden) as torch_view of the dir does (hsx.load notes the
+    layout in the Dataset's info), and a Dataset that cannot tell is refused in one line, never read as
+    (T, 1, layers x hidden)."""
+    from datasets import load_dataset
+
+    out = tmp_path / "out"
+    run_extract(out, model=str(model4.path), dataset=str(small_chat_path), layers=["0", "1", "3"],
+                final_hidden=False)
+    want = torch_view(str(out))
+    assert want[0]["hidden_states"].shape[1:] == (3, 64)
+    ds = hsx.load(str(out))
+    for got in (torch_view(ds), torch_view(ds.shuffle(seed=1).sort("sample_id"))):
+        by_id = {want[i]["sample_id"]: want[i]["hidden_states"] for i in range(len(want))}
+        assert len(got) == len(want)
+        for i in range(len(got)):
+            assert torch.equal(bits(got[i]["hidden_states"]), bits(by_id[got[i]["sample_id"]]))
+    assert torch.equal(bits(torch_view(ds, layers=[3])[0]["hidden_states"]), bits(want[0]["hidden_states"][:, 2:]))
+    streamed = next(iter(torch_stream(hsx.load(str(out), streaming=True))))
+    assert streamed["hidden_states"].shape == want[0]["hidden_states"].shape
+    files = sorted(str(f) for f in (out / "data").glob("train-*.arrow"))
+    plain = load_dataset("arrow", data_files=files, split="train")  # no hsx.json beside, no note: cannot tell
+    with pytest.raises(ValueError, match="cannot tell how the 192 values a token of hidden_states split") as e:
+        torch_view(plain)
+    assert "\n" not in str(e.value)
+    for view in (torch_view(plain, meta=hsx.read_info(out)), torch_view(plain, hidden_size=64)):
+        assert view[0]["hidden_states"].shape[1:] == (3, 64)
+    with pytest.raises(ValueError, match="does not divide"):
+        torch_view(plain, hidden_size=50)
+    with pytest.raises(ValueError, match="another output"):
+        torch_view(plain, meta={**json.loads((out / "hsx.json").read_text()), "layers": [0, 1]})
 
 
 def test_local_streaming(out, table):

@@ -135,11 +135,43 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
     rc, _, err = hsx_main(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "0"])
     assert_one_error_line(rc, err, "give a token")
     assert rc == 2
-    rc, _, err = hsx_main(["serve", str(tmp_path / "missing"), "--port", "0"])
+    (tmp_path / "a-file").write_text("")
+    rc, _, err = hsx_main(["serve", str(tmp_path / "a-file"), "--port", "0"])
     assert_one_error_line(rc, err, "is not a folder")
     (tmp_path / "tok").write_text("short\n")
     rc, _, err = hsx_main(["serve", str(tmp_path), "--token-file", str(tmp_path / "tok")])
     assert_one_error_line(rc, err, "at least 16")
+
+
+def test_serve_started_before_the_output_exists_serves_it_once_created(tmp_path, fault_reference):
+    """docs/follow.md starts `hsx serve OUT` beside a new `hsx extract --output-dir OUT`: OUT may not exist yet when
+    the server starts. It must serve OUT once created (not exit, leaving the extractor waiting for a reader)."""
+    import threading
+
+    from hsx.serve import make_server
+
+    out, said = tmp_path / "out", []
+    server = make_server(out, "127.0.0.1", 0, None, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    threading.Thread(target=server.serve, daemon=True).start()
+    try:
+        assert any("does not exist yet" in line for line in said), said
+        reader = hsx.follow(server.location, rows="dict", commit="manual", poll_seconds=0.05, timeout=60)
+        got, started = [], threading.Event()
+
+        def read():
+            started.set()
+            got.extend(reader)
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        started.wait()
+        shutil.copytree(fault_reference.out, tmp_path / "staged")
+        (tmp_path / "staged").rename(out)  # the extractor creates OUT and commits (here: all at once)
+        t.join(timeout=120)
+        assert not t.is_alive()
+    finally:
+        server.shutdown()
+    assert got == list(hsx.follow(fault_reference.out, rows="dict", commit="manual"))
 
 
 # ---- the bar: extractor, server and a consumer that sees only grpc://, SIGKILLs of each ------------------------
