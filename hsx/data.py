@@ -247,6 +247,9 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
         if good:
             max_chars = render.render_char_limit(max_length)
             rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars, prompt_turns)
+            if "generated" in batch and fmt == "messages":  # a row hsx regenerate wrote: the engine's own ids
+                rows = [loss_masks.generated_supervision(tokenizer, row, conv, batch["generated"][r])
+                        for r, row, conv in zip(good, rows, convs)]
             for r, row in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row
         if plain:
@@ -305,7 +308,7 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     return ""
 
 
-def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str, Any]], str]:
+def normalize_conversation(raw: Any, system: Any = None, need_answer: bool = True) -> tuple[list[dict[str, Any]], str]:
     """A list of messages the template can take ({role, content} plus every other key a message has:
     reasoning_content, thinking, tool_calls, name, tool_call_id, ...), or a skip reason that says what is wrong.
 
@@ -315,7 +318,8 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     OpenAI content-part lists become their text (message_text); a ShareGPT `function_call` turn becomes an
     assistant message with `tool_calls`. `system` (a row's `system` column) is the system prompt of a
     conversation that has none of its own, neither a system nor a developer message first (as LLaMA-Factory reads
-    that column)."""
+    that column). `need_answer` False: a conversation without an assistant turn is fine (a prompt to answer:
+    hsx.regenerate)."""
     if raw is None:
         return [], "missing_value"
     if isinstance(raw, str):  # a CSV cell (CSV holds no lists), or an export that wrote the list as JSON text
@@ -355,7 +359,7 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
         if content is None and not (role == "assistant" and msg.get("tool_calls")):
             return [], "null_content"
         conv.append({"role": role, "content": content, **msg})
-    if not any(m["role"] == "assistant" for m in conv):
+    if need_answer and not any(m["role"] == "assistant" for m in conv):
         return [], "no_assistant_turn"
     if isinstance(system, str) and system and conv[0]["role"] not in ("system", "developer"):
         conv.insert(0, {"role": "system", "content": system})
