@@ -47,7 +47,7 @@ def extract(args: argparse.Namespace) -> None:
 
 def regenerate(args: argparse.Namespace) -> None:
     from hsx.config import REGENERATE_KEYS, load_regenerate_config
-    from hsx.regenerate import regenerate as run_regenerate
+    from hsx.regeneration import regenerate as run_regenerate
 
     overrides = {k: getattr(args, k) for k in REGENERATE_KEYS.fields if getattr(args, k, None) is not None}
     run_regenerate(load_regenerate_config(args.config, overrides))

@@ -294,7 +294,7 @@ class ServerPool:
     def _post(self, s: Server, messages: list[dict], tools: list | None, seed: int) -> Answer:
         body = self._body(s, messages, tools, seed)
         status, data = self._exchange(s, json.dumps(body, ensure_ascii=False).encode())
-        if status in (400, 422) and s.token_ids and b"return_token_ids" in data:
+        if status in (400, 422) and "return_token_ids" in body and b"return_token_ids" in data:
             s.token_ids = False  # a strict server (`transformers serve`): ask without it, tokenize what it says
             body.pop("return_token_ids")
             status, data = self._exchange(s, json.dumps(body, ensure_ascii=False).encode())
@@ -322,20 +322,24 @@ class ServerPool:
                 while True:
                     if time.monotonic() > deadline:
                         raise TimeoutError("the answer did not finish in time")
-                    chunk = response.read1(1 << 16) if hasattr(response, "read1") else response.read(1 << 16)
+                    chunk = response.read(1 << 16)  # (read, not read1: it frees the connection at the end)
                     if not chunk:
                         break
                     size += len(chunk)
                     if size > limit:
                         raise AnswerError("response_too_large", f"{s.url} sent over {limit:,} bytes for one answer")
                     chunks.append(chunk)
+                if response.length:  # the connection ended before the body it announced: cut mid-answer
+                    raise AnswerError("truncated_response", f"{s.url} closed the connection {response.length:,} "
+                                      "bytes before the end of its answer", unreachable=True)
                 if response.will_close:
                     self._drop_connection(s)
                 return response.status, b"".join(chunks)
             except AnswerError:
                 self._drop_connection(s)
                 raise
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+            except (http.client.RemoteDisconnected, http.client.ImproperConnectionState, BrokenPipeError,
+                    ConnectionResetError) as e:
                 self._drop_connection(s)
                 if fresh:
                     raise AnswerError("server_unreachable", f"{s.url}: {type(e).__name__}", unreachable=True) from None
@@ -359,8 +363,7 @@ class ServerPool:
             raise AnswerError("malformed_response", f"{s.url} sent no choice with a message")
         served = doc.get("model")
         if isinstance(served, str) and served and served != self.model_name:
-            raise AnswerError("wrong_model", f"{s.url} answered as model {served[:80]!r}, not {self.model_name!r}",
-                              retry=False)
+            raise AnswerError("wrong_model", f"{s.url} answered as model {served[:80]!r}, not {self.model_name!r}")
         content = message.get("content")
         reasoning = message.get("reasoning_content", message.get("reasoning"))
         calls = message.get("tool_calls") or None
