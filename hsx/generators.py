@@ -102,8 +102,8 @@ class ModelGenerator:
         cb = {"seed": sampling.seed}
         if model.device.type == "cpu":  # (its defaults size the cache from GPU memory)
             page = 64
-            cb.update(page_size=page, max_batch_tokens=2048, use_cuda_graph=False,
-                      num_blocks=max(16, concurrency * -(-min(sampling.max_new_tokens + 1024, 8192) // page)))
+            cb.update(page_size=page, max_batch_tokens=1024, use_cuda_graph=False,
+                      num_blocks=min(512, max(16, concurrency * -(-(sampling.max_new_tokens + 512) // page))))
         self._context = model.continuous_batching_context_manager(
             generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**cb), warmup=False,
             block=True, timeout=10)

@@ -337,3 +337,13 @@ def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(to
     assert got == [(i, s) for i in range(40) for s in range(2)]
     summary = state(out)
     assert summary["complete"] and summary["written"] == 80 and summary["conversations"] == 80
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes" / "regenerate").glob("*.yaml")), ids=lambda r: r.stem)
+def test_regenerate_recipes_parse_and_open_with_their_command(recipe):
+    from hsx.config import load_regenerate_config
+
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith(f"# hsx regenerate --config recipes/regenerate/{recipe.name} ")
+    cfg = load_regenerate_config(str(recipe), {"output_dir": "out/x", "dataset": "d.jsonl"})
+    assert cfg.model
