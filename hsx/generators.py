@@ -150,8 +150,10 @@ class ModelGenerator:
         if not box:
             raise AnswerError("engine_stopped", "the continuous batching engine stopped", retry=False,
                               unreachable=True)
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
         result = box[0]
-        if result.error is not None or int(result.status) != 4 - 1:  # (RequestStatus.FINISHED)
+        if result.error is not None or result.status != RequestStatus.FINISHED:
             raise AnswerError("engine_error", f"generation failed: {str(result.error)[:200]}", retry=False)
         ids = [int(t) for t in result.generated_tokens]
         stop = bool(ids) and ids[-1] in self.eos

@@ -7,7 +7,7 @@ length). "no_ids" refuses `return_token_ids` with HTTP 422 as `transformers serv
 "reasoning" adds a reasoning_content. The other behaviours are hostile (HOSTILE): each answer is wrong in one way.
 
     python tests/fake_openai.py serve --port 8011 --tokenizer hsx/demo/tiny-qwen3 [--delay 0.02]
-    python tests/fake_openai.py bench --port 8011 --tokenizer hsx/demo/tiny-qwen3 --dataset D --concurrency 16
+    python tests/fake_openai.py bench --port 8011 --dataset PROMPTS.jsonl --concurrency 16
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _bench(args) -> None:
     """answers/s of a plain concurrent client (threads, one kept-alive connection each, no checks) over the
-    dataset's prompts, against the server at --port: the baseline `hsx regenerate` is compared with."""
+    dataset's `prompt` rows, against the server at --port: the baseline `hsx regenerate` is compared with."""
     import http.client
     from concurrent.futures import ThreadPoolExecutor
 
@@ -168,12 +168,14 @@ def _bench(args) -> None:
     def ask(row: dict) -> int:
         conn = getattr(local, "conn", None) or http.client.HTTPConnection("127.0.0.1", args.port)
         local.conn = conn
-        body = {"model": "fake", "messages": row["messages"][:1], "max_tokens": 2048, "temperature": 0.0,
-                "top_p": 1.0, "seed": 0, "stream": False, "return_token_ids": True}
+        body = {"model": args.model, "messages": [{"role": "user", "content": row["prompt"]}],
+                "max_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stream": False}
+        if not args.no_token_ids:
+            body["return_token_ids"] = True
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type":
                                                                                       "application/json"})
         doc = json.loads(conn.getresponse().read())
-        return len(doc["choices"][0]["token_ids"])
+        return doc["usage"]["completion_tokens"]
 
     start = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
@@ -195,6 +197,9 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--dataset")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--model", default="fake", help="bench: the model name the requests give")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--no-token-ids", action="store_true", help="bench: no return_token_ids (transformers serve)")
     args = p.parse_args()
     if args.mode == "bench":
         return _bench(args)

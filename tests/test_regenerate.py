@@ -347,3 +347,27 @@ def test_regenerate_recipes_parse_and_open_with_their_command(recipe):
     assert first.startswith(f"# hsx regenerate --config recipes/regenerate/{recipe.name} ")
     cfg = load_regenerate_config(str(recipe), {"output_dir": "out/x", "dataset": "d.jsonl"})
     assert cfg.model
+
+
+def test_a_server_that_dies_mid_job_leaves_the_others_to_finish(tokenizer, tmp_path):
+    """Of two servers, one shuts down (its port closed) after a few answers: its requests in flight and after are
+    asked of the other, and every conversation is written once."""
+    import threading
+    import time
+
+    data = write_jsonl(tmp_path / "in.jsonl", chats(24))
+    with FakeServer(tokenizer, delay=0.01) as survivor:
+        doomed = FakeServer(tokenizer, delay=0.01).start()
+
+        def kill_after_a_few():
+            while len(doomed.requests) < 5:
+                time.sleep(0.005)
+            doomed.behaviour = "die"  # connections kept alive are cut too, not served on
+            doomed.stop()
+
+        killer = threading.Thread(target=kill_after_a_few)
+        killer.start()
+        summary = run_against([doomed.url, survivor.url], data, tmp_path / "out", retries=4)
+        killer.join()
+    assert summary["written"] == 24 and summary["errors"] == {}
+    assert sorted(r["source_row"] for r in written_rows(tmp_path / "out")) == list(range(24))
