@@ -208,8 +208,9 @@ def parse_servers(spec: str) -> list[Server]:
 @dataclass
 class ServerPool:
     """OpenAI-compatible chat servers: each request goes to the least loaded server that is up, at most
-    `concurrency` at a time each; a failure puts that server down for a while (1 s, doubling per consecutive
-    failure, up to a minute) and the request is asked again elsewhere after a backoff, `retries` times."""
+    `concurrency` at a time each; a failed request is asked again elsewhere after a backoff, `retries` times, and a
+    server that did not answer (or answered 429/5xx) is left alone for a while (1 s, doubling per consecutive
+    failure, up to a minute)."""
     servers: list[Server]
     model_name: str
     tokenizer: Any
@@ -236,14 +237,18 @@ class ServerPool:
                 soonest = min((s.down_until for s in self.servers if s.down_until > now), default=now + 0.5)
                 self._cond.wait(timeout=max(0.01, min(soonest - now, 0.5)))
 
-    def _release(self, s: Server, ok: bool) -> None:
+    def _release(self, s: Server, error: AnswerError | None = None) -> None:
+        """A server that answered wrongly stays up (the next answer may be right); one that did not answer, or
+        said it is overloaded or broken (HTTP 429, 5xx), is left alone for a while."""
         with self._cond:
             s.in_flight -= 1
-            if ok:
+            if error is None:
                 s.failures, s.answered = 0, s.answered + 1
             else:
-                s.failures, s.errors = s.failures + 1, s.errors + 1
-                s.down_until = time.monotonic() + min(60.0, 2.0 ** (s.failures - 1))
+                s.errors += 1
+                if error.unreachable or error.reason == "server_error":
+                    s.failures += 1
+                    s.down_until = time.monotonic() + min(60.0, 2.0 ** (s.failures - 1))
             self._cond.notify_all()
 
     def ask(self, messages: list[dict], tools: list | None, seed: int) -> Answer:
@@ -256,12 +261,12 @@ class ServerPool:
             try:
                 answer = self._post(s, messages, tools, seed)
             except AnswerError as e:
-                self._release(s, ok=False)
+                self._release(s, e)
                 last, avoid = e, s
                 if not e.retry:
                     raise
                 continue
-            self._release(s, ok=True)
+            self._release(s)
             return answer
         assert last is not None
         raise AnswerError(last.reason, f"{last} (after {self.retries + 1} attempts)", unreachable=last.unreachable)
@@ -324,7 +329,9 @@ class ServerPool:
                 while True:
                     if time.monotonic() > deadline:
                         raise TimeoutError("the answer did not finish in time")
-                    chunk = response.read(1 << 16)  # (read, not read1: it frees the connection at the end)
+                    # read1: what one receive brings (read would wait for all 64 KiB, and a server sending a
+                    # byte at a time would hold it past the deadline)
+                    chunk = response.read1(1 << 16) if response.length != 0 else b""
                     if not chunk:
                         break
                     size += len(chunk)
@@ -334,6 +341,7 @@ class ServerPool:
                 if response.length:  # the connection ended before the body it announced: cut mid-answer
                     raise AnswerError("truncated_response", f"{s.url} closed the connection {response.length:,} "
                                       "bytes before the end of its answer", unreachable=True)
+                response.read()  # (the body is all read: this marks it so, freeing the connection for the next)
                 if response.will_close:
                     self._drop_connection(s)
                 return response.status, b"".join(chunks)

@@ -369,10 +369,11 @@ def _run_units(cfg, ds, fmt, tokenizer, sampling, out: RegenDir, mine: list[int]
                     break
                 unit, futures = pending.popleft()
                 outcomes = [f.result() for f in futures]
-                if any(o.unreachable for o in outcomes) and not any(o.row or o.skipped for o in outcomes):
-                    first = next(o.error[1] for o in outcomes if o.unreachable)
-                    raise HsxError(f"no server answered any conversation of unit {unit} ({first}); nothing of it "
-                                   "was committed: rerun the same command to continue")
+                lost = next((o for o in outcomes if o.unreachable), None)
+                if lost is not None:  # a server gone, not an answer wrong: never recorded as the row's error
+                    raise HsxError(f"no server answered row {lost.source_row} (sample {lost.sample}): "
+                                   f"{lost.error[1]}; unit {unit} was not committed: rerun the same command once a "
+                                   "server answers")
                 out.commit(unit, count, outcomes)
             if stop.is_set() and queue:
                 raise stop.stopped(f"stopped after committing unit {unit} ({len(queue)} of this rank's units "

@@ -32,6 +32,7 @@ def answer_text(messages: list[dict], seed: int) -> str:
 
 class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # (stop() does not wait for a hostile handler's sleep)
     allow_reuse_address = True
 
     def __init__(self, tokenizer, behaviour: str = "good", model: str = "fake", delay: float = 0.0, port: int = 0):
@@ -66,19 +67,21 @@ class FakeServer(ThreadingHTTPServer):
 
     def good_answer(self, body: dict[str, Any]) -> dict[str, Any]:
         text = answer_text(body["messages"], body.get("seed", 0))
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eot]
+        thinking = "Thinking " + text.lower() if self.behaviour == "reasoning" else None
+        raw = f"<think>\n{thinking}\n</think>\n\n{text}" if thinking else text  # (what a reasoning model generates)
+        ids = self.tokenizer(raw, add_special_tokens=False)["input_ids"] + [self.eot]
         finish = "stop"
-        if len(ids) > body["max_tokens"]:
+        if len(ids) > body["max_tokens"] and not thinking:
             ids, finish = ids[: body["max_tokens"]], "length"
             text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        else:
+        elif not thinking:
             text = self.tokenizer.decode(ids[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "finish_reason": finish}
         if body.get("return_token_ids"):
             choice["token_ids"] = ids
-        if self.behaviour == "reasoning":
-            choice["message"]["reasoning_content"] = "Thinking " + text.lower()
+        if thinking:  # (vLLM's reasoning parser: the think block apart, the ids all that was generated)
+            choice["message"]["reasoning_content"] = thinking
         return {"id": "x", "object": "chat.completion", "model": body.get("model", self.model), "choices": [choice],
                 "usage": {"completion_tokens": len(ids)}}
 

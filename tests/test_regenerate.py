@@ -49,7 +49,8 @@ def extract_masks_are_generated(out: Path, tmp: Path) -> int:
         src = rows[r["sample_id"]]
         supervised = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
         generated = [t for g in src["generated"]
-                     for t in g["token_ids"] + (eot if g["token_ids_from"] == "tokenized" else [])]
+                     for t in g["token_ids"] + (eot if g["token_ids_from"] == "tokenized"
+                                                and g["finish_reason"] == "stop" else [])]
         assert supervised == generated, (r["sample_id"], supervised, generated)
     return len(ds)
 
@@ -188,8 +189,8 @@ def test_server_without_token_ids_is_tokenized_and_checked(tokenizer, tmp_path):
 def test_reasoning_kept_or_dropped_and_the_thinking_switch_reaches_the_server(tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", chats(2))
     with FakeServer(tokenizer, behaviour="reasoning") as s:
-        run_against([s.url], data, tmp_path / "keep", enable_thinking=False)
-        run_against([s.url], data, tmp_path / "drop", reasoning="drop", turns="last")
+        assert run_against([s.url], data, tmp_path / "keep", enable_thinking=False)["written"] == 2
+        assert run_against([s.url], data, tmp_path / "drop", reasoning="drop", turns="last")["written"] == 2
         assert all(q.get("chat_template_kwargs") in ({"enable_thinking": False}, None) for q in s.requests)
         assert any(q.get("chat_template_kwargs") == {"enable_thinking": False} for q in s.requests)
     kept = written_rows(tmp_path / "keep")
@@ -234,13 +235,14 @@ def test_each_hostile_answer_is_a_counted_error_and_the_job_goes_on(tokenizer, t
 @pytest.mark.parametrize("behaviour", ["hang", "die", "truncated", "trickle"])
 def test_a_server_that_hangs_or_dies_fails_the_unit_uncommitted(tokenizer, tmp_path, behaviour):
     """No server answering (one that hangs, trickles, closes the connection, or cuts its body): the job stops in one
-    line and commits nothing, so a rerun against a working server writes every conversation."""
+    line and commits nothing of that unit (a server gone is not the row's error), so a rerun against a working
+    server writes every conversation."""
     data = write_jsonl(tmp_path / "in.jsonl", chats(2))
     argv = ["regenerate", "--model", str(DEMO), "--dataset", str(data), "--output-dir", str(tmp_path / "out"),
             "--retries", "0", "--timeout", "1.5", "--unit-size", "2"]
     with FakeServer(tokenizer, behaviour=behaviour) as bad:
         rc, _, err = hsx_main([*argv, "--servers", bad.url])
-    assert rc == 1 and "no server answered" in err and "Traceback" not in err
+    assert rc == 1 and "no server answered row" in err and "was not committed" in err and "Traceback" not in err
     assert not list((tmp_path / "out" / ".hsx" / "regenerate").glob("unit-*.json"))
     with FakeServer(tokenizer) as good:
         rc, _, err = hsx_main([*argv, "--servers", good.url])
@@ -371,3 +373,75 @@ def test_a_server_that_dies_mid_job_leaves_the_others_to_finish(tokenizer, tmp_p
         killer.join()
     assert summary["written"] == 24 and summary["errors"] == {}
     assert sorted(r["source_row"] for r in written_rows(tmp_path / "out")) == list(range(24))
+
+
+def _serving_path() -> str | None:
+    """Where `transformers serve`'s FastAPI and Uvicorn are: this environment, or HSX_TEST_SERVING_PATH (a folder
+    `pip install --target` filled, kept off the test process's own path); None if neither has them."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("fastapi") and importlib.util.find_spec("uvicorn"):
+        return ""
+    extra = os.environ.get("HSX_TEST_SERVING_PATH", "")
+    return extra if extra and (Path(extra) / "fastapi").is_dir() and (Path(extra) / "uvicorn").is_dir() else None
+
+
+@pytest.mark.slow
+def test_a_real_transformers_serve_killed_mid_job_then_restarted(tmp_path):
+    """A real `transformers serve` (the demo model, continuous batching, CPU, loopback), started by the test, not by
+    hsx, SIGKILLed once hsx has committed a unit: hsx stops in one line (or has finished), and after the server is
+    back the same command writes every conversation exactly once; extract's masks cover exactly the answers' tokens
+    and the end of turn that stopped them (the server gives no token ids: they are tokenized)."""
+    import os
+    import time
+    import urllib.request
+
+    from helpers import Child, child_env, free_port
+
+    serving = _serving_path()
+    if serving is None:
+        pytest.skip("transformers[serving] (fastapi, uvicorn) is not installed (or set HSX_TEST_SERVING_PATH)")
+    port = free_port()
+    env = child_env(**({"PYTHONPATH": os.pathsep.join([child_env()["PYTHONPATH"], serving])} if serving else {}))
+
+    def start(logs: str) -> Child:
+        import sys
+
+        server = Child([sys.executable, "-m", "transformers.cli.transformers", "serve", "--port", str(port),
+                        "--device", "cpu", "--continuous-batching", "--cb-num-blocks", "128", "--cb-block-size",
+                        "64", str(DEMO)], tmp_path / logs, env=env)
+        end = time.monotonic() + 180
+        while time.monotonic() < end:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return server
+            except OSError:
+                assert server.proc.poll() is None, server.stderr[-2000:]
+                time.sleep(0.2)
+        raise AssertionError("transformers serve did not come up")
+
+    data = write_jsonl(tmp_path / "in.jsonl", chats(16))
+    out = tmp_path / "out"
+    argv = ["regenerate", "--model", str(DEMO), "--dataset", str(data), "--output-dir", str(out), "--servers",
+            f"http://127.0.0.1:{port}/v1", "--unit-size", "2", "--concurrency", "2", "--max-new-tokens", "24",
+            "--retries", "1", "--timeout", "30"]
+    server = start("serve1")
+    try:
+        job = hsx_child(argv, tmp_path / "job1")
+        records = out / ".hsx" / "regenerate"
+        job.poll_until(lambda: records.exists() and any(records.glob("unit-*.json")), timeout=180)
+        server.kill_tree(signal.SIGKILL)
+        server.wait()
+        rc = job.wait(240)
+        assert rc == 0 or "no server answered" in job.stderr, job.stderr[-2000:]
+        server = start("serve2")
+        rc, _, err = hsx_main(argv)
+        assert rc == 0, err
+    finally:
+        server.kill_tree(signal.SIGKILL)
+        server.wait()
+    got = sorted(r["source_row"] for r in written_rows(out))
+    assert got == list(range(16)) and state(out)["complete"]
+    assert {g["token_ids_from"] for r in written_rows(out) for g in r["generated"]} == {"tokenized"}
+    extract_masks_are_generated(out, tmp_path)
