@@ -386,6 +386,11 @@ class ServerPool:
             raise AnswerError("bad_finish_reason", f"{s.url} gave finish_reason {str(finish)[:40]!r}")
         if content is None and calls is None:
             raise AnswerError("malformed_response", f"{s.url} sent an answer without content")
+        try:  # (JSON's \ud800 escapes decode to text no file can hold)
+            json.dumps([content, reasoning, calls], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise AnswerError("malformed_response", f"{s.url} sent text that is not Unicode (a lone surrogate)") \
+                from None
         ids = choice.get("token_ids")
         if ids is not None:
             return Answer(content, finish, self._checked_ids(s, ids, content, reasoning, doc), "engine",

@@ -206,12 +206,24 @@ class RegenDir:
                 raise HsxError(f"{self.root} holds another regenerate job (differs in: {', '.join(keys)}); give "
                                "another --output-dir, the same options, or --overwrite")
             return
-        if self.root.is_dir() and any(self.root.iterdir()):
+        if self.root.is_dir() and not self._only_ours():
             raise HsxError(f"--output-dir {self.root} holds files hsx regenerate did not write; give an empty or new "
                            "folder")
         self.units.mkdir(parents=True, exist_ok=True)
         (self.root / "data").mkdir(exist_ok=True)
         files.atomic_write(self.state, json.dumps({"identity": identity, "complete": False}, indent=1) + "\n")
+
+    def _only_ours(self) -> bool:
+        """Whether the dir holds nothing but what a job starting here makes before its state file (another rank's
+        folders, a kill between them and the state file)."""
+        allowed = {STATE_DIR: {UNITS_DIR, STATE_FILE, files.atomic_tmp_name(STATE_FILE)}, "data": set()}
+        for entry in self.root.iterdir():
+            if entry.name not in allowed or not entry.is_dir() or entry.is_symlink():
+                return False
+            if any(inner.name not in allowed[entry.name] for inner in entry.iterdir()):
+                return False
+        units = self.units
+        return not units.is_dir() or not any(units.iterdir())
 
     def _clear(self) -> None:
         """--overwrite: what this job wrote (its data files and records), never anything else."""
@@ -331,6 +343,8 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict[str, Any]:
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1, low=1)
     if rank >= world:
         raise HsxError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    if cfg.overwrite and world > 1:  # (each rank would delete what the others had begun writing)
+        raise HsxError("--overwrite with several processes: run it in one process, or give a new --output-dir")
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
     ds = inputs.load_input(cfg)
     fmt = input_format(ds.column_names)

@@ -21,7 +21,7 @@ from typing import Any
 
 WORDS = ("garden", "river", "morning", "quiet", "seven", "books", "stone", "bright", "table", "over", "light", "soft")
 HOSTILE = ("hang", "huge", "malformed", "truncated", "out_of_vocab", "disagree", "http500", "die", "bad_finish",
-           "nested", "too_many_ids", "wrong_model", "no_choices", "trickle")
+           "nested", "too_many_ids", "wrong_model", "no_choices", "trickle", "surrogate")
 
 
 def answer_text(messages: list[dict], seed: int) -> str:
@@ -156,6 +156,8 @@ class _Handler(BaseHTTPRequestHandler):
             good["model"] = "another-model"
         elif b == "no_choices":
             good["choices"] = []
+        elif b == "surrogate":  # valid JSON, decoding to text no UTF-8 file can hold
+            choice["message"]["content"] = "\ud800" + choice["message"]["content"]
         return self._send(200, json.dumps(good).encode())
 
 

@@ -67,18 +67,18 @@ def test_in_process_greedy_is_deterministic_and_extract_supervises_exactly_the_g
     """The default engine (the demo model on transformers' continuous batching, on CPU): every conversation of
     several turns gets its answers turn by turn; greedy twice gives the same answers; extract's masks over the
     output are exactly the generated ids (the template reproduces them, checked per turn)."""
-    data = write_jsonl(tmp_path / "in.jsonl", chats(6))
-    common = dict(model=str(DEMO), dataset=str(data), max_new_tokens=24, unit_size=4, concurrency=4)
+    data = write_jsonl(tmp_path / "in.jsonl", chats(4))
+    common = dict(model=str(DEMO), dataset=str(data), max_new_tokens=16, unit_size=3, concurrency=4)
     first = hsx.regenerate(output_dir=str(tmp_path / "a"), **common)
     second = hsx.regenerate(output_dir=str(tmp_path / "b"), **common)
-    assert first["complete"] and first["written"] == 6
+    assert first["complete"] and first["written"] == 4
     a, b = written_rows(tmp_path / "a"), written_rows(tmp_path / "b")
     assert [r["messages"] for r in a] == [r["messages"] for r in b]
     assert [r["generated"] for r in a] == [r["generated"] for r in b]
     turns = [len(r["generated"]) for r in a]
     assert max(turns) >= 2  # multi-turn conversations answered turn by turn
     assert all(g["token_ids_from"] == "engine" for r in a for g in r["generated"])
-    assert extract_masks_are_generated(tmp_path / "a", tmp_path) == 6
+    assert extract_masks_are_generated(tmp_path / "a", tmp_path) == 4
 
 
 # ---- servers: well behaved -------------------------------------------------------------------------------------
