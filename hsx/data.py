@@ -8,7 +8,8 @@ per conversation; the loss mask is what the model generates in each assistant tu
 (hsx.masks: from `{% generation %}` markers, or derived from the template); of a prompt/completion row, only the
 completion's turns. String prompt/completion rows are a user and an assistant turn, or with `prompt_completion:
 text` (TRL's standard form, as its SFT reads it) plain text, prompt + completion + eos, supervised on the
-completion and eos. `text` rows are supervised on every
+completion and eos. A `messages` row `hsx regenerate` wrote (a `generated` column) is supervised on the target's
+answers only, on the ids the engine generated (hsx.masks.generated_supervision). `text` rows are supervised on every
 token. Rows longer than `max_length` are truncated (and counted); rows that cannot be used get a `skip_reason`
 instead of being dropped, so every input row is accounted for. `sample_id` is the row's index in the input
 (after concatenating files).
