@@ -144,8 +144,13 @@ class ModelGenerator:
             self._counter += 1
             request_id = f"hsx-{self._counter}"
             self._waiting[request_id] = (event, box)
-        self.manager.add_request(list(prompt), request_id=request_id, max_new_tokens=self.sampling.max_new_tokens,
-                                 eos_token_id=sorted(self.eos))
+        queued = self.manager.add_request(list(prompt), request_id=request_id,
+                                          max_new_tokens=self.sampling.max_new_tokens, eos_token_id=sorted(self.eos))
+        if queued is None:  # (the manager takes no more requests: it is stopping, or failed)
+            with self._lock:
+                self._waiting.pop(request_id, None)
+            raise AnswerError("engine_stopped", "the continuous batching engine takes no more requests", retry=False,
+                              unreachable=True)
         event.wait()
         if not box:
             raise AnswerError("engine_stopped", "the continuous batching engine stopped", retry=False,

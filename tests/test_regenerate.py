@@ -445,3 +445,21 @@ def test_a_real_transformers_serve_killed_mid_job_then_restarted(tmp_path):
     assert got == list(range(16)) and state(out)["complete"]
     assert {g["token_ids_from"] for r in written_rows(out) for g in r["generated"]} == {"tokenized"}
     extract_masks_are_generated(out, tmp_path)
+
+
+def test_sharegpt_parquet_rows_are_read_as_extract_reads_them(tokenizer, tmp_path):
+    """Input formats as docs/inputs.md lists them (here ShareGPT `conversations` in Parquet, a `system` column):
+    written back as OpenAI `messages`, the system prompt first; an unusable row skipped with extract's reason."""
+    import datasets
+
+    rows = [{"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "old"}],
+             "system": "Be brief."},
+            {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "old"}], "system": None}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "in.parquet"))
+    with FakeServer(tokenizer) as s:
+        summary = run_against([s.url], tmp_path / "in.parquet", tmp_path / "out")
+    assert summary["written"] == 1 and summary["skipped"] == {"null_content": 1}
+    row = written_rows(tmp_path / "out")[0]
+    assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
+    assert row["messages"][0]["content"] == "Be brief." and row["messages"][2]["content"] != "old"
+    extract_masks_are_generated(tmp_path / "out", tmp_path)
