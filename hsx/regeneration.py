@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,38 @@ class Progress:
             self.bar.set_postfix_str(f"{self.answers / elapsed:.2f} answers/s, {self.tokens / elapsed:,.0f} tok/s",
                                      refresh=False)
             self.bar.update(1)
+
+
+class DaemonPool:
+    """ThreadPoolExecutor's submit on daemon threads: a job that stops (an error, a second Ctrl-C) exits at once,
+    not after its requests in flight have run to their timeouts (the executor's threads are joined at exit)."""
+
+    def __init__(self, workers: int):
+        import queue
+
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"hsx-regenerate-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001  (handed to whoever waits on the future)
+                    future.set_exception(e)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
 
 
 # ---- what to ask ------------------------------------------------------------------------------------------------
@@ -368,7 +400,7 @@ def _run_units(cfg, ds, fmt, tokenizer, sampling, out: RegenDir, mine: list[int]
     bar = tqdm(total=total, unit="conv", desc="regenerating" if rank == 0 else f"regenerating (rank {rank})",
                dynamic_ncols=True)
     progress = Progress(bar)
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsx-regenerate")
+    pool = DaemonPool(threads)
     pending: deque[tuple[int, list[Future]]] = deque()
     try:
         with stop_on_signal(log) as stop:
@@ -394,7 +426,10 @@ def _run_units(cfg, ds, fmt, tokenizer, sampling, out: RegenDir, mine: list[int]
                                    "left): rerun the same command to continue")
     finally:
         bar.close()
-        pool.shutdown(wait=not pending, cancel_futures=True)
+        for _, futures in pending:  # (units given up: their conversations not started are not asked)
+            for f in futures:
+                f.cancel()
+        pool.shutdown()
         close()
 
 
@@ -413,7 +448,8 @@ def _submit(pool, cfg, ds, fmt, unit: int, ask, sampling: Sampling, progress: Pr
             else:
                 f = pool.submit(regenerate_conversation, ask, cfg, sampling, conv, tools, context, start + offset,
                                 sample)
-                f.add_done_callback(lambda done: progress.add(done.result()) if done.exception() is None else None)
+                f.add_done_callback(lambda done: progress.add(done.result())
+                                    if not done.cancelled() and done.exception() is None else None)
             futures.append(f)
     return futures
 
