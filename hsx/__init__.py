@@ -9,11 +9,11 @@ line) and api (`hsx.extract()`, `hsx.stream()` and `hsx.plan()`, the same jobs f
 """
 
 from hsx.version import __version__
-from hsx.api import extract, plan, stream  # noqa: E402  (running a job, streaming one, planning one)
+from hsx.api import extract, plan, regenerate, stream  # noqa: E402  (running a job, streaming one, planning one)
 from hsx.load import collate, load, read_info, torch_stream, torch_view  # noqa: E402  (consumer side)
 from hsx.follow import follow  # noqa: E402  (train while extracting)
 
-__all__ = ["__version__", "extract", "stream", "plan", "load", "read_info", "torch_view", "torch_stream", "collate", "follow", "export_specforge", "export_speculators"]
+__all__ = ["__version__", "extract", "regenerate", "stream", "plan", "load", "read_info", "torch_view", "torch_stream", "collate", "follow", "export_specforge", "export_speculators"]
 
 
 def __getattr__(name: str):

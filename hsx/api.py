@@ -51,6 +51,19 @@ def extract(config: str | os.PathLike | None = None, **options: Any):
     return load(cfg.output_dir)
 
 
+def regenerate(config: str | os.PathLike | None = None, **options: Any) -> dict[str, Any]:
+    """Run (or continue) `hsx regenerate`: the target's own answers for a dataset's conversations, written to
+    `output_dir` as a dataset `hsx.extract(dataset=output_dir, ...)` reads (docs/regenerate.md). Takes its recipe's
+    keys as keywords (`model=`, `dataset=`, `output_dir=`, `servers=`, `temperature=`, `n=`, ...), or
+    `config="recipes/X.yaml"` plus keywords that override them; returns the job's summary (`complete`, `written`,
+    `skipped` and `errors` by reason, `answers`, `tokens`). Calling it again continues the job."""
+    from hsx.config import load_regenerate_config
+    from hsx.regeneration import regenerate as run_regenerate
+
+    config, options = _paths_as_text(config, options)
+    return run_regenerate(load_regenerate_config(config, options))
+
+
 def stream(config: str | os.PathLike | None = None, **options: Any) -> Stream:
     """The job's rows, computed as `hsx.extract` computes them (tokenize → length buckets → model → engine, the
     same steps and code) and handed to you instead of written: for a training loop on the machine the model runs

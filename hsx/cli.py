@@ -15,7 +15,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from hsx.config import ADVANCED, FIELD_KINDS, FIELDS, default_of
+from hsx.config import ADVANCED, EXTRACT_KEYS, FIELDS, REGENERATE_KEYS, default_of
 from hsx.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, INTERRUPTED, HsxError, Stopped, VerifyFailed,
                         exit_status, file_system_error, file_system_line, one_line, usage_line)
 
@@ -59,13 +59,14 @@ def _as_help(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def config_flag(p: argparse.ArgumentParser, name: str, prefix: str = "", default=None) -> None:
+def config_flag(p: argparse.ArgumentParser, name: str, prefix: str = "", default=None, keys=None) -> None:
     """The flag of config key `name`, with the help, default and choices of its ExtractConfig field (hsx.config),
     and the type its FIELD_KINDS entry gives (values are parsed and range-checked there, not here). `default`:
     this command's own default (bench's); else the flag is None unless given, and the help names the config's."""
-    f, (kind, _) = FIELDS[name], FIELD_KINDS[name]
+    keys = keys or EXTRACT_KEYS  # (`hsx regenerate`'s keys: REGENERATE_KEYS)
+    f, (kind, _) = keys.fields[name], keys.kinds[name]
     text = prefix + f.metadata["help"]
-    shown = default if default is not None else default_of(name)
+    shown = default if default is not None else keys.default_of(name)
     if shown not in (None, "", [], {}):
         text += f" (default: {_as_help(shown)})"
     text = text.replace("%", "%%")
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, formatter_class=_HelpFormatter)
 
     _add_config_flags(command("extract", "run (or continue) an extraction job"))
+    rg = command("regenerate", "the target's own answers for a dataset's conversations, for extract (docs/regenerate.md)")
+    rg.add_argument("--config", help="YAML recipe of regenerate's keys; flags override them")
+    for name in REGENERATE_KEYS.fields:
+        config_flag(rg, name, keys=REGENERATE_KEYS)
     # Listed here for `hsx --help`; main hands `hsx launch ...` to hsx.launch before this parser reads it.
     sub.add_parser("launch", add_help=False, help="run extract or bench over several processes: `hsx launch "
                    "[accelerate launch options] extract ...` (see `hsx launch --help`)")

@@ -53,6 +53,14 @@ def extract(args: argparse.Namespace) -> None:
     run_extract(cfg)
 
 
+def regenerate(args: argparse.Namespace) -> None:
+    from hsx.config import REGENERATE_KEYS, load_regenerate_config
+    from hsx.regeneration import regenerate as run_regenerate
+
+    overrides = {k: getattr(args, k) for k in REGENERATE_KEYS.fields if getattr(args, k, None) is not None}
+    run_regenerate(load_regenerate_config(args.config, overrides))
+
+
 def plan(args: argparse.Namespace) -> None:
     from hsx.cost import format_plan, job_plan
 
@@ -227,6 +235,6 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
         raise HsxError(f"{output_dir}: hsx.json lacks {e} (not a finished hsx output?)") from None
 
 
-COMMANDS = {"extract": extract, "plan": plan, "bench": bench, "merge": merge, "push": push,
+COMMANDS = {"extract": extract, "regenerate": regenerate, "plan": plan, "bench": bench, "merge": merge, "push": push,
             "export-specforge": export_specforge, "export-speculators": export_speculators, "vocab": vocab,
             "verify": verify, "serve": serve, "consumers": consumers}

@@ -195,11 +195,12 @@ def default_of(name: str) -> Any:
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few hundred bytes; anything near this is not one
 
 
-def _field_kinds() -> dict[str, tuple[str, bool]]:
-    """Each key's kind (bool, int, str, layers, mapping) and whether null is allowed, from the annotations: the
-    one place a key's type is declared (flags are built from it too, in hsx.cli)."""
+def _field_kinds(cls: type | None = None) -> dict[str, tuple[str, bool]]:
+    """Each key's kind (bool, int, str, layers, mapping) and whether null is allowed, from the annotations of `cls`
+    (ExtractConfig by default): the one place a key's type is declared (flags are built from it too, in hsx.cli)."""
+    cls = cls or ExtractConfig
     kinds = {}
-    for name, hint in typing.get_type_hints(ExtractConfig).items():
+    for name, hint in typing.get_type_hints(cls).items():
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         nullable = type(None) in args
         args = tuple(a for a in args if a is not type(None))
@@ -216,12 +217,40 @@ def _field_kinds() -> dict[str, tuple[str, bool]]:
         elif typing.get_origin(args[0]) is dict:
             kind = "mapping"
         else:  # a new field of a new type: decide here how it is parsed
-            raise TypeError(f"ExtractConfig.{name}: no parser for {hint}")
+            raise TypeError(f"{cls.__name__}.{name}: no parser for {hint}")
         kinds[name] = (kind, nullable)
     return kinds
 
 
 FIELD_KINDS = _field_kinds()
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key tables of one config dataclass (ExtractConfig's are this module's FIELDS, FIELD_KINDS, CHOICES,
+    MINIMUM and MAXIMUM; `hsx regenerate`'s RegenerateConfig has its own): what parse_value, read_recipe and the
+    command line's flags read a key's type, range and help from."""
+    cls: type
+    fields: dict
+    kinds: dict
+    choices: dict
+    minimum: dict
+    maximum: dict
+
+    @classmethod
+    def of(cls, config_class: type) -> Keys:
+        fields = {f.name: f for f in dataclasses.fields(config_class)}
+        return cls(config_class, fields, _field_kinds(config_class),
+                   {n: f.metadata["choices"] for n, f in fields.items() if "choices" in f.metadata},
+                   {n: f.metadata["minimum"] for n, f in fields.items() if "minimum" in f.metadata},
+                   {n: f.metadata.get("maximum", ROWS_INT64) for n, f in fields.items()})
+
+    def default_of(self, name: str) -> Any:
+        f = self.fields[name]
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+EXTRACT_KEYS = Keys(ExtractConfig, FIELDS, FIELD_KINDS, CHOICES, MINIMUM, MAXIMUM)
 
 
 def _shown(value: Any) -> str:
@@ -234,11 +263,12 @@ def _shown_int(value: int) -> str:
     return f"{value:,}" if digits is not None and digits <= 30 else "an integer of over 30 digits"
 
 
-def parse_value(name: str, value: Any) -> Any:
-    """`value` as key `name`'s declared type, or HsxError naming the key. No coercion: a YAML `"512"` is a string,
-    not 512, and `"false"`/`no`/`0` are not booleans (the false that `trust_remote_code: "false"` would be in
-    Python is True)."""
-    kind, nullable = FIELD_KINDS[name]
+def parse_value(name: str, value: Any, keys: Keys = EXTRACT_KEYS) -> Any:
+    """`value` as key `name`'s declared type (in `keys`: ExtractConfig's by default), or HsxError naming the key. No
+    coercion: a YAML `"512"` is a string, not 512, and `"false"`/`no`/`0` are not booleans (the false that
+    `trust_remote_code: "false"` would be in Python is True)."""
+    MINIMUM, MAXIMUM, CHOICES = keys.minimum, keys.maximum, keys.choices  # noqa: N806  (the tables of `keys`)
+    kind, nullable = keys.kinds[name]
     if value is None:
         if nullable:
             return None
@@ -386,7 +416,7 @@ def read_small_file(path: str, limit: int, what: str) -> bytes:
             raise HsxError(f"cannot read {what} {path}: {e.strerror or e}") from None
 
 
-def read_recipe(path: str) -> dict[str, Any]:
+def read_recipe(path: str, keys: Keys = EXTRACT_KEYS) -> dict[str, Any]:
     """A YAML recipe's keys, each parsed to its declared type; HsxError (one line, naming the file) for a file
     that is not UTF-8 YAML, not a mapping, or has an unknown key or a wrong value."""
     blob = read_small_file(path, MAX_RECIPE_BYTES, "config")
@@ -410,11 +440,11 @@ def read_recipe(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise HsxError(f"config {path}: expected a mapping of keys to values, got {type(raw).__name__}")
-    unknown = sorted(str(k) for k in raw if k not in FIELDS)
+    unknown = sorted(str(k) for k in raw if k not in keys.fields)
     if unknown:
-        raise HsxError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+        raise HsxError(f"config {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(keys.fields)}")
     try:
-        return {k: parse_value(k, v) for k, v in raw.items()}
+        return {k: parse_value(k, v, keys) for k, v in raw.items()}
     except HsxError as e:
         raise HsxError(f"config {path}: {e}") from None
 
@@ -601,3 +631,115 @@ def layers_run(num_layers: int, layers: list[int], final_hidden: bool) -> int:
     """How many decoder layers a job runs: up to the deepest stored one, or all of them for the final-norm state
     (the norm follows the last layer)."""
     return num_layers if final_hidden else max(layers) + 1
+
+
+# ---- hsx regenerate ---------------------------------------------------------------------------------------------
+
+REGENERATE_TURNS = ("all", "last")  # hsx.regenerate: which assistant turns are asked of the target
+
+
+@dataclass
+class RegenerateConfig:
+    """`hsx regenerate`'s keys (docs/regenerate.md): the target's own answers for a dataset's prompts, written as a
+    dataset `hsx extract --dataset` reads."""
+    # What to run and on what (as extract's keys).
+    model: str = _key("", help="local folder or Hub id of the target model (its tokenizer and chat template; the "
+                      "model itself runs in-process unless --servers is given)")
+    tokenizer: str | None = _key(None, help="tokenizer folder or Hub id (default: the model's)")
+    dataset: str = _key("", help="Hub id, or a local .jsonl/.json/.parquet/.arrow/.csv file or folder (chat rows: "
+                        "messages, conversations, prompt[+completion])")
+    dataset_config: str | None = _key(None, help="the dataset's configuration name")
+    split: str = _key("train", help="input split (slicing like train[:1000] works)")
+    limit: int | None = _key(None, minimum=1, help="only the first N input rows: for trying a recipe out")
+    allow_empty: bool = _key(False, help="an input of no rows succeeds with an empty output instead of failing")
+    output_dir: str = _key("", help="where the regenerated dataset goes; rerunning the same command there "
+                           "continues the job")
+    overwrite: bool = _key(False, help="delete what hsx regenerate wrote in --output-dir and start over")
+    # The engine.
+    servers: str | None = _key(None, help="comma-separated base URLs of OpenAI-compatible servers (vLLM, SGLang, "
+                               "`transformers serve`), e.g. http://host:8000/v1; default: the model in-process on "
+                               "transformers' continuous batching")
+    served_model_name: str | None = _key(None, help="the model name sent to the servers (default: --model)")
+    concurrency: int = _key(32, minimum=1, maximum=(4096, "threads per server"),
+                            help="requests in flight per server (in-process: per batch of the continuous batcher)")
+    timeout: float = _key(600.0, minimum=1.0, help="seconds one request may take before it is retried elsewhere")
+    retries: int = _key(3, minimum=0, maximum=(100, "attempts per request"),
+                        help="retries of a failed request (with backoff, on the least loaded other server)")
+    dtype: str = _key("auto", choices=("auto", *COMPUTE_DTYPES), help="in-process: compute dtype (auto: "
+                      "bfloat16 on CUDA, float32 on CPU)")
+    trust_remote_code: bool = _key(False, help="run the model repo's own code (in-process)")
+    # Sampling.
+    temperature: float = _key(0.0, minimum=0.0, help="sampling temperature (0: greedy)")
+    top_p: float = _key(1.0, minimum=0.0, help="nucleus sampling: keep the smallest set of tokens of this total "
+                        "probability (1: off)")
+    top_k: int = _key(0, minimum=0, maximum=TOKENS_INT32, help="keep the K most likely tokens (0: off)")
+    max_new_tokens: int = _key(2048, minimum=1, maximum=TOKENS_INT32, help="longest answer, in tokens; longer ones "
+                               "are cut and flagged (finish_reason length)")
+    seed: int = _key(0, minimum=0, maximum=(2**31 - 1, "seeds are int32 on servers"), help="sampling seed (each "
+                     "conversation and sample gets its own, derived from it)")
+    n: int = _key(1, minimum=1, maximum=(1024, "samples per conversation"), help="answers (samples) per "
+                  "conversation, each one output row")
+    # What is regenerated, and how it is kept.
+    turns: str = _key("all", choices=REGENERATE_TURNS, help="all: every assistant turn in order, each conditioned on "
+                      "the regenerated ones before it; last: only the final answer")
+    enable_thinking: bool | None = _key(None, help="the chat template's thinking switch (Qwen3, SmolLM3, ...): sets "
+                                        "chat_template_kwargs' enable_thinking")
+    chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
+                                                "template, e.g. '{\"enable_thinking\": false}' (give extract the same)")
+    reasoning: str = _key("keep", choices=("keep", "drop"), help="keep the answer's reasoning (think block, or a "
+                          "server's reasoning_content) in the stored answer, or drop it (the answer's token ids are "
+                          "then not stored)")
+    cut_answers: str = _key("keep", choices=("keep", "skip"), help="answers cut by --max-new-tokens: keep (the "
+                            "conversation ends there; extract leaves the end-of-turn the template adds unsupervised) "
+                            "or skip the conversation (counted)")
+    unit_size: int = _key(256, minimum=1, maximum=(1 << 20, "conversations per unit"), help="input rows per output "
+                          "file, the grain of commit and resume")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+REGENERATE_KEYS = Keys.of(RegenerateConfig)
+
+
+def regenerate_config_from(options: Mapping[str, Any]) -> RegenerateConfig:
+    """A RegenerateConfig from keyword options or a recipe merged with flags: unknown keys, wrong types and
+    out-of-range values are HsxError, one line naming the key."""
+    unknown = sorted(str(k) for k in options if k not in REGENERATE_KEYS.fields)
+    if unknown:
+        raise HsxError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(REGENERATE_KEYS.fields)}")
+    values = {k: parse_value(k, v, REGENERATE_KEYS) for k, v in options.items()}
+    cfg = RegenerateConfig(**values)
+    for name in REGENERATE_KEYS.fields:  # (a config built in Python: its defaults and values checked too)
+        if name not in values:
+            parse_value(name, getattr(cfg, name), REGENERATE_KEYS)
+    for name in ("model", "dataset", "output_dir"):
+        if not getattr(cfg, name):
+            raise HsxError(f"--{name.replace('_', '-')} is required")
+    if cfg.top_p > 1 or cfg.top_p == 0:
+        raise HsxError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(cfg.chat_template_kwargs))
+    if reserved:
+        raise HsxError(f"chat_template_kwargs may not set {', '.join(reserved)}: hsx passes "
+                       f"{'it' if len(reserved) == 1 else 'them'} to the template itself")
+    if cfg.enable_thinking is not None:
+        kwargs = cfg.chat_template_kwargs
+        if kwargs.get("enable_thinking", cfg.enable_thinking) != cfg.enable_thinking:
+            raise HsxError("enable_thinking and chat_template_kwargs' enable_thinking disagree: give one")
+        cfg = dataclasses.replace(cfg, chat_template_kwargs={**kwargs, "enable_thinking": cfg.enable_thinking})
+    return cfg
+
+
+def load_regenerate_config(path: str | None, overrides: dict[str, Any]) -> RegenerateConfig:
+    """`hsx regenerate`'s config from a YAML recipe (optional) and flag overrides (None: not given); every problem
+    is a UsageError (exit 2), found before anything is read."""
+    values: dict[str, Any] = {}
+    try:
+        if path:
+            values = _resolve_recipe_paths(read_recipe(path, REGENERATE_KEYS), Path(path).parent)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return regenerate_config_from(values)
+    except UsageError:
+        raise
+    except HsxError as e:
+        raise UsageError(str(e)) from None

@@ -8,7 +8,8 @@ per conversation; the loss mask is what the model generates in each assistant tu
 (hsx.masks: from `{% generation %}` markers, or derived from the template); of a prompt/completion row, only the
 completion's turns. String prompt/completion rows are a user and an assistant turn, or with `prompt_completion:
 text` (TRL's standard form, as its SFT reads it) plain text, prompt + completion + eos, supervised on the
-completion and eos. `text` rows are supervised on every
+completion and eos. A `messages` row `hsx regenerate` wrote (a `generated` column) is supervised on the target's
+answers only, on the ids the engine generated (hsx.masks.generated_supervision). `text` rows are supervised on every
 token. Rows longer than `max_length` are truncated (and counted); rows that cannot be used get a `skip_reason`
 instead of being dropped, so every input row is accounted for. `sample_id` is the row's index in the input
 (after concatenating files).
@@ -247,6 +248,9 @@ def tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, fmt: s
         if good:
             max_chars = render.render_char_limit(max_length)
             rows = chat_tokenize(tokenizer, convs, template_kwargs, tools, chat_format, max_chars, prompt_turns)
+            if "generated" in batch and fmt == "messages":  # a row hsx regenerate wrote: the engine's own ids
+                rows = [loss_masks.generated_supervision(tokenizer, row, conv, batch["generated"][r])
+                        for r, row, conv in zip(good, rows, convs)]
             for r, row in zip(good, rows):
                 ids[r], masks[r], reasons[r] = row
         if plain:
@@ -320,7 +324,7 @@ def pretokenized_problem(row_ids: Any, row_mask: Any) -> str:
     return ""
 
 
-def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str, Any]], str]:
+def normalize_conversation(raw: Any, system: Any = None, need_answer: bool = True) -> tuple[list[dict[str, Any]], str]:
     """A list of messages the template can take ({role, content} plus every other key a message has:
     reasoning_content, thinking, tool_calls, name, tool_call_id, ...), or a skip reason that says what is wrong.
 
@@ -330,7 +334,8 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
     OpenAI content-part lists become their text (message_text); a ShareGPT `function_call` turn becomes an
     assistant message with `tool_calls`. `system` (a row's `system` column) is the system prompt of a
     conversation that has none of its own, neither a system nor a developer message first (as LLaMA-Factory reads
-    that column)."""
+    that column). `need_answer` False: a conversation without an assistant turn is fine (a prompt to answer:
+    hsx.regenerate)."""
     if raw is None:
         return [], "missing_value"
     if isinstance(raw, str):  # a CSV cell (CSV holds no lists), or an export that wrote the list as JSON text
@@ -370,7 +375,7 @@ def normalize_conversation(raw: Any, system: Any = None) -> tuple[list[dict[str,
         if content is None and not (role == "assistant" and msg.get("tool_calls")):
             return [], "null_content"
         conv.append({"role": role, "content": content, **msg})
-    if not any(m["role"] == "assistant" for m in conv):
+    if need_answer and not any(m["role"] == "assistant" for m in conv):
         return [], "no_assistant_turn"
     if isinstance(system, str) and system and conv[0]["role"] not in ("system", "developer"):
         conv.insert(0, {"role": "system", "content": system})

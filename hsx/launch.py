@@ -37,7 +37,8 @@ from collections.abc import Iterator
 
 from hsx.errors import EXIT_INTERRUPTED, EXIT_USAGE, INTERRUPTED, UsageError, one_line, usage_line
 
-RANK_COMMANDS = ("extract", "bench")  # the commands that split their work over the ranks of a launch
+RANK_COMMANDS = ("extract", "bench", "regenerate")  # the commands that split their work over the ranks of a launch
+RANK_COMMANDS_TEXT = f"{', '.join(RANK_COMMANDS[:-1])} or {RANK_COMMANDS[-1]}"
 # What torch.distributed.elastic's agent catches (its default TORCHELASTIC_SIGNALS_TO_HANDLE) and passes to ranks.
 FORWARDED = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s))
 
@@ -46,7 +47,7 @@ def _describe(parser: argparse.ArgumentParser) -> None:
     parser.prog = "hsx launch"
     parser.usage = "hsx launch [accelerate launch options] COMMAND [ARGS]"
     parser.description = (
-        "Run `hsx COMMAND ARGS` (extract or bench) as every process of an `accelerate launch`: accelerate's "
+        "Run `hsx COMMAND ARGS` (extract, bench or regenerate) as every process of an `accelerate launch`: accelerate's "
         "options (below, or its --config_file) first, then the hsx command and its flags. Ctrl-C stops each rank "
         "after its unit (twice: at once) and ends with one line, exit 130 (143 for SIGTERM); failed ranks end "
         "with one line naming them, and the first one's exit status.")
@@ -54,7 +55,7 @@ def _describe(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.HelpFormatter
     for action in parser._actions:
         if action.dest == "training_script":
-            action.metavar, action.help = "COMMAND", f"the hsx command: {' or '.join(RANK_COMMANDS)}"
+            action.metavar, action.help = "COMMAND", f"the hsx command: {RANK_COMMANDS_TEXT}"
         elif action.dest == "training_script_args":
             action.metavar, action.help = "ARGS", "its flags, as for `hsx COMMAND` (e.g. --config R --output-dir OUT)"
         elif action.dest in ("module", "no_python"):
@@ -74,7 +75,7 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
         raise UsageError("hsx launch runs `python -m hsx COMMAND` itself: drop -m/--module and --no_python")
     command = args.training_script
     if command not in RANK_COMMANDS:
-        raise UsageError(f"hsx launch runs {' or '.join(RANK_COMMANDS)}, not {command!r} (accelerate's options "
+        raise UsageError(f"hsx launch runs {RANK_COMMANDS_TEXT}, not {command!r} (accelerate's options "
                          "go before the command, hsx's after it)")
     ns = hsx_parser.parse_args([command, *args.training_script_args])  # a bad flag: extract's one-line usage error, exit 2
     path, config = _check_accelerate_config(args)
@@ -85,6 +86,11 @@ def parse(argv: list[str], hsx_parser: argparse.ArgumentParser) -> argparse.Name
         from hsx.config import config_of  # each with its own line, after the launch (a FIFO recipe: each hangs)
 
         config_of(ns)
+    elif command == "regenerate":
+        from hsx.config import REGENERATE_KEYS, load_regenerate_config
+
+        load_regenerate_config(ns.config, {k: getattr(ns, k) for k in REGENERATE_KEYS.fields
+                                           if getattr(ns, k, None) is not None})
     elif getattr(ns, "config", None):
         from hsx.config import read_recipe
 

@@ -588,3 +588,81 @@ def _common_prefix(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+# ---- regenerated rows (hsx regenerate) ----------------------------------------------------------------------
+
+GENERATED_MISMATCH = "generated_tokens_mismatch"  # a regenerated turn the template does not render as generated
+
+
+def generated_supervision(tokenizer, row: Row, conv: list[dict], generated: Any) -> Row:
+    """`row` (the template's tokens and mask of `conv`) with the supervision of a row `hsx regenerate` wrote: its
+    `generated` records ({message, token_ids, finish_reason}) say which assistant messages the target answered and
+    with which token ids. Only those turns are supervised (an assistant turn the dataset brought, a tool call kept
+    as it was, is context), each exactly on the ids the engine generated: the turn's run of supervised tokens must
+    decode to the text of those ids (the template rendered the answer as it was generated: checked, never assumed)
+    and is replaced by them, followed by the end-of-turn special tokens the template adds where the engine did not
+    report its stop token; an answer cut by max_new_tokens (finish_reason length) never supervises that end. A turn
+    stored without ids (its reasoning dropped) keeps the template's mask. A row whose turns cannot be matched so is
+    skipped as `generated_tokens_mismatch`."""
+    ids, mask, reason = row
+    if reason:
+        return row
+    if not isinstance(generated, list) or not all(isinstance(g, dict) for g in generated):
+        return [], [], GENERATED_MISMATCH
+    by_message = {g.get("message"): g for g in generated}
+    answers = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
+    supervised = np.asarray(mask, dtype=np.int8)
+    edges = np.diff(np.r_[0, supervised, 0])
+    runs = list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+    if len(runs) != len(answers) or not set(by_message) <= set(answers):
+        return [], [], GENERATED_MISMATCH
+    special = _special_ids(tokenizer)
+    new_ids: list[int] = []
+    new_mask: list[int] = []
+    at = 0
+    for (a, b), k in zip(runs, answers):
+        new_ids += ids[at:a]
+        new_mask += [0] * (a - at)
+        at = b
+        g = by_message.get(k)
+        if g is None:  # not the target's answer: context
+            new_ids += ids[a:b]
+            new_mask += [0] * (b - a)
+            continue
+        tokens = g.get("token_ids")
+        if tokens is None:
+            new_ids += ids[a:b]
+            new_mask += [1] * (b - a)
+            continue
+        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            return [], [], GENERATED_MISMATCH
+        tail = _generated_tail(tokenizer, ids[a:b], tokens, special)
+        if tail is None:
+            return [], [], GENERATED_MISMATCH
+        new_ids += tokens + tail
+        new_mask += [1] * len(tokens) + [int(g.get("finish_reason") != "length")] * len(tail)
+    new_ids += ids[at:]
+    new_mask += [0] * (len(ids) - at)
+    return new_ids, new_mask, ""
+
+
+def _generated_tail(tokenizer, rendered: list[int], generated: list[int], special: set[int]) -> list[int] | None:
+    """The special tokens the template renders after the generated ones (an end of turn the engine did not report:
+    its stop token left out, or an answer that was cut), or None where `rendered` is not the text of `generated`
+    followed by special tokens only."""
+    def text(t: list[int]) -> str:
+        return tokenizer.decode(t, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    if rendered == generated:
+        return []
+    whole, answer = text(rendered), text(generated)
+    if not whole.startswith(answer):
+        return None
+    for j in range(len(rendered), -1, -1):
+        tail = rendered[j:]
+        if tail and tail[0] not in special:
+            break
+        if text(tail) == whole[len(answer):] and text(rendered[:j]) == answer:
+            return tail
+    return None

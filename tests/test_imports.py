@@ -24,8 +24,8 @@ LAYERS: list[set[str]] = [
      "hsx.moe_kernels", "hsx.expert_parallel", "hsx.fp8", "hsx.fp8_gemm", "hsx.fp8_model", "hsx.buckets",
      "hsx.kernels"},
     # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
-    # the storage's own rates: storage)
-    {"hsx.inputs", "hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.storage", "hsx.info",
+    # the storage's own rates: storage); answers in, for hsx regenerate (generators)
+    {"hsx.inputs", "hsx.data", "hsx.generators", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.storage", "hsx.info",
      "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
@@ -33,7 +33,7 @@ LAYERS: list[set[str]] = [
     {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
      "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data"},
     {"hsx.job"},  # one job's steps
-    {"hsx.run"},  # running them as one rank of a launch
+    {"hsx.run", "hsx.regeneration"},  # running them as one rank of a launch; regenerate's job (its ranks too)
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark
     {"hsx.commands", "hsx.cli", "hsx.launch", "hsx.__main__", "hsx.demo.__main__"},  # the command lines
 ]

@@ -127,7 +127,7 @@ def test_help_and_what_it_refuses(capsys):
     shown = capsys.readouterr().out
     assert shown.startswith("usage: hsx launch [accelerate launch options] COMMAND [ARGS]")
     assert "--num_processes" in shown and "--config_file" in shown and "--module" not in shown
-    for argv, needle in [(["verify", "OUT"], "runs extract or bench, not 'verify'"),
+    for argv, needle in [(["verify", "OUT"], "runs extract, bench or regenerate, not 'verify'"),
                          (["-m", "hsx", "extract"], "drop -m/--module"),
                          (["extract", "--num_processes", "2"], "unrecognized arguments: --num_processes")]:
         try:
