@@ -84,6 +84,9 @@ class ExtractConfig:
     # What to capture.
     layers: list[int] | str = _key(default_factory=list, help="decoder layers (0-based, negatives from the end), "
                                    "e.g. `1 -1` or `1,-1`, or a preset: eagle3, dflash, dflash-K")
+    layers_from: str | None = _key(None, help="take the layers from a draft's own config (a config.json, a draft "
+                                   "checkpoint folder or a Hub id): SpecForge, z-lab, speculators and EAGLE drafts, "
+                                   "each in its own index convention (docs/trainers.md); instead of --layers")
     final_hidden: bool = _key(False, help="also store the final-norm output (transformers' hidden_states[N]) as "
                               "final_hidden_state")
     topk_logits: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
@@ -462,8 +465,13 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
     """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
     then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'.
     Returns the config with its values parsed ('1,-1' -> [1, -1]) as a new one: the caller's is left as it was."""
+    layers_from = parse_value("layers_from", cfg.layers_from)
+    no_layers = cfg.layers in ([], "", ())
+    if layers_from and not no_layers:
+        raise HsxError("--layers and --layers-from both choose the layers: give one")
+    skip = set(parsed) | ({"layers"} if layers_from and no_layers else set())
     cfg = dataclasses.replace(cfg, **{name: parse_value(name, getattr(cfg, name)) for name in FIELDS
-                                      if name not in parsed})
+                                      if name not in skip})
     for name in required:
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")
@@ -493,13 +501,19 @@ def check_topk_logits(topk_logits: int, vocab_size: int) -> None:
         raise HsxError(f"--topk-logits {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
 
 
-def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None
-                  ) -> tuple[list[int], bool]:
+def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None,
+                  draft=None) -> tuple[list[int], bool]:
     """The layers and final-norm choice `cfg` asks of a model with this text config (or `resolved`, those of a model
     loaded already), refused as extract and plan both refuse them: an output format that cannot be written
-    (`schema.OutputFormat.problem`), a top-k larger than the vocabulary."""
+    (`schema.OutputFormat.problem`), a top-k larger than the vocabulary. With --layers-from, the draft's
+    (`draft`: hsx.drafts.DraftLayers, read here when not given)."""
     from hsx.schema import OutputFormat
 
+    if resolved is None and cfg.layers_from:
+        from hsx.drafts import draft_layers
+
+        draft = draft or draft_layers(cfg.layers_from, text_config)
+        resolved = draft.layers, cfg.final_hidden or draft.final_hidden
     layers, final_hidden = resolved or resolve_layers(cfg.layers, int(text_config.num_hidden_layers),
                                                       cfg.final_hidden)
     problem = OutputFormat.of_job(cfg, layers, text_config.hidden_size, final_hidden).problem()

@@ -182,6 +182,7 @@ class Job:
             "config": {**cfg.to_dict(), "layers": t.layers, "final_hidden": t.final_hidden,
                        "unit_tokens": self.unit_tokens},
             "fingerprint": self.fingerprint, "command": command_line(),
+            **({"layers_from": t.layers_from} if t.layers_from else {}),
         }
 
 

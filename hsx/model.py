@@ -353,6 +353,7 @@ class Target:
     layers: list[int]
     final_hidden: bool
     format: OutputFormat
+    layers_from: dict[str, Any] | None = None  # --layers-from: where the layers came from (hsx.drafts' record)
 
     @property
     def hidden_size(self) -> int:
@@ -366,19 +367,25 @@ class Target:
 def read_target(cfg: ExtractConfig, model: LoadedModel | None = None) -> Target:
     """The model's config (not its weights) and the layers `cfg` asks for, refused as `config.target_layers`
     refuses them; `model` (a LoadedModel, hsx bench's or a caller's) is used as it is."""
+    draft, layers_from = None, None
     if model is None:
         model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
         full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
         text = fp8.carry_quantization(full, text_config_of(full))
         check_checkpoint(model_path, cfg.model, text)  # (before the job claims a dir: a damaged one is refused first)
         num_layers = int(text.num_hidden_layers)
-        layers, final_hidden = target_layers(cfg, text)
+        if cfg.layers_from:
+            from hsx.drafts import draft_layers
+
+            draft = draft_layers(cfg.layers_from, text)  # (read once: its record goes into hsx.json)
+            layers_from = draft.record
+        layers, final_hidden = target_layers(cfg, text, draft=draft)
     else:
         model_path, revision, text = model.model_path, model.revision, model.text_config
         num_layers = model.num_model_layers
         layers, final_hidden = target_layers(cfg, text, (model.layers, model.final_hidden))
     return Target(model_path, revision, text, num_layers, layers, final_hidden,
-                  OutputFormat.of_job(cfg, layers, text.hidden_size, final_hidden))
+                  OutputFormat.of_job(cfg, layers, text.hidden_size, final_hidden), layers_from)
 
 
 def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
