@@ -1,5 +1,5 @@
 """The exports read by the trainers' OWN code, from their released packages: specforge 0.2.0 (OfflineManifestReader
-lists the files, load_feature_file loads them, the eagle3 / dflash strategy's normalize_offline_sample shapes them)
+lists the files, load_feature_file loads them, the eagle3 / dflash / dspark strategy's normalize_offline_sample shapes them)
 and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config parsing).
 
 Their pins conflict with ours (specforge: torch 2.11, transformers 5.8.1, sglang; speculators: datasets <= 5.1,
@@ -111,7 +111,7 @@ def sample_of(path: str) -> int:
 
 # ---- SpecForge ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["eagle3", "dflash"])
+@pytest.mark.parametrize("layout", ["eagle3", "dflash", "dspark"])
 def test_specforge_reads_every_exported_file(specforge, out, tmp_path, monkeypatch, layout):
     from specforge.runtime.data_plane.feature_store import load_feature_file
 
@@ -149,10 +149,13 @@ def test_specforge_reads_every_exported_file(specforge, out, tmp_path, monkeypat
             assert torch.equal(bits(sample["hidden_state"]), bits(states))
             assert torch.equal(bits(sample["target"]), bits(row["final_hidden_state"][None]))  # final norm
         else:
-            assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+            dspark = {"target_last_hidden_states"} if layout == "dspark" else set()
+            assert set(sample) == {"input_ids", "loss_mask", "hidden_states"} | dspark
             assert torch.equal(sample["loss_mask"], row["loss_mask"].long()[None])
             assert sample["hidden_states"].shape == (1, n, len(LAYERS) * 64)
             assert torch.equal(bits(sample["hidden_states"]), bits(states))
+            if dspark:  # the target's last hidden state after the final norm, as SpecForge's capture stores it
+                assert torch.equal(bits(sample["target_last_hidden_states"]), bits(row["final_hidden_state"][None]))
 
 
 def test_specforge_dflash_leaves_out_rows_its_normalizer_rejects(specforge, model4, tmp_path):
