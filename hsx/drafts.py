@@ -15,7 +15,7 @@ Each format below was read off the peer's own code (the commits are in docs/trai
   (SafeAILab's EAGLE-3 keeps no list: it takes the inputs of layers 2, N//2 and N-3). Plus the final-norm state
   (`hidden_state`).
 - speculators (`speculators_model_type`): `eagle_aux_hidden_state_layer_ids` (eagle3, peagle) or
-  `aux_hidden_state_layer_ids` (dflash, dspark) count transformers' / vLLM's hidden states, 0 being the
+  `aux_hidden_state_layer_ids` (dflash and its subclasses dflash2, dspark, xpress) count transformers' / vLLM's hidden states, 0 being the
   embedding output, so hsx's layer is id - 1; its data generation always adds vLLM's layer N (the last decoder
   layer's output before the final norm, its verifier state), hsx's N-1. Without a list,
   `resolve_target_layer_ids`' default [2, N//2, N-3].
@@ -45,7 +45,8 @@ HIDDEN_STATE_INDEX = ("transformers' / vLLM's hidden-state index: 0 is the embed
 DFLASH_FAMILY = {"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2", "DSparkDraftModel": "DSpark",
                  "DominoDraftModel": "Domino"}
 SPECULATORS_KEYS = {"eagle3": "eagle_aux_hidden_state_layer_ids", "peagle": "eagle_aux_hidden_state_layer_ids",
-                    "dflash": "aux_hidden_state_layer_ids", "dspark": "aux_hidden_state_layer_ids"}
+                    "dflash": "aux_hidden_state_layer_ids", "dflash2": "aux_hidden_state_layer_ids",
+                    "dspark": "aux_hidden_state_layer_ids", "xpress": "aux_hidden_state_layer_ids"}
 KNOWN = ("dflash_config.target_layer_ids (z-lab / SpecForge DFlash, DFlash2, DSpark, Domino), "
          "eagle_config.eagle_aux_hidden_state_layer_ids or draft_vocab_size (SpecForge / EAGLE's EAGLE-3), "
          "speculators_model_type (speculators)")

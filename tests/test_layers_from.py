@@ -106,6 +106,8 @@ def test_speculators_configs_count_the_embedding_as_zero(tmp_path):
     dflash = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 10, 18, 26, 34],
               "block_size": 16, "transformer_layer_config": layer, **verifier}
     assert draft_layers(write(tmp_path, dflash, "d.json"), QWEN3_8B).layers == [1, 9, 17, 25, 33, 35]
+    dflash2 = {**dflash, "speculators_model_type": "dflash2", "selector_rank": 256, "selector_top_k": 16}
+    assert draft_layers(write(tmp_path, dflash2, "d2.json"), QWEN3_8B).layers == [1, 9, 17, 25, 33, 35]
     dspark = {**dflash, "speculators_model_type": "dspark", "aux_hidden_state_layer_ids": None}
     d = draft_layers(write(tmp_path, dspark, "s.json"), QWEN3_8B)  # resolve_target_layer_ids' [2, N//2, N-3]
     assert d.layers == [1, 17, 32, 35] and "resolve_target_layer_ids" in d.record["rule"]
