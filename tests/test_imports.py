@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats; the file
     # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
-    {"hsx.config"},  # the job's settings
+    {"hsx.config", "hsx.drafts"},  # the job's settings (drafts: --layers-from, a draft config's layers)
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
     # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels; FP8 checkpoints: the
     # format fp8, the linear layer and its GEMMs fp8_gemm, hsx's FP8 layers in a model fp8_model), length buckets
