@@ -92,6 +92,16 @@ class ExtractConfig:
     topk_logits: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
                             help="also store the target's top-K logits and token ids per token (from "
                             "the final-norm state, in chunks; needs --final-hidden or a preset that includes it)")
+    teacher_policy: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
+                               help="also store the target's serving distribution per token as a teacher: its K "
+                               "likeliest tokens, then the nucleus --teacher-top-p, at --teacher-temperature, "
+                               "renormalised (int32 ids, float16 log probabilities, minus infinity where the nucleus "
+                               "left one out) and the mass left out; needs --final-hidden or a preset that includes "
+                               "it")
+    teacher_top_p: float = _key(1.0, minimum=1e-9, help="--teacher-policy: the nucleus kept of the K likeliest "
+                                "tokens (1: all K)")
+    teacher_temperature: float = _key(1.0, minimum=0.0, help="--teacher-policy: the serving temperature (0: "
+                                      "greedy)")
     max_length: int = _key(4096, minimum=1, maximum=TOKENS_INT32, help="longer rows are truncated (and counted)")
     chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
                                                 "template, e.g. '{\"enable_thinking\": false}'")
@@ -490,15 +500,19 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.hub_overwrite and not cfg.push_to_hub:
         raise HsxError("--hub-overwrite needs --push-to-hub REPO")
+    if cfg.teacher_top_p > 1:
+        raise HsxError(f"teacher_top_p must be at most 1 (a probability mass), got {cfg.teacher_top_p}")
+    if (cfg.teacher_top_p != 1 or cfg.teacher_temperature != 1) and not cfg.teacher_policy:
+        raise HsxError("--teacher-top-p and --teacher-temperature shape --teacher-policy K: give it too")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
     return cfg
 
 
-def check_topk_logits(topk_logits: int, vocab_size: int) -> None:
+def check_topk_logits(topk_logits: int, vocab_size: int, flag: str = "--topk-logits") -> None:
     """Top-k of a vocabulary of V needs k <= V (known once the model's config is read)."""
     if topk_logits > vocab_size:
-        raise HsxError(f"--topk-logits {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
+        raise HsxError(f"{flag} {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
 
 
 def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None,
@@ -520,6 +534,7 @@ def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bo
     if problem:
         raise UsageError(problem)
     check_topk_logits(cfg.topk_logits, int(text_config.vocab_size))
+    check_topk_logits(cfg.teacher_policy, int(text_config.vocab_size), "--teacher-policy")
     return layers, final_hidden
 
 

@@ -449,7 +449,7 @@ def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
          matmul_tflops: float = GPUS[DEFAULT_GPU]["matmul_tflops"], mfu: float | None = None,
-         storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0,
+         storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0, teacher_policy: int = 0,
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
@@ -464,7 +464,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     n = int(c.num_hidden_layers)
     depth = layers_run(n, layers, final_hidden)
     h = int(c.hidden_size)
-    fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits)
+    fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits, policy=teacher_policy)
     if fmt.problem():
         raise ValueError(fmt.problem())
     values = fmt.values_per_token
@@ -479,6 +479,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     out: dict[str, Any] = {
         "num_model_layers": n, "layers": layers, "final_hidden": final_hidden, "layers_run": depth,
         "hidden_size": h, "values_per_token": values, "storage_dtype": storage_dtype, "topk_logits": topk_logits,
+        "teacher_policy": teacher_policy,
         "bytes_per_token": bpt, "token_bytes": fmt.token_bytes, "bytes_per_row": fmt.bytes_per_row,
         "weight_bytes": weights, "activation_bytes_per_token": act, "token_budget": budget,
         "peak_gpu_bytes_estimate": int(per_gpu_weights + act * budget),  # per GPU of a copy
@@ -536,13 +537,16 @@ def format_plan(p: dict[str, Any]) -> str:
         lines += [f"  {line.removeprefix('hsx: ')}" for line in p["kernel_fallbacks"]]
     lines += [
         f"layers {p['layers']}{' + final norm state' if p['final_hidden'] else ''}: runs {p['layers_run']} of "
-        f"{p['num_model_layers']} decoder layers, no lm_head",
+        f"{p['num_model_layers']} decoder layers, "
+        + ("lm_head in chunks of tokens" if p["topk_logits"] or p["teacher_policy"] else "no lm_head"),
         f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
         f"activation memory per token: {p['activation_bytes_per_token'] / 1024:.0f} KiB; token budget "
         f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB per GPU)",
         f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} {p['storage_dtype']} values"
         + (", fp8 scales" if p["storage_dtype"] == SCALED_DTYPE else "")
         + (f", top-k {p['topk_logits']} logits and ids" if p["topk_logits"] else "")
+        + (f", a teacher policy of {p['teacher_policy']} ids and log-probs and its tail mass"
+           if p["teacher_policy"] else "")
         + f"; input_ids and loss_mask add {p['token_bytes']})",
         f"Arrow limit: a {p['max_length']:,}-token row holds {p['arrow_values_per_max_length_row']:,} values "
         f"({'ok' if p['arrow_limit_ok'] else 'OVER 2^31: lower --max-length or store fewer layers'}); at most "
@@ -668,7 +672,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     mfu = MEASURED_MFU.get(known_shape) if planned is text else None
     p = plan(planned, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
-             token_budget=cfg.token_budget, gpu_name=gpu.upper(),
+             teacher_policy=cfg.teacher_policy, token_budget=cfg.token_budget, gpu_name=gpu.upper(),
              matmul_tflops=rate_tflops, **({"mfu": mfu} if mfu is not None else {}))
     import torch
 

@@ -66,9 +66,10 @@ class Extractor:
     """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
-                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None):
-        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype and top-k logits); None: the loaded
-        layers in the default storage dtype."""
+                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None,
+                 teacher_top_p: float = 1.0, teacher_temperature: float = 1.0):
+        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype, top-k logits and teacher policy);
+        None: the loaded layers in the default storage dtype. `teacher_*`: the policy's top-p and temperature."""
         fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device
         self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
@@ -77,8 +78,10 @@ class Extractor:
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
         self.storage_dtype = fmt.storage_dtype
         self.topk = fmt.topk
-        if self.topk and (not self.final or loaded.lm_head is None):
-            raise ValueError("top-k logits need the final-norm state and the lm_head weight")
+        self.policy = fmt.policy
+        self.teacher = (teacher_top_p, teacher_temperature)
+        if (self.topk or self.policy) and (not self.final or loaded.lm_head is None):
+            raise ValueError("top-k logits and the teacher policy need the final-norm state and the lm_head weight")
         self.columns = fmt.state_columns()
         self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
@@ -133,6 +136,22 @@ class Extractor:
             ids.append(i)
         return [torch.cat(values).to(torch.bfloat16).reshape(-1).view(torch.uint8),
                 torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8)]
+
+    def _policy(self, final: torch.Tensor, chunk: int = 1024) -> list[torch.Tensor]:
+        """The teacher policy (hsx.policy) of lm_head(final), in chunks of tokens: float32 logits exist for `chunk`
+        tokens at a time (1024 × 152k × 4 bytes = 0.6 GB). Bytes of policy_ids, policy_logprobs, policy_tail."""
+        from hsx.policy import serving_policy
+
+        head = self.loaded.lm_head
+        ids, log_probs, tails = [], [], []
+        for a in range(0, final.shape[0], chunk):
+            i, lp, tail = serving_policy(final[a:a + chunk].to(head.dtype) @ head.t(), self.policy, *self.teacher)
+            ids.append(i)
+            log_probs.append(lp)
+            tails.append(tail)
+        return [torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8),
+                torch.cat(log_probs).to(torch.float16).reshape(-1).view(torch.uint8),
+                torch.cat(tails).reshape(-1).view(torch.uint8)]
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -276,6 +295,8 @@ class Extractor:
         out = encode(states, len(self.layers), self.storage_dtype)
         if self.topk:
             out = torch.cat([out, *self._topk(states[1])])
+        if self.policy:
+            out = torch.cat([out, *self._policy(states[1])])
         dest = slot.states[at * self.per_token:(at + n) * self.per_token]
         bad_dest = slot.nonfinite[row_at:row_at + b]
         if self.cuda:

@@ -40,7 +40,7 @@ class LoadedModel:
     model_path: str
     revision: str | None
     text_config: Any  # the truncated config that was built
-    lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k target logits
+    lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k logits / the policy
 
 
 HUB_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot's folder name: the commit it holds, as job.json records it
@@ -445,7 +445,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
         _QUANTIZATION[base] = quant
     if quant is not None and distributed_config is None and fp8.runs_instead(quant, device) is None:
         fp8_model.install(base)  # (tensor-parallel shards stay on transformers' FP8 forward: DTensor weights)
-    head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
+    head = load_lm_head(path, text, base, device) if cfg.topk_logits or cfg.teacher_policy else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg,
                        lm_head=head)
@@ -460,7 +460,8 @@ def load_lm_head(path: str, text_config, base: torch.nn.Module, device: torch.de
 
     keys = [k for k in checkpoint_keys(path) if k.endswith("lm_head.weight")]
     if not keys:
-        raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits needs the output projection")
+        raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits and --teacher-policy need the "
+                       "output projection")
     key = min(keys, key=len)
     shard = _index_weight_map(Path(path)).get(key)
     files = [Path(path) / shard] if isinstance(shard, str) else sorted(Path(path).glob("*.safetensors"))

@@ -11,6 +11,9 @@ columns, each a list (one entry per token) of fixed-size lists, and a per-row fl
     final_hidden_state_scale  1 float32        fp8 with final_hidden
     topk_logits            K bfloat16 bits     with --topk-logits K (int16 bits, whatever the storage dtype)
     topk_ids               K int32
+    policy_ids             K int32             with --teacher-policy K (hsx.policy: the serving distribution)
+    policy_logprobs        K float16           its renormalised log-probs, most likely first, -inf: left out
+    policy_tail            1 float32           the mass it leaves out (1 - kept mass under the full distribution)
     has_nonfinite          bool per row        with --nonfinite keep
 
 Arrow has no bfloat16 or float8: their bits are stored as int16 / uint8, marked by the datasets feature id
@@ -118,6 +121,7 @@ class OutputFormat:
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     topk: int = 0
     flag_nonfinite: bool = False
+    policy: int = 0  # --teacher-policy K
 
     @classmethod
     def of_job(cls, cfg, layers: list[int], hidden: int, final_hidden: bool) -> "OutputFormat":
@@ -125,13 +129,13 @@ class OutputFormat:
         final-norm state) of a model `hidden` wide: where a job's format is made (hsx.model.Target's, the checks of
         hsx.config.target_layers)."""
         return cls(len(layers), int(hidden), final_hidden, cfg.storage_dtype, cfg.topk_logits,
-                   cfg.nonfinite == "keep")
+                   cfg.nonfinite == "keep", cfg.teacher_policy)
 
     @classmethod
     def of(cls, info: "Info | Summary") -> "OutputFormat":
         """The format an hsx.json (or summary) describes."""
         return cls(len(info.layers), info.hidden_size, info.final_hidden, info.storage_dtype,
-                   info.config.topk_logits, info.config.nonfinite == "keep")
+                   info.config.topk_logits, info.config.nonfinite == "keep", info.config.teacher_policy)
 
     def problem(self) -> str | None:
         """Why this format cannot be written (None: it can)."""
@@ -139,6 +143,8 @@ class OutputFormat:
             return f"--storage-dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
         if self.topk and not self.final_hidden:
             return "--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 preset)"
+        if self.policy and not self.final_hidden:
+            return "--teacher-policy comes from the final-norm state: add --final-hidden (or use the eagle3 preset)"
         return None
 
     def state_columns(self) -> list[Column]:
@@ -153,6 +159,9 @@ class OutputFormat:
                 cols.append(Column("final_hidden_state_scale", 1, "float32"))
         if self.topk:
             cols += [Column("topk_logits", self.topk, "bfloat16"), Column("topk_ids", self.topk, "int32")]
+        if self.policy:
+            cols += [Column("policy_ids", self.policy, "int32"), Column("policy_logprobs", self.policy, "float16"),
+                     Column("policy_tail", 1, "float32")]
         return cols
 
     @property
@@ -192,7 +201,7 @@ class OutputFormat:
 
 
 def encode(states: list, num_layers: int, storage_dtype: str):
-    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k left out), on the
+    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k and the teacher policy left out: the engine appends them), on the
     device. `states`: the captured layers (tokens, num_layers x hidden) and, with final_hidden, the final-norm
     state (tokens, hidden).
 
@@ -329,11 +338,13 @@ class RecordedConfig:
     nonfinite: str = "skip"
     topk_logits: int = 0
     dtype: str = "bfloat16"
+    teacher_policy: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     CHECKS = {
         "nonfinite": (lambda v: v in ("skip", "keep"), "skip or keep"),
         "topk_logits": (lambda v: _is_int(v), "a non-negative integer"),
+        "teacher_policy": (lambda v: _is_int(v), "a non-negative integer"),
         "dtype": (lambda v: v in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}"),
     }
 
