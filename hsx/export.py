@@ -23,6 +23,8 @@ normalize_offline_sample, speculators 0.9.0's ArrowDataset).
     `draft_vocab_size` DEST/d2t-K.npy + t2d-K.npy, which its trainer finds by size in --data-path.
   * DEST/speculators.yaml: the `speculators train --config` keys this data implies (verifier, target layer ids,
     data path, on_missing: raise).
+  One layout for every speculator type: speculators' ArrowDataset splits the last stored layer off as
+  verifier_last_hidden_states for EAGLE-3, DFlash, DFlash2 and DSpark alike (speculators 0.9.0 train/data.py).
 
 States keep the stored dtype; fp8 outputs are dequantized to bfloat16.
 
@@ -551,7 +553,7 @@ def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_voca
                   **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
         "data": {"data_path": str(d.root.resolve())}, "generation": {"on_missing": "raise"}}}
     (tmp / "speculators.yaml").write_text(
-        "# speculators train --config <this file> [--speculator-type dflash] ...; written by hsx "
+        "# speculators train --config <this file> [--speculator-type dflash|dflash2|dspark] ...; written by hsx "
         "export-speculators\n" + yaml.safe_dump(config, sort_keys=False))
     for f in sorted(tmp.iterdir()):
         if f.is_dir() or not _RECORDED_PATH.fullmatch(f.name):
