@@ -15,9 +15,9 @@ Each format below was read off the peer's own code (the commits are in docs/trai
   (SafeAILab's EAGLE-3 keeps no list: it takes the inputs of layers 2, N//2 and N-3). Plus the final-norm state
   (`hidden_state`).
 - speculators (`speculators_model_type`): `eagle_aux_hidden_state_layer_ids` (eagle3, peagle) or
-  `aux_hidden_state_layer_ids` (dflash and its subclasses dflash2, dspark, xpress) count transformers' / vLLM's hidden states, 0 being the
-  embedding output, so hsx's layer is id - 1; its data generation always adds vLLM's layer N (the last decoder
-  layer's output before the final norm, its verifier state), hsx's N-1. Without a list,
+  `aux_hidden_state_layer_ids` (dflash and its subclasses dflash2, dspark, xpress) count transformers' / vLLM's hidden
+  states, 0 being the embedding output, so hsx's layer is id - 1; its data generation always adds vLLM's layer N (the
+  last decoder layer's output before the final norm, its verifier state), hsx's N-1. Without a list,
   `resolve_target_layer_ids`' default [2, N//2, N-3].
 
 A list hsx would store differently from how the trainer reads it is refused (one line naming the key): out of

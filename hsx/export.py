@@ -425,8 +425,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                      delete_source: bool = False, log=print) -> dict[str, Any]:
     """Write an output as SpecForge's offline per-sample files (see the module docstring). `i` is the row's
     `sample_id` (its input row, as SpecForge numbers rows; skipped rows leave gaps). eagle3 needs the final-norm
-    state (--final-hidden; the eagle3 preset has it) and 3 layers (`layers` picks 3 of more); dflash takes
-    every stored layer or `layers`; dspark takes them too, and the final-norm state. Returns {"written", "kept", "skipped", "released", "dest"}."""
+    state (--final-hidden; the eagle3 preset has it) and 3 layers (`layers` picks 3 of more); dflash takes every stored
+    layer or `layers`; dspark takes them too, and the final-norm state. Returns {"written", "kept", "skipped",
+    "released", "dest"}."""
     import torch
 
     if layout not in SPECFORGE_LAYOUTS:

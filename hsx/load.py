@@ -423,11 +423,12 @@ class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
     """Rows of an hsx output as torch tensors, every stored column: `sample_id`, `num_tokens` (ints),
     `input_ids`, `loss_mask` (T,), `hidden_states` (T, layers, hidden), `final_hidden_state` (T, hidden),
     `topk_logits` (T, K) bfloat16 and `topk_ids` (T, K) int32 with --topk-logits K, `policy_ids` (T, K) int32,
-    `policy_logprobs` (T, K) float16 and `policy_tail` (T, 1) float32 with --teacher-policy K (hsx.policy: row t is
-    the distribution of token t+1), `has_nonfinite` (bool) with --nonfinite keep. States keep their storage dtype as views of the mapped file, no copy (torch.bfloat16 for
-    bf16 outputs); fp8 outputs are dequantized to bfloat16 (x = q * scale, a copy of the selected layers), or
-    with `dequantize=False` come raw as torch.float8_e4m3fn with their `*_scale` columns. A map-style dataset:
-    `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with `collate_fn=hsx.collate`.
+    `policy_logprobs` (T, K) float16 and `policy_tail` (T, 1) float32 with --teacher-policy K (hsx.policy: row t is the
+    distribution of token t+1), `has_nonfinite` (bool) with --nonfinite keep. States keep their storage dtype as views
+    of the mapped file, no copy (torch.bfloat16 for bf16 outputs); fp8 outputs are dequantized to bfloat16 (x = q *
+    scale, a copy of the selected layers), or with `dequantize=False` come raw as torch.float8_e4m3fn with their
+    `*_scale` columns. A map-style dataset: `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with
+    `collate_fn=hsx.collate`.
 
     `source`: an output dir, or a `datasets.Dataset` of one (from `load`) with `meta` (its hsx.json) or
     `hidden_size`. `layers`: only these of the stored layers, by model layer index (needs the dir or `meta`)."""

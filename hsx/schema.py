@@ -201,9 +201,9 @@ class OutputFormat:
 
 
 def encode(states: list, num_layers: int, storage_dtype: str):
-    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k and the teacher policy left out: the engine appends them), on the
-    device. `states`: the captured layers (tokens, num_layers x hidden) and, with final_hidden, the final-norm
-    state (tokens, hidden).
+    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k and the teacher policy
+    left out: the engine appends them), on the device. `states`: the captured layers (tokens, num_layers x hidden) and,
+    with final_hidden, the final-norm state (tokens, hidden).
 
     fp8 (e4m3) scales each token's vector of each layer by its absolute maximum / 448, so every layer keeps
     its own range (residual-stream magnitudes grow by orders of magnitude with depth)."""

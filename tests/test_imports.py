@@ -23,8 +23,8 @@ LAYERS: list[set[str]] = [
      "hsx.moe_kernels", "hsx.fp8", "hsx.fp8_gemm", "hsx.fp8_model", "hsx.buckets", "hsx.kernels"},
     # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
     # the storage's own rates: storage)
-    {"hsx.inputs", "hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.policy", "hsx.writer", "hsx.storage", "hsx.info",
-     "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
+    {"hsx.inputs", "hsx.data", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.policy", "hsx.writer", "hsx.storage",
+     "hsx.info", "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)

@@ -1,6 +1,7 @@
 """The exports read by the trainers' OWN code, from their released packages: specforge 0.2.0 (OfflineManifestReader
 lists the files, load_feature_file loads them, the eagle3 / dflash / dspark strategy's normalize_offline_sample
-shapes them) and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config parsing).
+shapes them) and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config
+parsing).
 
 Their pins conflict with ours (specforge: torch 2.11, transformers 5.8.1, sglang; speculators: datasets <= 5.1,
 transformers <= 5.19), so each is installed with `pip install --no-deps --target` into the pytest cache, plus only
