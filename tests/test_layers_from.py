@@ -177,3 +177,22 @@ def test_extract_records_where_the_layers_came_from(tmp_path, model4, small_chat
     record = info.raw["layers_from"]
     assert record["key"] == "dflash_config.target_layer_ids" and record["ids"] == [0, 2]
     assert record["format"] == "dflash-family (DSpark)" and len(record["sha256"]) == 64
+
+
+def test_a_hub_id_is_read_from_huggingface_hubs_cache_offline(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--z-lab--Qwen3-8B-DFlash-b16"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    cfg = {**QWEN3_DRAFT, "architectures": ["DFlashDraftModel"], "num_target_layers": 36,
+           "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}
+    write(repo / "snapshots" / commit, cfg)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    d = draft_layers("z-lab/Qwen3-8B-DFlash-b16", QWEN3_8B)
+    assert d.layers == [1, 9, 17, 25, 33] and d.record["config"] == f"z-lab/Qwen3-8B-DFlash-b16@{commit}"
+    with pytest.raises(UsageError, match="--layers-from z-lab/not-cached: cannot get its config.json"):
+        draft_layers("z-lab/not-cached", QWEN3_8B)
