@@ -286,7 +286,7 @@ def parse_value(name: str, value: Any) -> Any:
         layers = parse_layer_spec(value)
         if layers in ([], ""):
             raise HsxError("--layers is required: integers (negatives count from the end) or a preset "
-                           "(eagle3, dflash, dflash-K)")
+                           "(eagle3, dflash, dflash-K); or --layers-from DRAFT")
         return layers
     # mapping: a YAML mapping, or a JSON object (how a flag gives it)
     if isinstance(value, str):
