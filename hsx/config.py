@@ -96,8 +96,8 @@ class ExtractConfig:
                                help="also store the target's serving distribution per token as a teacher: its K "
                                "likeliest tokens, then the nucleus --teacher-top-p, at --teacher-temperature, "
                                "renormalised (int32 ids, float16 log probabilities, minus infinity where the nucleus "
-                               "left one out) and the mass left out; needs --final-hidden or a preset that includes "
-                               "it")
+                               "left one out) and the mass left out, from the final-norm state (run, stored only "
+                               "with --final-hidden)")
     teacher_top_p: float = _key(1.0, minimum=1e-9, help="--teacher-policy: the nucleus kept of the K likeliest "
                                 "tokens (1: all K)")
     teacher_temperature: float = _key(1.0, minimum=0.0, help="--teacher-policy: the serving temperature (0: "

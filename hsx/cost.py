@@ -462,7 +462,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     from hsx.config import layers_run
 
     n = int(c.num_hidden_layers)
-    depth = layers_run(n, layers, final_hidden)
+    depth = layers_run(n, layers, final_hidden or bool(teacher_policy))  # (the policy is the final norm's)
     h = int(c.hidden_size)
     fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits, policy=teacher_policy)
     if fmt.problem():

@@ -73,7 +73,8 @@ class Extractor:
         fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device
         self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
-        self.layers, self.final = loaded.layers, loaded.final_hidden
+        self.layers, self.final = loaded.layers, loaded.final_hidden  # (final: computed, maybe for the policy only)
+        self.store_final = fmt.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
         self.storage_dtype = fmt.storage_dtype
@@ -292,7 +293,7 @@ class Extractor:
         token_rows = torch.div(index, padded, rounding_mode="floor") if packed is None else index
         bad_rows = torch.zeros(b, dtype=torch.int32, device=bad_tokens.device).index_add_(
             0, token_rows, bad_tokens.int())
-        out = encode(states, len(self.layers), self.storage_dtype)
+        out = encode(states if self.store_final else states[:1], len(self.layers), self.storage_dtype)
         if self.topk:
             out = torch.cat([out, *self._topk(states[1])])
         if self.policy:

@@ -33,7 +33,7 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.
 class LoadedModel:
     base: torch.nn.Module  # the decoder stack (XModel), truncated
     layers: list[int]  # resolved, sorted
-    final_hidden: bool
+    final_hidden: bool  # the final-norm state is computed (stored, or only the teacher policy's input)
     num_model_layers: int  # depth of the full model
     depth: int  # decoder layers that run
     hidden_size: int
@@ -402,7 +402,8 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     else:  # the files again: a job's target was read before it tokenized, maybe minutes ago
         check_checkpoint(target.model_path, cfg.model, target.text)
     path, revision, text, n = target.model_path, target.revision, target.text, target.num_layers
-    layers, final_hidden = target.layers, target.final_hidden
+    layers = target.layers
+    final_hidden = target.final_hidden or bool(target.format.policy)  # (the policy's input, stored or not)
     depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
     quant = fp8.quantization_of(tcfg)

@@ -143,8 +143,6 @@ class OutputFormat:
             return f"--storage-dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
         if self.topk and not self.final_hidden:
             return "--topk-logits comes from the final-norm state: add --final-hidden (or use the eagle3 preset)"
-        if self.policy and not self.final_hidden:
-            return "--teacher-policy comes from the final-norm state: add --final-hidden (or use the eagle3 preset)"
         return None
 
     def state_columns(self) -> list[Column]:

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from types import SimpleNamespace
+
 from helpers import assert_one_error_line, hsx_main
+from hsx.config import load_config, target_layers
+from hsx.errors import HsxError
 from hsx.policy import serving_policy
 
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
@@ -111,27 +115,50 @@ def test_drafting_against_it_gives_the_served_acceptance():
 
 
 def test_options_are_checked(tmp_path):
-    base = ["plan", "--config", str(DEMO)]
+    base = ["plan", "--shape", "tiny", "--layers", "1"]  # (the tiny shape: 512 tokens, no dataset read)
     rc, _, err = hsx_main([*base, "--teacher-policy", "4", "--teacher-top-p", "1.5"])
     assert rc == 2
     assert_one_error_line(rc, err, "teacher_top_p")
     rc, _, err = hsx_main([*base, "--teacher-top-p", "0.9"])
     assert rc == 2
     assert_one_error_line(rc, err, "--teacher-policy")
-    rc, _, err = hsx_main(["plan", "--model", str(MODEL), "--layers", "1", "--teacher-policy", "4"])
-    assert rc == 2
-    assert_one_error_line(rc, err, "--final-hidden")
-    rc, _, err = hsx_main([*base, "--teacher-policy", str(10**6)])
-    assert rc == 1  # as --topk-logits: the model's facts, not the command line, refuse it
-    assert_one_error_line(rc, err, "--teacher-policy", "vocabulary")
+    # as --topk-logits, once the model's config is read (hsx plan and extract both check it here; exit 1)
+    cfg = load_config(None, {"model": "m", "layers": "1", "teacher_policy": 513}, required=())
+    with pytest.raises(HsxError, match="--teacher-policy 513 is more than the model's vocabulary"):
+        target_layers(cfg, SimpleNamespace(num_hidden_layers=4, hidden_size=64, vocab_size=512))
 
 
 def test_plan_counts_its_bytes(tmp_path):
     dest = tmp_path / "plan.json"
-    assert hsx_main(["plan", "--config", str(DEMO), "--json", str(dest)])[0] == 0
-    plain = json.loads(dest.read_text())["bytes_per_token"]
-    assert hsx_main(["plan", "--config", str(DEMO), "--teacher-policy", "8", "--json", str(dest)])[0] == 0
-    assert json.loads(dest.read_text())["bytes_per_token"] == plain + 8 * (4 + 2) + 4  # ids, log-probs, tail
+    from hsx.schema import OutputFormat
+
+    assert hsx_main(["plan", "--shape", "tiny", "--layers", "1", "--final-hidden", "--teacher-policy", "8",
+                     "--json", str(dest)])[0] == 0
+    planned = json.loads(dest.read_text())
+    plain = OutputFormat(1, planned["hidden_size"], True).bytes_per_token
+    assert planned["bytes_per_token"] == plain + 8 * (4 + 2) + 4  # ids, log-probs, tail
+
+
+def test_the_policy_runs_the_final_norm_without_storing_it(tmp_path, model4, small_chat_path):
+    """--teacher-policy without --final-hidden: every layer and the final norm run (the policy's input), and only
+    the policy is stored beside the chosen layer."""
+    import hsx
+
+    dest = tmp_path / "plan.json"
+    argv = ["--model", str(model4.path), "--layers", "1", "--teacher-policy", "4"]
+    assert hsx_main(["plan", *argv, "--dataset", str(small_chat_path), "--json", str(dest)])[0] == 0
+    planned = json.loads(dest.read_text())
+    assert planned["layers_run"] == model4.num_layers and planned["bytes_per_token"] == 64 * 2 + 4 * 6 + 4
+    out = tmp_path / "out"
+    rc, _, err = hsx_main(["extract", *argv, "--dataset", str(small_chat_path), "--output-dir", str(out),
+                           "--compile", "off"])
+    assert rc == 0, err
+    features = hsx.load(str(out)).features
+    assert "final_hidden_state" not in features and features["policy_ids"].feature.length == 4
+    row = hsx.torch_view(str(out))[0]
+    assert torch.isfinite(row["policy_tail"]).all() and (row["policy_logprobs"][:, 0] <= 0).all()
+    assert torch.allclose(row["policy_logprobs"].float().exp().sum(-1), torch.ones(len(row["input_ids"])),
+                          atol=5e-3)
 
 
 @pytest.mark.slow
