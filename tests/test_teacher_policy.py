@@ -128,20 +128,9 @@ def test_options_are_checked(tmp_path):
         target_layers(cfg, SimpleNamespace(num_hidden_layers=4, hidden_size=64, vocab_size=512))
 
 
-def test_plan_counts_its_bytes(tmp_path):
-    dest = tmp_path / "plan.json"
-    from hsx.schema import OutputFormat
-
-    assert hsx_main(["plan", "--shape", "tiny", "--layers", "1", "--final-hidden", "--teacher-policy", "8",
-                     "--json", str(dest)])[0] == 0
-    planned = json.loads(dest.read_text())
-    plain = OutputFormat(1, planned["hidden_size"], True).bytes_per_token
-    assert planned["bytes_per_token"] == plain + 8 * (4 + 2) + 4  # ids, log-probs, tail
-
-
 def test_the_policy_runs_the_final_norm_without_storing_it(tmp_path, model4, small_chat_path):
     """--teacher-policy without --final-hidden: every layer and the final norm run (the policy's input), and only
-    the policy is stored beside the chosen layer."""
+    the policy is stored beside the chosen layer; `hsx plan` counts its bytes (ids, log-probs, tail)."""
     import hsx
 
     dest = tmp_path / "plan.json"
