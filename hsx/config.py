@@ -93,11 +93,11 @@ class ExtractConfig:
                             help="also store the target's top-K logits and token ids per token (from "
                             "the final-norm state, in chunks; needs --final-hidden or a preset that includes it)")
     teacher_policy: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
-                               help="also store the target's serving distribution per token as a teacher: its K "
-                               "likeliest tokens, then the nucleus --teacher-top-p, at --teacher-temperature, "
-                               "renormalised (int32 ids, float16 log probabilities, minus infinity where the nucleus "
-                               "left one out) and the mass left out, from the final-norm state (run, stored only "
-                               "with --final-hidden)")
+                               help="store the target's serving distribution per token as a teacher, beside the "
+                               "layers or alone (no layers: no hidden states, no hooks): its K likeliest tokens at "
+                               "the serving temperature, then the nucleus, renormalised (int32 ids, float16 log "
+                               "probabilities, minus infinity where the nucleus left one out), and the mass left "
+                               "out; from the final norm's output, which then runs (stored only with --final-hidden)")
     teacher_top_p: float = _key(1.0, minimum=1e-9, help="--teacher-policy: the nucleus kept of the K likeliest "
                                 "tokens (1: all K)")
     teacher_temperature: float = _key(1.0, minimum=0.0, help="--teacher-policy: the serving temperature (0: "
@@ -479,7 +479,9 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
     no_layers = cfg.layers in ([], "", ())
     if layers_from and not no_layers:
         raise HsxError("--layers and --layers-from both choose the layers: give one")
-    skip = set(parsed) | ({"layers"} if layers_from and no_layers else set())
+    # no layers: a policy-only job (--teacher-policy K alone stores the policy, no hidden states)
+    policy_only = no_layers and not layers_from and parse_value("teacher_policy", cfg.teacher_policy) > 0
+    skip = set(parsed) | ({"layers"} if (layers_from or policy_only) and no_layers else set())
     cfg = dataclasses.replace(cfg, **{name: parse_value(name, getattr(cfg, name)) for name in FIELDS
                                       if name not in skip})
     for name in required:
@@ -528,7 +530,7 @@ def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bo
 
         draft = draft or draft_layers(cfg.layers_from, text_config)
         resolved = draft.layers, cfg.final_hidden or draft.final_hidden
-    layers, final_hidden = resolved or resolve_layers(cfg.layers, int(text_config.num_hidden_layers),
+    layers, final_hidden = resolved or resolve_layers(cfg.layers or [], int(text_config.num_hidden_layers),
                                                       cfg.final_hidden)
     problem = OutputFormat.of_job(cfg, layers, text_config.hidden_size, final_hidden).problem()
     if problem:

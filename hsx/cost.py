@@ -468,6 +468,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     if fmt.problem():
         raise ValueError(fmt.problem())
     values = fmt.values_per_token
+    widest = max(values, *(col.width for col in fmt.state_columns()))  # (a policy-only output's: the policy's)
     bpt = fmt.bytes_per_token  # the state columns as written (hsx.schema); + token_bytes for input_ids, loss_mask
     weights = weight_bytes(c, depth)
     act = activation_bytes_per_token(c, values)
@@ -484,9 +485,9 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
         "weight_bytes": weights, "activation_bytes_per_token": act, "token_budget": budget,
         "peak_gpu_bytes_estimate": int(per_gpu_weights + act * budget),  # per GPU of a copy
         "max_length": max_length,
-        "arrow_values_per_max_length_row": max_length * values,
-        "arrow_limit_ok": max_length * values <= ARROW_MAX_VALUES,
-        "max_tokens_per_record_batch": ARROW_MAX_VALUES // values,
+        "arrow_values_per_max_length_row": max_length * widest,
+        "arrow_limit_ok": max_length * widest <= ARROW_MAX_VALUES,
+        "max_tokens_per_record_batch": ARROW_MAX_VALUES // widest,
     }
     if gpu_bytes is not None:
         copies = node_gpus // gpus if gpus else 0

@@ -110,7 +110,8 @@ class Extractor:
         if packed is not None:
             n = index.shape[0]
             out = self.loaded.base(input_ids=ids, use_cache=False, **packed)
-            states = [torch.cat([self.store[i].reshape(-1, h)[:n] for i in self.layers], dim=1)]
+            states = [torch.cat([self.store[i].reshape(-1, h)[:n] for i in self.layers], dim=1) if self.layers
+                      else out.last_hidden_state.new_empty((n, 0))]  # (policy-only: no layer stored)
             if self.final:
                 states.append(out.last_hidden_state.reshape(-1, h)[:n])
             return states
@@ -119,7 +120,8 @@ class Extractor:
         # bring the real tokens (not the padded batch) to the first device.
         parts = [self.store[i].reshape(-1, h).index_select(0, index.to(self.store[i].device, non_blocking=True))
                  .to(index.device, non_blocking=True) for i in self.layers]
-        states = [torch.cat(parts, dim=1)]  # layers in ascending order
+        states = [torch.cat(parts, dim=1) if parts  # layers in ascending order
+                  else out.last_hidden_state.new_empty((index.shape[0], 0), device=index.device)]
         if self.final:
             last = out.last_hidden_state
             states.append(last.reshape(-1, h).index_select(0, index.to(last.device)).to(index.device))

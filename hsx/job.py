@@ -438,7 +438,9 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
     from hsx.writer import spares_for, unit_files, unit_fingerprint
 
     unit_rows, step, budget, feats = extraction.rows, extraction, extraction.budget, extraction.features
-    values_per_token = extraction.values_per_token
+    # the widest column's values per token bound a record batch (Arrow's 2^31 values per array): a policy-only
+    # output's widest is the policy's
+    values_per_token = max(extraction.values_per_token, *(c.width for c in extraction.extractor.columns))
     job_fp = read_json(out.state / "job.json", JobRecord).fingerprint
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()

@@ -139,6 +139,10 @@ class OutputFormat:
 
     def problem(self) -> str | None:
         """Why this format cannot be written (None: it can)."""
+        if not self.num_layers and not self.policy:
+            return "--layers is required (only a --teacher-policy job stores no layers)"
+        if not self.num_layers and self.storage_dtype == SCALED_DTYPE:
+            return "a policy-only job stores no hidden states to keep in float8_e4m3: drop --storage-dtype"
         if self.storage_dtype not in STORAGE_DTYPES:
             return f"--storage-dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
         if self.topk and not self.final_hidden:
@@ -147,11 +151,12 @@ class OutputFormat:
 
     def state_columns(self) -> list[Column]:
         """The state columns, in the order `encode` lays them out (and the map function writes them): fp8 adds
-        one float32 scale per token and layer; top-k target logits add their bf16 values and int32 ids last."""
-        cols = [Column("hidden_states", self.num_layers * self.hidden, self.storage_dtype)]
+        one float32 scale per token and layer; top-k target logits add their bf16 values and int32 ids last, the
+        teacher policy its columns after them. A policy-only output (no layers) has no hidden_states."""
+        cols = [Column("hidden_states", self.num_layers * self.hidden, self.storage_dtype)] if self.num_layers else []
         if self.final_hidden:
             cols.append(Column("final_hidden_state", self.hidden, self.storage_dtype))
-        if self.storage_dtype == SCALED_DTYPE:
+        if self.storage_dtype == SCALED_DTYPE and self.num_layers:
             cols.append(Column("hidden_states_scale", self.num_layers, "float32"))
             if self.final_hidden:
                 cols.append(Column("final_hidden_state_scale", 1, "float32"))
@@ -322,8 +327,8 @@ def _check(obj: Any, checks: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     return obj
 
 
-def _layers_ok(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
+def _layers_ok(v: Any) -> bool:  # (empty: a policy-only output)
+    return isinstance(v, list) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
 
 
 _STRING = (lambda v: isinstance(v, str), "a string")
@@ -418,7 +423,7 @@ _OUTPUT_CHECKS = {  # hsx.json and summary.json alike
 
 def _output_fields(d: dict[str, Any], checks: dict[str, tuple[Any, str]], counts: tuple[str, ...]) -> dict[str, Any]:
     _check(d, {**_OUTPUT_CHECKS, **checks})
-    if max(d["layers"]) >= d["num_model_layers"]:
+    if max(d["layers"], default=-1) >= d["num_model_layers"]:
         raise Damaged(f"layers {d['layers']} do not fit a model of {d['num_model_layers']} layers")
     config = RecordedConfig.from_dict(d["config"])
     vocab = d.get("vocab_size")

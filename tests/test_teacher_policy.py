@@ -128,6 +128,7 @@ def test_options_are_checked(tmp_path):
         target_layers(cfg, SimpleNamespace(num_hidden_layers=4, hidden_size=64, vocab_size=512))
 
 
+@pytest.mark.slow
 def test_the_policy_runs_the_final_norm_without_storing_it(tmp_path, model4, small_chat_path):
     """--teacher-policy without --final-hidden: every layer and the final norm run (the policy's input), and only
     the policy is stored beside the chosen layer; `hsx plan` counts its bytes (ids, log-probs, tail)."""
@@ -148,6 +149,37 @@ def test_the_policy_runs_the_final_norm_without_storing_it(tmp_path, model4, sma
     assert torch.isfinite(row["policy_tail"]).all() and (row["policy_logprobs"][:, 0] <= 0).all()
     assert torch.allclose(row["policy_logprobs"].float().exp().sum(-1), torch.ones(len(row["input_ids"])),
                           atol=5e-3)
+
+
+@pytest.mark.slow
+def test_a_policy_only_job_stores_no_hidden_states(tmp_path, model4, small_chat_path):
+    """--teacher-policy without --layers: no hook, no hidden states; the policy equals the one stored beside the
+    states by a job that also keeps the final-norm state (the same forward), and the readers take the output."""
+    import hsx
+
+    common = ["extract", "--model", str(model4.path), "--dataset", str(small_chat_path), "--compile", "off",
+              "--teacher-policy", "4", "--teacher-top-p", "0.8", "--dtype", "float32"]
+    only, both = tmp_path / "only", tmp_path / "both"
+    rc, _, err = hsx_main([*common, "--output-dir", str(only)])
+    assert rc == 0, err
+    assert hsx_main([*common, "--output-dir", str(both), "--layers", "0", "--final-hidden"])[0] == 0
+    ds = hsx.load(str(only))
+    assert set(ds.features) == {"sample_id", "input_ids", "loss_mask", "num_tokens", "policy_ids", "policy_logprobs",
+                                "policy_tail"}
+    from hsx.load import read_info
+
+    info = read_info(only)
+    assert info.layers == [] and not info.final_hidden and info.config.teacher_policy == 4
+    a, b = hsx.torch_view(str(only)), hsx.torch_view(str(both))
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["sample_id"] == y["sample_id"] and torch.equal(x["policy_ids"], y["policy_ids"])
+        assert torch.equal(x["policy_logprobs"], y["policy_logprobs"])
+    batch = hsx.collate([a[0], a[1]])
+    assert batch["policy_logprobs"].shape[:2] == batch["input_ids"].shape and "hidden_states" not in batch
+    rc, _, err = hsx_main(["verify", str(only)])
+    assert rc == 0, err
 
 
 @pytest.mark.slow
