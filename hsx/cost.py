@@ -425,11 +425,13 @@ def budget_cap(c) -> int:
     return max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * _num_experts(c) // int(c.num_experts_per_tok))
 
 
-def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
-    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head.
+def weight_bytes(c, depth: int, dtype_bytes: int = 2, lm_head: bool = False) -> int:
+    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; lm_head only for
+    top-k logits or the teacher policy (`lm_head`), and only when it is not the embedding itself.
     FP8 checkpoints: the layers at 1 byte a weight (their scales and bf16 norms are well under 1%)."""
     layers = sum(decoder_layer_params(c, i, active=False) for i in range(depth))
-    return (1 if is_fp8(c) else dtype_bytes) * layers + dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
+    tables = 2 if lm_head and not getattr(c, "tie_word_embeddings", False) else 1
+    return (1 if is_fp8(c) else dtype_bytes) * layers + tables * dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
 
 
 def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int, gpu_bytes: int,
@@ -470,7 +472,7 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     values = fmt.values_per_token
     widest = max(values, *(col.width for col in fmt.state_columns()))  # (a policy-only output's: the policy's)
     bpt = fmt.bytes_per_token  # the state columns as written (hsx.schema); + token_bytes for input_ids, loss_mask
-    weights = weight_bytes(c, depth)
+    weights = weight_bytes(c, depth, lm_head=bool(topk_logits or teacher_policy))
     act = activation_bytes_per_token(c, values)
     min_batch = max(max_length, DEFAULT_BUDGET_CAP // 4)  # one full row, and enough tokens to keep a GPU busy
     gpus = gpus_per_copy(weights, act, token_budget or min_batch, gpu_bytes, node_gpus) if gpu_bytes else 1
@@ -540,7 +542,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"layers {p['layers']}{' + final norm state' if p['final_hidden'] else ''}: runs {p['layers_run']} of "
         f"{p['num_model_layers']} decoder layers, "
         + ("lm_head in chunks of tokens" if p["topk_logits"] or p["teacher_policy"] else "no lm_head"),
-        f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
+        f"weights (layers run + embeddings{' + lm_head' if p['topk_logits'] or p['teacher_policy'] else ''}): "
+        f"{p['weight_bytes'] / gib:.1f} GiB",
         f"activation memory per token: {p['activation_bytes_per_token'] / 1024:.0f} KiB; token budget "
         f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB per GPU)",
         f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} {p['storage_dtype']} values"
