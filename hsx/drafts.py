@@ -183,7 +183,8 @@ def _interpret(config: dict, n: int):
         if ids is None:  # SpecForge's resolve_eagle_capture_layers; SafeAILab's inputs of layers 2, N//2, N-3
             ids = [1, n // 2 - 1, n - 4]
             rule = "SpecForge's resolve_eagle_capture_layers default [1, N//2-1, N-4] (EAGLE's own layers)"
-        return ids, key, ZERO_BASED, "eagle3 (SpecForge / EAGLE)", True, rule
+        arch = next(iter(_architectures(config)), "EAGLE-3")  # (SpecForge's P-EAGLE takes the same layers)
+        return ids, key, ZERO_BASED, f"eagle3-family ({arch})", True, rule
     raise UsageError(f"not a draft config hsx knows: expected one of {KNOWN}")
 
 
