@@ -205,6 +205,61 @@ def test_specforge_counts_the_same_vocabulary(specforge, out, tmp_path):
         assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
 
 
+# ---- --layers-from: the layers each peer's own code captures for its draft config ----------------------------
+
+QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}
+
+
+def test_specforge_resolves_the_layers_hsx_reads(specforge, tmp_path):
+    """SpecForge's own resolvers (model_providers) on its draft configs: SGLang captures "before layer id + 1", so
+    its id is hsx's layer, one for one."""
+    from types import SimpleNamespace
+
+    from specforge.algorithms.model_providers import resolve_dflash_capture_layers, resolve_eagle_capture_layers
+
+    import json
+
+    from hsx.drafts import draft_layers
+
+    target = SimpleNamespace(**QWEN3_8B)
+    run = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=None))
+    configs = [
+        ("dflash", {"architectures": ["DFlashDraftModel"], "num_target_layers": 36, "hidden_size": 4096,
+                    "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}),
+        ("dflash", {"architectures": ["DSparkDraftModel"], "num_target_layers": 36, "hidden_size": 4096,
+                    "dflash_config": {"projector_type": "dspark", "target_layer_ids": [2, 10, 18, 26, 32]}}),
+        ("eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000,
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}}),
+        ("eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}),  # its default
+    ]
+    for kind, config in configs:
+        theirs = (resolve_dflash_capture_layers if kind == "dflash" else resolve_eagle_capture_layers)(
+            run, config, target)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert draft_layers(str(tmp_path / "config.json"), target).layers == theirs, (config, theirs)
+
+
+def test_speculators_resolves_the_layers_hsx_reads(speculators, tmp_path):
+    """speculators' own default (resolve_target_layer_ids, reading the verifier's config) counts the embedding
+    output as 0: hsx's layers are its ids - 1, plus the verifier layer N-1."""
+    import json
+    from types import SimpleNamespace
+
+    from speculators.models.utils import resolve_target_layer_ids
+
+    from hsx.drafts import draft_layers
+
+    (tmp_path / "verifier").mkdir()
+    (tmp_path / "verifier" / "config.json").write_text(json.dumps({"model_type": "qwen3", **QWEN3_8B}))
+    with pytest.warns(UserWarning):
+        theirs = resolve_target_layer_ids(None, str(tmp_path / "verifier"))
+    draft = {"speculators_model_type": "dspark", "transformer_layer_config": {"hidden_size": 4096,
+                                                                             "vocab_size": 151936}}
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    d = draft_layers(str(tmp_path / "draft.json"), SimpleNamespace(**QWEN3_8B))
+    assert d.layers == [i - 1 for i in theirs] + [35]
+
+
 # ---- speculators ----------------------------------------------------------------------------------------------
 
 def test_speculators_arrow_dataset_reads_the_export(speculators, out, tmp_path):
