@@ -237,6 +237,14 @@ def test_specforge_resolves_the_layers_hsx_reads(specforge, tmp_path):
             run, config, target)
         (tmp_path / "config.json").write_text(json.dumps(config))
         assert draft_layers(str(tmp_path / "config.json"), target).layers == theirs, (config, theirs)
+    # a DFlash config without the list: its draft model's fallback, z-lab's rule (SpecForge's copy of it)
+    build_target_layer_ids = _import("specforge.modeling.draft.dflash", "specforge 0.2.0").build_target_layer_ids
+    for n, k in ((36, 5), (64, 5), (64, 1), (28, 3), (40, 8)):
+        config = {"architectures": ["DFlashDraftModel"], "num_target_layers": n, "num_hidden_layers": k,
+                  "dflash_config": {"mask_token_id": 0}}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        shape = SimpleNamespace(num_hidden_layers=n, hidden_size=64, vocab_size=100)
+        assert draft_layers(str(tmp_path / "config.json"), shape).layers == build_target_layer_ids(n, k), (n, k)
 
 
 def test_speculators_resolves_the_layers_hsx_reads(speculators, tmp_path):
