@@ -90,15 +90,19 @@ def dataset_card(info: dict[str, Any], command: str) -> str:
                   .format(n=num_layers) if dtype == "float8_e4m3" else "")
     final_col = (f"\n- `final_hidden_state`: (T, {hidden}) {stored}, the output of the final norm (transformers' "
                  "`hidden_states[N]`, the input of lm_head)") if info["final_hidden"] else ""
+    policy = cfg.get("teacher_policy") or 0
+    policy_col = (f"\n- `policy_ids` (T, {policy}) int32, `policy_logprobs` (T, {policy}) float16, `policy_tail` (T, 1) "
+                  "float32: the target's serving distribution of the next token (--teacher-policy; -inf: left out)"
+                  if policy else "")
     flag_col = ("\n- `has_nonfinite`: bool, the row's states hold NaN/Inf (kept with --nonfinite keep)"
                 if cfg.get("nonfinite") == "keep" else "")
-    first = info["layers"][0]
+    first = info["layers"][0] if info["layers"] else None  # (None: a policy-only output, no hidden states)
     split = cfg.get("split", "?")
-    more_cols = scale_cols + final_col + flag_col
+    more_cols = scale_cols + final_col + policy_col + flag_col
     hsx_load = f'''```python
 import hsx
 # {"streamed from the Hub" if repo else "memory-mapped in place"}: torch rows, (T, 1, {hidden}) states of layer {first}
-rows = hsx.load("{where}", layers=[{first}]{stream_arg})
+{f'rows = hsx.load("{where}", layers=[{first}]{stream_arg})' if first is not None else ""}
 ds = hsx.load("{where}"{stream_arg})  # {"a datasets.IterableDataset" if repo else "a datasets.Dataset, no copy"}
 ```'''
     plain = f'''```python
@@ -146,7 +150,8 @@ Layer convention: {info['layer_convention']}.
 - `sample_id`: int64, the row's index in the input dataset (`{cfg.get('dataset', '?')}`, split `{split}`)
 - `input_ids`: int32 token ids; `loss_mask`: int8, 1 on each assistant token including its end-of-turn token (unshifted)
 - `num_tokens`: int32
-- `hidden_states`: (T, {num_layers}·{hidden}) {stored}, layers concatenated in the order above{more_cols}
+{f"- `hidden_states`: (T, {num_layers}·{hidden}) {stored}, layers concatenated in the order above"
+   if num_layers else "- no `hidden_states`: a policy-only output (--teacher-policy without --layers)"}{more_cols}
 
 Rows are ordered by length bucket, then `sample_id`. Skipped input rows: {json.dumps(c['skipped'])};
 truncated to {info['max_length']} tokens: {c['truncated']}.

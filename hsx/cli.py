@@ -201,12 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     # the same flags, spelled the same, as `extract --push-to-hub`
     for name in ("hub_revision", "hub_private", "hub_overwrite"):
         config_flag(pu, name, default=default_of(name))
-    sf = command("export-specforge", "write an output as SpecForge's offline EAGLE-3 or DFlash files")
+    from hsx.export import SPECFORGE_LAYOUTS  # (no torch, datasets or transformers: `hsx --help` stays fast)
+
+    sf = command("export-specforge", "write an output as SpecForge's offline EAGLE-3, DFlash or DSpark files")
     sf.add_argument("output_dir", help="a finished hsx output dir (eagle3: 3 or more layers and --final-hidden)")
     sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
-    sf.add_argument("--layout", choices=["eagle3", "dflash"], default="eagle3",
-                    help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash: hidden_states "
-                         "(every chosen layer)")
+    sf.add_argument("--layout", choices=SPECFORGE_LAYOUTS, default="eagle3",
+                    help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash (DFlash, DFlash2, "
+                         "Domino): hidden_states (every chosen layer); dspark: dflash's + target_last_hidden_states "
+                         "(final norm)")
     sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use, e.g. --layers 1 17 32 (default: "
                     "all; eagle3 takes 3)")
     sf.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "

@@ -84,11 +84,24 @@ class ExtractConfig:
     # What to capture.
     layers: list[int] | str = _key(default_factory=list, help="decoder layers (0-based, negatives from the end), "
                                    "e.g. `1 -1` or `1,-1`, or a preset: eagle3, dflash, dflash-K")
+    layers_from: str | None = _key(None, help="take the layers from a draft's own config (a config.json, a draft "
+                                   "checkpoint folder or a Hub id): SpecForge, z-lab, speculators and EAGLE drafts, "
+                                   "each in its own index convention (docs/trainers.md); instead of --layers")
     final_hidden: bool = _key(False, help="also store the final-norm output (transformers' hidden_states[N]) as "
                               "final_hidden_state")
     topk_logits: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
                             help="also store the target's top-K logits and token ids per token (from "
                             "the final-norm state, in chunks; needs --final-hidden or a preset that includes it)")
+    teacher_policy: int = _key(0, minimum=0, maximum=(INT32_MAX, "token ids are int32"),
+                               help="store the target's serving distribution per token as a teacher, beside the "
+                               "layers or alone (no layers: no hidden states, no hooks): its K likeliest tokens at "
+                               "the serving temperature, then the nucleus, renormalised (int32 ids, float16 log "
+                               "probabilities, minus infinity where the nucleus left one out), and the mass left "
+                               "out; from the final norm's output, which then runs (stored only with --final-hidden)")
+    teacher_top_p: float = _key(1.0, minimum=1e-9, help="--teacher-policy: the nucleus kept of the K likeliest "
+                                "tokens (1: all K)")
+    teacher_temperature: float = _key(1.0, minimum=0.0, help="--teacher-policy: the serving temperature (0: "
+                                      "greedy)")
     max_length: int = _key(4096, minimum=1, maximum=TOKENS_INT32, help="longer rows are truncated (and counted)")
     chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "
                                                 "template, e.g. '{\"enable_thinking\": false}'")
@@ -306,7 +319,7 @@ def parse_value(name: str, value: Any, keys: Keys = EXTRACT_KEYS) -> Any:
         layers = parse_layer_spec(value)
         if layers in ([], ""):
             raise HsxError("--layers is required: integers (negatives count from the end) or a preset "
-                           "(eagle3, dflash, dflash-K)")
+                           "(eagle3, dflash, dflash-K); or --layers-from DRAFT")
         return layers
     # mapping: a YAML mapping, or a JSON object (how a flag gives it)
     if isinstance(value, str):
@@ -495,8 +508,15 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
     """Every key's type and range (as `parse_value`; the keys in `parsed` were already, and are not parsed again),
     then what keys require of each other. A default is checked too: the empty `layers` is '--layers is required'.
     Returns the config with its values parsed ('1,-1' -> [1, -1]) as a new one: the caller's is left as it was."""
+    layers_from = parse_value("layers_from", cfg.layers_from)
+    no_layers = cfg.layers in ([], "", ())
+    if layers_from and not no_layers:
+        raise HsxError("--layers and --layers-from both choose the layers: give one")
+    # no layers: a policy-only job (--teacher-policy K alone stores the policy, no hidden states)
+    policy_only = no_layers and not layers_from and parse_value("teacher_policy", cfg.teacher_policy) > 0
+    skip = set(parsed) | ({"layers"} if (layers_from or policy_only) and no_layers else set())
     cfg = dataclasses.replace(cfg, **{name: parse_value(name, getattr(cfg, name)) for name in FIELDS
-                                      if name not in parsed})
+                                      if name not in skip})
     for name in required:
         if not getattr(cfg, name):
             raise HsxError(f"--{name.replace('_', '-')} is required")
@@ -515,6 +535,10 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
         raise HsxError("--delete-after-upload needs --push-to-hub REPO and --push-mode stream")
     if cfg.hub_overwrite and not cfg.push_to_hub:
         raise HsxError("--hub-overwrite needs --push-to-hub REPO")
+    if cfg.teacher_top_p > 1:
+        raise HsxError(f"teacher_top_p must be at most 1 (a probability mass), got {cfg.teacher_top_p}")
+    if (cfg.teacher_top_p != 1 or cfg.teacher_temperature != 1) and not cfg.teacher_policy:
+        raise HsxError("--teacher-top-p and --teacher-temperature shape --teacher-policy K: give it too")
     if cfg.tp_size > 1 and cfg.gpus_per_copy > 1:
         raise HsxError("--tp-size and --gpus-per-copy are two ways to split a model copy: choose one")
     if cfg.elastic is not None and not cfg.elastic.strip():  # (an empty one ran silently as a fixed split)
@@ -529,25 +553,32 @@ def check_config(cfg: ExtractConfig, required: tuple[str, ...] = REQUIRED,
     return cfg
 
 
-def check_topk_logits(topk_logits: int, vocab_size: int) -> None:
+def check_topk_logits(topk_logits: int, vocab_size: int, flag: str = "--topk-logits") -> None:
     """Top-k of a vocabulary of V needs k <= V (known once the model's config is read)."""
     if topk_logits > vocab_size:
-        raise HsxError(f"--topk-logits {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
+        raise HsxError(f"{flag} {topk_logits} is more than the model's vocabulary ({vocab_size} tokens)")
 
 
-def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None
-                  ) -> tuple[list[int], bool]:
+def target_layers(cfg: ExtractConfig, text_config, resolved: tuple[list[int], bool] | None = None,
+                  draft=None) -> tuple[list[int], bool]:
     """The layers and final-norm choice `cfg` asks of a model with this text config (or `resolved`, those of a model
     loaded already), refused as extract and plan both refuse them: an output format that cannot be written
-    (`schema.OutputFormat.problem`), a top-k larger than the vocabulary."""
+    (`schema.OutputFormat.problem`), a top-k larger than the vocabulary. With --layers-from, the draft's
+    (`draft`: hsx.drafts.DraftLayers, read here when not given)."""
     from hsx.schema import OutputFormat
 
-    layers, final_hidden = resolved or resolve_layers(cfg.layers, int(text_config.num_hidden_layers),
+    if resolved is None and cfg.layers_from:
+        from hsx.drafts import draft_layers
+
+        draft = draft or draft_layers(cfg.layers_from, text_config)
+        resolved = draft.layers, cfg.final_hidden or draft.final_hidden
+    layers, final_hidden = resolved or resolve_layers(cfg.layers or [], int(text_config.num_hidden_layers),
                                                       cfg.final_hidden)
     problem = OutputFormat.of_job(cfg, layers, text_config.hidden_size, final_hidden).problem()
     if problem:
         raise UsageError(problem)
     check_topk_logits(cfg.topk_logits, int(text_config.vocab_size))
+    check_topk_logits(cfg.teacher_policy, int(text_config.vocab_size), "--teacher-policy")
     return layers, final_hidden
 
 

@@ -515,11 +515,13 @@ def budget_cap(c) -> int:
     return max(DEFAULT_BUDGET_CAP, MOE_TOKENS_PER_EXPERT * _num_experts(c) // int(c.num_experts_per_tok))
 
 
-def weight_bytes(c, depth: int, dtype_bytes: int = 2) -> int:
-    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; no lm_head.
+def weight_bytes(c, depth: int, dtype_bytes: int = 2, lm_head: bool = False) -> int:
+    """The weights hsx loads: the first `depth` decoder layers (every expert) and the embeddings; lm_head only for
+    top-k logits or the teacher policy (`lm_head`), and only when it is not the embedding itself.
     FP8 checkpoints: the layers at 1 byte a weight (their scales and bf16 norms are well under 1%)."""
     layers = sum(decoder_layer_params(c, i, active=False) for i in range(depth))
-    return (1 if is_fp8(c) else dtype_bytes) * layers + dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
+    tables = 2 if lm_head and not getattr(c, "tie_word_embeddings", False) else 1
+    return (1 if is_fp8(c) else dtype_bytes) * layers + tables * dtype_bytes * int(c.vocab_size) * int(c.hidden_size)
 
 
 def gpus_per_copy(weights: int, activation_per_token: int, min_batch_tokens: int, gpu_bytes: int,
@@ -729,7 +731,7 @@ def expert_parallel_plan(c, depth: int, act: int, min_batch: int, gpu_bytes: int
 def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int | None = None,
          rows: int | None = None, rate_tokens_per_s: float | None = None, gpu_bytes: int | None = None,
          matmul_tflops: float = MEASURED_MATMUL["matmul_tflops"], mfu: float | None = None,
-         storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0,
+         storage_dtype: str = DEFAULT_STORAGE_DTYPE, topk_logits: int = 0, teacher_policy: int = 0,
          token_budget: int | None = None, node_gpus: int = NODE_GPUS, gpu_name: str | None = None
          ) -> dict[str, Any]:
     """A job's costs as a dict (what `hsx plan --json` prints).
@@ -742,14 +744,15 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     from hsx.config import layers_run
 
     n = int(c.num_hidden_layers)
-    depth = layers_run(n, layers, final_hidden)
+    depth = layers_run(n, layers, final_hidden or bool(teacher_policy))  # (the policy is the final norm's)
     h = int(c.hidden_size)
-    fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits)
+    fmt = OutputFormat(len(layers), h, final_hidden, storage_dtype, topk_logits, policy=teacher_policy)
     if fmt.problem():
         raise ValueError(fmt.problem())
     values = fmt.values_per_token
+    widest = max(values, *(col.width for col in fmt.state_columns()))  # (a policy-only output's: the policy's)
     bpt = fmt.bytes_per_token  # the state columns as written (hsx.schema); + token_bytes for input_ids, loss_mask
-    weights = weight_bytes(c, depth)
+    weights = weight_bytes(c, depth, lm_head=bool(topk_logits or teacher_policy))
     act = activation_bytes_per_token(c, values)
     min_batch = max(max_length, DEFAULT_BUDGET_CAP // 4)  # one full row, and enough tokens to keep a GPU busy
     gpus = gpus_per_copy(weights, act, token_budget or min_batch, gpu_bytes, node_gpus) if gpu_bytes else 1
@@ -759,13 +762,14 @@ def plan(c, layers: list[int], final_hidden: bool, max_length: int, tokens: int 
     out: dict[str, Any] = {
         "num_model_layers": n, "layers": layers, "final_hidden": final_hidden, "layers_run": depth,
         "hidden_size": h, "values_per_token": values, "storage_dtype": storage_dtype, "topk_logits": topk_logits,
+        "teacher_policy": teacher_policy,
         "bytes_per_token": bpt, "token_bytes": fmt.token_bytes, "bytes_per_row": fmt.bytes_per_row,
         "weight_bytes": weights, "activation_bytes_per_token": act, "token_budget": budget,
         "peak_gpu_bytes_estimate": int(per_gpu_weights + act * budget),  # per GPU of a copy
         "max_length": max_length,
-        "arrow_values_per_max_length_row": max_length * values,
-        "arrow_limit_ok": max_length * values <= ARROW_MAX_VALUES,
-        "max_tokens_per_record_batch": ARROW_MAX_VALUES // values,
+        "arrow_values_per_max_length_row": max_length * widest,
+        "arrow_limit_ok": max_length * widest <= ARROW_MAX_VALUES,
+        "max_tokens_per_record_batch": ARROW_MAX_VALUES // widest,
     }
     if gpu_bytes is not None:
         copies = node_gpus // gpus if gpus else 0
@@ -820,13 +824,17 @@ def format_plan(p: dict[str, Any]) -> str:
         lines += [f"  {line.removeprefix('hsx: ')}" for line in p["kernel_fallbacks"]]
     lines += [
         f"layers {p['layers']}{' + final norm state' if p['final_hidden'] else ''}: runs {p['layers_run']} of "
-        f"{p['num_model_layers']} decoder layers, no lm_head",
-        f"weights (layers run + embeddings): {p['weight_bytes'] / gib:.1f} GiB",
+        f"{p['num_model_layers']} decoder layers, "
+        + ("lm_head in chunks of tokens" if p["topk_logits"] or p["teacher_policy"] else "no lm_head"),
+        f"weights (layers run + embeddings{' + lm_head' if p['topk_logits'] or p['teacher_policy'] else ''}): "
+        f"{p['weight_bytes'] / gib:.1f} GiB",
         f"activation memory per token: {p['activation_bytes_per_token'] / 1024:.0f} KiB; token budget "
         f"{p['token_budget']:,} (peak ≈ {p['peak_gpu_bytes_estimate'] / gib:.1f} GiB per GPU)",
         f"output: {p['bytes_per_token']:,} bytes per token ({p['values_per_token']:,} {p['storage_dtype']} values"
         + (", fp8 scales" if p["storage_dtype"] == SCALED_DTYPE else "")
         + (f", top-k {p['topk_logits']} logits and ids" if p["topk_logits"] else "")
+        + (f", a teacher policy of {p['teacher_policy']} ids and log-probs and its tail mass"
+           if p["teacher_policy"] else "")
         + f"; input_ids and loss_mask add {p['token_bytes']})",
         f"Arrow limit: a {p['max_length']:,}-token row holds {p['arrow_values_per_max_length_row']:,} values "
         f"({'ok' if p['arrow_limit_ok'] else 'OVER 2^31: lower --max-length or store fewer layers'}); at most "
@@ -954,7 +962,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     mfu = MEASURED_MFU.get(known_shape) if planned is text else None
     p = plan(planned, layers, final_hidden, cfg.max_length, tokens=tokens, rows=rows, rate_tokens_per_s=rate,
              gpu_bytes=int(gpu_gib * 1024**3), storage_dtype=cfg.storage_dtype, topk_logits=cfg.topk_logits,
-             token_budget=cfg.token_budget, gpu_name=gpu.upper(),
+             teacher_policy=cfg.teacher_policy, token_budget=cfg.token_budget, gpu_name=gpu.upper(),
              matmul_tflops=rate_tflops, **({"mfu": mfu} if mfu is not None else {}))
     ep = p.get("expert_parallel")
     if ep and p.get("gpus_per_copy") is None and ep["ep_size"] is None:

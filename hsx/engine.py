@@ -66,19 +66,23 @@ class Extractor:
     """Pad → forward (hooks) → gather real tokens → copy out, overlapped with `datasets`' writing."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
-                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None):
-        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype and top-k logits); None: the loaded
-        layers in the default storage dtype."""
+                 slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None,
+                 teacher_top_p: float = 1.0, teacher_temperature: float = 1.0):
+        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype, top-k logits and teacher policy);
+        None: the loaded layers in the default storage dtype. `teacher_*`: the policy's top-p and temperature."""
         fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device
         self.packing = prepared.packing  # "none": right-padded rows; "varlen": one packed sequence per forward
-        self.layers, self.final = loaded.layers, loaded.final_hidden
+        self.layers, self.final = loaded.layers, loaded.final_hidden  # (final: computed, maybe for the policy only)
+        self.store_final = fmt.final_hidden
         self.hidden = loaded.hidden_size
         self.width = len(self.layers) * self.hidden  # values per token in `hidden_states`
         self.storage_dtype = fmt.storage_dtype
         self.topk = fmt.topk
-        if self.topk and (not self.final or loaded.lm_head is None):
-            raise ValueError("top-k logits need the final-norm state and the lm_head weight")
+        self.policy = fmt.policy
+        self.teacher = (teacher_top_p, teacher_temperature)
+        if (self.topk or self.policy) and (not self.final or loaded.lm_head is None):
+            raise ValueError("top-k logits and the teacher policy need the final-norm state and the lm_head weight")
         self.columns = fmt.state_columns()
         self.per_token = sum(c.nbytes for c in self.columns)  # bytes per token, all columns
         self.token_cap = token_budget  # shrinks after an OOM
@@ -111,7 +115,8 @@ class Extractor:
         if packed is not None:
             n = index.shape[0]
             out = self.loaded.base(input_ids=ids, use_cache=False, **packed)
-            states = [torch.cat([self.store[i].reshape(-1, h)[:n] for i in self.layers], dim=1)]
+            states = [torch.cat([self.store[i].reshape(-1, h)[:n] for i in self.layers], dim=1) if self.layers
+                      else out.last_hidden_state.new_empty((n, 0))]  # (policy-only: no layer stored)
             if self.final:
                 states.append(out.last_hidden_state.reshape(-1, h)[:n])
             return states
@@ -120,7 +125,8 @@ class Extractor:
         # bring the real tokens (not the padded batch) to the first device.
         parts = [self.store[i].reshape(-1, h).index_select(0, index.to(self.store[i].device, non_blocking=True))
                  .to(index.device, non_blocking=True) for i in self.layers]
-        states = [torch.cat(parts, dim=1)]  # layers in ascending order
+        states = [torch.cat(parts, dim=1) if parts  # layers in ascending order
+                  else out.last_hidden_state.new_empty((index.shape[0], 0), device=index.device)]
         if self.final:
             last = out.last_hidden_state
             states.append(last.reshape(-1, h).index_select(0, index.to(last.device)).to(index.device))
@@ -162,6 +168,22 @@ class Extractor:
             ids.append(i)
         return [torch.cat(values).to(torch.bfloat16).reshape(-1).view(torch.uint8),
                 torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8)]
+
+    def _policy(self, final: torch.Tensor, chunk: int = 1024) -> list[torch.Tensor]:
+        """The teacher policy (hsx.policy) of lm_head(final), in chunks of tokens: float32 logits exist for `chunk`
+        tokens at a time (1024 × 152k × 4 bytes = 0.6 GB). Bytes of policy_ids, policy_logprobs, policy_tail."""
+        from hsx.policy import serving_policy
+
+        head = self.loaded.lm_head
+        ids, log_probs, tails = [], [], []
+        for a in range(0, final.shape[0], chunk):
+            i, lp, tail = serving_policy(final[a:a + chunk].to(head.dtype) @ head.t(), self.policy, *self.teacher)
+            ids.append(i)
+            log_probs.append(lp)
+            tails.append(tail)
+        return [torch.cat(ids).to(torch.int32).reshape(-1).view(torch.uint8),
+                torch.cat(log_probs).to(torch.float16).reshape(-1).view(torch.uint8),
+                torch.cat(tails).reshape(-1).view(torch.uint8)]
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -305,9 +327,11 @@ class Extractor:
         token_rows = torch.div(index, padded, rounding_mode="floor") if packed is None else index
         bad_rows = torch.zeros(b, dtype=torch.int32, device=bad_tokens.device).index_add_(
             0, token_rows, bad_tokens.int())
-        out = encode(states, len(self.layers), self.storage_dtype)
+        out = encode(states if self.store_final else states[:1], len(self.layers), self.storage_dtype)
         if self.topk:
             out = torch.cat([out, *self._topk(states[1])])
+        if self.policy:
+            out = torch.cat([out, *self._policy(states[1])])
         dest = slot.states[at * self.per_token:(at + n) * self.per_token]
         bad_dest = slot.nonfinite[row_at:row_at + b]
         if self.cuda:

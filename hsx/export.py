@@ -2,13 +2,16 @@
 packages in tests/test_trainers.py: specforge 0.2.0's OfflineManifestReader / load_feature_file /
 normalize_offline_sample, speculators 0.9.0's ArrowDataset).
 
-- `export_specforge(OUT, DEST, layout="eagle3" | "dflash")`: one `torch.save` file per sample,
+- `export_specforge(OUT, DEST, layout="eagle3" | "dflash" | "dspark")`: one `torch.save` file per sample,
   DEST/rows_{k}-{end}/data_{i}.ckpt (SpecForge's prepare_hidden_states.py layout, groups of 2000):
   * eagle3: input_ids (T,) int64, loss_mask (T,) int64, hidden_state (1, T, H) = the final-norm output (SpecForge
     stores it post-norm), aux_hidden_state (1, T, 3H) = 3 layers side by side in increasing layer order.
   * dflash (its DFlash, Domino strategies): input_ids, loss_mask, hidden_states (T, L·H) of the chosen layers in
     increasing layer order. SpecForge's DFlash normalizer rejects a sample without two consecutive supervised
     tokens, so such rows are left out and counted.
+  * dspark: dflash's record plus target_last_hidden_states (T, H) = the final-norm output (SpecForge's capture
+    takes it from SGLang's logits processor, after the norm; its DSpark normalizer checks the four keys and their
+    lengths, and rejects what the dflash normalizer rejects).
 - `export_speculators(OUT, DEST)`: speculators' offline data dir (what `speculators prepare-data` and
   `generate-offline-data` leave, read by its `ArrowDataset` with `--on-missing raise`):
   * DEST/ a `datasets.save_to_disk` dataset in torch format: input_ids, loss_mask (int64 lists), seq_len, and
@@ -20,6 +23,8 @@ normalize_offline_sample, speculators 0.9.0's ArrowDataset).
     `draft_vocab_size` DEST/d2t-K.npy + t2d-K.npy, which its trainer finds by size in --data-path.
   * DEST/speculators.yaml: the `speculators train --config` keys this data implies (verifier, target layer ids,
     data path, on_missing: raise).
+  One layout for every speculator type: speculators' ArrowDataset splits the last stored layer off as
+  verifier_last_hidden_states for EAGLE-3, DFlash, DFlash2 and DSpark alike (speculators 0.9.0 train/data.py).
 
 States keep the stored dtype; fp8 outputs are dequantized to bfloat16.
 
@@ -66,7 +71,7 @@ from hsx.ledgers import record_exported
 from hsx.sink import OutputDir
 
 SPECFORGE_GROUP_SIZE = 2000
-SPECFORGE_LAYOUTS = ("eagle3", "dflash")
+SPECFORGE_LAYOUTS = ("eagle3", "dflash", "dspark")  # the CLI's --layout choices
 RECORD = "hsx-export.json"
 JOURNAL = "hsx-export.jsonl"
 LOCK = "hsx-export.lock"
@@ -429,8 +434,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                      delete_source: bool = False, log=print) -> dict[str, Any]:
     """Write an output as SpecForge's offline per-sample files (see the module docstring). `i` is the row's
     `sample_id` (its input row, as SpecForge numbers rows; skipped rows leave gaps). eagle3 needs the final-norm
-    state (--final-hidden; the eagle3 preset has it) and 3 layers (`layers` picks 3 of more); dflash takes
-    every stored layer or `layers`. Returns {"written", "kept", "skipped", "released", "dest"}."""
+    state (--final-hidden; the eagle3 preset has it) and 3 layers (`layers` picks 3 of more); dflash takes every stored
+    layer or `layers`; dspark takes them too, and the final-norm state. Returns {"written", "kept", "skipped",
+    "released", "dest"}."""
     import torch
 
     if layout not in SPECFORGE_LAYOUTS:
@@ -438,6 +444,9 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     src = _source(out_dir)
     meta = src.meta
     chosen = list(layers) if layers is not None else list(meta.layers)
+    if layout == "dspark" and not meta.final_hidden:
+        raise ValueError(f"{out_dir}: SpecForge's DSpark trainer needs target_last_hidden_states, the final-norm "
+                         "output: extract with --final-hidden (--layers-from a DSpark draft includes it)")
     if layout == "eagle3":
         if not meta.final_hidden:
             raise ValueError(f"{out_dir}: SpecForge's EAGLE-3 trainer needs hidden_state, the final-norm output: "
@@ -466,7 +475,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                 end = min(k + group_size, rows_in) if rows_in > sid else k + group_size
                 rel = f"rows_{k}-{end}/data_{sid}.ckpt"
                 mask = row["loss_mask"].to(torch.long)
-                if layout == "dflash" and not bool((mask[1:] * mask[:-1]).any()):
+                if layout != "eagle3" and not bool((mask[1:] * mask[:-1]).any()):
                     skipped += 1  # SpecForge's has_consecutive_supervised_tokens
                     continue
                 if rel in d.files:
@@ -479,6 +488,8 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
                     sample["aux_hidden_state"] = _states(row, "hidden_states").reshape(1, n, -1)
                 else:
                     sample["hidden_states"] = _states(row, "hidden_states").reshape(n, -1)
+                if layout == "dspark":
+                    sample["target_last_hidden_states"] = _states(row, "final_hidden_state")
                 buf = io.BytesIO()
                 torch.save(sample, buf)
                 d.stage(rel, buf.getbuffer())
@@ -493,8 +504,8 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline {layout} layout"
         + (f" ({kept} already there)" if kept else "")
         + (_deleted(d, released_before) if delete_source else "")
-        + (f"; left out {skipped} row(s) without two consecutive supervised tokens (SpecForge's DFlash rejects "
-           "them)" if skipped else ""))
+        + (f"; left out {skipped} row(s) without two consecutive supervised tokens (SpecForge's {layout} "
+           "normalizer rejects them)" if skipped else ""))
     return {"written": written, "kept": kept, "skipped": skipped, "released": len(d.released), "dest": str(dest)}
 
 
@@ -552,7 +563,7 @@ def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_voca
                   **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
         "data": {"data_path": str(d.root.resolve())}, "generation": {"on_missing": "raise"}}}
     (tmp / "speculators.yaml").write_text(
-        "# speculators train --config <this file> [--speculator-type dflash] ...; written by hsx "
+        "# speculators train --config <this file> [--speculator-type dflash|dflash2|dspark] ...; written by hsx "
         "export-speculators\n" + yaml.safe_dump(config, sort_keys=False))
     for f in sorted(tmp.iterdir()):
         if f.is_dir() or not _RECORDED_PATH.fullmatch(f.name):

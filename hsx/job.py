@@ -182,6 +182,7 @@ class Job:
             "config": {**cfg.to_dict(), "layers": t.layers, "final_hidden": t.final_hidden,
                        "unit_tokens": self.unit_tokens},
             "fingerprint": self.fingerprint, "command": command_line(),
+            **({"layers_from": t.layers_from} if t.layers_from else {}),
         }
 
 
@@ -199,6 +200,9 @@ def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None,
         # changing only --layers reports `differs in: layers`, not unit_tokens too)
         "limit": cfg.limit, "unit_tokens": cfg.unit_tokens, "unit_plan": UNIT_PLAN, "nonfinite": cfg.nonfinite,
         "topk_logits": cfg.topk_logits,
+        # (only with a policy: an output without one keeps its fingerprint)
+        **({"teacher_policy": [cfg.teacher_policy, cfg.teacher_top_p, cfg.teacher_temperature]}
+           if cfg.teacher_policy else {}),
         "hsx_version": ".".join(__version__.split(".")[:2]), "loss_mask": mask,
         **_quantization_identity(target.text),
     }
@@ -328,7 +332,8 @@ class Extraction:
         budget, kernels, fmt = ready.budget, ready.kernels, target.format
         self.values_per_token = fmt.values_per_token  # hidden states and the final-norm state
         self.extractor = Extractor(ready.loaded, device, budget, ready.prepared, sdpa_backend=cfg.sdpa_backend,
-                                   nonfinite=cfg.nonfinite, fmt=fmt)
+                                   nonfinite=cfg.nonfinite, fmt=fmt, teacher_top_p=cfg.teacher_top_p,
+                                   teacher_temperature=cfg.teacher_temperature)
         self.features = fmt.features()
         self.peak_tflops = measure_matmul_tflops(device, fp8=ready.fp8_matmuls) if cuda else None
         self.per_layer = layer_params(ready.loaded.text_config)
@@ -433,7 +438,9 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
     from hsx.writer import spares_for, unit_files, unit_fingerprint
 
     unit_rows, step, budget, feats = extraction.rows, extraction, extraction.budget, extraction.features
-    values_per_token = extraction.values_per_token
+    # the widest column's values per token bound a record batch (Arrow's 2^31 values per array): a policy-only
+    # output's widest is the policy's
+    values_per_token = max(extraction.values_per_token, *(c.width for c in extraction.extractor.columns))
     job_fp = read_json(out.state / "job.json", JobRecord).fingerprint
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()

@@ -352,7 +352,7 @@ class _Layout:
                 row[name] = _tensor(_values(t, name, nested=True)).view(n, 1)
             elif name == "topk_logits":  # bf16 bits as int16, like bf16 states, whatever the storage dtype
                 row[name] = decode(_tensor(_values(t, name, nested=True)), "bfloat16").view(n, -1)
-            elif name == "topk_ids":
+            elif name in ("topk_ids", "policy_ids", "policy_logprobs", "policy_tail"):  # (T, K); the tail (T, 1)
                 row[name] = _tensor(_values(t, name, nested=True)).view(n, -1)
             elif isinstance(t.schema.field(name).type, pa_list_types()):
                 row[name] = _tensor(_values(t, name))  # a per-token column (loss_mask, ...)
@@ -472,11 +472,13 @@ def _select(x, positions: list[int] | None):
 class torch_view:  # noqa: N801  (reads like a function: torch_view(OUT)[i])
     """Rows of an hsx output as torch tensors, every stored column: `sample_id`, `num_tokens` (ints),
     `input_ids`, `loss_mask` (T,), `hidden_states` (T, layers, hidden), `final_hidden_state` (T, hidden),
-    `topk_logits` (T, K) bfloat16 and `topk_ids` (T, K) int32 with --topk-logits K, `has_nonfinite` (bool) with
-    --nonfinite keep. States keep their storage dtype as views of the mapped file, no copy (torch.bfloat16 for
-    bf16 outputs); fp8 outputs are dequantized to bfloat16 (x = q * scale, a copy of the selected layers), or
-    with `dequantize=False` come raw as torch.float8_e4m3fn with their `*_scale` columns. A map-style dataset:
-    `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with `collate_fn=hsx.collate`.
+    `topk_logits` (T, K) bfloat16 and `topk_ids` (T, K) int32 with --topk-logits K, `policy_ids` (T, K) int32,
+    `policy_logprobs` (T, K) float16 and `policy_tail` (T, 1) float32 with --teacher-policy K (hsx.policy: row t is the
+    distribution of token t+1), `has_nonfinite` (bool) with --nonfinite keep. States keep their storage dtype as views
+    of the mapped file, no copy (torch.bfloat16 for bf16 outputs); fp8 outputs are dequantized to bfloat16 (x = q *
+    scale, a copy of the selected layers), or with `dequantize=False` come raw as torch.float8_e4m3fn with their
+    `*_scale` columns. A map-style dataset: `len(view)`, `view[i]`; give it to a `torch.utils.data.DataLoader` with
+    `collate_fn=hsx.collate`.
 
     `source`: an output dir, or a `datasets.Dataset` of one: from `load` (which notes the layout in its
     `info.description`), else with `meta` (its hsx.json) or `hidden_size` (ValueError where nothing tells how its
@@ -562,7 +564,7 @@ def collate(rows: list[dict[str, Any]], pad_token_id: int = 0, pad_to_multiple_o
       transformers' causal-LM loss (it shifts internally).
     - every other per-token column of the rows, (B, N, ...) in its dtype, zero on padding: `hidden_states`
       (B, N, layers, hidden) and `final_hidden_state` (B, N, hidden) bfloat16 (as the rows give them: fp8 ones
-      dequantized, or raw with their `*_scale` columns), `topk_logits` / `topk_ids` (B, N, K)
+      dequantized, or raw with their `*_scale` columns), `topk_logits` / `topk_ids` / `policy_*` (B, N, K)
     - `sample_id` (B,) and `num_tokens` (B,) long; `has_nonfinite` (B,) bool where stored
 
     The states are copied into the batch (one copy, the padded tensor the model takes)."""

@@ -33,14 +33,14 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.
 class LoadedModel:
     base: torch.nn.Module  # the decoder stack (XModel), truncated
     layers: list[int]  # resolved, sorted
-    final_hidden: bool
+    final_hidden: bool  # the final-norm state is computed (stored, or only the teacher policy's input)
     num_model_layers: int  # depth of the full model
     depth: int  # decoder layers that run
     hidden_size: int
     model_path: str
     revision: str | None
     text_config: Any  # the truncated config that was built
-    lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k target logits
+    lm_head: torch.Tensor | None = None  # (vocab, hidden) output projection, only for top-k logits / the policy
 
 
 HUB_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot's folder name: the commit it holds, as job.json records it
@@ -353,6 +353,7 @@ class Target:
     layers: list[int]
     final_hidden: bool
     format: OutputFormat
+    layers_from: dict[str, Any] | None = None  # --layers-from: where the layers came from (hsx.drafts' record)
 
     @property
     def hidden_size(self) -> int:
@@ -366,19 +367,25 @@ class Target:
 def read_target(cfg: ExtractConfig, model: LoadedModel | None = None) -> Target:
     """The model's config (not its weights) and the layers `cfg` asks for, refused as `config.target_layers`
     refuses them; `model` (a LoadedModel, hsx bench's or a caller's) is used as it is."""
+    draft, layers_from = None, None
     if model is None:
         model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
         full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
         text = fp8.carry_quantization(full, text_config_of(full))
         check_checkpoint(model_path, cfg.model, text)  # (before the job claims a dir: a damaged one is refused first)
         num_layers = int(text.num_hidden_layers)
-        layers, final_hidden = target_layers(cfg, text)
+        if cfg.layers_from:
+            from hsx.drafts import draft_layers
+
+            draft = draft_layers(cfg.layers_from, text)  # (read once: its record goes into hsx.json)
+            layers_from = draft.record
+        layers, final_hidden = target_layers(cfg, text, draft=draft)
     else:
         model_path, revision, text = model.model_path, model.revision, model.text_config
         num_layers = model.num_model_layers
         layers, final_hidden = target_layers(cfg, text, (model.layers, model.final_hidden))
     return Target(model_path, revision, text, num_layers, layers, final_hidden,
-                  OutputFormat.of_job(cfg, layers, text.hidden_size, final_hidden))
+                  OutputFormat.of_job(cfg, layers, text.hidden_size, final_hidden), layers_from)
 
 
 def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
@@ -395,7 +402,8 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     else:  # the files again: a job's target was read before it tokenized, maybe minutes ago
         check_checkpoint(target.model_path, cfg.model, target.text)
     path, revision, text, n = target.model_path, target.revision, target.text, target.num_layers
-    layers, final_hidden = target.layers, target.final_hidden
+    layers = target.layers
+    final_hidden = target.final_hidden or bool(target.format.policy)  # (the policy's input, stored or not)
     depth = layers_run(n, layers, final_hidden)
     tcfg = truncated_config(text, depth)
     quant = fp8.quantization_of(tcfg)
@@ -438,7 +446,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
         _QUANTIZATION[base] = quant
     if quant is not None and distributed_config is None and fp8.runs_instead(quant, device) is None:
         fp8_model.install(base)  # (tensor-parallel shards stay on transformers' FP8 forward: DTensor weights)
-    head = load_lm_head(path, text, base, device) if cfg.topk_logits else None
+    head = load_lm_head(path, text, base, device) if cfg.topk_logits or cfg.teacher_policy else None
     return LoadedModel(base=base, layers=layers, final_hidden=final_hidden, num_model_layers=n, depth=depth,
                        hidden_size=int(text.hidden_size), model_path=path, revision=revision, text_config=tcfg,
                        lm_head=head)
@@ -453,7 +461,8 @@ def load_lm_head(path: str, text_config, base: torch.nn.Module, device: torch.de
 
     keys = [k for k in checkpoint_keys(path) if k.endswith("lm_head.weight")]
     if not keys:
-        raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits needs the output projection")
+        raise HsxError(f"{path}: no lm_head.weight in the checkpoint; --topk-logits and --teacher-policy need the "
+                       "output projection")
     key = min(keys, key=len)
     shard = _index_weight_map(Path(path)).get(key)
     files = [Path(path) / shard] if isinstance(shard, str) else sorted(Path(path).glob("*.safetensors"))

@@ -11,6 +11,9 @@ columns, each a list (one entry per token) of fixed-size lists, and a per-row fl
     final_hidden_state_scale  1 float32        fp8 with final_hidden
     topk_logits            K bfloat16 bits     with --topk-logits K (int16 bits, whatever the storage dtype)
     topk_ids               K int32
+    policy_ids             K int32             with --teacher-policy K (hsx.policy: the serving distribution)
+    policy_logprobs        K float16           its renormalised log-probs, most likely first, -inf: left out
+    policy_tail            1 float32           the mass it leaves out (1 - kept mass under the full distribution)
     has_nonfinite          bool per row        with --nonfinite keep
 
 Arrow has no bfloat16 or float8: their bits are stored as int16 / uint8, marked by the datasets feature id
@@ -118,6 +121,7 @@ class OutputFormat:
     storage_dtype: str = DEFAULT_STORAGE_DTYPE
     topk: int = 0
     flag_nonfinite: bool = False
+    policy: int = 0  # --teacher-policy K
 
     @classmethod
     def of_job(cls, cfg, layers: list[int], hidden: int, final_hidden: bool) -> "OutputFormat":
@@ -125,16 +129,20 @@ class OutputFormat:
         final-norm state) of a model `hidden` wide: where a job's format is made (hsx.model.Target's, the checks of
         hsx.config.target_layers)."""
         return cls(len(layers), int(hidden), final_hidden, cfg.storage_dtype, cfg.topk_logits,
-                   cfg.nonfinite == "keep")
+                   cfg.nonfinite == "keep", cfg.teacher_policy)
 
     @classmethod
     def of(cls, info: "Info | Summary") -> "OutputFormat":
         """The format an hsx.json (or summary) describes."""
         return cls(len(info.layers), info.hidden_size, info.final_hidden, info.storage_dtype,
-                   info.config.topk_logits, info.config.nonfinite == "keep")
+                   info.config.topk_logits, info.config.nonfinite == "keep", info.config.teacher_policy)
 
     def problem(self) -> str | None:
         """Why this format cannot be written (None: it can)."""
+        if not self.num_layers and not self.policy:
+            return "--layers is required (only a --teacher-policy job stores no layers)"
+        if not self.num_layers and self.storage_dtype == SCALED_DTYPE:
+            return "a policy-only job stores no hidden states to keep in float8_e4m3: drop --storage-dtype"
         if self.storage_dtype not in STORAGE_DTYPES:
             return f"--storage-dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
         if self.topk and not self.final_hidden:
@@ -143,16 +151,20 @@ class OutputFormat:
 
     def state_columns(self) -> list[Column]:
         """The state columns, in the order `encode` lays them out (and the map function writes them): fp8 adds
-        one float32 scale per token and layer; top-k target logits add their bf16 values and int32 ids last."""
-        cols = [Column("hidden_states", self.num_layers * self.hidden, self.storage_dtype)]
+        one float32 scale per token and layer; top-k target logits add their bf16 values and int32 ids last, the
+        teacher policy its columns after them. A policy-only output (no layers) has no hidden_states."""
+        cols = [Column("hidden_states", self.num_layers * self.hidden, self.storage_dtype)] if self.num_layers else []
         if self.final_hidden:
             cols.append(Column("final_hidden_state", self.hidden, self.storage_dtype))
-        if self.storage_dtype == SCALED_DTYPE:
+        if self.storage_dtype == SCALED_DTYPE and self.num_layers:
             cols.append(Column("hidden_states_scale", self.num_layers, "float32"))
             if self.final_hidden:
                 cols.append(Column("final_hidden_state_scale", 1, "float32"))
         if self.topk:
             cols += [Column("topk_logits", self.topk, "bfloat16"), Column("topk_ids", self.topk, "int32")]
+        if self.policy:
+            cols += [Column("policy_ids", self.policy, "int32"), Column("policy_logprobs", self.policy, "float16"),
+                     Column("policy_tail", 1, "float32")]
         return cols
 
     @property
@@ -192,9 +204,9 @@ class OutputFormat:
 
 
 def encode(states: list, num_layers: int, storage_dtype: str):
-    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k left out), on the
-    device. `states`: the captured layers (tokens, num_layers x hidden) and, with final_hidden, the final-norm
-    state (tokens, hidden).
+    """The batch's state columns as one flat uint8 tensor, in `state_columns` order (top-k and the teacher policy
+    left out: the engine appends them), on the device. `states`: the captured layers (tokens, num_layers x hidden) and,
+    with final_hidden, the final-norm state (tokens, hidden).
 
     fp8 (e4m3) scales each token's vector of each layer by its absolute maximum / 448, so every layer keeps
     its own range (residual-stream magnitudes grow by orders of magnitude with depth)."""
@@ -400,8 +412,8 @@ def _check(obj: Any, checks: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     return obj
 
 
-def _layers_ok(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
+def _layers_ok(v: Any) -> bool:  # (empty: a policy-only output)
+    return isinstance(v, list) and all(_is_int(i) for i in v) and len(set(v)) == len(v)
 
 
 _STRING = (lambda v: isinstance(v, str), "a string")
@@ -414,11 +426,13 @@ class RecordedConfig:
     nonfinite: str = "skip"
     topk_logits: int = 0
     dtype: str = "bfloat16"
+    teacher_policy: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     CHECKS = {
         "nonfinite": (lambda v: v in ("skip", "keep"), "skip or keep"),
         "topk_logits": (lambda v: _is_int(v), "a non-negative integer"),
+        "teacher_policy": (lambda v: _is_int(v), "a non-negative integer"),
         "dtype": (lambda v: v in COMPUTE_DTYPES, f"one of {', '.join(COMPUTE_DTYPES)}"),
     }
 
@@ -494,7 +508,7 @@ _OUTPUT_CHECKS = {  # hsx.json and summary.json alike
 
 def _output_fields(d: dict[str, Any], checks: dict[str, tuple[Any, str]], counts: tuple[str, ...]) -> dict[str, Any]:
     _check(d, {**_OUTPUT_CHECKS, **checks})
-    if max(d["layers"]) >= d["num_model_layers"]:
+    if max(d["layers"], default=-1) >= d["num_model_layers"]:
         raise Damaged(f"layers {d['layers']} do not fit a model of {d['num_model_layers']} layers")
     config = RecordedConfig.from_dict(d["config"])
     vocab = d.get("vocab_size")

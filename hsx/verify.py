@@ -63,7 +63,6 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
         raise VerifyFailed(str(e)) from None
     if info is None or not info.complete:
         raise VerifyFailed(f"{out_dir}: hsx.json is missing or the job is not complete")
-    final = info.final_hidden
     try:  # hsx.json's list, the manifests, the counts and data/ agree; no link is read but `hsx merge`'s
         out.check_finished(info)
         sources: dict = {}
@@ -119,7 +118,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
                         f"{int(num_tokens.max()):,} tokens)")
     if int(num_tokens.sum()) != info.counts.tokens_written:
         problems.append(f"{int(num_tokens.sum())} tokens, hsx.json says {info.counts.tokens_written}")
-    for col in ("input_ids", "loss_mask", "hidden_states") + (("final_hidden_state",) if final else ()):
+    for col in ["input_ids", "loss_mask"] + [c.name for c in info.format.state_columns()]:  # (every per-token column)
         lengths = pc.list_value_length(ds.data.column(col)).to_numpy(zero_copy_only=False)
         if not np.array_equal(lengths, num_tokens):
             differ = int((lengths != num_tokens).sum())

@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats; the file
     # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses
     {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
-    {"hsx.config"},  # the job's settings
+    {"hsx.config", "hsx.drafts"},  # the job's settings (drafts: --layers-from, a draft config's layers)
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
     # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels, their sharding over
     # ranks expert_parallel; FP8 checkpoints: the
@@ -25,8 +25,8 @@ LAYERS: list[set[str]] = [
      "hsx.kernels"},
     # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
     # the storage's own rates: storage); answers in, for hsx regenerate (generators)
-    {"hsx.inputs", "hsx.data", "hsx.generators", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.writer", "hsx.storage", "hsx.info",
-     "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
+    {"hsx.inputs", "hsx.data", "hsx.generators", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.policy", "hsx.writer",
+     "hsx.storage", "hsx.info", "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
     # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)

@@ -1,6 +1,7 @@
 """The exports read by the trainers' OWN code, from their released packages: specforge 0.2.0 (OfflineManifestReader
-lists the files, load_feature_file loads them, the eagle3 / dflash strategy's normalize_offline_sample shapes them)
-and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config parsing).
+lists the files, load_feature_file loads them, the eagle3 / dflash / dspark strategy's normalize_offline_sample
+shapes them) and speculators 0.9.0 (ArrowDataset with on_missing="raise", its collate, its vocab mapping and config
+parsing).
 
 Their pins conflict with ours (specforge: torch 2.11, transformers 5.8.1, sglang; speculators: datasets <= 5.1,
 transformers <= 5.19), so each is installed with `pip install --no-deps --target` into the pytest cache, plus only
@@ -111,7 +112,7 @@ def sample_of(path: str) -> int:
 
 # ---- SpecForge ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["eagle3", "dflash"])
+@pytest.mark.parametrize("layout", ["eagle3", "dflash", "dspark"])
 def test_specforge_reads_every_exported_file(specforge, out, tmp_path, monkeypatch, layout):
     from specforge.runtime.data_plane.feature_store import load_feature_file
 
@@ -149,10 +150,13 @@ def test_specforge_reads_every_exported_file(specforge, out, tmp_path, monkeypat
             assert torch.equal(bits(sample["hidden_state"]), bits(states))
             assert torch.equal(bits(sample["target"]), bits(row["final_hidden_state"][None]))  # final norm
         else:
-            assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+            dspark = {"target_last_hidden_states"} if layout == "dspark" else set()
+            assert set(sample) == {"input_ids", "loss_mask", "hidden_states"} | dspark
             assert torch.equal(sample["loss_mask"], row["loss_mask"].long()[None])
             assert sample["hidden_states"].shape == (1, n, len(LAYERS) * 64)
             assert torch.equal(bits(sample["hidden_states"]), bits(states))
+            if dspark:  # the target's last hidden state after the final norm, as SpecForge's capture stores it
+                assert torch.equal(bits(sample["target_last_hidden_states"]), bits(row["final_hidden_state"][None]))
 
 
 def test_specforge_dflash_leaves_out_rows_its_normalizer_rejects(specforge, model4, tmp_path):
@@ -199,6 +203,69 @@ def test_specforge_counts_the_same_vocabulary(specforge, out, tmp_path):
         assert mapping["d2t"].dtype == torch.int64 and mapping["t2d"].dtype == torch.bool
         validate_vocab_mapping_consistency(mapping["t2d"], mapping["d2t"])
         assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+
+
+# ---- --layers-from: the layers each peer's own code captures for its draft config ----------------------------
+
+QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}
+
+
+def test_specforge_resolves_the_layers_hsx_reads(specforge, tmp_path):
+    """SpecForge's own resolvers (model_providers) on its draft configs: SGLang captures "before layer id + 1", so
+    its id is hsx's layer, one for one."""
+    from types import SimpleNamespace
+
+    from specforge.algorithms.model_providers import resolve_dflash_capture_layers, resolve_eagle_capture_layers
+
+    import json
+
+    from hsx.drafts import draft_layers
+
+    target = SimpleNamespace(**QWEN3_8B)
+    run = SimpleNamespace(model=SimpleNamespace(aux_hidden_state_layer_ids=None))
+    configs = [
+        ("dflash", {"architectures": ["DFlashDraftModel"], "num_target_layers": 36, "hidden_size": 4096,
+                    "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}),
+        ("dflash", {"architectures": ["DSparkDraftModel"], "num_target_layers": 36, "hidden_size": 4096,
+                    "dflash_config": {"projector_type": "dspark", "target_layer_ids": [2, 10, 18, 26, 32]}}),
+        ("eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000,
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}}),
+        ("eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}),  # its default
+    ]
+    for kind, config in configs:
+        theirs = (resolve_dflash_capture_layers if kind == "dflash" else resolve_eagle_capture_layers)(
+            run, config, target)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert draft_layers(str(tmp_path / "config.json"), target).layers == theirs, (config, theirs)
+    # a DFlash config without the list: its draft model's fallback, z-lab's rule (SpecForge's copy of it)
+    build_target_layer_ids = _import("specforge.modeling.draft.dflash", "specforge 0.2.0").build_target_layer_ids
+    for n, k in ((36, 5), (64, 5), (64, 1), (28, 3), (40, 8)):
+        config = {"architectures": ["DFlashDraftModel"], "num_target_layers": n, "num_hidden_layers": k,
+                  "dflash_config": {"mask_token_id": 0}}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        shape = SimpleNamespace(num_hidden_layers=n, hidden_size=64, vocab_size=100)
+        assert draft_layers(str(tmp_path / "config.json"), shape).layers == build_target_layer_ids(n, k), (n, k)
+
+
+def test_speculators_resolves_the_layers_hsx_reads(speculators, tmp_path):
+    """speculators' own default (resolve_target_layer_ids, reading the verifier's config) counts the embedding
+    output as 0: hsx's layers are its ids - 1, plus the verifier layer N-1."""
+    import json
+    from types import SimpleNamespace
+
+    from speculators.models.utils import resolve_target_layer_ids
+
+    from hsx.drafts import draft_layers
+
+    (tmp_path / "verifier").mkdir()
+    (tmp_path / "verifier" / "config.json").write_text(json.dumps({"model_type": "qwen3", **QWEN3_8B}))
+    with pytest.warns(UserWarning):
+        theirs = resolve_target_layer_ids(None, str(tmp_path / "verifier"))
+    draft = {"speculators_model_type": "dspark", "transformer_layer_config": {"hidden_size": 4096,
+                                                                             "vocab_size": 151936}}
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    d = draft_layers(str(tmp_path / "draft.json"), SimpleNamespace(**QWEN3_8B))
+    assert d.layers == [i - 1 for i in theirs] + [35]
 
 
 # ---- speculators ----------------------------------------------------------------------------------------------
