@@ -322,7 +322,20 @@ def _failures_raised() -> Iterator[None]:
 
 
 def launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
-    """`hsx launch ARGV`; returns the exit status."""
+    """`hsx launch ARGV`; returns the exit status. The signal handlers it changes (torch's agent takes SIGINT and
+    SIGTERM; once the ranks are gone they are ignored, so a last Ctrl-C cannot break the last line) are given back
+    when it returns: a caller in the same process (hsx.cli.main from Python, a test) keeps its own, and the
+    processes it starts later do not inherit an ignored SIGINT/SIGTERM."""
+    previous = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    try:
+        return _launch(argv, hsx_parser)
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # (None: a handler not installed from Python, which cannot be put back)
+                signal.signal(sig, handler)
+
+
+def _launch(argv: list[str], hsx_parser: argparse.ArgumentParser) -> int:
     args = parse(argv, hsx_parser)
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.api import SignalException
