@@ -53,7 +53,9 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     device = proc.device
     cuda = device.type == "cuda"
     owns_model = loaded is None
-    loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target)
+    # (an expert-parallel rank reads only its share of the experts: its memory is the replicated weights + its share)
+    share = (proc.ep_size, proc.ep_group.rank) if proc.ep_size > 1 else None
+    loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target, experts_share=share)
     use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
     if proc.ep_size > 1:  # this rank keeps its share of the experts; tokens travel to the others' (all-to-all)
         from hsx.expert_parallel import shard_experts
