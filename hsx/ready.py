@@ -62,7 +62,8 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
 
         modules, local = shard_experts(loaded.base, proc.ep_group)
         log(f"hsx: --ep-size {proc.ep_size}: each rank holds {local} routed experts of each of {modules} "
-            f"mixture-of-experts layers ({local * proc.ep_size} experts each); each runs its own batches")
+            f"mixture-of-experts layers ({local * proc.ep_size} experts each"
+            + ("; only its own read from the checkpoint" if owns_model else "") + "); each runs its own batches")
     quant = fp8.quantization_of(loaded.text_config)
     if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
         log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "
