@@ -112,6 +112,9 @@ def shard_experts(base: torch.nn.Module, ep: EpGroup) -> tuple[int, int]:
         loaded = getattr(module, LOADED_SHARD, None)
         if loaded is not None:  # read from the checkpoint as this rank's share already (`loading_local_experts`)
             lo, local = loaded
+            if lo != ep.rank * local:
+                raise HsxError(f"--ep-size {ep.size}: {name} was loaded with experts {lo}..{lo + local - 1}, not rank "
+                               f"{ep.rank}'s share")
             _install(module, ep, lo, local)
             count += 1
             continue
