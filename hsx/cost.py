@@ -693,8 +693,8 @@ def expert_parallel_lines(p: dict[str, Any]) -> list[str]:
              "shared MLPs, routers)"]
     if n:
         lines.append(f"  --ep-size {n}: {ep['per_gpu_bytes'] / gib:,.1f} GiB of weights per GPU, each GPU on its own "
-                     "batches (unmeasured on GPUs; each rank still loads the whole checkpoint before keeping its "
-                     "experts: docs/scale-out.md#expert-parallelism---ep-size)")
+                     "batches, each reading only its own experts from the checkpoint (unmeasured on GPUs: "
+                     "docs/scale-out.md#expert-parallelism---ep-size)")
     elif p.get("gpus_per_copy"):
         lines.append(f"  no expert-parallel group of a node holds it ({ep['per_gpu_bytes_at_node'] / gib:,.1f} GiB of "
                      f"weights per GPU at {p['node_gpus']}): only an even split does (--tp-size {p['gpus_per_copy']} or "

@@ -16,11 +16,21 @@ agree whether any of them has one to run (`EpGroup.agree`), and a rank with none
 output is dropped (`Extractor.idle_in_lockstep`), so the others never wait on it; their token budgets are agreed
 (the smallest). The pairs' outputs come back and each token's k outputs are summed in float32 in the routing order,
 as hsx.moe's one-process `sum_pairs` does.
+
+Each rank reads only its own experts from the checkpoint (`loading_local_experts`, around transformers'
+from_pretrained): the experts modules are built with the rank's share of the experts, and of the checkpoint's
+tensors transformers is handed the non-expert ones, this rank's per-expert ones (renumbered from 0) and the rows of
+stacked experts tensors that are this rank's; the other ranks' expert bytes are never read, so a rank's memory is
+the replicated weights plus its share of the experts (hsx.cost's `expert_parallel_gpu_bytes`). transformers' own
+shard-on-read (`DtensorShardOperation`, which skips the experts a rank does not own) needs the experts as DTensors
+of a device mesh, which hsx's plain tensors behind the dispatch are not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +38,7 @@ import torch
 from hsx.errors import HsxError
 
 GROUP = "_hsx_expert_parallel"  # set on the decoder stack by shard_experts: its EpGroup (the engine's lockstep)
+LOADED_SHARD = "_hsx_loaded_shard"  # set on an experts module loaded with only this rank's experts: (first, local)
 
 
 @dataclass
@@ -98,10 +109,17 @@ def shard_experts(base: torch.nn.Module, ep: EpGroup) -> tuple[int, int]:
     experts this rank holds in each)."""
     count = local = 0
     for name, module in _experts_modules(base):
+        loaded = getattr(module, LOADED_SHARD, None)
+        if loaded is not None:  # read from the checkpoint as this rank's share already (`loading_local_experts`)
+            lo, local = loaded
+            if lo != ep.rank * local:
+                raise HsxError(f"--ep-size {ep.size}: {name} was loaded with experts {lo}..{lo + local - 1}, not rank "
+                               f"{ep.rank}'s share")
+            _install(module, ep, lo, local)
+            count += 1
+            continue
         experts = int(module.num_experts)
-        if experts % ep.size:
-            raise HsxError(f"--ep-size {ep.size}: {name} has {experts} experts, which do not split evenly over "
-                           f"{ep.size} ranks; give an --ep-size that divides {experts}")
+        _check_split(name, experts, ep.size)
         local = experts // ep.size
         lo = ep.rank * local
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -119,6 +137,158 @@ def shard_experts(base: torch.nn.Module, ep: EpGroup) -> tuple[int, int]:
                        "process: leave --ep-size out)")
     setattr(base, GROUP, ep)
     return count, local
+
+
+def _check_split(name: str, experts: int, size: int) -> None:
+    if experts % size:
+        raise HsxError(f"--ep-size {size}: {name} has {experts} experts, which do not split evenly over "
+                       f"{size} ranks; give an --ep-size that divides {experts}")
+
+
+# ---- loading only this rank's experts --------------------------------------------------------------------------------
+
+@dataclass
+class LocalExpertsLoad:
+    """What `loading_local_experts` did: the checkpoint tensors left unread (other ranks' experts), the ones read
+    as rows of a stacked experts tensor, and the experts modules built with this rank's share."""
+    size: int
+    rank: int
+    modules: int = 0
+    skipped: list[str] = field(default_factory=list)
+    sliced: list[str] = field(default_factory=list)
+
+
+class _Rows:
+    """Rows [first, first + count) of a checkpoint tensor that transformers reads lazily (safetensors' slice):
+    only those rows' bytes are read when transformers materialises it."""
+
+    def __init__(self, source, first: int, count: int):
+        self.source, self.first, self.count = source, first, count
+
+    def get_shape(self) -> list[int]:
+        return [self.count, *list(self.source.get_shape())[1:]]
+
+    def get_dtype(self) -> str:
+        return self.source.get_dtype()
+
+    def __getitem__(self, index):
+        rows = self.source[self.first:self.first + self.count]
+        return rows if index is Ellipsis else rows[index]
+
+
+def _shrink_to_share(model: torch.nn.Module, size: int, rank: int) -> dict[str, tuple[int, int, int]]:
+    """Give each experts module of a model not yet loaded (meta tensors) only this rank's experts: every parameter
+    and buffer whose first dimension is the experts, cut to the share. {module name: (experts, first, local)}."""
+    shares = {}
+    for name, module in list(_experts_modules(model)):
+        experts = int(module.num_experts)
+        _check_split(name, experts, size)
+        local = experts // size
+        first = rank * local
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is not None and t.dim() >= 1 and t.shape[0] == experts:
+                    new = torch.empty((local, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    table[key] = (torch.nn.Parameter(new, requires_grad=t.requires_grad) if table is module._parameters
+                                  else new)
+        module.num_experts = local
+        setattr(module, LOADED_SHARD, (first, local))
+        shares[name] = (experts, first, local)
+    return shares
+
+
+def _local_state_dict(state: dict[str, Any], shares: dict[str, tuple[int, int, int]], renamings,
+                      record: LocalExpertsLoad) -> dict[str, Any]:
+    """The checkpoint tensors this rank reads: every one that is no expert's; of each sharded experts module, its
+    per-expert tensors (`...experts.<e>.<name>`, keys as transformers' renamings name them) of this rank's experts,
+    renumbered from 0, and the rows of its stacked tensors (`...experts.<name>`, experts first) that are this
+    rank's. Other ranks' per-expert tensors are left out, unread."""
+    from transformers.core_model_loading import apply_renamings
+
+    if not shares:
+        return state
+    by_path = re.compile(r"(?:^|\.)(" + "|".join(re.escape(n) for n in sorted(shares, key=len, reverse=True))
+                         + r")\.(.+)$")
+    out = {}
+    shapes: dict[tuple[str, str], tuple[str, tuple[int, ...]]] = {}  # (module, tensor name) → the first expert's
+    for key, tensor in state.items():
+        found = by_path.search(apply_renamings(key, renamings)) or by_path.search(key)
+        if found is None:
+            out[key] = tensor
+            continue
+        experts, first, local = shares[found.group(1)]
+        head, _, tail = found.group(2).partition(".")
+        if not head.isdigit():  # a stacked tensor of every expert: this rank's rows
+            shape = tensor.get_shape() if hasattr(tensor, "get_shape") else list(tensor.shape)
+            if shape and shape[0] == experts:
+                out[key] = _Rows(tensor, first, local) if hasattr(tensor, "get_shape") else tensor[first:first + local]
+                record.sliced.append(key)
+            else:  # (another shape: transformers reports the mismatch)
+                out[key] = tensor
+            continue
+        e = int(head)
+        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)  # (the header's)
+        peer = shapes.setdefault((found.group(1), tail), (key, shape))
+        if peer[1] != shape:
+            raise HsxError(f"the checkpoint's expert tensors disagree in shape: {key[:200]} is {list(shape)}, "
+                           f"{peer[0][:200]} is {list(peer[1])}; the model folder is damaged")
+        if not first <= e < first + local:
+            record.skipped.append(key)
+            continue
+        parts = key.split(".")
+        at = len(parts) - 2 - tail.count(".")  # the expert's number in the checkpoint's own key
+        if at < 0 or parts[at] != head:
+            raise HsxError(f"cannot read only this rank's experts: the checkpoint key {key[:200]!r} does not name "
+                           f"its expert ({e}) where transformers' naming of it does; leave --ep-size out")
+        parts[at] = str(e - first)
+        out[".".join(parts)] = tensor
+    return out
+
+
+@contextmanager
+def loading_local_experts(size: int, rank: int):
+    """Within the block, transformers' from_pretrained (its `_load_pretrained_model`: after the model is built on
+    the meta device and its quantized modules are in place, before any weight is read) builds every experts module
+    with rank `rank`'s contiguous share of the experts of `size` ranks, and reads from the safetensors only the
+    tensors `_local_state_dict` keeps. Yields a LocalExpertsLoad, filled as the load runs. One load at a time
+    (transformers' class attribute is swapped for the block)."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import WeightRenaming
+    from transformers.modeling_utils import PreTrainedModel
+
+    record = LocalExpertsLoad(size, rank)
+    original = PreTrainedModel.__dict__["_load_pretrained_model"]
+
+    def load(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        shares = _shrink_to_share(model, size, rank)
+        record.modules += len(shares)
+        if not shares:
+            return original.__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        renamings = [m for m in (load_config.weight_mapping or []) if isinstance(m, WeightRenaming)]
+        opened = []
+        try:
+            if state_dict is None:
+                files = [f for f in (checkpoint_files or []) if str(f).endswith(".safetensors")]
+                if not files:
+                    raise HsxError("--ep-size reads a rank's experts from safetensors files only; this checkpoint "
+                                   "has none")
+                state_dict = {}
+                for f in files:  # (as transformers does: lazily, each tensor's bytes read when materialised)
+                    handle = safe_open(str(f), framework="pt", device="cpu")
+                    opened.append(handle)
+                    for k in handle.keys():
+                        state_dict[k] = handle.get_slice(k)
+            state_dict = _local_state_dict(state_dict, shares, renamings, record)
+            return original.__func__(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        finally:
+            for handle in opened:
+                handle.__exit__(None, None, None)
+
+    PreTrainedModel._load_pretrained_model = staticmethod(load)
+    try:
+        yield record
+    finally:
+        PreTrainedModel._load_pretrained_model = original
 
 
 def _install(module: torch.nn.Module, ep: EpGroup, first: int, local: int) -> None:

@@ -8,6 +8,7 @@ safetensors only, never unpickled; remote code runs only when asked.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -389,10 +390,13 @@ def read_target(cfg: ExtractConfig, model: LoadedModel | None = None) -> Target:
 
 
 def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.device] | None = None,
-               distributed_config=None, target: Target | None = None) -> LoadedModel:
+               distributed_config=None, target: Target | None = None,
+               experts_share: tuple[int, int] | None = None) -> LoadedModel:
     """The target's weights, cut after the deepest layer it needs. `target`: the job's (`read_target`), whose
     config and layers are used as read, not read again (None: read here). `distributed_config` (transformers'
-    DistributedConfig, from hsx.run) shards the copy over processes."""
+    DistributedConfig, from hsx.run) shards the copy over processes. `experts_share` (ranks, rank) of an
+    expert-parallel group: only this rank's share of the routed experts is read and held
+    (hsx.expert_parallel.loading_local_experts)."""
     import transformers
     from safetensors import SafetensorError
     from transformers import AutoModel
@@ -417,15 +421,23 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
         kwargs["key_mapping"] = {"^" + re.escape(prefix): ""}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report lists every layer we chose not to load
+    share = contextlib.nullcontext()
+    if experts_share is not None:
+        from hsx.expert_parallel import loading_local_experts
+
+        share = loading_local_experts(*experts_share)
     try:
-        base, info = AutoModel.from_pretrained(
-            path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
-            use_safetensors=True, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
-            **({"distributed_config": distributed_config} if distributed_config is not None
-               else group_device_map(devices or [device])), **kwargs,
-        )
+        with share:
+            base, info = AutoModel.from_pretrained(
+                path, config=tcfg, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attn,
+                use_safetensors=True, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
+                **({"distributed_config": distributed_config} if distributed_config is not None
+                   else group_device_map(devices or [device])), **kwargs,
+            )
     except (OSError, ValueError, SafetensorError) as e:  # (SafetensorError: a file safetensors refuses)
         raise HsxError(f"cannot load model {cfg.model!r}: {one_line(e)}") from None
+    except HsxError as e:  # (what reading only this rank's experts refused)
+        raise HsxError(f"cannot load model {cfg.model!r}: {e}") from None
     except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # the folder's config.json passed transformers' checks but its values do not build this architecture
         # (an unknown hidden_act, heads that do not divide the width, weights of other shapes)

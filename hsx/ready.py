@@ -53,14 +53,17 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     device = proc.device
     cuda = device.type == "cuda"
     owns_model = loaded is None
-    loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target)
+    # (an expert-parallel rank reads only its share of the experts: its memory is the replicated weights + its share)
+    share = (proc.ep_size, proc.ep_group.rank) if proc.ep_size > 1 else None
+    loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target, experts_share=share)
     use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
     if proc.ep_size > 1:  # this rank keeps its share of the experts; tokens travel to the others' (all-to-all)
         from hsx.expert_parallel import shard_experts
 
         modules, local = shard_experts(loaded.base, proc.ep_group)
         log(f"hsx: --ep-size {proc.ep_size}: each rank holds {local} routed experts of each of {modules} "
-            f"mixture-of-experts layers ({local * proc.ep_size} experts each); each runs its own batches")
+            f"mixture-of-experts layers ({local * proc.ep_size} experts each"
+            + ("; only its own read from the checkpoint" if owns_model else "") + "); each runs its own batches")
     quant = fp8.quantization_of(loaded.text_config)
     if cfg.experts_implementation != "auto" and not has_experts(loaded.base):
         log(f"hsx: --experts-implementation {cfg.experts_implementation} does not apply: {cfg.model} has no "

@@ -124,7 +124,8 @@ def test_two_ranks_qwen3_moe_equal_one_process(models, references, tmp_path):
     out = tmp_path / "ep2"
     r = run(argv(models["qwen3_moe"], out, "--ep-size", "2"), 2)
     assert r.returncode == 0, failure(r)
-    assert "--ep-size 2: each rank holds 4 routed experts of each of 3 mixture-of-experts layers" in r.stdout
+    assert ("--ep-size 2: each rank holds 4 routed experts of each of 3 mixture-of-experts layers (8 experts each; "
+            "only its own read from the checkpoint)") in r.stdout
     info = json.loads((out / "hsx.json").read_text())
     assert (info["world_size"], info["config"]["ep_size"], info["run"]["model_copies"]) == (2, 2, 2)
     assert writers(out) == ["manifest-00000.jsonl", "manifest-00001.jsonl"]  # each rank its own units
@@ -264,7 +265,7 @@ def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> 
     from test_fp8 import _emulated_fp8_linear_forward
 
     from hsx import moe
-    from hsx.expert_parallel import EpGroup, shard_experts
+    from hsx.expert_parallel import EpGroup, loading_local_experts, shard_experts
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -282,8 +283,11 @@ def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> 
     g = torch.Generator().manual_seed(10 + rank)
     batches = [torch.randint(3, 500, (2 - rank, 29 + 8 * rank), generator=g) for _ in range(2 - rank)]
     whole, sharded = load(), load()
+    with loading_local_experts(world, rank):  # only this rank's experts read from the checkpoint
+        own = load()
     ep = EpGroup(dist.new_group([0, 1], backend="gloo"), world, rank, torch.device("cpu"))
     modules, local = shard_experts(sharded, ep)
+    shard_experts(own, ep)
     experts = [m for m in sharded.modules() if getattr(m, "num_experts", None) == local and hasattr(m, "down_proj")]
     out = {"modules": modules, "local": local,
            "e4m3": all(m.gate_up_proj.dtype == torch.float8_e4m3fn and m.gate_up_proj.shape[0] == local
@@ -294,8 +298,12 @@ def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> 
             ep.agree(True)
             got = sharded(input_ids=ids).last_hidden_state
             out["rel"].append(((got - want).norm() / want.norm()).item())
+            ep.agree(True)
+            out.setdefault("own_equal", []).append(torch.equal(own(input_ids=ids).last_hidden_state, got))
         while ep.agree(False):  # rank 1 once rank 0 is on its last batch: one-token forwards
             sharded(input_ids=torch.zeros((1, 1), dtype=torch.int64))
+            ep.agree(True)
+            own(input_ids=torch.zeros((1, 1), dtype=torch.int64))
             out["idle_forwards"] = out.get("idle_forwards", 0) + 1
     Path(results, f"{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -303,6 +311,7 @@ def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> 
 
 @pytest.mark.slow
 def test_fp8_experts_stay_fp8_when_sharded_and_equal_the_whole_model(tmp_path):
+    """Also: each rank's model loaded with only its own experts read runs the same forwards bit for bit."""
     import torch.multiprocessing as mp
     from test_fp8 import _save_fp8_moe_checkpoint
 
@@ -317,3 +326,146 @@ def test_fp8_experts_stay_fp8_when_sharded_and_equal_the_whole_model(tmp_path):
         assert r["modules"] == 2 and r["local"] == 4 and r["e4m3"], r
         assert all(rel < 1e-6 for rel in r["rel"]), r
     assert len(got[0]["rel"]) == 2 and len(got[1]["rel"]) == 1 and got[1]["idle_forwards"] == 1
+    assert got[0]["own_equal"] == [True, True] and got[1]["own_equal"] == [True]  # read-own-experts: bit for bit
+
+
+# ---- each rank reads only its own experts from the checkpoint --------------------------------------------------------
+
+class _ReadRecorder:
+    """safetensors' safe_open, recording the key of every tensor whose bytes are read (a slice indexed)."""
+
+    def __init__(self, real, reads: list[str]):
+        self.real, self.reads = real, reads
+
+    def __call__(self, *args, **kwargs):
+        handle, reads = self.real(*args, **kwargs), self.reads
+
+        class Slice:
+            def __init__(self, key):
+                self.key, self.inner = key, handle.get_slice(key)
+
+            def get_shape(self):
+                return self.inner.get_shape()
+
+            def get_dtype(self):
+                return self.inner.get_dtype()
+
+            def __getitem__(self, index):
+                reads.append(self.key)
+                return self.inner[index]
+
+        class Handle:
+            def keys(self):
+                return handle.keys()
+
+            def get_slice(self, key):
+                return Slice(key)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+        return Handle()
+
+
+def _save_stacked(model_folder: Path, folder: Path) -> Path:
+    """The same weights with each experts module's tensors stored stacked (one 3-D tensor, experts first), as some
+    checkpoints store them (and as transformers' own modules hold them)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(model_folder / "config.json", folder / "config.json")
+    return folder
+
+
+@pytest.mark.parametrize("kind, layout", [("qwen3_moe", "per-expert"), ("deepseek_v3", "per-expert"),
+                                          ("qwen3_moe", "stacked")])
+def test_a_rank_reads_only_its_experts_and_holds_what_whole_load_then_shard_holds(models, kind, layout, tmp_path,
+                                                                                  monkeypatch):
+    """Rank 1 of 2 loaded with `loading_local_experts`: every parameter equal bit for bit (and in shape) to the whole
+    model's after `shard_experts`; of the checkpoint it read every non-expert tensor and its own experts' (or its rows
+    of the stacked ones), never rank 0's; it holds the replicated weights plus half the experts."""
+    import safetensors
+    import transformers
+
+    from hsx.expert_parallel import LOADED_SHARD, loading_local_experts, shard_experts
+
+    folder = models[kind] if layout == "per-expert" else _save_stacked(models[kind], tmp_path / "stacked")
+    whole = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in whole.named_parameters() if ".experts." in n)
+    shard_experts(whole, fake_group(2, 1))
+    reads: list[str] = []
+    monkeypatch.setattr(safetensors, "safe_open", _ReadRecorder(safetensors.safe_open, reads))
+    with loading_local_experts(2, 1) as record:
+        part = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
+    assert record.modules == 3 and all(getattr(m, LOADED_SHARD, None) == (4, 4) for m in part.modules()
+                                       if hasattr(m, LOADED_SHARD))
+    a, b = dict(whole.named_parameters()), dict(part.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].shape == b[name].shape and torch.equal(a[name], b[name]), name
+    held = sum(p.numel() * p.element_size() for p in part.parameters())
+    assert held == whole_bytes - expert_bytes // 2
+    expert_reads = [k for k in reads if ".experts." in k]
+    if layout == "per-expert":
+        assert sorted({int(k.split(".experts.")[1].split(".")[0]) for k in expert_reads}) == [4, 5, 6, 7]
+        assert len(record.skipped) == 3 * 4 * 3 and not any(k in reads for k in record.skipped)
+    else:
+        assert len(record.sliced) == 3 * 2 and set(expert_reads) == set(record.sliced)
+    assert {f"model.{n}" for n in a if ".experts." not in n} <= set(reads)  # the replicated weights, all read
+    # sharding the model loaded so keeps it as it is and installs the dispatch
+    assert shard_experts(part, fake_group(2, 1)) == (3, 4)
+    assert all(torch.equal(a[n], p) for n, p in part.named_parameters())
+
+
+def test_fp8_experts_read_as_stored_only_this_ranks(tmp_path):
+    """An FP8 checkpoint (per-expert e4m3 weights and block scales) loaded as stored: rank 0 of 2 holds its 4
+    experts' e4m3 weights and scales, equal to the whole load's rows."""
+    from unittest import mock
+
+    import transformers
+    from test_fp8 import _save_fp8_moe_checkpoint
+
+    from hsx.expert_parallel import loading_local_experts
+
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    _save_fp8_moe_checkpoint(folder, "qwen3_moe")
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)):
+        whole = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
+        with loading_local_experts(2, 0):
+            part = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
+    experts = [(m, part.get_submodule(n)) for n, m in whole.named_modules() if n.endswith("mlp.experts")]
+    assert len(experts) == 2
+    for full, mine in experts:
+        for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"):
+            got, want = getattr(mine, name), getattr(full, name)
+            assert got.dtype == want.dtype and torch.equal(got.float(), want[:4].float()), name
+        assert mine.gate_up_proj.dtype == torch.float8_e4m3fn and mine.num_experts == 4
+
+
+def test_expert_tensors_that_disagree_in_shape_are_one_line(models, tmp_path):
+    """A checkpoint whose expert 5 has another shape than its peers: the rank holding it refuses in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from hsx.config import ExtractConfig
+    from hsx.model import load_model
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(models["qwen3_moe"], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    key = "model.layers.2.mlp.experts.5.gate_proj.weight"
+    state[key] = state[key][:-1].clone()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HsxError) as e:
+        load_model(ExtractConfig(model=str(folder), dataset="d", layers=[3], output_dir="o", dtype="float32"),
+                   torch.device("cpu"), experts_share=(2, 1))
+    assert "\n" not in str(e.value) and "layers.2.mlp.experts" in str(e.value), str(e.value)
