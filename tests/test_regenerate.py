@@ -37,12 +37,13 @@ def state(out: Path) -> dict:
     return json.loads((out / ".hsx" / "regenerate.json").read_text())
 
 
-def extract_masks_are_generated(out: Path, tmp: Path) -> int:
+def extract_masks_are_generated(out: Path, tmp: Path, **extract_options) -> int:
     """`hsx.extract` over a regenerated dir: each row's supervised tokens are exactly the ids the engine generated
     (its answers' token_ids, in order; an answer the server gave no ids for is its text's tokens and the end of
     turn that stopped it). Returns the rows extracted."""
     rows = written_rows(out)
-    ds = hsx.extract(model=str(DEMO), dataset=str(out), layers=[1], output_dir=str(tmp / "extracted"))
+    ds = hsx.extract(model=str(DEMO), dataset=str(out), layers=[1], output_dir=str(tmp / "extracted"),
+                     **extract_options)
     assert len(ds) == len(rows)
     eot = [2]  # the demo template's <|im_end|>
     for r in ds:
@@ -131,6 +132,104 @@ def test_last_turn_only_keeps_earlier_turns_as_context(tokenizer, tmp_path):
         assert r["messages"][:-1] == src[r["source_row"]]["messages"][:-1] or \
             r["messages"][0]["role"] == "system"
     extract_masks_are_generated(tmp_path / "out", tmp_path)
+
+
+def per_conversation_rows(rows: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    by: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["source_row"], r["sample"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["turn"]) for k, v in by.items()}
+
+
+def test_per_turn_rows_each_end_at_their_answer_and_extract_supervises_only_it(tokenizer, tmp_path):
+    """rows=per-turn: a conversation of k regenerated answers is k rows, the j-th ending at its answer (the answers
+    before it the regenerated ones, as it was asked), naming only it in `generated`; extract supervises each row on
+    exactly its last answer's generated ids. The accounting counts conversations: written + skipped + errors ==
+    rows × n, and rows_written the rows."""
+    src = chats(6) + [{"messages": [{"role": "assistant", "content": "no user turn"}]}]
+    data = write_jsonl(tmp_path / "in.jsonl", src)
+    with FakeServer(tokenizer) as s:
+        summary = run_against([s.url], data, tmp_path / "out", n=2, rows="per-turn")
+    rows = written_rows(tmp_path / "out")
+    convs = per_conversation_rows(rows)
+    answers = {k: sum(m["role"] == "assistant" for m in src[k[0]]["messages"]) for k in convs}
+    assert summary["complete"] and summary["written"] == 12 and summary["skipped"] == {"nothing_to_answer": 2}
+    assert summary["written"] + sum(summary["skipped"].values()) + len(summary["errors"]) == 7 * 2
+    assert summary["rows_written"] == len(rows) == sum(answers.values()) > 12
+    for key, turns in convs.items():
+        assert [r["turn"] for r in turns] == list(range(answers[key]))
+        last = turns[-1]["messages"]
+        for r in turns:
+            (g,) = r["generated"]
+            assert g["message"] == len(r["messages"]) - 1
+            assert r["messages"] == last[:len(r["messages"])]  # earlier answers: the regenerated ones
+    assert extract_masks_are_generated(tmp_path / "out", tmp_path) == len(rows)
+
+
+def test_per_turn_rows_are_written_once_across_an_uncommitted_unit(tokenizer, tmp_path):
+    """A unit whose data file was written but whose record was not (a kill between them) is written again, whole:
+    each conversation's rows once, none duplicated; the identity records the row layout."""
+    data = write_jsonl(tmp_path / "in.jsonl", chats(7))
+    out = tmp_path / "out"
+    with FakeServer(tokenizer) as s:
+        first = run_against([s.url], data, out, rows="per-turn")
+        before = written_rows(out)
+        (out / ".hsx" / "regenerate" / "unit-00001.json").unlink()
+        again = run_against([s.url], data, out, rows="per-turn")
+        with pytest.raises(HsxError, match="differs in: output_rows"):
+            run_against([s.url], data, out)
+    assert written_rows(out) == before
+    assert again["rows_written"] == first["rows_written"] == len(before)
+    assert sorted({(r["source_row"], r["turn"]) for r in before}) == sorted((r["source_row"], r["turn"])
+                                                                             for r in before)
+
+
+# A Qwen3-style template: an assistant turn's reasoning (reasoning_content) is rendered only after the last user
+# message; earlier turns lose it, so a conversation's earlier answers never render as they were generated.
+DROPS_EARLIER_THINKING = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}{%- generation -%}"
+    "{%- if loop.index0 > ns.last_user and message['reasoning_content'] is defined and message['reasoning_content'] -%}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' -}}{%- endif -%}"
+    "{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}{{- '\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_drops_earlier_reasoning_is_exact_with_per_turn_rows(tokenizer, tmp_path):
+    """A template that rewrites earlier turns (Qwen3's dropped reasoning): a multi-turn row holding every answer
+    cannot be reproduced (its earlier answers render without their think blocks), so extract skips it as
+    generated_tokens_mismatch and says to use --rows per-turn; with per-turn rows each row's last answer renders as
+    generated, and every row is extracted with masks exactly its generated ids."""
+    from transformers import AutoTokenizer
+
+    qwen3ish = AutoTokenizer.from_pretrained(DEMO)
+    qwen3ish.chat_template = DROPS_EARLIER_THINKING
+    qwen3ish.save_pretrained(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    src = chats(6)
+    multi = sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in src)
+    assert multi >= 1
+    data = write_jsonl(tmp_path / "in.jsonl", src)
+    with FakeServer(tokenizer, behaviour="reasoning") as s:
+        run_against([s.url], data, tmp_path / "whole", tokenizer=tok)
+        run_against([s.url], data, tmp_path / "turns", tokenizer=tok, rows="per-turn")
+    logs: list[str] = []
+    from hsx.config import load_config
+    from hsx.run import extract as run_extract
+
+    run_extract(load_config(None, dict(model=str(DEMO), tokenizer=tok, dataset=str(tmp_path / "whole"), layers=[1],
+                                       output_dir=str(tmp_path / "x-whole"))), log=logs.append)
+    info = json.loads((tmp_path / "x-whole" / "hsx.json").read_text())
+    assert info["counts"]["skipped"] == {"generated_tokens_mismatch": multi}
+    assert any("generated_tokens_mismatch" in line and "--rows per-turn" in line for line in logs)
+    rows = written_rows(tmp_path / "turns")
+    assert all(r["messages"][-1]["reasoning_content"].startswith("Thinking") for r in rows)
+    assert extract_masks_are_generated(tmp_path / "turns", tmp_path, tokenizer=tok) == len(rows) > len(src)
 
 
 def test_prompts_alone_and_prompt_completion_rows_are_answered(tokenizer, tmp_path):
