@@ -84,6 +84,25 @@ def test_in_process_greedy_is_deterministic_and_extract_supervises_exactly_the_g
 
 # ---- servers: well behaved -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
+def test_in_process_sampling_says_once_what_is_reproducible_and_repeats_with_the_same_batches(tmp_path):
+    """transformers' continuous batching takes no per-request seed: a sampled in-process run says so once in the
+    log, and two runs with the same batches (--concurrency 1, same input and options) give the same answers."""
+    data = write_jsonl(tmp_path / "in.jsonl", chats(2))
+    from hsx.config import load_regenerate_config
+    from hsx.regeneration import SAMPLED_IN_PROCESS
+    from hsx.regeneration import regenerate as run_regenerate
+
+    answers, logs = [], []
+    for name in ("a", "b"):
+        cfg = load_regenerate_config(None, dict(model=str(DEMO), dataset=str(data), output_dir=str(tmp_path / name),
+                                                max_new_tokens=6, concurrency=1, temperature=0.9, seed=5))
+        run_regenerate(cfg, log=logs.append)
+        answers.append([r["generated"] for r in written_rows(tmp_path / name)])
+    assert logs.count(SAMPLED_IN_PROCESS) == 2 and "per-request seed" in SAMPLED_IN_PROCESS  # once per run
+    assert answers[0] == answers[1] and len(answers[0]) == 2
+
+
 def run_against(server_urls: list[str], data: Path, out: Path, **options):
     return hsx.regenerate(model=str(DEMO), dataset=str(data), output_dir=str(out), servers=",".join(server_urls),
                           **{"concurrency": 4, "unit_size": 3, "timeout": 5.0, **options})
