@@ -426,16 +426,20 @@ def test_extract_refuses_a_regenerated_row_whose_ids_the_template_does_not_rende
 
 
 @pytest.mark.slow
-def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(tokenizer, tmp_path):
+@pytest.mark.parametrize("layout", ["per-conversation", "per-turn"])
+def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(tokenizer, tmp_path, layout):
     """hsx regenerate killed (SIGKILL) at seeded moments, stopped by SIGTERM once (it finishes the unit and
-    exits 143), then run to the end: every (row, sample) exactly once, and the accounting adds up."""
+    exits 143), then run to the end: every (row, sample) exactly once (per turn: each of its answers' rows once),
+    and the accounting adds up."""
+    from hsx.regeneration import answer_slots, conversation_of
+
     rows = chats(40)
     data = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
     rng = random.Random(7)
     with FakeServer(tokenizer, delay=0.02) as s:
         argv = ["regenerate", "--model", str(DEMO), "--dataset", str(data), "--output-dir", str(out), "--servers",
-                s.url, "--unit-size", "4", "--concurrency", "3", "--n", "2"]
+                s.url, "--unit-size", "4", "--concurrency", "3", "--n", "2", "--rows", layout]
         records = out / ".hsx" / "regenerate"
         for attempt in range(3):
             child = hsx_child(argv, tmp_path / f"logs{attempt}")
@@ -453,10 +457,13 @@ def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(to
                 child.wait()
         rc, _, err = hsx_main(argv)
     assert rc == 0, err
-    got = sorted((r["source_row"], r["sample"]) for r in written_rows(out))
-    assert got == [(i, s) for i in range(40) for s in range(2)]
+    got = sorted((r["source_row"], r["sample"], r.get("turn", 0)) for r in written_rows(out))
+    answers = [len(answer_slots(*conversation_of(r, "messages")[:2], "all")) if layout == "per-turn" else 1
+               for r in rows]
+    assert got == [(i, s, j) for i in range(40) for s in range(2) for j in range(answers[i])]
     summary = state(out)
     assert summary["complete"] and summary["written"] == 80 and summary["conversations"] == 80
+    assert summary["rows_written"] == 2 * sum(answers) and (layout == "per-conversation" or sum(answers) > 40)
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes" / "regenerate").glob("*.yaml")), ids=lambda r: r.stem)
