@@ -14,8 +14,9 @@ written as one `data/train-UUUUU-of-NNNNN.jsonl` file and then committed by its 
 atomic and fsynced), so a killed job loses at most its units in flight and a rerun writes each conversation once.
 Ranks (RANK / WORLD_SIZE, as `hsx launch` or torchrun set them) take units in turn. The job's identity (input,
 model, engine, sampling) is recorded; a rerun with another is refused. Every (row, sample) is written, skipped with
-a reason, or an error with its reason (`.hsx/regenerate/errors.jsonl`): written + skipped + errors == rows × n, counted in conversations (with `rows: per-turn` a written conversation is
-one output row per answer, all committed in the same unit: conversation-atomic).
+a reason, or an error with its reason (`.hsx/regenerate/errors.jsonl`): written + skipped + errors == rows × n,
+counted in conversations (with `rows: per-turn` a written conversation is one output row per answer, all committed
+in the same unit: conversation-atomic).
 """
 
 from __future__ import annotations
@@ -220,6 +221,33 @@ def output_rows(messages: list[dict], records: list[dict], layout: str, fields: 
     return rows
 
 
+REWRITES_EARLIER_REASONING = (
+    "hsx regenerate: the chat template drops the reasoning of earlier assistant turns (as Qwen3's does): a row "
+    "holding several answers that reason will not render as they were generated, and extract skips it "
+    "(generated_tokens_mismatch); --rows per-turn writes one row per answer, each rendering as generated")
+
+
+def rewrites_earlier_reasoning(tokenizer, template_kwargs: dict[str, Any]) -> bool:
+    """Whether the template renders an answer's reasoning (as reasoning_content, or a think block in its content)
+    in the last assistant turn but not in an earlier one: then a row of several answers cannot render as generated.
+    A template that raises on the probe is not judged here (extract's check still holds)."""
+    from hsx.render import render_chat
+
+    marker = "hsx-probe-reasoning"
+    forms = ({"content": "Answer.", "reasoning_content": marker},
+             {"content": f"<think>\n{marker}\n</think>\n\nAnswer."})
+    for form in forms:
+        conv = [{"role": "user", "content": "Question?"}, {"role": "assistant", **form},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", **form}]
+        try:
+            text = render_chat(tokenizer, conv, None, False, template_kwargs)
+        except Exception:  # noqa: BLE001  (a template that refuses the probe: no verdict)
+            continue
+        if text.count(marker) == 1 and text.rindex(marker) > text.rindex("Another?"):
+            return True
+    return False
+
+
 # ---- the output dir -----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -409,6 +437,9 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict[str, Any]:
     ds = inputs.load_input(cfg)
     fmt = input_format(ds.column_names)
     tokenizer = _tokenizer(cfg)
+    if (cfg.rows == "per-conversation" and cfg.turns == "all" and cfg.reasoning == "keep"
+            and rewrites_earlier_reasoning(tokenizer, cfg.chat_template_kwargs)):
+        log(REWRITES_EARLIER_REASONING)
     out = RegenDir(Path(cfg.output_dir))
     out.claim(identity(cfg, ds, sampling), cfg.overwrite)
     count = -(-len(ds) // cfg.unit_size)

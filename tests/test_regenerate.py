@@ -234,12 +234,20 @@ def test_a_template_that_drops_earlier_reasoning_is_exact_with_per_turn_rows(tok
     multi = sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in src)
     assert multi >= 1
     data = write_jsonl(tmp_path / "in.jsonl", src)
-    with FakeServer(tokenizer, behaviour="reasoning") as s:
-        run_against([s.url], data, tmp_path / "whole", tokenizer=tok)
-        run_against([s.url], data, tmp_path / "turns", tokenizer=tok, rows="per-turn")
-    logs: list[str] = []
-    from hsx.config import load_config
+    from hsx.config import load_config, load_regenerate_config
+    from hsx.regeneration import REWRITES_EARLIER_REASONING, rewrites_earlier_reasoning
+    from hsx.regeneration import regenerate as run_regenerate
     from hsx.run import extract as run_extract
+
+    logs: list[str] = []
+    with FakeServer(tokenizer, behaviour="reasoning") as s:
+        for name, rows in (("whole", "per-conversation"), ("turns", "per-turn")):
+            run_regenerate(load_regenerate_config(None, dict(
+                model=str(DEMO), tokenizer=tok, dataset=str(data), output_dir=str(tmp_path / name), servers=s.url,
+                rows=rows, concurrency=4, unit_size=3)), log=logs.append)
+    assert logs.count(REWRITES_EARLIER_REASONING) == 1  # said before the per-conversation job, not the per-turn one
+    assert not rewrites_earlier_reasoning(tokenizer, {})  # the demo template renders every turn as it is
+    logs.clear()
 
     run_extract(load_config(None, dict(model=str(DEMO), tokenizer=tok, dataset=str(tmp_path / "whole"), layers=[1],
                                        output_dir=str(tmp_path / "x-whole"))), log=logs.append)
@@ -249,6 +257,20 @@ def test_a_template_that_drops_earlier_reasoning_is_exact_with_per_turn_rows(tok
     rows = written_rows(tmp_path / "turns")
     assert all(r["messages"][-1]["reasoning_content"].startswith("Thinking") for r in rows)
     assert extract_masks_are_generated(tmp_path / "turns", tmp_path, tokenizer=tok) == len(rows) > len(src)
+
+
+@pytest.mark.parametrize("family, rewrites", [("QWEN3", True), ("QWEN35", True), ("QWEN25", False),
+                                              ("SMOLLM3", False)])
+def test_the_templates_that_drop_earlier_reasoning_are_told_apart(family, rewrites):
+    """The probe behind regenerate's hint to use --rows per-turn: Qwen3 and Qwen3.5 drop earlier turns'
+    reasoning; Qwen2.5 (no reasoning) and SmolLM3 (history turns plain, the same for every turn) do not rewrite
+    one turn differently from the last."""
+    import chat_families as cf
+
+    from hsx.regeneration import rewrites_earlier_reasoning
+
+    tok = cf.family_tokenizer(getattr(cf, family), cf.QWEN_SPECIAL, "<|im_end|>", plain=cf.QWEN_PLAIN)
+    assert rewrites_earlier_reasoning(tok, {}) is rewrites
 
 
 def test_prompts_alone_and_prompt_completion_rows_are_answered(tokenizer, tmp_path):
