@@ -56,7 +56,8 @@ def regenerate(config: str | os.PathLike | None = None, **options: Any) -> dict[
     `output_dir` as a dataset `hsx.extract(dataset=output_dir, ...)` reads (docs/regenerate.md). Takes its recipe's
     keys as keywords (`model=`, `dataset=`, `output_dir=`, `servers=`, `temperature=`, `n=`, ...), or
     `config="recipes/X.yaml"` plus keywords that override them; returns the job's summary (`complete`, `written`,
-    `skipped` and `errors` by reason, `answers`, `tokens`). Calling it again continues the job."""
+    `skipped` and `errors` by reason, counted in conversations; `rows_written`, `answers`, `tokens`). Calling it
+    again continues the job."""
     from hsx.config import load_regenerate_config
     from hsx.regeneration import regenerate as run_regenerate
 

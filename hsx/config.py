@@ -667,6 +667,7 @@ def layers_run(num_layers: int, layers: list[int], final_hidden: bool) -> int:
 # ---- hsx regenerate ---------------------------------------------------------------------------------------------
 
 REGENERATE_TURNS = ("all", "last")  # hsx.regenerate: which assistant turns are asked of the target
+REGENERATE_ROWS = ("per-conversation", "per-turn")  # hsx.regenerate: one output row per conversation, or per answer
 
 
 @dataclass
@@ -713,6 +714,10 @@ class RegenerateConfig:
     # What is regenerated, and how it is kept.
     turns: str = _key("all", choices=REGENERATE_TURNS, help="all: every assistant turn in order, each conditioned on "
                       "the regenerated ones before it; last: only the final answer")
+    rows: str = _key("per-conversation", choices=REGENERATE_ROWS, help="per-conversation: one output row holding "
+                     "every regenerated answer; per-turn: one row per regenerated answer, ending at it and "
+                     "supervised on it alone (SpecForge's and speculators' layout; the fix for templates that "
+                     "rewrite earlier turns, such as Qwen3's dropped reasoning)")
     enable_thinking: bool | None = _key(None, help="the chat template's thinking switch (Qwen3, SmolLM3, ...): sets "
                                         "chat_template_kwargs' enable_thinking")
     chat_template_kwargs: dict[str, Any] = _key(default_factory=dict, help="JSON object passed to the chat "

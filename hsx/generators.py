@@ -81,7 +81,8 @@ class ModelGenerator:
     """The target in this process on transformers' continuous batching (paged attention; `generate_batch`'s
     manager, kept running): `ask` renders the prompt with the chat template (as extract renders it), queues it
     and waits for its answer, so every thread's conversation shares the batches. Greedy is deterministic; a
-    sampled answer depends on which others share its batch (one seed for the whole run, transformers' own)."""
+    sampled answer depends on which others share its batch: transformers' continuous batching takes no per-request
+    seed or generator (`ask`'s seed is not used here), it seeds one generator for the whole run."""
 
     def __init__(self, model, tokenizer, sampling: Sampling, template_kwargs: dict[str, Any], concurrency: int):
         from transformers import GenerationConfig

@@ -151,7 +151,10 @@ class Job:
         from hsx import data
 
         if self.cfg.strict and (bad := data.first_skipped(tokenized)):
-            raise HsxError(f"--strict: input row {bad[0]} of {self.cfg.dataset} cannot be used: {bad[1]}")
+            from hsx.schema import SKIP_REASONS
+
+            raise HsxError(f"--strict: input row {bad[0]} of {self.cfg.dataset} cannot be used: {bad[1]} "
+                           f"({SKIP_REASONS.get(bad[1], 'see docs/inputs.md')})")
 
     # ---- units ----
 
@@ -585,6 +588,11 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
     log(f"hsx: {_what_was_written(out, units, pending, c, cfg.output_dir)}; skipped {json.dumps(c['skipped'])}; "
         f"truncated {c['truncated']}; rows with "
         f"NaN/Inf states: {c['nonfinite']['rows']} ({'skipped' if cfg.nonfinite == 'skip' else 'kept, flagged'})")
+    if c["skipped"].get("generated_tokens_mismatch"):
+        from hsx.schema import SKIP_REASONS
+
+        log(f"hsx: {c['skipped']['generated_tokens_mismatch']} rows skipped as generated_tokens_mismatch: "
+            f"{SKIP_REASONS['generated_tokens_mismatch']}")
     refuse_empty(cfg, c, written=True)
     if stats["tokens"]:
         pad = 1 - stats["tokens"] / max(1, stats["padded_tokens"])

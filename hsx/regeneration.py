@@ -6,14 +6,17 @@ each conversation normalized as hsx.data normalizes it. For each row and sample 
 (hsx.generators: the model in-process, or OpenAI-compatible servers) turn by turn, each conditioned on the answers
 regenerated before it (`turns: all`), or only the final one (`last`). An output row holds the messages with the new
 answers, and per answer the token ids the engine generated, its finish reason and the sampling that made it
-(`generated`, `sampling`), which extract supervises exactly (hsx.masks.generated_supervision).
+(`generated`, `sampling`), which extract supervises exactly (hsx.masks.generated_supervision); `rows: per-turn`
+writes one row per answer instead, ending at it and naming only it in `generated`.
 
 A job like extract's: input rows are cut into units of `unit_size` rows (and all their samples); each unit is
 written as one `data/train-UUUUU-of-NNNNN.jsonl` file and then committed by its record in `.hsx/regenerate/` (both
 atomic and fsynced), so a killed job loses at most its units in flight and a rerun writes each conversation once.
 Ranks (RANK / WORLD_SIZE, as `hsx launch` or torchrun set them) take units in turn. The job's identity (input,
 model, engine, sampling) is recorded; a rerun with another is refused. Every (row, sample) is written, skipped with
-a reason, or an error with its reason (`.hsx/regenerate/errors.jsonl`): written + skipped + errors == rows × n.
+a reason, or an error with its reason (`.hsx/regenerate/errors.jsonl`): written + skipped + errors == rows × n,
+counted in conversations (with `rows: per-turn` a written conversation is one output row per answer, all committed
+in the same unit: conversation-atomic).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from hsx.errors import HsxError
 from hsx.generators import Answer, AnswerError, ModelGenerator, Sampling, ServerPool, drop_reasoning, parse_servers
 
 FORMAT_VERSION = 1  # of the rows written (part of the identity)
+SAMPLED_IN_PROCESS = ("hsx regenerate: sampling in-process: transformers' continuous batching draws every request's "
+                      "tokens from one generator seeded once with --seed (no per-request seed), so a sampled answer "
+                      "depends on which requests share its batches; it is repeatable only by a run with the same "
+                      "batches (--concurrency 1, the same input and options, not resumed midway); greedy "
+                      "(--temperature 0) does not depend on it, and servers take each request's own seed "
+                      "(docs/regenerate.md#engines)")
 STATE_DIR = ".hsx"
 STATE_FILE = "regenerate.json"  # in STATE_DIR: the job's identity, and its summary once complete
 UNITS_DIR = "regenerate"  # in STATE_DIR: one record per committed unit, and errors.jsonl once complete
@@ -44,10 +53,11 @@ MAX_RECORD_BYTES = 64 << 20  # a state file or unit record (an input of many fil
 
 @dataclass
 class Outcome:
-    """What became of one (row, sample): a row written, a skip reason, or an error (reason, message)."""
+    """What became of one (row, sample): its rows written (one, or one per answer with `rows: per-turn`), a skip
+    reason, or an error (reason, message)."""
     source_row: int
     sample: int
-    row: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
     skipped: str = ""
     error: tuple[str, str] | None = None
     unreachable: bool = False
@@ -189,11 +199,53 @@ def regenerate_conversation(ask, cfg: RegenerateConfig, sampling: Sampling, conv
                 out.skipped = "answer_cut"
                 return out
             break
-    out.row = {"messages": new[:records[-1]["message"] + 1], "generated": records, "source_row": source_row,
-               "sample": sample, "sampling": sampling.as_dict()}
-    if tools is not None:
-        out.row["tools"] = tools
+    out.rows = output_rows(new, records, cfg.rows, {"source_row": source_row, "sample": sample,
+                                                    "sampling": sampling.as_dict()}, tools)
     return out
+
+
+def output_rows(messages: list[dict], records: list[dict], layout: str, fields: dict[str, Any],
+                tools: list | None) -> list[dict[str, Any]]:
+    """The rows of one answered conversation: `per-conversation`, one holding every answer (through the last);
+    `per-turn`, one per answer, ending at it and naming only it in `generated` (the answers before it are
+    context there, so a template that rewrites earlier turns still renders each row's last answer as generated),
+    numbered by `turn`."""
+    if layout == "per-turn":
+        rows = [{"messages": messages[:r["message"] + 1], "generated": [r], "turn": j, **fields}
+                for j, r in enumerate(records)]
+    else:
+        rows = [{"messages": messages[:records[-1]["message"] + 1], "generated": records, **fields}]
+    if tools is not None:
+        for row in rows:
+            row["tools"] = tools
+    return rows
+
+
+REWRITES_EARLIER_REASONING = (
+    "hsx regenerate: the chat template drops the reasoning of earlier assistant turns (as Qwen3's does): a row "
+    "holding several answers that reason will not render as they were generated, and extract skips it "
+    "(generated_tokens_mismatch); --rows per-turn writes one row per answer, each rendering as generated")
+
+
+def rewrites_earlier_reasoning(tokenizer, template_kwargs: dict[str, Any]) -> bool:
+    """Whether the template renders an answer's reasoning (as reasoning_content, or a think block in its content)
+    in the last assistant turn but not in an earlier one: then a row of several answers cannot render as generated.
+    A template that raises on the probe is not judged here (extract's check still holds)."""
+    from hsx.render import render_chat
+
+    marker = "hsx-probe-reasoning"
+    forms = ({"content": "Answer.", "reasoning_content": marker},
+             {"content": f"<think>\n{marker}\n</think>\n\nAnswer."})
+    for form in forms:
+        conv = [{"role": "user", "content": "Question?"}, {"role": "assistant", **form},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", **form}]
+        try:
+            text = render_chat(tokenizer, conv, None, False, template_kwargs)
+        except Exception:  # noqa: BLE001  (a template that refuses the probe: no verdict)
+            continue
+        if text.count(marker) == 1 and text.rindex(marker) > text.rindex("Another?"):
+            return True
+    return False
 
 
 # ---- the output dir -----------------------------------------------------------------------------------------------
@@ -283,7 +335,7 @@ class RegenDir:
 
     def commit(self, unit: int, count: int, outcomes: list[Outcome]) -> dict[str, Any]:
         """The unit's rows into its data file, then its record (the commit), both atomic and fsynced."""
-        rows = [o.row for o in outcomes if o.row is not None]
+        rows = [r for o in outcomes for r in o.rows]
         path = self.data_file(unit, count)
         if rows:
             files.atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -293,7 +345,8 @@ class RegenDir:
         for o in outcomes:
             if o.skipped:
                 skipped[o.skipped] = skipped.get(o.skipped, 0) + 1
-        record = {"unit": unit, "file": path.name if rows else None, "written": len(rows),
+        record = {"unit": unit, "file": path.name if rows else None, "written": sum(bool(o.rows) for o in outcomes),
+                  "rows": len(rows),
                   "skipped": dict(sorted(skipped.items())),
                   "errors": [{"source_row": o.source_row, "sample": o.sample, "reason": o.error[0],
                               "message": o.error[1]} for o in outcomes if o.error],
@@ -303,7 +356,8 @@ class RegenDir:
 
 
 def _well_formed(record: dict[str, Any]) -> bool:
-    ints = all(type(record.get(k)) is int and record[k] >= 0 for k in ("unit", "written", "answers", "tokens"))
+    ints = all(type(record.get(k)) is int and record[k] >= 0
+               for k in ("unit", "written", "rows", "answers", "tokens"))
     skipped, errors = record.get("skipped"), record.get("errors")
     return (ints and isinstance(skipped, dict) and all(type(v) is int and v >= 0 for v in skipped.values())
             and isinstance(errors, list) and all(isinstance(e, dict) and isinstance(e.get("reason"), str)
@@ -323,12 +377,12 @@ def identity(cfg: RegenerateConfig, ds, sampling: Sampling) -> dict[str, Any]:
             "engine": "openai" if cfg.servers else "transformers",
             "served_model_name": (cfg.served_model_name or cfg.model) if cfg.servers else None,
             "dtype": None if cfg.servers else cfg.dtype, "sampling": sampling.as_dict(), "n": cfg.n,
-            "turns": cfg.turns, "reasoning": cfg.reasoning, "cut_answers": cfg.cut_answers,
+            "turns": cfg.turns, "output_rows": cfg.rows, "reasoning": cfg.reasoning, "cut_answers": cfg.cut_answers,
             "chat_template_kwargs": cfg.chat_template_kwargs, "unit_size": cfg.unit_size,
             "format_version": FORMAT_VERSION}
 
 
-def _engine(cfg: RegenerateConfig, tokenizer, sampling: Sampling):
+def _engine(cfg: RegenerateConfig, tokenizer, sampling: Sampling, log):
     """(ask, close, threads) of the engine `cfg` names."""
     if cfg.servers:
         servers = parse_servers(cfg.servers)
@@ -350,6 +404,8 @@ def _engine(cfg: RegenerateConfig, tokenizer, sampling: Sampling):
         raise HsxError(f"cannot load model {cfg.model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
             from None
     engine = ModelGenerator(model, tokenizer, sampling, cfg.chat_template_kwargs, cfg.concurrency)
+    if sampling.temperature > 0:
+        log(SAMPLED_IN_PROCESS)
     return engine.ask, engine.close, cfg.concurrency
 
 
@@ -381,6 +437,9 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict[str, Any]:
     ds = inputs.load_input(cfg)
     fmt = input_format(ds.column_names)
     tokenizer = _tokenizer(cfg)
+    if (cfg.rows == "per-conversation" and cfg.turns == "all" and cfg.reasoning == "keep"
+            and rewrites_earlier_reasoning(tokenizer, cfg.chat_template_kwargs)):
+        log(REWRITES_EARLIER_REASONING)
     out = RegenDir(Path(cfg.output_dir))
     out.claim(identity(cfg, ds, sampling), cfg.overwrite)
     count = -(-len(ds) // cfg.unit_size)
@@ -395,7 +454,7 @@ def _run_units(cfg, ds, fmt, tokenizer, sampling, out: RegenDir, mine: list[int]
                stop_on_signal) -> None:
     from tqdm.auto import tqdm
 
-    ask, close, threads = _engine(cfg, tokenizer, sampling)
+    ask, close, threads = _engine(cfg, tokenizer, sampling, log)
     total = sum(min(cfg.unit_size, len(ds) - u * cfg.unit_size) for u in mine) * cfg.n
     bar = tqdm(total=total, unit="conv", desc="regenerating" if rank == 0 else f"regenerating (rank {rank})",
                dynamic_ncols=True)
@@ -458,6 +517,7 @@ def _finish(cfg: RegenerateConfig, out: RegenDir, rows: int, count: int, log) ->
     """The summary of the units committed so far; once all are, written to the state file with the errors."""
     done = out.done()
     written = sum(r["written"] for r in done.values())
+    rows_written = sum(r["rows"] for r in done.values())
     skipped: dict[str, int] = {}
     for r in done.values():
         for k, v in r["skipped"].items():
@@ -468,6 +528,7 @@ def _finish(cfg: RegenerateConfig, out: RegenDir, rows: int, count: int, log) ->
         reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
     complete = len(done) == count
     summary = {"complete": complete, "conversations": rows * cfg.n if complete else None, "written": written,
+               "rows_written": rows_written,
                "skipped": dict(sorted(skipped.items())), "errors": dict(sorted(reasons.items())),
                "answers": sum(r["answers"] for r in done.values()), "tokens": sum(r["tokens"] for r in done.values())}
     if complete:
@@ -478,7 +539,8 @@ def _finish(cfg: RegenerateConfig, out: RegenDir, rows: int, count: int, log) ->
         state = files.read_json(out.state, limit=MAX_RECORD_BYTES)
         files.atomic_write(out.state, json.dumps({**state, **summary}, indent=1) + "\n")
         problems = "".join(f", {v} {k}" for k, v in {**skipped, **reasons}.items())
-        log(f"hsx regenerate: {written} of {rows * cfg.n} conversations written to {out.root}{problems}"
+        split = f" (as {rows_written} rows, one per answer)" if cfg.rows == "per-turn" else ""
+        log(f"hsx regenerate: {written} of {rows * cfg.n} conversations written{split} to {out.root}{problems}"
             + (f" (errors: {out.errors})" if errors else ""))
     else:
         log(f"hsx regenerate: this rank's units are committed ({len(done)} of {count} in all); the others' ranks "

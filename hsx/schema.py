@@ -297,6 +297,9 @@ SKIP_REASONS: dict[str, str] = {
     "prompt_turn_unattributed": "the prompt's own assistant turns cannot be told apart from the completion",
     "message_not_rendered": "the template renders nothing of a message of a role other than user, assistant, system",
     "tool_call_not_rendered": "the template renders nothing of one of the row's tool calls",
+    "generated_tokens_mismatch": "a turn `hsx regenerate` answered does not render as the ids the target generated: "
+                                 "the template rewrites earlier turns (Qwen3 drops their reasoning; regenerate "
+                                 "with --rows per-turn) or the row was edited",
     "oom": "a single row that does not fit the GPU's memory alone",
     "nonfinite": "the row's states hold NaN or Inf (--nonfinite skip)",
 }

@@ -37,12 +37,13 @@ def state(out: Path) -> dict:
     return json.loads((out / ".hsx" / "regenerate.json").read_text())
 
 
-def extract_masks_are_generated(out: Path, tmp: Path) -> int:
+def extract_masks_are_generated(out: Path, tmp: Path, **extract_options) -> int:
     """`hsx.extract` over a regenerated dir: each row's supervised tokens are exactly the ids the engine generated
     (its answers' token_ids, in order; an answer the server gave no ids for is its text's tokens and the end of
     turn that stopped it). Returns the rows extracted."""
     rows = written_rows(out)
-    ds = hsx.extract(model=str(DEMO), dataset=str(out), layers=[1], output_dir=str(tmp / "extracted"))
+    ds = hsx.extract(model=str(DEMO), dataset=str(out), layers=[1], output_dir=str(tmp / "extracted"),
+                     **extract_options)
     assert len(ds) == len(rows)
     eot = [2]  # the demo template's <|im_end|>
     for r in ds:
@@ -82,6 +83,25 @@ def test_in_process_greedy_is_deterministic_and_extract_supervises_exactly_the_g
 
 
 # ---- servers: well behaved -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_in_process_sampling_says_once_what_is_reproducible_and_repeats_with_the_same_batches(tmp_path):
+    """transformers' continuous batching takes no per-request seed: a sampled in-process run says so once in the
+    log, and two runs with the same batches (--concurrency 1, same input and options) give the same answers."""
+    data = write_jsonl(tmp_path / "in.jsonl", chats(2))
+    from hsx.config import load_regenerate_config
+    from hsx.regeneration import SAMPLED_IN_PROCESS
+    from hsx.regeneration import regenerate as run_regenerate
+
+    answers, logs = [], []
+    for name in ("a", "b"):
+        cfg = load_regenerate_config(None, dict(model=str(DEMO), dataset=str(data), output_dir=str(tmp_path / name),
+                                                max_new_tokens=6, concurrency=1, temperature=0.9, seed=5))
+        run_regenerate(cfg, log=logs.append)
+        answers.append([r["generated"] for r in written_rows(tmp_path / name)])
+    assert logs.count(SAMPLED_IN_PROCESS) == 2 and "per-request seed" in SAMPLED_IN_PROCESS  # once per run
+    assert answers[0] == answers[1] and len(answers[0]) == 2
+
 
 def run_against(server_urls: list[str], data: Path, out: Path, **options):
     return hsx.regenerate(model=str(DEMO), dataset=str(data), output_dir=str(out), servers=",".join(server_urls),
@@ -131,6 +151,126 @@ def test_last_turn_only_keeps_earlier_turns_as_context(tokenizer, tmp_path):
         assert r["messages"][:-1] == src[r["source_row"]]["messages"][:-1] or \
             r["messages"][0]["role"] == "system"
     extract_masks_are_generated(tmp_path / "out", tmp_path)
+
+
+def per_conversation_rows(rows: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    by: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["source_row"], r["sample"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["turn"]) for k, v in by.items()}
+
+
+def test_per_turn_rows_each_end_at_their_answer_and_extract_supervises_only_it(tokenizer, tmp_path):
+    """rows=per-turn: a conversation of k regenerated answers is k rows, the j-th ending at its answer (the answers
+    before it the regenerated ones, as it was asked), naming only it in `generated`; extract supervises each row on
+    exactly its last answer's generated ids. The accounting counts conversations: written + skipped + errors ==
+    rows × n, and rows_written the rows."""
+    src = chats(6) + [{"messages": [{"role": "assistant", "content": "no user turn"}]}]
+    data = write_jsonl(tmp_path / "in.jsonl", src)
+    with FakeServer(tokenizer) as s:
+        summary = run_against([s.url], data, tmp_path / "out", n=2, rows="per-turn")
+    rows = written_rows(tmp_path / "out")
+    convs = per_conversation_rows(rows)
+    answers = {k: sum(m["role"] == "assistant" for m in src[k[0]]["messages"]) for k in convs}
+    assert summary["complete"] and summary["written"] == 12 and summary["skipped"] == {"nothing_to_answer": 2}
+    assert summary["written"] + sum(summary["skipped"].values()) + len(summary["errors"]) == 7 * 2
+    assert summary["rows_written"] == len(rows) == sum(answers.values()) > 12
+    for key, turns in convs.items():
+        assert [r["turn"] for r in turns] == list(range(answers[key]))
+        last = turns[-1]["messages"]
+        for r in turns:
+            (g,) = r["generated"]
+            assert g["message"] == len(r["messages"]) - 1
+            assert r["messages"] == last[:len(r["messages"])]  # earlier answers: the regenerated ones
+    assert extract_masks_are_generated(tmp_path / "out", tmp_path) == len(rows)
+
+
+def test_per_turn_rows_are_written_once_across_an_uncommitted_unit(tokenizer, tmp_path):
+    """A unit whose data file was written but whose record was not (a kill between them) is written again, whole:
+    each conversation's rows once, none duplicated; the identity records the row layout."""
+    data = write_jsonl(tmp_path / "in.jsonl", chats(7))
+    out = tmp_path / "out"
+    with FakeServer(tokenizer) as s:
+        first = run_against([s.url], data, out, rows="per-turn")
+        before = written_rows(out)
+        (out / ".hsx" / "regenerate" / "unit-00001.json").unlink()
+        again = run_against([s.url], data, out, rows="per-turn")
+        with pytest.raises(HsxError, match="differs in: output_rows"):
+            run_against([s.url], data, out)
+    assert written_rows(out) == before
+    assert again["rows_written"] == first["rows_written"] == len(before)
+    assert sorted({(r["source_row"], r["turn"]) for r in before}) == sorted((r["source_row"], r["turn"])
+                                                                             for r in before)
+
+
+# A Qwen3-style template: an assistant turn's reasoning (reasoning_content) is rendered only after the last user
+# message; earlier turns lose it, so a conversation's earlier answers never render as they were generated.
+DROPS_EARLIER_THINKING = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}{%- generation -%}"
+    "{%- if loop.index0 > ns.last_user and message['reasoning_content'] is defined and message['reasoning_content'] -%}"
+    "{{- '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' -}}{%- endif -%}"
+    "{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}{{- '\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_drops_earlier_reasoning_is_exact_with_per_turn_rows(tokenizer, tmp_path):
+    """A template that rewrites earlier turns (Qwen3's dropped reasoning): a multi-turn row holding every answer
+    cannot be reproduced (its earlier answers render without their think blocks), so extract skips it as
+    generated_tokens_mismatch and says to use --rows per-turn; with per-turn rows each row's last answer renders as
+    generated, and every row is extracted with masks exactly its generated ids."""
+    from transformers import AutoTokenizer
+
+    qwen3ish = AutoTokenizer.from_pretrained(DEMO)
+    qwen3ish.chat_template = DROPS_EARLIER_THINKING
+    qwen3ish.save_pretrained(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    src = chats(6)
+    multi = sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in src)
+    assert multi >= 1
+    data = write_jsonl(tmp_path / "in.jsonl", src)
+    from hsx.config import load_config, load_regenerate_config
+    from hsx.regeneration import REWRITES_EARLIER_REASONING, rewrites_earlier_reasoning
+    from hsx.regeneration import regenerate as run_regenerate
+    from hsx.run import extract as run_extract
+
+    logs: list[str] = []
+    with FakeServer(tokenizer, behaviour="reasoning") as s:
+        for name, rows in (("whole", "per-conversation"), ("turns", "per-turn")):
+            run_regenerate(load_regenerate_config(None, dict(
+                model=str(DEMO), tokenizer=tok, dataset=str(data), output_dir=str(tmp_path / name), servers=s.url,
+                rows=rows, concurrency=4, unit_size=3)), log=logs.append)
+    assert logs.count(REWRITES_EARLIER_REASONING) == 1  # said before the per-conversation job, not the per-turn one
+    assert not rewrites_earlier_reasoning(tokenizer, {})  # the demo template renders every turn as it is
+    logs.clear()
+
+    run_extract(load_config(None, dict(model=str(DEMO), tokenizer=tok, dataset=str(tmp_path / "whole"), layers=[1],
+                                       output_dir=str(tmp_path / "x-whole"))), log=logs.append)
+    info = json.loads((tmp_path / "x-whole" / "hsx.json").read_text())
+    assert info["counts"]["skipped"] == {"generated_tokens_mismatch": multi}
+    assert any("generated_tokens_mismatch" in line and "--rows per-turn" in line for line in logs)
+    rows = written_rows(tmp_path / "turns")
+    assert all(r["messages"][-1]["reasoning_content"].startswith("Thinking") for r in rows)
+    assert extract_masks_are_generated(tmp_path / "turns", tmp_path, tokenizer=tok) == len(rows) > len(src)
+
+
+@pytest.mark.parametrize("family, rewrites", [("QWEN3", True), ("QWEN35", True), ("QWEN25", False),
+                                              ("SMOLLM3", False)])
+def test_the_templates_that_drop_earlier_reasoning_are_told_apart(family, rewrites):
+    """The probe behind regenerate's hint to use --rows per-turn: Qwen3 and Qwen3.5 drop earlier turns'
+    reasoning; Qwen2.5 (no reasoning) and SmolLM3 (history turns plain, the same for every turn) do not rewrite
+    one turn differently from the last."""
+    import chat_families as cf
+
+    from hsx.regeneration import rewrites_earlier_reasoning
+
+    tok = cf.family_tokenizer(getattr(cf, family), cf.QWEN_SPECIAL, "<|im_end|>", plain=cf.QWEN_PLAIN)
+    assert rewrites_earlier_reasoning(tok, {}) is rewrites
 
 
 def test_prompts_alone_and_prompt_completion_rows_are_answered(tokenizer, tmp_path):
@@ -308,16 +448,20 @@ def test_extract_refuses_a_regenerated_row_whose_ids_the_template_does_not_rende
 
 
 @pytest.mark.slow
-def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(tokenizer, tmp_path):
+@pytest.mark.parametrize("layout", ["per-conversation", "per-turn"])
+def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(tokenizer, tmp_path, layout):
     """hsx regenerate killed (SIGKILL) at seeded moments, stopped by SIGTERM once (it finishes the unit and
-    exits 143), then run to the end: every (row, sample) exactly once, and the accounting adds up."""
+    exits 143), then run to the end: every (row, sample) exactly once (per turn: each of its answers' rows once),
+    and the accounting adds up."""
+    from hsx.regeneration import answer_slots, conversation_of
+
     rows = chats(40)
     data = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
     rng = random.Random(7)
     with FakeServer(tokenizer, delay=0.02) as s:
         argv = ["regenerate", "--model", str(DEMO), "--dataset", str(data), "--output-dir", str(out), "--servers",
-                s.url, "--unit-size", "4", "--concurrency", "3", "--n", "2"]
+                s.url, "--unit-size", "4", "--concurrency", "3", "--n", "2", "--rows", layout]
         records = out / ".hsx" / "regenerate"
         for attempt in range(3):
             child = hsx_child(argv, tmp_path / f"logs{attempt}")
@@ -335,10 +479,13 @@ def test_sigkill_at_seeded_moments_then_resume_writes_every_conversation_once(to
                 child.wait()
         rc, _, err = hsx_main(argv)
     assert rc == 0, err
-    got = sorted((r["source_row"], r["sample"]) for r in written_rows(out))
-    assert got == [(i, s) for i in range(40) for s in range(2)]
+    got = sorted((r["source_row"], r["sample"], r.get("turn", 0)) for r in written_rows(out))
+    answers = [len(answer_slots(*conversation_of(r, "messages")[:2], "all")) if layout == "per-turn" else 1
+               for r in rows]
+    assert got == [(i, s, j) for i in range(40) for s in range(2) for j in range(answers[i])]
     summary = state(out)
     assert summary["complete"] and summary["written"] == 80 and summary["conversations"] == 80
+    assert summary["rows_written"] == 2 * sum(answers) and (layout == "per-conversation" or sum(answers) > 40)
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes" / "regenerate").glob("*.yaml")), ids=lambda r: r.stem)
