@@ -853,6 +853,9 @@ def format_plan(p: dict[str, Any]) -> str:
     lines += expert_parallel_lines(p)
     if "launch" in p:
         lines.append(f"launch: {p['launch']}")
+    if "launch_expert_parallel" in p:
+        lines.append(f"launch, expert parallel (every GPU on its own batches; unmeasured on GPUs): "
+                     f"{p['launch_expert_parallel']}")
     if p.get("launch_node"):
         lines.append(f"  a node of {p['node_gpus']} GPUs: {p['launch_node']}")
     if "tokens" in p:
@@ -990,6 +993,12 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
         p["launch"], node = launch_commands(config, overrides, output_dir, p["gpus_per_copy"], recipe_keys=recipe)
         if node:
             p["launch_node"] = node
+        if ep and ep["ep_size"] and p["gpus_per_copy"] > 1 and not {"gpus_per_copy", "tp_size", "ep_size"} & {
+                *overrides, *recipe}:
+            # the same node with every GPU on its own batches (--ep-size), beside device_map's one busy GPU
+            p["launch_expert_parallel"] = launch_commands(config, {**overrides, "ep_size": ep["ep_size"]},
+                                                          output_dir, 1, recipe_keys=recipe)[1].replace(
+                "hsx launch ", f"hsx launch --num_processes {NODE_GPUS - NODE_GPUS % ep['ep_size']} ", 1)
     return p
 
 

@@ -144,6 +144,21 @@ def test_plan_places_each_target_on_the_gpus_that_hold_it(capsys, monkeypatch):
     assert rc == 0 and "--ep-size 8:" in out and "replicated on every GPU" in out
 
 
+def test_plan_gives_the_expert_parallel_launch_beside_device_maps_where_experts_fit(capsys, monkeypatch):
+    """Where a copy needs several GPUs and sharding the experts fits, the plan names the command that keeps every
+    GPU busy (--ep-size, each GPU its own batches), not only device_map's (one GPU busy at a time); a node holds
+    NODE/ep_size groups. A dense model or one that fits one GPU gets no such line."""
+    p = plan_json(["--model", "deepseek-ai/DeepSeek-V3", "--layers", "eagle3"], capsys, monkeypatch)
+    assert "--gpus-per-copy 8" in p["launch"]
+    assert "--ep-size 8" in p["launch_expert_parallel"] and "--num_processes 8 " in p["launch_expert_parallel"]
+    q = plan_json(["--model", "Qwen/Qwen3-235B-A22B", "--layers", "eagle3"], capsys, monkeypatch)
+    assert "--ep-size 4" in q["launch_expert_parallel"] and "--num_processes 8 " in q["launch_expert_parallel"]
+    rc, out = plan(["--model", "deepseek-ai/DeepSeek-V3", "--layers", "eagle3"], capsys, monkeypatch)
+    assert rc == 0 and "launch, expert parallel (every GPU on its own batches; unmeasured on GPUs): hsx launch" in out
+    for argv in (["--model", "Qwen/Qwen3-8B"], ["--model", "deepseek-ai/DeepSeek-V3", "--tp-size", "8"]):
+        assert "launch_expert_parallel" not in plan_json(argv + ["--layers", "eagle3"], capsys, monkeypatch)
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100-sxm"], ["FP8 on 8 H200 of 139 GiB", "2 nodes of these"]),
     (["--model", "zai-org/GLM-5"], ["an FP8 checkpoint on 8 H200 of 139 GiB", "2 nodes of these"]),
