@@ -13,8 +13,10 @@ TOP = {"hsx.cli", "hsx.commands", "hsx.launch", "hsx.__main__"}  # the command l
 # functions count: a late import is still a dependency). A new module goes into the layer of what it does.
 LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats; the file
-    # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses
-    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
+    # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses; the
+    # table of trainer exports (hsx.exports: the CLI, its commands and hsx's attributes read it)
+    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums",
+     "hsx.exports"},
     {"hsx.config", "hsx.drafts"},  # the job's settings (drafts: --layers-from, a draft config's layers)
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
     # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels, their sharding over
