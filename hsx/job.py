@@ -90,7 +90,7 @@ class Job:
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // target.format.bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         plain = data.plain_completion(raw, cfg)
-        mask = data.mask_method(raw.column_names, tokenizer, plain)
+        mask = data.mask_record(raw.column_names, tokenizer, plain)
         if cfg.prompt_completion == "text" and not plain:  # a recipe's key that this dataset leaves unused: said
             fmt = data.row_format(raw.column_names)
             what = ("prompt and completion columns hold messages, not strings" if fmt.startswith("prompt+") else

@@ -33,7 +33,7 @@ LAYERS: list[set[str]] = [
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)
     {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
-     "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data"},
+     "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data", "hsx.export_journal"},
     {"hsx.job"},  # one job's steps
     {"hsx.run", "hsx.regeneration"},  # running them as one rank of a launch; regenerate's job (its ranks too)
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark

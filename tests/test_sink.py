@@ -1,4 +1,4 @@
-"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
+"""The output dir: starting a job in it (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
 deleted or written through a link (--overwrite, a resume's leftovers, atomic_write); hsx.json, the manifests and
 job.json read as bounded regular files, torn ledger lines passed over."""
 
