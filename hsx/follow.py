@@ -4,8 +4,9 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - `follow(OUT, ...)`: a `torch.utils.data.IterableDataset` of the job's rows, unit by unit as they are committed
   (`hsx.load`'s dicts, or `hsx.torch_view`'s torch rows). It waits for new units (polling the manifests every
   `poll_seconds`), and ends when hsx.json says the job is complete and every unit of this consumer is consumed.
-- It reads a source: a `LocalSource` (OUT on this machine) or, for `grpc://HOST:PORT`, an hsx.flight
-  `FlightSource` (an `hsx serve OUT`, which reads OUT with a LocalSource): one reader, two ways to OUT.
+- It reads a source (`Source`, the written contract of its transports): a `LocalSource` (OUT on this machine) or,
+  for `grpc://HOST:PORT`, an hsx.flight `FlightSource` (an `hsx serve OUT`, which reads OUT with a LocalSource):
+  one reader, two ways to OUT.
 - Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
   StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
@@ -290,10 +291,10 @@ class Source(Protocol):
         """The job's plan (hsx.schema.Summary of .hsx/summary.json), or None before the job wrote it."""
 
     def records(self) -> dict[str, dict[str, Any]]:
-        """The committed units: unit -> its manifest record; each one checked against the schema."""
+        """The committed units: unit -> its manifest record (hsx.schema.ManifestRecord, checked)."""
 
     def complete(self) -> bool:
-        """Whether hsx.json says the job is complete (no unit is committed after True)."""
+        """Whether hsx.json says the job is complete."""
 
     def declared(self) -> list[str]:
         """The consumers units wait for (declared and not retired)."""
@@ -302,7 +303,7 @@ class Source(Protocol):
         """`consumer`'s ledger: unit -> its furthest consumed record."""
 
     def gone(self, rec: dict[str, Any]) -> bool:
-        """Whether the committed unit `rec` is no longer in data/ (consumed and deleted, or uploaded and deleted)."""
+        """Whether the committed unit `rec` is no longer in data/ (deleted once consumed, uploaded or exported)."""
 
     def readable(self, rec: dict[str, Any], consumer: str) -> bool:
         """Whether unit `rec` can be read now: False for one a resume moved aside (it is redone); HsxError for one

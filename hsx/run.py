@@ -558,7 +558,7 @@ class DirShare:
     shared filesystem, a node's ranks when each node has its own dir (on a local disk)."""
     run_id: str
     rank: int
-    ranks: list[int]  # in order; the first one leads (claims and tokenizes first, checks the units)
+    ranks: list[int]  # in order; the first one leads (starts the job and tokenizes first, checks the units)
     world_size: int
     job_wide: bool = True  # these ranks are every process of the job (not so with --elastic: one node's)
 
