@@ -202,31 +202,34 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("hub_revision", "hub_private", "hub_overwrite"):
         config_flag(pu, name, default=default_of(name))
     from hsx.export import SPECFORGE_LAYOUTS  # (no torch, datasets or transformers: `hsx --help` stays fast)
+    from hsx.exports import EXPORTS
 
-    sf = command("export-specforge", "write an output as SpecForge's offline EAGLE-3, DFlash or DSpark files")
-    sf.add_argument("output_dir", help="a finished hsx output dir (eagle3: 3 or more layers and --final-hidden)")
-    sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
-    sf.add_argument("--layout", choices=SPECFORGE_LAYOUTS, default="eagle3",
-                    help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash (DFlash, DFlash2, "
-                         "Domino): hidden_states (every chosen layer); dspark: dflash's + target_last_hidden_states "
-                         "(final norm)")
-    sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use, e.g. --layers 1 17 32 (default: "
-                    "all; eagle3 takes 3)")
-    sf.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "
-                    "hsx-export.json proves hsx wrote are deleted)")
-    sf.add_argument("--delete-source", action="store_true", help="delete each unit of OUTPUT_DIR once its "
-                    "exported files are durable (peak disk: the export plus one unit; OUTPUT_DIR is used up)")
-    sp = command("export-speculators", "write an output as speculators' offline training dir")
-    sp.add_argument("output_dir", help="a finished hsx output dir")
-    sp.add_argument("dest", help="the folder to write speculators' dataset, hidden_states/ and config into")
-    sp.add_argument("--layers", nargs="+", type=int,
-                    help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
-    sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
-                    "vocabulary")
-    sp.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "
-                    "hsx-export.json proves hsx wrote are deleted)")
-    sp.add_argument("--delete-source", action="store_true", help="delete each unit of OUTPUT_DIR once its "
-                    "exported files are durable (peak disk: the export plus one unit; OUTPUT_DIR is used up)")
+    def specforge_flags(sf: argparse.ArgumentParser) -> None:
+        sf.add_argument("output_dir", help="a finished hsx output dir (eagle3: 3 or more layers and --final-hidden)")
+        sf.add_argument("dest", help="the folder to write rows_K-END/data_I.ckpt files into (an export resumes)")
+        sf.add_argument("--layout", choices=SPECFORGE_LAYOUTS, default="eagle3",
+                        help="eagle3: hidden_state (final norm) + aux_hidden_state (3 layers); dflash (DFlash, "
+                             "DFlash2, Domino): hidden_states (every chosen layer); dspark: dflash's + "
+                             "target_last_hidden_states (final norm)")
+        sf.add_argument("--layers", nargs="+", type=int, help="stored layers to use, e.g. --layers 1 17 32 (default: "
+                        "all; eagle3 takes 3)")
+
+    def speculators_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("output_dir", help="a finished hsx output dir")
+        sp.add_argument("dest", help="the folder to write speculators' dataset, hidden_states/ and config into")
+        sp.add_argument("--layers", nargs="+", type=int,
+                        help="auxiliary layers (default: every stored one but the last decoder layer, the verifier's)")
+        sp.add_argument("--draft-vocab-size", type=int, help="also write d2t-K.npy / t2d-K.npy for a K-token draft "
+                        "vocabulary")
+
+    own_flags = {"export_specforge": specforge_flags, "export_speculators": speculators_flags}
+    for spec in EXPORTS:  # (hsx.exports: the one table of exports)
+        ex = command(spec.command, spec.summary)
+        own_flags[spec.function](ex)
+        ex.add_argument("--overwrite", action="store_true", help="replace the export in DEST (only files its "
+                        "hsx-export.json proves hsx wrote are deleted)")
+        ex.add_argument("--delete-source", action="store_true", help="delete each unit of OUTPUT_DIR once its "
+                        "exported files are durable (peak disk: the export plus one unit; OUTPUT_DIR is used up)")
     vo = command("vocab", "the d2t/t2d draft-vocabulary mapping (SpecForge and speculators files)")
     vo.add_argument("output_dir", help="a finished hsx output dir (it holds token_frequencies.npy)")
     vo.add_argument("--draft-vocab-size", type=int, required=True, help="tokens in the draft vocabulary")

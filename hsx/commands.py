@@ -19,6 +19,7 @@ from pathlib import Path
 from hsx import ledgers
 from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError, UsageError, file_system_error, file_system_line
+from hsx.exports import EXPORTS, Export
 from hsx.info import read_info
 
 
@@ -115,20 +116,18 @@ def push(args: argparse.Namespace) -> None:
                     overwrite=args.hub_overwrite)
 
 
-def export_specforge(args: argparse.Namespace) -> None:
-    from hsx.export import export_specforge as run_export
+def _export(spec: Export):
+    """The subcommand of one row of hsx.exports.EXPORTS: its hsx.export function, given its flags."""
 
-    with _output_errors(args.output_dir, args.dest):
-        run_export(args.output_dir, args.dest, layers=args.layers, layout=args.layout, overwrite=args.overwrite,
-                   delete_source=args.delete_source)
+    def run(args: argparse.Namespace) -> None:
+        from hsx import export
 
+        with _output_errors(args.output_dir, args.dest):
+            getattr(export, spec.function)(args.output_dir, args.dest,
+                                           **{name: getattr(args, name) for name in spec.options})
 
-def export_speculators(args: argparse.Namespace) -> None:
-    from hsx.export import export_speculators as run_export
-
-    with _output_errors(args.output_dir, args.dest):
-        run_export(args.output_dir, args.dest, layers=args.layers, draft_vocab_size=args.draft_vocab_size,
-                   overwrite=args.overwrite, delete_source=args.delete_source)
+    run.__name__ = spec.function
+    return run
 
 
 def vocab(args: argparse.Namespace) -> None:
@@ -236,5 +235,5 @@ def _output_errors(output_dir: str, dest: str | None = None) -> Iterator[None]:
 
 
 COMMANDS = {"extract": extract, "regenerate": regenerate, "plan": plan, "bench": bench, "merge": merge, "push": push,
-            "export-specforge": export_specforge, "export-speculators": export_speculators, "vocab": vocab,
+            **{spec.command: _export(spec) for spec in EXPORTS}, "vocab": vocab,
             "verify": verify, "serve": serve, "consumers": consumers}

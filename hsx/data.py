@@ -50,7 +50,7 @@ def row_format(column_names: list[str]) -> str:
                    f"prompt+response (it has: {', '.join(column_names)}){alpaca}")
 
 
-def mask_method(column_names: list[str], tokenizer, plain: bool = False) -> dict[str, Any]:
+def mask_record(column_names: list[str], tokenizer, plain: bool = False) -> dict[str, Any]:
     """How this job's loss masks are made ({"method": markers | derived | given | all_tokens | completion,
     "version"}): part of the job fingerprint (so of the tokenization cache key) and of hsx.json. `plain`: the
     rows are string prompt/completion pairs read as plain text (plain_completion)."""

@@ -28,11 +28,11 @@ normalize_offline_sample, speculators 0.9.0's ArrowDataset).
 
 States keep the stored dtype; fp8 outputs are dequantized to bfloat16.
 
-DEST holds only what an export can prove it wrote. DEST/hsx-export.json (written first, durably) names the source
-(its job fingerprint and its units: name, bytes, CRC-32) and the export's options; DEST/hsx-export.jsonl, appended
-and fsynced once per source unit, lists each file written (path, bytes, CRC-32 of the bytes written) before the
-file gets its name. Each file is written as .hsx-<token>-<name> (the token is the record's), fsynced, then
-renamed. So:
+DEST holds only what an export can prove it wrote (hsx.export_journal writes it so). DEST/hsx-export.json (written
+first, durably) names the source (its job fingerprint and its units: name, bytes, CRC-32) and the export's
+options; DEST/hsx-export.jsonl, appended and fsynced once per source unit, lists each file written (path, bytes,
+CRC-32 of the bytes written) before the file gets its name. Each file is written as .hsx-<token>-<name> (the
+token is the record's), fsynced, then renamed. So:
 - a DEST holding anything else (a file or link not in the record, a symbolic link anywhere) is refused, naming it;
 - running the same export again resumes it: recorded files are verified (bytes and CRC-32, which reads them once),
   kept, and the rest is written; hsx's own temporary files are removed;
@@ -49,35 +49,25 @@ from __future__ import annotations
 import fcntl
 import gc
 import io
-import json
 import os
 import re
-import secrets
-import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hsx.load import layer_positions, read_info, torch_view
-from hsx.schema import (MAX_INFO_BYTES, MAX_JOURNAL_BYTES, MAX_JOURNAL_LINE_BYTES, ROW_COLUMNS, Damaged, Info,
-                        dequantize)
-from hsx.checksums import CRC_CHUNK, crc32, file_crc32
+from hsx.schema import ROW_COLUMNS, Info, dequantize
 from hsx.errors import ArgumentError
-from hsx.files import append_synced, atomic_tmp_name, atomic_write, flock, fsync_dir, fsync_file, read_json, read_jsonl
+from hsx.export_journal import JOURNAL, LOCK, RECORDED_PATH, Dest, dest_folder, open_dest
+from hsx.files import flock
 from hsx.info import listed_files
 from hsx.ledgers import record_exported
 from hsx.sink import OutputDir
 
 SPECFORGE_GROUP_SIZE = 2000
 SPECFORGE_LAYOUTS = ("eagle3", "dflash", "dspark")  # the CLI's --layout choices
-RECORD = "hsx-export.json"
-JOURNAL = "hsx-export.jsonl"
-LOCK = "hsx-export.lock"
-RECORD_VERSION = 1
-_TOKEN = re.compile(r"[0-9a-f]{12}")
-_RECORDED_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)?")  # no dot files, no ..
 _SPECFORGE_DIRS = re.compile(r"rows_\d+-\d+")
 _SPECULATORS_DIRS = re.compile(r"hidden_states")
 _DATASET_PART = "dataset"
@@ -110,7 +100,7 @@ def _source(out_dir) -> _Source:
     return _Source(Path(out_dir), meta, units)
 
 
-def _units(src: _Source, dest: _Dest, delete_source: bool):
+def _units(src: _Source, dest: Dest, delete_source: bool):
     """(name, path) of each unit still to export, checked first: all present and intact (with `delete_source`,
     CRC-32 too, and no links: a unit is deleted only as the regular file hsx wrote).
 
@@ -161,247 +151,21 @@ def _states(row: dict, key: str):
     return x.clone(memory_format=torch.contiguous_format)
 
 
-# ---- DEST and its record --------------------------------------------------------------------------------------
+# ---- DEST (hsx.export_journal) and the source's side of a release ---------------------------------------------
 
-def _crc(data) -> str:
-    """CRC-32 of bytes in hsx.checksums.file_crc32's form (one per 256 MiB chunk), so a file is checked by re-reading."""
-    view = memoryview(data).cast("B")
-    return ":".join(f"{crc32(view[i:i + CRC_CHUNK]):08x}" for i in range(0, max(len(view), 1), CRC_CHUNK))
-
-
-@dataclass
-class _Dest:
-    root: Path
-    token: str
-    files: dict[str, list]  # relative path -> [bytes, crc32] of each file this export wrote (verified)
-    released: set[str] = field(default_factory=set)  # source units deleted after their files were durable
-    skipped: dict[str, int] = field(default_factory=dict)  # unit -> rows left out
-    parts: dict[str, list[str]] = field(default_factory=dict)  # "dataset" -> its files
-    staged: dict[str, tuple[Path, int, str]] = field(default_factory=dict)
-
-    def temp(self, rel: str) -> Path:
-        path = self.root / rel
-        return path.with_name(f".hsx-{self.token}-{path.name}")
-
-    def stage(self, rel: str, data) -> None:
-        """Write one file under its temporary name; commit() makes it durable and gives it its name."""
-        tmp = self.temp(rel)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        # 0o666: the umask decides, as for any file the user writes; O_NOFOLLOW: never through a link
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
-        try:
-            view = memoryview(data).cast("B")
-            size = len(view)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        self.staged[rel] = (tmp, size, _crc(data))
-
-    def stage_file(self, rel: str, path: Path) -> None:
-        self.staged[rel] = (path, path.stat().st_size, file_crc32(path))
-
-    def commit(self, unit: str | None = None, skipped: int = 0, part: str | None = None) -> None:
-        """Record the staged files (fsynced), then give them their names: a kill before the record leaves only
-        temporary files (removed on resume), after it whole files the record proves."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(8) as pool:  # fsyncs of many small files overlap on the device
-            list(pool.map(fsync_file, [tmp for tmp, _, _ in self.staged.values()]))
-        files = {rel: [n, crc] for rel, (_, n, crc) in self.staged.items()}
-        line = {"token": self.token, "unit": unit, "part": part, "skipped": skipped, "files": files}
-        append_synced(self.root / JOURNAL, json.dumps(line) + "\n")
-        for rel, (tmp, _, _) in self.staged.items():
-            os.replace(tmp, self.root / rel)
-        for folder in {(self.root / rel).parent for rel in self.staged}:
-            fsync_dir(folder)
-        self.files.update(files)
-        if unit is not None:
-            self.skipped[unit] = skipped
-        if part is not None:
-            self.parts[part] = sorted(files)
-        self.staged.clear()
-
-    def release(self, unit: Path, src: _Source, command: str) -> None:
-        """Delete a source unit whose exported files are committed (recorded first, here so a resume skips it,
-        and in the output's .hsx/exported.jsonl so a reader of the output is told where its rows went)."""
-        append_synced(self.root / JOURNAL, json.dumps({"token": self.token, "released": unit.name}) + "\n")
-        entry = next(e for e in src.units if e["file"] == unit.name)
-        out = OutputDir(src.root)
-        record_exported(out.state, entry, str(self.root.resolve()), command)
-        out.write_exported_card(len(self.released | {unit.name}), len(src.units), str(self.root.resolve()), command)
-        unit.unlink()
-        fsync_dir(unit.parent)
-        self.released.add(unit.name)
+def _note_released(d: Dest, unit: Path, src: _Source, command: str) -> None:
+    """Where the output records a unit an export released: its .hsx/exported.jsonl, so a reader of the output is
+    told where its rows went, and its card."""
+    entry = next(e for e in src.units if e["file"] == unit.name)
+    out = OutputDir(src.root)
+    record_exported(out.state, entry, str(d.root.resolve()), command)
+    out.write_exported_card(len(d.released | {unit.name}), len(src.units), str(d.root.resolve()), command)
 
 
-def _deleted(d: _Dest, before: int) -> str:
+def _deleted(d: Dest, before: int) -> str:
     """What this run of a --delete-source export deleted (a rerun of a finished one deleted nothing)."""
     return f"; deleted {len(d.released) - before} source unit(s)" + (
         f" ({before} deleted by an earlier run)" if before else "")
-
-
-def _not_written_here(dest: Path, rel: str, why: str = "") -> ValueError:
-    return ValueError(f"{dest}: {rel} was not written by this export{why} (it is not in {RECORD}); hsx exports "
-                      "into an empty folder or its own export only: move it away or choose another folder")
-
-
-def _read_record(dest: Path) -> dict[str, Any] | None:
-    path = dest / RECORD
-    if not os.path.lexists(path):
-        return None
-    if path.is_symlink() or not path.is_file():
-        raise _not_written_here(dest, RECORD, " (a link or not a file)")
-    record = read_json(path, limit=MAX_INFO_BYTES)  # (it lists the source's units, as its hsx.json does)
-    if record.get("version") != RECORD_VERSION or not isinstance(record.get("token"), str) \
-            or not _TOKEN.fullmatch(record["token"]):
-        raise ValueError(f"{path} is not an hsx export record (damaged, or another program's): move it away or "
-                         "choose another folder")
-    return record
-
-
-@dataclass(frozen=True)
-class _JournalLine:
-    """read_jsonl's check of a journal line of the export `token` (another token's lines are passed over)."""
-    token: str
-
-    def from_dict(self, line: dict[str, Any]) -> None:
-        if line.get("token") != self.token:
-            return
-        files = line.get("files", {})
-        if not (isinstance(files, dict) and all(
-                isinstance(rel, str) and _RECORDED_PATH.fullmatch(rel) and isinstance(v, list) and len(v) == 2
-                and type(v[0]) is int and isinstance(v[1], str) for rel, v in files.items())
-                and isinstance(line.get("released", ""), str) and isinstance(line.get("unit") or "", str)
-                and isinstance(line.get("part") or "", str) and type(line.get("skipped", 0)) is int):
-            raise Damaged("not an hsx export record (move it away or choose another folder)")
-
-
-def _read_journal(dest: Path, token: str) -> _Dest:
-    """What the record's journal says was written (its own token's lines; a torn last line is passed over: its
-    files never got their names). Read a line at a time (hsx.schema bounds the file and its lines)."""
-    d = _Dest(dest, token, {})
-    path = dest / JOURNAL
-    if not os.path.lexists(path):
-        return d
-    if path.is_symlink() or not path.is_file():
-        raise _not_written_here(dest, JOURNAL, " (a link or not a file)")
-    for line in read_jsonl(path, _JournalLine(token), limit=MAX_JOURNAL_BYTES, line_limit=MAX_JOURNAL_LINE_BYTES):
-        if line.get("token") != token:
-            continue
-        files = line.get("files", {})
-        d.files.update(files)
-        if line.get("released"):
-            d.released.add(line["released"])
-        if line.get("unit"):
-            d.skipped[line["unit"]] = line.get("skipped", 0)
-        if line.get("part"):
-            d.parts[line["part"]] = sorted(files)
-    return d
-
-
-def _scan(dest: Path, recorded: dict[str, list], token: str | None, dirs: re.Pattern) -> tuple[list[str], list[Path]]:
-    """(foreign paths, this record's temporary files) in DEST; os.walk never follows links, and a link anywhere
-    is foreign."""
-    foreign, temps = [], []
-    prefix = f".hsx-{token}-" if token else None
-    for folder, subdirs, names in os.walk(dest):
-        here = Path(folder)
-        top = here == dest
-        keep = []
-        for name in sorted(subdirs + names):
-            p = here / name
-            rel = p.relative_to(dest).as_posix()
-            if p.is_symlink():
-                foreign.append(rel)
-            elif (prefix and name.startswith(prefix)) or (top and name == atomic_tmp_name(RECORD) and name in names):
-                temps.append(p)  # (the record's own temporary file: its write failed, a full disk say)
-            elif name in subdirs:
-                (keep.append(name) if top and dirs.fullmatch(name) else foreign.append(rel))
-            elif not (rel in recorded or (top and name in (RECORD, JOURNAL, LOCK))):
-                foreign.append(rel)
-        subdirs[:] = keep
-    return sorted(foreign), temps
-
-
-def _check_recorded(d: _Dest) -> dict[str, list]:
-    """The recorded files still there, each checked to be the file written (a regular file, bytes, CRC-32); a
-    recorded path holding anything else is refused, never replaced or deleted."""
-    present = {}
-    for rel, (size, crc) in sorted(d.files.items()):
-        p = d.root / rel
-        if not os.path.lexists(p):
-            continue
-        if p.is_symlink() or not p.is_file() or p.stat().st_size != size or file_crc32(p) != crc:
-            raise ValueError(f"{d.root}: {rel} is not the file this export wrote (its bytes differ from {JOURNAL}'s "
-                             "record); move it away, or delete it to have it written again")
-        present[rel] = [size, crc]
-    return present
-
-
-def _difference(record: dict[str, Any], want: dict[str, Any]) -> str:
-    if record.get("source", {}).get("fingerprint") != want["source"]["fingerprint"]:
-        return "another job's output"
-    if record.get("source") != want["source"]:
-        return "another output of this job"
-    opts, theirs = want["options"], record.get("options") or {}
-    return ", ".join(k for k in sorted(set(opts) | set(theirs)) if opts.get(k) != theirs.get(k)) or "options"
-
-
-def _open_dest(dest: Path, src: _Source, options: dict[str, Any], overwrite: bool, dirs: re.Pattern) -> _Dest:
-    """DEST ready for this export (called with DEST's lock held): a new record in an empty folder, the record's
-    verified files on a resume, or (overwrite) the files the record proves hsx wrote deleted first."""
-    want = {"source": src.identity, "options": options}
-    record = _read_record(dest)
-    d = _read_journal(dest, record["token"]) if record else _Dest(dest, "", {})
-    foreign, temps = _scan(dest, d.files, record and record["token"], dirs)
-    changed = [rel for rel in foreign if rel in d.files]  # written as a file, now a folder or a link
-    if changed:
-        raise ValueError(f"{dest}: {changed[0]} is not the file this export wrote ({JOURNAL} records a file, "
-                         "this is a folder or a link); move it away, or delete it to have it written again")
-    if foreign:
-        raise _not_written_here(dest, foreign[0])
-    same = record is not None and {k: record.get(k) for k in want} == want
-    if record is not None and not same and not overwrite:
-        raise ValueError(f"{dest} holds another export ({RECORD} differs: {_difference(record, want)}); choose "
-                         "another folder, or overwrite (--overwrite) to replace the files it wrote")
-    for t in temps:  # this record's own temporary files: a kill before their commit
-        shutil.rmtree(t) if t.is_dir() else t.unlink()
-    d.files = _check_recorded(d)
-    if same and not overwrite:
-        return d  # (a torn last line of the journal: append_synced ends it before the next record)
-    if same and d.released:
-        raise ValueError(f"{dest}: this export deleted {len(d.released)} source unit(s) as it went "
-                         "(--delete-source), so it cannot be rewritten; run it again without --overwrite to finish it")
-    for rel in d.files:
-        (dest / rel).unlink()
-    token = secrets.token_hex(6)
-    atomic_write(dest / RECORD, json.dumps({"version": RECORD_VERSION, "token": token, **want,
-                                            "source_path": str(src.root.resolve())}, indent=2) + "\n")
-    if os.path.lexists(dest / JOURNAL):
-        (dest / JOURNAL).unlink()
-        fsync_dir(dest)
-    return _Dest(dest, token, {})
-
-
-def _claimed(out_dir, dest, dirs: re.Pattern) -> Path:
-    """DEST, created if missing; a folder without a record that holds anything is refused before hsx writes in it."""
-    dest = Path(dest)
-    root = Path(out_dir).resolve()
-    if dest.resolve() == root or root in dest.resolve().parents:
-        raise ValueError(f"{dest}: export into a folder outside the output dir {out_dir}")
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise ValueError(f"{dest} is a link or a file; export into a folder")
-    if dest.is_dir() and _read_record(dest) is None:  # refused before anything is written into it
-        foreign, _ = _scan(dest, {}, None, dirs)
-        if foreign:
-            raise _not_written_here(dest, foreign[0])
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only file system, a parent that is a file, /proc
-        raise ValueError(f"cannot create {dest}: {e.strerror or e}; export into a folder this user can write") \
-            from None
-    return dest
 
 
 def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: bool):
@@ -410,7 +174,7 @@ def _exporting(out_dir, dest, src: _Source, dirs: re.Pattern, delete_source: boo
     from contextlib import ExitStack
 
     stack = ExitStack()
-    path = _claimed(out_dir, dest, dirs)
+    path = dest_folder(out_dir, dest, dirs)
     stack.enter_context(flock(path / LOCK, fcntl.LOCK_EX,
                                f"{path} is in use by another hsx export (lock held on {LOCK})"))
     if delete_source:
@@ -463,7 +227,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
     stack, dest = _exporting(out_dir, dest, src, _SPECFORGE_DIRS, delete_source)
     written = kept = 0
     with stack:
-        d = _open_dest(dest, src, options, overwrite, _SPECFORGE_DIRS)
+        d = open_dest(dest, src.identity, str(src.root.resolve()), options, overwrite, _SPECFORGE_DIRS)
         released_before = len(d.released)
         for name, path in _units(src, d, delete_source):
             view = _open_unit(path, meta, chosen)
@@ -499,7 +263,7 @@ def export_specforge(out_dir: str | os.PathLike, dest: str | os.PathLike, layers
             view = row = sample = None  # the unit's memory map goes with its last reference
             if delete_source:
                 gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
-                d.release(path, src, "export-specforge")
+                d.release(path, lambda: _note_released(d, path, src, "export-specforge"))
     skipped = sum(d.skipped.values())
     log(f"hsx: exported {written} sample(s) to {dest} in SpecForge's offline {layout} layout"
         + (f" ({kept} already there)" if kept else "")
@@ -521,7 +285,7 @@ def _verifier(meta: Info) -> str:
     return path
 
 
-def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_vocab_size: int | None) -> None:
+def _write_dataset_part(d: Dest, src: _Source, todo, aux: list[int], draft_vocab_size: int | None) -> None:
     """speculators' dataset dir (ids, masks, lengths, sorted by sample_id), token_freq.pt, d2t/t2d and
     speculators.yaml: small files, all built from the token columns of every unit, committed together."""
     import pyarrow as pa
@@ -566,7 +330,7 @@ def _write_dataset_part(d: _Dest, src: _Source, todo, aux: list[int], draft_voca
         "# speculators train --config <this file> [--speculator-type dflash|dflash2|dspark] ...; written by hsx "
         "export-speculators\n" + yaml.safe_dump(config, sort_keys=False))
     for f in sorted(tmp.iterdir()):
-        if f.is_dir() or not _RECORDED_PATH.fullmatch(f.name):
+        if f.is_dir() or not RECORDED_PATH.fullmatch(f.name):
             raise ValueError(f"datasets wrote {f.name} in a save_to_disk folder; hsx does not know that layout")
         d.stage_file(f.name, f)
     d.commit(part=_DATASET_PART)
@@ -602,7 +366,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
     stack, dest = _exporting(out_dir, dest, src, _SPECULATORS_DIRS, delete_source)
     written = kept = 0
     with stack:
-        d = _open_dest(dest, src, options, overwrite, _SPECULATORS_DIRS)
+        d = open_dest(dest, src.identity, str(src.root.resolve()), options, overwrite, _SPECULATORS_DIRS)
         released_before = len(d.released)
         todo = _units(src, d, delete_source)
         if not all(rel in d.files for rel in d.parts.get(_DATASET_PART, [None])):
@@ -629,7 +393,7 @@ def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, laye
             view = row = sample = None  # the unit's memory map goes with its last reference
             if delete_source:
                 gc.collect()  # (only once it is unmapped does deleting the unit free its disk)
-                d.release(path, src, "export-speculators")
+                d.release(path, lambda: _note_released(d, path, src, "export-speculators"))
     target_layer_ids = [x + 1 for x in aux]  # speculators / vLLM count the embedding output as layer 0
     log(f"hsx: exported {written} sample(s) to {dest} in speculators' offline layout"
         + (f" ({kept} already there)" if kept else "")

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 from hsx.errors import HsxError, UsageError, one_line
 
 MAX_REQUEST_BYTES = 4 << 20  # a request body or ticket (gRPC's own default message bound)
-CLAIM_RENEW_SECONDS = 2.0  # a deleting reader renews its claim this often (FlightSource.claim)
+CLAIM_RENEW_SECONDS = 2.0  # a deleting reader renews its claim this often (FlightSource.take_consumer)
 CLAIM_LEASE_SECONDS = 10.0  # a claim not renewed for this long is a dead reader's: another may take it over
 TOKEN_ENV = "HSX_SERVE_TOKEN"  # the bearer token, for `hsx serve` and hsx.follow("grpc://...") alike
 
@@ -74,8 +74,8 @@ class FlightSource:
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
         self.token = token
-        self.session = uuid.uuid4().hex  # names this reader's claim (`claim`)
-        self.claimed: dict[str, Any] | None = None  # the claim this reader holds and renews
+        self.session = uuid.uuid4().hex  # names this reader's claim (`take_consumer`)
+        self.taken: dict[str, Any] | None = None  # the claim this reader holds and renews
         self.renewer: threading.Thread | None = None
 
     def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
@@ -185,8 +185,8 @@ class FlightSource:
                            f"says {rec['rows']}")
         return Dataset(InMemoryTable(table))
 
-    def claim(self, consumer: str, rank: int, world_size: int) -> None:
-        """Claim the consumer rank at the server for this reader (hsx.follow.LocalSource.claim, there): it
+    def take_consumer(self, consumer: str, rank: int, world_size: int) -> None:
+        """Take the consumer rank at the server for this reader (hsx.follow.LocalSource.take_consumer, there): it
         declares the consumer in OUT and records only this reader's commits for it while this reader renews the
         claim (a daemon thread, every CLAIM_RENEW_SECONDS, for as long as this source lives). A claim another live
         reader holds is asked again until that one's lease would have lapsed (a trainer restarted after a kill
@@ -201,29 +201,29 @@ class FlightSource:
                 if "already has a live reader" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(CLAIM_RENEW_SECONDS / 2)
-        self.claimed = body
+        self.taken = body
         if self.renewer is None:
             self.renewer = threading.Thread(target=_renew, args=(weakref.ref(self), CLAIM_RENEW_SECONDS),
                                             name="hsx-follow-claim", daemon=True)
             self.renewer.start()
 
-    def _claimed(self, kind: str, body: dict[str, Any]) -> None:
+    def _as_consumer(self, kind: str, body: dict[str, Any]) -> None:
         """`kind` of this reader's claimed consumer rank; once more after claiming again if the server does not
         know the claim (it was restarted since)."""
         try:
             self._action(kind, {**body, "session": self.session})
         except HsxError as e:
-            if self.claimed is None or "claims its consumer first" not in str(e):
+            if self.taken is None or "claims its consumer first" not in str(e):
                 raise
-            self._action("claim", self.claimed)
+            self._action("claim", self.taken)
             self._action(kind, {**body, "session": self.session})
 
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
         if rows:
-            self._claimed("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
+            self._as_consumer("commit", {"consumer": consumer, "rank": rank, "world_size": world_size, "rows": rows})
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
-        self._claimed("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+        self._as_consumer("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
 
 
 def _renew(source_ref, every: float) -> None:
@@ -235,7 +235,7 @@ def _renew(source_ref, every: float) -> None:
         if source is None:
             return
         try:
-            source._action("claim", source.claimed)
+            source._action("claim", source.taken)
         except Exception:  # noqa: BLE001 (unreachable server, lapsed claim: the next commit reports it)
             pass
         del source

@@ -4,15 +4,16 @@ once consumed, so the job needs disk for a window of units, not for the whole da
 - `follow(OUT, ...)`: a `torch.utils.data.IterableDataset` of the job's rows, unit by unit as they are committed
   (`hsx.load`'s dicts, or `hsx.torch_view`'s torch rows). It waits for new units (polling the manifests every
   `poll_seconds`), and ends when hsx.json says the job is complete and every unit of this consumer is consumed.
-- It reads a source: a `LocalSource` (OUT on this machine) or, for `grpc://HOST:PORT`, an hsx.flight
-  `FlightSource` (an `hsx serve OUT`, which reads OUT with a LocalSource): one reader, two ways to OUT.
+- It reads a source (`Source`, the written contract of its transports): a `LocalSource` (OUT on this machine) or,
+  for `grpc://HOST:PORT`, an hsx.flight `FlightSource` (an `hsx serve OUT`, which reads OUT with a LocalSource):
+  one reader, two ways to OUT.
 - Its position (rows handed out, per unit) is `state_dict()` / `load_state_dict()` (torchdata's
   StatefulDataLoader convention) for the trainer's checkpoint, and `commit()` records it in OUT (a reader with
   `delete_consumed`; one without writes nothing there): one fsynced line per unit in
   `.hsx/consumed-<consumer>-<rank>.jsonl` (hsx.schema.ConsumedRecord), then deletes the units every declared
   consumer has consumed whole (hsx.ledgers.released). A reader with `delete_consumed` declares its consumer in
-  OUT and holds its consumer rank's lock (`LocalSource.claim`: a second live one is refused); `hsx consumers OUT`
-  lists the consumers and retires one that stopped for good (`retire`).
+  OUT and holds its consumer rank's lock (`LocalSource.take_consumer`: a second live one is refused);
+  `hsx consumers OUT` lists the consumers and retires one that stopped for good (`retire`).
 - Each unit's CRC-32 is checked against its manifest line before any of its rows is handed out
   (`check_unit_crc`; over Flight, each record batch's too: hsx.flight).
   `commit="unit"` does so for a unit once the training step over its last row has returned
@@ -43,7 +44,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hsx import ledgers
 from hsx.errors import HsxError
@@ -52,7 +53,7 @@ from hsx.info import read_info, read_summary
 from hsx.schema import CONSUMER_NAME
 
 SUPERSEDED = "superseded"  # an older local reader's claim, once a newer reader in its process took it over
-LOCAL = "local"  # the session of a local reader's claim (LocalSource.claim); hsx serve's clients send their own
+LOCAL = "local"  # the session of a local reader's claim (LocalSource.take_consumer); hsx serve's clients send their own
 MAX_WORLD_SIZE = 1 << 20  # trainer ranks (a rank names a ledger file: 5 digits or more)
 
 
@@ -189,7 +190,7 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
         rank, world_size = _default_rank()
     check_consumer(consumer, rank, world_size)
     if delete_consumed:  # one live deleting reader per consumer rank; its units then wait for it
-        source.claim(consumer, rank, world_size)
+        source.take_consumer(consumer, rank, world_size)
     elif consumer in source.declared():
         warnings.warn(f"hsx.follow: consumer {consumer!r} is declared in {source.where}, so its units are deleted "
                       "(and the extractor's --max-pending-gb window released) only once it records them, which a "
@@ -232,7 +233,7 @@ def check_unit_crc(path: Path, fd: int, rec: dict[str, Any]) -> None:
 
 # A process's local claims, by lock file: a newer reader of the same consumer rank in this process (a notebook cell
 # run again, a trainer restarted in-process while its old loader is still referenced) takes the claim over and the
-# older one records nothing more (its commit is refused: `_check_claim`); across processes the flock refuses.
+# older one records nothing more (its commit is refused: `_check_holder`); across processes the flock refuses.
 _IN_PROCESS: dict[tuple[str, str, int], "weakref.ref[LocalSource]"] = {}
 _IN_PROCESS_LOCK = threading.Lock()
 
@@ -251,7 +252,7 @@ def _take_over_in_process(source: "LocalSource", lock: Path, consumer: str, rank
             return None
         with older.lock:
             fd = older.flocks.pop((consumer, rank), None)
-            older.claims[(consumer, rank)] = SUPERSEDED
+            older.holders[(consumer, rank)] = SUPERSEDED
         return fd
 
 
@@ -273,6 +274,59 @@ def check_consumer(consumer: str, rank, world_size) -> None:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size at most {MAX_WORLD_SIZE})")
 
 
+@runtime_checkable
+class Source(Protocol):
+    """What hsx.follow reads an output dir through (hsx.torch_data.Follow's `src`, and `follow` itself): a
+    `LocalSource` (OUT on this machine) or an hsx.flight `FlightSource` (OUT behind `hsx serve`). Every method
+    raises HsxError (one line) for what it cannot do or refuses; records are hsx.schema's, as dicts.
+
+    Pickling: a source pickles (a spawn DataLoader worker's copy of Follow) into a fresh one over the same OUT (a
+    new lock, a new connection) that has taken no consumer rank: the copy records nothing, so the one consumer
+    rank stays the original's. tests/test_follow.py checks both sources against this and that its members are
+    exactly the ones hsx.follow calls (a new call is a deliberate change here)."""
+
+    where: str  # OUT as errors name it: a path, or grpc://HOST:PORT
+
+    def summary(self) -> Any:
+        """The job's plan (hsx.schema.Summary of .hsx/summary.json), or None before the job wrote it."""
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """The committed units: unit -> its manifest record (hsx.schema.ManifestRecord, checked)."""
+
+    def complete(self) -> bool:
+        """Whether hsx.json says the job is complete."""
+
+    def declared(self) -> list[str]:
+        """The consumers units wait for (declared and not retired)."""
+
+    def ledger(self, consumer: str) -> dict[str, dict[str, Any]]:
+        """`consumer`'s ledger: unit -> its furthest consumed record."""
+
+    def gone(self, rec: dict[str, Any]) -> bool:
+        """Whether the committed unit `rec` is no longer in data/ (deleted once consumed, uploaded or exported)."""
+
+    def readable(self, rec: dict[str, Any], consumer: str) -> bool:
+        """Whether unit `rec` can be read now: False for one a resume moved aside (it is redone); HsxError for one
+        missing or of another size though `consumer` has not consumed it."""
+
+    def open(self, rec: dict[str, Any]) -> Any:
+        """Unit `rec`'s rows as a `datasets.Dataset`, checked against its manifest line (size, CRC-32, rows) before
+        any row is handed out."""
+
+    def take_consumer(self, consumer: str, rank: int, world_size: int) -> None:
+        """Make this reader the one deleting reader of `consumer`'s rank `rank`: declare the consumer in OUT and
+        refuse a second live one (a lock, or a lease renewed while the reader lives)."""
+
+    def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
+        """Say which units of the rank's share this reader holds in steps not yet returned (the extractor's
+        --max-pending-gb window counts them)."""
+
+    def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int]) -> None:
+        """Record rows [0, ROW) of each unit as consumed (fsynced ledger lines, forward only, of the rank's share),
+        then delete the units every declared consumer consumed whole; refused whole, nothing written, when any
+        is wrong. A reader without delete_consumed writes nothing."""
+
+
 class LocalSource:
     """An output dir on this machine's filesystem, as hsx.follow reads it (and `hsx serve` serves it): its plan,
     manifests, hsx.json, the consumers' ledgers, and the units. `write`: whether ledgers may be written and units
@@ -291,26 +345,27 @@ class LocalSource:
         self.recorded: dict[str, dict[str, int]] = {}  # consumer -> unit -> row its ledger records (valid lines)
         self.swept: set[str] = set()  # consumers whose wholly consumed units were deleted once
         self.lock = threading.RLock()  # (hsx serve records for several clients at once)
-        self._claims_init()
+        self._holders_init()
 
-    def _claims_init(self) -> None:
+    def _holders_init(self) -> None:
         # (consumer, rank) -> the session that may record for it (a local reader's: LOCAL; hsx serve's clients:
         # theirs), and the flocks held on .hsx/consumer-<consumer>-<rank>.lock (closed when this source goes)
-        self.claims: dict[tuple[str, int], str] = {}
+        self.holders: dict[tuple[str, int], str] = {}
         self.heard: dict[tuple[str, int], float] = {}  # when the claiming session last called (monotonic)
         self.wanted: list[tuple[str, int, int, str]] = []  # claims waiting for OUT to exist
         self.flocks: dict[tuple[str, int], int] = {}
         weakref.finalize(self, _close_all, self.flocks)
 
     def __getstate__(self) -> dict[str, Any]:  # (a pickled hsx.follow, for a spawn DataLoader worker: a new lock)
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "claims", "heard", "wanted", "flocks")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "holders", "heard", "wanted", "flocks")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # (a copy claims nothing: it records nothing)
         self.__dict__.update(state)
         self.lock = threading.RLock()
-        self._claims_init()
+        self._holders_init()
 
-    def claim(self, consumer: str, rank: int, world_size: int, session: str = LOCAL, by: str = "hsx.follow") -> None:
+    def take_consumer(self, consumer: str, rank: int, world_size: int, session: str = LOCAL,
+                      by: str = "hsx.follow") -> None:
         """Make this source the one deleting reader of `consumer`'s rank `rank`: declare the consumer in OUT
         (hsx.ledgers.declare_consumers: units then wait for it) and hold .hsx/consumer-<consumer>-<rank>.lock
         (flock, released when the process ends): a second live local reader of it is refused (HsxError, one
@@ -327,7 +382,7 @@ class LocalSource:
         from hsx.flight import CLAIM_LEASE_SECONDS
 
         with self.lock:
-            holder = self.claims.get((consumer, rank))
+            holder = self.holders.get((consumer, rank))
             if session != LOCAL and holder not in (None, session):
                 quiet = time.monotonic() - self.heard.get((consumer, rank), 0.0)
                 if quiet < CLAIM_LEASE_SECONDS:
@@ -336,9 +391,9 @@ class LocalSource:
                                    "delete units the other has not read; give this one another consumer= name, or "
                                    f"stop the other (a stopped one's claim lapses after {CLAIM_LEASE_SECONDS:g} s)")
             self.wanted.append((consumer, rank, world_size, session))
-            self._take_claims(by)
+            self._take_wanted(by)
 
-    def _take_claims(self, by: str = "hsx.follow") -> None:
+    def _take_wanted(self, by: str = "hsx.follow") -> None:
         """Take the claims asked for, once OUT is a dir (its .hsx/ made if the job has not yet). Under self.lock."""
         if not self.wanted or not self.out.root.is_dir():
             return
@@ -364,23 +419,23 @@ class LocalSource:
                 with _IN_PROCESS_LOCK:
                     _IN_PROCESS[_lock_key(lock, consumer, rank)] = weakref.ref(self)
             ledgers.declare_consumers(self.out.state, [consumer], by)
-            self.claims[(consumer, rank)] = session
+            self.holders[(consumer, rank)] = session
             self.heard[(consumer, rank)] = time.monotonic()
             self.wanted.pop(0)
 
-    def _check_claim(self, consumer: str, rank: int, session: str, verb: str) -> None:
+    def _check_holder(self, consumer: str, rank: int, session: str, verb: str) -> None:
         if consumer in ledgers.consumers_record(self.out.state).retired:
             raise HsxError(f"{verb}: consumer {consumer!r} was retired (hsx consumers --retire): it records "
                            "nothing more; read under another consumer= name")
-        if self.claims.get((consumer, rank)) == session:
+        if self.holders.get((consumer, rank)) == session:
             self.heard[(consumer, rank)] = time.monotonic()
-        elif self.claims.get((consumer, rank)) == SUPERSEDED:
+        elif self.holders.get((consumer, rank)) == SUPERSEDED:
             raise HsxError(f"{verb}: a newer hsx.follow of consumer {consumer!r} rank {rank} in this process took "
                            "over; this older reader records nothing more (iterate the newer one)")
         else:
             raise HsxError(f"{verb}: consumer {consumer!r} rank {rank} is not this reader's to record"
                            + (" (another reader of that consumer and rank claimed it, after this one's claim "
-                              "lapsed: two deleting readers of one name?)" if (consumer, rank) in self.claims else
+                              "lapsed: two deleting readers of one name?)" if (consumer, rank) in self.holders else
                               " (a deleting reader claims its consumer first: hsx.follow does)"))
 
     def _check_share(self, units, rank: int, world_size: int, verb: str) -> None:
@@ -401,7 +456,7 @@ class LocalSource:
     def records(self) -> dict[str, dict[str, Any]]:
         if self.wanted:
             with self.lock:
-                self._take_claims()
+                self._take_wanted()
         return ledgers.manifest_records(self.out.state) if self.out.state.is_dir() else {}
 
     def complete(self) -> bool:
@@ -491,7 +546,7 @@ class LocalSource:
             if not units and any(w[:2] == (consumer, rank) for w in self.wanted):
                 return  # (claimed once OUT exists: nothing was held before it did)
             self._check_share(units, rank, world_size, "hold")
-            self._check_claim(consumer, rank, session, "hold")
+            self._check_holder(consumer, rank, session, "hold")
             ledgers.write_holding(self.out.state, consumer, rank, [records[u]["file"] for u in units])
 
     def record(self, consumer: str, rank: int, world_size: int, rows: dict[str, int], session: str = LOCAL) -> None:
@@ -500,7 +555,7 @@ class LocalSource:
         the link only). Refused whole (HsxError, nothing written) when a unit is not a committed unit of this
         output, a row is not in 0..its rows, or a row is not past what the consumer's ledger already records (a
         replayed or rewound position), and (with `write`) when `session` does not hold the consumer rank's claim
-        (`claim`) or a unit is not of that rank's share. A unit is deleted only once every declared consumer
+        (`take_consumer`) or a unit is not of that rank's share. A unit is deleted only once every declared consumer
         consumed it whole (hsx.ledgers.released): the last of them to commit it deletes it. Without `write`
         nothing is written."""
         check_consumer(consumer, rank, world_size)
@@ -528,7 +583,7 @@ class LocalSource:
             if not self.write:
                 return
             self._check_share([r["unit"] for r in lines], rank, world_size, "commit")
-            self._check_claim(consumer, rank, session, "commit")
+            self._check_holder(consumer, rank, session, "commit")
             if lines:
                 ledgers.record_consumed(self.out.state, consumer, rank, lines)
                 recorded.update({r["unit"]: r["row"] for r in lines})

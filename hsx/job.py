@@ -1,13 +1,13 @@
-"""The job as named steps: claim → tokenize → units → engine → commit → finish.
+"""The job as named steps: start (or resume) → tokenize → units → engine → commit → finish.
 
-`hsx.run.extract` runs them all with an output dir: it claims the dir, tokenizes once into the dir's cache, plans
-units, runs the engine over this rank's units, commits each unit's file as its `datasets.map` returns, and
-finishes with hsx.json and the card. `hsx.run.stream` runs tokenize → units → engine only and hands the rows to a
-training loop. Both compute the same rows in the same order: what tokenization keeps, in units planned the same
-way, through the same Extractor and Pipeline.
+`hsx.run.extract` runs them all with an output dir: it starts (or resumes) the job in the dir, tokenizes once
+into the dir's cache, plans units, runs the engine over this rank's units, commits each unit's file as its
+`datasets.map` returns, and finishes with hsx.json and the card. `hsx.run.stream` runs tokenize → units → engine
+only and hands the rows to a training loop. Both compute the same rows in the same order: what tokenization
+keeps, in units planned the same way, through the same Extractor and Pipeline.
 
 Each step takes what the one before returned: `Job.prepare` (the target, hsx.model.Target: the model's facts and
-layers, read once; the input; the job's fingerprint) → `Job.claim` + `Job.tokenize_into`, or `Job.tokenize`
+layers, read once; the input; the job's fingerprint) → `Job.start_or_resume` + `Job.tokenize_into`, or `Job.tokenize`
 (tokenized rows) → `Job.units` (`Units`: the ordered rows, the units, the input's counts) → `Extraction` (the
 model hsx.ready makes ready → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units` → `finish`
 (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
@@ -90,7 +90,7 @@ class Job:
         unit_tokens = cfg.unit_tokens or max(1024, UNIT_BYTES // target.format.bytes_per_token)
         template_sha = data.chat_template_sha256(tokenizer) if tokenizer is not None else None
         plain = data.plain_completion(raw, cfg)
-        mask = data.mask_method(raw.column_names, tokenizer, plain)
+        mask = data.mask_record(raw.column_names, tokenizer, plain)
         if cfg.prompt_completion == "text" and not plain:  # a recipe's key that this dataset leaves unused: said
             fmt = data.row_format(raw.column_names)
             what = ("prompt and completion columns hold messages, not strings" if fmt.startswith("prompt+") else
@@ -114,22 +114,22 @@ class Job:
     def fingerprint(self) -> str:
         return self.identity["fingerprint"]
 
-    # ---- claim → tokenize ----
+    # ---- start (or resume) → tokenize ----
 
-    def claim(self, out: OutputDir, leads: bool) -> str:
-        """Claim the output dir, in turns (`Process.in_turns`): the first process of the ranks writing into it
-        (`leads`: hsx.run.DirShare) checks its units and, with --overwrite, clears it; the others then find the
-        job there. Returns the dir's state: new, resume or complete."""
+    def start_or_resume(self, out: OutputDir, leads: bool) -> str:
+        """Start (or resume) the job in the output dir, in turns (`Process.in_turns`): the first process of the ranks
+        writing into it (`leads`: hsx.run.DirShare) checks its units and, with --overwrite, clears it; the others
+        then find the job there. Returns the dir's state: new, resume or complete."""
         cfg = self.cfg
 
-        def claim():
-            state = out.claim(self.identity, cfg.overwrite and leads, check_crc=cfg.check_crc, log=self.say,
-                              check=leads)
+        def start():
+            state = out.start_or_resume(self.identity, cfg.overwrite and leads, check_crc=cfg.check_crc,
+                                        log=self.say, check=leads)
             if state != "complete":
                 out.clear_tmp()
             return state
 
-        return self.proc.in_turns(claim, leads)
+        return self.proc.in_turns(start, leads)
 
     def tokenize_into(self, out: OutputDir, leads: bool):
         """Tokenize once into the output dir's cache, in turns: the first process of each dir (`leads`) finds

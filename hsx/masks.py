@@ -49,6 +49,7 @@ import numpy as np
 
 from hsx.config import HsxError
 from hsx.render import RENDER_MIN_CHARS, RenderLimit, check_template_bounds, render_bounds, render_chat
+from hsx.render import SENTINEL_ANSWER as _ANSWER, SENTINEL_USER as _USER
 
 MASK_VERSION = 6  # 1: assistant text searched in the render (wrong on thinking templates); 2: derived turns;
 # 3: a turn end that is text, not a special token, is supervised through its own text only; 4: tool-call arguments
@@ -60,9 +61,9 @@ MASK_VERSION = 6  # 1: assistant text searched in the render (wrong on thinking 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Row = tuple[list[int], list[int], str]
 
-# Sentinel contents: letters only (templates trim, split on '</think>', ...), unlikely in any template text.
-_USER, _ANSWER, _THINK, _USER2, _ARG, _TOOL = ("HsxSentUserQ", "HsxSentAnswerA", "HsxSentThinkR", "HsxSentUserP",
-                                              "HsxSentArgV", "HsxSentToolO")
+# Sentinel contents: letters only (templates trim, split on '</think>', ...), unlikely in any template text (the
+# user's and the answer's are hsx.render's, imported above)
+_THINK, _USER2, _ARG, _TOOL = "HsxSentThinkR", "HsxSentUserP", "HsxSentArgV", "HsxSentToolO"
 _CALL_ID = "hsxcall01"  # 9 characters: Mistral's templates insist
 _FIX = ("; add {% generation %} markers to the template (tokenizer_config.json / chat_template.jinja of --tokenizer) "
         "or give pre-tokenized input_ids with a loss_mask column")

@@ -272,7 +272,7 @@ class RegenDir:
     def record(self, unit: int) -> Path:
         return self.units / f"unit-{unit:05d}.json"
 
-    def claim(self, identity: dict[str, Any], overwrite: bool) -> None:
+    def start_or_resume(self, identity: dict[str, Any], overwrite: bool) -> None:
         """Start the job here, or continue it: HsxError in one line for a dir holding anything else, or this job
         under another identity (naming what differs)."""
         if self.root.exists() and not self.root.is_dir():
@@ -441,7 +441,7 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict[str, Any]:
             and rewrites_earlier_reasoning(tokenizer, cfg.chat_template_kwargs)):
         log(REWRITES_EARLIER_REASONING)
     out = RegenDir(Path(cfg.output_dir))
-    out.claim(identity(cfg, ds, sampling), cfg.overwrite)
+    out.start_or_resume(identity(cfg, ds, sampling), cfg.overwrite)
     count = -(-len(ds) // cfg.unit_size)
     done = out.done()
     mine = [u for u in range(count) if u % world == rank and u not in done]

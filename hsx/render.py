@@ -25,8 +25,9 @@ from typing import Any
 
 from hsx.config import HsxError
 
-# A two-word conversation (letters only, as hsx.masks' sentinels: templates trim and split text)
-_USER, _ANSWER = "HsxSentUserQ", "HsxSentAnswerA"
+# A two-word conversation (letters only: templates trim and split text), the sentinels of a render's user and
+# assistant turns here and in hsx.masks (which adds its own for the other parts of a conversation)
+SENTINEL_USER, SENTINEL_ANSWER = "HsxSentUserQ", "HsxSentAnswerA"
 
 # A render is a template program run on the row's data; these bound the work one row can cause. A template's
 # loops are Python (Jinja compiles to it), stopped by a CPU-time timer; one C-level operation (a string repeated
@@ -439,8 +440,8 @@ def check_template_bounds(tokenizer, template_kwargs: dict[str, Any], name: str 
                            f"small constant, or a repetition above {MAX_REPEAT:.0e}): one such step can run for hours "
                            "or take all memory and nothing can interrupt it, so hsx does not render it")
     try:
-        render_chat(tokenizer, [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ANSWER}],
-                    None, False, template_kwargs)
+        render_chat(tokenizer, [{"role": "user", "content": SENTINEL_USER},
+                                {"role": "assistant", "content": SENTINEL_ANSWER}], None, False, template_kwargs)
     except RenderLimit as e:
         raise HsxError(f"the chat template of {name}: {e} of a two-message conversation of two words, so it would "
                        "on every row") from None

@@ -384,8 +384,8 @@ def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
 
 
 def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopRequest, say, log, model):
-    """The steps, in order: prepare → agree → claim → tokenize → units → engine + commit (this rank's pending
-    units) → finish."""
+    """The steps, in order: prepare → agree → start (or resume) → tokenize → units → engine + commit (this rank's
+    pending units) → finish."""
     t_start = time.perf_counter()
     job = Job.prepare(cfg, proc, model, say)
     share = share_dir(out, proc, agree_on_job(proc, job.fingerprint))
@@ -393,7 +393,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         share.job_wide = False
     if share.leads and not proc.is_main:
         out.lock_as_first()
-    state = job.claim(out, share.leads)
+    state = job.start_or_resume(out, share.leads)
     states = [s for s in proc.all_gather(state if share.leads else None) if s]  # each dir's, as its first rank found it
     if all(s == "complete" for s in states):
         info = read_info(out.root).to_dict()
@@ -558,7 +558,7 @@ class DirShare:
     shared filesystem, a node's ranks when each node has its own dir (on a local disk)."""
     run_id: str
     rank: int
-    ranks: list[int]  # in order; the first one leads (claims and tokenizes first, checks the units)
+    ranks: list[int]  # in order; the first one leads (starts the job and tokenizes first, checks the units)
     world_size: int
     job_wide: bool = True  # these ranks are every process of the job (not so with --elastic: one node's)
 

@@ -170,7 +170,7 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
             session = f"client-{session}"  # (never a local reader's claim: hsx.follow.LOCAL)
             rank, world_size = body.get("rank"), body.get("world_size")
             if kind == "claim":
-                src.claim(consumer, rank, world_size, session=session, by="hsx serve")
+                src.take_consumer(consumer, rank, world_size, session=session, by="hsx serve")
             elif kind == "commit":
                 src.record(consumer, rank, world_size, body.get("rows"), session=session)
             else:

@@ -1,5 +1,5 @@
 """The output dir: Arrow shards under data/, hsx's run state under .hsx/, hsx.json and a dataset card. `OutputDir`
-claims a dir for a job (or resumes it), commits the job's units and finalizes it; what each record file holds is
+starts a job in a dir (or resumes it), commits the job's units and finalizes it; what each record file holds is
 read and written by hsx.ledgers, hsx.json by hsx.info, each file through hsx.files.
 
 This is the one drawing of the dir (README.md links here; tests/test_sink.py compares it with what an extraction
@@ -49,7 +49,7 @@ every other one in every finished extraction's dir.
                                                 deleted once every declared one consumed it (hsx.ledgers.released)
     OUT/.hsx/consumers.lock?                    flock(2)ed while consumers.json is rewritten
     OUT/.hsx/consumer-<consumer>-<rank>.lock?   flock(2)ed by the live local reader that deletes for that
-                                                consumer rank (hsx.follow.LocalSource.claim)
+                                                consumer rank (hsx.follow.LocalSource.take_consumer)
     OUT/.hsx/exported.jsonl?                    one line per unit an export with --delete-source deleted, and where
                                                 its rows went (hsx.export), so a reader says so
     OUT/.hsx/merged-from.json?                  the dirs `hsx merge` linked units from (hsx.merge)
@@ -114,7 +114,7 @@ class OutputDir:
         self.session = uuid.uuid4().hex[:12]  # in this process's manifest lines: which run committed a unit
         self.approved: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino) unit_source checked
 
-    # ---- claiming a dir for a job ----
+    # ---- starting (or resuming) a job in a dir ----
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -185,12 +185,12 @@ class OutputDir:
         except HsxError:
             return True
 
-    def claim(self, job: dict[str, Any], overwrite: bool, check_crc: bool = False, log=print,
-              check: bool = True) -> str:
+    def start_or_resume(self, job: dict[str, Any], overwrite: bool, check_crc: bool = False, log=print,
+                        check: bool = True) -> str:
         """Record the job's fingerprint, or check it against the one there. Returns 'new', 'resume' or 'complete'.
 
         A dir whose job failed before committing anything (a --strict error, a missing chat template, ...) holds
-        no output, so it is re-claimed for whatever job comes next instead of refused as a different job.
+        no output, so it is taken for whatever job comes next instead of refused as a different job.
 
         The same job: the units it keeps are checked (check_units): the size of every one, the CRC-32 of the
         units of the run that wrote last (all of them with `check_crc`). A finished dir with a damaged or missing
@@ -204,7 +204,7 @@ class OutputDir:
         if job_file.exists():
             old = read_json(job_file, JobRecord)
             if old.fingerprint == job["fingerprint"]:
-                if check:  # (the dir's first process, before any rank of this run writes: hsx.job claims in turns)
+                if check:  # (the dir's first process, before any rank of this run writes: hsx.job starts in turns)
                     self.clear_tmp(every_rank=True)
                 return self._resume_state(check_crc, log, check)
             if self.has_output():
@@ -222,7 +222,7 @@ class OutputDir:
         anything here."""
         if self.has_output() or not self.root.is_dir():
             return
-        card = self.root / "README.md"  # the placeholder card a claim writes (write_unfinished_card), nothing else
+        card = self.root / "README.md"  # the placeholder card a start writes (write_unfinished_card), nothing else
         if card.is_file() and not card.is_symlink() and card.read_text(errors="replace") == UNFINISHED_CARD:
             card.unlink()
         if self.data.is_dir() and not self.data.is_symlink() and not any(self.data.iterdir()):

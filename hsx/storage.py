@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hsx.checksums import checksum_pool, wait_all
 from hsx.files import fsync_file
-from hsx.writer import (DIRECT_BLOCK, DIRECT_IN_FLIGHT, UnitFile, _libc, _pwrite_all, filesystem_type, resolve_mode,
+from hsx.writer import (DIRECT_BLOCK, DIRECT_IN_FLIGHT, UnitFile, filesystem_type, libc, pwrite_all, resolve_mode,
                         spares_for, supports_direct)
 
 PROBE_DIRECT = ((DIRECT_BLOCK, 1), (DIRECT_BLOCK, DIRECT_IN_FLIGHT), (DIRECT_BLOCK, 4), (4 * DIRECT_BLOCK, 1),
@@ -60,12 +60,12 @@ def measure_storage(folder: str | os.PathLike, nbytes: int, block: int = DIRECT_
                         offset = next(offsets, None)
                     if offset is None:
                         return
-                    _pwrite_all(fd, view[:size], offset)
+                    pwrite_all(fd, view[:size], offset)
 
         try:
             t0 = time.perf_counter()
             if in_flight > 1:
-                _libc().fallocate(fd, 0, 0, total)  # (as UnitFile's _extend; where it fails, the writes extend)
+                libc().fallocate(fd, 0, 0, total)  # (as UnitFile's _extend; where it fails, the writes extend)
             with ThreadPoolExecutor(max_workers=in_flight) as pool:
                 wait_all([pool.submit(write_blocks) for _ in range(in_flight)])
             os.fsync(fd)

@@ -54,8 +54,8 @@ class Follow(torch.utils.data.IterableDataset):
     def __init__(self, source, consumer: str, delete_consumed: bool, rows: str, layout, commit: str,
                  poll_seconds: float, rank: int, world_size: int, timeout: float | None, batch_size: int | None,
                  prefetch: int | None):
-        """`source`: an hsx.follow.LocalSource or hsx.flight.FlightSource; `layout(summary)`: the hsx.load._Layout
-        of torch rows (rows="torch"); the rest as `follow` takes and checks them."""
+        """`source`: an hsx.follow.Source (its LocalSource, or hsx.flight.FlightSource); `layout(summary)`: the
+        hsx.load._Layout of torch rows (rows="torch"); the rest as `follow` takes and checks them."""
         self.src = source
         self.consumer, self.delete_consumed, self.rows, self.layout = consumer, delete_consumed, rows, layout
         self.commit_mode, self.poll_seconds = commit, poll_seconds

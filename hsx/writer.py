@@ -82,7 +82,9 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of `view` at `offset` of `fd` (os.pwrite until done); an O_DIRECT write cut short is one OSError
+    naming the range left unaligned. The writer's and hsx.storage's probes' one way to write at an offset."""
     at = 0
     while at < len(view):
         try:
@@ -269,7 +271,7 @@ class UnitFile:
         if spare is not None and spare.covers(offset, n):
             ctypes.memmove(spare.addr + offset, _address(piece), n)  # (releases the GIL)
         else:
-            _pwrite_all(self.fd, piece, offset)
+            pwrite_all(self.fd, piece, offset)
         return crc32(piece)
 
     def _finish_mapped(self) -> None:
@@ -311,7 +313,7 @@ class UnitFile:
         cuts the file to its bytes either way."""
         if self.extended is None or end <= self.extended:
             return
-        if _libc().fallocate(self.fd, 0, self.extended, DIRECT_EXTEND) != 0:
+        if libc().fallocate(self.fd, 0, self.extended, DIRECT_EXTEND) != 0:
             self.extended = None
         else:
             self.extended += DIRECT_EXTEND
@@ -341,7 +343,7 @@ class UnitFile:
         if self.error is None:
             try:
                 with memoryview(stage) as whole:
-                    _pwrite_all(self.fd, whole[:n], offset)
+                    pwrite_all(self.fd, whole[:n], offset)
             except BaseException as e:  # noqa: BLE001  (raised on the writing thread)
                 self.error = e.with_traceback(None)  # (its frames would pin the staging buffer)
         self.free.put(stage)
@@ -447,7 +449,7 @@ class DirectStages:
         """Through libc (ctypes lets go of the GIL; mmap.madvise holds it, stalling the other threads while it
         populates: docs/benchmarks.md, "Figures moved from the code"). MADV_POPULATE_WRITE never changes bytes: a
         fill may run beside it."""
-        lib = _libc()
+        lib = libc()
         for stage in stages:
             n = min(len(stage), -(-expected // mmap.PAGESIZE) * mmap.PAGESIZE)
             if n <= 0:
@@ -507,7 +509,9 @@ _PROT_RW, _MAP_SHARED = 3, 1
 _LIBC: list = []
 
 
-def _libc():
+def libc():
+    """This process's C library (ctypes, loaded once) with the signatures hsx calls: mmap, munmap, madvise,
+    fallocate (their calls let go of the GIL). The writer's and hsx.storage's probes' one handle on it."""
     if not _LIBC:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
@@ -541,7 +545,7 @@ class Spare:
                           0o644)
         try:
             os.ftruncate(self.fd, self.size)
-            addr = _libc().mmap(None, self.size, _PROT_RW, _MAP_SHARED, self.fd, 0)
+            addr = libc().mmap(None, self.size, _PROT_RW, _MAP_SHARED, self.fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise _os_error("mmap")
         except BaseException:
@@ -556,7 +560,7 @@ class Spare:
         n = min(SPARE_CHUNK, self.size - offset)
         if self.stopped or self.passed >= offset + n:
             return
-        lib = _libc()
+        lib = libc()
         try:
             stat = os.statvfs(os.path.dirname(self.path))
             room = stat.f_bavail * stat.f_frsize
@@ -587,7 +591,7 @@ class Spare:
     def unmap(self) -> None:
         if self.addr is not None:
             addr, self.addr = self.addr, None
-            _libc().munmap(addr, self.size)
+            libc().munmap(addr, self.size)
 
     def release(self) -> None:
         """Unmap on the pool's threads (0.1 s per GB of mapped pages, measured): the file's bytes stay."""
@@ -683,7 +687,7 @@ def supports_mapped(folder: str | os.PathLike) -> bool:
     except OSError:
         return False
     try:
-        lib = _libc()
+        lib = libc()
         os.ftruncate(fd, mmap.PAGESIZE)
         if lib.fallocate(fd, 0, 0, mmap.PAGESIZE) != 0:
             return False

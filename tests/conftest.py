@@ -41,7 +41,7 @@ from helpers import (  # noqa: E402
 
 # ---- a deadline per test ---------------------------------------------------------------------------------------
 # pytest-timeout's convention (a `timeout(seconds)` marker, the HSX_TEST_TIMEOUT default) without the plugin, which
-# /work/venv lacks; with the plugin installed, it does the job instead. The deadline covers the test's setup
+# an environment may lack; with the plugin installed, it does the job instead. The deadline covers the test's setup
 # (module and session fixtures it is the first to need: a tiny model, a shared extraction), call and teardown.
 # On Unix only (SIGALRM). Measured on the 2-core box at a load average of 4-7: the slowest test outside `slow`
 # takes 8 s (setup and call), the slowest `slow` one 88 s (a notebook).

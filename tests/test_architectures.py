@@ -8,7 +8,7 @@ full-depth model as a user loads it (or the original in-memory model), on ONE sa
 for the final norm. float32: within 1e-5 before bf16 storage (and the stored bits are those values in bf16).
 bf16: ||hsx - ref|| / ||ref|| < 1e-2 per layer, against the bf16 reference.
 
-Traps (../shared/notes/transformers5.md) tested here: vision-language checkpoints (Qwen3.5 and Gemma 3) load only
+transformers 5's traps tested here: vision-language checkpoints (Qwen3.5 and Gemma 3) load only
 the text model, from the right weights; Gated DeltaNet hybrids stay exact under right padding (and refuse packing);
 GPT-OSS has no SDPA path and ignores a lowered num_hidden_layers; layer_types are cut with the layers; MoE models
 keep their experts implementation; `kernel_report` says which kernels run.

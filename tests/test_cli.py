@@ -805,3 +805,27 @@ def test_sigterm_ends_a_command_with_one_line_and_143(tmp_path):
     assert "Traceback" not in res.stderr
     assert [line for line in res.stderr.splitlines() if line.startswith("hsx: ")] == [
         "hsx: interrupted; finished units are kept: run the same command to continue"]
+
+
+def test_every_export_comes_from_the_one_table(monkeypatch):
+    """hsx.exports.EXPORTS is the one list of trainer exports: each row is an `hsx` attribute (hsx.export's
+    function, in __all__), a subcommand whose flags give every option the row passes on (each a keyword of the
+    function), and what that subcommand runs: the function, given those flags."""
+    import inspect
+
+    import hsx.commands
+    import hsx.export
+    from hsx.cli import build_parser
+    from hsx.exports import EXPORTS
+
+    assert [spec.function for spec in EXPORTS] == ["export_specforge", "export_speculators"]  # a new one: on purpose
+    parser = build_parser()
+    for spec in EXPORTS:
+        assert getattr(hsx, spec.function) is getattr(hsx.export, spec.function) and spec.function in hsx.__all__
+        assert set(spec.options) <= set(inspect.signature(getattr(hsx.export, spec.function)).parameters)
+        args = parser.parse_args([spec.command, "OUT", "DEST"])
+        assert set(spec.options) <= set(vars(args))
+        seen = {}
+        monkeypatch.setattr(hsx.export, spec.function, lambda out, dest, **kw: seen.update(out=out, dest=dest, **kw))
+        hsx.commands.COMMANDS[spec.command](args)
+        assert seen == {"out": "OUT", "dest": "DEST", **{name: getattr(args, name) for name in spec.options}}

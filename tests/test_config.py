@@ -601,3 +601,25 @@ def test_the_reserved_template_kwargs_cover_apply_chat_template(tokenizer):
     params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
     assert params <= RESERVED_TEMPLATE_KWARGS
     assert set(tokenizer.special_tokens_map) <= RESERVED_TEMPLATE_KWARGS  # (what it passes the template too)
+
+
+def test_every_config_key_is_listed_here():
+    """The keys a recipe and the flags may set, each config's in its order: a new knob (or one gone) is a deliberate
+    change to this list, reviewed with its docs, not a field that slips into a dataclass."""
+    import dataclasses
+
+    from hsx.config import RegenerateConfig
+
+    assert [f.name for f in dataclasses.fields(ExtractConfig)] == [
+        "model", "revision", "tokenizer", "dataset", "dataset_config", "split", "limit", "layers", "layers_from",
+        "final_hidden", "topk_logits", "teacher_policy", "teacher_top_p", "teacher_temperature", "max_length",
+        "chat_template_kwargs", "prompt_completion", "output_dir", "storage_dtype", "strict", "allow_empty",
+        "push_to_hub", "push_mode", "delete_after_upload", "hub_private", "hub_revision", "hub_overwrite",
+        "max_pending_gb", "elastic", "nonfinite", "overwrite", "check_crc", "dtype", "attn_implementation",
+        "sdpa_backend", "experts_implementation", "fp8_gemm", "packing", "gpus_per_copy", "tp_size", "ep_size",
+        "token_budget", "unit_tokens", "compile", "num_proc", "trust_remote_code"]
+    assert [f.name for f in dataclasses.fields(RegenerateConfig)] == [
+        "model", "tokenizer", "dataset", "dataset_config", "split", "limit", "allow_empty", "output_dir", "overwrite",
+        "servers", "served_model_name", "concurrency", "timeout", "retries", "dtype", "trust_remote_code",
+        "temperature", "top_p", "top_k", "max_new_tokens", "seed", "n", "turns", "enable_thinking",
+        "chat_template_kwargs", "reasoning", "cut_answers", "unit_size"]

@@ -514,7 +514,7 @@ def test_standard_prompt_completion_as_plain_text(tmp_path):
     cfg = ExtractConfig(model="m", dataset=str(path), layers=[1], output_dir="o", prompt_completion="text")
     ds = inputs.load_input(cfg)
     assert data.plain_completion(ds, cfg)
-    assert data.mask_method(ds.column_names, tok, data.plain_completion(ds, cfg))["method"] == "completion"
+    assert data.mask_record(ds.column_names, tok, data.plain_completion(ds, cfg))["method"] == "completion"
     out = data.tokenize(ds, tok, cfg, str(tmp_path / "t.arrow"), fingerprint="test-plain")
     assert out["skip_reason"] == ["", "", "missing_prompt"]
     for k, (prompt, completion) in enumerate([("The sky is", " blue.<|im_end|>"),

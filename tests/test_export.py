@@ -13,7 +13,8 @@ from test_hub import REPO, FakeHfApi
 
 import hsx
 from hsx.config import HsxError
-from hsx.export import JOURNAL, export_specforge
+from hsx.export import export_specforge
+from hsx.export_journal import JOURNAL
 from hsx.hub import push_output
 
 
@@ -44,11 +45,11 @@ def test_an_export_journal_line_with_a_number_too_long_is_not_a_traceback(finish
 
 
 def test_a_huge_export_journal_is_refused_not_read_whole(finished_copy, tmp_path, monkeypatch):
-    import hsx.export
+    import hsx.export_journal
     dest = tmp_path / "dest"
     export_specforge(finished_copy, dest, layout="dflash")
     limit = (dest / JOURNAL).stat().st_size + 100
-    monkeypatch.setattr(hsx.export, "MAX_JOURNAL_BYTES", limit)
+    monkeypatch.setattr(hsx.export_journal, "MAX_JOURNAL_BYTES", limit)
     with open(dest / JOURNAL, "a") as f:
         f.write("\n" * limit)  # (a sparse 100 GB file read whole took the machine's memory)
     with pytest.raises(HsxError, match=f"{JOURNAL} is damaged: .* more than hsx writes"):
@@ -58,13 +59,13 @@ def test_a_huge_export_journal_is_refused_not_read_whole(finished_copy, tmp_path
 def test_an_export_journal_line_longer_than_any_hsx_writes_is_refused_naming_it(finished_copy, tmp_path, monkeypatch):
     """The journal was read whole (up to 1 GiB) and split into lines; it is read a line at a time as the ledgers
     are, each line bounded (hsx.schema: a unit's files at most), so a line past that is one error naming the line."""
-    import hsx.export
+    import hsx.export_journal
     dest = tmp_path / "dest"
     export_specforge(finished_copy, dest, layout="dflash")
     journal = dest / JOURNAL
     token = json.loads(journal.read_text().splitlines()[0])["token"]
     longest = max(len(line) for line in journal.read_bytes().splitlines(keepends=True))
-    monkeypatch.setattr(hsx.export, "MAX_JOURNAL_LINE_BYTES", longest + 10)
+    monkeypatch.setattr(hsx.export_journal, "MAX_JOURNAL_LINE_BYTES", longest + 10)
     export_specforge(finished_copy, dest, layout="dflash")  # (every line hsx wrote is within the bound: a resume)
     with open(journal, "a") as f:
         f.write(json.dumps({"token": token, "unit": "x", "skipped": 0, "files": {"a" * (longest + 10): [1, "0"]}})

@@ -698,3 +698,36 @@ def test_follow_takes_only_integer_ranks(finished_copy, rank, world_size):
     """A float rank passed the range check and failed later formatting the ledger's name; True read as rank 1."""
     with pytest.raises(ValueError, match="integers"):
         hsx.follow(finished_copy, rank=rank, world_size=world_size)
+
+
+def test_both_sources_are_the_written_source_protocol(tmp_path):
+    """hsx.follow.Source is the seam between the reader and its transports: both sources satisfy it, and its members
+    are exactly what the reader calls on its source (Follow's `self.src.X`, follow()'s `source.X`), so a new call is
+    a deliberate change to the Protocol, not a method one transport happens to have."""
+    import ast
+    import importlib
+    import inspect
+    import pickle
+    import re
+
+    import hsx.torch_data
+    from hsx.flight import FlightSource
+    from hsx.follow import LocalSource, Source
+
+    local = LocalSource(tmp_path / "out", write=False)
+    remote = FlightSource("grpc://127.0.0.1:1")  # (no call is made: a Flight client connects lazily)
+    assert isinstance(local, Source) and isinstance(remote, Source)
+    for copy in (pickle.loads(pickle.dumps(local)), pickle.loads(pickle.dumps(remote))):  # the pickling rule
+        assert isinstance(copy, Source) and copy.where in (local.where, remote.where)
+    assert pickle.loads(pickle.dumps(remote)).taken is None  # a copy has taken no consumer rank
+    assert pickle.loads(pickle.dumps(local)).holders == {}
+
+    called = set(re.findall(r"self\.src\.([a-z_]+)", inspect.getsource(hsx.torch_data.Follow)))
+    called |= set(re.findall(r"\bsource\.([a-z_]+)", inspect.getsource(importlib.import_module("hsx.follow").follow)))
+    tree = ast.parse(inspect.getsource(Source))
+    members = {n.name for n in tree.body[0].body if isinstance(n, ast.FunctionDef)}
+    members |= {n.target.id for n in tree.body[0].body if isinstance(n, ast.AnnAssign)}
+    assert members == called, (members - called, called - members)
+    for name in members - {"where"}:  # each with its line of what it guarantees, present on both sources
+        assert inspect.getdoc(getattr(Source, name)), name
+        assert callable(getattr(local, name)) and callable(getattr(remote, name)), name

@@ -13,8 +13,10 @@ TOP = {"hsx.cli", "hsx.commands", "hsx.launch", "hsx.__main__"}  # the command l
 # functions count: a late import is still a dependency). A new module goes into the layer of what it does.
 LAYERS: list[set[str]] = [
     # errors and the output format every layer names; the demo's seeded tokenizer, model and chats; the file
-    # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses
-    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums"},
+    # primitives (no link followed, bounded reads) and CRC-32s every writer and reader of an output dir uses; the
+    # table of trainer exports (hsx.exports: the CLI, its commands and hsx's attributes read it)
+    {"hsx.errors", "hsx.schema", "hsx.version", "hsx.demo", "hsx.demo.train", "hsx.files", "hsx.checksums",
+     "hsx.exports"},
     {"hsx.config", "hsx.drafts"},  # the job's settings (drafts: --layers-from, a draft config's layers)
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
     # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels, their sharding over
@@ -31,7 +33,7 @@ LAYERS: list[set[str]] = [
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)
     {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
-     "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data"},
+     "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data", "hsx.export_journal"},
     {"hsx.job"},  # one job's steps
     {"hsx.run", "hsx.regeneration"},  # running them as one rank of a launch; regenerate's job (its ranks too)
     {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark

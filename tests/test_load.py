@@ -597,7 +597,7 @@ def test_load_dataset_on_an_unfinished_dir_fails_instead_of_part_of_it(finished,
 
     out = tmp_path / "trust-unfinished"  # a folder name of its own (datasets' cache key)
     with OutputDir(out).locked():
-        assert OutputDir(out).claim({"fingerprint": "a", "inputs": {}}, False) == "new"
+        assert OutputDir(out).start_or_resume({"fingerprint": "a", "inputs": {}}, False) == "new"
     shutil.copytree(finished / "data", out / "data")  # units committed so far
     with pytest.raises(FileNotFoundError, match="NOT-FINISHED-run-the-same-hsx-extract-command"):
         load_dataset(str(out), split="train", streaming=True)

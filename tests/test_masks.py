@@ -332,7 +332,7 @@ def test_demo_rows_keep_their_marker_masks(tokenizer, tokenizer_no_generation):
 
     rows = [json.loads(line) for line in (REPO / "hsx" / "demo" / "chat.jsonl").read_text().splitlines()]
     convs = [r["messages"] for r in rows]
-    assert data.mask_method(["messages"], tokenizer) == {"method": "markers", "version": masks.MASK_VERSION}
+    assert data.mask_record(["messages"], tokenizer) == {"method": "markers", "version": masks.MASK_VERSION}
     got = tokenize(tokenizer, convs)
     derived = tokenize(tokenizer_no_generation, convs)
     checked = 0

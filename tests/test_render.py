@@ -1,7 +1,7 @@
-"""A chat template's render is bounded (hsx.masks' bounded renderer): in CPU time and output size for the whole job
-(one line) or for a row (a counted skip naming why); a step without a bound (an integer power, a literal width or
-count past MAX_REPEAT) is refused before the template compiles; a step whose size a row decides is checked before
-it allocates. Templates within the bounds render exactly as jinja renders them."""
+"""A chat template's render is bounded (hsx.render, the renderer hsx.masks uses): in CPU time and output size for
+the whole job (one line) or for a row (a counted skip naming why); a step without a bound (an integer power, a
+literal width or count past MAX_REPEAT) is refused before the template compiles; a step whose size a row decides
+is checked before it allocates. Templates within the bounds render exactly as jinja renders them."""
 
 from __future__ import annotations
 

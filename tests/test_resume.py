@@ -111,7 +111,7 @@ def test_a_resume_clears_partial_units_of_ranks_this_run_does_not_have(finished_
     stale.write_bytes(b"x" * 1000)
     before = pending_bytes(OutputDir(finished_copy))
     job = read_json(finished_copy / ".hsx" / "job.json", JobRecord).to_dict()
-    assert OutputDir(finished_copy).claim(job, False, log=quiet, check=True) == "resume"
+    assert OutputDir(finished_copy).start_or_resume(job, False, log=quiet, check=True) == "resume"
     assert not stale.exists() and pending_bytes(OutputDir(finished_copy)) == before - 1000
 
 

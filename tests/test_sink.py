@@ -1,4 +1,4 @@
-"""The output dir: claiming it for a job (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
+"""The output dir: starting a job in it (and refusing dirs hsx did not write), finalizing, empty outputs; nothing
 deleted or written through a link (--overwrite, a resume's leftovers, atomic_write); hsx.json, the manifests and
 job.json read as bounded regular files, torn ledger lines passed over."""
 
@@ -54,7 +54,7 @@ def test_locked_accepts_new_empty_and_hsx_dirs(tmp_path, setup):
         (root / ".hsx" / "lock").write_text("")
     out = OutputDir(root)
     with out.locked():
-        assert out.claim(job(), overwrite=False) == "new"
+        assert out.start_or_resume(job(), overwrite=False) == "new"
     assert (root / ".hsx" / "job.json").exists()
 
 
@@ -70,10 +70,10 @@ def test_locked_refuses_a_file(tmp_path):
 def test_same_job_resumes_or_is_complete(tmp_path):
     out = OutputDir(tmp_path / "out")
     with out.locked():
-        assert out.claim(job(), False) == "new"
-        assert out.claim(job(), False) == "resume"
+        assert out.start_or_resume(job(), False) == "new"
+        assert out.start_or_resume(job(), False) == "resume"
         (out.root / "hsx.json").write_text(json.dumps(INFO))
-        assert out.claim(job(), False) == "complete"
+        assert out.start_or_resume(job(), False) == "complete"
 
 
 def test_a_dir_without_output_is_reclaimed_by_another_job(tmp_path):
@@ -81,24 +81,24 @@ def test_a_dir_without_output_is_reclaimed_by_another_job(tmp_path):
     next job takes the dir over and the stale state goes."""
     out = OutputDir(tmp_path / "out")
     with out.locked():
-        assert out.claim(job(input="a"), False) == "new"
+        assert out.start_or_resume(job(input="a"), False) == "new"
         (out.state / "tokenized").mkdir()
         (out.state / "tokenized" / "tokens.arrow").write_bytes(b"stale")
         out.unit_tmp("000-00000").write_bytes(b"half a unit")
         (out.state / "manifest-00000.jsonl").write_text("")
         (out.data).mkdir()
         new = job(input="b")
-        assert out.claim(new, False) == "new"
+        assert out.start_or_resume(new, False) == "new"
         assert json.loads((out.state / "job.json").read_text())["fingerprint"] == new["fingerprint"]
         assert tree(out.root) == [".hsx", ".hsx/busy", ".hsx/job.json", ".hsx/lock", "README.md"]
-        assert out.claim(new, False) == "resume"
+        assert out.start_or_resume(new, False) == "resume"
 
 
 @pytest.mark.parametrize("output", ["manifest", "data_file", "hsx_json"])
 def test_a_dir_with_output_of_another_job_is_refused(tmp_path, output):
     out = OutputDir(tmp_path / "out")
     with out.locked():
-        out.claim(job(input="a"), False)
+        out.start_or_resume(job(input="a"), False)
         if output == "manifest":
             (out.state / "manifest-00000.jsonl").write_text('{"unit": "000-00000"}\n')
         elif output == "data_file":
@@ -108,9 +108,9 @@ def test_a_dir_with_output_of_another_job_is_refused(tmp_path, output):
             (out.root / "hsx.json").write_text("{}")
         before = tree(out.root)
         with pytest.raises(HsxError, match=r"holds a different job \(differs in: input\)"):
-            out.claim(job(input="b"), False)
+            out.start_or_resume(job(input="b"), False)
         assert tree(out.root) == before
-        assert out.claim(job(input="b"), overwrite=True) == "new"
+        assert out.start_or_resume(job(input="b"), overwrite=True) == "new"
 
 
 # ---- finalize: a job without rows still gets a loadable data file -----------------------------------------------
@@ -121,7 +121,7 @@ def test_finalize_without_units_writes_an_empty_data_file(tmp_path):
     out = OutputDir(tmp_path / "empty-output")  # a name of its own: datasets caches local dirs by folder name
     feats = OutputFormat(2, 64, True).features()
     with out.locked():
-        out.claim(job(), False)
+        out.start_or_resume(job(), False)
         out.unit_tmp("000-00000")  # finalize also clears .hsx/tmp
         out.finalize(INFO, CARD, features=feats)
     assert [p.name for p in out.data_files()] == ["train-000-00000.arrow"]
@@ -140,7 +140,7 @@ def test_finalize_without_units_writes_an_empty_data_file(tmp_path):
 def test_finalize_empty_schema_defaults_to_the_info(tmp_path):
     out = OutputDir(tmp_path / "out")
     with out.locked():
-        out.claim(job(), False)
+        out.start_or_resume(job(), False)
         out.finalize({**INFO, "final_hidden": False}, CARD)
     assert hsx.load(str(out.root)).features == OutputFormat(2, 64, False).features()
     assert info_features({"layers": [1]}) is None
@@ -197,7 +197,8 @@ def test_records_over_their_bound_are_refused_before_they_are_read(tmp_path):
     _sparse(out.state / "summary.json", MAX_INFO_BYTES + 1)
     _sparse(out.state / "job.json", MAX_JOB_BYTES + 1)
     for name, read in (("hsx.json", lambda: read_info(out.root)), ("summary.json", lambda: read_summary(out.state)),
-                       ("job.json", lambda: out.claim({"fingerprint": "f" * 32, "inputs": {}}, overwrite=False))):
+                       ("job.json", lambda: out.start_or_resume({"fingerprint": "f" * 32, "inputs": {}},
+                                                                 overwrite=False))):
         tracemalloc.start()
         try:
             with pytest.raises(HsxError, match=rf"{name} is damaged: [\d,]+ bytes, more than hsx writes there"):
@@ -312,10 +313,10 @@ def test_overwrite_never_deletes_through_a_link(model4, small_chat_path, tmp_pat
 def test_unit_links_lose_the_link_only(tmp_path, victim):
     out = OutputDir(tmp_path / "out")
     with out.locked():
-        out.claim({"fingerprint": "a", "inputs": {}}, False)
+        out.start_or_resume({"fingerprint": "a", "inputs": {}}, False)
         out.data.mkdir()
         (out.data / "train-000-00000.arrow").symlink_to(victim / "data" / "train-000-00000.arrow")
-        out.claim({"fingerprint": "b", "inputs": {}}, overwrite=True)
+        out.start_or_resume({"fingerprint": "b", "inputs": {}}, overwrite=True)
     assert not (out.data / "train-000-00000.arrow").is_symlink()
     assert (victim / "data" / "train-000-00000.arrow").read_text() == "precious"
 

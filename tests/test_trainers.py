@@ -553,7 +553,7 @@ def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, traine
     out = tmp_path / "out"
     shutil.copytree(small, out)
     units = sorted((out / "data").glob("train-*.arrow"))
-    real, seen = export._Dest.release, []
+    real, seen = export.Dest.release, []
 
     def release_then_die(self, unit, *args):
         seen.append({p.name for p in (out / "data").glob("train-*.arrow")})
@@ -561,7 +561,7 @@ def test_delete_source_costs_no_second_copy(small, tmp_path, monkeypatch, traine
         if len(seen) == 1:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(export._Dest, "release", release_then_die)
+    monkeypatch.setattr(export.Dest, "release", release_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "moved", out, delete_source=True)
     assert len(list((out / "data").glob("train-*.arrow"))) == len(units) - 1

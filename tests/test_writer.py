@@ -80,8 +80,8 @@ def test_unit_file_bytes_and_crc_across_chunks(folder_for, monkeypatch, mode):
         if size:
             _wait_prepared(spares.next)  # (prepared ahead, as while the unit before is written)
     puts = {"copied": 0, "pwritten": 0}
-    real_pwrite = writer._pwrite_all
-    monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: puts.__setitem__("pwritten", puts["pwritten"] + len(v))
+    real_pwrite = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda fd, v, o: puts.__setitem__("pwritten", puts["pwritten"] + len(v))
                         or real_pwrite(fd, v, o))
     with UnitFile(path, mode.split("-")[0], spares=spares) as f:
         for p in parts:
@@ -163,7 +163,7 @@ def test_direct_writes_in_flight_inside_the_extended_file(tmp_path, monkeypatch,
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
     monkeypatch.setattr(writer, "DIRECT_EXTEND", 4 << 20)
     if fallocate == "fails":
-        monkeypatch.setattr(writer, "_libc", lambda: type("NoFallocate", (), {"fallocate": lambda *a: -1})())
+        monkeypatch.setattr(writer, "libc", lambda: type("NoFallocate", (), {"fallocate": lambda *a: -1})())
     real, lock, seen = os.pwrite, threading.Lock(), {"now": 0, "most": 0, "inside": 0, "blocks": 0}
 
     def pwrite(fd, view, offset):
@@ -340,7 +340,7 @@ def test_direct_stages_fault_in_as_far_as_the_largest_unit(monkeypatch):
             calls.append((n, advice))
             return 0
 
-    monkeypatch.setattr(writer, "_libc", lambda: Libc())
+    monkeypatch.setattr(writer, "libc", lambda: Libc())
     monkeypatch.setattr(writer, "DIRECT_BLOCK", 1 << 20)
     with writer.DirectStages((2 << 20) + 5) as pool:
         pool.thread.join()
@@ -490,7 +490,7 @@ def test_spare_populates_in_steps(shm, monkeypatch):
     mmap and munmap calls wait for), all of them, and only inside the spare."""
     monkeypatch.setattr(writer, "SPARE_CHUNK", 1 << 20)
     monkeypatch.setattr(writer, "POPULATE_STEP", 256 << 10)
-    lib = writer._libc()
+    lib = writer.libc()
     calls = []
 
     class Recording:
@@ -501,7 +501,7 @@ def test_spare_populates_in_steps(shm, monkeypatch):
             calls.append((addr, n, advice))
             return lib.madvise(addr, n, advice)
 
-    monkeypatch.setattr(writer, "_libc", lambda: Recording())
+    monkeypatch.setattr(writer, "libc", lambda: Recording())
     spares = Spares(shm, [(2 << 20) + 100])
     try:
         spare = spares.next
@@ -528,7 +528,7 @@ def test_mapped_copy_error_surfaces(shm, monkeypatch):
         time.sleep(0.05)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer, "_pwrite_all", full)
+    monkeypatch.setattr(writer, "pwrite_all", full)
     f = UnitFile(shm / "u", "mapped", crc_threads=2, spares=spares)
     real_wait = writer.wait
 
@@ -566,8 +566,8 @@ def test_spare_skips_what_the_writer_passed(shm, monkeypatch):
     spare = spares.next
     data = np.random.default_rng(2).integers(0, 256, 10 << 20, dtype=np.uint8)
     pwritten = []
-    real_pwrite = writer._pwrite_all
-    monkeypatch.setattr(writer, "_pwrite_all", lambda fd, v, o: pwritten.append(len(v)) or real_pwrite(fd, v, o))
+    real_pwrite = writer.pwrite_all
+    monkeypatch.setattr(writer, "pwrite_all", lambda fd, v, o: pwritten.append(len(v)) or real_pwrite(fd, v, o))
     f = UnitFile(shm / "u", "mapped", spares=spares)
     f.write(memoryview(data)[:3 << 20])  # nothing prepared yet: pwrite
     gate.set()
