@@ -621,5 +621,5 @@ def test_every_config_key_is_listed_here():
     assert [f.name for f in dataclasses.fields(RegenerateConfig)] == [
         "model", "tokenizer", "dataset", "dataset_config", "split", "limit", "allow_empty", "output_dir", "overwrite",
         "servers", "served_model_name", "concurrency", "timeout", "retries", "dtype", "trust_remote_code",
-        "temperature", "top_p", "top_k", "max_new_tokens", "seed", "n", "turns", "enable_thinking",
+        "temperature", "top_p", "top_k", "max_new_tokens", "seed", "n", "turns", "rows", "enable_thinking",
         "chat_template_kwargs", "reasoning", "cut_answers", "unit_size"]
