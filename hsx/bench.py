@@ -52,9 +52,9 @@ def synthetic_lengths(count: int, mean: float, spread: float, tail: float, min_l
 
 def bench_drift(base, layers: list[int], final_hidden: bool, rows: list[np.ndarray], device, log) -> dict[str, Any]:
     """The drift column: each captured state's relative error, FP8 forward against the bf16 forward of the same
-    dequantized weights, over `rows` (hsx.drift, as `hsx verify --against-bf16`); {"not_measured": why} where hsx
+    dequantized weights, over `rows` (hsx.target.drift, as `hsx verify --against-bf16`); {"not_measured": why} where hsx
     has no bf16 reference of some FP8 module."""
-    from hsx import drift
+    from hsx.target import drift
     from hsx.errors import HsxError
 
     try:
@@ -142,11 +142,11 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hsx import fp8, fp8_gemm, fp8_model
-    from hsx import model as hsx_model
+    from hsx.target import fp8, fp8_gemm, fp8_model
+    from hsx.target import model as hsx_model
     from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
     from hsx.cost import _num_experts, budget_cap, flops, layer_params, measure_matmul_tflops, shape_config
-    from hsx.prepare import compiled_state
+    from hsx.target.prepare import compiled_state
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
 
@@ -213,7 +213,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     if on_fp8 and len(proc.devices) == 1 and _num_experts(text):
         # e4m3 experts on hsx's grouped path, a checkpoint's as random ones: in (a) and (b) too, and the drift
         # column's bf16 forward switches only experts on that path
-        from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
+        from hsx.target.moe import EXPERTS_IMPLEMENTATION, use_experts
 
         use_experts(causal, EXPERTS_IMPLEMENTATION)
     if on_fp8:
@@ -496,7 +496,7 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
     from torch.profiler import ProfilerActivity, profile
 
     from hsx.engine import Extractor, sdpa_backend
-    from hsx.prepare import compiled_state, prepare_model
+    from hsx.target.prepare import compiled_state, prepare_model
 
     order = np.argsort(lengths, kind="stable")
     batches, cur, cur_max = [], [], 0
@@ -543,14 +543,14 @@ def profile_batches(loaded, rows: list[np.ndarray], lengths: np.ndarray, budget:
 
 def random_model_over(config, dtype, devices):
     """A random-weight CausalLM spread layer by layer over `devices`, as `from_pretrained(device_map="auto")` would
-    place a checkpoint (hsx.model.group_device_map's memory limits), with each weight created on its own GPU: a
+    place a checkpoint (hsx.target.model.group_device_map's memory limits), with each weight created on its own GPU: a
     70B shape never exists whole in host memory. Init: normal(0, initializer_range), norms 1."""
     import torch
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoModelForCausalLM
 
-    from hsx.model import group_device_map, supported_attn_implementation, text_config_of
+    from hsx.target.model import group_device_map, supported_attn_implementation, text_config_of
 
     with init_empty_weights():  # parameters on the meta device, buffers (rotary frequencies) real
         causal = AutoModelForCausalLM.from_config(
@@ -586,7 +586,7 @@ def _free(device) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from hsx.prepare import library_versions
+    from hsx.target.prepare import library_versions
     from hsx.version import __version__
 
     return {"hsx": __version__, **library_versions()}
@@ -709,22 +709,22 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
-# bf16 `x @ w.t()`, then hsx.fp8_gemm's block-scaled GEMMs (Triton left out)
+# bf16 `x @ w.t()`, then hsx.target.fp8_gemm's block-scaled GEMMs (Triton left out)
 GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
-    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.fp8_gemm's cuBLAS,
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.target.fp8_gemm's cuBLAS,
     DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already quantized: the GEMM alone, the weight
     scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
     3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time
     of all the model's linears per `tokens` tokens."""
     import torch
 
-    from hsx import fp8, fp8_gemm, fp8_model
+    from hsx.target import fp8, fp8_gemm, fp8_model
     from hsx.cost import shape_config
     from hsx.errors import HsxError
-    from hsx.model import text_config_of
+    from hsx.target.model import text_config_of
 
     if not torch.cuda.is_available() or not fp8.has_fp8_tensor_cores(torch.device("cuda")):
         raise HsxError("--gemms measures FP8 GEMMs: it needs a CUDA GPU with FP8 tensor cores (8.9+)")
@@ -756,7 +756,7 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
 def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> dict[str, Any]:
     import torch
 
-    from hsx import fp8, fp8_gemm
+    from hsx.target import fp8, fp8_gemm
     from hsx.errors import one_line
 
     g = torch.Generator(device=device).manual_seed(0)

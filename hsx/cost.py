@@ -38,7 +38,7 @@ NODE_GPUS = 8  # GPUs per node, for the per-node time and launch line
 # GPUs a plan can be made for (`hsx plan --gpu`; the machine running the plan needs none): NVIDIA's datasheet dense
 # (not 2:4-sparse) tensor-core rates, bf16 and e4m3 (fp8_matmul_tflops: None, no FP8 tensor cores, an FP8 checkpoint
 # runs dequantized), the memory (the datasheet's; the H200's as torch sees it, GPU_HEADROOM covers the rest), and the
-# compute capability (hsx.kernels: which kernels run there). Every GPU's rates are on one basis, the datasheet's:
+# compute capability (hsx.target.kernels: which kernels run there). Every GPU's rates are on one basis, the datasheet's:
 # a plan scales each by the share of its datasheet peak a matmul reached where hsx measured it (MEASURED_MATMUL),
 # so no GPU is planned at its peak beside another at its measured rate.
 GPUS: dict[str, dict[str, Any]] = {
@@ -281,7 +281,7 @@ def shape_config(name: str):
                        f"official FP8 checkpoint's layout), or the Hub ids {', '.join(HUB_SHAPES)}")
     facts = dict(SHAPES[key.removesuffix(FP8_SUFFIX) if fp8 else key])
     if fp8:
-        from hsx.fp8 import CHECKPOINT_QUANTIZATION
+        from hsx.target.fp8 import CHECKPOINT_QUANTIZATION
 
         facts["quantization_config"] = dict(CHECKPOINT_QUANTIZATION)
     return AutoConfig.for_model(facts.pop("model_type"), **facts)
@@ -290,7 +290,7 @@ def shape_config(name: str):
 def is_fp8(c) -> bool:
     """Whether a model config declares fp8 block quantization (its linear layers' weights are 1 byte, and run on
     the FP8 matmul rate)."""
-    from hsx.fp8 import quant_method_of  # (the spelling hsx extract accepts: "FP8" is refused there)
+    from hsx.target.fp8 import quant_method_of  # (the spelling hsx extract accepts: "FP8" is refused there)
 
     q = getattr(c, "quantization_config", None)
     d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else {})
@@ -439,7 +439,7 @@ def _transient_values(c, i: int) -> int:
     """Values per token alive while decoder layer i runs its attention or its MLP stage (the larger one)."""
     h, kind = int(c.hidden_size), layer_types(c)[i]
     if kind == "linear_attention":
-        from hsx.gdn import FLA_CHUNK  # here: `import hsx` loads this module, and gdn loads torch
+        from hsx.target.gdn import FLA_CHUNK  # here: `import hsx` loads this module, and gdn loads torch
 
         kd = int(c.linear_num_key_heads) * int(c.linear_key_head_dim)
         hv, dv = int(c.linear_num_value_heads), int(c.linear_value_head_dim)
@@ -594,7 +594,7 @@ def _routed_params(c, i: int) -> int:
 
 def _fp8_scale_bytes(params: int) -> int:
     """Block-FP8's float32 scale per 128×128 block of a weight (1/4,096 of its bytes)."""
-    from hsx.fp8 import BLOCK
+    from hsx.target.fp8 import BLOCK
 
     return 4 * -(-params // (BLOCK * BLOCK))
 
@@ -819,7 +819,7 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"planned for {p['planned_for']}" + (
             "; this machine has no GPU, so `hsx extract` here runs on its CPU, far slower than the times below"
             if p.get("machine_has_gpu") is False else ""))
-    if p.get("kernel_fallbacks"):  # kernels not checked on that GPU (hsx.kernels), as hsx extract would say
+    if p.get("kernel_fallbacks"):  # kernels not checked on that GPU (hsx.target.kernels), as hsx extract would say
         lines.append(f"kernels on compute capability {p['compute_capability']}:")
         lines += [f"  {line.removeprefix('hsx: ')}" for line in p["kernel_fallbacks"]]
     lines += [
@@ -954,7 +954,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
     known_shape = shape or HUB_SHAPES.get(cfg.model)
     planned = text
     if is_fp8(text) and GPUS[gpu]["fp8_matmul_tflops"] is None:
-        # no FP8 tensor cores: transformers dequantizes the checkpoint at load (hsx.kernels), so it is planned as
+        # no FP8 tensor cores: transformers dequantizes the checkpoint at load (hsx.target.kernels), so it is planned as
         # the bf16 model it becomes: 2-byte weights, the bf16 rate and MFU
         import copy
 
@@ -972,7 +972,7 @@ def job_plan(config: str | None, overrides: dict[str, Any], shape: str | None = 
         raise HsxError(expert_parallel_refusal(shape or cfg.model, p, gpu))
     import torch
 
-    from hsx.kernels import cap_name, choose
+    from hsx.target.kernels import cap_name, choose
 
     spec = GPUS[gpu]
     p["rate_basis"] = rate_basis(gpu, rate_key)
@@ -1024,7 +1024,7 @@ def model_text_config(cfg, shape: str | None = None):
     """The decoder's config: a named shape, a local model folder's config.json, a shape shipped for this Hub id,
     or the Hub id's config.json (config only, from the Hugging Face cache when offline)."""
     from hsx.config import HsxError
-    from hsx.model import read_model_config, text_config_of
+    from hsx.target.model import read_model_config, text_config_of
 
     if shape:
         return shape_config(shape)
@@ -1102,7 +1102,7 @@ def _offline_tokenizer(cfg):
     """The job's tokenizer from a local folder or the Hugging Face cache; None if that needs the Hub."""
     from transformers import AutoTokenizer
 
-    from hsx.model import check_model_files
+    from hsx.target.model import check_model_files
 
     source = cfg.tokenizer or cfg.model
     kwargs = {} if Path(source).is_dir() else {"revision": cfg.revision, "local_files_only": True}

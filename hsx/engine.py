@@ -5,7 +5,7 @@ so the GPU work runs one step ahead of `map`. A producer thread walks the same b
 will ask for, in the same order, and for each one: builds the right-padded ids and the index of real tokens on the
 host (boolean indexing on the GPU would force a sync), runs the truncated model with `attention_mask=None` (with
 causal attention the real tokens are exact and SDPA takes its fastest path; with --packing varlen the rows instead
-go back to back in one sequence, with per-row positions and row bounds: hsx.model), gathers the captured layers'
+go back to back in one sequence, with per-row positions and row bounds: hsx.target.model), gathers the captured layers'
 real tokens into one device tensor, and copies it on a side stream into a pinned slot. The map function only waits
 for a batch that is usually finished already, wraps the slot in a `pyarrow.Table` without copying, and returns it;
 `datasets` writes it while the GPU works on the next batches. A slot is reused only after `map` has written its
@@ -29,10 +29,10 @@ import pyarrow as pa
 import torch
 
 from hsx.buckets import PAD_MULTIPLE, padded_length
-from hsx.capture import capture
-from hsx import gdn
-from hsx.model import LoadedModel
-from hsx.prepare import PreparedModel
+from hsx.target.capture import capture
+from hsx.target import gdn
+from hsx.target.model import LoadedModel
+from hsx.target.prepare import PreparedModel
 from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 
 
@@ -68,7 +68,7 @@ class Extractor:
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None,
                  teacher_top_p: float = 1.0, teacher_temperature: float = 1.0):
-        """`fmt`: the job's output format (hsx.model.Target's: its storage dtype, top-k logits and teacher policy);
+        """`fmt`: the job's output format (hsx.target.model.Target's: its storage dtype, top-k logits and teacher policy);
         None: the loaded layers in the default storage dtype. `teacher_*`: the policy's top-p and temperature."""
         fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device
@@ -98,7 +98,7 @@ class Extractor:
         self.store: dict[int, torch.Tensor] = {}
         self.sdpa_backend = sdpa_backend
         self.nonfinite = nonfinite  # rows with NaN/Inf states: "skip" them, or "keep" them flagged
-        from hsx.expert_parallel import group_of
+        from hsx.target.expert_parallel import group_of
 
         self.lockstep = group_of(loaded.base)  # --ep-size: the group every forward is a collective of
 

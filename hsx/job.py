@@ -6,10 +6,10 @@ into the dir's cache, plans units, runs the engine over this rank's units, commi
 only and hands the rows to a training loop. Both compute the same rows in the same order: what tokenization
 keeps, in units planned the same way, through the same Extractor and Pipeline.
 
-Each step takes what the one before returned: `Job.prepare` (the target, hsx.model.Target: the model's facts and
+Each step takes what the one before returned: `Job.prepare` (the target, hsx.target.model.Target: the model's facts and
 layers, read once; the input; the job's fingerprint) → `Job.start_or_resume` + `Job.tokenize_into`, or `Job.tokenize`
 (tokenized rows) → `Job.units` (`Units`: the ordered rows, the units, the input's counts) → `Extraction` (the
-model hsx.ready makes ready → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units` → `finish`
+model hsx.target.ready makes ready → Extractor → Pipeline; `RunStats`, `UnitCounts`) → `commit_units` → `finish`
 (hsx.json). Processes and ranks are run.py's: the steps take its `Process`.
 """
 
@@ -36,7 +36,7 @@ from hsx.sink import Committer, OutputDir, job_fingerprint
 from hsx.vocab import write_token_frequencies
 
 if TYPE_CHECKING:
-    from hsx.model import Target
+    from hsx.target.model import Target
 
 RANK_STATS_WAIT_SECONDS = 60.0
 UNIT_BYTES = 2 << 30  # a unit (one file) holds about this much: seconds of a GPU's output, a comfortable Hub file size
@@ -81,7 +81,7 @@ class Job:
     @classmethod
     def prepare(cls, cfg: ExtractConfig, proc, model=None, say=print) -> Job:
         from hsx import data, inputs
-        from hsx.model import read_target
+        from hsx.target.model import read_target
 
         began_ns = time.time_ns()
         target = read_target(cfg, model)
@@ -213,7 +213,7 @@ def _identity(cfg: ExtractConfig, target: Target, raw, template_sha: str | None,
 
 def _quantization_identity(text) -> dict[str, Any]:
     """The target's FP8 quantization, when it has one (an unquantized target's fingerprint is unchanged)."""
-    from hsx.fp8 import quantization_of
+    from hsx.target.fp8 import quantization_of
 
     quant = quantization_of(text)
     return {"quantization": quant.record()} if quant is not None else {}
@@ -226,7 +226,7 @@ def command_line() -> str:
 def _tokenizer(cfg: ExtractConfig, model_path: str):
     from transformers import AutoTokenizer
 
-    from hsx.model import check_model_files
+    from hsx.target.model import check_model_files
 
     check_model_files(cfg.tokenizer or model_path)  # (its files' sizes, before transformers reads them whole)
     try:
@@ -298,7 +298,7 @@ class RunStats:
     experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
     fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
-    versions: dict[str, str] | None = None  # hsx.prepare.library_versions: the libraries that computed the states
+    versions: dict[str, str] | None = None  # hsx.target.prepare.library_versions: the libraries that computed the states
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
     write_seconds: float | None = None
@@ -310,7 +310,7 @@ class RunStats:
 
 
 class Extraction:
-    """The job's engine step on this rank: the model made ready (hsx.ready), hsx.engine's Extractor and Pipeline over
+    """The job's engine step on this rank: the model made ready (hsx.target.ready), hsx.engine's Extractor and Pipeline over
     `units`' batches, in order, with the run's stats and progress bar. Call it on each batch (the
     function `datasets.map` runs, or a stream's loop), `release()` after each unit, and `close()` (or use it as a
     context manager) at the end: that stops the producer thread and frees the slots."""
@@ -324,8 +324,8 @@ class Extraction:
 
         from hsx.cost import layer_params, measure_matmul_tflops
         from hsx.engine import Extractor, Pipeline
-        from hsx.prepare import library_versions
-        from hsx.ready import ready_model
+        from hsx.target.prepare import library_versions
+        from hsx.target.ready import ready_model
 
         self.cfg, self.ordered, self.units, self.log = cfg, ordered, units, log
         device = proc.device

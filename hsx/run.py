@@ -43,7 +43,7 @@ class Process:
     gathers: int = 0  # all_gathers through `store`, naming the next one's keys
     claims_store: Any = None  # --elastic: the store units are claimed through (hsx.claims); the ranks are this node's
     ep_size: int = 1  # processes sharing one model's routed experts (--ep-size), each on its own batches and units
-    ep_group: Any = None  # hsx.expert_parallel.EpGroup of this process's group
+    ep_group: Any = None  # hsx.target.expert_parallel.EpGroup of this process's group
 
     @property
     def dp_rank(self) -> int:  # which model copy this process belongs to
@@ -159,7 +159,7 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | Non
     row) and with several GPUs per process (NCCL refuses two ranks on one GPU). Process k of a node uses GPUs [k·G, (k+1)·G) for G = --gpus-per-copy.
     With --tp-size > 1 each model copy is its own world instead (`_copy_world`). With `elastic` (--elastic
     HOST:PORT) the ranks are this node's alone (`_node_world`): nodes share nothing but the claims store. With
-    --ep-size > 1, ranks [k·ep, (k+1)·ep) share their experts (hsx.expert_parallel), each still a copy of its own
+    --ep-size > 1, ranks [k·ep, (k+1)·ep) share their experts (hsx.target.expert_parallel), each still a copy of its own
     for the units."""
     from datetime import timedelta
 
@@ -200,7 +200,7 @@ def current_process(gpus_per_copy: int = 1, tp_size: int = 1, elastic: str | Non
                                  local_rank=local, tp_size=tp_size, tp_control=tp_control, store=store),
                          gpus_per_copy)
     if ep_size > 1:
-        from hsx.expert_parallel import make_groups
+        from hsx.target.expert_parallel import make_groups
 
         proc.ep_size, proc.ep_group = ep_size, make_groups(rank, world, ep_size, proc.device)
     return proc

@@ -14,7 +14,7 @@ own code runs only with `--trust-remote-code`, which needs `--model` (the model 
 user named, never one the output dir names). A job that ran remote code cannot be recomputed without both.
 
 `--against-bf16 N` (FP8 targets, `against_bf16`): N rows spread over the output run again, FP8 and on the
-dequantized weights in bf16 (hsx.drift); per stored state, stored vs bf16, FP8 vs bf16 and stored vs FP8.
+dequantized weights in bf16 (hsx.target.drift); per stored state, stored vs bf16, FP8 vs bf16 and stored vs FP8.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,
     import torch
     from transformers import AutoModel
 
-    from hsx.fp8 import carry_quantization
-    from hsx.model import (TORCH_DTYPES, check_checkpoint, decoder_layers, read_model_config, resolve_model_path,
+    from hsx.target.fp8 import carry_quantization
+    from hsx.target.model import (TORCH_DTYPES, check_checkpoint, decoder_layers, read_model_config, resolve_model_path,
                            text_config_of)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -231,21 +231,21 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
                  log=print) -> dict[str, Any]:
     """How far an FP8 target's stored states are from its bf16 model's (`hsx verify OUT --against-bf16 N`).
 
-    `rows` rows spread evenly over the output (hsx.drift.spread_rows; more than the output holds: all of them) run
-    again through the target as hsx loads it for extraction (hsx.model.load_model, the job's layers and dtype,
+    `rows` rows spread evenly over the output (hsx.target.drift.spread_rows; more than the output holds: all of them) run
+    again through the target as hsx loads it for extraction (hsx.target.model.load_model, the job's layers and dtype,
     its experts implementation for this device): the FP8 forward, and the bf16 forward of the same dequantized
-    weights (hsx.drift). Per stored state: stored vs bf16 (what was asked), fresh FP8 vs bf16 (the drift FP8
+    weights (hsx.target.drift). Per stored state: stored vs bf16 (what was asked), fresh FP8 vs bf16 (the drift FP8
     adds on this device) and stored vs fresh FP8 (storage and kernel differences), over all tokens and over the
     loss-masked ones. The model is the folder hsx.json records, or `model`; either must have the files the job's
     fingerprint records. Refused (HsxError) when the target is not FP8."""
     import torch
 
-    from hsx import drift, fp8, fp8_model
+    from hsx.target import drift, fp8, fp8_model
     from hsx.config import EXPERTS_CHOICES, config_from
     from hsx.errors import check_range
     from hsx.load import torch_view
-    from hsx.model import load_model, read_model_config, text_config_of
-    from hsx.moe import resolve_experts, use_experts
+    from hsx.target.model import load_model, read_model_config, text_config_of
+    from hsx.target.moe import resolve_experts, use_experts
     from hsx.sink import OutputDir
 
     check_range("--against-bf16", rows, 1, 2**31 - 1)
@@ -348,7 +348,7 @@ def _check_model_identity(job, job_file, info: Info, folder: str, trust_remote_c
     `job_file`) records for its model; a job that named a Hub model records its id and commit: the folder must be
     that commit's snapshot. A record that says neither is refused, never taken as leave to skip the check."""
     from hsx.fingerprint import MODEL_SUFFIXES, differing_files, folder_identity
-    from hsx.model import HUB_COMMIT
+    from hsx.target.model import HUB_COMMIT
 
     recorded = job.inputs.get("model") if job is not None else None
     if isinstance(recorded, dict):

@@ -1,7 +1,7 @@
 """hsx is right on every architecture family it claims (issue 8), checked on tiny random models built in-process.
 
 For each family a random float32 model is saved (safetensors) and then run through hsx's real path:
-`hsx.model.load_model` (truncated, base model only) → `Extractor` driven by `Pipeline` over right-padded multi-row
+`hsx.target.model.load_model` (truncated, base model only) → `Extractor` driven by `Pipeline` over right-padded multi-row
 batches of varied lengths (hooks, gather of real tokens). The result is compared with the reference forward: the
 full-depth model as a user loads it (or the original in-memory model), on ONE sample, unpadded:
 `output_hidden_states[i+1]` for i < N-1, a forward hook for the last layer's pre-norm output, `hidden_states[N]`
@@ -30,8 +30,8 @@ import transformers
 from helpers import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
 from hsx.config import HsxError
 from hsx.engine import Extractor, Pipeline
-from hsx.model import load_model, text_weights_prefix, truncated_view
-from hsx.prepare import kernel_report, packing_blocker, prepare_model, resolve_packing
+from hsx.target.model import load_model, text_weights_prefix, truncated_view
+from hsx.target.prepare import kernel_report, packing_blocker, prepare_model, resolve_packing
 
 CPU = torch.device("cpu")
 VOCAB = 512  # >= hsx.demo.build_tokenizer()'s vocabulary, for the end-to-end runs
@@ -457,7 +457,7 @@ def test_hybrid_right_padding_is_exact(name, tmp_path_factory):
     ids[0, :len(long_)] = torch.tensor(long_)
     ids[1, :len(short)] = torch.tensor(short)
     ids[1, len(short):] = torch.randint(3, 500, (32 - len(short),))  # padding of arbitrary ids
-    from hsx.capture import capture
+    from hsx.target.capture import capture
 
     with torch.inference_mode(), capture(loaded.base, loaded.layers) as store:
         loaded.base(input_ids=ids, use_cache=False)
@@ -600,8 +600,8 @@ def test_kernel_report_hybrid_without_kernels(tmp_path_factory):
 def test_hybrid_packing_resolution_without_fla_or_cuda(tmp_path_factory, monkeypatch):
     """Gated DeltaNet layers pack only on hsx's fla forward: on CPU, or without flash-linear-attention, auto picks
     right-padded batches and says why in one line; an explicit --packing varlen is refused with the reason."""
-    from hsx import gdn
-    from hsx.prepare import use_packing
+    from hsx.target import gdn
+    from hsx.target.prepare import use_packing
 
     fam = get_family("qwen3_5", tmp_path_factory)
     for fla_present, why in ((False, "flash-linear-attention is not installed"), (True, "need CUDA")):

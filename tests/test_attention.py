@@ -1,9 +1,9 @@
-"""hsx.attention on CPU: the per-token row starts its kernel masks with, and which tensors the kernel takes (the
+"""hsx.target.attention on CPU: the per-token row starts its kernel masks with, and which tensors the kernel takes (the
 kernel itself is checked against flash-attention on a GPU: tests/test_gpu.py)."""
 
 import torch
 
-from hsx import attention
+from hsx.target import attention
 
 
 def test_row_starts_name_each_tokens_row():

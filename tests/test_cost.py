@@ -29,7 +29,7 @@ def test_a_96_gb_card_holds_the_27b_shape_at_rows_up_to_its_longest_planned_row(
     promise one GPU (at the model's 262,144 positions a row's activations alone are ~91 GiB by that estimate)."""
     from hsx.config import layers_run
     from hsx.cost import GPU_HEADROOM, GPUS, activation_bytes_per_token, plan, weight_bytes
-    from hsx.model import text_config_of
+    from hsx.target.model import text_config_of
 
     c = text_config_of(shape_config("qwen3.6-27b"))
     layers = [1, 16, 31, 46, 61]
@@ -55,7 +55,7 @@ def test_plan_knows_the_gpus_people_run_this_on(capsys, monkeypatch):
     """hsx plan --gpu: each GPU's memory, bf16 and FP8 rates (datasheet figures, planned at the share of its datasheet
     rate a matmul reached on the one GPU measured, said so), its compute capability, and the kernel lines hsx extract
     would log there."""
-    from hsx import kernels
+    from hsx.target import kernels
     from hsx.cost import GPUS, job_plan
 
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "rtx-pro-6000", "l40s"} <= set(GPUS)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers import as_table, bf16_ulps, make_cfg
-from hsx.capture import capture
+from hsx.target.capture import capture
 from hsx.engine import Extractor, Pipeline
-from hsx.model import load_model
-from hsx.prepare import prepare_model
+from hsx.target.model import load_model
+from hsx.target.prepare import prepare_model
 
 CPU = torch.device("cpu")
 
@@ -278,7 +278,7 @@ def test_packed_split_and_oom(model8, ids_lists):
 
 def test_packed_nonfinite_rows_are_found_per_row(model8, ids_lists):
     """NaN in one row's tokens of a packed sequence: that row (and only it) is skipped."""
-    from hsx.model import decoder_layers
+    from hsx.target.model import decoder_layers
 
     layers = [1, 3]
     loaded = load_model(make_cfg(model8, layers, False), CPU)
@@ -308,7 +308,7 @@ def test_inductors_fx_trace_runs_before_the_compile_worker(monkeypatch):
     import torch
     from torch._inductor.loop_body import InterpreterShim
 
-    from hsx.prepare import CompileAhead
+    from hsx.target.prepare import CompileAhead
 
     InterpreterShim._dummy_gm.cache_clear()
     traced_on = []
@@ -335,7 +335,7 @@ def test_a_second_ctrl_c_while_joining_the_compile_worker_ends_it_first():
 
     import torch
 
-    from hsx.prepare import CompileAhead
+    from hsx.target.prepare import CompileAhead
     from hsx.run import stop_on_signal
 
     compiling, compiled = threading.Event(), []
@@ -376,8 +376,8 @@ def test_the_compile_waits_for_a_representative_batch_and_takes_the_largest():
     asks for it (a benchmark's warm-up), never on a small first batch alone."""
     import torch
 
-    from hsx import prepare
-    from hsx.prepare import CompileAhead
+    from hsx.target import prepare
+    from hsx.target.prepare import CompileAhead
 
     ran = []
     cpu = torch.device("cpu")

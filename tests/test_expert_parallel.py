@@ -188,7 +188,7 @@ def test_a_rank_killed_ends_its_group_and_the_same_command_finishes_the_job(mode
 # ---- the sharding and the refusals (no process group) ---------------------------------------------------------------
 
 def fake_group(size: int, rank: int):
-    from hsx.expert_parallel import EpGroup
+    from hsx.target.expert_parallel import EpGroup
 
     return EpGroup(group=None, size=size, rank=rank, device=torch.device("cpu"))
 
@@ -196,7 +196,7 @@ def fake_group(size: int, rank: int):
 def test_each_rank_keeps_its_contiguous_share_of_every_experts_tensor():
     import transformers
 
-    from hsx.expert_parallel import GROUP, shard_experts
+    from hsx.target.expert_parallel import GROUP, shard_experts
 
     torch.manual_seed(0)
     full = transformers.AutoModel.from_config(tiny_moe_config("deepseek_v3"), dtype=torch.float32)
@@ -216,7 +216,7 @@ def test_each_rank_keeps_its_contiguous_share_of_every_experts_tensor():
 def test_shard_refuses_a_dense_model_and_experts_that_do_not_split_evenly():
     import transformers
 
-    from hsx.expert_parallel import shard_experts
+    from hsx.target.expert_parallel import shard_experts
 
     dense = transformers.AutoModel.from_config(transformers.Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -264,8 +264,8 @@ def _fp8_worker(rank: int, world: int, folder: str, init: str, results: str) -> 
 
     from test_fp8 import _emulated_fp8_linear_forward
 
-    from hsx import moe
-    from hsx.expert_parallel import EpGroup, loading_local_experts, shard_experts
+    from hsx.target import moe
+    from hsx.target.expert_parallel import EpGroup, loading_local_experts, shard_experts
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -394,7 +394,7 @@ def test_a_rank_reads_only_its_experts_and_holds_what_whole_load_then_shard_hold
     import safetensors
     import transformers
 
-    from hsx.expert_parallel import LOADED_SHARD, loading_local_experts, shard_experts
+    from hsx.target.expert_parallel import LOADED_SHARD, loading_local_experts, shard_experts
 
     folder = models[kind] if layout == "per-expert" else _save_stacked(models[kind], tmp_path / "stacked")
     whole = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)
@@ -433,7 +433,7 @@ def test_fp8_experts_read_as_stored_only_this_ranks(tmp_path):
     import transformers
     from test_fp8 import _save_fp8_moe_checkpoint
 
-    from hsx.expert_parallel import loading_local_experts
+    from hsx.target.expert_parallel import loading_local_experts
 
     folder = tmp_path / "fp8"
     folder.mkdir()
@@ -457,7 +457,7 @@ def test_expert_tensors_that_disagree_in_shape_are_one_line(models, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from hsx.config import ExtractConfig
-    from hsx.model import load_model
+    from hsx.target.model import load_model
 
     folder = tmp_path / "damaged"
     shutil.copytree(models["qwen3_moe"], folder)

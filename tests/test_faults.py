@@ -138,18 +138,18 @@ def padded(n: int) -> int:
 
 
 def hook_loaded_models(monkeypatch, install) -> None:
-    """`install(base)` on each model a job loads (hsx.model.load_model, which hsx.ready calls): a fault enters
+    """`install(base)` on each model a job loads (hsx.target.model.load_model, which hsx.target.ready calls): a fault enters
     where a real one does, in the model's own forward."""
-    import hsx.model
+    import hsx.target.model
 
-    real_load_model = hsx.model.load_model
+    real_load_model = hsx.target.model.load_model
 
     def load_model(*args, **kwargs):
         loaded = real_load_model(*args, **kwargs)
         install(loaded.base)
         return loaded
 
-    monkeypatch.setattr(hsx.model, "load_model", load_model)
+    monkeypatch.setattr(hsx.target.model, "load_model", load_model)
 
 
 @pytest.mark.slow
@@ -354,7 +354,7 @@ def marker_token(table) -> tuple[int, set[int]]:
 def poison(base, token: int) -> None:
     """Make `base` produce NaN for every sequence that holds `token`: decoder layer 0's output becomes NaN in those
     rows of the batch, so every captured layer and the final norm are NaN there (and nowhere else)."""
-    import hsx.model
+    import hsx.target.model
 
     seen = {}
 
@@ -369,7 +369,7 @@ def poison(base, token: int) -> None:
         return output
 
     base.register_forward_pre_hook(remember_ids, with_kwargs=True)
-    hsx.model.decoder_layers(base)[0].register_forward_hook(poison_layer)
+    hsx.target.model.decoder_layers(base)[0].register_forward_hook(poison_layer)
 
 
 def poison_rows_with(monkeypatch, token: int) -> None:

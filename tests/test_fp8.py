@@ -1,4 +1,4 @@
-"""FP8 block-quantized targets (hsx.fp8): the quantization maths and config reading on CPU; on CUDA, hsx's
+"""FP8 block-quantized targets (hsx.target.fp8): the quantization maths and config reading on CPU; on CUDA, hsx's
 states of an FP8 checkpoint equal transformers' own forward of it."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hsx import fp8, fp8_gemm, fp8_model
+from hsx.target import fp8, fp8_gemm, fp8_model
 from hsx.config import ExtractConfig, HsxError
 
 STD = 0.02  # the init std of Qwen3 (initializer_range)
@@ -231,8 +231,8 @@ def test_fp8_checkpoint_loads_on_cpu_dequantized_and_the_fingerprint_records_it(
     """On CPU, transformers dequantizes at load: the states equal the bf16 model of the dequantized weights (the
     line above says so), and the job fingerprint / kernel report name the quantization."""
     from hsx.job import _quantization_identity
-    from hsx.model import load_model
-    from hsx.prepare import kernel_report
+    from hsx.target.model import load_model
+    from hsx.target.prepare import kernel_report
 
     folder, causal = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
     loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1, 3],
@@ -325,8 +325,8 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
     import transformers
 
     from hsx.engine import Extractor, Pipeline
-    from hsx.model import load_model
-    from hsx.prepare import kernel_report, prepare_model
+    from hsx.target.model import load_model
+    from hsx.target.prepare import kernel_report, prepare_model
 
     device = torch.device("cuda", 0)
     folder, _ = _save_fp8_checkpoint(tmp_path, torch.device("cpu"))
@@ -345,7 +345,7 @@ def test_fp8_states_equal_transformers_fp8_forward(tmp_path, compile_model):
             want = _emulated_fp8_linear_forward(m, xi).float()
             assert ((m(xi).float() - want).norm() / want.norm()).item() < 1e-2, name
     # the bf16 forward of the same (dequantized) weights is measurably away: the activations' quantization
-    from hsx import drift
+    from hsx.target import drift
 
     d = drift.compare(loaded.base, layers, False, [drift.DriftRow(np.arange(3, 40))], device)
     assert d["switched"] == 3 * 7 and all(0 < v < 0.5 for v in d["relative_error"]["fp8_vs_bf16"].values()), d
@@ -502,7 +502,7 @@ def test_fp8_experts_run_in_hsx_grouped_path_and_equal_transformers_fp8_maths(tm
     FP8 experts forward (its eager loop, the FP8 GEMM's maths emulated in float32)."""
     from transformers.integrations import finegrained_fp8 as hf_fp8
 
-    from hsx import moe
+    from hsx.target import moe
 
     folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
     model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
@@ -527,7 +527,7 @@ def test_fp8_experts_run_in_hsx_grouped_path_and_equal_transformers_fp8_maths(tm
 def test_fp8_expert_ops_are_the_block_scaled_products():
     """The two ops against the maths written out per pair: x quantized per 1×128 block, each expert's weight
     dequantized per 128×128 block."""
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     torch.manual_seed(7)
     experts, hidden, width, k, tokens = 4, 256, 256, 2, 9
@@ -558,8 +558,8 @@ def test_fp8_expert_ops_are_the_block_scaled_products():
 def test_fp8_moe_checkpoint_loads_on_cpu_dequantized(tmp_path, capsys):
     """On CPU transformers dequantizes the experts too: the states equal the float32 model of the dequantized
     weights, the line says so, and hsx.json's report names it."""
-    from hsx.model import load_model
-    from hsx.prepare import kernel_report
+    from hsx.target.model import load_model
+    from hsx.target.prepare import kernel_report
 
     folder, causal = _save_fp8_moe_checkpoint(tmp_path, "qwen3_moe")
     loaded = load_model(ExtractConfig(model=str(folder), dataset="unused", output_dir="unused", layers=[1],
@@ -577,7 +577,7 @@ def test_fp8_moe_checkpoint_loads_on_cpu_dequantized(tmp_path, capsys):
 def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
     """`--shape qwen3-30b-a3b-fp8` is an FP8 MoE config; its random experts are built e4m3 with block scales, in
     the form hsx's FP8 experts path runs (built here on CPU at a tiny size)."""
-    from hsx import moe
+    from hsx.target import moe
     from hsx.cost import is_fp8, job_plan, shape_config
 
     c = shape_config("qwen3-30b-a3b-fp8")
@@ -607,7 +607,7 @@ def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
 def test_fp8_expert_kernels_equal_the_reference(tokens):
     """The Triton FP8 experts kernels against their torch reference (the same ops on CPU tensors), at
     Qwen3-30B-A3B's expert shape (hidden 2048, width 768, 128 experts, top-8), some experts without rows."""
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
@@ -649,9 +649,9 @@ def test_fp8_moe_blocks_equal_transformers_fp8_forward(tmp_path, kind):
     of this model are 8% apart at its second layer), which would hide the experts' own error."""
     import transformers
 
-    from hsx import moe
-    from hsx.model import load_model
-    from hsx.prepare import kernel_report
+    from hsx.target import moe
+    from hsx.target.model import load_model
+    from hsx.target.prepare import kernel_report
 
     device = torch.device("cuda", 0)
     folder, _ = _save_fp8_moe_checkpoint(tmp_path, kind)
@@ -692,7 +692,7 @@ def test_fp8_moe_blocks_equal_transformers_fp8_forward(tmp_path, kind):
 
 
 def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_reference(monkeypatch):
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator().manual_seed(0)
     gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4, 256, 256, generator=g).flatten(0, 1))
@@ -716,7 +716,7 @@ def test_fp8_expert_kernels_are_checked_once_and_a_failing_one_leaves_the_refere
 def test_the_record_says_which_fp8_experts_ran_on_the_reference_after_a_failed_check(monkeypatch):
     """hsx.json's `experts` names what ran: an FP8 experts module whose kernel failed its check runs (and is
     recorded as) the torch reference, not "triton"."""
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator().manual_seed(0)
     gate_up, gate_up_scale = fp8.quantize_weight(torch.randn(4 * 256, 256, generator=g))
@@ -786,7 +786,7 @@ CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 
 @pytest.fixture
 def gemm_state(monkeypatch):
-    """hsx.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
+    """hsx.target.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
     for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
         monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
@@ -1152,7 +1152,7 @@ def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_
     from hsx.bench import format_gemms
     from hsx.cli import main
     from hsx.cost import shape_config
-    from hsx.model import text_config_of
+    from hsx.target.model import text_config_of
 
     # Qwen3-8B: q/o 4096², k/v 1024 × 4096, gate/up 12288 × 4096 (2 each of 36 layers), down 4096 × 12288
     assert fp8_model.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
@@ -1175,7 +1175,7 @@ def test_fp8_modules_left_to_transformers_without_its_kernel_are_one_error_line(
     before the first batch."""
     from transformers.integrations import finegrained_fp8 as hf_fp8
 
-    from hsx import moe
+    from hsx.target import moe
 
     def unavailable():
         raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
@@ -1214,7 +1214,7 @@ def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_on
     import transformers
     from transformers.integrations import finegrained_fp8 as hf_fp8
 
-    from hsx.model import truncated_view
+    from hsx.target.model import truncated_view
     from hsx.run import extract
 
     def unavailable():
@@ -1237,7 +1237,7 @@ def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_on
     assert not list((tmp_path / "out").glob("**/*.arrow"))
 
 
-# ---- FP8 against bf16 (hsx.drift; `hsx verify --against-bf16`) -------------------------------------------------------
+# ---- FP8 against bf16 (hsx.target.drift; `hsx verify --against-bf16`) -------------------------------------------------------
 
 def _pretokenized(path, seed=0, count=12):
     """Pre-tokenized rows (no tokenizer needed) with a loss mask on the second half of each row."""
@@ -1260,11 +1260,11 @@ def _extract(folder, data, out, *extra):
 
 
 def _loaded_as_stored(monkeypatch):
-    """hsx.model.load_model keeping the checkpoint's e4m3 tensors on CPU (transformers dequantizes whenever it sees
+    """hsx.target.model.load_model keeping the checkpoint's e4m3 tensors on CPU (transformers dequantizes whenever it sees
     no CUDA device, so the load is told there is one) and hsx's FP8 modules installed: on CPU they run their torch
     reference (activations quantized per 1×128 block, block-scaled products), so the FP8 forward is FP8 maths."""
-    from hsx import model as hsx_model
-    from hsx import moe
+    from hsx.target import model as hsx_model
+    from hsx.target import moe
 
     real = hsx_model.load_model
 
@@ -1280,7 +1280,7 @@ def _loaded_as_stored(monkeypatch):
         return loaded
 
     monkeypatch.setattr(hsx_model, "load_model", load)
-    monkeypatch.setattr("hsx.moe.resolve_experts", lambda requested, cuda: None)  # (left as `load` set them)
+    monkeypatch.setattr("hsx.target.moe.resolve_experts", lambda requested, cuda: None)  # (left as `load` set them)
 
 
 DENSE_STATES = {"1": 2, "2": 3, "final_hidden_state": 4}  # stored state → its output_hidden_states index (4 layers)
@@ -1386,7 +1386,7 @@ def test_drift_covers_fp8_experts(tmp_path, monkeypatch, kind):
     dequantized weights, so the bf16 forward equals the float model of the dequantized weights (given as stored
     states: stored vs bf16 ~0) while the FP8 forward is measurably away. transformers' own FP8 experts, which the
     reference would not switch, are refused in one line instead of understating the drift."""
-    from hsx import drift, moe
+    from hsx.target import drift, moe
 
     folder, causal = _save_fp8_moe_checkpoint(tmp_path, kind)
     model = _load_fp8_as_stored_on_cpu(folder, monkeypatch)
@@ -1562,7 +1562,7 @@ def test_library_versions_name_the_kernel_packages_present_and_a_source_tree_mod
     import sys
     from importlib import metadata
 
-    from hsx.prepare import STATE_LIBRARIES, library_versions
+    from hsx.target.prepare import STATE_LIBRARIES, library_versions
 
     found = library_versions()
     assert found["torch"] == torch.__version__ and found["datasets"] == metadata.version("datasets")
@@ -1622,7 +1622,7 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
 # transformers trusts what it finds: on CPU it dequantizes with whatever scale grid is there (none: the e4m3 values
 # unscaled, off by ~1e10; [1, 1]: broadcast) and never reads weight_block_size; on a GPU it casts what it finds
 # into its e4m3 / float32 parameters. Each damage below gave other states with exit 0 (or, NaN scales, a line
-# blaming the data) before hsx checked the checkpoint (hsx.model.check_checkpoint, hsx.fp8.stored_problems).
+# blaming the data) before hsx checked the checkpoint (hsx.target.model.check_checkpoint, hsx.target.fp8.stored_problems).
 
 DOWN = "model.layers.0.mlp.down_proj.weight"  # (256, 768): 2 × 6 scales of 128 × 128 blocks
 EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"  # (128, 256): 1 × 2
@@ -1902,9 +1902,9 @@ def test_a_damaged_fp8_checkpoint_is_refused_before_extracting_naming_the_tensor
 
 
 def test_load_model_refuses_a_damaged_checkpoint_as_extract_does(tmp_path, fp8_folders):
-    """hsx.model.load_model (the API, `hsx verify --against-bf16`) checks the checkpoint too, before transformers
+    """hsx.target.model.load_model (the API, `hsx verify --against-bf16`) checks the checkpoint too, before transformers
     reads a weight."""
-    from hsx.model import load_model
+    from hsx.target.model import load_model
 
     folder = _rewritten(fp8_folders / "moe", tmp_path / "model", _set(EXPERT + "_scale_inv", lambda t: t * 0))
     with pytest.raises(HsxError, match=rf"^model '{folder}': {EXPERT}_scale_inv holds 2 of 2 block scales that are "
@@ -1917,7 +1917,7 @@ def test_scales_a_loaded_module_leaves_unused_are_refused(tmp_path, fp8_folders,
     """A module the config leaves unquantized (modules_to_not_convert) whose weight is stored e4m3 with its scales:
     loaded as stored (a GPU), transformers casts the e4m3 values into its plain Linear and reports the scales as
     unexpected; hsx refuses rather than run the unscaled weight."""
-    from hsx.model import load_model
+    from hsx.target.model import load_model
 
     folder = _rewritten(fp8_folders / "dense", tmp_path / "model",
                         config_fn=_quant(modules_to_not_convert=["lm_head", "down_proj"]))
@@ -1947,7 +1947,7 @@ def test_intact_fp8_checkpoints_still_load_and_give_the_same_states(tmp_path, fp
     from datasets import Dataset
     from helpers import hsx_main
 
-    from hsx.model import load_model
+    from hsx.target.model import load_model
 
     data = _pretokenized(tmp_path / "d.jsonl")
     bf16 = _rewritten(fp8_folders / "moe", tmp_path / "bf16-scales",

@@ -1,10 +1,10 @@
-"""hsx.gdn on CPU: which fla kernel configs hsx settles ahead (the GPU side is in tests/test_gpu.py)."""
+"""hsx.target.gdn on CPU: which fla kernel configs hsx settles ahead (the GPU side is in tests/test_gpu.py)."""
 
 from types import SimpleNamespace
 
 import torch
 
-from hsx import gdn
+from hsx.target import gdn
 
 
 def _config(kwargs, num_warps, num_stages=3):

@@ -10,8 +10,8 @@ import torch
 
 from hsx.demo import build_model, build_tokenizer
 from hsx.engine import Extractor, Pipeline
-from hsx.model import LoadedModel, truncated_view
-from hsx.prepare import prepare_model
+from hsx.target.model import LoadedModel, truncated_view
+from hsx.target.prepare import prepare_model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -151,7 +151,7 @@ def test_packed_hybrid_equals_one_row_reference():
     the varlen kernel) equals transformers' one-row forward within bf16 tolerance, eager and compiled; so do
     right-padded batches on the same fla forward."""
     pytest.importorskip("fla")
-    from hsx.prepare import kernel_report
+    from hsx.target.prepare import kernel_report
 
     causal = _hybrid()
     rng = np.random.default_rng(3)
@@ -170,7 +170,7 @@ def test_packed_hybrid_row_ignores_its_neighbours():
     """A row's states do not depend on the rows packed around it (no recurrent state or convolution window leaks
     across cu_seqlens); a packed batch that reached a Gated DeltaNet layer without its bounds is refused."""
     pytest.importorskip("fla")
-    from hsx import gdn
+    from hsx.target import gdn
 
     causal = _hybrid(num_layers=4)
     rng = np.random.default_rng(4)
@@ -220,11 +220,11 @@ def _torch_delta_rule(causal):
     throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
     chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). Older transformers
     bound the rule to each layer when built; later ones (5.17 on) call a module-level function that dispatches to
-    fla when fla is installed (`hsx.prepare.fallback_closure` finds its torch rule). Both are rebound, and restored
+    fla when fla is installed (`hsx.target.prepare.fallback_closure` finds its torch rule). Both are rebound, and restored
     after."""
     import sys
 
-    from hsx.prepare import fallback_closure
+    from hsx.target.prepare import fallback_closure
 
     modeling = sys.modules[type(causal).__module__]
     dispatch = getattr(modeling, "torch_chunk_gated_delta_rule", None)
@@ -255,8 +255,8 @@ def test_packed_hybrid_moe_equals_one_row_reference():
 
     pytest.importorskip("fla")
     pytest.importorskip("transformers.models.qwen3_5_moe")
-    from hsx import gdn, moe
-    from hsx.prepare import kernel_report
+    from hsx.target import gdn, moe
+    from hsx.target.prepare import kernel_report
 
     causal = _hybrid_moe()
     rng = np.random.default_rng(6)
@@ -291,11 +291,11 @@ def test_fla_autotuning_is_settled_ahead():
     pytest.importorskip("fla")
     from triton.runtime.autotuner import Autotuner
 
-    from hsx import gdn, kernels
-    from hsx.prepare import kernel_report
+    from hsx.target import gdn, kernels
+    from hsx.target.prepare import kernel_report
 
     if not kernels.runs_on("fla_tuned_configs", tuple(torch.cuda.get_device_capability())):
-        pytest.skip("hsx's fla configs are for the GPUs hsx.kernels says they were checked on")
+        pytest.skip("hsx's fla configs are for the GPUs hsx.target.kernels says they were checked on")
     causal = _hybrid(num_layers=4, seed=5, linear_head_dim=128)
     rng = np.random.default_rng(5)
     rows = [rng.integers(3, 500, n).astype(np.int32) for n in HYBRID_LENGTHS]
@@ -316,11 +316,11 @@ def test_fla_autotuning_is_settled_ahead():
 
 
 def test_sum_pairs_kernel_equals_the_torch_sum_bit_for_bit():
-    """hsx.moe_kernels' un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
+    """hsx.target.moe_kernels' un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
     float32 additions in the same order, one rounding; ragged tiles (tokens, hidden not multiples of the tile),
     GPT-OSS's width and its bias addend, k of 8 and 4."""
     pytest.importorskip("triton")
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(11)
     for tokens, k, hidden, extra in ((16384, 8, 2048, False), (37, 4, 2880, True), (1, 8, 2048, True)):
@@ -355,12 +355,12 @@ def _gated_pairs(x, order, offsets, weights, gate_up, transposed, k):
 
 
 def test_gate_up_kernel_equals_the_grouped_path():
-    """hsx.moe_kernels' fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its epilogue)
+    """hsx.target.moe_kernels' fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its epilogue)
     against a float32 reference of the same pairs: as close to it as the torch path (row gather, bf16 grouped
     GEMM, activation), at Qwen3-30B-A3B's shapes with skewed routing, and on a ragged case (hidden and width not
     multiples of the tile, empty experts, the transposed layout, fp16); every pair row written."""
     pytest.importorskip("triton")
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(17)
     for tokens, hidden, experts, width, k, skew, transposed, dtype in (
@@ -398,7 +398,7 @@ def test_gate_up_kernel_clamped_equals_the_grouped_path():
     alpha) against a float32 reference, as close to it as the torch path: at GPT-OSS-20B's shapes (width 2,880, not
     a multiple of the tile) with values past the clamps, and on a ragged case (empty experts, fp16)."""
     pytest.importorskip("triton")
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(19)
     alpha, limit = 1.702, 7.0
@@ -425,7 +425,7 @@ def test_qk_l2norm_kernel_equals_the_reference():
     """The Triton q/k l2norm (one kernel over the conv output's strided heads) rounds as transformers' float32
     reference does, on a packed-sized batch and on a ragged one (rows not a multiple of its tile)."""
     pytest.importorskip("triton")
-    from hsx.gdn import _l2norm, qk_l2norm
+    from hsx.target.gdn import _l2norm, qk_l2norm
 
     for batch, seq, key_dim in ((1, 16384, 2048), (3, 37, 256)):
         mixed = torch.randn(batch, seq, 2 * key_dim + 3 * key_dim, device="cuda", dtype=torch.bfloat16) * 3
@@ -458,7 +458,7 @@ def test_conv_qkv_kernel_equals_fla_convolution_and_qk_l2norm():
     pytest.importorskip("fla")
     from fla.modules.causal_conv1d import causal_conv1d
 
-    from hsx import gdn
+    from hsx.target import gdn
 
     torch.manual_seed(0)
     for key_dim, value_dim, bias in ((2048, 4096, False), (256, 512, True)):
@@ -499,7 +499,7 @@ def test_gated_rms_norm_kernel_equals_transformers():
     with a bf16 and a float32 weight, on a packed-sized and a ragged number of rows."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-    from hsx import gdn
+    from hsx.target import gdn
 
     torch.manual_seed(0)
     for rows, weight_dtype in ((32768 * 32, torch.bfloat16), (37, torch.float32)):
@@ -525,7 +525,7 @@ def test_grouped_experts_equal_eager_in_bf16_on_cuda(family):
     """hsx_grouped (torch grouped GEMMs), eager and compiled, against transformers' eager experts loop."""
     import transformers
 
-    from hsx.moe import EXPERTS_IMPLEMENTATION, use_experts
+    from hsx.target.moe import EXPERTS_IMPLEMENTATION, use_experts
 
     common = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
                   num_hidden_layers=3, num_experts_per_tok=4)
@@ -604,11 +604,11 @@ def test_gpt_oss_packed_is_as_exact_as_padded_on_cuda():
 
 
 def test_packed_attention_kernel_equals_flash_varlen():
-    """hsx.attention's packed causal kernel against flash-attention 2 varlen on the same rows (bf16 rounding):
+    """hsx.target.attention's packed causal kernel against flash-attention 2 varlen on the same rows (bf16 rounding):
     Qwen3-30B-A3B's heads (32 q, 4 kv, dim 128), Qwen3-8B's (32, 8), dim 64 without grouping, strided q (a view of
     (heads, T, dim)); rows of 1 token, rows that begin and end inside one tile, rows over many key blocks."""
     pytest.importorskip("triton")
-    from hsx import attention
+    from hsx.target import attention
 
     g = torch.Generator(device="cuda").manual_seed(12)
     lengths = [1, 5, 17, 300, 2, 1000, 64, 65, 3, 2500, 129, 1]
@@ -633,12 +633,12 @@ def test_packed_attention_kernel_equals_flash_varlen():
 
 
 def test_packed_kernel_model_equals_padded_on_cuda():
-    """A model whose heads hsx.attention's packed kernel takes (dim 64, 8 query heads per key/value head), packed,
+    """A model whose heads hsx.target.attention's packed kernel takes (dim 64, 8 query heads per key/value head), packed,
     eager and compiled (the kernel as a custom op inside the compiled layers), equals right-padded batches."""
     pytest.importorskip("triton")
     import transformers
 
-    from hsx import attention
+    from hsx.target import attention
     from hsx.demo import build_model_config
 
     tok = build_tokenizer()
@@ -659,12 +659,12 @@ def test_packed_kernel_model_equals_padded_on_cuda():
 
 
 def test_route_topk_kernel_equals_the_torch_router():
-    """hsx.moe_kernels' router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
+    """hsx.target.moe_kernels' router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
     on CUDA: Qwen3-30B-A3B's 128 experts / top-8 at 16k tokens, bf16 logits (ties at the k-th place happen), and
     a ragged small case without renormalization. Experts match wherever the k-th and next probabilities differ
     (at a tie either is a top-k); weights, in descending order, match within a bf16 rounding."""
     pytest.importorskip("triton")
-    from hsx import moe_kernels
+    from hsx.target import moe_kernels
 
     g = torch.Generator(device="cuda").manual_seed(13)
     for tokens, experts, k, renormalize in ((16384, 128, 8, True), (37, 60, 4, False), (1, 128, 8, True)):

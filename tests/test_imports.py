@@ -19,24 +19,26 @@ LAYERS: list[set[str]] = [
      "hsx.exports"},
     {"hsx.config", "hsx.drafts"},  # the job's settings (drafts: --layers-from, a draft config's layers)
     # what a config is turned into: the fingerprint, the bounded template renderer and the loss masks read off its
-    # renders, the model (loaded; prepared to run) and its kernels (experts: moe, moe_kernels, their sharding over
-    # ranks expert_parallel; FP8 checkpoints: the
-    # format fp8, the linear layer and its GEMMs fp8_gemm, hsx's FP8 layers in a model fp8_model), length buckets
-    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.model", "hsx.prepare", "hsx.attention", "hsx.gdn", "hsx.moe",
-     "hsx.moe_kernels", "hsx.expert_parallel", "hsx.fp8", "hsx.fp8_gemm", "hsx.fp8_model", "hsx.buckets",
-     "hsx.kernels"},
+    # renders, length buckets; the target's wing (hsx.target, its map in its docstring): the model folder checked
+    # (checkpoint), the model loaded (model) and prepared to run, its kernels (experts: moe, moe_kernels, their
+    # sharding over ranks expert_parallel; FP8 checkpoints: the format fp8, the linear layer and its GEMMs fp8_gemm,
+    # hsx's FP8 layers in a model fp8_model)
+    {"hsx.fingerprint", "hsx.render", "hsx.masks", "hsx.buckets", "hsx.target", "hsx.target.checkpoint",
+     "hsx.target.model", "hsx.target.prepare", "hsx.target.attention", "hsx.target.gdn", "hsx.target.moe",
+     "hsx.target.moe_kernels", "hsx.target.expert_parallel", "hsx.target.fp8", "hsx.target.fp8_gemm",
+     "hsx.target.fp8_model", "hsx.target.kernels"},
     # rows in, states out, and the output dir they are written to (hsx.json: info; its record files: ledgers;
     # the storage's own rates: storage); answers in, for hsx regenerate (generators)
-    {"hsx.inputs", "hsx.data", "hsx.generators", "hsx.capture", "hsx.drift", "hsx.engine", "hsx.policy", "hsx.writer",
-     "hsx.storage", "hsx.info", "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
-    # pricing a job, making its model ready (hsx.ready), reading, merging, exporting, checking, publishing and
+    {"hsx.inputs", "hsx.data", "hsx.generators", "hsx.target.capture", "hsx.target.drift", "hsx.engine",
+     "hsx.policy", "hsx.writer", "hsx.storage", "hsx.info", "hsx.ledgers", "hsx.sink", "hsx.card", "hsx.vocab"},
+    # pricing a job, making its model ready (hsx.target.ready), reading, merging, exporting, checking, publishing and
     # following an output dir (hsx.flight: follow's network source; hsx.serve: the server answering it;
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)
-    {"hsx.cost", "hsx.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
+    {"hsx.cost", "hsx.target.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
      "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data", "hsx.export_journal"},
     {"hsx.job"},  # one job's steps
     {"hsx.run", "hsx.regeneration"},  # running them as one rank of a launch; regenerate's job (its ranks too)
-    {"hsx", "hsx.api", "hsx.bench"},  # the Python API and the benchmark
+    {"hsx", "hsx.api", "hsx.bench", "hsx.bench_models"},  # the Python API; the benchmark and its random FP8 models
     {"hsx.commands", "hsx.cli", "hsx.launch", "hsx.__main__", "hsx.demo.__main__"},  # the command lines
 ]
 

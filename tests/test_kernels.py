@@ -1,9 +1,9 @@
 """Which kernel each GPU gets: hsx's kernels run where they were checked (compute capability 9.0) or documented, the
-portable path elsewhere, with one line saying so; forced on CPU through `hsx.kernels.choose` for each capability."""
+portable path elsewhere, with one line saying so; forced on CPU through `hsx.target.kernels.choose` for each capability."""
 
 import pytest
 
-from hsx import kernels
+from hsx.target import kernels
 
 A100, L40S, H200, B200, RTX_PRO_6000 = (8, 0), (8, 9), (9, 0), (10, 0), (12, 0)
 CAPABILITIES = [A100, L40S, H200, B200, RTX_PRO_6000]
@@ -68,9 +68,9 @@ def test_a_gemm_named_by_fp8_gemm_is_tried_first_anywhere():
     assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "cublas") == ("cublas", "triton")
     assert kernels.fp8_gemm_order(RTX_PRO_6000, frozenset(), "auto") == ("triton",)
     assert kernels.fp8_gemm_order(H200, EVERYTHING, "triton") == ("triton", "deepgemm", "cublas", "fbgemm")
-    from hsx import fp8_gemm
+    from hsx.target import fp8_gemm
 
-    assert fp8_gemm.GEMMS == kernels.FP8_GEMMS  # one order, held by hsx.kernels
+    assert fp8_gemm.GEMMS == kernels.FP8_GEMMS  # one order, held by hsx.target.kernels
 
 
 def test_cpu_and_other_dtypes():
@@ -87,7 +87,7 @@ def test_cpu_and_other_dtypes():
                          ids=["sm_90", "sm_120"])
 def test_the_kernel_report_records_the_capability_and_each_fallback(cap, fallbacks, monkeypatch, tokenizer):
     from hsx.demo import build_model
-    from hsx.prepare import kernel_report
+    from hsx.target.prepare import kernel_report
 
     import torch
 
@@ -103,7 +103,7 @@ def test_the_kernel_report_records_the_capability_and_each_fallback(cap, fallbac
 
 def test_packing_is_refused_where_flash_varlen_does_not_run(monkeypatch, tokenizer):
     from hsx.demo import build_model
-    from hsx.prepare import packing_blocker
+    from hsx.target.prepare import packing_blocker
 
     base = build_model(tokenizer, num_layers=2).model
     monkeypatch.setattr(kernels, "capability_of", lambda device: (7, 5))
@@ -120,7 +120,7 @@ def test_gated_deltanet_convolution_runs_fla_s_where_hsx_s_was_not_checked(cap, 
 
     import torch
 
-    from hsx import gdn
+    from hsx.target import gdn
 
     layer = types.SimpleNamespace(conv1d=types.SimpleNamespace(weight=torch.empty(2 * 2048 + 4096, 1, 4)),
                                   head_k_dim=128, head_v_dim=128, key_dim=2048, activation="silu")  # Qwen3.6's
@@ -134,7 +134,7 @@ def test_gated_deltanet_convolution_runs_fla_s_where_hsx_s_was_not_checked(cap, 
 def test_fp8_gemm_selection_passes_over_gemms_not_checked_on_the_device(cap, allowed, monkeypatch):
     import torch
 
-    from hsx import fp8_gemm
+    from hsx.target import fp8_gemm
 
     monkeypatch.setattr(kernels, "capability_of", lambda device: cap)
     assert {g for g in fp8_gemm.GEMMS if fp8_gemm._runs_here(g, torch.device("cpu"))} == allowed

@@ -1,4 +1,4 @@
-"""hsx's grouped-GEMM experts (hsx.moe) against transformers' eager experts, the MoE shapes and their budgets."""
+"""hsx's grouped-GEMM experts (hsx.target.moe) against transformers' eager experts, the MoE shapes and their budgets."""
 
 import json
 
@@ -8,7 +8,7 @@ import transformers
 
 from hsx.cli import main
 from hsx.config import HsxError, load_config
-from hsx.moe import EXPERTS_IMPLEMENTATION, has_experts, resolve_experts, use_experts
+from hsx.target.moe import EXPERTS_IMPLEMENTATION, has_experts, resolve_experts, use_experts
 from hsx.cost import (DEFAULT_BUDGET_CAP, MEASURED_MFU, MOE_TOKENS_PER_EXPERT, PLAN_MFU, PLAN_MFU_MOE,
                       auto_token_budget, budget_cap, plan_mfu, shape_config)
 
@@ -159,7 +159,7 @@ def test_compiled_block_keeps_the_pair_gathers_opaque():
 def test_sum_pairs_is_each_tokens_ordered_float32_sum():
     """Token t's output is its k pair rows (at inverse[t·k + j]) added in float32 in order j = 0..k-1, plus the
     optional float32 addend, rounded once to the rows' dtype; with no pairs, no rows."""
-    from hsx.moe_kernels import sum_pairs
+    from hsx.target.moe_kernels import sum_pairs
 
     g = torch.Generator().manual_seed(7)
     tokens, k, hidden = 5, 3, 6
@@ -187,7 +187,7 @@ def test_qwen3_moe_router_runs_as_one_op_and_back(name, renormalizes):
     torch ops), Qwen3.5/3.6-MoE's (which always renormalizes) included, and Qwen3-MoE's with and without renormalization;
     switching back to another experts implementation restores transformers' forward; a router of another form
     is left alone."""
-    from hsx import moe
+    from hsx.target import moe
 
     model = _model(name)
     gate = model.layers[0].mlp.gate
@@ -213,7 +213,7 @@ def test_gate_up_activation_is_each_pairs_gated_product():
     """Row r of the fused gate/up op is pair p = order[r] through the expert whose rows hold r: silu(x @ G) · (x @ U)
     times the pair's routing weight, x the row of token p // k, gate columns first, in both of transformers'
     weight layouts; an expert without pairs and the last expert's rows included."""
-    from hsx.moe_kernels import gate_up_activation
+    from hsx.target.moe_kernels import gate_up_activation
 
     g = torch.Generator().manual_seed(5)
     tokens, k, hidden, width, experts = 7, 2, 8, 4, 4
@@ -238,7 +238,7 @@ def test_gate_up_activation_clamped_is_gpt_oss_gate():
     """The fused op's GPT-OSS form: pair p through expert e is (clamp(u, ±limit) + 1) · g' · sigmoid(alpha · g'),
     g' = min(g, limit), with [g, u] the interleaved columns of x @ W_e + b_e, times the routing weight; values
     past both clamps included."""
-    from hsx.moe_kernels import gate_up_activation
+    from hsx.target.moe_kernels import gate_up_activation
 
     g = torch.Generator().manual_seed(6)
     tokens, k, hidden, width, experts, alpha, limit = 7, 2, 8, 4, 4, 1.702, 1.5
@@ -268,7 +268,7 @@ def test_fused_gate_up_only_where_it_applies():
     """use_experts marks the experts that the fused gate/up kernel may run: Qwen3-MoE's form (gate and up in one
     weight, SiLU, no bias) and GPT-OSS's (biases, its clamped gate of interleaved columns), and no others (another
     activation or gate; any other implementation)."""
-    from hsx import moe
+    from hsx.target import moe
 
     qwen, gpt, hybrid = _model("qwen3_moe"), _model("gpt_oss"), _model("qwen3_5_moe")
     for model in (qwen, gpt, hybrid):

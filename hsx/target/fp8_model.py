@@ -1,12 +1,12 @@
-"""hsx's FP8 layers in a model: `install` (transformers' FP8Linear → hsx.fp8_gemm's `Fp8Linear`), gated MLPs
-fused, compile options, the report hsx.json records, the bf16 reference (hsx.drift) and random FP8 models (hsx bench).
+"""hsx's FP8 layers in a model: `install` (transformers' FP8Linear → hsx.target.fp8_gemm's `Fp8Linear`), gated MLPs
+fused, compile options, the report hsx.json records, the bf16 reference (hsx.target.drift) and random FP8 models (hsx bench).
 
 On CUDA with FP8 tensor cores (compute capability 8.9+) `install` puts `Fp8Linear` in the place of transformers'
 FP8Linear modules, sharing their tensors. In a compiled layer, projections of one input (q/k/v, gate/up) share one
 quantization (`compile_options`' pass merges the equal calls), and a SiLU-gated MLP quantizes silu(gate)·up in the
 pass that computes it (`fuse_gated_mlps`), so an FP8 layer adds little beyond its quantization passes to the bf16
 layer's non-GEMM time (docs/benchmarks.md, 2026-12-02: FP8 layers quantize each input once). Experts in this
-layout (transformers' FP8Experts) run in hsx.moe's grouped path (`fp8_experts_forward`), marked on the module
+layout (transformers' FP8Experts) run in hsx.target.moe's grouped path (`fp8_experts_forward`), marked on the module
 (`FP8_EXPERTS`).
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from hsx import fp8_gemm
+from hsx.target import fp8_gemm
 from hsx.errors import one_line
-from hsx.fp8 import BLOCK, CHECKPOINT_QUANTIZATION, FP8_DTYPE, Fp8Config, quantize_weight
-from hsx.fp8_gemm import DEEPGEMM_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize, fp8_silu_mul_quantize
+from hsx.target.fp8 import BLOCK, CHECKPOINT_QUANTIZATION, FP8_DTYPE, Fp8Config, quantize_weight
+from hsx.target.fp8_gemm import DEEPGEMM_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize, fp8_silu_mul_quantize
 
-FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.moe.use_experts) whose e4m3 experts hsx runs
+FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.target.moe.use_experts) whose e4m3 experts hsx runs
 FP8_EXPERTS_RUN_ON = "_hsx_fp8_experts_run_on"  # set beside it: "triton" where both kernels passed their checks
 BF16_REFERENCE = "_hsx_bf16_reference"  # set on such a module by `bf16_reference`: its experts run dequantized
 
@@ -190,7 +190,7 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
 
 def is_experts_module(module: torch.nn.Module) -> bool:
     """Whether `module` is an experts module of transformers' fused layout, which its ExpertsInterface dispatches
-    (hsx.moe.use_experts puts hsx's grouped path there)."""
+    (hsx.target.moe.use_experts puts hsx's grouped path there)."""
     return type(module).__name__.endswith("Experts") and hasattr(module, "has_gate")
 
 
@@ -228,8 +228,8 @@ def transformers_fp8_blocker(base: torch.nn.Module) -> str | None:
 @contextmanager
 def bf16_reference(base: torch.nn.Module):
     """Within the block, every Fp8Linear of `base` runs on its dequantized weights in bf16, unquantized activations,
-    and so do the experts hsx's FP8 path runs (`BF16_REFERENCE`, read by hsx.moe): the bf16 model the checkpoint
-    was quantized from, up to the weights' rounding. Yields the number of modules switched (hsx.drift)."""
+    and so do the experts hsx's FP8 path runs (`BF16_REFERENCE`, read by hsx.target.moe): the bf16 model the checkpoint
+    was quantized from, up to the weights' rounding. Yields the number of modules switched (hsx.target.drift)."""
     mods = [m for m in base.modules() if isinstance(m, Fp8Linear)]
     experts = [m for m in base.modules() if getattr(m, FP8_EXPERTS, False)]
     for m in mods:
@@ -323,7 +323,7 @@ def linear_shapes(config) -> dict[tuple[int, int], int]:
 def _random_fp8_experts(experts: torch.nn.Module, device: torch.device, std: float) -> None:
     """Give a (meta) experts module of transformers' fused layout (gate_up_proj (E, 2·width, hidden), down_proj
     (E, hidden, width), no bias) random e4m3 weights and 128×128 block scales, FP8Experts' tensors under its names,
-    built one expert at a time on `device`: what hsx.moe's FP8 path runs (`use_experts` checks the form)."""
+    built one expert at a time on `device`: what hsx.target.moe's FP8 path runs (`use_experts` checks the form)."""
     if (not getattr(experts, "has_gate", False) or getattr(experts, "has_bias", True)
             or getattr(experts, "is_transposed", True)):
         from hsx.errors import HsxError

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hsx import fp8, fp8_model
+from hsx.target import fp8, fp8_model
 from hsx.config import ExtractConfig, HsxError, layers_run, target_layers
 from hsx.errors import one_line
 from hsx.schema import OutputFormat
@@ -304,7 +304,7 @@ def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
 
 # What hsx did to a model it loaded, kept beside the model (weakly: gone with it) instead of as attributes on
 # transformers' objects: the attention implementation the job asked for, and (below) the checkpoint's FP8
-# quantization; hsx.prepare's kernel report reads both.
+# quantization; hsx.target.prepare's kernel report reads both.
 _ATTN_REQUESTED: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 # The checkpoint's fp8 quantization (transformers drops quantization_config from a model it dequantized on load)
 _QUANTIZATION: "weakref.WeakKeyDictionary[torch.nn.Module, fp8.Fp8Config]" = weakref.WeakKeyDictionary()
@@ -396,7 +396,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     config and layers are used as read, not read again (None: read here). `distributed_config` (transformers'
     DistributedConfig, from hsx.run) shards the copy over processes. `experts_share` (ranks, rank) of an
     expert-parallel group: only this rank's share of the routed experts is read and held
-    (hsx.expert_parallel.loading_local_experts)."""
+    (hsx.target.expert_parallel.loading_local_experts)."""
     import transformers
     from safetensors import SafetensorError
     from transformers import AutoModel
@@ -423,7 +423,7 @@ def load_model(cfg: ExtractConfig, device: torch.device, devices: list[torch.dev
     transformers.logging.set_verbosity_error()  # the load report lists every layer we chose not to load
     share = contextlib.nullcontext()
     if experts_share is not None:
-        from hsx.expert_parallel import loading_local_experts
+        from hsx.target.expert_parallel import loading_local_experts
 
         share = loading_local_experts(*experts_share)
     try:

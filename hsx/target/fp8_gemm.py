@@ -1,13 +1,13 @@
 """The FP8 checkpoints' linear layers on FP8 tensor cores: `Fp8Linear` and the block-scaled GEMMs under it.
 
-`Fp8Linear` runs a linear layer of the `-FP8` layout (hsx.fp8) over transformers' e4m3 weights and 128×128 block
-scales, shared (hsx.fp8_model's `install` puts it in the model): a Triton pass quantizes the activations
+`Fp8Linear` runs a linear layer of the `-FP8` layout (hsx.target.fp8) over transformers' e4m3 weights and 128×128 block
+scales, shared (hsx.target.fp8_model's `install` puts it in the model): a Triton pass quantizes the activations
 (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies (`hsx::fp8_mm`), the first of GEMMS that passes its check
 against the float32 product (`use_gemm`, config key fp8_gemm), fastest first as measured (GEMMs alone and end to
 end: docs/benchmarks.md, sessions 13 and 14 and 2026-12-02 (later)): DeepGEMM's `fp8_gemm_nt` where it is
 installed, for products of DEEPGEMM_MIN_ROWS rows or more; torch's cuBLAS `_scaled_mm`; fbgemm-gpu-genai's CUTLASS
 `f8f8bf16_groupwise` where that package is installed; a Triton kernel (slower than bf16: a fallback). Each weight
-shape is checked again at its first use (`_takes`); off CUDA the ops run hsx.fp8's torch reference.
+shape is checked again at its first use (`_takes`); off CUDA the ops run hsx.target.fp8's torch reference.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from contextlib import contextmanager
 
 import torch
 
-from hsx import kernels
+from hsx.target import kernels
 from hsx.config import FP8_GEMM_CHOICES
 from hsx.errors import HsxError, one_line
-from hsx.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight, quantize_activation,
+from hsx.target.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight, quantize_activation,
                      quantize_activation_padded, quantize_weight, reference_mm, relative_error)
 
 
@@ -101,7 +101,7 @@ def _runs(w: torch.Tensor, ws: torch.Tensor, rows: int | None = None) -> str:
     DeepGEMM only from DEEPGEMM_MIN_ROWS rows."""
     first = backend_of(w.device)
     for name in _gemms_from(first)[:-1]:
-        if name != first and not _runs_here(name, w.device):  # (the next GEMMs: those hsx.kernels allows here)
+        if name != first and not _runs_here(name, w.device):  # (the next GEMMs: those hsx.target.kernels allows here)
             continue
         if name == "deepgemm" and rows is not None and rows < DEEPGEMM_MIN_ROWS:
             continue
@@ -377,7 +377,7 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
 # What auto tries, fastest first (docs/fp8.md's GEMM tables); Triton, last, runs any shape. DeepGEMM and fbgemm run
 # where their packages are installed (neither is a dependency of hsx); DeepGEMM's products of fewer than
 # DEEPGEMM_MIN_ROWS rows run on the next.
-GEMMS = kernels.FP8_GEMMS  # ("deepgemm", "cublas", "fbgemm", "triton"): hsx.kernels holds the order
+GEMMS = kernels.FP8_GEMMS  # ("deepgemm", "cublas", "fbgemm", "triton"): hsx.target.kernels holds the order
 
 
 def _gemms_from(first: str) -> list[str]:
@@ -418,7 +418,7 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
     wq, ws = quantize_weight(torch.randn(384, 512, device=device, generator=g) * 0.05)
     failed = []
     for name in _gemms_from(GEMMS[0] if choice == "auto" else choice):
-        if name != choice and not _runs_here(name, device):  # not checked on this GPU: said by hsx.kernels' line
+        if name != choice and not _runs_here(name, device):  # not checked on this GPU: said by hsx.target.kernels' line
             continue
         why = _missing(name, choice)
         if why is None:
@@ -436,7 +436,7 @@ def use_gemm(device: torch.device, choice: str = "auto") -> str:
 
 
 def _runs_here(name: str, device: torch.device) -> bool:
-    """Whether GEMM `name` may run on `device` unasked (`hsx.kernels.fp8_gemm_order`: where it was checked or is
+    """Whether GEMM `name` may run on `device` unasked (`hsx.target.kernels.fp8_gemm_order`: where it was checked or is
     documented to run; Triton, the portable one, anywhere)."""
     cap = kernels.capability_of(device)
     return cap is None or name in kernels.fp8_gemm_order(cap, frozenset(("deep_gemm", "fbgemm_gpu")))
@@ -546,7 +546,7 @@ def _triton_mm(xq, xs, w, ws):
 class Fp8Linear(torch.nn.Module):
     """A linear layer over e4m3 weights with 128×128 block scales (the tensors of transformers' FP8Linear, shared,
     under the same names): `fp8_linear`. With `reference` on, the
-    weights are dequantized per call and the product runs in bf16 (the bf16 model's states, for hsx.drift)."""
+    weights are dequantized per call and the product runs in bf16 (the bf16 model's states, for hsx.target.drift)."""
 
     def __init__(self, weight: torch.nn.Parameter, weight_scale_inv: torch.nn.Parameter,
                  bias: torch.nn.Parameter | None):

@@ -1,4 +1,4 @@
-"""The target model made ready for a job on this process: `ready_model` turns the job's target (hsx.model.Target)
+"""The target model made ready for a job on this process: `ready_model` turns the job's target (hsx.target.model.Target)
 and config into a loaded, prepared model and the report of the kernels it runs (`ReadyModel`).
 
 Each choice takes the ones before it: the weights (or a caller's model, hsx bench's) → the experts implementation
@@ -7,7 +7,7 @@ the token budget (one for every rank of a copy) → compile → DeepGEMM's kerne
 recipe sets for every model that this one leaves unused are one line each, not a refusal: a recipe shared between
 a dense and an MoE model, a bf16 and an FP8 one, stays usable for both.
 
-hsx.job's Extraction runs the engine over what this returns; hsx.model loads and cuts the model, hsx.prepare
+hsx.job's Extraction runs the engine over what this returns; hsx.target.model loads and cuts the model, hsx.target.prepare
 prepares it to run and reports its kernels.
 """
 
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from hsx.config import ExtractConfig, HsxError
 
 if TYPE_CHECKING:
-    from hsx.model import LoadedModel, Target
-    from hsx.prepare import PreparedModel
+    from hsx.target.model import LoadedModel, Target
+    from hsx.target.prepare import PreparedModel
 
 CPU_TOKEN_BUDGET = 4096
 
@@ -30,7 +30,7 @@ class ReadyModel:
     """A model ready for the engine, and what was chosen for it."""
     loaded: LoadedModel
     prepared: PreparedModel  # packing, Gated DeltaNet kernels, the compile worker
-    kernels: dict[str, Any]  # hsx.prepare.kernel_report's, with DeepGEMM's build when one ran
+    kernels: dict[str, Any]  # hsx.target.prepare.kernel_report's, with DeepGEMM's build when one ran
     budget: int  # tokens per forward, the same on every rank of a copy
     compile: bool
     fp8_gemm: str | None  # the GEMM FP8 linear layers run on (None: none run FP8 here)
@@ -44,11 +44,11 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     it is (else `target`'s weights are loaded)."""
     import torch
 
-    from hsx import fp8, fp8_gemm, fp8_model
+    from hsx.target import fp8, fp8_gemm, fp8_model
     from hsx.cost import auto_token_budget, check_token_budget, memory_bytes
-    from hsx.model import load_model
-    from hsx.prepare import kernel_report, prepare_model, resolve_packing
-    from hsx.moe import has_experts, resolve_experts, use_experts
+    from hsx.target.model import load_model
+    from hsx.target.prepare import kernel_report, prepare_model, resolve_packing
+    from hsx.target.moe import has_experts, resolve_experts, use_experts
 
     device = proc.device
     cuda = device.type == "cuda"
@@ -58,7 +58,7 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     loaded = loaded or load_model(cfg, device, proc.devices, proc.distributed_config(), target, experts_share=share)
     use_experts(loaded.base, resolve_experts(cfg.experts_implementation, cuda))
     if proc.ep_size > 1:  # this rank keeps its share of the experts; tokens travel to the others' (all-to-all)
-        from hsx.expert_parallel import shard_experts
+        from hsx.target.expert_parallel import shard_experts
 
         modules, local = shard_experts(loaded.base, proc.ep_group)
         log(f"hsx: --ep-size {proc.ep_size}: each rank holds {local} routed experts of each of {modules} "
@@ -81,7 +81,7 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     kernels = kernel_report(loaded.base)
     if instead:
         log(instead)
-    for line in kernels.get("fallbacks", {}).values():  # kernels not checked on this GPU (hsx.kernels)
+    for line in kernels.get("fallbacks", {}).values():  # kernels not checked on this GPU (hsx.target.kernels)
         log(line)
     if kernels.get("linear_attention_forward") == "transformers":
         log(f"hsx: the Gated DeltaNet layers run on transformers' forward, right-padded, not packed "

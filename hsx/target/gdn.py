@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsx import kernels
+from hsx.target import kernels
 
 # fla's chunk size for the delta rule and its convolution: the chunk indices below use it, and hsx.cost prices the
 # per-chunk states with it

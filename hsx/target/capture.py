@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hsx.model import decoder_layers
+from hsx.target.model import decoder_layers
 
 
 @contextmanager

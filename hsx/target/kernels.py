@@ -6,7 +6,7 @@ GPU (A100 8.0, L40S 8.9, B200 10.0, RTX PRO 6000 Blackwell 12.0, ...) each runs 
 source says it supports that GPU (`Kernel.documented`, cited in `Kernel.source`); elsewhere the portable path named
 in `Kernel.instead` runs, and one line says so (`choose`: hsx extract logs it, hsx.json's run.kernels.fallbacks
 records it). Portable kernels (`instead` None) run everywhere they can, each checked against its reference on the
-device before use (hsx.fp8_gemm's Triton GEMM and quantization, hsx.moe_kernels' FP8 expert kernels).
+device before use (hsx.target.fp8_gemm's Triton GEMM and quantization, hsx.target.moe_kernels' FP8 expert kernels).
 
 `choose` is a pure function of (capability, installed packages, dtype, what the model has), so a CPU test can ask
 what any GPU gets; the modules that run the kernels ask `allowed(name, device)` (`runs_on` the device's capability)
@@ -71,7 +71,7 @@ KERNELS: dict[str, Kernel] = {
                           "fla's causal_conv1d, the l2norm and the gated RMSNorm in torch"),
     "fla_tuned_configs": Kernel("hsx's tuned tiles for fla's delta-rule kernels (gdn.TUNED_CONFIGS)",
                                 "fla's own autotuning"),
-    # FP8 checkpoints: activation quantization and block-scaled GEMMs (hsx.fp8_gemm.GEMMS, fastest first)
+    # FP8 checkpoints: activation quantization and block-scaled GEMMs (hsx.target.fp8_gemm.GEMMS, fastest first)
     "fp8_gemm_deepgemm": Kernel("DeepGEMM's fp8_gemm_nt", "the next block-scaled GEMM",
                                 source="hsx calls its SM90 recipe (float32 1x128 / 128x128 scales); DeepGEMM's "
                                        "SM100 kernels take UE8M0 scales"),
@@ -160,7 +160,7 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
     return picks
 
 
-FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.fp8_gemm.GEMMS: what auto tries, fastest first
+FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.target.fp8_gemm.GEMMS: what auto tries, fastest first
 FP8_PACKAGES = {"deepgemm": "deep_gemm", "fbgemm": "fbgemm_gpu"}  # GEMMs that run only with their package
 
 

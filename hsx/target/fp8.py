@@ -13,9 +13,9 @@ This module reads what a checkpoint declares (`quantization_of`), checks what it
 torch (`quantize_weight`, `quantize_activation`, `reference_mm`: the reference every FP8 kernel is checked against,
 `relative_error`). transformers loads such a checkpoint as stored (its FP8Linear modules hold the e4m3 weights and
 scales; no bf16 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) hsx runs the linear layers on its
-block-scaled GEMMs (hsx.fp8_gemm), put in the model by hsx.fp8_model; elsewhere (CPU, older GPUs) transformers
+block-scaled GEMMs (hsx.target.fp8_gemm), put in the model by hsx.target.fp8_model; elsewhere (CPU, older GPUs) transformers
 dequantizes the weights to the model's dtype at load and that runs instead (`runs_instead`). Experts in this
-layout (transformers' FP8Experts) run in hsx.moe's grouped path (`fp8_experts_forward`).
+layout (transformers' FP8Experts) run in hsx.target.moe's grouped path (`fp8_experts_forward`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hsx import kernels
+from hsx.target import kernels
 from hsx.errors import HsxError
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -34,7 +34,7 @@ FP8_MAX = 448.0  # the largest e4m3fn value
 BLOCK = 128  # the only block size hsx's kernels take (the official checkpoints' [128, 128])
 MAX_BLOCK = 1 << 16  # a weight_block_size side past this is no block layout (a matrix side is rarely larger)
 SCALE_EPS = 1e-10  # an all-zero activation block gets this scale instead of 0 (no 0/0)
-# Every check of an FP8 kernel (hsx.fp8_gemm's GEMMs, hsx.moe_kernels' expert kernels) against its float32
+# Every check of an FP8 kernel (hsx.target.fp8_gemm's GEMMs, hsx.target.moe_kernels' expert kernels) against its float32
 # reference: Frobenius relative error below this. A right kernel differs by accumulation order (6.9e-4 on
 # Qwen3-8B's shapes, docs/benchmarks.md); a wrong scale layout or tile is off by far more.
 CHECK_TOLERANCE = 1e-2

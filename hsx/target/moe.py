@@ -30,7 +30,7 @@ fused_moe_kernel with use_fp8_w8a8; on CPU tensors their torch reference, one ex
 kernels are checked against that reference on a GPU (tests/test_fp8.py, `gpu`); docs/fp8.md.
 
 `use_experts(base, name)` switches a loaded model's experts implementation, like `use_packing` for attention. The ops
-this path runs (each a Triton kernel on CUDA and its torch reference elsewhere) are hsx.moe_kernels'.
+this path runs (each a Triton kernel on CUDA and its torch reference elsewhere) are hsx.target.moe_kernels'.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import functools
 
 import torch
 
-from hsx import fp8, fp8_gemm, fp8_model, kernels
-from hsx.moe_kernels import (FUSED_DTYPES, fp8_experts_run_on, fp8_gate_up_activation, fp8_grouped_down,
+from hsx.target import fp8, fp8_gemm, fp8_model, kernels
+from hsx.target.moe_kernels import (FUSED_DTYPES, fp8_experts_run_on, fp8_gate_up_activation, fp8_grouped_down,
                              fp8_grouped_reference, gate_up_activation, gather_rows, grouped_mm, route_topk,
                              sum_pairs)
 

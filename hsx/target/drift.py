@@ -2,7 +2,7 @@
 (activations quantized per 1×128 block, block-scaled FP8 products) instead of on their dequantized weights in bf16.
 `hsx bench`'s drift column and `hsx verify OUT --against-bf16 N` both compute it here.
 
-Each row runs alone (batch 1, unpadded) through the model with extraction's capture hooks (hsx.capture: each
+Each row runs alone (batch 1, unpadded) through the model with extraction's capture hooks (hsx.target.capture: each
 chosen layer's output; with `final_hidden`, the final norm's output as the model returns it, as hsx.engine stores
 it): once as loaded (the FP8 forward), once within `fp8_model.bf16_reference` (the same weights dequantized, the same
 activations unquantized). A layer's relative error is the Frobenius one over every token of the rows,
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsx import fp8_model
-from hsx.capture import capture
+from hsx.target import fp8_model
+from hsx.target.capture import capture
 from hsx.errors import HsxError
 
 FINAL = "final_hidden_state"  # the final norm's output, named as its stored column

@@ -11,9 +11,9 @@ batches `hsx bench --profile` draws, with Qwen3-30B-A3B's and Qwen3-8B's heads: 
 2026-12-01).
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
-within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.prepare.varlen_attention` calls it where `supports` holds
+within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.target.prepare.varlen_attention` calls it where `supports` holds
 (no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens, and on GPUs the kernel
-was not checked on: `hsx.kernels`, compute capability 9.0).
+was not checked on: `hsx.target.kernels`, compute capability 9.0).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hsx import kernels
+from hsx.target import kernels
 from hsx.config import HsxError
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
@@ -101,7 +101,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     A batch whose longest row (`max_len`) exceeds KERNEL_ROW_LIMIT runs flash-attention 2 here instead: decided
     inside the op, a branch on the length in the compiled layer would be a guard, and a batch failing it would
     run the layer eager."""
-    if max_len > KERNEL_ROW_LIMIT or not kernels.allowed("packed_attention", q.device):  # (hsx.kernels' table)
+    if max_len > KERNEL_ROW_LIMIT or not kernels.allowed("packed_attention", q.device):  # (hsx.target.kernels' table)
         return flash_varlen(q, k, v, cu_seqlens, max_len, scale, None)
     tokens, heads, dim = q.shape
     groups = heads // k.shape[1]

@@ -5,7 +5,7 @@ whole on each rank, and each (token, expert) pair sent to its expert's rank and 
 units as in data parallelism; only the experts' GEMMs see the other ranks' tokens.
 
 Behind transformers' experts seam: each experts module keeps the forward transformers dispatches through its
-`ExpertsInterface` (hsx.moe's "hsx_grouped", its FP8 path, or transformers' own) and runs it on its local experts;
+`ExpertsInterface` (hsx.target.moe's "hsx_grouped", its FP8 path, or transformers' own) and runs it on its local experts;
 `shard_experts` wraps it with the dispatch and the combine. transformers 5.25 has an expert-parallel path of its own
 (`DistributedConfig(ep_size=N, fsdp_size=N, ...)` with the `ep_dispatch_experts` rule's `AllToAllEP`), but it ties
 the ranks' own batches to FSDP-sharded dense weights (gathered at every forward; FSDP2 fails under
@@ -15,7 +15,7 @@ The ranks of a group run their forwards in lockstep (every MoE layer is a collec
 agree whether any of them has one to run (`EpGroup.agree`), and a rank with none runs a one-token forward whose
 output is dropped (`Extractor.idle_in_lockstep`), so the others never wait on it; their token budgets are agreed
 (the smallest). The pairs' outputs come back and each token's k outputs are summed in float32 in the routing order,
-as hsx.moe's one-process `sum_pairs` does.
+as hsx.target.moe's one-process `sum_pairs` does.
 
 Each rank reads only its own experts from the checkpoint (`loading_local_experts`, around transformers'
 from_pretrained): the experts modules are built with the rank's share of the experts, and of the checkpoint's

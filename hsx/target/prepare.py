@@ -1,4 +1,4 @@
-"""A loaded model (hsx.model) prepared to run a job's batches, and the report of what runs.
+"""A loaded model (hsx.target.model) prepared to run a job's batches, and the report of what runs.
 
 - `prepare_model`: packed (padding-free) batches through hsx's varlen attention (`use_packing`, `resolve_packing`
   says whether a model can), Gated DeltaNet layers on fla's kernels, and regional compilation (`compile_layers`:
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from hsx import attention, fp8, fp8_gemm, fp8_model, gdn, kernels
+from hsx.target import attention, fp8, fp8_gemm, fp8_model, gdn, kernels
 from hsx.config import HsxError
-from hsx.model import checkpoint_quantization, decoder_layers, requested_attention
+from hsx.target.model import checkpoint_quantization, decoder_layers, requested_attention
 
 # How `compile_layers` compiled a model, kept beside it (weakly: gone with it), not as an attribute on
 # transformers' objects
@@ -310,7 +310,7 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
     attn_implementation: transformers' attention path (and attn_implementation_requested, what the job asked for;
     they differ when the model has no SDPA path, e.g. GPT-OSS runs eager). experts_implementation: the MoE experts'
     path (None without experts). For hybrid models with Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next):
-    linear_attention_forward is "hsx fla" when hsx.gdn runs them on fla's delta rule (CUDA with
+    linear_attention_forward is "hsx fla" when hsx.target.gdn runs them on fla's delta rule (CUDA with
     flash-linear-attention; linear_attention is then "fla" and causal_conv1d "hsx", `gdn.conv_kernel`: hsx's kernel
     for the convolution, q/k l2norm and layout, or "fla" for head layouts it does not take), else "transformers",
     with linear_attention_note saying why and linear_attention / causal_conv1d naming what transformers' own forward
@@ -355,7 +355,7 @@ def kernel_report(base: torch.nn.Module) -> dict[str, Any]:
 def kernel_choices(base: torch.nn.Module, has_experts: bool, linear: bool, quantization: dict | None
                    ) -> dict[str, Any]:
     """On CUDA, this GPU's compute capability, those hsx's kernels were checked on, what runs for each kernel choice
-    of this model (`hsx.kernels.choose`) and, where a kernel does not run here, the line saying what runs instead
+    of this model (`hsx.target.kernels.choose`) and, where a kernel does not run here, the line saying what runs instead
     (`fallbacks`, logged by hsx extract); {} off CUDA."""
     device = next((p.device for p in base.parameters()), torch.device("cpu"))
     cap = kernels.capability_of(device)
@@ -466,7 +466,7 @@ def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_p
     """The packing to run, and why auto chose none. auto = varlen on one CUDA device with the default attention,
     where it is exact: it cut GPU time against right-padded batches (docs/design.md, padding-free batches; the
     runs in docs/benchmarks.md). Hybrid Gated DeltaNet models pack only on hsx's fla forward
-    (hsx.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than padding."""
+    (hsx.target.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than padding."""
     if requested != "auto":  # asked for: `use_packing` refuses varlen where it would not be exact
         return requested, None
     if not cuda:
@@ -505,7 +505,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """transformers attention function for one packed sequence: q, k, v are (1, heads, T, dim); the rows are
     delimited by `cu_seq_lens_q` (int32, rows + 1 offsets) and each attends causally to itself only.
 
-    On CUDA this is one call per layer: hsx.attention's packed kernel where it takes the heads (plain causal
+    On CUDA this is one call per layer: hsx.target.attention's packed kernel where it takes the heads (plain causal
     attention), else flash-attention varlen (torch.nn.attention.varlen: sinks, sliding windows); on CPU (tests)
     it runs SDPA per row, which is exact and slow. Attention sinks (`s_aux`, GPT-OSS: one extra logit per head in every
     softmax's denominator) rescale the kernel's output: softmax over scores + sink = softmax over scores ×
