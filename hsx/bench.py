@@ -54,8 +54,8 @@ def bench_drift(base, layers: list[int], final_hidden: bool, rows: list[np.ndarr
     """The drift column: each captured state's relative error, FP8 forward against the bf16 forward of the same
     dequantized weights, over `rows` (hsx.target.drift, as `hsx verify --against-bf16`); {"not_measured": why} where hsx
     has no bf16 reference of some FP8 module."""
-    from hsx.target import drift
     from hsx.errors import HsxError
+    from hsx.target import drift
 
     try:
         d = drift.compare(base, layers, final_hidden, [drift.DriftRow(r) for r in rows], device)
@@ -142,13 +142,14 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hsx.target import fp8, fp8_gemm, fp8_model
-    from hsx.target import model as hsx_model
     from hsx.config import ExtractConfig, HsxError, parse_layer_spec, resolve_layers
     from hsx.cost import _num_experts, budget_cap, flops, layer_params, measure_matmul_tflops, shape_config
-    from hsx.target.prepare import compiled_state
     from hsx.run import current_process, extract
     from hsx.sink import OutputDir
+    from hsx import bench_models
+    from hsx.target import checkpoint, fp8, fp8_gemm, fp8_model
+    from hsx.target import model as hsx_model
+    from hsx.target.prepare import compiled_state
 
     proc = current_process(args.gpus_per_copy)
     device = proc.device
@@ -165,7 +166,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     if args.model:  # as extract loads it: its small files and its config.json bounded before transformers reads
         model_path, _ = hsx_model.resolve_model_path(args.model, None, trust_remote_code=False)
         full_config = hsx_model.read_model_config(model_path, args.model, trust_remote_code=False)
-        hsx_model.check_checkpoint(model_path, args.model,
+        checkpoint.check_checkpoint(model_path, args.model,
                                    fp8.carry_quantization(full_config, hsx_model.text_config_of(full_config)))
     else:
         full_config = shape_config(args.shape)
@@ -199,7 +200,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     elif quant is not None:  # e4m3 weights built directly, layer by layer: never a bf16 copy of the model
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
-        causal = fp8_model.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
+        causal = bench_models.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -596,8 +597,8 @@ def read_baseline(path: str, results: dict[str, Any]) -> float:
     """The one-process tok/s of `path`, the JSON of the same bench (`--scaling-baseline`): checked before
     anything is measured (a file given by the user: one clear line if it is not what it should be)."""
     from hsx.config import HsxError
-    from hsx.schema import RECORD_REST_BYTES
     from hsx.files import read_json
+    from hsx.schema import RECORD_REST_BYTES
 
     base = read_json(Path(path), limit=RECORD_REST_BYTES)  # (a bench's JSON: its config and numbers, a few KB)
     one = base["c"].get("tok_per_s") if isinstance(base.get("c"), dict) else None
@@ -721,9 +722,10 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     of all the model's linears per `tokens` tokens."""
     import torch
 
-    from hsx.target import fp8, fp8_gemm, fp8_model
     from hsx.cost import shape_config
+    from hsx import bench_models
     from hsx.errors import HsxError
+    from hsx.target import fp8, fp8_gemm
     from hsx.target.model import text_config_of
 
     if not torch.cuda.is_available() or not fp8.has_fp8_tensor_cores(torch.device("cuda")):
@@ -735,7 +737,7 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     if missing:
         results["not_run"] = missing
     for shape in shapes:
-        counts = fp8_model.linear_shapes(text_config_of(shape_config(shape)))
+        counts = bench_models.linear_shapes(text_config_of(shape_config(shape)))
         rows, totals = [], {name: 0.0 for name in GEMM_BENCH}
         for (n, k), count in sorted(counts.items()):
             row = _gemm_row(device, tokens, n, k, missing)
@@ -756,8 +758,8 @@ def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
 def _gemm_row(device, tokens: int, n: int, k: int, missing: dict[str, str]) -> dict[str, Any]:
     import torch
 
-    from hsx.target import fp8, fp8_gemm
     from hsx.errors import one_line
+    from hsx.target import fp8, fp8_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=g, dtype=torch.bfloat16)

@@ -1102,7 +1102,7 @@ def _offline_tokenizer(cfg):
     """The job's tokenizer from a local folder or the Hugging Face cache; None if that needs the Hub."""
     from transformers import AutoTokenizer
 
-    from hsx.target.model import check_model_files
+    from hsx.target.checkpoint import check_model_files
 
     source = cfg.tokenizer or cfg.model
     kwargs = {} if Path(source).is_dir() else {"revision": cfg.revision, "local_files_only": True}

@@ -29,11 +29,11 @@ import pyarrow as pa
 import torch
 
 from hsx.buckets import PAD_MULTIPLE, padded_length
-from hsx.target.capture import capture
+from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 from hsx.target import gdn
+from hsx.target.capture import capture
 from hsx.target.model import LoadedModel
 from hsx.target.prepare import PreparedModel
-from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 
 
 @dataclass

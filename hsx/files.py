@@ -44,19 +44,27 @@ def open_bounded(path: Path, limit: int):
     return f
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict, refusing a key given twice: json keeps the last, so a file with two
-    `complete`s or two `files` lists would say one thing to one reader and another to the next."""
+class DuplicateKey(Damaged):
+    """A JSON object names `key` twice."""
+
+    def __init__(self, key: str):
+        super().__init__(f"key {key[:60]!r} given twice")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (json.loads' object_pairs_hook), refusing a key given twice: json keeps the
+    last, so a file with two `complete`s or two `files` lists would say one thing to one reader and another to the
+    next (and safetensors refuses such a header)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise Damaged(f"key {dup[:60]!r} given twice")
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
     return obj
 
 
 def _loads(text: str) -> Any:
-    return json.loads(text, object_pairs_hook=_unique_keys)
+    return json.loads(text, object_pairs_hook=unique_keys)
 
 
 def read_json(path: Path, record=None, *, limit: int | None = None):

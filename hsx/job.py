@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hsx.version import __version__
-from hsx.buckets import UNIT_PLAN, Unit, plan_units
-from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
-from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
-from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
-from hsx.card import dataset_card
-from hsx.files import read_json
 from hsx import ledgers
+from hsx.buckets import UNIT_PLAN, Unit, plan_units
+from hsx.card import dataset_card
+from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
+from hsx.files import read_json
+from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
 from hsx.info import combine_rank_stats, complete_info, info_features, read_info
+from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
 from hsx.sink import Committer, OutputDir, job_fingerprint
+from hsx.version import __version__
 from hsx.vocab import write_token_frequencies
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def command_line() -> str:
 def _tokenizer(cfg: ExtractConfig, model_path: str):
     from transformers import AutoTokenizer
 
-    from hsx.target.model import check_model_files
+    from hsx.target.checkpoint import check_model_files
 
     check_model_files(cfg.tokenizer or model_path)  # (its files' sizes, before transformers reads them whole)
     try:
@@ -436,8 +436,8 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
     list, or units claimed as the loop goes (hsx.claims.Claimed: closed here, so the producer ends with the loop)."""
     import datasets
 
-    from hsx.schema import TOKEN_COLUMNS
     from hsx.checksums import checksum_pool
+    from hsx.schema import TOKEN_COLUMNS
     from hsx.writer import spares_for, unit_files, unit_fingerprint
 
     unit_rows, step, budget, feats = extraction.rows, extraction, extraction.budget, extraction.features

@@ -43,8 +43,8 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
 
     from hsx.config import HsxError
     from hsx.errors import check_range
-    from hsx.load import open_checked_files, torch_view
     from hsx.ledgers import uploaded_matches
+    from hsx.load import open_checked_files, torch_view
     from hsx.sink import OutputDir
 
     check_range("samples", samples, 0, 2**31 - 1)
@@ -151,8 +151,8 @@ def _crc_of_approved(out, f: Path) -> str:
     """CRC-32 of a unit read through the fd `OutputDir.open_unit` checks (the file unit_source approved, no link)."""
     import os
 
-    from hsx.config import HsxError
     from hsx.checksums import file_crc32
+    from hsx.config import HsxError
 
     try:
         fd = out.open_unit(f)
@@ -169,9 +169,9 @@ def _recompute(info: Info, rows, samples: int, seed: int, model_path: str,
     import torch
     from transformers import AutoModel
 
+    from hsx.target.checkpoint import check_checkpoint
     from hsx.target.fp8 import carry_quantization
-    from hsx.target.model import (TORCH_DTYPES, check_checkpoint, decoder_layers, read_model_config, resolve_model_path,
-                           text_config_of)
+    from hsx.target.model import TORCH_DTYPES, decoder_layers, read_model_config, resolve_model_path, text_config_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # as extract loads it: its small files and its config.json bounded before transformers reads them, its stored
@@ -240,13 +240,13 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
     fingerprint records. Refused (HsxError) when the target is not FP8."""
     import torch
 
-    from hsx.target import drift, fp8, fp8_model
     from hsx.config import EXPERTS_CHOICES, config_from
     from hsx.errors import check_range
     from hsx.load import torch_view
+    from hsx.sink import OutputDir
+    from hsx.target import drift, fp8, fp8_model
     from hsx.target.model import load_model, read_model_config, text_config_of
     from hsx.target.moe import resolve_experts, use_experts
-    from hsx.sink import OutputDir
 
     check_range("--against-bf16", rows, 1, 2**31 - 1)
     if trust_remote_code and not model:
@@ -319,8 +319,8 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
 
 
 def _job_record(out):
-    from hsx.schema import JobRecord
     from hsx.files import read_json
+    from hsx.schema import JobRecord
 
     f = out.state / "job.json"
     return read_json(f, JobRecord) if f.is_file() else None

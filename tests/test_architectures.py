@@ -30,7 +30,8 @@ import transformers
 from helpers import as_table, bf16_ulps, make_cfg, rel_err, write_jsonl
 from hsx.config import HsxError
 from hsx.engine import Extractor, Pipeline
-from hsx.target.model import load_model, text_weights_prefix, truncated_view
+from hsx.target.checkpoint import text_weights_prefix
+from hsx.target.model import load_model, truncated_view
 from hsx.target.prepare import kernel_report, packing_blocker, prepare_model, resolve_packing
 
 CPU = torch.device("cpu")

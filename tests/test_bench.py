@@ -225,8 +225,9 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     import torch
     import transformers
 
-    from hsx.target import fp8_model, moe
+    from hsx import bench_models
     from hsx.bench import bench_drift
+    from hsx.target import fp8_model, moe
 
     if not hasattr(transformers, "Qwen3_5MoeTextConfig") and kind != "qwen3_moe":
         pytest.skip("this transformers has no Qwen3.5-MoE")
@@ -235,7 +236,7 @@ def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
     config = _moe_config(kind)
     config.quantization_config = dict(OFFICIAL)
     torch.manual_seed(0)
-    causal = fp8_model.random_causal_lm(config, torch.device("cpu"), "sdpa")
+    causal = bench_models.random_causal_lm(config, torch.device("cpu"), "sdpa")
     moe.use_experts(causal, moe.EXPERTS_IMPLEMENTATION)
     rows = [np.arange(3, 40), np.arange(100, 130)]
     lines = []

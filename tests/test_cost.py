@@ -55,8 +55,8 @@ def test_plan_knows_the_gpus_people_run_this_on(capsys, monkeypatch):
     """hsx plan --gpu: each GPU's memory, bf16 and FP8 rates (datasheet figures, planned at the share of its datasheet
     rate a matmul reached on the one GPU measured, said so), its compute capability, and the kernel lines hsx extract
     would log there."""
-    from hsx.target import kernels
     from hsx.cost import GPUS, job_plan
+    from hsx.target import kernels
 
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "rtx-pro-6000", "l40s"} <= set(GPUS)
     for spec in GPUS.values():

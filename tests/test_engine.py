@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import as_table, bf16_ulps, make_cfg
-from hsx.target.capture import capture
 from hsx.engine import Extractor, Pipeline
+from hsx.target.capture import capture
 from hsx.target.model import load_model
 from hsx.target.prepare import prepare_model
 
@@ -335,8 +335,8 @@ def test_a_second_ctrl_c_while_joining_the_compile_worker_ends_it_first():
 
     import torch
 
-    from hsx.target.prepare import CompileAhead
     from hsx.run import stop_on_signal
+    from hsx.target.prepare import CompileAhead
 
     compiling, compiled = threading.Event(), []
 

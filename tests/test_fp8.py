@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from hsx.target import fp8, fp8_gemm, fp8_model
+from hsx import bench_models
 from hsx.config import ExtractConfig, HsxError
+from hsx.target import fp8, fp8_gemm, fp8_model
 
 STD = 0.02  # the init std of Qwen3 (initializer_range)
 OFFICIAL = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
@@ -577,8 +578,8 @@ def test_fp8_moe_checkpoint_loads_on_cpu_dequantized(tmp_path, capsys):
 def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
     """`--shape qwen3-30b-a3b-fp8` is an FP8 MoE config; its random experts are built e4m3 with block scales, in
     the form hsx's FP8 experts path runs (built here on CPU at a tiny size)."""
-    from hsx.target import moe
     from hsx.cost import is_fp8, job_plan, shape_config
+    from hsx.target import moe
 
     c = shape_config("qwen3-30b-a3b-fp8")
     assert is_fp8(c) and c.num_experts == 128
@@ -588,7 +589,7 @@ def test_fp8_moe_shape_plans_and_builds_random_e4m3_experts():
     assert fast["expected_seconds"] >= 0.99 * slow["expected_seconds"]
     tiny = _moe_config("qwen3_moe")
     tiny.quantization_config = dict(OFFICIAL)
-    causal = fp8_model.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
+    causal = bench_models.random_causal_lm(tiny, torch.device("cpu"), "sdpa")
     experts = [m for m in causal.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(m.gate_up_proj.dtype == torch.float8_e4m3fn and m.down_proj_scale_inv.shape == (8, 2, 1)
                            for m in experts)
@@ -1155,7 +1156,7 @@ def test_gemm_bench_takes_each_shapes_fp8_linears_formats_its_table_and_needs_a_
     from hsx.target.model import text_config_of
 
     # Qwen3-8B: q/o 4096², k/v 1024 × 4096, gate/up 12288 × 4096 (2 each of 36 layers), down 4096 × 12288
-    assert fp8_model.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
+    assert bench_models.linear_shapes(text_config_of(shape_config("qwen3-8b"))) == {
         (4096, 4096): 72, (1024, 4096): 72, (12288, 4096): 72, (4096, 12288): 36}
     rows = [{"n": 4096, "k": 4096, "count": 2, "bf16": 700.0, "cublas": 1000.0, "cublas_error": 7e-4,
              "fbgemm": "RuntimeError: cutlass cannot run"}]
@@ -1214,8 +1215,8 @@ def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_on
     import transformers
     from transformers.integrations import finegrained_fp8 as hf_fp8
 
-    from hsx.target.model import truncated_view
     from hsx.run import extract
+    from hsx.target.model import truncated_view
 
     def unavailable():
         raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed")
@@ -1622,7 +1623,7 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
 # transformers trusts what it finds: on CPU it dequantizes with whatever scale grid is there (none: the e4m3 values
 # unscaled, off by ~1e10; [1, 1]: broadcast) and never reads weight_block_size; on a GPU it casts what it finds
 # into its e4m3 / float32 parameters. Each damage below gave other states with exit 0 (or, NaN scales, a line
-# blaming the data) before hsx checked the checkpoint (hsx.target.model.check_checkpoint, hsx.target.fp8.stored_problems).
+# blaming the data) before hsx checked the checkpoint (hsx.target.checkpoint.check_checkpoint, hsx.target.fp8.stored_problems).
 
 DOWN = "model.layers.0.mlp.down_proj.weight"  # (256, 768): 2 × 6 scales of 128 × 128 blocks
 EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"  # (128, 256): 1 × 2

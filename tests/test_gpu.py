@@ -638,8 +638,8 @@ def test_packed_kernel_model_equals_padded_on_cuda():
     pytest.importorskip("triton")
     import transformers
 
-    from hsx.target import attention
     from hsx.demo import build_model_config
+    from hsx.target import attention
 
     tok = build_tokenizer()
     cfg = build_model_config(len(tok), num_layers=4, hidden_size=256, head_dim=64, num_attention_heads=8,

@@ -41,9 +41,9 @@ def test_the_targets_format_is_the_jobs(model8):
 
 
 def test_ready_model_on_a_cpu_says_which_options_do_not_apply(model4):
+    from hsx.run import current_process
     from hsx.target.model import read_target
     from hsx.target.ready import CPU_TOKEN_BUDGET, ready_model
-    from hsx.run import current_process
 
     cfg = dataclasses.replace(make_cfg(model4, [1], False), experts_implementation="eager", fp8_gemm="triton")
     lines = []

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from hsx.target import kernels
 from hsx.config import HsxError
+from hsx.target import kernels
 
 QUERY_ROWS = 128  # query rows of one program: TOK tokens × G heads of one key/value head group
 # Fixed, no autotuning at run time: of the configs timed (key blocks 32-128, 4 or 8 warps, 2-4 stages) this was the

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsx.errors import HsxError
 from hsx.target import fp8_model
 from hsx.target.capture import capture
-from hsx.errors import HsxError
 
 FINAL = "final_hidden_state"  # the final norm's output, named as its stored column
 COMPARISONS = ("fp8_vs_bf16", "stored_vs_bf16", "stored_vs_fp8")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from hsx.target import kernels
 from hsx.errors import HsxError
+from hsx.target import kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3fn value

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 
 import torch
 
-from hsx.target import kernels
 from hsx.config import FP8_GEMM_CHOICES
 from hsx.errors import HsxError, one_line
+from hsx.target import kernels
 from hsx.target.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight, quantize_activation,
                      quantize_activation_padded, quantize_weight, reference_mm, relative_error)
 

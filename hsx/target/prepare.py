@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hsx.target import attention, fp8, fp8_gemm, fp8_model, gdn, kernels
 from hsx.config import HsxError
+from hsx.target import attention, fp8, fp8_gemm, fp8_model, gdn, kernels
 from hsx.target.model import checkpoint_quantization, decoder_layers, requested_attention
 
 # How `compile_layers` compiled a model, kept beside it (weakly: gone with it), not as an attribute on

@@ -44,11 +44,11 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     it is (else `target`'s weights are loaded)."""
     import torch
 
-    from hsx.target import fp8, fp8_gemm, fp8_model
     from hsx.cost import auto_token_budget, check_token_budget, memory_bytes
+    from hsx.target import fp8, fp8_gemm, fp8_model
     from hsx.target.model import load_model
-    from hsx.target.prepare import kernel_report, prepare_model, resolve_packing
     from hsx.target.moe import has_experts, resolve_experts, use_experts
+    from hsx.target.prepare import kernel_report, prepare_model, resolve_packing
 
     device = proc.device
     cuda = device.type == "cuda"
