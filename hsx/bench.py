@@ -200,7 +200,8 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
     elif quant is not None:  # e4m3 weights built directly, layer by layer: never a bf16 copy of the model
         if len(proc.devices) > 1 or not on_fp8:
             raise HsxError(f"--shape {args.shape}: random FP8 weights are built on one GPU with FP8 tensor cores")
-        causal = bench_models.random_causal_lm(full_config, device, hsx_model.supported_attn_implementation(text, "sdpa"))
+        causal = bench_models.random_causal_lm(full_config, device,
+                                               hsx_model.supported_attn_implementation(text, "sdpa"))
     elif len(proc.devices) > 1:
         causal = random_model_over(full_config, dtype, proc.devices)
     else:
@@ -715,8 +716,9 @@ GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
-    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against hsx.target.fp8_gemm's cuBLAS,
-    DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already quantized: the GEMM alone, the weight
+    """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against
+    hsx.target.fp8_gemm's cuBLAS, DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already
+    quantized: the GEMM alone, the weight
     scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
     3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time
     of all the model's linears per `tokens` tokens."""

@@ -41,8 +41,8 @@ LAYER_CONVENTION = (
 
 
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.target.moe; the last two are transformers' own
-# hsx.target.fp8_gemm's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works on the
-# device, fastest first by the GEMM rates in docs/benchmarks.md)
+# hsx.target.fp8_gemm's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works
+# on the device, fastest first by the GEMM rates in docs/benchmarks.md)
 FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "triton")
 PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 
@@ -154,7 +154,8 @@ class ExtractConfig:
                              help="attention kernel for sdpa on CUDA (`default`: torch's own pick; why flash: "
                              "docs/benchmarks.md, cuDNN attention's host overhead)")
     experts_implementation: str = _key("auto", choices=EXPERTS_CHOICES, advanced=True, help="MoE experts: "
-                                       "hsx_grouped (two grouped GEMMs, hsx.target.moe), grouped_mm (transformers'), eager "
+                                       "hsx_grouped (two grouped GEMMs, hsx.target.moe), grouped_mm (transformers'), "
+                                       "eager "
                                        "(a loop over experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, advanced=True, help="FP8 targets on CUDA: the block-scaled "
                          "GEMM (deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "

@@ -68,7 +68,8 @@ class Extractor:
     def __init__(self, loaded: LoadedModel, device: torch.device, token_budget: int, prepared: PreparedModel,
                  slots: int = 3, sdpa_backend: str = "flash", nonfinite: str = "skip", fmt: OutputFormat | None = None,
                  teacher_top_p: float = 1.0, teacher_temperature: float = 1.0):
-        """`fmt`: the job's output format (hsx.target.model.Target's: its storage dtype, top-k logits and teacher policy);
+        """`fmt`: the job's output format (hsx.target.model.Target's: its storage dtype, top-k logits and teacher
+        policy);
         None: the loaded layers in the default storage dtype. `teacher_*`: the policy's top-p and temperature."""
         fmt = fmt or OutputFormat(len(loaded.layers), loaded.hidden_size, loaded.final_hidden)
         self.loaded, self.device = loaded, device

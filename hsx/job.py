@@ -298,7 +298,8 @@ class RunStats:
     experts_implementation: str | None = None  # what the MoE experts ran (left out without experts)
     fp8_gemm: str | None = None  # the block-scaled GEMM an FP8 target's linears ran (left out without one)
     kernels: dict[str, Any] | None = None
-    versions: dict[str, str] | None = None  # hsx.target.prepare.library_versions: the libraries that computed the states
+    # hsx.target.prepare.library_versions: the libraries that computed the states
+    versions: dict[str, str] | None = None
     gpu_waited_for_writer_seconds: float | None = None
     map_waited_for_gpu_seconds: float | None = None
     write_seconds: float | None = None
@@ -310,8 +311,8 @@ class RunStats:
 
 
 class Extraction:
-    """The job's engine step on this rank: the model made ready (hsx.target.ready), hsx.engine's Extractor and Pipeline over
-    `units`' batches, in order, with the run's stats and progress bar. Call it on each batch (the
+    """The job's engine step on this rank: the model made ready (hsx.target.ready), hsx.engine's Extractor and Pipeline
+    over `units`' batches, in order, with the run's stats and progress bar. Call it on each batch (the
     function `datasets.map` runs, or a stream's loop), `release()` after each unit, and `close()` (or use it as a
     context manager) at the end: that stops the producer thread and frees the slots."""
 

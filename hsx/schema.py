@@ -126,8 +126,8 @@ class OutputFormat:
     @classmethod
     def of_job(cls, cfg, layers: list[int], hidden: int, final_hidden: bool) -> "OutputFormat":
         """The format a job's config (its storage dtype, top-k logits, `nonfinite`) gives `layers` (and the
-        final-norm state) of a model `hidden` wide: where a job's format is made (hsx.target.model.Target's, the checks of
-        hsx.config.target_layers)."""
+        final-norm state) of a model `hidden` wide: where a job's format is made (hsx.target.model.Target's, the checks
+        of hsx.config.target_layers)."""
         return cls(len(layers), int(hidden), final_hidden, cfg.storage_dtype, cfg.topk_logits,
                    cfg.nonfinite == "keep", cfg.teacher_policy)
 

@@ -231,7 +231,8 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
                  log=print) -> dict[str, Any]:
     """How far an FP8 target's stored states are from its bf16 model's (`hsx verify OUT --against-bf16 N`).
 
-    `rows` rows spread evenly over the output (hsx.target.drift.spread_rows; more than the output holds: all of them) run
+    `rows` rows spread evenly over the output (hsx.target.drift.spread_rows; more than the output holds: all of them)
+    run
     again through the target as hsx loads it for extraction (hsx.target.model.load_model, the job's layers and dtype,
     its experts implementation for this device): the FP8 forward, and the bf16 forward of the same dequantized
     weights (hsx.target.drift). Per stored state: stored vs bf16 (what was asked), fresh FP8 vs bf16 (the drift FP8

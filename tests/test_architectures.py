@@ -1,7 +1,8 @@
 """hsx is right on every architecture family it claims (issue 8), checked on tiny random models built in-process.
 
 For each family a random float32 model is saved (safetensors) and then run through hsx's real path:
-`hsx.target.model.load_model` (truncated, base model only) → `Extractor` driven by `Pipeline` over right-padded multi-row
+`hsx.target.model.load_model` (truncated, base model only) → `Extractor` driven by `Pipeline` over right-padded
+multi-row
 batches of varied lengths (hooks, gather of real tokens). The result is compared with the reference forward: the
 full-depth model as a user loads it (or the original in-memory model), on ONE sample, unpadded:
 `output_hidden_states[i+1]` for i < N-1, a forward hook for the last layer's pre-norm output, `hidden_states[N]`

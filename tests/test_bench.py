@@ -217,7 +217,8 @@ def test_gpu_clocks_reports_busy_samples_only(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe_text"])
 def test_bench_drift_column_covers_fp8_experts_and_hybrid_layers(kind):
-    """The drift column (hsx.target.drift, as `hsx verify --against-bf16`) on random FP8 weights built as `--shape NAME-fp8`
+    """The drift column (hsx.target.drift, as `hsx verify --against-bf16`) on random FP8 weights built as `--shape
+    NAME-fp8`
     builds them (here on CPU, tiny; FP8 modules run their torch reference): MoE experts and Gated DeltaNet layers
     included, each captured state gets a relative error, non-zero (activation quantization) and small; a module the
     bf16 reference would not switch leaves the column "not measured", in one line, never a number."""

@@ -138,8 +138,8 @@ def padded(n: int) -> int:
 
 
 def hook_loaded_models(monkeypatch, install) -> None:
-    """`install(base)` on each model a job loads (hsx.target.model.load_model, which hsx.target.ready calls): a fault enters
-    where a real one does, in the model's own forward."""
+    """`install(base)` on each model a job loads (hsx.target.model.load_model, which hsx.target.ready calls): a fault
+    enters where a real one does, in the model's own forward."""
     import hsx.target.model
 
     real_load_model = hsx.target.model.load_model

@@ -787,7 +787,8 @@ CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 
 @pytest.fixture
 def gemm_state(monkeypatch):
-    """hsx.target.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU tensors)."""
+    """hsx.target.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU
+    tensors)."""
     for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
         monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
@@ -1238,7 +1239,7 @@ def test_extract_with_fp8_experts_on_transformers_eager_without_its_kernel_is_on
     assert not list((tmp_path / "out").glob("**/*.arrow"))
 
 
-# ---- FP8 against bf16 (hsx.target.drift; `hsx verify --against-bf16`) -------------------------------------------------------
+# ---- FP8 against bf16 (hsx.target.drift; `hsx verify --against-bf16`) ------------------------------------------------
 
 def _pretokenized(path, seed=0, count=12):
     """Pre-tokenized rows (no tokenizer needed) with a loss mask on the second half of each row."""
@@ -1261,8 +1262,8 @@ def _extract(folder, data, out, *extra):
 
 
 def _loaded_as_stored(monkeypatch):
-    """hsx.target.model.load_model keeping the checkpoint's e4m3 tensors on CPU (transformers dequantizes whenever it sees
-    no CUDA device, so the load is told there is one) and hsx's FP8 modules installed: on CPU they run their torch
+    """hsx.target.model.load_model keeping the checkpoint's e4m3 tensors on CPU (transformers dequantizes whenever it
+    sees no CUDA device, so the load is told there is one) and hsx's FP8 modules installed: on CPU they run their torch
     reference (activations quantized per 1×128 block, block-scaled products), so the FP8 forward is FP8 maths."""
     from hsx.target import model as hsx_model
     from hsx.target import moe
@@ -1623,7 +1624,8 @@ def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(
 # transformers trusts what it finds: on CPU it dequantizes with whatever scale grid is there (none: the e4m3 values
 # unscaled, off by ~1e10; [1, 1]: broadcast) and never reads weight_block_size; on a GPU it casts what it finds
 # into its e4m3 / float32 parameters. Each damage below gave other states with exit 0 (or, NaN scales, a line
-# blaming the data) before hsx checked the checkpoint (hsx.target.checkpoint.check_checkpoint, hsx.target.fp8.stored_problems).
+# blaming the data) before hsx checked the checkpoint (hsx.target.checkpoint.check_checkpoint,
+# hsx.target.fp8.stored_problems).
 
 DOWN = "model.layers.0.mlp.down_proj.weight"  # (256, 768): 2 × 6 scales of 128 × 128 blocks
 EXPERT = "model.layers.0.mlp.experts.3.up_proj.weight"  # (128, 256): 1 × 2

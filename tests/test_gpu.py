@@ -220,8 +220,8 @@ def _torch_delta_rule(causal):
     throughout, and no fla kernel for float32 inputs (fla's autotuning of both references ran past 170 s; its
     chunk_delta_h kernel asks for 361 KB of shared memory in float32, past an H200's 227 KB). Older transformers
     bound the rule to each layer when built; later ones (5.17 on) call a module-level function that dispatches to
-    fla when fla is installed (`hsx.target.prepare.fallback_closure` finds its torch rule). Both are rebound, and restored
-    after."""
+    fla when fla is installed (`hsx.target.prepare.fallback_closure` finds its torch rule). Both are rebound, and
+    restored after."""
     import sys
 
     from hsx.target.prepare import fallback_closure
@@ -316,7 +316,8 @@ def test_fla_autotuning_is_settled_ahead():
 
 
 def test_sum_pairs_kernel_equals_the_torch_sum_bit_for_bit():
-    """hsx.target.moe_kernels' un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference: the same
+    """hsx.target.moe_kernels' un-permute and k-sum on CUDA (one Triton kernel) gives the bits of the torch reference:
+    the same
     float32 additions in the same order, one rounding; ragged tiles (tokens, hidden not multiples of the tile),
     GPT-OSS's width and its bias addend, k of 8 and 4."""
     pytest.importorskip("triton")
@@ -355,7 +356,8 @@ def _gated_pairs(x, order, offsets, weights, gate_up, transposed, k):
 
 
 def test_gate_up_kernel_equals_the_grouped_path():
-    """hsx.target.moe_kernels' fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its epilogue)
+    """hsx.target.moe_kernels' fused gate/up kernel (rows read by index, SiLU · up and the routing weight in its
+    epilogue)
     against a float32 reference of the same pairs: as close to it as the torch path (row gather, bf16 grouped
     GEMM, activation), at Qwen3-30B-A3B's shapes with skewed routing, and on a ragged case (hidden and width not
     multiples of the tile, empty experts, the transposed layout, fp16); every pair row written."""
@@ -633,7 +635,8 @@ def test_packed_attention_kernel_equals_flash_varlen():
 
 
 def test_packed_kernel_model_equals_padded_on_cuda():
-    """A model whose heads hsx.target.attention's packed kernel takes (dim 64, 8 query heads per key/value head), packed,
+    """A model whose heads hsx.target.attention's packed kernel takes (dim 64, 8 query heads per key/value head),
+    packed,
     eager and compiled (the kernel as a custom op inside the compiled layers), equals right-padded batches."""
     pytest.importorskip("triton")
     import transformers
@@ -659,7 +662,8 @@ def test_packed_kernel_model_equals_padded_on_cuda():
 
 
 def test_route_topk_kernel_equals_the_torch_router():
-    """hsx.target.moe_kernels' router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch reference
+    """hsx.target.moe_kernels' router kernel (softmax, top-k, renormalization in one Triton kernel) against the torch
+    reference
     on CUDA: Qwen3-30B-A3B's 128 experts / top-8 at 16k tokens, bf16 logits (ties at the k-th place happen), and
     a ragged small case without renormalization. Experts match wherever the k-th and next probabilities differ
     (at a tie either is a top-k); weights, in descending order, match within a bf16 rounding."""

@@ -1,5 +1,6 @@
 """Which kernel each GPU gets: hsx's kernels run where they were checked (compute capability 9.0) or documented, the
-portable path elsewhere, with one line saying so; forced on CPU through `hsx.target.kernels.choose` for each capability."""
+portable path elsewhere, with one line saying so; forced on CPU through `hsx.target.kernels.choose` for each
+capability."""
 
 import pytest
 

@@ -1,7 +1,7 @@
-"""A model or tokenizer (a folder or a Hub id) is checked before transformers reads it (hsx.target.checkpoint): config.json, the
-checkpoint index and every file a tokenizer reader opens are bounded in size, by stat in a folder and by the Hub's
-listing before a download; a config that does not build the model is one line naming the key; verify and bench
-resolve a model as extract does."""
+"""A model or tokenizer (a folder or a Hub id) is checked before transformers reads it (hsx.target.checkpoint):
+config.json, the checkpoint index and every file a tokenizer reader opens are bounded in size, by stat in a folder
+and by the Hub's listing before a download; a config that does not build the model is one line naming the key;
+verify and bench resolve a model as extract does."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from helpers import fault_argv, hsx_main, message_lines, the_error_line
 
-import hsx.target.checkpoint
 import hsx.target.model
+from hsx.target import checkpoint
 from hsx.config import ExtractConfig, HsxError
 
 
@@ -48,14 +48,14 @@ def test_a_model_folder_json_past_its_bound_is_refused_before_it_is_parsed(model
     """config.json and model.safetensors.index.json were read whole, whatever their size (json.loads of 1 GB of
     `[[],...]` takes ~20 GB): past a bound far above any real one, one line naming the file, nothing parsed."""
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
-    monkeypatch.setattr(hsx.target.checkpoint, bound, 1 << 20)
+    monkeypatch.setattr(checkpoint, bound, 1 << 20)
     if name == "config.json":
         _big_json(model / name, 2 << 20, json.loads((model / name).read_text()))
     else:
         _big_json(model / name, 2 << 20, {"metadata": {}, "weight_map": {}})
     parsed = []
     real_loads = json.loads
-    monkeypatch.setattr(hsx.target.checkpoint.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
+    monkeypatch.setattr(checkpoint.json, "loads", lambda s, *a, **k: parsed.append(len(s)) or real_loads(s, *a, **k))
     cfg = _cfg(str(model))
     with pytest.raises(HsxError, match=re.escape(str(model / name)) + r" is [\d,]+ bytes, more than any"):
         hsx.target.model.load_model(cfg, __import__("torch").device("cpu"))
@@ -87,7 +87,7 @@ def test_a_hub_ids_config_json_is_bounded_too(tmp_path, monkeypatch):
     snapshot = tmp_path / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     _big_json(snapshot / "config.json", 2 << 20, {"model_type": "llama", "num_hidden_layers": 2})
-    monkeypatch.setattr(hsx.target.checkpoint, "MAX_CONFIG_BYTES", 1 << 20)
+    monkeypatch.setattr(checkpoint, "MAX_CONFIG_BYTES", 1 << 20)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **k: str(snapshot / name))
     with pytest.raises(HsxError, match=re.escape(str(snapshot / "config.json")) + " is [\\d,]+ bytes, more than any"):
         hsx.target.model.read_model_config("someone/model", "someone/model", False)
@@ -161,7 +161,7 @@ def test_a_tokenizer_file_past_its_bound_is_one_line_before_transformers_reads_i
     from hsx.job import _tokenizer
 
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
-    limit = getattr(hsx.target.checkpoint, bound)
+    limit = getattr(checkpoint, bound)
     _sparse(model / name, limit + 1)
     opened = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
@@ -191,7 +191,7 @@ def test_a_tokenizer_file_linked_out_of_the_folder_counts_at_its_target_size(mod
     from hsx.job import _tokenizer
 
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
-    big = _sparse(tmp_path / "elsewhere" / "blob", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)
+    big = _sparse(tmp_path / "elsewhere" / "blob", checkpoint.MAX_TOKENIZER_BYTES + 1)
     (model / "tokenizer.json").unlink()
     (model / "tokenizer.json").symlink_to(big)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("opened"))
@@ -211,7 +211,7 @@ def test_a_separate_tokenizer_folder_is_bounded_too(model4, tmp_path, monkeypatc
     from hsx.job import _tokenizer
 
     tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
-    _sparse(tok / "vocab.json", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)
+    _sparse(tok / "vocab.json", checkpoint.MAX_TOKENIZER_BYTES + 1)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("opened"))
     with pytest.raises(HsxError, match=re.escape(str(tok / "vocab.json")) + " is 536,870,913 bytes"):
         _tokenizer(_cfg(str(model4.path), tokenizer=str(tok)), str(model4.path))
@@ -224,7 +224,7 @@ def test_the_plans_offline_tokenizer_from_the_hf_cache_is_bounded(model4, tmp_pa
     from hsx.cost import _offline_tokenizer
 
     snapshot = Path(shutil.copytree(model4.path, tmp_path / "snapshots" / ("a" * 40)))
-    _sparse(snapshot / "tokenizer.json", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)
+    _sparse(snapshot / "tokenizer.json", checkpoint.MAX_TOKENIZER_BYTES + 1)
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo, **k: asked.append((repo, k)) or str(snapshot))
@@ -250,28 +250,28 @@ def test_a_folders_files_of_any_name_are_bounded_and_its_weights_and_subfolders_
     from hsx.job import _tokenizer
 
     tok = Path(shutil.copytree(model4.path, tmp_path / "tok"))
-    _sparse(tok / "source.spm", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)
+    _sparse(tok / "source.spm", checkpoint.MAX_TOKENIZER_BYTES + 1)
     opened = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
     cfg = _cfg(str(model4.path), tokenizer=str(tok))
     with pytest.raises(HsxError, match=re.escape(str(tok / "source.spm")) + " is 536,870,913 bytes"):
         _tokenizer(cfg, str(model4.path))
     (tok / "source.spm").unlink()
-    _sparse(tok / "pytorch_model.bin", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)
-    _sparse(tok / "original" / "big.txt", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
-    _sparse(tok / "backup.tar", hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
+    _sparse(tok / "pytorch_model.bin", checkpoint.MAX_TOKENIZER_BYTES + 1)
+    _sparse(tok / "original" / "big.txt", checkpoint.MAX_TOKENIZER_BYTES + 1)  # (transformers reads the top level)
+    _sparse(tok / "backup.tar", checkpoint.MAX_TOKENIZER_BYTES + 1)  # (no reader opens it: not refused for it)
     (tok / "loop.json").symlink_to(tok / "loop.json")  # (cannot be stat'ed: said, not a way to skip the others)
     with pytest.raises(HsxError, match=re.escape(f"cannot read {tok / 'loop.json'}")):
         _tokenizer(cfg, str(model4.path))
     (tok / "loop.json").unlink()
     _tokenizer(cfg, str(model4.path))
     assert len(opened) == 1
-    assert hsx.target.checkpoint.model_file_limit("sub/tokenizer.json") == hsx.target.checkpoint.MAX_TOKENIZER_BYTES
-    assert hsx.target.checkpoint.model_file_limit("model.safetensors.index.json") == hsx.target.checkpoint.MAX_INDEX_BYTES
-    assert hsx.target.checkpoint.model_file_limit("Model.SafeTensors") is hsx.target.checkpoint.model_file_limit("x/y.gguf") is None
-    assert hsx.target.checkpoint.model_file_limit("data.parquet") is hsx.target.checkpoint.model_file_limit("README.md") is None
-    assert hsx.target.checkpoint.model_file_limit("vocab.bpe") == hsx.target.checkpoint.model_file_limit("Tokenizer.MODEL") == (
-        hsx.target.checkpoint.MAX_TOKENIZER_BYTES)
+    assert checkpoint.model_file_limit("sub/tokenizer.json") == checkpoint.MAX_TOKENIZER_BYTES
+    assert checkpoint.model_file_limit("model.safetensors.index.json") == checkpoint.MAX_INDEX_BYTES
+    assert checkpoint.model_file_limit("Model.SafeTensors") is checkpoint.model_file_limit("x/y.gguf") is None
+    assert checkpoint.model_file_limit("data.parquet") is checkpoint.model_file_limit("README.md") is None
+    assert checkpoint.model_file_limit("vocab.bpe") == checkpoint.model_file_limit("Tokenizer.MODEL") == (
+        checkpoint.MAX_TOKENIZER_BYTES)
 
 
 # ---- a Hub id: sizes asked before anything is downloaded -----------------------------------------------------------
@@ -318,11 +318,11 @@ def online(monkeypatch):
 
 def test_a_hub_ids_config_json_size_is_asked_before_it_is_downloaded(online):
     """It was checked only once downloaded into the HF cache: a 40 GB config.json filled the disk first."""
-    hub = FakeHub({"config.json": hsx.target.checkpoint.MAX_CONFIG_BYTES + 1})
+    hub = FakeHub({"config.json": checkpoint.MAX_CONFIG_BYTES + 1})
     downloads = online(hub)
     with pytest.raises(HsxError, match=re.escape(
-            f"someone/model: its config.json on the Hub is {hsx.target.checkpoint.MAX_CONFIG_BYTES + 1:,} bytes, more than any "
-            f"config.json is ({hsx.target.checkpoint.MAX_CONFIG_BYTES:,} at most); not downloaded")):
+            f"someone/model: its config.json on the Hub is {checkpoint.MAX_CONFIG_BYTES + 1:,} bytes, more than any "
+            f"config.json is ({checkpoint.MAX_CONFIG_BYTES:,} at most); not downloaded")):
         hsx.target.model.read_model_config("someone/model", "someone/model", False, "v2")
     assert hub.calls == [("get_paths_info", "someone/model", ["config.json"], "v2")] and downloads == []
 
@@ -367,7 +367,7 @@ def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, 
 
     from hsx.job import _tokenizer
 
-    big = hsx.target.checkpoint.MAX_TOKENIZER_BYTES + 1
+    big = checkpoint.MAX_TOKENIZER_BYTES + 1
     hub = FakeHub({"tokenizer.json": 9 << 20, "bpe.codes": big, "model.safetensors": 50 << 30,
                    "pytorch_model.bin": 50 << 30, "original": None, "original/consolidated.00.pth": 50 << 30,
                    "tokenization_mine.py": 1 << 10, "train.parquet": 4 << 30, "images/plot.png": big,
@@ -377,7 +377,7 @@ def test_a_hub_tokenizers_files_of_any_name_are_bounded_before_download(online, 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a))
     cfg = _cfg("someone/model", tokenizer="someone/tok")
     with pytest.raises(HsxError, match=f"someone/tok: its bpe.codes on the Hub is {big:,} bytes, more than any "
-                                       f"bpe.codes is \\({hsx.target.checkpoint.MAX_TOKENIZER_BYTES:,} at most\\); not downloaded"):
+                                       f"bpe.codes is \\({checkpoint.MAX_TOKENIZER_BYTES:,} at most\\); not downloaded"):
         _tokenizer(cfg, "/unused")
     hub.sizes.update({"bpe.codes": 1 << 20, "original/notes.txt": big})  # (a download's patterns match any depth)
     with pytest.raises(HsxError, match="its original/notes.txt on the Hub is"):
@@ -433,7 +433,7 @@ def test_verify_and_bench_bound_a_model_folders_files_before_transformers_loads_
     import transformers
 
     model = Path(shutil.copytree(model4.path, tmp_path / "model"))
-    _sparse(model / "generation_config.json", hsx.target.checkpoint.MAX_CONFIG_BYTES + 1)
+    _sparse(model / "generation_config.json", checkpoint.MAX_CONFIG_BYTES + 1)
     for auto in (transformers.AutoModel, transformers.AutoModelForCausalLM):
         monkeypatch.setattr(auto, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     argv = ["verify", str(finished), "--samples", "2", "--model", str(model)] if command == "verify" else \
@@ -442,7 +442,7 @@ def test_verify_and_bench_bound_a_model_folders_files_before_transformers_loads_
     errors = message_lines(err)
     assert rc == 1 and len(errors) == 1, err[-2000:]
     assert errors[0].startswith("hsx: error: ") and (
-        f"generation_config.json is {hsx.target.checkpoint.MAX_CONFIG_BYTES + 1:,} bytes, more than any") in errors[0], errors
+        f"generation_config.json is {checkpoint.MAX_CONFIG_BYTES + 1:,} bytes, more than any") in errors[0], errors
     (model / "generation_config.json").unlink()
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))

@@ -1,5 +1,5 @@
-"""The target model made ready for a job (hsx.target.model.Target, hsx.target.ready.ready_model): its config read and its layers
-resolved once per job, the output format made from the target, the set-up's choices on a CPU."""
+"""The target model made ready for a job (hsx.target.model.Target, hsx.target.ready.ready_model): its config read and
+its layers resolved once per job, the output format made from the target, the set-up's choices on a CPU."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ batches `hsx bench --profile` draws, with Qwen3-30B-A3B's and Qwen3-8B's heads: 
 2026-12-01).
 
 The scores and the softmax are float32 (online, in base 2), the output rounded once; it equals flash-attention's
-within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.target.prepare.varlen_attention` calls it where `supports` holds
+within bf16 rounding (tests/test_gpu.py). CUDA only; `hsx.target.prepare.varlen_attention` calls it where `supports`
+holds
 (no sinks, no sliding window; else FA2, as for batches with rows over KERNEL_ROW_LIMIT tokens, and on GPUs the kernel
 was not checked on: `hsx.target.kernels`, compute capability 9.0).
 """

@@ -5,7 +5,8 @@ whole on each rank, and each (token, expert) pair sent to its expert's rank and 
 units as in data parallelism; only the experts' GEMMs see the other ranks' tokens.
 
 Behind transformers' experts seam: each experts module keeps the forward transformers dispatches through its
-`ExpertsInterface` (hsx.target.moe's "hsx_grouped", its FP8 path, or transformers' own) and runs it on its local experts;
+`ExpertsInterface` (hsx.target.moe's "hsx_grouped", its FP8 path, or transformers' own) and runs it on its local
+experts;
 `shard_experts` wraps it with the dispatch and the combine. transformers 5.25 has an expert-parallel path of its own
 (`DistributedConfig(ep_size=N, fsdp_size=N, ...)` with the `ep_dispatch_experts` rule's `AllToAllEP`), but it ties
 the ranks' own batches to FSDP-sharded dense weights (gathered at every forward; FSDP2 fails under

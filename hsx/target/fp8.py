@@ -13,7 +13,8 @@ This module reads what a checkpoint declares (`quantization_of`), checks what it
 torch (`quantize_weight`, `quantize_activation`, `reference_mm`: the reference every FP8 kernel is checked against,
 `relative_error`). transformers loads such a checkpoint as stored (its FP8Linear modules hold the e4m3 weights and
 scales; no bf16 copy). On CUDA with FP8 tensor cores (compute capability 8.9+) hsx runs the linear layers on its
-block-scaled GEMMs (hsx.target.fp8_gemm), put in the model by hsx.target.fp8_model; elsewhere (CPU, older GPUs) transformers
+block-scaled GEMMs (hsx.target.fp8_gemm), put in the model by hsx.target.fp8_model; elsewhere (CPU, older GPUs)
+transformers
 dequantizes the weights to the model's dtype at load and that runs instead (`runs_instead`). Experts in this
 layout (transformers' FP8Experts) run in hsx.target.moe's grouped path (`fp8_experts_forward`).
 """

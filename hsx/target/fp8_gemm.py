@@ -21,8 +21,9 @@ import torch
 from hsx.config import FP8_GEMM_CHOICES
 from hsx.errors import HsxError, one_line
 from hsx.target import kernels
-from hsx.target.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight, quantize_activation,
-                     quantize_activation_padded, quantize_weight, reference_mm, relative_error)
+from hsx.target.fp8 import (BLOCK, CHECK_TOLERANCE, FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_weight,
+                            quantize_activation, quantize_activation_padded, quantize_weight, reference_mm,
+                            relative_error)
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def read_target(cfg: ExtractConfig, model: LoadedModel | None = None) -> Target:
         model_path, revision = resolve_model_path(cfg.model, cfg.revision, cfg.trust_remote_code)
         full = read_model_config(model_path, cfg.model, cfg.trust_remote_code)
         text = fp8.carry_quantization(full, text_config_of(full))
-        check_checkpoint(model_path, cfg.model, text)  # (before the job starts or resumes its dir: a damaged one is refused first)
+        # (before the job starts or resumes its dir: a damaged one is refused first)
+        check_checkpoint(model_path, cfg.model, text)
         num_layers = int(text.num_hidden_layers)
         if cfg.layers_from:
             from hsx.drafts import draft_layers

@@ -1,4 +1,5 @@
-"""The kernels of hsx.target.moe's grouped experts (its docstring says what each one saves): torch custom ops (`hsx::...`),
+"""The kernels of hsx.target.moe's grouped experts (its docstring says what each one saves): torch custom ops
+(`hsx::...`),
 each a Triton kernel on CUDA and the same maths in torch elsewhere (the reference): `gather_rows`, `sum_pairs`,
 `gate_up_activation`, `route_topk`, and for e4m3 experts `fp8_gate_up_activation` and `fp8_grouped_down`, which run
 only where they pass their check against the reference on the device (`fp8_experts_run_on`). `grouped_mm` is
@@ -291,7 +292,8 @@ def fp8_grouped_down(aq: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, o
                      out_dtype: torch.dtype) -> torch.Tensor:
     """(pairs, hidden) in out_dtype: row r = (aq[r] · a_s[r]) @ D_eᵀ · weights.flat[order[r]] for the expert e whose
     rows hold r, D_e = down[e] (hidden, width) e4m3 times its 128×128 block scales down_scale[e]; aq, a_s the rows'
-    e4m3 values and 1×128 block scales (`hsx.target.fp8_gemm.fp8_quantize`, rows may be padded). The routing weight scales
+    e4m3 values and 1×128 block scales (`hsx.target.fp8_gemm.fp8_quantize`, rows may be padded). The routing weight
+    scales
     the float32 product, as transformers' FP8 experts scale their output. On CUDA one Triton kernel; elsewhere the
     reference."""
     if aq.is_cuda and order.shape[0] and _fp8_kernels_take(down, down_scale, "down"):

@@ -466,7 +466,8 @@ def resolve_packing(base: torch.nn.Module, requested: str, cuda: bool, one_gpu_p
     """The packing to run, and why auto chose none. auto = varlen on one CUDA device with the default attention,
     where it is exact: it cut GPU time against right-padded batches (docs/design.md, padding-free batches; the
     runs in docs/benchmarks.md). Hybrid Gated DeltaNet models pack only on hsx's fla forward
-    (hsx.target.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than padding."""
+    (hsx.target.gdn: CUDA with flash-linear-attention). On CPU the varlen path runs SDPA per row: slower than
+    padding."""
     if requested != "auto":  # asked for: `use_packing` refuses varlen where it would not be exact
         return requested, None
     if not cuda:

@@ -7,8 +7,8 @@ the token budget (one for every rank of a copy) → compile → DeepGEMM's kerne
 recipe sets for every model that this one leaves unused are one line each, not a refusal: a recipe shared between
 a dense and an MoE model, a bf16 and an FP8 one, stays usable for both.
 
-hsx.job's Extraction runs the engine over what this returns; hsx.target.model loads and cuts the model, hsx.target.prepare
-prepares it to run and reports its kernels.
+hsx.job's Extraction runs the engine over what this returns; hsx.target.model loads and cuts the model,
+hsx.target.prepare prepares it to run and reports its kernels.
 """
 
 from __future__ import annotations
