@@ -29,6 +29,6 @@ test its branch on CPU in tests/test_kernels.py and against its reference in tes
 To add an FP8 GEMM: its product in `fp8_gemm` (a `_NAME_mm(xq, xs, w, ws)` in `_gemm`'s table, its name in
 `_GEMM_NAMES`, what it needs in `_missing`), its place in `kernels.FP8_GEMMS` (auto's order) and
 `kernels.fp8_gemm_order` (where it may run unasked), its name in hsx/config.py's `FP8_GEMM_CHOICES`; it is
-checked against the float32 product on the device before it runs (`_disagrees`); tests in tests/test_fp8.py and
-the GEMM bench (`hsx bench --gemms`).
+checked against the float32 product on the device before it runs (`_disagrees`); tests in tests/test_fp8.py, and
+its column in the GEMM bench (hsx/bench.py's `GEMM_BENCH`, `hsx bench --gemms`).
 """
