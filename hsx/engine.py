@@ -29,6 +29,7 @@ import pyarrow as pa
 import torch
 
 from hsx.buckets import PAD_MULTIPLE, padded_length
+from hsx.errors import HsxError
 from hsx.schema import ROW_COLUMNS, Column, OutputFormat, encode
 from hsx.target import gdn
 from hsx.target.capture import capture

@@ -14,6 +14,7 @@ import torch
 
 from helpers import as_table, bf16_ulps, make_cfg
 from hsx.engine import Extractor, Pipeline
+from hsx.errors import HsxError
 from hsx.target.capture import capture
 from hsx.target.model import load_model
 from hsx.target.prepare import prepare_model
@@ -184,6 +185,28 @@ def test_oom_split_and_drop(model8, ids_lists):
     assert table.column("sample_id").to_pylist() == kept
     assert ex.token_cap < (1 << 16)
     check_table_against_reference(model8, table, layers, final=True)
+
+
+def test_an_oom_inside_an_expert_parallel_forward_is_one_line_not_a_split(model8, ids_lists):
+    """Under --ep-size the group's other ranks are inside the forward's all-to-alls, so one rank cannot split the
+    batch alone: an out-of-memory error there is one line naming --token-budget (it was a NameError: the engine
+    raised HsxError without importing it)."""
+    loaded = load_model(make_cfg(model8, [3], True), CPU)
+    ex = Extractor(loaded, CPU, 1 << 16, prepare_model(loaded.base, "none"))
+
+    class OneRankGroup:  # agrees with itself: the lockstep of a group of one
+        def agree(self, has_work):
+            return has_work
+
+    ex.lockstep = OneRankGroup()
+    Recorder(ex, fail=lambda ids: True)
+    batch = as_table(ids_lists[:3])
+    pipe = Pipeline(ex, iter([batch]), 1 << 16)
+    try:
+        with pytest.raises(HsxError, match="out of memory in an expert-parallel forward .*--token-budget"):
+            pipe(batch)
+    finally:
+        pipe.close()
 
 
 def check_table_against_reference(model, table, layers, final):
