@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hsx.info import read_info
+from hsx.info import recorded_info
 
 # Defaults by device (`hsx bench` flags left unset): the GPU's are what the benchmarks were measured with; on CPU a
 # tiny shape and rows of at most 512 tokens, so the bench ends in about a minute (an 8B float32 forward takes minutes a
@@ -322,7 +322,7 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         info = extract(ExtractConfig(**{**common, "output_dir": str(out_dir)}), log=quiet, model=loaded)
     if proc.world_size > 1:  # the job's numbers, every rank's combined, from whichever process finalized
         proc.barrier()
-        info = read_info(OutputDir(out_dir).root).to_dict()  # (checked: hsx.schema.Info)
+        info = recorded_info(OutputDir(out_dir).root).to_dict()  # (checked: hsx.schema.Info)
         results["processes"] = proc.world_size
     run = info["run"]
     out_bytes = sum(f.stat().st_size for f in (out_dir / "data").glob("*.arrow"))

@@ -20,7 +20,7 @@ from hsx import ledgers
 from hsx.config import config_of, config_overrides
 from hsx.errors import HsxError, UsageError, file_system_error, file_system_line
 from hsx.exports import EXPORTS, Export
-from hsx.info import read_info
+from hsx.info import recorded_info
 
 
 def write_json(dest: str, obj) -> None:
@@ -110,7 +110,7 @@ def push(args: argparse.Namespace) -> None:
         raise HsxError(f"{args.output_dir} is not a finished hsx output (no hsx.json)")
     out = OutputDir(args.output_dir, given_as="OUTPUT_DIR of `hsx push` (a dir `hsx extract` wrote)")
     # damage is named before the Hub is reached
-    read_info(out.root), ledgers.manifest_records(out.state), ledgers.uploaded(out.state)
+    recorded_info(out.root), ledgers.manifest_records(out.state), ledgers.uploaded(out.state)
     with out.locked():
         push_output(args.output_dir, args.repo_id, private=args.hub_private, revision=args.hub_revision,
                     overwrite=args.hub_overwrite)

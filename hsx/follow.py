@@ -49,7 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 from hsx import ledgers
 from hsx.errors import HsxError
 from hsx.files import open_no_follow
-from hsx.info import read_info, read_summary
+from hsx.info import recorded_info, read_summary
 from hsx.schema import CONSUMER_NAME
 
 SUPERSEDED = "superseded"  # an older local reader's claim, once a newer reader in its process took it over
@@ -460,7 +460,7 @@ class LocalSource:
         return ledgers.manifest_records(self.out.state) if self.out.state.is_dir() else {}
 
     def complete(self) -> bool:
-        info = read_info(self.out.root)
+        info = recorded_info(self.out.root)
         return info is not None and info.complete
 
     def declared(self) -> list[str]:
@@ -509,7 +509,7 @@ class LocalSource:
 
         dirs: list[str] = []
         if (self.out.data / rec["file"]).is_symlink():  # (a regular file needs no merged dir: no hsx.json read)
-            dirs = merged_from(read_info(self.out.root)) or [os.path.normpath(d)
+            dirs = merged_from(recorded_info(self.out.root)) or [os.path.normpath(d)
                                                              for d in ledgers.merged_sources(self.out.state)
                                                              if os.path.isabs(d)]
         fingerprint = self._fingerprint() if dirs else None

@@ -69,7 +69,7 @@ from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_by
 from hsx.checksums import file_crc32
 from hsx.files import fsync_dir, open_regular, read_json, read_jsonl
 from hsx import ledgers
-from hsx.info import listed_files, read_info
+from hsx.info import listed_files, recorded_info
 from hsx.sink import OutputDir
 
 REPO_TYPE = "dataset"
@@ -373,7 +373,7 @@ def push_output(out_dir: str | os.PathLike, repo_id: str, *, private: bool = Tru
 
     Returns {"uploaded": files, "skipped": files, "deleted": remote files, "commits": n, "bytes": uploaded bytes}."""
     out = OutputDir(out_dir)
-    info = read_info(out.root)
+    info = recorded_info(out.root)
     if info is None or not info.complete:
         raise HsxError(f"{out_dir} is not a complete hsx output (hsx.json missing or not complete): run the same "
                        "`hsx extract` command to finish it, or push units as they are written with --push-mode stream")

@@ -2,7 +2,7 @@
 file of the output with its rows, bytes and CRC-32. It travels with the data to the Hub, where .hsx/ does not, so a
 reader (hsx.load, hsx push) checks what it reads against it.
 
-Its checked record is hsx.schema.Info; this module is the one that reads it (`read_info`), writes it
+Its checked record is hsx.schema.Info; this module is the one that reads it (`recorded_info`), writes it
 (`write_info`, atomically) and builds it, as datasets' `DatasetInfo` reads, writes and merges dataset_info.json:
 `complete_info` makes a finished job's from the planning-time summary (.hsx/summary.json, `read_summary`,
 `write_summary`) and the manifests' records, `combine_rank_stats` merges its ranks' throughput into its `run`. The
@@ -24,8 +24,9 @@ INFO = "hsx.json"  # in the output dir's root
 SUMMARY = "summary.json"  # in its .hsx/
 
 
-def read_info(root: Path) -> Info | None:
-    """hsx.json of the dir `root` (None when there is none yet); HsxError when it is damaged (hsx.files.read_json)."""
+def recorded_info(root: Path) -> Info | None:
+    """hsx.json of the dir `root` (None when there is none yet); HsxError when it is damaged (hsx.files.read_json).
+    The users' `hsx.read_info(OUT)` (hsx.load) is the one that says in one line when there is none."""
     f = root / INFO
     return read_json(f, Info) if f.exists() else None
 
@@ -124,7 +125,7 @@ def recorded_run_values(root: Path) -> list[RunRecord]:
     """hsx.json's run values (its values_used, else the last run's) as records; none where it has none (the values
     of units an older hsx committed, which kept no .hsx/runs-*.jsonl)."""
     try:
-        info = read_info(root)
+        info = recorded_info(root)
     except HsxError:
         return []
     run = info.raw.get("run") if info is not None else None

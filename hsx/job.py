@@ -29,7 +29,7 @@ from hsx.card import dataset_card
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
 from hsx.files import read_json
 from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
-from hsx.info import combine_rank_stats, complete_info, info_features, read_info
+from hsx.info import combine_rank_stats, complete_info, info_features, recorded_info
 from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
 from hsx.sink import Committer, OutputDir, job_fingerprint
 from hsx.version import __version__
@@ -571,7 +571,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
             time.sleep(0.2)
     with out.finalizing() as already:
         if already:
-            return read_info(out.root).to_dict()
+            return recorded_info(out.root).to_dict()
         if proc.world_size > 1:  # the job's numbers: every rank's, and their sum
             stats = {**stats, **combine_rank_stats(ledgers.rank_stats(out.state, run_id))}
         used = ledgers.run_values(out.state, done)  # (the keys above are the last run's; these, every run's)

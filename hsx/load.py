@@ -93,7 +93,7 @@ def load(path_or_repo: str | os.PathLike, split: str = "train", layers: list[int
 def _recorded(out):
     """What the output dir `out` (an hsx.sink.OutputDir) records of its job: hsx.json, else (a job running or
     interrupted) its plan, else None (a dir of data files only)."""
-    from hsx.info import read_info as recorded_info, read_summary
+    from hsx.info import recorded_info, read_summary
 
     return recorded_info(out.root) or (read_summary(out.state) if out.state.is_dir() else None)
 
@@ -102,7 +102,7 @@ def _check_rows(root: Path, split: str, ds) -> None:
     """A whole finished output has the rows its hsx.json counts (a dir whose list was cut, or an older hsx's
     without a list, would otherwise read as fewer rows, silently)."""
     from hsx.config import HsxError
-    from hsx.info import read_info as recorded_info
+    from hsx.info import recorded_info
 
     meta = recorded_info(Path(root))
     if meta is None or not meta.complete or split != "train":
@@ -206,7 +206,7 @@ def _local_files(root: Path, split: str, verify: bool, allow_incomplete: bool):
     OutputDir that approved them (its `open_unit` opens them as approved)."""
     from hsx.config import HsxError
     from hsx import ledgers
-    from hsx.info import listed_files, read_info as recorded_info, read_summary
+    from hsx.info import listed_files, recorded_info, read_summary
     from hsx.sink import OutputDir
 
     out = OutputDir(root)

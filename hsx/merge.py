@@ -22,7 +22,7 @@ from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
 from hsx.checksums import file_crc32
 from hsx.files import open_regular, read_json
 from hsx import ledgers
-from hsx.info import complete_info, info_features, read_info, read_summary, write_info, write_summary
+from hsx.info import complete_info, info_features, recorded_info, read_summary, write_info, write_summary
 from hsx.sink import OutputDir, job_fingerprint, write_job
 
 
@@ -270,7 +270,7 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
     sources_now = ledgers.merged_sources(out.state, [str(Path(d).resolve()) for d in dirs])
     write_summary(out.state, summary)
     if missing:
-        info = read_info(out.root)
+        info = recorded_info(out.root)
         if info is not None and info.complete:  # OUT was a finished output once: no longer
             write_info(out.root, info.unfinished().to_dict())
         out.write_unfinished_card()

@@ -24,7 +24,7 @@ from hsx.errors import Stopped, file_system_error, file_system_line
 from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
                      refuse_empty)
 from hsx import ledgers
-from hsx.info import read_info, write_summary
+from hsx.info import recorded_info, write_summary
 from hsx.sink import OutputDir
 
 
@@ -396,7 +396,7 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
     state = job.start_or_resume(out, share.leads)
     states = [s for s in proc.all_gather(state if share.leads else None) if s]  # each dir's, as its first rank found it
     if all(s == "complete" for s in states):
-        info = read_info(out.root).to_dict()
+        info = recorded_info(out.root).to_dict()
         say(f"hsx: {cfg.output_dir} is already complete ({info['counts']['rows_written']:,} rows); nothing to do")
         refuse_empty(cfg, info["counts"], written=True)
         if cfg.push_to_hub and proc.is_main:  # finishes an interrupted push; a no-op on a pushed repo

@@ -92,7 +92,7 @@ from hsx.errors import HsxError
 from hsx.files import (atomic_write, flock, fsync_dir, fsync_file, link_target, open_no_follow, open_regular,
                        read_json)
 from hsx.fingerprint import differing_files
-from hsx.info import info_features, listed_files, merged_from, read_info, read_summary, unit_entry, write_info
+from hsx.info import info_features, listed_files, merged_from, recorded_info, read_summary, unit_entry, write_info
 from hsx.schema import Info, JobRecord
 
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
@@ -239,7 +239,7 @@ class OutputDir:
     def _resume_state(self, check_crc: bool, log, check: bool) -> str:
         """'complete' or 'resume'. `check`: this process checks the units (one per dir: the other ranks of the
         job come after it and only count them)."""
-        info = read_info(self.root)
+        info = recorded_info(self.root)
         complete = info is not None and info.complete
         damaged = self.check_units(check_crc) if check else []
         summary = read_summary(self.state)
@@ -362,7 +362,7 @@ class OutputDir:
         fd = open_no_follow(self.state / "finalize.lock", os.O_RDWR | os.O_CREAT)  # (a link: refused)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            info = read_info(self.root)
+            info = recorded_info(self.root)
             yield info is not None and info.complete
         finally:
             os.close(fd)

@@ -26,7 +26,7 @@ import numpy as np
 
 from hsx import ledgers
 from hsx.errors import HsxError, VerifyFailed
-from hsx.info import read_info
+from hsx.info import recorded_info
 from hsx.schema import Info
 
 TRUST_NEEDS_MODEL = ("--trust-remote-code needs --model PATH: verify runs code only from a model named on the "
@@ -56,7 +56,7 @@ def verify(out_dir: str, samples: int = 8, tolerance: float = 2e-2, seed: int = 
     out = OutputDir(out_dir)
     problems: list[str] = []
     try:
-        info = read_info(out.root)
+        info = recorded_info(out.root)
         records = ledgers.manifest_records(out.state)
         uploaded = ledgers.uploaded(out.state)
     except HsxError as e:
@@ -253,7 +253,7 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
     if trust_remote_code and not model:
         raise HsxError(TRUST_NEEDS_MODEL)
     out = OutputDir(out_dir)
-    info = read_info(out.root)
+    info = recorded_info(out.root)
     if info is None or not info.complete:
         raise HsxError(f"{out_dir}: hsx.json is missing or the job is not complete")
     job = _job_record(out)

@@ -26,7 +26,7 @@ import numpy as np
 
 from hsx import ledgers
 from hsx.files import atomic_write_with
-from hsx.info import read_info
+from hsx.info import recorded_info
 
 FREQUENCIES_FILE = "token_frequencies.npy"
 SPECULATORS_FREQUENCIES_FILE = "token_freq.pt"  # speculators' name and format: torch.save({token_id: count})
@@ -83,7 +83,7 @@ def read_token_frequencies(out_dir: str | os.PathLike) -> np.ndarray:
     root = Path(out_dir)
     from hsx.sink import OutputDir
 
-    info = read_info(OutputDir(root).root)  # (its token_frequencies entry checked: hsx.schema.Info)
+    info = recorded_info(OutputDir(root).root)  # (its token_frequencies entry checked: hsx.schema.Info)
     meta = info.token_frequencies if info is not None else None
     path = root / FREQUENCIES_FILE
     if not meta or not path.is_file():

@@ -24,7 +24,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from hsx import ledgers
 from hsx.config import HsxError, load_config
 from hsx.hub import StreamUploader, is_transient, push_output
-from hsx.info import read_info
+from hsx.info import recorded_info
 
 TOP_FILES = ["README.md", "token_frequencies.npy", "hsx.json"]  # what the last commit adds, in order
 from hsx.run import extract
@@ -545,7 +545,7 @@ def test_finalize_writes_no_empty_file_when_every_unit_was_uploaded_and_deleted(
     api = FakeHfApi()
     StreamUploader(out, REPO, api=api, delete_after_upload=True, min_seconds_between_commits=0, log=quiet).close()
     o = OutputDir(out)
-    info = read_info(o.root).to_dict()
+    info = recorded_info(o.root).to_dict()
     o.finalize(info, (out / "README.md").read_text())
     assert not list((out / "data").glob("*.arrow"))  # no 0-row train-000-00000.arrow over an uploaded unit
 
@@ -601,7 +601,7 @@ def test_loading_a_dir_with_deleted_units_warns(out):
     up.submit(names[0])
     up.close()
     with pytest.warns(UserWarning, match=r"1 unit\(s\) were deleted after their upload to someone/states"):
-        assert len(hsx.load(str(out))) < read_info(OutputDir(out).root).counts.rows_written
+        assert len(hsx.load(str(out))) < recorded_info(OutputDir(out).root).counts.rows_written
 
 
 def test_abort_leaves_pending_units_on_disk_for_the_next_run(out):

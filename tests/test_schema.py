@@ -17,7 +17,7 @@ import hsx
 from helpers import assert_one_error_line, hsx_main
 from hsx import ledgers
 from hsx.config import load_config
-from hsx.info import read_info
+from hsx.info import recorded_info
 from hsx.run import extract
 from hsx.schema import (STORAGE_DTYPES, Damaged, FileEntry, Info, JobRecord, ManifestRecord, OutputFormat, Summary,
                         decode, dequantize, encode)
@@ -93,7 +93,7 @@ def test_plan_bytes_per_token_equal_the_written_arrow_data(written, model4, smal
     assert p["bytes_per_token"] * tokens == measured
     assert p["token_bytes"] * tokens == _value_bytes(table.column("input_ids")) + _value_bytes(
         table.column("loss_mask"))
-    info = read_info(OutputDir(out).root)
+    info = recorded_info(OutputDir(out).root)
     assert info.format == fmt and info.format.features() == hsx.load(str(out)).features
     # Every buffer: per-token values, per-row scalars and int32 offsets (+1 per list column and chunk)
     chunks = max(c.num_chunks for c in table.columns)
@@ -165,7 +165,7 @@ def test_an_output_written_by_main_loads(tmp_path):
                       "crc32": None}]
     meta["counts"].update(rows_written=0, tokens_written=0)  # (what its one empty file holds: the list and the
     (out / "hsx.json").write_text(json.dumps(meta, indent=2) + "\n")  # counts must agree, or the load refuses)
-    assert read_info(OutputDir(out).root).files[0].file == path.name
+    assert recorded_info(OutputDir(out).root).files[0].file == path.name
     assert len(hsx.load(str(out))) == 0 and hsx.load(str(out)).features == fmt.features()
 
 
