@@ -258,7 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--token-file", help="file whose first line is the bearer token clients must send (default: "
                     "$HSX_SERVE_TOKEN)")
     sv.add_argument("--bench", type=float, metavar="SECONDS", help="instead of serving: GB/s a loopback server "
-                    "hands out to one client reading every committed unit for SECONDS")
+                    "hands out to clients reading every committed unit for SECONDS, checking each batch as "
+                    "hsx.follow does")
+    sv.add_argument("--clients", type=int, default=1, metavar="N", help="with --bench: N clients at once, each on "
+                    "its own connection (several trainer ranks)")
     sv.add_argument("--consumers", metavar="NAME,...", help="declare these consumers of the output dir: a unit is "
                     "deleted only once each of them (and every other declared consumer) consumed it")
     co = command("consumers", "list an output dir's consumers (hsx.follow with delete_consumed), declare some, or "

@@ -166,8 +166,11 @@ def serve(args: argparse.Namespace) -> None:
     check_range("--port", args.port, 0, 65535)
     if args.bench is not None:
         check_range("--bench", args.bench, 0.1, 3600, integer=False)
-        bench_serve(args.output_dir, args.bench)
+        check_range("--clients", args.clients, 1, 256)
+        bench_serve(args.output_dir, args.bench, args.clients)
         return
+    if args.clients != 1:
+        raise UsageError("--clients is --bench's: how many clients it measures")
     run_serve(args.output_dir, args.host, args.port, args.token_file, consumers=_names(args.consumers, "--consumers"))
 
 

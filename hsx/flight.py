@@ -157,7 +157,6 @@ class FlightSource:
         """The unit's rows as a `datasets.Dataset` (its features from the schema metadata the server sends), each
         record batch checked against the CRC-32 the server sent with it (`batch_crc32`: the server checked the
         unit's file against its manifest line before sending; this checks what came over the wire)."""
-        import pyarrow as pa
         import pyarrow.flight as flight
         from datasets import Dataset
         from datasets.table import InMemoryTable
@@ -165,19 +164,7 @@ class FlightSource:
         ticket = flight.Ticket(json.dumps({"unit": rec["unit"]}).encode())
 
         def read(**kw):
-            reader = self.client.do_get(ticket, **kw)
-            batches = []
-            while True:
-                try:
-                    chunk = reader.read_chunk()
-                except StopIteration:
-                    return pa.Table.from_batches(batches, schema=reader.schema)
-                sent = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
-                if chunk.data is None or sent != batch_crc32(chunk.data).encode():
-                    raise HsxError(f"{self.where}: unit {rec['unit']} came damaged (record batch {len(batches)}: "
-                                   f"its CRC-32 is not the one the server sent{'' if sent else ', or none'}); no "
-                                   "row of it was handed out")
-                batches.append(chunk.data)
+            return read_checked(self.client, ticket, f"{self.where}: unit {rec['unit']}", **kw)
 
         table = self._call(read)
         if table.num_rows != rec["rows"]:
@@ -239,6 +226,25 @@ def _renew(source_ref, every: float) -> None:
         except Exception:  # noqa: BLE001 (unreachable server, lapsed claim: the next commit reports it)
             pass
         del source
+
+
+def read_checked(client, ticket, what: str, **call_options):
+    """The pyarrow Table a DoGet of `ticket` streams, each record batch checked against the CRC-32 the server sent
+    as its app_metadata (`batch_crc32`); HsxError naming `what` and the batch when one differs or comes without."""
+    import pyarrow as pa
+
+    reader = client.do_get(ticket, **call_options)
+    batches = []
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return pa.Table.from_batches(batches, schema=reader.schema)
+        sent = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
+        if chunk.data is None or sent != batch_crc32(chunk.data).encode():
+            raise HsxError(f"{what} came damaged (record batch {len(batches)}: its CRC-32 is not the one the server "
+                           f"sent{'' if sent else ', or none'}); no row of it was handed out")
+        batches.append(chunk.data)
 
 
 def batch_crc32(batch) -> str:

@@ -219,31 +219,64 @@ def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,
         server.shutdown()
 
 
-def bench_serve(out_dir: str, seconds: float = 10.0, log=print) -> dict[str, Any]:
-    """GB/s a loopback server hands out: one client reading every committed unit of OUT over and over (DoGet, the
-    rows as Arrow record batches, as hsx.follow reads them) for `seconds`."""
+def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print) -> dict[str, Any]:
+    """GB/s a loopback server hands out: `clients` clients, each on its own connection and thread, reading every
+    committed unit of OUT over and over for `seconds`, as hsx.follow's Flight reader reads them (DoGet, each record
+    batch checked against the CRC-32 the server sent: hsx.flight.read_checked)."""
+    import threading
+
     import pyarrow.flight as flight
 
+    from hsx.flight import read_checked
     from hsx.follow import LocalSource
 
     units = LocalSource(Path(out_dir), write=False).records()
     if not units:
         raise HsxError(f"{out_dir}: no committed unit to serve")
     server = make_server(out_dir, "127.0.0.1", 0, None, log)
+    tickets = [(u, flight.Ticket(json.dumps({"unit": u}).encode())) for u in sorted(units)]
+    done: list[tuple[int, int]] = []  # (bytes, unit reads) of each client
+    failed: list[BaseException] = []
+    start = threading.Barrier(clients + 1)
+
+    def client_loop(k: int) -> None:
+        try:
+            client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}")
+            nbytes = reads = 0
+            start.wait()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                for i in range(len(tickets)):  # each client starts at another unit: not all on one file at once
+                    unit, ticket = tickets[(i + k) % len(tickets)]
+                    nbytes += read_checked(client, ticket, f"unit {unit}").nbytes
+                    reads += 1
+            done.append((nbytes, reads))
+            client.close()
+        except BaseException as e:  # (told after the others end)
+            failed.append(e)
+            start.abort()
+
+    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(clients)]
     try:
-        client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}")
-        tickets = [flight.Ticket(json.dumps({"unit": u}).encode()) for u in sorted(units)]
-        nbytes, reads, t0 = 0, 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for t in tickets:
-                table = client.do_get(t).read_all()
-                nbytes += table.nbytes
-                reads += 1
+        for t in threads:
+            t.start()
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:
+            pass
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
         elapsed = time.perf_counter() - t0
     finally:
         server.shutdown()
-    result = {"units": len(units), "unit_reads": reads, "bytes": nbytes, "seconds": round(elapsed, 3),
-              "gb_per_s": round(nbytes / elapsed / 1e9, 3)}
-    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads over {elapsed:.1f} s: "
-        f"{result['gb_per_s']:.2f} GB/s served on loopback")
+    if failed:
+        raise HsxError(f"hsx serve --bench: a client failed: {one_line(failed[0])}")
+    nbytes, reads = sum(b for b, _ in done), sum(r for _, r in done)
+    result = {"units": len(units), "clients": clients, "unit_reads": reads, "bytes": nbytes,
+              "seconds": round(elapsed, 3), "gb_per_s": round(nbytes / elapsed / 1e9, 3),
+              "gb_per_s_per_client": [round(b / elapsed / 1e9, 3) for b, _ in done]}
+    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} client"
+        f"{'s' if clients > 1 else ''} over {elapsed:.1f} s: {result['gb_per_s']:.2f} GB/s served on loopback"
+        + (f" ({', '.join(f'{g:.2f}' for g in result['gb_per_s_per_client'])} each)" if clients > 1 else ""))
     return result

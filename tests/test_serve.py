@@ -289,3 +289,25 @@ def test_a_stopped_server_says_so_in_one_line_not_as_an_interrupted_job(tmp_path
     lines = message_lines(server.stderr)
     assert lines == [lines[0]] and lines[0].startswith(f"hsx: serve: stopped by {sig}"), lines
     assert "run the same command" not in lines[0]  # (an extract's line: a server has no work to continue)
+
+
+def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, tmp_path):
+    from hsx.serve import bench_serve
+
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    before = listing(out)
+    lines = []
+    got = bench_serve(str(out), seconds=0.3, clients=3, log=lines.append)
+    units = hsx.follow(out, commit="manual").src.records()
+    assert got["clients"] == 3 and len(got["gb_per_s_per_client"]) == 3
+    assert got["unit_reads"] >= 3 * len(units)  # each client read every unit at least once
+    assert got["bytes"] > 0 and got["gb_per_s"] > 0
+    assert "by 3 clients" in lines[-1]
+    assert listing(out) == before  # a bench reads; it records and deletes nothing
+    from helpers import assert_one_error_line, hsx_main
+
+    rc, _, err = hsx_main(["serve", str(out), "--clients", "2"])
+    assert_one_error_line(rc, err, "--clients is --bench's")
+    rc, _, err = hsx_main(["serve", str(out), "--bench", "1", "--clients", "0"])
+    assert_one_error_line(rc, err, "--clients")
