@@ -1,5 +1,6 @@
-"""`hsx extract` and `hsx.stream`: the job's steps (hsx.job) run in this process, as one rank of a launch. The
-one module that knows about processes and ranks.
+"""`hsx extract` and `hsx.stream`: the job's steps (hsx.job) run in this process, as one rank of a launch: the
+process and its ranks (`Process`), the dir its ranks share, the job they agree on; which units it writes is
+hsx.handout's.
 
 `extract` tokenizes once (cached under .hsx/), plans units (bucket, then sample_id order), skips units the
 manifest says are committed, and runs one `datasets.map` per remaining unit with the pipelined GPU function; each
@@ -21,6 +22,7 @@ from typing import Any
 
 from hsx.config import ExtractConfig, HsxError, UsageError, check_config
 from hsx.errors import Stopped, file_system_error, file_system_line
+from hsx.handout import assign_units, hand_out, launch_agent, units_done_anywhere
 from hsx.job import (Extraction, Job, RunStats, StreamCounts, UnitCounts, commit_units, finish, push, record_run,
                      refuse_empty)
 from hsx import ledgers
@@ -332,21 +334,6 @@ def stop_on_signal(log) -> Iterator[StopRequest]:
             signal.signal(sig, h)
 
 
-def assign_units(units: list, rank: int, world_size: int) -> list:
-    """This rank's share: longest-processing-time-first by tokens, so ranks finish together. Deterministic, so
-    every rank computes the same split from the same manifest."""
-    if world_size == 1:
-        return list(units)
-    load = [0] * world_size
-    mine = []
-    for u in sorted(units, key=lambda u: (-u.tokens, u.name)):
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        load[r] += u.tokens
-        if r == rank:
-            mine.append(u)
-    return sorted(mine, key=lambda u: u.name)
-
-
 def extract(cfg: ExtractConfig, log=print, model=None) -> dict[str, Any]:
     """Run (or continue) the job; returns the summary that is also written to hsx.json.
 
@@ -419,19 +406,6 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
         write_summary(out.state, summary)
     # (one reader per dir)
     done = units_done_anywhere(proc, units.all, ledgers.done_units(out.state, out.data) if share.leads else {})
-    pending = [u for u in units.all if u.name not in done]
-    claims = None
-    if proc.claims_store is not None:  # claimed as this process goes, through the store (hsx.claims)
-        from hsx.claims import Claimed, Claims, connect
-
-        claims = Claims(proc.claims_store, job.fingerprint, {u.name: u.tokens for u in units.all},
-                        plan=plan_hash(units.all), connect_again=lambda: connect(cfg.elastic),
-                        launch=(os.environ.get("TORCHELASTIC_RUN_ID", ""), launch_agent()))
-        claims.adopt(sorted(done))
-        mine = Claimed(claims, {u.name: u for u in pending}, stop) if pending else []
-    else:
-        mine = assign_units(pending, proc.dp_rank, proc.dp_size)  # tensor-parallel ranks of one copy share units
-
     stats = RunStats()
     uploader = None
     if cfg.push_to_hub and cfg.push_mode == "stream":
@@ -445,34 +419,24 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
                                   overwrite=cfg.hub_overwrite, known=known, resubmit=False)
         proc.barrier()  # every rank checked whose repo it is before any rank uploads
         uploader.resubmit_leftovers()
-    def on_commit(name, path):  # (on the commit thread, once the unit's manifest line is on disk)
-        if claims is not None:
-            claims.committed(name)
-        if uploader is not None:
-            uploader.submit(name, path)
+    with hand_out(proc, job.fingerprint, units.all, done, stop, cfg.elastic, say) as mine:
+        def on_commit(name, path):  # (on the commit thread, once the unit's manifest line is on disk)
+            mine.committed(name)
+            if uploader is not None:
+                uploader.submit(name, path)
 
-    try:
-        if mine or (proc.ep_size > 1 and pending):  # (an expert-parallel rank with no unit serves its group)
-            with Extraction(cfg, proc, job.target, units.ordered, pending if claims else mine, model, say,
-                            feed=mine.feed() if claims else None) as extraction:
-                record_run(out, extraction.stats, say, compare=proc.is_main)
-                commit_units(extraction, proc, out, mine, stop,
-                             on_commit=on_commit if claims is not None or uploader is not None else None)
-            stats = extraction.stats
-    except BaseException:
-        if uploader is not None:
-            uploader.abort()  # units not uploaded stay on disk; the next run re-submits them
-        raise
-    finally:
-        if claims is not None:
-            claims.finish()  # (any exit hsx reaches: this dir keeps its units; its claims go back to the pool)
-            if claims.store_closed:
-                say(f"hsx: the claims store at {cfg.elastic} closed while this process waited at its end (its "
-                    "node finished the job); this dir keeps its units")
-            if claims.lost_owners:
-                say(f"hsx: took back the units of {len(claims.lost_owners)} lost process(es) "
-                    f"({', '.join(sorted(claims.lost_owners)[:3])}): their heartbeats stopped for "
-                    f"{claims.lease:g} s")
+        try:
+            if mine.units or (proc.ep_size > 1 and mine.pending):  # (an expert-parallel rank with no unit serves
+                with Extraction(cfg, proc, job.target, units.ordered, mine.planned, model, say,  # its group)
+                                feed=mine.feed) as extraction:
+                    record_run(out, extraction.stats, say, compare=proc.is_main)
+                    commit_units(extraction, proc, out, mine.units, stop,
+                                 on_commit=on_commit if mine.claims is not None or uploader is not None else None)
+                stats = extraction.stats
+        except BaseException:
+            if uploader is not None:
+                uploader.abort()  # units not uploaded stay on disk; the next run re-submits them
+            raise
     if uploader is not None:
         uploader.abort() if stop.is_set() else uploader.close()
     if stop.is_set():
@@ -481,8 +445,8 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
                            "command to continue")
 
     info = finish(cfg, proc, out, units.all, summary, share, stats.as_dict(), t_start, log,
-                  pending=[u.name for u in pending])
-    lost = claims.lost_agents() if claims is not None else []
+                  pending=[u.name for u in mine.pending])
+    lost = mine.lost_agents()
     if lost and env_int("TORCHELASTIC_MAX_RESTARTS", 0) > env_int("TORCHELASTIC_RESTART_COUNT", 0):
         # torch's agent would wait 300 s (hard-coded) in its exit barrier for the lost node's agent: a failed
         # worker makes it re-form the launch without that node instead, and the restarted workers find the job done
@@ -528,13 +492,6 @@ def elastic_note(environ=os.environ) -> str | None:
             "undone (the others write only theirs, then torch waits 300 s for it; rerun on the dirs left to finish), "
             "and a joining node restarts every node's workers; add --elastic HOST:PORT (your --rdzv-endpoint) to "
             "claim units as processes go (docs/scale-out.md)")
-
-
-def launch_agent() -> str:
-    """The launcher agent this process runs under (its parent: torchrun's, accelerate's), as host-pid."""
-    import socket
-
-    return f"{socket.gethostname()[:40]}-{os.getppid()}"
 
 
 def agree_on_job(proc: Process, fingerprint: str) -> str:
@@ -595,25 +552,6 @@ def share_dir(out: OutputDir, proc: Process, run_id: str) -> DirShare:
                 group[root(other)] = root(r)
     mine = [r for r in range(proc.world_size) if root(r) == root(proc.rank)]
     return DirShare(run_id, proc.rank, mine, proc.world_size)
-
-
-def plan_hash(units: list) -> str:
-    """What every process must have planned alike: the units' names, rows and tokens."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps([[u.name, u.start, u.stop, u.tokens] for u in units]).encode()).hexdigest()
-
-
-def units_done_anywhere(proc: Process, units: list, done_here: dict) -> set[str]:
-    """The units committed in any rank's output dir (with one dir per node, a unit done on one node is done for
-    the job), checking that every rank planned the same units. Also the barrier between reading the manifests
-    and the first new commit."""
-    plan = plan_hash(units)
-    views = proc.all_gather([plan, sorted(done_here)])
-    if any(p != views[0][0] for p, _ in views):
-        raise HsxError("the ranks planned different units from the same job; their tokenizers or datasets "
-                       "libraries differ: give every node the same environment")
-    return {name for _, names in views for name in names}
 
 
 def stream(cfg: ExtractConfig, counts: StreamCounts, log=print, model=None) -> Iterator[dict[str, Any]]:

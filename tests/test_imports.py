@@ -36,7 +36,7 @@ LAYERS: list[set[str]] = [
     # hsx.torch_data: the torch datasets follow and load hand out, imported when they build one)
     {"hsx.cost", "hsx.target.ready", "hsx.load", "hsx.claims", "hsx.merge", "hsx.export", "hsx.verify", "hsx.hub",
      "hsx.follow", "hsx.flight", "hsx.serve", "hsx.torch_data", "hsx.export_journal"},
-    {"hsx.job"},  # one job's steps
+    {"hsx.job", "hsx.handout"},  # one job's steps; which of its units this process writes
     {"hsx.run", "hsx.regeneration"},  # running them as one rank of a launch; regenerate's job (its ranks too)
     {"hsx", "hsx.api", "hsx.bench", "hsx.bench_models"},  # the Python API; the benchmark and its random FP8 models
     {"hsx.commands", "hsx.cli", "hsx.launch", "hsx.__main__", "hsx.demo.__main__"},  # the command lines
