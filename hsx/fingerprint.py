@@ -1,4 +1,7 @@
-"""What a local input IS, by content: each file's size and the sha256 of all its bytes, never its path.
+"""What a job IS, in one place: its local inputs by content (each file's size and the sha256 of all its bytes,
+never its path), the job's fingerprint hashed from its inputs (`job_fingerprint`; hsx.job assembles them), written
+to and read from .hsx/job.json (`write_job`, `recorded_job`), and compared (`same_job`, `describe_difference`,
+`check_recorded_job`).
 
 A resume must not mix two models: weights rewritten between a kill and a resume (any tensor, same shapes, dtypes
 and header) change a file's sha256, so the job's fingerprint changes and the dir is refused. The same recipe run
@@ -41,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from hsx.config import HsxError
+from hsx.files import atomic_write, read_json
+from hsx.schema import JobRecord
 
 # What transformers and hsx read from a local model folder (model.WEIGHT_PATTERNS, plus code with
 # trust_remote_code): weights, configs, tokenizer files, chat templates.
@@ -200,3 +205,57 @@ def tokenizer_identity(name: str | None, trust_remote_code: bool = False) -> Any
     if name is None or not Path(name).is_dir():
         return name
     return folder_identity(name, MODEL_SUFFIXES + ((".py",) if trust_remote_code else ()))
+
+
+# ---- the job: its fingerprint, .hsx/job.json, and two jobs compared -------------------------------------------------
+
+JOB_FILE = "job.json"  # in an output dir's .hsx/
+
+
+def job_fingerprint(inputs: dict[str, Any], given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job's identity: a hash of `inputs` (local files by content, above). `given` (how the inputs were named on
+    the command line) is kept beside it for messages, outside the hash."""
+    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
+    return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs, "given": given or {}}
+
+
+def write_job(state: Path, job: dict[str, Any]) -> None:
+    """.hsx/job.json: the job's fingerprint (`job_fingerprint`), which a later run of the dir is checked against."""
+    atomic_write(state / JOB_FILE, json.dumps(job, indent=2, sort_keys=True))
+
+
+def recorded_job(state: Path) -> JobRecord | None:
+    """The job an output dir's .hsx/ (`state`) records; None where it records none (no job.json, not even a link).
+    One that cannot be read, or a link: HsxError in one line (hsx.files.read_json)."""
+    f = state / JOB_FILE
+    return read_json(f, JobRecord) if os.path.lexists(f) else None
+
+
+def same_job(recorded: JobRecord | None, fingerprint: str | None) -> bool:
+    """Whether a dir's recorded job is the job of `fingerprint` (a dir recording none is no job's)."""
+    return recorded is not None and fingerprint is not None and recorded.fingerprint == fingerprint
+
+
+def check_recorded_job(recorded: JobRecord, where: Path) -> None:
+    """HsxError unless the record's fingerprint is that of the inputs it records (a dir whose job.json was edited
+    or copied from another job: what reads its inputs, such as hsx verify's model check, would be misled)."""
+    if job_fingerprint(recorded.inputs)["fingerprint"] != recorded.fingerprint:
+        raise HsxError(f"{where}: its fingerprint is not that of the inputs it records: the dir is damaged or not "
+                       "the job's; merge without it")
+
+
+def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two jobs' inputs, naming the files whose bytes differ for local inputs."""
+    a, b = old.get("inputs", {}), new.get("inputs", {})
+    parts = []
+    for key in sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            sub = sorted(k for k in set(x) | set(y) if k != "files" and x.get(k) != y.get(k))
+            files = differing_files(x, y)
+            what = sub + ([f"file{'s' if len(files) > 1 else ''} {', '.join(files[:3])}"
+                           + (", ..." if len(files) > 3 else "")] if files else [])
+            parts.append(f"{key}: {'; '.join(what)}")
+        else:
+            parts.append(key)
+    return ", ".join(parts) or "version"

@@ -529,11 +529,10 @@ class LocalSource:
         return got
 
     def _fingerprint(self) -> str | None:
-        from hsx.schema import JobRecord
-        from hsx.files import read_json
+        from hsx.fingerprint import recorded_job
 
-        f = self.out.state / "job.json"
-        return read_json(f, JobRecord).fingerprint if f.exists() else None
+        job = recorded_job(self.out.state)
+        return job.fingerprint if job is not None else None
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str], session: str = LOCAL) -> None:
         """Say which units this reader holds in steps not yet returned while it waits for a unit

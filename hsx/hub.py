@@ -65,9 +65,10 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError
-from hsx.schema import MAX_INFO_BYTES, Info, JobRecord, ManifestRecord, human_bytes
+from hsx.schema import MAX_INFO_BYTES, Info, ManifestRecord, human_bytes
 from hsx.checksums import file_crc32
 from hsx.files import fsync_dir, open_regular, read_json, read_jsonl
+from hsx.fingerprint import recorded_job
 from hsx import ledgers
 from hsx.info import listed_files, recorded_info
 from hsx.sink import OutputDir
@@ -320,8 +321,8 @@ def check_destination(out: OutputDir, hub: _Hub, *, overwrite: bool, log: Callab
     """`check_remote` for the job writing `out` (its job.json's fingerprint), before the job uploads anything: the
     repo's files this job may have put there are its units recorded as uploaded there, its units here with the
     same bytes, and `known` ({path in repo: bytes}: `job_files` of the job's dirs; default this dir's)."""
-    job = out.state / "job.json"
-    fingerprint = read_json(job, JobRecord).fingerprint if os.path.lexists(job) else None
+    job = recorded_job(out.state)
+    fingerprint = job.fingerprint if job is not None else None
     uploaded = ledgers.uploaded(out.state)
     mine = {rec["file"]: rec for rec in ledgers.manifest_records(out.state).values()}
     known = job_files(out, hub.repo_id, hub.revision) if known is None else known

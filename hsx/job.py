@@ -27,11 +27,11 @@ from hsx import ledgers
 from hsx.buckets import UNIT_PLAN, Unit, plan_units
 from hsx.card import dataset_card
 from hsx.config import LAYER_CONVENTION, ExtractConfig, HsxError
-from hsx.files import read_json
-from hsx.fingerprint import fresh_digests_only, model_identity, tokenizer_identity
+from hsx.fingerprint import (fresh_digests_only, job_fingerprint, model_identity, recorded_job,
+                             tokenizer_identity)
 from hsx.info import combine_rank_stats, complete_info, info_features, recorded_info
-from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS, JobRecord
-from hsx.sink import Committer, OutputDir, job_fingerprint
+from hsx.schema import ROW_COLUMNS, RUN_VARIANT_KEYS
+from hsx.sink import Committer, OutputDir
 from hsx.version import __version__
 from hsx.vocab import write_token_frequencies
 
@@ -445,7 +445,7 @@ def commit_units(extraction: Extraction, proc, out: OutputDir, units: list[Unit]
     # the widest column's values per token bound a record batch (Arrow's 2^31 values per array): a policy-only
     # output's widest is the policy's
     values_per_token = max(extraction.values_per_token, *(c.width for c in extraction.extractor.columns))
-    job_fp = read_json(out.state / "job.json", JobRecord).fingerprint
+    job_fp = recorded_job(out.state).fingerprint
     progress_was_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     unit_bytes = extraction.extractor.per_token + sum(c.nbytes for c in TOKEN_COLUMNS)  # (per token; rows add ~0.1%)

@@ -18,12 +18,13 @@ from typing import Any
 
 from hsx.config import HsxError
 from hsx.errors import UsageError, file_system_error, file_system_line, one_line
-from hsx.schema import JobRecord, ManifestRecord, Summary, merged_values
+from hsx.schema import ManifestRecord, Summary, merged_values
 from hsx.checksums import file_crc32
-from hsx.files import open_regular, read_json
+from hsx.files import open_regular
 from hsx import ledgers
 from hsx.info import complete_info, info_features, recorded_info, read_summary, write_info, write_summary
-from hsx.sink import OutputDir, job_fingerprint, write_job
+from hsx.fingerprint import JOB_FILE, check_recorded_job, recorded_job, same_job, write_job
+from hsx.sink import OutputDir
 
 
 def merge(out_dir: str, dirs: list[str], log=print, partial: bool = False) -> dict[str, Any]:
@@ -191,20 +192,18 @@ def _merge(out: OutputDir, sources: list[OutputDir], dirs: list[str], log, parti
            made: list[Path]) -> dict[str, Any]:
     jobs = []
     for src in sources:
-        f = src.state / "job.json"
-        if not f.exists():
+        job = recorded_job(src.state)
+        if job is None:
             raise HsxError(f"{src.root} holds no hsx job (.hsx/job.json is missing)")
-        job = read_json(f, JobRecord)
-        if job_fingerprint(job.inputs)["fingerprint"] != job.fingerprint:  # (OUT gets the first dir's job.json:
-            # verify checks the model against its inputs, so a dir's inputs must be what its fingerprint hashes)
-            raise HsxError(f"{f}: its fingerprint is not that of the inputs it records: the dir is damaged or not the "
-                           "job's; merge without it")
+        # (OUT gets the first dir's job.json: verify checks the model against its inputs, so a dir's inputs must be
+        # what its fingerprint hashes)
+        check_recorded_job(job, src.state / JOB_FILE)
         jobs.append(job)
     if len({j.fingerprint for j in jobs}) != 1:
         raise HsxError("the dirs hold different jobs (their fingerprints differ); merge only one job's dirs")
-    own = out.state / "job.json"
-    own_job = own.exists() and read_json(own, JobRecord).fingerprint == jobs[0].fingerprint
-    if own.exists() and not own_job and out.has_output():
+    own = recorded_job(out.state) if (out.state / JOB_FILE).exists() else None
+    own_job = same_job(own, jobs[0].fingerprint)
+    if own is not None and not own_job and out.has_output():
         raise HsxError(f"{out.root} holds another job's output; merge into a new dir or one of the job's dirs")
     # Every dir's plan, not the first one's: a dir given first with a forged summary.json must not decide the job
     holders = [*([out] if own_job else []), *(s for s in sources if s.root.resolve() != out.root.resolve())]

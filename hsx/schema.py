@@ -597,7 +597,7 @@ class Summary(_Output):
 
 @dataclass(frozen=True)
 class JobRecord:
-    """.hsx/job.json: the fingerprint of what decides the output (hsx.sink.job_fingerprint)."""
+    """.hsx/job.json: the fingerprint of what decides the output (hsx.fingerprint.job_fingerprint)."""
     MAX_BYTES = MAX_JOB_BYTES
 
     fingerprint: str

@@ -20,7 +20,7 @@ every other one in every finished extraction's dir.
     OUT/vocab_mapping-<K>.pt?                   `hsx vocab OUT`'s draft vocabularies (hsx.vocab): SpecForge's,
     OUT/d2t-<K>.npy?                            and speculators' pair
     OUT/t2d-<K>.npy?
-    OUT/.hsx/job.json                           the fingerprint of what decides the output (`job_fingerprint`)
+    OUT/.hsx/job.json                           the fingerprint of what decides the output (hsx.fingerprint)
     OUT/.hsx/summary.json                       the plan: units, counts, config; hsx.json is built from it
     OUT/.hsx/tokenized/tokens.arrow             the tokenized rows, cached for a resume
     OUT/.hsx/lock                               flock(2)ed by a running job (empty, never read); `lock-<rank>`
@@ -75,8 +75,6 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
-import hashlib
-import json
 import os
 import shutil
 import stat
@@ -89,11 +87,10 @@ from typing import Any
 from hsx import ledgers
 from hsx.checksums import file_crc32
 from hsx.errors import HsxError
-from hsx.files import (atomic_write, flock, fsync_dir, fsync_file, link_target, open_no_follow, open_regular,
-                       read_json)
-from hsx.fingerprint import differing_files
+from hsx.files import atomic_write, flock, fsync_dir, fsync_file, link_target, open_no_follow, open_regular
+from hsx.fingerprint import JOB_FILE, describe_difference, recorded_job, same_job, write_job
 from hsx.info import info_features, listed_files, merged_from, recorded_info, read_summary, unit_entry, write_info
-from hsx.schema import Info, JobRecord
+from hsx.schema import Info
 
 EMPTY_FILE = "train-000-00000.arrow"  # the one data file of a job without usable rows (OutputDir.finalize)
 # What datasets writes next to a memory-mapped file for a cache-writing op (sort, map, filter, shuffle): an older
@@ -195,15 +192,15 @@ class OutputDir:
         The same job: the units it keeps are checked (check_units): the size of every one, the CRC-32 of the
         units of the run that wrote last (all of them with `check_crc`). A finished dir with a damaged or missing
         unit is not 'complete': it is marked unfinished and resumed, redoing those units."""
-        job_file = self.state / "job.json"
+        job_file = self.state / JOB_FILE
         if overwrite:
             self.clear()
         elif not job_file.exists() and self.root.exists() and any(
                 p.name not in (".hsx",) for p in self.root.iterdir()):
             raise HsxError(f"{self.root} is not empty and was not written by hsx; choose another --output-dir")
-        if job_file.exists():
-            old = read_json(job_file, JobRecord)
-            if old.fingerprint == job["fingerprint"]:
+        old = recorded_job(self.state) if job_file.exists() else None
+        if old is not None:
+            if same_job(old, job["fingerprint"]):
                 if check:  # (the dir's first process, before any rank of this run writes: hsx.job starts in turns)
                     self.clear_tmp(every_rank=True)
                 return self._resume_state(check_crc, log, check)
@@ -649,40 +646,11 @@ def _merged_units(src: Path, fingerprint: str | None) -> set[str]:
     try:
         if not stat.S_ISDIR(os.lstat(state).st_mode) or not stat.S_ISREG(os.lstat(state / "job.json").st_mode):
             return set()
-        if fingerprint is None or read_json(state / "job.json", JobRecord).fingerprint != fingerprint:
+        if not same_job(recorded_job(state), fingerprint):
             return set()
         return {r["file"] for r in ledgers.manifest_records(state).values()}
     except (OSError, HsxError):
         return set()
-
-
-def job_fingerprint(inputs: dict[str, Any], given: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The job's identity: a hash of `inputs` (local files by content: hsx.fingerprint). `given` (how the inputs
-    were named on the command line) is kept beside it for messages, outside the hash."""
-    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
-    return {"fingerprint": hashlib.sha256(blob).hexdigest()[:32], "inputs": inputs, "given": given or {}}
-
-
-def write_job(state: Path, job: dict[str, Any]) -> None:
-    """.hsx/job.json: the job's fingerprint (`job_fingerprint`), which a later run of the dir is checked against."""
-    atomic_write(state / "job.json", json.dumps(job, indent=2, sort_keys=True))
-
-
-def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """What differs between two jobs' inputs, naming the files whose bytes differ for local inputs."""
-    a, b = old.get("inputs", {}), new.get("inputs", {})
-    parts = []
-    for key in sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            sub = sorted(k for k in set(x) | set(y) if k != "files" and x.get(k) != y.get(k))
-            files = differing_files(x, y)
-            what = sub + ([f"file{'s' if len(files) > 1 else ''} {', '.join(files[:3])}"
-                           + (", ..." if len(files) > 3 else "")] if files else [])
-            parts.append(f"{key}: {'; '.join(what)}")
-        else:
-            parts.append(key)
-    return ", ".join(parts) or "version"
 
 
 UNFINISHED = "data/NOT-FINISHED-run-the-same-hsx-extract-command-to-finish.arrow"

@@ -320,11 +320,9 @@ def against_bf16(out_dir: str, rows: int, model: str | None = None, trust_remote
 
 
 def _job_record(out):
-    from hsx.files import read_json
-    from hsx.schema import JobRecord
+    from hsx.fingerprint import recorded_job
 
-    f = out.state / "job.json"
-    return read_json(f, JobRecord) if f.is_file() else None
+    return recorded_job(out.state)
 
 
 def _recorded_quantization(info: Info, job) -> dict | bool | None:

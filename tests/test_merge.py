@@ -80,7 +80,7 @@ def test_merge_into_a_new_dir_and_refusals(reference, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(node1, other)
     job = json.loads((other / ".hsx" / "job.json").read_text())
-    from hsx.sink import job_fingerprint  # (another job: other inputs, their own fingerprint)
+    from hsx.fingerprint import job_fingerprint  # (another job: other inputs, their own fingerprint)
 
     (other / ".hsx" / "job.json").write_text(json.dumps(job_fingerprint({**job["inputs"], "layers": [1]})))
     with pytest.raises(HsxError, match="different jobs"):

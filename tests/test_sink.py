@@ -17,7 +17,8 @@ from hsx import ledgers
 from hsx.config import HsxError
 from hsx.schema import OutputFormat
 from hsx.info import info_features
-from hsx.sink import OutputDir, job_fingerprint
+from hsx.fingerprint import job_fingerprint
+from hsx.sink import OutputDir
 
 CARD = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.arrow\n---\n"
 INFO = {"layers": [1, 3], "hidden_size": 64, "final_hidden": True, "complete": True, "model": "m",
