@@ -64,12 +64,15 @@ def bearer(token: str | None) -> list[tuple[bytes, bytes]]:
 class FlightSource:
     """An `hsx serve` server, as hsx.follow reads it (the methods of hsx.follow.LocalSource, asked over Flight)."""
 
-    def __init__(self, url: str, token: str | None = None):
+    def __init__(self, url: str, token: str | None = None, units_ahead: int = 1):
         import pyarrow.flight as flight
 
         host, port = parse_location(url)
         self.where = f"grpc://{host}:{port}"
-        self.client = flight.FlightClient(f"grpc+tcp://{host}:{port}")
+        self.location = f"grpc+tcp://{host}:{port}"
+        self.client = flight.FlightClient(self.location)
+        self.units_ahead = units_ahead  # units read ahead (`open_ahead`), each on its own connection
+        self.ahead: dict[str, tuple[tuple, _ReadAhead]] = {}  # unit -> (its record's identity, its read)
         self.options = flight.FlightCallOptions(headers=bearer(token if token is not None else
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
@@ -79,7 +82,7 @@ class FlightSource:
         self.renewer: threading.Thread | None = None
 
     def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
-        return FlightSource, (self.where, self.token)
+        return FlightSource, (self.where, self.token, self.units_ahead)
 
     def _call(self, fn, *args):
         import pyarrow.flight as flight
@@ -156,21 +159,38 @@ class FlightSource:
     def open(self, rec: dict[str, Any]):
         """The unit's rows as a `datasets.Dataset` (its features from the schema metadata the server sends), each
         record batch checked against the CRC-32 the server sent with it (`batch_crc32`: the server checked the
-        unit's file against its manifest line before sending; this checks what came over the wire)."""
-        import pyarrow.flight as flight
+        unit's file against its manifest line before sending; this checks what came over the wire). A unit read
+        ahead (`open_ahead`) of this very record is taken from there (its errors raised here, as a read's)."""
         from datasets import Dataset
         from datasets.table import InMemoryTable
 
-        ticket = flight.Ticket(json.dumps({"unit": rec["unit"]}).encode())
-
-        def read(**kw):
-            return read_checked(self.client, ticket, f"{self.where}: unit {rec['unit']}", **kw)
-
-        table = self._call(read)
+        entry = self.ahead.pop(rec["unit"], None)
+        table = entry[1].result() if entry is not None and entry[0] == _identity(rec) else self._read(rec)
         if table.num_rows != rec["rows"]:
             raise HsxError(f"{self.where}: unit {rec['unit']} came with {table.num_rows} rows, its manifest line "
                            f"says {rec['rows']}")
         return Dataset(InMemoryTable(table))
+
+    def open_ahead(self, recs: list[dict[str, Any]]) -> None:
+        """Begin reading the first `units_ahead` of these units (the ones this reader opens next, in order), each
+        on its own connection and thread, so that their transfer overlaps the rows handed out before them and
+        several streams add up (one gRPC stream is slower than a GPU writes: docs/benchmarks.md, 2026-12-07).
+        Reads no longer wanted are dropped (their threads end on their own); memory: up to `units_ahead` units."""
+        wanted = {rec["unit"]: rec for rec in recs[:self.units_ahead]}
+        for unit in [u for u in self.ahead if u not in wanted]:
+            del self.ahead[unit]
+        for unit, rec in wanted.items():
+            if unit not in self.ahead or self.ahead[unit][0] != _identity(rec):
+                self.ahead[unit] = (_identity(rec), _ReadAhead(self, rec))
+
+    def _read(self, rec: dict[str, Any], client=None):
+        """Unit `rec` as a pyarrow Table read over `client` (default: this reader's connection), every batch
+        checked (`read_checked`)."""
+        import pyarrow.flight as flight
+
+        ticket = flight.Ticket(json.dumps({"unit": rec["unit"]}).encode())
+        return self._call(lambda **kw: read_checked(client or self.client, ticket,
+                                                    f"{self.where}: unit {rec['unit']}", **kw))
 
     def take_consumer(self, consumer: str, rank: int, world_size: int) -> None:
         """Take the consumer rank at the server for this reader (hsx.follow.LocalSource.take_consumer, there): it
@@ -211,6 +231,41 @@ class FlightSource:
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
         self._as_consumer("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
+
+
+def _identity(rec: dict[str, Any]) -> tuple:
+    """What tells a committed unit from another of the same name (one redone with other bytes)."""
+    return rec["unit"], rec["rows"], rec["bytes"], rec.get("crc32")
+
+
+class _ReadAhead:
+    """One unit read by FlightSource.open_ahead: on a connection and daemon thread of its own (a reader that stops
+    never waits for it); `result()` waits for the table, or raises what the read raised."""
+
+    def __init__(self, source: FlightSource, rec: dict[str, Any]):
+        self.done = threading.Event()
+        self.table, self.error = None, None
+        threading.Thread(target=self._run, args=(source, rec), name="hsx-read-ahead", daemon=True).start()
+
+    def _run(self, source: FlightSource, rec: dict[str, Any]) -> None:
+        import pyarrow.flight as flight
+
+        client = None
+        try:
+            client = flight.FlightClient(source.location)
+            self.table = source._read(rec, client)
+        except BaseException as e:  # (raised in the reader's thread, by `result`)
+            self.error = e
+        finally:
+            if client is not None:
+                client.close()
+            self.done.set()
+
+    def result(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.table
 
 
 def _renew(source_ref, every: float) -> None:

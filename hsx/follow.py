@@ -131,12 +131,15 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
            rows: str = "torch", layers: list[int] | None = None, dequantize: bool = True, commit: str = "unit",
            poll_seconds: float = 1.0, rank: int | None = None, world_size: int | None = None,
            timeout: float | None = None, batch_size: int | None = None, prefetch: int | None = None,
-           token: str | None = None):
+           token: str | None = None, units_ahead: int = 1):
     """The rows of the job writing `output_dir`, as its units are committed: a `torch.utils.data.IterableDataset`
     that waits for new units and ends when the job is complete and every unit of this consumer was handed out.
 
     - `output_dir`: a local output dir, or `grpc://HOST:PORT` of an `hsx serve OUT` (the same rows, position and
-      ledgers, recorded by the server in OUT; `token`: its bearer token, else $HSX_SERVE_TOKEN).
+      ledgers, recorded by the server in OUT; `token`: its bearer token, else $HSX_SERVE_TOKEN). `units_ahead`
+      (grpc:// only): units read ahead, each on its own connection, while the rows before them are handed out:
+      the transfer overlaps training, and several streams read faster than one (memory: up to that many units
+      more); 0 reads each unit when its first row is asked for.
     - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
@@ -167,7 +170,9 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     if isinstance(output_dir, str) and output_dir.startswith("grpc"):
         from hsx.flight import FlightSource
 
-        source = FlightSource(output_dir, token)
+        if not (type(units_ahead) is int and units_ahead >= 0):
+            raise ValueError(f"units_ahead={units_ahead!r}: a non-negative integer")
+        source = FlightSource(output_dir, token, units_ahead)
     else:
         if token is not None:
             raise ValueError("token= is for a grpc://HOST:PORT source (hsx serve), not a local dir")
@@ -312,6 +317,10 @@ class Source(Protocol):
     def open(self, rec: dict[str, Any]) -> Any:
         """Unit `rec`'s rows as a `datasets.Dataset`, checked against its manifest line (size, CRC-32, rows) before
         any row is handed out."""
+
+    def open_ahead(self, recs: list[dict[str, Any]]) -> None:
+        """Begin reading these units (the ones this reader opens next, in order) where reading one takes long; a
+        later `open` of one of them takes what was read. Nothing where `open` is cheap (a local memory map)."""
 
     def take_consumer(self, consumer: str, rank: int, world_size: int) -> None:
         """Make this reader the one deleting reader of `consumer`'s rank `rank`: declare the consumer in OUT and
@@ -491,6 +500,9 @@ class LocalSource:
         from datasets import Dataset
 
         return self._read(rec, lambda path: Dataset.from_file(str(path)), len)
+
+    def open_ahead(self, recs: list[dict[str, Any]]) -> None:
+        pass  # (a unit is memory-mapped: its pages come as its rows are read)
 
     def table(self, rec: dict[str, Any]):
         """The unit's rows as the memory-mapped pyarrow Table of its file (what `hsx serve` sends), if it is the

@@ -273,6 +273,7 @@ class Follow(torch.utils.data.IterableDataset):
         if self.position[unit] >= n:
             return
         ds = self.src.open(rec)
+        self.src.open_ahead(self._unread(unit))  # (over the network: the next units come while these rows go)
         if self.rows == "torch":
             layout, table = self.layout(self.src.summary()), ds.with_format("arrow")
             get = lambda i: layout.row(table[i])  # noqa: E731
@@ -311,6 +312,13 @@ class Follow(torch.utils.data.IterableDataset):
             if led["rows"] != rec["rows"] or not uploaded_matches(led, rec):
                 self.position.pop(unit, None)
                 self.committed.pop(unit, None)
+
+    def _unread(self, current: str) -> list[dict[str, Any]]:
+        """This consumer's committed units other than `current` not wholly handed out, in the order `_next_unit`
+        takes them (as known now: a unit committed later may come before them)."""
+        mine, records = self._mine() or [], self.src.records()
+        return [records[u] for u in sorted(set(mine) & set(records))
+                if u != current and self.position.get(u, -1) < records[u]["rows"]]
 
     def _next_unit(self) -> dict[str, Any] | None:
         """The first of this consumer's committed units (in name order) not wholly handed out, or None."""

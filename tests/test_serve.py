@@ -311,3 +311,63 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     assert_one_error_line(rc, err, "--clients is --bench's")
     rc, _, err = hsx_main(["serve", str(out), "--bench", "1", "--clients", "0"])
     assert_one_error_line(rc, err, "--clients")
+
+
+def test_units_read_ahead_come_on_their_own_connections_and_change_no_row(served, fault_reference):
+    """units_ahead=N: while a unit's rows are handed out the next N of this reader's units are read, each on its own
+    connection; the rows and their order are a local reader's, with 0 (nothing read ahead) and with 2."""
+    out, url, token = served
+    local = list(hsx.follow(fault_reference.out, rows="dict", commit="manual"))
+    for ahead in (0, 2):
+        remote = hsx.follow(url, rows="dict", commit="manual", token=token, units_ahead=ahead)
+        it = iter(remote)
+        got = [next(it)]
+        units = sorted(remote.src.records())
+        assert len(units) > 3
+        assert sorted(remote.src.ahead) == units[1:1 + ahead]  # the next ones, in the order they are opened
+        got += list(it)
+        assert got == local
+        assert not remote.src.ahead  # each was taken by its open
+    with pytest.raises(ValueError, match="units_ahead"):
+        hsx.follow(url, token=token, units_ahead=-1)
+
+
+def test_a_unit_read_ahead_that_failed_fails_at_its_open_with_no_row_of_it_handed_out(served, fault_reference,
+                                                                                         monkeypatch):
+    from hsx.flight import FlightSource
+
+    out, url, token = served
+    units = sorted(hsx.follow(fault_reference.out, commit="manual").src.records())
+    bad = units[2]
+    read = FlightSource._read
+
+    def damaged(self, rec, client=None):
+        if rec["unit"] == bad:
+            raise HsxError(f"{self.where}: unit {bad} came damaged (record batch 0: its CRC-32 is not the one the "
+                           "server sent); no row of it was handed out")
+        return read(self, rec, client)
+
+    monkeypatch.setattr(FlightSource, "_read", damaged)
+    remote = hsx.follow(url, rows="dict", commit="manual", token=token, units_ahead=2)
+    got = []
+    with pytest.raises(HsxError, match=f"unit {bad} came damaged"):
+        for row in remote:
+            got.append(row)
+    before = [r for r in hsx.follow(fault_reference.out, rows="dict", commit="manual")][:len(got)]
+    assert got == before and remote.position.get(bad, 0) == 0  # every row before it, none of it
+
+
+def test_a_read_ahead_of_a_unit_since_redone_is_not_taken(served, monkeypatch):
+    from hsx.flight import FlightSource, _ReadAhead
+
+    out, url, token = served
+    src = FlightSource(url, token, units_ahead=1)
+    rec = sorted(src.records().items())[0][1]
+    taken, result = [], _ReadAhead.result
+    monkeypatch.setattr(_ReadAhead, "result", lambda self: taken.append(1) or result(self))
+    src.open_ahead([rec])
+    assert len(src.open(rec)) == rec["rows"] and taken == [1]  # its own record: taken from the read ahead
+    src.open_ahead([rec])
+    other = {**rec, "crc32": "00000000"}  # the same name, other bytes: a unit redone since the read began
+    assert len(src.open(other)) == rec["rows"] and taken == [1]  # read again, not taken from the read ahead
+    assert not src.ahead
