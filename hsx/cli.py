@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "hsx.follow does")
     sv.add_argument("--clients", type=int, default=1, metavar="N", help="with --bench: N clients at once, each on "
                     "its own connection (several trainer ranks)")
+    sv.add_argument("--units-ahead", type=int, metavar="N", help="with --bench: each client is an hsx.follow reader "
+                    "taking every row, N units read ahead (what one trainer rank gets), instead of raw reads")
     sv.add_argument("--consumers", metavar="NAME,...", help="declare these consumers of the output dir: a unit is "
                     "deleted only once each of them (and every other declared consumer) consumed it")
     co = command("consumers", "list an output dir's consumers (hsx.follow with delete_consumed), declare some, or "

@@ -167,10 +167,12 @@ def serve(args: argparse.Namespace) -> None:
     if args.bench is not None:
         check_range("--bench", args.bench, 0.1, 3600, integer=False)
         check_range("--clients", args.clients, 1, 256)
-        bench_serve(args.output_dir, args.bench, args.clients)
+        if args.units_ahead is not None:
+            check_range("--units-ahead", args.units_ahead, 0, 64)
+        bench_serve(args.output_dir, args.bench, args.clients, units_ahead=args.units_ahead)
         return
-    if args.clients != 1:
-        raise UsageError("--clients is --bench's: how many clients it measures")
+    if args.clients != 1 or args.units_ahead is not None:
+        raise UsageError(f"{'--clients' if args.clients != 1 else '--units-ahead'} is --bench's: what it measures")
     run_serve(args.output_dir, args.host, args.port, args.token_file, consumers=_names(args.consumers, "--consumers"))
 
 

@@ -219,10 +219,13 @@ def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,
         server.shutdown()
 
 
-def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print) -> dict[str, Any]:
+def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print,
+                units_ahead: int | None = None) -> dict[str, Any]:
     """GB/s a loopback server hands out: `clients` clients, each on its own connection and thread, reading every
     committed unit of OUT over and over for `seconds`, as hsx.follow's Flight reader reads them (DoGet, each record
-    batch checked against the CRC-32 the server sent: hsx.flight.read_checked)."""
+    batch checked against the CRC-32 the server sent: hsx.flight.read_checked); bytes are the tables'. With
+    `units_ahead`, each client is an `hsx.follow` reader taking every row (`rows="torch"`, that many units read
+    ahead), pass after pass: bytes are the unit files' of the units it handed out whole."""
     import threading
 
     import pyarrow.flight as flight
@@ -238,6 +241,31 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
     done: list[tuple[int, int]] = []  # (bytes, unit reads) of each client
     failed: list[BaseException] = []
     start = threading.Barrier(clients + 1)
+
+    def reader_loop(k: int) -> None:
+        from hsx.follow import follow
+
+        try:
+            nbytes = reads = 0
+            start.wait()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                reader = follow(f"grpc://127.0.0.1:{server.port}", rows="torch", commit="manual", rank=0,
+                                world_size=1, units_ahead=units_ahead, timeout=1.0, poll_seconds=0.1)
+                try:
+                    for _ in reader:
+                        if time.perf_counter() - t0 >= seconds:
+                            break
+                except HsxError:  # (a job still running: no new unit for a second ends the pass)
+                    if any(reader.position.get(u, 0) < rec["rows"] for u, rec in units.items()):
+                        raise
+                whole = [u for u, row in reader.position.items() if u in units and row == units[u]["rows"]]
+                nbytes += sum(units[u]["bytes"] for u in whole)
+                reads += len(whole)
+            done.append((nbytes, reads))
+        except BaseException as e:  # (told after the others end)
+            failed.append(e)
+            start.abort()
 
     def client_loop(k: int) -> None:
         try:
@@ -259,7 +287,8 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
             failed.append(e)
             start.abort()
 
-    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(clients)]
+    loop = client_loop if units_ahead is None else reader_loop
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(clients)]
     try:
         for t in threads:
             t.start()
@@ -276,10 +305,12 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
     if failed:
         raise HsxError(f"hsx serve --bench: a client failed: {one_line(failed[0])}")
     nbytes, reads = sum(b for b, _ in done), sum(r for _, r in done)
-    result = {"units": len(units), "clients": clients, "unit_reads": reads, "bytes": nbytes,
+    result = {"units": len(units), "clients": clients, "units_ahead": units_ahead, "unit_reads": reads, "bytes": nbytes,
               "seconds": round(elapsed, 3), "gb_per_s": round(nbytes / elapsed / 1e9, 3),
               "gb_per_s_per_client": [round(b / elapsed / 1e9, 3) for b, _ in done]}
-    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} client"
-        f"{'s' if clients > 1 else ''} over {elapsed:.1f} s: {result['gb_per_s']:.2f} GB/s served on loopback"
+    plural = "s" if clients > 1 else ""
+    who = f"client{plural}" if units_ahead is None else f"hsx.follow reader{plural} (units_ahead={units_ahead})"
+    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} {who} over {elapsed:.1f} s: "
+        f"{result['gb_per_s']:.2f} GB/s served on loopback"
         + (f" ({', '.join(f'{g:.2f}' for g in result['gb_per_s_per_client'])} each)" if clients > 1 else ""))
     return result

@@ -311,6 +311,13 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     assert_one_error_line(rc, err, "--clients is --bench's")
     rc, _, err = hsx_main(["serve", str(out), "--bench", "1", "--clients", "0"])
     assert_one_error_line(rc, err, "--clients")
+    rc, _, err = hsx_main(["serve", str(out), "--units-ahead", "1"])
+    assert_one_error_line(rc, err, "--units-ahead is --bench's")
+    # each client an hsx.follow reader: whole units handed out, counted by their files' bytes
+    got = bench_serve(str(out), seconds=0.3, clients=2, units_ahead=1, log=lines.append)
+    assert got["units_ahead"] == 1 and got["unit_reads"] >= 2 and min(got["gb_per_s_per_client"]) > 0
+    assert got["bytes"] >= 2 * min(r["bytes"] for r in units.values())
+    assert "by 2 hsx.follow readers (units_ahead=1)" in lines[-1] and listing(out) == before
 
 
 def test_units_read_ahead_come_on_their_own_connections_and_change_no_row(served, fault_reference):
