@@ -65,6 +65,7 @@ class Follow(torch.utils.data.IterableDataset):
         self.position: dict[str, int] = {u: r["row"] for u, r in self.unchecked.items()}  # rows handed out
         self.committed: dict[str, int] = dict(self.position)  # what the ledger says
         self.records: dict[str, dict[str, Any]] = {}  # manifest records of the units seen
+        self.next_records: dict[str, dict[str, Any]] = {}  # the committed units as `_next_unit` last read them
         self.iterating = False
         self._new_trail()
         self._see(self.src.records())
@@ -315,8 +316,8 @@ class Follow(torch.utils.data.IterableDataset):
 
     def _unread(self, current: str) -> list[dict[str, Any]]:
         """This consumer's committed units other than `current` not wholly handed out, in the order `_next_unit`
-        takes them (as known now: a unit committed later may come before them)."""
-        mine, records = self._mine() or [], self.src.records()
+        takes them, as it last read the records (nothing read again; a unit committed later may come before them)."""
+        mine, records = self._mine() or [], self.next_records
         return [records[u] for u in sorted(set(mine) & set(records))
                 if u != current and self.position.get(u, -1) < records[u]["rows"]]
 
@@ -325,7 +326,7 @@ class Follow(torch.utils.data.IterableDataset):
         mine = self._mine()
         if mine is None:
             return None
-        records = self.src.records()
+        records = self.next_records = self.src.records()
         for unit in sorted(set(mine) & set(records)):
             rec = records[unit]
             self._see({unit: rec})
