@@ -426,8 +426,9 @@ def _extract(cfg: ExtractConfig, proc: Process, out: OutputDir, stop: StopReques
                 uploader.submit(name, path)
 
         try:
-            if mine.units or (proc.ep_size > 1 and mine.pending):  # (an expert-parallel rank with no unit serves
-                with Extraction(cfg, proc, job.target, units.ordered, mine.planned, model, say,  # its group)
+            # (an expert-parallel rank with no unit still serves its group's forwards)
+            if mine.units or (proc.ep_size > 1 and mine.pending):
+                with Extraction(cfg, proc, job.target, units.ordered, mine.planned, model, say,
                                 feed=mine.feed) as extraction:
                     record_run(out, extraction.stats, say, compare=proc.is_main)
                     commit_units(extraction, proc, out, mine.units, stop,

@@ -242,53 +242,53 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
     failed: list[BaseException] = []
     start = threading.Barrier(clients + 1)
 
-    def reader_loop(k: int) -> None:
+    def raw_reads(k: int):
+        """One unit read with DoGet a call, each client starting at another unit (not all on one file at once)."""
+        client, at = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}"), [k]
+
+        def once(deadline: float) -> tuple[int, int]:
+            unit, ticket = tickets[at[0] % len(tickets)]
+            at[0] += 1
+            return read_checked(client, ticket, f"unit {unit}").nbytes, 1
+
+        return once
+
+    def follow_passes(k: int):
+        """One pass of an hsx.follow reader over every unit a call, cut at the deadline; its whole units count."""
         from hsx.follow import follow
 
-        try:
-            nbytes = reads = 0
-            start.wait()
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                reader = follow(f"grpc://127.0.0.1:{server.port}", rows="torch", commit="manual", rank=0,
-                                world_size=1, units_ahead=units_ahead, timeout=1.0, poll_seconds=0.1)
-                try:
-                    for _ in reader:
-                        if time.perf_counter() - t0 >= seconds:
-                            break
-                except HsxError:  # (a job still running: no new unit for a second ends the pass)
-                    if any(reader.position.get(u, 0) < rec["rows"] for u, rec in units.items()):
-                        raise
-                whole = [u for u, row in reader.position.items() if u in units and row == units[u]["rows"]]
-                nbytes += sum(units[u]["bytes"] for u in whole)
-                reads += len(whole)
-            done.append((nbytes, reads))
-        except BaseException as e:  # (told after the others end)
-            failed.append(e)
-            start.abort()
+        def once(deadline: float) -> tuple[int, int]:
+            reader = follow(f"grpc://127.0.0.1:{server.port}", rows="torch", commit="manual", rank=0, world_size=1,
+                            units_ahead=units_ahead, timeout=1.0, poll_seconds=0.1)
+            try:
+                for _ in reader:
+                    if time.perf_counter() >= deadline:
+                        break
+            except HsxError:  # (a job still running: no new unit for a second ends the pass)
+                if any(reader.position.get(u, 0) < rec["rows"] for u, rec in units.items()):
+                    raise
+            whole = [u for u, row in reader.position.items() if u in units and row == units[u]["rows"]]
+            return sum(units[u]["bytes"] for u in whole), len(whole)
+
+        return once
 
     def client_loop(k: int) -> None:
+        # The clock is read after each call: an output of a few large units ends near `seconds`, not a whole pass
+        # over them later.
         try:
-            client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}")
+            once = (raw_reads if units_ahead is None else follow_passes)(k)
             nbytes = reads = 0
             start.wait()
-            t0 = time.perf_counter()
-            # Each client starts at another unit (not all on one file at once), and the clock is read after each
-            # unit: an output of a few large units ends near `seconds`, not a whole pass over them later.
-            i = k
-            while time.perf_counter() - t0 < seconds:
-                unit, ticket = tickets[i % len(tickets)]
-                nbytes += read_checked(client, ticket, f"unit {unit}").nbytes
-                reads += 1
-                i += 1
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                b, r = once(deadline)
+                nbytes, reads = nbytes + b, reads + r
             done.append((nbytes, reads))
-            client.close()
         except BaseException as e:  # (told after the others end)
             failed.append(e)
             start.abort()
 
-    loop = client_loop if units_ahead is None else reader_loop
-    threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(clients)]
+    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(clients)]
     try:
         for t in threads:
             t.start()
