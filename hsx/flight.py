@@ -72,7 +72,7 @@ class FlightSource:
         self.location = f"grpc+tcp://{host}:{port}"
         self.client = flight.FlightClient(self.location)
         self.units_ahead = units_ahead  # units read ahead (`open_ahead`), each on its own connection
-        self.ahead: dict[str, tuple[tuple, _ReadAhead]] = {}  # unit -> (its record's identity, its read)
+        self.ahead: dict[str, tuple[dict, _ReadAhead]] = {}  # unit -> (the manifest record it read, its read)
         self.options = flight.FlightCallOptions(headers=bearer(token if token is not None else
                                                                os.environ.get(TOKEN_ENV)), timeout=600)
         self.last: dict[str, Any] | None = None  # the last `state` answer
@@ -165,7 +165,8 @@ class FlightSource:
         from datasets.table import InMemoryTable
 
         entry = self.ahead.pop(rec["unit"], None)
-        table = entry[1].result() if entry is not None and entry[0] == _identity(rec) else self._read(rec)
+        table = entry[1].result() if entry is not None and entry[0] == rec else self._read(rec)  # (the same
+        # record: not a unit redone under that name since)
         if table.num_rows != rec["rows"]:
             raise HsxError(f"{self.where}: unit {rec['unit']} came with {table.num_rows} rows, its manifest line "
                            f"says {rec['rows']}")
@@ -180,8 +181,8 @@ class FlightSource:
         for unit in [u for u in self.ahead if u not in wanted]:
             del self.ahead[unit]
         for unit, rec in wanted.items():
-            if unit not in self.ahead or self.ahead[unit][0] != _identity(rec):
-                self.ahead[unit] = (_identity(rec), _ReadAhead(self, rec))
+            if unit not in self.ahead or self.ahead[unit][0] != rec:
+                self.ahead[unit] = (rec, _ReadAhead(self, rec))
 
     def _read(self, rec: dict[str, Any], client=None):
         """Unit `rec` as a pyarrow Table read over `client` (default: this reader's connection), every batch
@@ -231,11 +232,6 @@ class FlightSource:
 
     def hold(self, consumer: str, rank: int, world_size: int, units: list[str]) -> None:
         self._as_consumer("hold", {"consumer": consumer, "rank": rank, "world_size": world_size, "units": units})
-
-
-def _identity(rec: dict[str, Any]) -> tuple:
-    """What tells a committed unit from another of the same name (one redone with other bytes)."""
-    return rec["unit"], rec["rows"], rec["bytes"], rec.get("crc32")
 
 
 class _ReadAhead:
