@@ -164,9 +164,8 @@ class FlightSource:
         from datasets import Dataset
         from datasets.table import InMemoryTable
 
-        entry = self.ahead.pop(rec["unit"], None)
-        table = entry[1].result() if entry is not None and entry[0] == rec else self._read(rec)  # (the same
-        # record: not a unit redone under that name since)
+        entry = self.ahead.pop(rec["unit"], None)  # (taken only for the same record: not a unit redone since)
+        table = entry[1].result() if entry is not None and entry[0] == rec else self._read(rec)
         if table.num_rows != rec["rows"]:
             raise HsxError(f"{self.where}: unit {rec['unit']} came with {table.num_rows} rows, its manifest line "
                            f"says {rec['rows']}")
