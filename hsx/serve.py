@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.errors import HsxError, Stopped, UsageError, one_line
-from hsx.flight import MAX_REQUEST_BYTES, TOKEN_ENV, batch_crc32
+from hsx.flight import CHECK_RULES, MAX_REQUEST_BYTES, TOKEN_ENV, batch_check
 
 SESSION = re.compile(r"[A-Za-z0-9]{1,64}")
 ACTIONS = {"state": "plan, manifests, complete, consumers", "ledger": "a consumer's ledger",
@@ -132,11 +132,11 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
             raise flight.FlightServerError(f"{verb}: the server failed ({type(e).__name__}); its log says more") \
                 from None
 
-    def batches(table, verb: str):
-        """The unit's record batches, each with its CRC-32 as app_metadata (hsx.flight.batch_crc32)."""
+    def batches(table, verb: str, rule: str):
+        """The unit's record batches, each with its CRC-32 by `rule` as app_metadata (hsx.flight.batch_check)."""
         try:
             for batch in table.to_batches():
-                yield batch, batch_crc32(batch).encode()
+                yield batch, batch_check(batch, rule)
         except Exception as e:  # (inside the stream too: one line)
             log(f"hsx serve: {verb} failed: {type(e).__name__}: {one_line(e)}", flush=True)
             raise flight.FlightServerError(f"{verb}: the server failed ({type(e).__name__})") from None
@@ -147,8 +147,11 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
         rec = src.records().get(unit) if isinstance(unit, str) else None
         if rec is None:
             raise HsxError(f"{str(unit)[:80]!r} is not a committed unit of this output")
+        rule = body.get("check", "serialized")  # (a client from before the "buffers" rule asks for none)
+        if rule not in CHECK_RULES:
+            raise HsxError(f"check: one of {', '.join(CHECK_RULES)}")
         table = src.table(rec)  # (its file's CRC-32 checked against the manifest line first)
-        return flight.GeneratorStream(table.schema, batches(table, "get"))
+        return flight.GeneratorStream(table.schema, batches(table, "get", rule))
 
     def act(kind: str, raw: bytes) -> Any:
         body = body_of(raw, kind)
@@ -230,14 +233,14 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
 
     import pyarrow.flight as flight
 
-    from hsx.flight import read_checked
+    from hsx.flight import read_checked, unit_ticket
     from hsx.follow import LocalSource
 
     units = LocalSource(Path(out_dir), write=False).records()
     if not units:
         raise HsxError(f"{out_dir}: no committed unit to serve")
     server = make_server(out_dir, "127.0.0.1", 0, None, log)
-    tickets = [(u, flight.Ticket(json.dumps({"unit": u}).encode())) for u in sorted(units)]
+    tickets = [(u, unit_ticket(u)) for u in sorted(units)]
     done: list[tuple[int, int]] = []  # (bytes, unit reads) of each client
     failed: list[BaseException] = []
     start = threading.Barrier(clients + 1)

@@ -240,7 +240,7 @@ def test_a_batch_changed_on_the_wire_is_refused_by_the_client(tmp_path, fault_re
     out = copy_out(tmp_path, fault_reference)
     url = server_of(out)
     assert len(list(hsx.follow(url, rows="dict", token=TOKEN))) == len(fault_reference.sample_ids)
-    monkeypatch.setattr(hsx.flight, "batch_crc32", lambda batch: "00000000")  # (the client's side only)
+    monkeypatch.setattr(hsx.flight, "batch_check", lambda batch, rule="buffers": b"buffers:00000000")  # (the client's side only)
     with pytest.raises(HsxError, match="came damaged"):
         list(hsx.follow(url, rows="dict", token=TOKEN))
 

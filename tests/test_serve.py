@@ -378,3 +378,91 @@ def test_a_read_ahead_of_a_unit_since_redone_is_not_taken(served, monkeypatch):
     other = {**rec, "crc32": "00000000"}  # the same name, other bytes: a unit redone since the read began
     assert len(src.open(other)) == rec["rows"] and taken == [1]  # read again, not taken from the read ahead
     assert not src.ahead
+
+
+def _ipc_round_trip(batch):
+    """The batch as a Flight client receives it: written as an IPC stream and read back."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return pa.ipc.open_stream(sink.getvalue()).read_next_batch()
+
+
+def _check_batch():
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_pydict({
+        "ids": pa.array([[1, 2, 3], [], None, [7]], pa.list_(pa.int32())),
+        "mask": pa.array([1, 0, None, 1], pa.int8()),
+        "states": pa.array([[[1, 2], [3, 4]], [[5, 6]], [], [[7, None]]], pa.list_(pa.list_(pa.int16(), 2))),
+        "big": pa.array([[1.5], None, [2.5, 3.5], []], pa.large_list(pa.float32())),
+        "text": pa.array(["ab", None, "", "héllo"], pa.string()),
+        "flags": pa.array([True, False, None, True]),
+        "nothing": pa.nulls(4),
+    })
+
+
+def test_a_batch_check_by_buffers_is_the_same_after_ipc_and_changes_with_any_value_byte():
+    import pyarrow as pa
+
+    from hsx.flight import batch_check
+
+    batch = _check_batch()
+    sent = batch_check(batch)
+    assert sent.startswith(b"buffers:")  # every type here is walked (no copy)
+    assert batch_check(_ipc_round_trip(batch)) == sent
+    assert batch_check(batch, "serialized") == batch_check(_ipc_round_trip(batch), "serialized")
+    # a value in any column, a row's length, a null, a nested value: each changes the check
+    changed = {
+        "ids": pa.array([[1, 2, 4], [], None, [7]], pa.list_(pa.int32())),
+        "mask": pa.array([1, 0, 0, 1], pa.int8()),
+        "states": pa.array([[[1, 2], [3, 5]], [[5, 6]], [], [[7, None]]], pa.list_(pa.list_(pa.int16(), 2))),
+        "big": pa.array([[1.5], None, [2.5], [3.5]], pa.large_list(pa.float32())),
+        "text": pa.array(["ab", None, "", "hello"], pa.string()),
+        "flags": pa.array([True, True, None, True]),
+    }
+    for name, column in changed.items():
+        other = batch.set_column(batch.schema.get_field_index(name), name, column)
+        assert batch_check(_ipc_round_trip(other)) != sent, name
+    # a byte flipped in the serialized message's values (as on the wire): the received batch's check differs
+    wire = bytearray(batch.serialize())
+    at = bytes(wire).index(b"h\xc3\xa9llo")
+    wire[at] ^= 0x01
+    flipped = pa.ipc.read_record_batch(pa.py_buffer(bytes(wire)), batch.schema)
+    assert batch_check(flipped) != sent
+
+
+def test_a_batch_of_a_type_or_layout_not_walked_is_checked_serialized_on_both_sides():
+    import pyarrow as pa
+
+    from hsx.flight import batch_check
+
+    nested = pa.RecordBatch.from_pydict({"s": pa.array([{"a": 1}, {"a": 2}])})
+    assert batch_check(nested) == batch_check(nested, "serialized")  # (8 hex digits: the rule a client reads)
+    assert batch_check(_ipc_round_trip(nested)) == batch_check(nested)
+    sliced = _check_batch().slice(1, 2)  # an offset Arrow's writer removes
+    assert b":" not in batch_check(sliced)
+    assert batch_check(_ipc_round_trip(sliced), "serialized") == batch_check(sliced)
+
+
+def test_clients_and_servers_from_before_the_buffers_check_still_agree(served):
+    """A ticket without "check" (an older client) gets the serialized form's CRC-32s; an older server (one that
+    ignores "check") is read by this client by the rule each batch's metadata names."""
+    import pyarrow.flight as flight
+
+    from hsx.flight import batch_check, read_checked, unit_ticket
+
+    out, url, token = served
+    client = flight.connect(url)
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+    unit = json.loads(next((out / ".hsx").glob("manifest-*.jsonl")).read_text().splitlines()[0])["unit"]
+    old = client.do_get(flight.Ticket(json.dumps({"unit": unit}).encode()), options=options)
+    chunk = old.read_chunk()
+    assert chunk.app_metadata.to_pybytes() == batch_check(chunk.data, "serialized")
+    assert b":" not in chunk.app_metadata.to_pybytes()
+    table = read_checked(client, flight.Ticket(json.dumps({"unit": unit}).encode()), "old server", options=options)
+    assert table.equals(read_checked(client, unit_ticket(unit), "new server", options=options))
+    with pytest.raises(flight.FlightServerError, match="check: one of buffers, serialized"):
+        client.do_get(flight.Ticket(json.dumps({"unit": unit, "check": "md5"}).encode()), options=options).read_all()
