@@ -664,7 +664,7 @@ def test_a_signal_inside_a_finalizer_still_ends_the_command_with_one_line(tmp_pa
     script = tmp_path / "finalizer.py"
     script.write_text(FINALIZER_SCRIPT)
     done = subprocess.run([sys.executable, str(script), sig], capture_output=True, text=True, timeout=120,
-                          env=child_env())
+                          env=child_env(), preexec_fn=default_sigint)
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert "not interrupted" not in done.stdout
     assert done.returncode == code, done.stderr
@@ -745,6 +745,7 @@ def test_an_interrupt_is_delivered_again_only_once_the_main_thread_has_left_the_
         inside.append("left")
 
     monkeypatch.setattr(sys, "unraisablehook", hook)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (see default_sigint)
     try:
         sys.unraisablehook(None)
         with pytest.raises(KeyboardInterrupt):
@@ -752,7 +753,15 @@ def test_an_interrupt_is_delivered_again_only_once_the_main_thread_has_left_the_
                 time.sleep(0.01)
     except KeyboardInterrupt:
         pytest.fail("the interrupt landed inside the hook")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert inside == ["asked", "left"]
+
+
+def default_sigint():
+    """SIGINT back to its default in a child: a test command started in the background of a non-interactive shell
+    (`cmd &`) inherits SIGINT ignored, and Python then installs no handler of its own (Ctrl-C is not delivered)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 from helpers import child_env, the_error_line  # noqa: E402
