@@ -257,15 +257,17 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
         return once
 
     def follow_passes(k: int):
-        """One pass of an hsx.follow reader over every unit a call, cut at the deadline; its whole units count."""
+        """One pass of an hsx.follow reader over every unit a call, cut at the first unit end past the deadline; its
+        whole units count (units read ahead and not handed out do not: a lower bound where units are large)."""
         from hsx.follow import follow
 
         def once(deadline: float) -> tuple[int, int]:
             reader = follow(f"grpc://127.0.0.1:{server.port}", rows="torch", commit="manual", rank=0, world_size=1,
                             units_ahead=units_ahead, timeout=1.0, poll_seconds=0.1)
             try:
-                for _ in reader:
-                    if time.perf_counter() >= deadline:
+                for _ in reader:  # (past the deadline, the unit being handed out is finished: it counts)
+                    if time.perf_counter() >= deadline and all(
+                            row == units[u]["rows"] for u, row in reader.position.items() if u in units and row):
                         break
             except HsxError:  # (a job still running: no new unit for a second ends the pass)
                 if any(reader.position.get(u, 0) < rec["rows"] for u, rec in units.items()):
