@@ -318,6 +318,10 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     assert got["units_ahead"] == 1 and got["unit_reads"] >= 2 and min(got["gb_per_s_per_client"]) > 0
     assert got["bytes"] >= 2 * min(r["bytes"] for r in units.values())
     assert "by 2 hsx.follow readers (units_ahead=1)" in lines[-1] and listing(out) == before
+    # a deadline passed inside a unit: the reader finishes that unit, which counts (not cut after its first row)
+    got = bench_serve(str(out), seconds=1e-6, units_ahead=0, log=lines.append)
+    first = units[sorted(units)[0]]
+    assert first["rows"] > 1 and got["unit_reads"] >= 1 and got["bytes"] >= first["bytes"]
 
 
 def test_units_read_ahead_come_on_their_own_connections_and_change_no_row(served, fault_reference):
