@@ -224,46 +224,133 @@ def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,
 
 def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print,
                 units_ahead: int | None = None) -> dict[str, Any]:
-    """GB/s a loopback server hands out: `clients` clients, each on its own connection and thread, reading every
-    committed unit of OUT over and over for `seconds`, as hsx.follow's Flight reader reads them (DoGet, each record
-    batch checked against the CRC-32 the server sent: hsx.flight.read_checked); bytes are the tables'. With
+    """GB/s an `hsx serve` hands out on loopback, as a deployment runs it: the server in a process of its own
+    (`hsx serve OUT --port 0`), each of `clients` clients in another (trainer ranks are processes: threads of one
+    process would share its GIL with each other and with the server, and measure that instead). Each client reads
+    every committed unit of OUT over and over for `seconds`, as hsx.follow's Flight reader reads them (DoGet, each
+    record batch checked against the CRC-32 the server sent: hsx.flight.read_checked); bytes are the tables'. With
     `units_ahead`, each client is an `hsx.follow` reader taking every row (`rows="torch"`, that many units read
     ahead), pass after pass: bytes are the unit files' of the units it handed out whole."""
+    import multiprocessing
+    import queue as queues
     import threading
 
-    import pyarrow.flight as flight
-
-    from hsx.flight import read_checked, unit_ticket
     from hsx.follow import LocalSource
 
     units = LocalSource(Path(out_dir), write=False).records()
     if not units:
         raise HsxError(f"{out_dir}: no committed unit to serve")
-    server = make_server(out_dir, "127.0.0.1", 0, None, log)
-    tickets = [(u, unit_ticket(u)) for u in sorted(units)]
-    done: list[tuple[int, int]] = []  # (bytes, unit reads) of each client
-    failed: list[BaseException] = []
-    start = threading.Barrier(clients + 1)
+    server, location = _bench_server(out_dir)
+    ctx = multiprocessing.get_context("spawn")  # (no fork of a process that may hold threads and CUDA)
+    start, results = ctx.Barrier(clients + 1), ctx.Queue()
+    procs = [ctx.Process(target=_bench_client, args=(k, location, units, seconds, units_ahead, start, results),
+                         name=f"hsx-serve-bench-{k}", daemon=True) for k in range(clients)]
+    done: dict[int, tuple[int, int]] = {}  # client -> (bytes, unit reads)
+    failed: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        try:
+            start.wait(timeout=SERVE_BENCH_START_SECONDS)
+        except threading.BrokenBarrierError:
+            pass  # (a client that failed to start broke it: its error is in `results`)
+        t0 = time.perf_counter()
+        while len(done) + len(failed) < clients:  # (the clock stops at the last answer, not at processes' exits)
+            try:
+                k, nbytes, reads, error = results.get(timeout=1.0)
+            except queues.Empty:
+                if not any(p.is_alive() for p in procs):
+                    failed.append("a client process ended without an answer")
+                    break
+                continue
+            if error is None:
+                done[k] = (nbytes, reads)
+            else:
+                failed.append(error)
+                start.abort()
+        elapsed = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        server.kill()
+        server.wait()
+    if failed:
+        raise HsxError(f"hsx serve --bench: a client failed: {failed[0]}")
+    nbytes, reads = sum(b for b, _ in done.values()), sum(r for _, r in done.values())
+    result = {"units": len(units), "clients": clients, "units_ahead": units_ahead, "unit_reads": reads, "bytes": nbytes,
+              "seconds": round(elapsed, 3), "gb_per_s": round(nbytes / elapsed / 1e9, 3),
+              "bytes_per_client": [done[k][0] for k in sorted(done)],
+              "gb_per_s_per_client": [round(done[k][0] / elapsed / 1e9, 3) for k in sorted(done)]}
+    plural = "s" if clients > 1 else ""
+    who = f"client{plural}" if units_ahead is None else f"hsx.follow reader{plural} (units_ahead={units_ahead})"
+    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} {who} over {elapsed:.1f} s: "
+        f"{result['gb_per_s']:.2f} GB/s served on loopback by a server in its own process"
+        + (f" ({', '.join(f'{g:.2f}' for g in result['gb_per_s_per_client'])} each)" if clients > 1 else ""))
+    return result
 
-    def raw_reads(k: int):
-        """One unit read with DoGet a call, each client starting at another unit (not all on one file at once)."""
-        client, at = flight.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}"), [k]
 
-        def once(deadline: float) -> tuple[int, int]:
+SERVE_BENCH_START_SECONDS = 120.0  # for the server and each client process to start (imports: torch, pyarrow)
+
+
+def _bench_server(out_dir: str):
+    """`hsx serve OUT --port 0` on loopback in a process of its own, without a token: (its Popen, its location)
+    once it listens; HsxError with its last line if it ends first."""
+    import subprocess
+    import sys
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # (loopback: no token, so no client needs one)
+    server = subprocess.Popen([sys.executable, "-m", "hsx", "serve", str(out_dir), "--port", "0"], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    found: list[str] = []
+
+    def first_line() -> None:
+        for line in server.stdout:
+            if found or " at grpc://" not in line:
+                continue
+            found.append(line.split(" at ", 1)[1].split()[0])
+        # (read to the end: a server whose pipe fills would block)
+
+    reader = threading.Thread(target=first_line, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + SERVE_BENCH_START_SECONDS
+    while not found and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        server.kill()
+        _, err = server.communicate()
+        last = (err or "").strip().splitlines()[-1:] or ["no line"]
+        raise HsxError(f"hsx serve --bench: the server did not start: {one_line(last[0])}")
+    return server, found[0]
+
+
+def _bench_client(k: int, location: str, units: dict[str, dict[str, Any]], seconds: float, units_ahead: int | None,
+                  start, results) -> None:
+    """One client of `bench_serve`, in its own process: reads for `seconds` once every client is ready, then puts
+    (k, bytes, unit reads, None), or (k, 0, 0, its error in one line)."""
+    try:
+        import pyarrow.flight as flight
+
+        from hsx.flight import read_checked, unit_ticket
+
+        tickets = [(u, unit_ticket(u)) for u in sorted(units)]
+        client, at = flight.FlightClient(location.replace("grpc://", "grpc+tcp://", 1)), [k]
+
+        def raw_read(deadline: float) -> tuple[int, int]:
+            """One unit read with DoGet a call, each client starting at another unit (not all on one file at once)."""
             unit, ticket = tickets[at[0] % len(tickets)]
             at[0] += 1
             return read_checked(client, ticket, f"unit {unit}").nbytes, 1
 
-        return once
+        def follow_pass(deadline: float) -> tuple[int, int]:
+            """One pass of an hsx.follow reader over every unit, cut at the first unit end past the deadline; its
+            whole units count (units read ahead and not handed out do not: a lower bound where units are large)."""
+            from hsx.follow import follow
 
-    def follow_passes(k: int):
-        """One pass of an hsx.follow reader over every unit a call, cut at the first unit end past the deadline; its
-        whole units count (units read ahead and not handed out do not: a lower bound where units are large)."""
-        from hsx.follow import follow
-
-        def once(deadline: float) -> tuple[int, int]:
-            reader = follow(f"grpc://127.0.0.1:{server.port}", rows="torch", commit="manual", rank=0, world_size=1,
-                            units_ahead=units_ahead, timeout=1.0, poll_seconds=0.1)
+            reader = follow(location, rows="torch", commit="manual", rank=0, world_size=1, units_ahead=units_ahead,
+                            timeout=1.0, poll_seconds=0.1)
             try:
                 for _ in reader:  # (past the deadline, the unit being handed out is finished: it counts)
                     if time.perf_counter() >= deadline and all(
@@ -275,47 +362,22 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
             whole = [u for u, row in reader.position.items() if u in units and row == units[u]["rows"]]
             return sum(units[u]["bytes"] for u in whole), len(whole)
 
-        return once
+        once = raw_read if units_ahead is None else follow_pass
+        if units_ahead is not None:  # (imported before the clock starts: they take seconds)
+            import importlib
 
-    def client_loop(k: int) -> None:
+            for module in ("torch", "datasets", "hsx.follow", "hsx.torch_data"):
+                importlib.import_module(module)
+        start.wait(timeout=SERVE_BENCH_START_SECONDS)
         # The clock is read after each call: an output of a few large units ends near `seconds`, not a whole pass
         # over them later.
-        try:
-            once = (raw_reads if units_ahead is None else follow_passes)(k)
-            nbytes = reads = 0
-            start.wait()
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline:
-                b, r = once(deadline)
-                nbytes, reads = nbytes + b, reads + r
-            done.append((nbytes, reads))
-        except BaseException as e:  # (told after the others end)
-            failed.append(e)
-            start.abort()
-
-    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(clients)]
-    try:
-        for t in threads:
-            t.start()
-        try:
-            start.wait()
-        except threading.BrokenBarrierError:
-            pass
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    finally:
-        server.shutdown()
-    if failed:
-        raise HsxError(f"hsx serve --bench: a client failed: {one_line(failed[0])}")
-    nbytes, reads = sum(b for b, _ in done), sum(r for _, r in done)
-    result = {"units": len(units), "clients": clients, "units_ahead": units_ahead, "unit_reads": reads, "bytes": nbytes,
-              "seconds": round(elapsed, 3), "gb_per_s": round(nbytes / elapsed / 1e9, 3),
-              "gb_per_s_per_client": [round(b / elapsed / 1e9, 3) for b, _ in done]}
-    plural = "s" if clients > 1 else ""
-    who = f"client{plural}" if units_ahead is None else f"hsx.follow reader{plural} (units_ahead={units_ahead})"
-    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} {who} over {elapsed:.1f} s: "
-        f"{result['gb_per_s']:.2f} GB/s served on loopback"
-        + (f" ({', '.join(f'{g:.2f}' for g in result['gb_per_s_per_client'])} each)" if clients > 1 else ""))
-    return result
+        nbytes = reads = 0
+        deadline = time.perf_counter() + seconds
+        while True:  # (one call at least, however short `seconds`)
+            b, r = once(deadline)
+            nbytes, reads = nbytes + b, reads + r
+            if time.perf_counter() >= deadline:
+                break
+        results.put((k, nbytes, reads, None))
+    except BaseException as e:  # noqa: BLE001 (told by the parent, in one line)
+        results.put((k, 0, 0, one_line(e) if isinstance(e, HsxError) else f"{type(e).__name__}: {one_line(e)}"))

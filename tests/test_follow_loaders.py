@@ -69,8 +69,9 @@ def loader_of(rows, wrapper: str, collate):
     return accelerator.prepare(DataLoader(rows, batch_size=BATCH, collate_fn=collate))
 
 
-def train(out: str, log: str, ckpt: str, wrapper: str, recipe: bool, kill: str = "", how: str = "raise") -> None:
-    """One trainer run over `out` (delete_consumed): each step "trains" its batch into the model (the list of its
+def train(out: str, log: str, ckpt: str, wrapper: str, recipe: bool, kill: str = "", how: str = "raise",
+          units_ahead: int | None = None) -> None:
+    """One trainer run over `out` (delete_consumed; a grpc:// URL: over `hsx serve`, `units_ahead` read ahead): each step "trains" its batch into the model (the list of its
     sample ids) and appends the ids to `log` (fsynced). `recipe`: commit="manual" and a checkpoint after every
     step (the model, and the position: `rows.state_dict(batch)`, or the stateful loader's state_dict()), committed
     once durable, restored at start (docs/follow.md); else the default commit. `kill`: "step:N" dies inside step
@@ -85,7 +86,8 @@ def train(out: str, log: str, ckpt: str, wrapper: str, recipe: bool, kill: str =
         return hsx.collate(rows)
 
     rows = hsx.follow(out, delete_consumed=True, commit="manual" if recipe else "unit", poll_seconds=0.01,
-                      batch_size=BATCH if wrapper == "mismatch" else None)
+                      batch_size=BATCH if wrapper == "mismatch" else None,
+                      **({} if units_ahead is None else {"units_ahead": units_ahead}))
     loader = loader_of(rows, wrapper, collate)
     stateful = wrapper.endswith("stateful") or wrapper.endswith("stateful-shard")
     model: list[int] = []
@@ -119,15 +121,18 @@ def kills(seed: int) -> list[str]:
     return [f"step:{rng.randint(2, 4)}", f"fetch:{rng.randint(2, 4)}", f"step:{rng.randint(1, 3)}"]
 
 
-def run_all(tmp_path: Path, reference, wrapper: str, recipe: bool, seed: int, run) -> tuple[list[int], list[int]]:
+def run_all(tmp_path: Path, reference, wrapper: str, recipe: bool, seed: int, run,
+            source=None) -> tuple[list[int], list[int]]:
     """The trainer killed at each of `kills(seed)` and started again each time, then run to the end: (the ids
-    its steps trained, in the log; the model of its last checkpoint)."""
+    its steps trained, in the log; the model of its last checkpoint). `source(out)`: what the trainer is given
+    to read OUT by (default: OUT's path)."""
     out = tmp_path / "out"
     shutil.copytree(reference.out, out)
     log, ckpt = tmp_path / "trained.jsonl", tmp_path / "ckpt.pt"
+    given = str(out) if source is None else source(out)
     for kill in kills(seed):
-        run(str(out), str(log), str(ckpt), wrapper, recipe, kill)
-    run(str(out), str(log), str(ckpt), wrapper, recipe, "")
+        run(given, str(log), str(ckpt), wrapper, recipe, kill)
+    run(given, str(log), str(ckpt), wrapper, recipe, "")
     assert not list((out / "data").glob("train-*.arrow"))  # every unit released at the end
     trained = [s for line in log.read_text().splitlines() for s in json.loads(line)]
     return trained, (torch.load(ckpt)["model"] if recipe else [])
@@ -153,11 +158,12 @@ def test_kills_inside_steps_and_fetches_lose_no_row_and_the_recipe_trains_each_o
         assert sorted(model) == everything  # exactly once in what the checkpoint holds
 
 
-def sigkilled(out, log, ckpt, wrapper, recipe, kill) -> None:
+def sigkilled(out, log, ckpt, wrapper, recipe, kill, units_ahead=None) -> None:
     from helpers import Child, child_env
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_follow_loaders import "
-            f"train; train({out!r}, {log!r}, {ckpt!r}, {wrapper!r}, {recipe!r}, {kill!r}, 'sigkill')")
+            f"train; train({out!r}, {log!r}, {ckpt!r}, {wrapper!r}, {recipe!r}, {kill!r}, 'sigkill', "
+            f"{units_ahead!r})")
     child = Child([sys.executable, "-c", code], Path(log).parent / f"child-{kill or 'end'}", env=child_env())
     rc = child.wait(timeout=300)
     assert rc == (-signal.SIGKILL if kill else 0), child.stderr
@@ -168,6 +174,34 @@ def sigkilled(out, log, ckpt, wrapper, recipe, kill) -> None:
                                             ("mismatch", False)])
 def test_sigkilled_trainers_under_accelerate_and_a_batch_size_mismatch(tmp_path, fault_reference, wrapper, recipe):
     trained, model = run_all(tmp_path, fault_reference, wrapper, recipe, seed=7, run=sigkilled)
+    assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
+    if recipe:
+        assert sorted(model) == sorted(fault_reference.sample_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wrapper,recipe", [("shard", False), ("dispatcher", True)])
+def test_sigkilled_trainers_over_hsx_serve_with_units_read_ahead(tmp_path, fault_reference, wrapper, recipe):
+    """The same kills, the trainer reading only over `hsx serve` with two units read ahead (on connections of their
+    own, checked batch by batch): units read ahead and not handed out are never taken for consumed, and the server
+    deletes only what the killed trainers' commits covered. (Each restart waits out its dead self's claim lease.)"""
+    import functools
+
+    from helpers import free_port, hsx_child
+
+    port, servers = free_port(), []
+
+    def serve(out: Path) -> str:
+        servers.append(hsx_child(["serve", str(out), "--port", str(port)], tmp_path / "server"))
+        return f"grpc://127.0.0.1:{port}"
+
+    try:
+        trained, model = run_all(tmp_path, fault_reference, wrapper, recipe, seed=11, source=serve,
+                                 run=functools.partial(sigkilled, units_ahead=2))
+    finally:
+        for server in servers:
+            server.kill_tree(signal.SIGKILL)
     assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
     if recipe:
         assert sorted(model) == sorted(fault_reference.sample_ids)
