@@ -230,7 +230,8 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
     every committed unit of OUT over and over for `seconds`, as hsx.follow's Flight reader reads them (DoGet, each
     record batch checked against the CRC-32 the server sent: hsx.flight.read_checked); bytes are the tables'. With
     `units_ahead`, each client is an `hsx.follow` reader taking every row (`rows="torch"`, that many units read
-    ahead), pass after pass: bytes are the unit files' of the units it handed out whole."""
+    ahead), pass after pass: bytes are those of the rows it handed out (unit files' bytes, pro rata of rows), and
+    "unit_reads" the units it handed out whole."""
     import multiprocessing
     import queue as queues
     import threading
@@ -285,7 +286,8 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
               "gb_per_s_per_client": [round(done[k][0] / elapsed / 1e9, 3) for k in sorted(done)]}
     plural = "s" if clients > 1 else ""
     who = f"client{plural}" if units_ahead is None else f"hsx.follow reader{plural} (units_ahead={units_ahead})"
-    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB in {reads} unit reads by {clients} {who} over {elapsed:.1f} s: "
+    what = f"in {reads} unit reads" if units_ahead is None else f"of rows handed out ({reads} units whole)"
+    log(f"hsx serve --bench: {nbytes / 1e9:.2f} GB {what} by {clients} {who} over {elapsed:.1f} s: "
         f"{result['gb_per_s']:.2f} GB/s served on loopback by a server in its own process"
         + (f" ({', '.join(f'{g:.2f}' for g in result['gb_per_s_per_client'])} each)" if clients > 1 else ""))
     return result
@@ -345,22 +347,23 @@ def _bench_client(k: int, location: str, units: dict[str, dict[str, Any]], secon
             return read_checked(client, ticket, f"unit {unit}").nbytes, 1
 
         def follow_pass(deadline: float) -> tuple[int, int]:
-            """One pass of an hsx.follow reader over every unit, cut at the first unit end past the deadline; its
-            whole units count (units read ahead and not handed out do not: a lower bound where units are large)."""
+            """One pass of an hsx.follow reader over every unit, up to the deadline: the bytes of the rows it handed
+            out (each unit's file bytes pro rata of its rows handed out) and the units it handed out whole. Units
+            read ahead and not yet handed out do not count."""
             from hsx.follow import follow
 
             reader = follow(location, rows="torch", commit="manual", rank=0, world_size=1, units_ahead=units_ahead,
                             timeout=1.0, poll_seconds=0.1)
             try:
-                for _ in reader:  # (past the deadline, the unit being handed out is finished: it counts)
-                    if time.perf_counter() >= deadline and all(
-                            row == units[u]["rows"] for u, row in reader.position.items() if u in units and row):
+                for _ in reader:
+                    if time.perf_counter() >= deadline:
                         break
             except HsxError:  # (a job still running: no new unit for a second ends the pass)
                 if any(reader.position.get(u, 0) < rec["rows"] for u, rec in units.items()):
                     raise
-            whole = [u for u, row in reader.position.items() if u in units and row == units[u]["rows"]]
-            return sum(units[u]["bytes"] for u in whole), len(whole)
+            handed = {u: min(row, units[u]["rows"]) for u, row in reader.position.items() if u in units}
+            return (round(sum(units[u]["bytes"] * row / units[u]["rows"] for u, row in handed.items())),
+                    sum(row == units[u]["rows"] for u, row in handed.items()))
 
         once = raw_read if units_ahead is None else follow_pass
         if units_ahead is not None:  # (imported before the clock starts: they take seconds)

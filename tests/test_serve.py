@@ -313,15 +313,17 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     assert_one_error_line(rc, err, "--clients")
     rc, _, err = hsx_main(["serve", str(out), "--units-ahead", "1"])
     assert_one_error_line(rc, err, "--units-ahead is --bench's")
-    # each client an hsx.follow reader: whole units handed out, counted by their files' bytes
+    # each client an hsx.follow reader: the rows it handed out, counted by their units' file bytes pro rata
     got = bench_serve(str(out), seconds=0.3, clients=2, units_ahead=1, log=lines.append)
     assert got["units_ahead"] == 1 and got["unit_reads"] >= 2 and min(got["bytes_per_client"]) > 0
     assert got["bytes"] >= 2 * min(r["bytes"] for r in units.values())
     assert "by 2 hsx.follow readers (units_ahead=1)" in lines[-1] and listing(out) == before
-    # a deadline passed inside a unit: the reader finishes that unit, which counts (not cut after its first row)
-    got = bench_serve(str(out), seconds=1e-6, units_ahead=0, log=lines.append)
+    # a deadline passed inside the first unit: the row handed out counts, its unit's rest and what was read ahead
+    # do not
+    got = bench_serve(str(out), seconds=1e-6, units_ahead=2, log=lines.append)
     first = units[sorted(units)[0]]
-    assert first["rows"] > 1 and got["unit_reads"] >= 1 and got["bytes"] >= first["bytes"]
+    assert first["rows"] > 1 and got["unit_reads"] == 0
+    assert got["bytes"] == round(first["bytes"] / first["rows"]), (got, first)
 
 
 def test_units_read_ahead_come_on_their_own_connections_and_change_no_row(served, fault_reference):
