@@ -138,8 +138,8 @@ def follow(output_dir: str | os.PathLike, consumer: str = "trainer", delete_cons
     - `output_dir`: a local output dir, or `grpc://HOST:PORT` of an `hsx serve OUT` (the same rows, position and
       ledgers, recorded by the server in OUT; `token`: its bearer token, else $HSX_SERVE_TOKEN). `units_ahead`
       (grpc:// only): units read ahead, each on its own connection, while the rows before them are handed out:
-      the transfer overlaps training, and several streams read faster than one (memory: up to that many units
-      more); 0 reads each unit when its first row is asked for.
+      the transfer overlaps training, and several streams read faster than one (docs/follow.md, "Throughput";
+      memory: up to that many units more); 0 reads each unit when its first row is asked for.
     - `rows="torch"`: `hsx.torch_view`'s rows (torch tensors, views of the mapped unit; `layers`, `dequantize` as
       there); `rows="dict"`: `hsx.load(OUT)`'s rows (`datasets` dicts of Python values).
     - `consumer`: names the ledger (.hsx/consumed-<consumer>-<rank>.jsonl); a second trainer reading the same dir
