@@ -301,30 +301,33 @@ def _bench_server(out_dir: str):
     once it listens; HsxError with its last line if it ends first."""
     import subprocess
     import sys
+    import tempfile
     import threading
 
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # (loopback: no token, so no client needs one)
+    said = tempfile.TemporaryFile("w+")  # (its stderr: a pipe nobody drains could fill and stop it)
     server = subprocess.Popen([sys.executable, "-m", "hsx", "serve", str(out_dir), "--port", "0"], env=env,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=said, text=True)
     found: list[str] = []
 
     def first_line() -> None:
-        for line in server.stdout:
-            if found or " at grpc://" not in line:
-                continue
-            found.append(line.split(" at ", 1)[1].split()[0])
-        # (read to the end: a server whose pipe fills would block)
+        for line in server.stdout:  # (read to the end: a server whose pipe fills would block)
+            listening = None if found else re.search(r" at (grpc://\S+) \(hsx\.follow\(", line)
+            if listening:
+                found.append(listening.group(1))
 
-    reader = threading.Thread(target=first_line, daemon=True)
-    reader.start()
+    threading.Thread(target=first_line, daemon=True).start()
     deadline = time.monotonic() + SERVE_BENCH_START_SECONDS
     while not found and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     if not found:
         server.kill()
-        _, err = server.communicate()
-        last = (err or "").strip().splitlines()[-1:] or ["no line"]
+        server.wait()
+        said.seek(0)
+        last = said.read().strip().splitlines()[-1:] or ["no line"]
+        said.close()
         raise HsxError(f"hsx serve --bench: the server did not start: {one_line(last[0])}")
+    said.close()  # (the child keeps its own descriptor)
     return server, found[0]
 
 

@@ -313,6 +313,16 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     assert_one_error_line(rc, err, "--clients")
     rc, _, err = hsx_main(["serve", str(out), "--units-ahead", "1"])
     assert_one_error_line(rc, err, "--units-ahead is --bench's")
+    # the server, a process of its own, is found by the line it prints, whatever OUT's name; one that cannot start
+    # is one error line naming its own
+    from hsx.serve import _bench_server
+
+    odd = tmp_path / "runs at night (hsx.follow(" / "out"
+    shutil.copytree(out, odd)
+    assert bench_serve(str(odd), seconds=0.05, log=lines.append)["unit_reads"] >= 1
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(HsxError, match="the server did not start: .*is not a folder"):
+        _bench_server(str(tmp_path / "a-file"))
     # each client an hsx.follow reader: the rows it handed out, counted by their units' file bytes pro rata
     got = bench_serve(str(out), seconds=0.3, clients=2, units_ahead=1, log=lines.append)
     assert got["units_ahead"] == 1 and got["unit_reads"] >= 2 and min(got["bytes_per_client"]) > 0
