@@ -269,12 +269,15 @@ def bench_serve(out_dir: str, seconds: float = 10.0, clients: int = 1, log=print
             else:
                 failed.append(error)
                 start.abort()
+                break  # (the others are ended below: one failure fails the bench)
         elapsed = time.perf_counter() - t0
-    finally:
+    finally:  # (answered clients exit on their own; after a failure or an interrupt, every one is ended now)
+        ended = len(done) == clients
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if ended else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
         server.kill()
         server.wait()
     if failed:

@@ -323,6 +323,20 @@ def test_serve_bench_counts_what_several_checking_clients_read(fault_reference, 
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(HsxError, match="the server did not start: .*is not a folder"):
         _bench_server(str(tmp_path / "a-file"))
+    # a client that fails (here: a unit damaged on disk, which the server refuses to send) fails the bench at once,
+    # in one line, its other clients ended
+    import time
+
+    bad = tmp_path / "damaged"
+    shutil.copytree(out, bad)
+    victim = sorted((bad / "data").glob("train-*.arrow"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    began = time.monotonic()
+    with pytest.raises(HsxError, match="a client failed: .*CRC-32"):
+        bench_serve(str(bad), seconds=60, clients=2, log=lines.append)
+    assert time.monotonic() - began < 45  # (not the 60 s window)
     # each client an hsx.follow reader: the rows it handed out, counted by their units' file bytes pro rata
     got = bench_serve(str(out), seconds=0.3, clients=2, units_ahead=1, log=lines.append)
     assert got["units_ahead"] == 1 and got["unit_reads"] >= 2 and min(got["bytes_per_client"]) > 0
