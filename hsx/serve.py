@@ -34,6 +34,8 @@ ACTIONS = {"state": "plan, manifests, complete, consumers", "ledger": "a consume
            "hold": "units a waiting step holds"}  # (the protocol: hsx.flight)
 
 MAX_TOKEN_BYTES = 4096
+LISTENING_AT = ' at {0} (hsx.follow("{0}", ...))'  # what `hsx serve` prints after OUT once it listens
+LISTENING = re.compile(r' at (grpc://\S+) \(hsx\.follow\("')  # that line's location, whatever OUT's name
 
 
 def is_loopback(host: str) -> bool:
@@ -209,7 +211,7 @@ def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,
           consumers: list[str] | None = None) -> None:
     """`hsx serve OUT`: serve until SIGINT/SIGTERM."""
     server = make_server(out_dir, host, port, read_token(token_file), log, consumers)
-    log(f"hsx serve: {out_dir} at {server.location} (hsx.follow(\"{server.location}\", ...))", flush=True)
+    log(f"hsx serve: {out_dir}{LISTENING_AT.format(server.location)}", flush=True)
     try:
         server.serve()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (hsx.cli raises it carrying the signal): how a server ends
@@ -315,7 +317,7 @@ def _bench_server(out_dir: str):
 
     def first_line() -> None:
         for line in server.stdout:  # (read to the end: a server whose pipe fills would block)
-            listening = None if found else re.search(r" at (grpc://\S+) \(hsx\.follow\(", line)
+            listening = None if found else LISTENING.search(line)
             if listening:
                 found.append(listening.group(1))
 
@@ -341,10 +343,10 @@ def _bench_client(k: int, location: str, units: dict[str, dict[str, Any]], secon
     try:
         import pyarrow.flight as flight
 
-        from hsx.flight import read_checked, unit_ticket
+        from hsx.flight import parse_location, read_checked, unit_ticket
 
         tickets = [(u, unit_ticket(u)) for u in sorted(units)]
-        client, at = flight.FlightClient(location.replace("grpc://", "grpc+tcp://", 1)), [k]
+        client, at = flight.FlightClient("grpc+tcp://{}:{}".format(*parse_location(location))), [k]
 
         def raw_read(deadline: float) -> tuple[int, int]:
             """One unit read with DoGet a call, each client starting at another unit (not all on one file at once)."""

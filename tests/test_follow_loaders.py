@@ -71,11 +71,12 @@ def loader_of(rows, wrapper: str, collate):
 
 def train(out: str, log: str, ckpt: str, wrapper: str, recipe: bool, kill: str = "", how: str = "raise",
           units_ahead: int | None = None) -> None:
-    """One trainer run over `out` (delete_consumed; a grpc:// URL: over `hsx serve`, `units_ahead` read ahead): each step "trains" its batch into the model (the list of its
-    sample ids) and appends the ids to `log` (fsynced). `recipe`: commit="manual" and a checkpoint after every
-    step (the model, and the position: `rows.state_dict(batch)`, or the stateful loader's state_dict()), committed
-    once durable, restored at start (docs/follow.md); else the default commit. `kill`: "step:N" dies inside step
-    N (before it returns), "fetch:N" inside the Nth batch fetch (its collate)."""
+    """One trainer run over `out` (delete_consumed; a grpc:// URL: over `hsx serve`, `units_ahead` read ahead):
+    each step "trains" its batch into the model (the list of its sample ids) and appends the ids to `log`
+    (fsynced). `recipe`: commit="manual" and a checkpoint after every step (the model, and the position:
+    `rows.state_dict(batch)`, or the stateful loader's state_dict()), committed once durable, restored at start
+    (docs/follow.md); else the default commit. `kill`: "step:N" dies inside step N (before it returns), "fetch:N"
+    inside the Nth batch fetch (its collate)."""
     kind, _, at = kill.partition(":")
     fetches = [0]
 
