@@ -338,8 +338,9 @@ def bench(args, log=print, on_results=None) -> dict[str, Any] | None:
         "layers_run": loaded.depth, "compile": run.get("compile"), "sdpa_backend": run.get("sdpa_backend"),
         "gpus_per_copy": args.gpus_per_copy,
         "storage_dtype": args.storage_dtype, "packing": run.get("packing"), "kernels": run.get("kernels"),
-        # (the warm-up's job built DeepGEMM's kernels; the timed one, in the same process, had none left to build)
-        "deepgemm_build": ((warm_info or {}).get("run", {}).get("kernels") or {}).get("deepgemm_build"),
+        # (the warm-up's job built the JIT GEMMs' kernels; the timed one, in the same process, had none left to build)
+        **{f"{name}_build": ((warm_info or {}).get("run", {}).get("kernels") or {}).get(f"{name}_build")
+           for name in fp8_gemm.JIT_GEMMS},
         "pipeline": {
             k: run[k] for k in ("gpu_seconds", "gpu_waited_for_writer_seconds", "map_waited_for_gpu_seconds",
                                 "write_seconds") if k in run},
@@ -664,8 +665,11 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {x['rows']:,} | {x['tok_per_s']:,.0f} | {x['mfu']:.1%} | {x['padding']:.1%} | "
                      f"{peak} | {ratio} |")
     c = r["c"]
-    built = c.get("deepgemm_build")  # (hsx.job: DeepGEMM's kernels, inside the warm-up)
-    dg = f", DeepGEMM's kernels {built['seconds']:.1f} s" if built else ""
+    from hsx.target import fp8_gemm  # (a bench's JSON is formatted where it ran: torch is there)
+
+    # (hsx.job: the JIT GEMMs' kernels, inside the warm-up)
+    dg = "".join(f", {who}'s kernels {c[name + '_build']['seconds']:.1f} s"
+                 for name, (who, _) in fp8_gemm.JIT_GEMMS.items() if c.get(f"{name}_build"))
     device = "GPU" if str(r.get("device", "")).startswith("cuda") else "CPU"  # (the loop's compute: CPU time there)
     lines.append(f"(c): {device} idle {c['gpu_idle']:.1%}, output {c['output_gb_per_s']:.2f} GB/s, warm-up "
                  f"{c['compile_warmup_seconds']:.1f} s (compile: {c['compile']}"
@@ -712,14 +716,14 @@ def format_table(r: dict[str, Any]) -> str:
 # ---- the FP8 GEMMs alone (`hsx bench --gemms`) ---------------------------------------------------------------------
 
 # bf16 `x @ w.t()`, then hsx.target.fp8_gemm's block-scaled GEMMs (Triton left out)
-GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm")
+GEMM_BENCH = ("bf16", "cublas", "deepgemm", "fbgemm", "flashinfer")
 
 
 def bench_gemms(shapes: list[str], tokens: int, log=print) -> dict[str, Any]:
     """TFLOP/s of each FP8 linear shape of the named model shapes at `tokens` rows: bf16 against
-    hsx.target.fp8_gemm's cuBLAS, DeepGEMM and fbgemm block-scaled GEMMs where installed (activations already
-    quantized: the GEMM alone, the weight
-    scales' transposed copy fbgemm takes included; DeepGEMM's kernel compiled by the first, untimed call), best of
+    hsx.target.fp8_gemm's cuBLAS, DeepGEMM, fbgemm and flashinfer block-scaled GEMMs where installed (activations
+    already quantized: the GEMM alone, the weight scales' transposed copy fbgemm takes included; DeepGEMM's and
+    flashinfer's kernels compiled by the first, untimed call), best of
     3 × 20 calls; each FP8 product's relative error against the float32 product on its first 256 rows; and the time
     of all the model's linears per `tokens` tokens."""
     import torch
@@ -798,8 +802,8 @@ def format_gemms(shape: str, tokens: int, rows: list[dict[str, Any]], totals: di
         return "–" if v is None else "failed"
 
     lines = [f"{shape}, M = {tokens:,} tokens: TFLOP/s (relative error against float32)",
-             "| N × K | per model | bf16 | cuBLAS block-scaled | DeepGEMM | fbgemm groupwise |",
-             "|---|---|---|---|---|---|"]
+             "| N × K | per model | bf16 | cuBLAS block-scaled | DeepGEMM | fbgemm groupwise | flashinfer |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['n']} × {row['k']} | {row['count']} | "
                      + " | ".join(rate(row, name) for name in GEMM_BENCH) + " |")

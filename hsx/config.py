@@ -43,7 +43,7 @@ LAYER_CONVENTION = (
 EXPERTS_CHOICES = ("auto", "hsx_grouped", "grouped_mm", "eager")  # hsx.target.moe; the last two are transformers' own
 # hsx.target.fp8_gemm's block-scaled GEMMs after auto (auto: the first of deepgemm, cublas, fbgemm, triton that works
 # on the device, fastest first by the GEMM rates in docs/benchmarks.md)
-FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "triton")
+FP8_GEMM_CHOICES = ("auto", "cublas", "deepgemm", "fbgemm", "flashinfer", "triton")
 PROMPT_COMPLETION_FORMATS = ("chat", "text")  # hsx.data: how string prompt/completion rows are read
 
 
@@ -158,12 +158,12 @@ class ExtractConfig:
                                        "eager "
                                        "(a loop over experts); auto: hsx_grouped on CUDA, transformers' choice on CPU")
     fp8_gemm: str = _key("auto", choices=FP8_GEMM_CHOICES, advanced=True, help="FP8 targets on CUDA: the block-scaled "
-                         "GEMM (deepgemm: DeepSeek's DeepGEMM where installed, compiling its kernels with nvcc before "
-                         "the first batch, for products of 8192 rows or more, cuBLAS below; cublas: torch's "
-                         "_scaled_mm; fbgemm: fbgemm-gpu-genai's CUTLASS kernel where installed, slower than "
-                         "cuBLAS; triton: hsx's, slower than bf16); each checked against a float32 product before "
-                         "use, the next fastest running where it fails (one warning); auto: the first of deepgemm, "
-                         "cublas, fbgemm, triton that works")
+                         "GEMM (deepgemm: DeepGEMM where installed, from 8192 rows, its kernels built before the "
+                         "first batch; cublas: torch's _scaled_mm; fbgemm: fbgemm-gpu-genai's, slower than cuBLAS; "
+                         "flashinfer: flashinfer-python's copy of DeepGEMM's kernels, rows as deepgemm, not measured "
+                         "yet: never chosen by auto; triton: hsx's, slower than bf16); each checked against a float32 "
+                         "product first, the next running where it fails (one warning); auto: the first of "
+                         "deepgemm, cublas, fbgemm, triton that works")
     packing: str = _key("auto", choices=("auto", "varlen", "none"), advanced=True, help="varlen: each batch as one "
                         "packed sequence (torch's flash varlen attention); none: right-padded batches; auto: varlen on "
                         "one GPU per copy where the model allows it, else none")

@@ -789,7 +789,7 @@ CUBLAS_MM = fp8_gemm._cublas_mm  # (gemm_state stands in for it)
 def gemm_state(monkeypatch):
     """hsx.target.fp8_gemm's GEMM choice and checks, fresh; cuBLAS stood in for by the reference product (CPU
     tensors)."""
-    for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
+    for name in ("_BACKEND", "_CHOSEN", "_SHAPES", "_JIT_BUILT"):
         monkeypatch.setattr(fp8_gemm, name, {})
     cublas = []
 
@@ -887,7 +887,7 @@ def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
     assert not seen
-    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, triton"):
+    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, flashinfer, triton"):
         fp8_gemm.use_gemm(cpu, "fast")
 
 
@@ -993,11 +993,11 @@ def _deepgemm_contract(calls):
 
 def test_deepgemm_runs_when_asked_from_its_row_floor_and_the_next_gemm_below(gemm_state):
     """DeepGEMM compiles a kernel per tile shape, which its heuristic picks from M: products of fewer than
-    DEEPGEMM_MIN_ROWS rows run on the next GEMM, and its checks multiply that many rows (the kernel larger ones run)."""
+    JIT_MIN_ROWS rows run on the next GEMM, and its checks multiply that many rows (the kernel larger ones run)."""
     monkeypatch, cublas = gemm_state
     calls = []
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
-    cpu, floor = torch.device("cpu"), fp8_gemm.DEEPGEMM_MIN_ROWS
+    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu, "deepgemm") == "deepgemm" and fp8_gemm.backend_of(cpu) == "deepgemm"
     assert not seen and calls == [(floor, 384, 512)] and not cublas  # the device's check: the floor's rows
@@ -1024,21 +1024,21 @@ def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a
     monkeypatch, cublas = gemm_state
     calls = []
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
-    cpu, floor = torch.device("cpu"), fp8_gemm.DEEPGEMM_MIN_ROWS
+    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
     assert fp8_gemm.use_gemm(cpu, "deepgemm") == "deepgemm"
     layers = torch.nn.Sequential(*(fp8_gemm.Fp8Linear(*_weights(n, k), None)
                                    for n, k in ((256, 512), (128, 512), (256, 512), (200, 512))))
     calls.clear()
-    assert fp8_gemm.build_deepgemm_kernels(layers, floor - 1) == (0, 0, 0.0) and not calls
+    assert fp8_gemm.build_jit_kernels(layers, floor - 1) == {} and not calls
     assert [fp8_gemm._runs(m.weight, m.weight_scale_inv, floor) for m in layers] == ["deepgemm"] * 3 + ["triton"]
     calls.clear()  # (each weight shape's check multiplied `floor` rows)
-    shapes, products, seconds = fp8_gemm.build_deepgemm_kernels(layers, floor + 100)
+    (shapes, products, seconds), = fp8_gemm.build_jit_kernels(layers, floor + 100).values()
     rows = [floor, floor + 64, floor + 128]  # 8,292 rows pick the tile shape of 8,320
     assert (shapes, products) == (2, 6) and seconds >= 0 and not cublas
     assert calls == [(m, n, 512) for n in (256, 128) for m in rows], calls
     calls.clear()  # a second job in this process: nothing built again, only row counts it had not reached
-    assert fp8_gemm.build_deepgemm_kernels(layers, floor + 100)[:2] == (2, 0) and not calls
-    assert fp8_gemm.build_deepgemm_kernels(layers, floor + 150)[:2] == (2, 2)
+    assert fp8_gemm.build_jit_kernels(layers, floor + 100)["deepgemm"][:2] == (2, 0) and not calls
+    assert fp8_gemm.build_jit_kernels(layers, floor + 150)["deepgemm"][:2] == (2, 2)
     assert calls == [(floor + 192, n, 512) for n in (256, 128)], calls
 
 
@@ -1049,7 +1049,7 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
     cpu = torch.device("cpu")
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu) == "deepgemm"  # installed and right: auto's first
-    assert not seen and calls == [(fp8_gemm.DEEPGEMM_MIN_ROWS, 384, 512)] and not cublas
+    assert not seen and calls == [(fp8_gemm.JIT_MIN_ROWS, 384, 512)] and not cublas
     for name in ("_BACKEND", "_CHOSEN"):
         monkeypatch.setattr(fp8_gemm, name, {})
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(None, None)])
@@ -1057,7 +1057,7 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
         assert fp8_gemm.use_gemm(cpu) == "cublas"  # not installed: auto goes on without a word
     assert not seen
     w, ws = _weights(256, 512)
-    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8_gemm.DEEPGEMM_MIN_ROWS, 512), fp8_gemm.ROW_ALIGN)
+    xq, xs = fp8.quantize_activation_padded(torch.randn(fp8_gemm.JIT_MIN_ROWS, 512), fp8_gemm.ROW_ALIGN)
     calls.clear()
     fp8_gemm._block_mm(xq, xs, w, ws)
     assert not calls and cublas[-1] == (256, 512)
@@ -1081,12 +1081,16 @@ def test_auto_runs_deepgemm_where_installed_and_one_missing_or_failing_is_said_o
         assert len(seen) == 1
 
 
-def test_every_fp8_gemm_choice_is_tried_by_auto_and_each_has_a_name():
+def test_every_fp8_gemm_choice_is_tried_by_auto_or_runs_only_asked_for_and_each_has_a_name():
     from hsx.config import FP8_GEMM_CHOICES
+    from hsx.target.kernels import FP8_ASKED_ONLY
 
-    assert sorted(fp8_gemm.GEMMS) == sorted(FP8_GEMM_CHOICES[1:]) and fp8_gemm.GEMMS[-1] == "triton"
+    assert sorted(fp8_gemm.GEMMS + FP8_ASKED_ONLY) == sorted(FP8_GEMM_CHOICES[1:]) and fp8_gemm.GEMMS[-1] == "triton"
+    assert not set(fp8_gemm.GEMMS) & set(FP8_ASKED_ONLY)
     assert all(name in fp8_gemm._GEMM_NAMES and callable(fp8_gemm._gemm(name)) for name in FP8_GEMM_CHOICES[1:])
     assert fp8_gemm._gemms_from("deepgemm") == ["deepgemm", "cublas", "fbgemm", "triton"]
+    # (an asked-only GEMM is nobody's fallback)
+    assert fp8_gemm._gemms_from("flashinfer") == ["flashinfer", "deepgemm", "cublas", "fbgemm", "triton"]
 
 
 def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_path, monkeypatch):
@@ -1114,24 +1118,183 @@ def test_deepgemm_import_failures_are_named_and_a_missing_package_is_none(tmp_pa
     assert why is None and callable(module.fp8_gemm_nt)
 
 
+def _flashinfer_contract(calls, runners):
+    """A stand-in for flashinfer.gemm holding its callers to flashinfer 0.7.4's SM90 block-scale GEMM as hsx calls it:
+    a runner of its own (`gemm_base.get_fp8_blockscale_gemm_runner_sm90.__wrapped__()`; the cached one and the public
+    `fp8_blockscale_gemm_sm90`, which allocates a workspace at every call, are not used), configured with a workspace
+    before its first product; `run_gemm(input, weight, out, scales_a, scales_b)` reading raw pointers, as
+    TensorRT-LLM's kernel does: input (M, K) and weight (N, K) e4m3 contiguous, N a multiple of 64; scales_a read as
+    (K/128, M) contiguous with M a multiple of 4 (its TMA descriptor's leading dimension is M rounded up to 4);
+    scales_b (N/128, K/128) contiguous; out bf16 (M, N) contiguous, written in place."""
+    class Runner:
+        workspace = None
+
+        def configure_workspace(self, workspace):
+            assert workspace.dtype == torch.uint8 and workspace.numel() > 0
+            self.workspace = workspace
+
+        def run_gemm(self, xq, w, out, xs, ws):
+            (m, k), n = xq.shape, w.shape[0]
+            assert self.workspace is not None, "Workspace not configured. Call configure_workspace first."
+            assert xq.dtype == w.dtype == torch.float8_e4m3fn and xq.is_contiguous() and w.is_contiguous()
+            assert m % 4 == 0 and n % 64 == 0 and k % 128 == 0, (m, n, k)
+            assert xs.dtype == ws.dtype == torch.float32 and ws.shape == (n // 128, k // 128) and ws.is_contiguous()
+            raw = xs.t()  # (what its pointer holds, read (K/128, M))
+            assert raw.shape == (k // 128, m) and raw.is_contiguous(), (xs.shape, xs.stride())
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n) and out.is_contiguous()
+            calls.append((m, n, k))
+            out.copy_(fp8.reference_mm(xq, raw.t(), w, ws))
+
+    def make_runner():
+        runners.append(Runner())
+        return runners[-1]
+
+    def cached():
+        raise AssertionError("the runner flashinfer shares process-wide: its workspace is another caller's")
+
+    def public(*args, **kwargs):
+        raise AssertionError("the public GEMM allocates a workspace sized for its bf16 paths at every call")
+
+    cached.__wrapped__ = make_runner
+    return SimpleNamespace(fp8_blockscale_gemm_sm90=public,
+                           gemm_base=SimpleNamespace(get_fp8_blockscale_gemm_runner_sm90=cached))
+
+
+def test_flashinfer_runs_only_when_asked_from_its_row_floor_on_a_runner_of_its_own(gemm_state):
+    """flashinfer's SM90 block-scale GEMM (TensorRT-LLM's copy of DeepGEMM's kernels) is not measured yet: auto never
+    tries it, even installed and right; asked for (fp8_gemm flashinfer), it runs products of JIT_MIN_ROWS rows or
+    more (its checks multiply that many), the next GEMM smaller ones, on one runner per device with its own
+    workspace; the report names it and what runs under its floor."""
+    monkeypatch, cublas = gemm_state
+    calls, runners = [], []
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER", [(_flashinfer_contract(calls, runners), None)])
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER_RUNNERS", {})
+    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
+    with warnings_recorded() as seen:
+        assert fp8_gemm.use_gemm(cpu) == "cublas"
+    assert not seen and not calls and not runners  # auto: not even looked at
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8_gemm, name, {})
+    cublas.clear()
+    with warnings_recorded() as seen:
+        assert fp8_gemm.use_gemm(cpu, "flashinfer") == "flashinfer" and fp8_gemm.backend_of(cpu) == "flashinfer"
+    assert not seen and calls == [(floor, 384, 512)] and not cublas
+    w, ws = _weights(256, 512)
+    for rows, runs_on in ((37, "cublas"), (floor - fp8_gemm.ROW_ALIGN, "cublas"), (floor - 1, "flashinfer"),
+                          (floor + 5, "flashinfer")):
+        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8_gemm.ROW_ALIGN)
+        calls.clear(), cublas.clear()
+        y = fp8_gemm._block_mm(xq, xs, w, ws)
+        assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == "flashinfer" else \
+            (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
+        torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
+    assert len(runners) == 1  # one runner for the device, its workspace configured once
+    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w, ws, None))
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["linear"] == "hsx fp8 (flashinfer)" and "gemm_by_shape" not in report
+    assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
+    w64, ws64 = _weights(192, 512)  # N = 192: not whole 128-blocks, so no block-scaled GEMM but Triton takes it
+    assert fp8_gemm._runs(w64, ws64, floor) == "triton"
+
+
+def test_flashinfer_kernels_are_built_before_the_first_batch_a_tile_row_step_apart(gemm_state):
+    """TensorRT-LLM's heuristic reads M only as ceil(M / 128) above 64 rows: one product per weight shape and per
+    multiple of 128 rows from the floor to the job's largest batch builds every kernel it will pick."""
+    monkeypatch, cublas = gemm_state
+    calls, runners = [], []
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER", [(_flashinfer_contract(calls, runners), None)])
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER_RUNNERS", {})
+    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
+    assert fp8_gemm.use_gemm(cpu, "flashinfer") == "flashinfer"
+    layers = torch.nn.Sequential(*(fp8_gemm.Fp8Linear(*_weights(n, k), None) for n, k in ((256, 512), (256, 512))))
+    assert [fp8_gemm._runs(m.weight, m.weight_scale_inv, floor) for m in layers] == ["flashinfer"] * 2
+    calls.clear()  # (the weight shape's check multiplied `floor` rows)
+    built = fp8_gemm.build_jit_kernels(layers, floor + 200)
+    assert list(built) == ["flashinfer"] and built["flashinfer"][:2] == (1, 3) and not cublas
+    assert calls == [(m, 256, 512) for m in (floor, floor + 128, floor + 256)], calls
+
+
+def test_flashinfer_asked_for_but_missing_or_failing_is_said_once_and_the_next_gemm_runs(gemm_state):
+    monkeypatch, cublas = gemm_state
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER", [(None, None)])
+    with pytest.warns(UserWarning, match=r"flashinfer is not installed \(pip install flashinfer-python\); FP8 "
+                                         r"linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
+        assert fp8_gemm.use_gemm(cpu, "flashinfer") == "cublas"
+    assert len(seen) == 1
+    for name in ("_BACKEND", "_CHOSEN"):
+        monkeypatch.setattr(fp8_gemm, name, {})
+    calls, runners = [], []
+    broken = _flashinfer_contract(calls, runners)
+
+    def no_nvcc():  # flashinfer's JIT build of its module without a CUDA compiler
+        raise RuntimeError("nvcc not found and PyTorch is not built with CUDA support. Could not determine CUDA "
+                           "version.")
+
+    no_nvcc.__wrapped__ = no_nvcc
+    broken.gemm_base.get_fp8_blockscale_gemm_runner_sm90 = no_nvcc
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER", [(broken, None)])
+    monkeypatch.setattr(fp8_gemm, "_FLASHINFER_RUNNERS", {})
+    with pytest.warns(UserWarning, match=r"flashinfer's fp8_blockscale_gemm_sm90: RuntimeError: nvcc not found .*; "
+                                         r"FP8 linears run on cuBLAS's block-scaled _scaled_mm instead") as seen:
+        assert fp8_gemm.use_gemm(cpu, "flashinfer") == "cublas"
+    assert len(seen) == 1 and not calls
+
+
+def test_flashinfer_import_failures_are_named_and_a_missing_package_is_none(tmp_path, monkeypatch):
+    import sys
+
+    def load(files: dict[str, str] | None):
+        for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+            monkeypatch.delitem(sys.modules, name)
+        if files is not None:
+            root = tmp_path / str(len(list(tmp_path.iterdir())))
+            for rel, text in files.items():
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_text(text)
+            monkeypatch.syspath_prepend(str(root))
+        try:
+            return fp8_gemm._load_flashinfer()
+        finally:
+            for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+                del sys.modules[name]
+
+    if __import__("importlib").util.find_spec("flashinfer") is None:
+        assert load(None) == (None, None)
+    init = {"flashinfer/__init__.py": ""}
+    assert load({**init, "flashinfer/gemm/__init__.py": "import tvm_ffi_not_here\n"}) == (
+        None, "flashinfer does not import: ModuleNotFoundError: No module named 'tvm_ffi_not_here'")
+    older = {**init, "flashinfer/gemm/__init__.py": "def fp8_blockscale_gemm_sm90(*a):\n    pass\n"}
+    assert load(older) == (None, "this flashinfer has no gemm.fp8_blockscale_gemm_sm90 runner (flashinfer-python 0.6 "
+                                 "or later has)")
+    ok = {**init, "flashinfer/gemm/__init__.py": "from . import gemm_base\nfrom .gemm_base import "
+          "fp8_blockscale_gemm_sm90\n",
+          "flashinfer/gemm/gemm_base.py": "import functools\n\n@functools.cache\ndef "
+          "get_fp8_blockscale_gemm_runner_sm90():\n    return object()\n\ndef fp8_blockscale_gemm_sm90(*a):\n"
+          "    pass\n"}
+    module, why = load(ok)
+    assert why is None and callable(module.gemm_base.get_fp8_blockscale_gemm_runner_sm90.__wrapped__)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel, DeepGEMM's kernels)")
-@pytest.mark.parametrize("name", ["fbgemm", "deepgemm"])
+                    reason="needs an SM90 CUDA GPU (fbgemm's CUTLASS kernel, DeepGEMM's and flashinfer's kernels)")
+@pytest.mark.parametrize("name", ["fbgemm", "deepgemm", "flashinfer"])
 def test_optional_gemm_equals_the_float32_product_on_cuda(name, monkeypatch):
-    """fbgemm-gpu-genai's f8f8bf16_groupwise and DeepGEMM's fp8_gemm_nt as hsx calls them (hsx's scales, M padded to
-    16) against the float32 product, at Qwen3-8B's and Qwen3.6-27B's linear shapes: fbgemm at row counts on both of
-    its kernels (M <= 16 and larger), DeepGEMM from DEEPGEMM_MIN_ROWS rows; then chosen by use_gemm and run through
-    hsx::fp8_linear (DeepGEMM's smaller products on cuBLAS). Skipped where the package is not installed."""
+    """fbgemm-gpu-genai's f8f8bf16_groupwise, DeepGEMM's fp8_gemm_nt and flashinfer's fp8_blockscale_gemm_sm90 as hsx
+    calls them (hsx's scales, M padded to 16) against the float32 product, at Qwen3-8B's and Qwen3.6-27B's linear
+    shapes: fbgemm at row counts on both of its kernels (M <= 16 and larger), the JIT GEMMs from JIT_MIN_ROWS rows;
+    then chosen by use_gemm and run through hsx::fp8_linear (the JIT GEMMs' smaller products on cuBLAS). Skipped
+    where the package is not installed."""
     run, why = fp8_gemm.gemm(name)
     if run is None:
         pytest.skip(why)
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
-    floor = fp8_gemm.DEEPGEMM_MIN_ROWS
+    floor = fp8_gemm.JIT_MIN_ROWS
     for n, k in ((1024, 4096), (12288, 4096), (4096, 12288), (5120, 6144), (17408, 5120)):
         w, ws = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.02)
-        for m in (1, 16, 17, 300, 2048) if name == "fbgemm" else (floor, floor + 333):
+        for m in (1, 16, 17, 300, 2048) if name == "fbgemm" else (floor, floor + 333, floor + 2000):
             xq, xs = fp8_gemm.fp8_quantize(torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16))
             got = run(xq, xs, w, ws)
             want = fp8.reference_mm(xq, xs, w, ws, torch.float32)
@@ -1583,41 +1746,50 @@ def test_library_versions_name_the_kernel_packages_present_and_a_source_tree_mod
     assert found["deep_gemm"] == "2.6.1" and "triton" not in found and set(found) <= set(STATE_LIBRARIES) | {"cuda"}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs an SM90 CUDA GPU (DeepGEMM's kernels)")
-def test_deepgemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(monkeypatch):
-    """After `build_deepgemm_kernels(model, R)`, products of any row count from DEEPGEMM_MIN_ROWS to R compile
-    nothing more (DeepGEMM's disk cache holds no new kernel) and equal the float32 product. Skipped where DeepGEMM is
-    not installed."""
+def _jit_cache(name: str):
+    """Where JIT GEMM `name` keeps its compiled kernels (one entry each)."""
     import os
     from pathlib import Path
 
-    run, why = fp8_gemm.gemm("deepgemm")
+    if name == "deepgemm":
+        return Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache", "kernel.*"
+    return Path(os.environ.get("TRTLLM_DG_CACHE_DIR") or Path.home() / ".tensorrt_llm") / "cache", "*"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs an SM90 CUDA GPU (DeepGEMM's and flashinfer's kernels)")
+@pytest.mark.parametrize("name", ["deepgemm", "flashinfer"])
+def test_jit_gemm_builds_every_kernel_a_batch_can_want_before_the_first_on_cuda(name, monkeypatch):
+    """After `build_jit_kernels(model, R)`, products of any row count from JIT_MIN_ROWS to R compile nothing more
+    (the GEMM's disk cache holds no new kernel) and equal the float32 product. Skipped where the package is not
+    installed."""
+    run, why = fp8_gemm.gemm(name)
     if run is None:
         pytest.skip(why)
-    for state in ("_BACKEND", "_CHOSEN", "_SHAPES", "_DEEPGEMM_BUILT"):
+    for state in ("_BACKEND", "_CHOSEN", "_SHAPES", "_JIT_BUILT"):
         monkeypatch.setattr(fp8_gemm, state, {})
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
-    assert fp8_gemm.use_gemm(device, "deepgemm") == "deepgemm"
+    assert fp8_gemm.use_gemm(device, name) == name
     layers = torch.nn.Sequential(*(fp8_gemm.Fp8Linear(*fp8.quantize_weight(torch.randn(n, k, device=device, generator=g)
                                                                        * 0.02), None)
                                    for n, k in ((1024, 4096), (4096, 4096), (1024, 4096))))
-    floor, top = fp8_gemm.DEEPGEMM_MIN_ROWS, fp8_gemm.DEEPGEMM_MIN_ROWS + 1000
-    shapes, products, _ = fp8_gemm.build_deepgemm_kernels(layers, top)
-    assert (shapes, products) == (2, 2 * len(range(floor, -(-top // 64) * 64 + 1, 64)))
-    cache = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache"
-    built = sorted(p.name for p in cache.glob("kernel.*"))
-    assert built, f"no DeepGEMM kernel under {cache}"
+    floor, top = fp8_gemm.JIT_MIN_ROWS, fp8_gemm.JIT_MIN_ROWS + 1000
+    step = fp8_gemm.JIT_ROW_STEP[name]
+    shapes, products, _ = fp8_gemm.build_jit_kernels(layers, top)[name]
+    assert (shapes, products) == (2, 2 * len(range(floor, -(-top // step) * step + 1, step)))
+    cache, pattern = _jit_cache(name)
+    built = sorted(p.name for p in cache.glob(pattern))
+    assert built, f"no {name} kernel under {cache}"
     for m in range(floor + 1, top + 1, 37):
         for layer in layers[:2]:
             x = torch.randn(m, 4096, device=device, generator=g, dtype=torch.bfloat16)
             xq, xs = fp8_gemm.fp8_quantize(x)
             want = fp8.reference_mm(xq, xs, layer.weight, layer.weight_scale_inv, torch.float32)
-            assert fp8_gemm._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == "deepgemm"
+            assert fp8_gemm._runs(layer.weight, layer.weight_scale_inv, xq.shape[0]) == name
             assert _rel(fp8_gemm._block_mm(xq, xs, layer.weight, layer.weight_scale_inv), want) < 1e-2, m
-    assert sorted(p.name for p in cache.glob("kernel.*")) == built  # nothing compiled after the build
+    assert sorted(p.name for p in cache.glob(pattern)) == built  # nothing compiled after the build
 
 
 # ---- damaged FP8 checkpoints: refused before extracting, in one line naming the tensor -----------------------------

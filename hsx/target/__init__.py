@@ -27,8 +27,9 @@ To add a kernel: write it beside its layer (`attention`, `gdn`, `moe_kernels`, `
 `kernels.KERNELS` (the capabilities it was checked on, its fallback) and read `kernels.choose` where it is picked;
 test its branch on CPU in tests/test_kernels.py and against its reference in tests/test_gpu.py.
 To add an FP8 GEMM: its product in `fp8_gemm` (a `_NAME_mm(xq, xs, w, ws)` in `_gemm`'s table, its name in
-`_GEMM_NAMES`, what it needs in `_missing`), its place in `kernels.FP8_GEMMS` (auto's order) and
-`kernels.fp8_gemm_order` (where it may run unasked), its name in hsx/config.py's `FP8_GEMM_CHOICES`; it is
+`_GEMM_NAMES`, what it needs in `_missing`; a GEMM that compiles per tile shape in `JIT_GEMMS`), its place in
+`kernels.FP8_GEMMS` (auto's order; `FP8_ASKED_ONLY` until measured) and `kernels.fp8_gemm_order` (where it may run
+unasked), its name in hsx/config.py's `FP8_GEMM_CHOICES`; it is
 checked against the float32 product on the device before it runs (`_disagrees`); tests in tests/test_fp8.py, and
 its column in the GEMM bench (hsx/bench.py's `GEMM_BENCH`, `hsx bench --gemms`).
 """

@@ -5,9 +5,11 @@ scales, shared (hsx.target.fp8_model's `install` puts it in the model): a Triton
 (`hsx::fp8_quantize`), then a block-scaled GEMM multiplies (`hsx::fp8_mm`), the first of GEMMS that passes its check
 against the float32 product (`use_gemm`, config key fp8_gemm), fastest first as measured (GEMMs alone and end to
 end: docs/benchmarks.md, sessions 13 and 14 and 2026-12-02 (later)): DeepGEMM's `fp8_gemm_nt` where it is
-installed, for products of DEEPGEMM_MIN_ROWS rows or more; torch's cuBLAS `_scaled_mm`; fbgemm-gpu-genai's CUTLASS
-`f8f8bf16_groupwise` where that package is installed; a Triton kernel (slower than bf16: a fallback). Each weight
-shape is checked again at its first use (`_takes`); off CUDA the ops run hsx.target.fp8's torch reference.
+installed, for products of JIT_MIN_ROWS rows or more; torch's cuBLAS `_scaled_mm`; fbgemm-gpu-genai's CUTLASS
+`f8f8bf16_groupwise` where that package is installed; a Triton kernel (slower than bf16: a fallback). flashinfer's
+`fp8_blockscale_gemm_sm90` (TensorRT-LLM's copy of DeepGEMM's SM90 kernels, in a PyPI package) runs where asked for
+(fp8_gemm flashinfer), not yet under auto: no measurement places it. Each weight shape is checked again at its first
+use (`_takes`); off CUDA the ops run hsx.target.fp8's torch reference.
 """
 
 from __future__ import annotations
@@ -99,12 +101,12 @@ def _block_mm(xq, xs, w, ws):
 def _runs(w: torch.Tensor, ws: torch.Tensor, rows: int | None = None) -> str:
     """The GEMM that multiplies `rows` activation rows (None: a full batch's) by (w, ws): the device's (`use_gemm`)
     where its check for this weight's shape passed, else the next of GEMMS whose does (Triton, last, runs any);
-    DeepGEMM only from DEEPGEMM_MIN_ROWS rows."""
+    DeepGEMM and flashinfer (JIT_GEMMS) only from JIT_MIN_ROWS rows."""
     first = backend_of(w.device)
     for name in _gemms_from(first)[:-1]:
         if name != first and not _runs_here(name, w.device):  # (the next GEMMs: those hsx.target.kernels allows here)
             continue
-        if name == "deepgemm" and rows is not None and rows < DEEPGEMM_MIN_ROWS:
+        if name in JIT_GEMMS and rows is not None and rows < JIT_MIN_ROWS:
             continue
         if _takes(name, w, ws):
             return name
@@ -130,7 +132,7 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
         why = _disagrees(name, w, ws)
         _SHAPES[key] = why is None
         if why is not None:
-            after = ", else ".join(_GEMM_NAMES[g] + (f" (from {DEEPGEMM_MIN_ROWS:,} rows)" if g == "deepgemm" else "")
+            after = ", else ".join(_GEMM_NAMES[g] + (f" (from {JIT_MIN_ROWS:,} rows)" if g in JIT_GEMMS else "")
                                    for g in _gemms_from(name)[1:] if _missing(g, "auto") is None)
             warnings.warn(f"hsx: {_GEMM_NAMES[name]} failed its check for {w.shape[0]}×{w.shape[1]} FP8 weights on "
                           f"{w.device} ({why}); {after} runs weights of this shape", stacklevel=2)
@@ -140,9 +142,9 @@ def _takes(name: str, w: torch.Tensor, ws: torch.Tensor) -> bool:
 def _disagrees(name: str, w: torch.Tensor, ws: torch.Tensor) -> str | None:
     """Why GEMM `name`'s products of random activation rows with (w, ws) are not the float32 reference's
     (`relative_error` < CHECK_TOLERANCE), None when they are: 16 and 200 rows (fbgemm runs another kernel at
-    M <= 16), DEEPGEMM_MIN_ROWS for DeepGEMM (the kernel it compiles for every larger M)."""
+    M <= 16), JIT_MIN_ROWS for DeepGEMM and flashinfer (the kernels they compile for every larger M)."""
     g = torch.Generator(device=w.device).manual_seed(1)
-    for m in (DEEPGEMM_MIN_ROWS,) if name == "deepgemm" else (16, 200):
+    for m in (JIT_MIN_ROWS,) if name in JIT_GEMMS else (16, 200):
         x = torch.randn(m, w.shape[1], device=w.device, generator=g, dtype=torch.bfloat16)
         xq, xs = fp8_quantize(x)
         want = reference_mm(xq, xs, w, ws, torch.float32)
@@ -178,6 +180,23 @@ def _cublas_mm(xq, xs, w, ws):
     return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
 
 
+def _import_optional(package: str, module: str, guard=None):
+    """(the imported `module`, None) of an optional GEMM `package`; (None, None) where the package is not installed;
+    (None, why) where it is but does not import (a build for another torch or CUDA: undefined symbols, missing
+    libraries or dependencies, no CUDA compiler for a JIT). `guard`: a context manager around the import."""
+    import importlib
+    import importlib.util
+    from contextlib import nullcontext
+
+    try:
+        if importlib.util.find_spec(package) is None:
+            return None, None
+        with guard or nullcontext():
+            return importlib.import_module(module), None
+    except Exception as e:  # noqa: BLE001  (whatever the package's import raises: said in one line, not raised)
+        return None, f"{package} does not import: {type(e).__name__}: {one_line(e, 160)}"
+
+
 FBGEMM_OP = "f8f8bf16_groupwise"  # fbgemm-gpu-genai's CUTLASS SM90 GEMM: 1×128 activation, 128×128 weight scales
 _FBGEMM: list = []  # [(the op or None, why not or None)], loaded once
 
@@ -191,16 +210,10 @@ def _fbgemm_op():
 
 
 def _load_fbgemm():
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("fbgemm_gpu") is None:
-            return None, None
-        with _root_logging_silenced():
-            # (fbgemm_gpu's __init__ loads the gen_ai library, which registers torch.ops.fbgemm's GEMMs)
-            import fbgemm_gpu.experimental.gen_ai  # noqa: F401
-    except Exception as e:  # noqa: BLE001  (a build for another torch or CUDA: undefined symbols, missing libraries)
-        return None, f"fbgemm_gpu does not import: {type(e).__name__}: {one_line(e, 160)}"
+    # (fbgemm_gpu's __init__ loads the gen_ai library, which registers torch.ops.fbgemm's GEMMs)
+    module, why = _import_optional("fbgemm_gpu", "fbgemm_gpu.experimental.gen_ai", _root_logging_silenced())
+    if module is None:
+        return None, why
     try:
         return getattr(torch.ops.fbgemm, FBGEMM_OP), None
     except (AttributeError, RuntimeError):
@@ -248,15 +261,9 @@ def _deepgemm_module():
 
 
 def _load_deepgemm():
-    import importlib
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec(DEEPGEMM_MODULE) is None:
-            return None, None
-        module = importlib.import_module(DEEPGEMM_MODULE)
-    except Exception as e:  # noqa: BLE001  (a build for another torch or CUDA, no CUDA compiler for its JIT)
-        return None, f"deep_gemm does not import: {type(e).__name__}: {one_line(e, 160)}"
+    module, why = _import_optional(DEEPGEMM_MODULE, DEEPGEMM_MODULE)
+    if module is None:
+        return None, why
     if not callable(getattr(module, "fp8_gemm_nt", None)):
         return None, "this deep_gemm has no fp8_gemm_nt"
     return module, None
@@ -267,8 +274,16 @@ def _load_deepgemm():
 # one: a bench run of small warm-up batches stalled for minutes. From 8,192 rows, that heuristic (emulated in
 # Python; it reproduced the measured compile points exactly) picks 1-3 tile shapes per weight shape up to 32,768
 # rows for Qwen3-8B's and Qwen3.6-27B's linears: 6 and 9 kernels in all. Smaller products, the few short batches of
-# a job, run on the next GEMM. The sweeps: docs/benchmarks.md, session 13.
-DEEPGEMM_MIN_ROWS = 8192
+# a job, run on the next GEMM. The sweeps: docs/benchmarks.md, session 13. flashinfer's copy of those kernels
+# (TensorRT-LLM's) compiles per tile shape too (NVRTC), by an older heuristic of the same kind: emulated, it picks
+# 41-45 kernels under 8,192 rows and 5-6 from there to 32,768 for the same two models (docs/fp8.md).
+JIT_MIN_ROWS = 8192
+# The GEMMs that compile a kernel per tile shape at first use → (their name in a line, where they keep the kernels)
+JIT_GEMMS = {"deepgemm": ("DeepGEMM", "DG_JIT_CACHE_DIR, default ~/.deep_gemm"),
+             "flashinfer": ("flashinfer", "TRTLLM_DG_CACHE_DIR, default ~/.tensorrt_llm")}
+# A JIT GEMM's tile choice reads M only as ceil(M / block_m) above 64 rows: DeepGEMM's block_m is 64, 128 or 256,
+# flashinfer's (TensorRT-LLM's heuristic) 128: one product per multiple of the step builds every kernel in a range
+JIT_ROW_STEP = {"deepgemm": 64, "flashinfer": 128}
 
 
 def _deepgemm_mm(xq, xs, w, ws):
@@ -282,48 +297,102 @@ def _deepgemm_mm(xq, xs, w, ws):
     return out
 
 
-DEEPGEMM_ROW_STEP = 64  # DeepGEMM's SM90 tile choice reads M only as ceil(M / block_m), block_m 64, 128 or 256 (M > 32)
+FLASHINFER_GEMM = "fp8_blockscale_gemm_sm90"  # flashinfer.gemm's SM90 block-scale GEMM (TensorRT-LLM's kernels)
+_FLASHINFER: list = []  # [(flashinfer.gemm or None, why not or None)], imported once
+_FLASHINFER_RUNNERS: dict[int | None, tuple] = {}  # device index → (the GEMM runner, its workspace)
 
 
-# (device, N, K) → the most rows `build_deepgemm_kernels` has run for such weights in this process: a second job in
+def _flashinfer_module():
+    """(flashinfer.gemm, None) where flashinfer imports with its SM90 block-scale GEMM; (None, None) where it is not
+    installed; (None, why) where it is but cannot run. Importing builds nothing: the GEMM's module is compiled at
+    its first product (`_flashinfer_runner`)."""
+    if not _FLASHINFER:
+        _FLASHINFER.append(_load_flashinfer())
+    return _FLASHINFER[0]
+
+
+def _load_flashinfer():
+    module, why = _import_optional("flashinfer", "flashinfer.gemm")
+    if module is None:
+        return None, why
+    base = getattr(module, "gemm_base", None)
+    make = getattr(getattr(base, "get_fp8_blockscale_gemm_runner_sm90", None), "__wrapped__", None)
+    if not callable(getattr(module, FLASHINFER_GEMM, None)) or not callable(make):
+        return None, f"this flashinfer has no gemm.{FLASHINFER_GEMM} runner (flashinfer-python 0.6 or later has)"
+    return module, None
+
+
+def _flashinfer_runner(device: torch.device):
+    """This process's own runner of flashinfer's SM90 block-scale GEMM on `device`. flashinfer's public
+    `fp8_blockscale_gemm_sm90` allocates, at every call, a workspace sized for its bf16 paths (which quantize
+    inside: M·K + N·K bytes and more, ~0.7 GB at a 27B down_proj of 32,768 rows) and configures it on one runner
+    that it shares process-wide; the e4m3 × e4m3 product reads no workspace but refuses to run without one. So hsx
+    builds a runner of its own (flashinfer's construction, uncached: the first one compiles the module with nvcc
+    and keeps it in flashinfer's JIT cache) and gives it a workspace of 128 bytes, which only that path ever sees."""
+    got = _FLASHINFER_RUNNERS.get(device.index)
+    if got is None:
+        runner = _flashinfer_module()[0].gemm_base.get_fp8_blockscale_gemm_runner_sm90.__wrapped__()
+        workspace = torch.empty(128, dtype=torch.uint8, device=device)
+        runner.configure_workspace(workspace)
+        got = _FLASHINFER_RUNNERS[device.index] = (runner, workspace)
+    return got[0]
+
+
+def _flashinfer_mm(xq, xs, w, ws):
+    # TensorRT-LLM's kernel reads raw pointers (flashinfer checks the shapes of the weight scales only): xq (M, K)
+    # and w (N, K) e4m3 K-major; the 1×128 scales as DeepGEMM does, (K/128, M) contiguous with M a multiple of 4 (its
+    # TMA descriptor's leading dimension is M rounded up to 4: `_quantize_activation_cuda` pads M to 16); the
+    # 128×128 ones (N/128, K/128) contiguous; N a multiple of 64. It picks a tile shape from M and compiles its
+    # kernel with NVRTC at first use, kept on disk (TRTLLM_DG_CACHE_DIR, default ~/.tensorrt_llm).
+    m, n = xq.shape[0], w.shape[0]
+    if m % 4 or n % 64:
+        raise ValueError(f"flashinfer's {FLASHINFER_GEMM} needs M a multiple of 4 and N of 64 (M = {m}, N = {n})")
+    if not xs.t().is_contiguous():
+        xs = xs.t().contiguous().t()
+    out = torch.empty((m, n), device=xq.device, dtype=torch.bfloat16)
+    _flashinfer_runner(xq.device).run_gemm(xq.contiguous(), w.contiguous(), out, xs, ws.contiguous())
+    return out
+
+
+# (GEMM, device, N, K) → the most rows `build_jit_kernels` has run for such weights in this process: a second job in
 # one process (the bench's timed run after its warm-up, a notebook's next extract) builds only what is new
-_DEEPGEMM_BUILT: dict[tuple, int] = {}
+_JIT_BUILT: dict[tuple, int] = {}
 
 
-def build_deepgemm_kernels(base: torch.nn.Module, max_rows: int) -> tuple[int, int, float]:
-    """Have DeepGEMM build, before the first batch, every kernel it will pick for this model's FP8 linears that it
-    runs (`_runs`) at DEEPGEMM_MIN_ROWS..`max_rows` rows: one product per weight shape and multiple of
-    DEEPGEMM_ROW_STEP, as every M in between picks the tile shape of the next multiple. Otherwise each kernel is
-    compiled (seconds) by the first batch that wants it, in the middle of the run (a 7 s stall at 27B, measured).
-    Kernels already in DeepGEMM's disk cache (DG_JIT_CACHE_DIR) load without compiling; row counts this process
-    built before are not run again. (weight shapes, products run, seconds); (0, 0, 0.0) when DeepGEMM runs none of
-    them."""
-    step = DEEPGEMM_ROW_STEP
-    shapes = {}
-    if max_rows >= DEEPGEMM_MIN_ROWS:
+def build_jit_kernels(base: torch.nn.Module, max_rows: int) -> dict[str, tuple[int, int, float]]:
+    """Have each JIT GEMM (DeepGEMM, flashinfer) build, before the first batch, every kernel it will pick for this
+    model's FP8 linears that it runs (`_runs`) at JIT_MIN_ROWS..`max_rows` rows: one product per weight shape and
+    multiple of its JIT_ROW_STEP, as every M in between picks the tile shape of the next multiple. Otherwise each
+    kernel is compiled (seconds) by the first batch that wants it, in the middle of the run (a 7 s stall at 27B,
+    measured with DeepGEMM). Kernels already in the GEMM's disk cache load without compiling; row counts this
+    process built before are not run again. {GEMM: (weight shapes, products run, seconds)} for the JIT GEMMs that
+    run some of them."""
+    shapes: dict[tuple, Fp8Linear] = {}
+    if max_rows >= JIT_MIN_ROWS:
         for m in base.modules():
-            if isinstance(m, Fp8Linear) and _runs(m.weight, m.weight_scale_inv, max_rows) == "deepgemm":
-                shapes.setdefault((m.weight.device, *m.weight.shape), m)
-    if not shapes:
-        return 0, 0, 0.0
-    floor, top = -(-DEEPGEMM_MIN_ROWS // step) * step, -(-max_rows // step) * step
-    t0 = time.perf_counter()
-    products = 0
+            if isinstance(m, Fp8Linear):
+                name = _runs(m.weight, m.weight_scale_inv, max_rows)
+                if name in JIT_GEMMS:
+                    shapes.setdefault((name, m.weight.device, *m.weight.shape), m)
+    built: dict[str, tuple[int, int, float]] = {}
     with torch.inference_mode():
         for key, m in shapes.items():
-            device, _, k = key
-            rows = range(max(floor, _DEEPGEMM_BUILT.get(key, 0) + step), top + 1, step)
-            if not rows:
-                continue
-            x = torch.zeros(rows[-1], k, device=device, dtype=torch.bfloat16)
-            for r in rows:
-                _deepgemm_mm(*fp8_quantize(x[:r]), m.weight, m.weight_scale_inv)
-            del x
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            products += len(rows)
-            _DEEPGEMM_BUILT[key] = top
-    return len(shapes), products, time.perf_counter() - t0
+            name, device, _, k = key
+            t0 = time.perf_counter()
+            step = JIT_ROW_STEP[name]
+            floor, top = -(-JIT_MIN_ROWS // step) * step, -(-max_rows // step) * step
+            rows = range(max(floor, _JIT_BUILT.get(key, 0) + step), top + 1, step)
+            if rows:
+                x = torch.zeros(rows[-1], k, device=device, dtype=torch.bfloat16)
+                for r in rows:
+                    _gemm(name)(*fp8_quantize(x[:r]), m.weight, m.weight_scale_inv)
+                del x
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                _JIT_BUILT[key] = top
+            n_shapes, products, seconds = built.get(name, (0, 0, 0.0))
+            built[name] = (n_shapes + 1, products + len(rows), seconds + time.perf_counter() - t0)
+    return built
 
 
 ROW_ALIGN = 16  # cuBLAS's block-scaled FP8 GEMM wants the rows (and the scales' leading dimension) aligned
@@ -377,7 +446,7 @@ def _quantize_activation_cuda(x: torch.Tensor, up: torch.Tensor | None = None) -
 
 # What auto tries, fastest first (docs/fp8.md's GEMM tables); Triton, last, runs any shape. DeepGEMM and fbgemm run
 # where their packages are installed (neither is a dependency of hsx); DeepGEMM's products of fewer than
-# DEEPGEMM_MIN_ROWS rows run on the next.
+# JIT_MIN_ROWS rows run on the next. flashinfer, not measured yet, runs only where asked for (`_gemms_from`).
 GEMMS = kernels.FP8_GEMMS  # ("deepgemm", "cublas", "fbgemm", "triton"): hsx.target.kernels holds the order
 
 
@@ -386,14 +455,15 @@ def _gemms_from(first: str) -> list[str]:
     fastest first (Triton, last, runs any shape)."""
     return [first] + [g for g in GEMMS if g != first]
 _GEMM_NAMES = {"fbgemm": f"fbgemm's {FBGEMM_OP}", "cublas": "cuBLAS's block-scaled _scaled_mm",
-               "deepgemm": "DeepGEMM's fp8_gemm_nt",
+               "deepgemm": "DeepGEMM's fp8_gemm_nt", "flashinfer": f"flashinfer's {FLASHINFER_GEMM}",
                "triton": "hsx's Triton block GEMM"}
 _BACKEND: dict[int | None, str] = {}  # device index → the GEMM its FP8 linears run (`use_gemm`)
 _CHOSEN: dict[int | None, str] = {}  # device index → the choice that _BACKEND's entry answers
 
 
 def _gemm(name: str):
-    return {"fbgemm": _fbgemm_mm, "cublas": _cublas_mm, "deepgemm": _deepgemm_mm, "triton": _triton_mm}[name]
+    return {"fbgemm": _fbgemm_mm, "cublas": _cublas_mm, "deepgemm": _deepgemm_mm, "flashinfer": _flashinfer_mm,
+            "triton": _triton_mm}[name]
 
 
 def gemm(name: str):
@@ -405,7 +475,7 @@ def gemm(name: str):
 
 def use_gemm(device: torch.device, choice: str = "auto") -> str:
     """Choose the block-scaled GEMM of `device`'s FP8 linears (config key fp8_gemm): `choice`, or with "auto" the
-    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512; DeepGEMM: DEEPGEMM_MIN_ROWS
+    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512; DeepGEMM, flashinfer: JIT_MIN_ROWS
     rows) agrees with the float32 reference, else the next that does (`_gemms_from`), with one warning saying which
     runs instead (none for an fbgemm_gpu or deep_gemm that is not installed unless it was asked for). Each weight
     shape is checked again at its first use (`_takes`)."""
@@ -451,6 +521,9 @@ def _missing(name: str, choice: str) -> str | None:
     elif name == "deepgemm":
         op, why = _deepgemm_module()
         hint = "deep_gemm is not installed (github.com/deepseek-ai/DeepGEMM)"
+    elif name == "flashinfer":
+        op, why = _flashinfer_module()
+        hint = "flashinfer is not installed (pip install flashinfer-python)"
     else:
         return None
     if op is not None:

@@ -20,7 +20,7 @@ import torch
 from hsx.errors import one_line
 from hsx.target import fp8_gemm
 from hsx.target.fp8 import BLOCK, FP8_DTYPE, Fp8Config
-from hsx.target.fp8_gemm import DEEPGEMM_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize, fp8_silu_mul_quantize
+from hsx.target.fp8_gemm import JIT_GEMMS, JIT_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize, fp8_silu_mul_quantize
 
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.target.moe.use_experts) whose e4m3 experts hsx runs
 FP8_EXPERTS_RUN_ON = "_hsx_fp8_experts_run_on"  # set beside it: "triton" where both kernels passed their checks
@@ -173,9 +173,9 @@ def report(base: torch.nn.Module, quant: Fp8Config | None) -> dict[str, Any] | N
     out = {**quant.record(), "linear": how, "fp8_linears": len(mods)}
     if by_shape:  # weight shapes (N×K) whose check failed on the device's GEMM, and the GEMM they run on
         out["gemm_by_shape"] = by_shape
-    if mods and how == "hsx fp8 (deepgemm)":
-        under = fp8_gemm._runs(mods[0].weight, mods[0].weight_scale_inv, DEEPGEMM_MIN_ROWS - 1)
-        out["gemm_under_rows"] = {"rows": DEEPGEMM_MIN_ROWS, "gemm": under}
+    if mods and how in {f"hsx fp8 ({g})" for g in JIT_GEMMS}:
+        under = fp8_gemm._runs(mods[0].weight, mods[0].weight_scale_inv, JIT_MIN_ROWS - 1)
+        out["gemm_under_rows"] = {"rows": JIT_MIN_ROWS, "gemm": under}
     experts = [m for m in base.modules() if is_experts_module(m)]
     if experts:
         ours = [m for m in experts if getattr(m, FP8_EXPERTS, False)]

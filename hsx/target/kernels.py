@@ -78,6 +78,10 @@ KERNELS: dict[str, Kernel] = {
     "fp8_gemm_cublas": Kernel("cuBLAS's block-scaled _scaled_mm", "the next block-scaled GEMM",
                               source="torch aten/src/ATen/native/cuda/ScaledBlas.cpp, _check_deepseek_support: "
                                      "\"DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90\""),
+    "fp8_gemm_flashinfer": Kernel("flashinfer's fp8_blockscale_gemm_sm90", "the next block-scaled GEMM",
+                                  checked_on=(), documented=((9, 0), (9, 0)),
+                                  source="flashinfer gemm/gemm_base.py, fp8_blockscale_gemm_sm90: \"only supported "
+                                         "on SM90 (Hopper)\"; not yet run by this project"),
     "fp8_gemm_fbgemm": Kernel("fbgemm's f8f8bf16_groupwise", "the next block-scaled GEMM",
                               source="a CUTLASS SM90 kernel; fbgemm-gpu-genai 1.6.0's wheel carries sm_90a code"),
     "fp8_gemm_triton": Kernel("hsx's Triton block GEMM and activation quantization (checked against the float32 "
@@ -100,7 +104,7 @@ def cap_name(capability: Capability) -> str:
 
 
 def _checked(k: Kernel) -> str:
-    return ", ".join(cap_name(c) for c in k.checked_on)
+    return ", ".join(cap_name(c) for c in k.checked_on) or "none yet"
 
 
 def fallback_line(name: str, capability: Capability) -> str:
@@ -125,7 +129,7 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
            fp8_gemm: str = "auto") -> dict[str, Pick]:
     """What runs for each kernel choice of a model (with MoE `experts`, Gated DeltaNet `linear_attention`, an FP8
     checkpoint `fp8`) of `dtype` on a GPU of `capability` (None: CPU, where the torch references run and nothing
-    is said) with these Python packages importable ("deep_gemm", "fbgemm_gpu", "fla"). Pure: no GPU is asked."""
+    is said) with these Python packages importable ("deep_gemm", "fbgemm_gpu", "flashinfer", "fla"). Pure: no GPU is asked."""
     if capability is None:
         return {}
     picks: dict[str, Pick] = {}
@@ -161,15 +165,19 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
 
 
 FP8_GEMMS = ("deepgemm", "cublas", "fbgemm", "triton")  # hsx.target.fp8_gemm.GEMMS: what auto tries, fastest first
-FP8_PACKAGES = {"deepgemm": "deep_gemm", "fbgemm": "fbgemm_gpu"}  # GEMMs that run only with their package
+FP8_ASKED_ONLY = ("flashinfer",)  # GEMMs that run only where --fp8-gemm names them: not measured, so not ordered
+# GEMMs that run only with their package
+FP8_PACKAGES = {"deepgemm": "deep_gemm", "fbgemm": "fbgemm_gpu", "flashinfer": "flashinfer"}
 
 
 @functools.cache  # (asked by each FP8 product that falls past its first GEMM: decided once)
 def fp8_gemm_order(capability: Capability, packages: frozenset[str], choice: str = "auto") -> tuple[str, ...]:
     """The block-scaled GEMMs an FP8 linear may run on this GPU, in the order tried: under auto those of FP8_GEMMS
     whose package is there and that run on this capability (Triton, the portable one, last); a GEMM named by
-    --fp8-gemm first, wherever it is (each is checked against the float32 product before use)."""
-    order = [g for g in FP8_GEMMS if FP8_PACKAGES.get(g, g) in packages or g not in FP8_PACKAGES]
+    --fp8-gemm first, wherever it is, its package there (each is checked against the float32 product before use);
+    one of FP8_ASKED_ONLY only then."""
+    asked = (choice,) if choice in FP8_ASKED_ONLY else ()
+    order = [g for g in asked + FP8_GEMMS if FP8_PACKAGES.get(g, g) in packages or g not in FP8_PACKAGES]
     order = [g for g in order if g == choice or runs_on(f"fp8_gemm_{g}", capability)]
     if choice in order:
         order.remove(choice)
@@ -221,7 +229,7 @@ def installed_packages() -> frozenset[str]:
     import importlib.util
 
     found = set()
-    for module in ("deep_gemm", "fbgemm_gpu", "fla"):
+    for module in ("deep_gemm", "fbgemm_gpu", "flashinfer", "fla"):
         try:
             if importlib.util.find_spec(module) is not None:
                 found.add(module)

@@ -283,7 +283,7 @@ CONV_KERNEL = "causal_conv1d_fn"  # its short causal convolution (causal-conv1d 
 STATE_LIBRARIES = {"torch": "torch", "transformers": "transformers", "datasets": "datasets",
                    "accelerate": "accelerate", "triton": "triton", "flash-linear-attention": "fla",
                    "causal-conv1d": "causal_conv1d", "kernels": "kernels", "deep_gemm": "deep_gemm",
-                   "fbgemm-gpu-genai": "fbgemm_gpu"}
+                   "fbgemm-gpu-genai": "fbgemm_gpu", "flashinfer-python": "flashinfer"}
 
 
 def library_versions() -> dict[str, str]:

@@ -113,15 +113,14 @@ def ready_model(cfg: ExtractConfig, proc, target: Target, loaded: LoadedModel | 
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda and cfg.gpus_per_copy == 1
                                           and cfg.tp_size == 1 and cfg.ep_size == 1)
     prepared = prepare_model(loaded.base, packing, compile_model=use_compile, cuda=cuda, log=log)
-    if gemm is not None:  # (DeepGEMM may run some shapes as the fallback of another device choice too)
+    if gemm is not None:  # (a JIT GEMM may run some shapes as the fallback of another device choice too)
         rows = max(budget, cfg.max_length or 0)
-        shapes, products, seconds = fp8_gemm.build_deepgemm_kernels(loaded.base, rows)
-        if shapes:
-            kernels["deepgemm_build"] = {"weight_shapes": shapes, "rows": [fp8_gemm.DEEPGEMM_MIN_ROWS, rows],
-                                         "products": products, "seconds": round(seconds, 1)}
-            log(f"hsx: DeepGEMM's kernels for {shapes} weight shapes at {fp8_gemm.DEEPGEMM_MIN_ROWS:,}-{rows:,} "
+        for name, (shapes, products, seconds) in fp8_gemm.build_jit_kernels(loaded.base, rows).items():
+            kernels[f"{name}_build"] = {"weight_shapes": shapes, "rows": [fp8_gemm.JIT_MIN_ROWS, rows],
+                                        "products": products, "seconds": round(seconds, 1)}
+            who, cache = fp8_gemm.JIT_GEMMS[name]
+            log(f"hsx: {who}'s kernels for {shapes} weight shapes at {fp8_gemm.JIT_MIN_ROWS:,}-{rows:,} "
                 + (f"rows ready in {seconds:.1f} s ({products} products; the kernels it compiled stay in "
-                   f"DG_JIT_CACHE_DIR, default ~/.deep_gemm)" if products
-                   else "rows: built earlier in this process"))
+                   f"{cache})" if products else "rows: built earlier in this process"))
     return ReadyModel(loaded, prepared, kernels, budget, use_compile, gemm,
                       fp8_matmuls=quant is not None and not instead, owns_model=owns_model)
