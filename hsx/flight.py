@@ -330,10 +330,12 @@ def batch_check(batch, rule: str = "buffers") -> bytes:
 
 def _buffers_crc32(batch) -> int | None:
     """CRC-32 over a record batch's row and column counts and, per column, depth first, each array's length, null
-    count and the bytes its values occupy (validity bits where it has nulls, fixed-width values, offsets, list
-    children, string bytes), read in place; padding and bytes past the values are not in it (Arrow's IPC writer may
-    drop them). None where an array's type or layout is not walked here (a slice, non-zero first offset, a child
-    longer than its parent uses, a type with other children): "serialized" checks that batch."""
+    count and the bytes its values occupy (validity bits where it has nulls, fixed-width values, offsets from zero,
+    list children, string bytes), read in place; padding and bytes past or before the values are not in it. So a
+    slice of a batch (what `hsx serve` sends of a large one) and the batch the client receives of it, which Arrow's
+    IPC writer truncates and whose offsets it rebases to zero, have one CRC. None where an array's type or layout is
+    not walked here (a slice of an array with nulls or of booleans, a type with other children): "serialized" checks
+    that batch."""
     import struct
 
     from hsx.checksums import crc32
@@ -349,58 +351,61 @@ def _buffers_crc32(batch) -> int | None:
 def _array_crc32(arr, crc: int) -> int | None:
     import struct
 
+    import numpy as np
     import pyarrow as pa
 
     from hsx.checksums import crc32
 
-    t, n = arr.type, len(arr)
-    if arr.offset != 0 or isinstance(t, pa.ExtensionType) or pa.types.is_dictionary(t):
+    t, n, first = arr.type, len(arr), arr.offset
+    if isinstance(t, pa.ExtensionType) or pa.types.is_dictionary(t) or (first and arr.null_count):
         return None
     buffers = arr.buffers()
 
-    def take(i: int, nbytes: int) -> int | None:
+    def take(i: int, start: int, nbytes: int) -> int | None:
         buf = buffers[i] if i < len(buffers) else None
         if nbytes == 0:
             return crc
-        if buf is None or buf.size < nbytes:
+        if buf is None or buf.size < start + nbytes:
             return None
-        return crc32(memoryview(buf)[:nbytes], crc)
-
-    def offsets(width: int) -> tuple[int, int] | None:
-        buf = buffers[1]
-        if buf is None or buf.size < (n + 1) * width:
-            return None
-        view, fmt = memoryview(buf), "<i" if width == 4 else "<q"
-        return struct.unpack_from(fmt, view, 0)[0], struct.unpack_from(fmt, view, n * width)[0]
+        return crc32(memoryview(buf)[start:start + nbytes], crc)
 
     crc = crc32(struct.pack("<qq", n, arr.null_count), crc)
     if pa.types.is_null(t):  # (no buffer: every value null)
         return crc
     if arr.null_count:
-        crc = take(0, (n + 7) // 8)
+        crc = take(0, 0, (n + 7) // 8)
         if crc is None:
             return None
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_string(t) or pa.types.is_binary(t) \
             or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
-        width = 8 if pa.types.is_large_list(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t) else 4
-        span = offsets(width)
-        if span is None or span[0] != 0:
+        large = pa.types.is_large_list(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+        width = 8 if large else 4
+        buf = buffers[1]
+        if buf is None or buf.size < (first + n + 1) * width:
             return None
-        crc = take(1, (n + 1) * width)
-        if crc is None:
+        ends = np.frombuffer(buf, dtype="<i8" if large else "<i4", count=n + 1, offset=first * width)
+        start, stop = int(ends[0]), int(ends[-1])
+        if start < 0 or stop < start:
             return None
+        # (the offsets as the receiver holds them: from zero)
+        crc = crc32(memoryview(ends - start if start else ends).cast("B"), crc)
         if pa.types.is_list(t) or pa.types.is_large_list(t):
-            return _array_crc32(arr.values, crc) if len(arr.values) == span[1] else None
-        return take(2, span[1])
+            return _array_crc32(arr.values.slice(start, stop - start), crc) if len(arr.values) >= stop else None
+        return take(2, start, stop - start)
     if pa.types.is_fixed_size_list(t):
-        return _array_crc32(arr.values, crc) if len(arr.values) == n * t.list_size else None
+        size = t.list_size
+        if len(arr.values) < (first + n) * size:
+            return None
+        return _array_crc32(arr.values.slice(first * size, n * size), crc)
     if t.num_fields or t.num_buffers != 2:
         return None
     try:
         bits = t.bit_width
     except ValueError:  # (not fixed width)
         return None
-    return take(1, (n * bits + 7) // 8)
+    if first and bits % 8:  # (bits of a slice: Arrow's writer copies them to a new bitmap, its last byte other bits)
+        return None
+    return take(1, first * bits // 8, (n * bits + 7) // 8)
 
 
 def _check_records(records, kind) -> None:

@@ -36,6 +36,11 @@ ACTIONS = {"state": "plan, manifests, complete, consumers", "ledger": "a consume
 MAX_TOKEN_BYTES = 4096
 LISTENING_AT = ' at {0} (hsx.follow("{0}", ...))'  # what `hsx serve` prints after OUT once it listens
 LISTENING = re.compile(r' at (grpc://\S+) \(hsx\.follow\("')  # that line's location, whatever OUT's name
+# A unit's record batches go out in slices of about this many bytes (one row at least): the writer's batches are a
+# GPU batch each (~100 MB at 8B), and one gRPC message of that size is built, sent and taken apart whole, each side
+# waiting on the other; smaller messages overlap them (docs/benchmarks.md, session 25). A slice is a view, and its
+# CRC-32 by the "buffers" rule is read in place (hsx.flight.batch_check).
+SENT_BATCH_BYTES = 8 << 20
 
 
 def is_loopback(host: str) -> bool:
@@ -135,10 +140,12 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
                 from None
 
     def batches(table, verb: str, rule: str):
-        """The unit's record batches, each with its CRC-32 by `rule` as app_metadata (hsx.flight.batch_check)."""
+        """The unit's record batches in slices of about SENT_BATCH_BYTES, each with its CRC-32 by `rule` as
+        app_metadata (hsx.flight.batch_check)."""
         try:
             for batch in table.to_batches():
-                yield batch, batch_check(batch, rule)
+                for piece in slices(batch, SENT_BATCH_BYTES):
+                    yield piece, batch_check(piece, rule)
         except Exception as e:  # (inside the stream too: one line)
             log(f"hsx serve: {verb} failed: {type(e).__name__}: {one_line(e)}", flush=True)
             raise flight.FlightServerError(f"{verb}: the server failed ({type(e).__name__})") from None
@@ -205,6 +212,17 @@ def make_server(out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int =
         raise HsxError(f"cannot listen on {host}:{port}: {one_line(e)}") from None
     server.location = f"grpc://{host if ':' not in host else f'[{host}]'}:{server.port}"
     return server
+
+
+def slices(batch, nbytes: int):
+    """`batch` in consecutive slices of about `nbytes` each by its mean row size, one row at least (views: no copy)."""
+    rows, size = batch.num_rows, batch.nbytes
+    if rows <= 1 or size <= nbytes:
+        yield batch
+        return
+    step = max(1, rows * nbytes // size)
+    for start in range(0, rows, step):
+        yield batch.slice(start, step)
 
 
 def serve(out_dir: str, host: str, port: int, token_file: str | None, log=print,

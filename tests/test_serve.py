@@ -477,6 +477,91 @@ def test_a_batch_of_a_type_or_layout_not_walked_is_checked_serialized_on_both_si
     assert batch_check(_ipc_round_trip(sliced), "serialized") == batch_check(sliced)
 
 
+def test_slices_of_a_batch_without_nulls_are_checked_by_buffers_and_equal_what_the_client_receives():
+    """`hsx serve` sends a large record batch as slices: each keeps the "buffers" rule (no copy on either side) where
+    its arrays have no nulls, whatever its offset, with the CRC-32 of the batch the client receives (truncated,
+    offsets rebased by Arrow's writer); a value inside the slice changes it, bytes outside it do not."""
+    import numpy as np
+    import pyarrow as pa
+
+    from hsx.flight import batch_check
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 9, 37)
+    ends = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = int(ends[-1])
+    states = pa.FixedSizeListArray.from_arrays(pa.array(rng.integers(-9, 9, tokens * 6), pa.int16()), 6)
+    batch = pa.RecordBatch.from_pydict({  # (hsx's columns, and strings and large lists)
+        "sample_id": pa.array(np.arange(37), pa.int64()),
+        "input_ids": pa.ListArray.from_arrays(pa.array(ends), pa.array(rng.integers(0, 99, tokens), pa.int32())),
+        "loss_mask": pa.ListArray.from_arrays(pa.array(ends), pa.array(rng.integers(0, 2, tokens), pa.int8())),
+        "num_tokens": pa.array(lengths, pa.int32()),
+        "hidden_states": pa.ListArray.from_arrays(pa.array(ends), states),
+        "text": pa.array([f"row {i}" * int(k) for i, k in enumerate(lengths)], pa.string()),
+        "big": pa.LargeListArray.from_arrays(pa.array(ends.astype(np.int64)), pa.array(rng.random(tokens),
+                                                                                       pa.float32())),
+    })
+    for start, rows in ((0, 37), (0, 5), (5, 7), (13, 1), (30, 7), (36, 1), (9, 0)):
+        piece = batch.slice(start, rows)
+        sent = batch_check(piece)
+        assert sent.startswith(b"buffers:"), (start, rows)
+        assert batch_check(_ipc_round_trip(piece)) == sent, (start, rows)
+        assert batch_check(piece, "serialized") == batch_check(_ipc_round_trip(piece), "serialized")
+    assert batch_check(batch.slice(5, 7)) != batch_check(batch.slice(6, 7))
+    inside, outside = (next(i for i in span if lengths[i]) for span in (range(5, 12), range(12, 30)))
+    for row in (inside, outside):  # a value changed inside rows 5-11, then one outside them
+        ids = batch.column(1).to_pylist()
+        ids[row][0] += 1
+        other = batch.set_column(1, "input_ids", pa.array(ids, pa.list_(pa.int32())))
+        assert (batch_check(other.slice(5, 7)) != batch_check(batch.slice(5, 7))) == (row == inside)
+    flags = pa.RecordBatch.from_pydict({"flags": pa.array([True, False] * 12)})
+    assert b":" not in batch_check(flags.slice(8, 5))  # booleans sliced: serialized
+    assert batch_check(_ipc_round_trip(flags.slice(8, 5)), "serialized") == batch_check(flags.slice(8, 5))
+
+
+def test_a_large_batch_goes_out_in_slices_each_checked_and_the_rows_are_the_local_readers(served, fault_reference,
+                                                                                            monkeypatch):
+    """With batches larger than SENT_BATCH_BYTES the server sends each in slices of about that size (a row at least),
+    every slice with a "buffers" CRC-32 the client checks: the rows hsx.follow hands out are the local reader's."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    import hsx.serve
+    from hsx.flight import batch_check, unit_ticket
+
+    out, url, token = served
+    rec = json.loads(next((out / ".hsx").glob("manifest-*.jsonl")).read_text().splitlines()[0])
+    table = pa.ipc.open_stream(pa.memory_map(str(out / "data" / rec["file"]))).read_all()
+    assert rec["rows"] >= 3 and table.num_rows == rec["rows"]
+    monkeypatch.setattr(hsx.serve, "SENT_BATCH_BYTES", table.nbytes // rec["rows"] * 2)  # ~2 rows a slice
+    client = flight.connect(url)
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+    reader = client.do_get(unit_ticket(rec["unit"]), options=options)
+    chunks = []
+    while True:
+        try:
+            chunks.append(reader.read_chunk())
+        except StopIteration:
+            break
+    assert len(chunks) > len(table.to_batches()) and all(1 <= c.data.num_rows <= 3 for c in chunks)
+    assert all(c.app_metadata.to_pybytes() == batch_check(c.data) and c.app_metadata.to_pybytes().startswith(
+        b"buffers:") for c in chunks)
+    assert pa.Table.from_batches([c.data for c in chunks]).equals(table)
+    local = list(hsx.follow(fault_reference.out, rows="dict", commit="manual"))
+    assert list(hsx.follow(url, rows="dict", commit="manual", token=token)) == local
+
+
+def test_slices_cover_a_batch_in_order_by_its_mean_row_size():
+    import pyarrow as pa
+
+    from hsx.serve import slices
+
+    batch = pa.RecordBatch.from_pydict({"x": pa.array(range(10), pa.int64())})  # 80 bytes, 8 a row
+    assert [(p.num_rows, p.column(0)[0].as_py()) for p in slices(batch, 24)] == [(3, 0), (3, 3), (3, 6), (1, 9)]
+    assert [p.num_rows for p in slices(batch, 80)] == [10] and [p.num_rows for p in slices(batch, 1)] == [1] * 10
+    assert [p.num_rows for p in slices(batch.slice(0, 0), 1)] == [0]
+
+
 def test_clients_and_servers_from_before_the_buffers_check_still_agree(served):
     """A ticket without "check" (an older client) gets the serialized form's CRC-32s; an older server (one that
     ignores "check") is read by this client by the rule each batch's metadata names."""
