@@ -182,7 +182,7 @@ def test_sigkilled_trainers_under_accelerate_and_a_batch_size_mismatch(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("wrapper,recipe", [("shard", False), ("dispatcher", True)])
+@pytest.mark.parametrize("wrapper,recipe", [("shard", False), ("dispatcher", True), ("accelerate-stateful", True)])
 def test_sigkilled_trainers_over_hsx_serve_with_units_read_ahead(tmp_path, fault_reference, wrapper, recipe):
     """The same kills, the trainer reading only over `hsx serve` with two units read ahead (on connections of their
     own, checked batch by batch): units read ahead and not handed out are never taken for consumed, and the server
