@@ -82,6 +82,7 @@ class FlightSource:
         self.session = uuid.uuid4().hex  # names this reader's claim (`take_consumer`)
         self.taken: dict[str, Any] | None = None  # the claim this reader holds and renews
         self.renewer: threading.Thread | None = None
+        self.superseded = False  # a newer reader of its consumer rank in this process took its claim over
 
     def __reduce__(self):  # (a pickled hsx.follow, for a spawn DataLoader worker: a new connection)
         return FlightSource, (self.where, self.token, self.units_ahead)
@@ -197,7 +198,15 @@ class FlightSource:
         declares the consumer in OUT and records only this reader's commits for it while this reader renews the
         claim (a daemon thread, every CLAIM_RENEW_SECONDS, for as long as this source lives). A claim another live
         reader holds is asked again until that one's lease would have lapsed (a trainer restarted after a kill
-        waits out its dead self's), then refused (HsxError, one line)."""
+        waits out its dead self's), then refused (HsxError, one line); one an older reader of this process holds is
+        taken over at once (`_IN_PROCESS`)."""
+        key = (self.where, consumer, rank)
+        with _IN_PROCESS_LOCK:  # (an older reader of this process holding it: its session goes on in this one)
+            ref = _IN_PROCESS.get(key)
+            older = ref() if ref is not None else None
+            if older is not None and older is not self and older.taken is not None:
+                self.session, older.taken, older.superseded = older.session, None, True
+            _IN_PROCESS[key] = weakref.ref(self)
         body = {"consumer": consumer, "rank": rank, "world_size": world_size, "session": self.session}
         deadline = time.monotonic() + CLAIM_LEASE_SECONDS + CLAIM_RENEW_SECONDS
         while True:
@@ -217,6 +226,9 @@ class FlightSource:
     def _as_consumer(self, kind: str, body: dict[str, Any]) -> None:
         """`kind` of this reader's claimed consumer rank; once more after claiming again if the server does not
         know the claim (it was restarted since)."""
+        if self.superseded:
+            raise HsxError(f"{kind}: a newer hsx.follow of consumer {body['consumer']!r} rank {body['rank']} in this "
+                           "process took over; this older reader records nothing more (iterate the newer one)")
         try:
             self._action(kind, {**body, "session": self.session})
         except HsxError as e:
@@ -263,13 +275,22 @@ class _ReadAhead:
         return self.table
 
 
+# (server, consumer, rank) → the reader of this process that holds that claim. A newer reader of it in this process
+# (a notebook cell run again, a trainer restarted in-process while its old loader is still referenced, as by the
+# traceback of what stopped it) goes on under the older one's session, which the server already knows: it is not
+# kept waiting for a lease that the older one, still alive, would keep renewing. The older one records nothing more,
+# as a local reader superseded in its process (hsx.follow._take_over_in_process).
+_IN_PROCESS: dict[tuple[str, str, int], "weakref.ref[FlightSource]"] = {}
+_IN_PROCESS_LOCK = threading.Lock()
+
+
 def _renew(source_ref, every: float) -> None:
     """The claim renewer's loop: renew the source's claim every `every` seconds while the source lives (a failed
     renewal is tried again next time: the commit that follows says what is wrong, in one line)."""
     while True:
         time.sleep(every)
         source = source_ref()
-        if source is None:
+        if source is None or source.superseded:
             return
         try:
             source._action("claim", source.taken)

@@ -383,9 +383,9 @@ def test_the_consumer_flags_are_checked_in_one_line(tmp_path):
 
 def test_a_second_live_deleting_reader_over_flight_is_refused_and_a_restarted_one_takes_over(
         tmp_path, fault_reference, server_of, monkeypatch):
-    """A reader over hsx serve renews its claim while it lives: a second one of the same name and rank is refused
-    (after waiting out a lease, as a trainer restarted after a kill waits out its dead self's); once the first
-    is gone (here: its renewals stop), the next one takes over."""
+    """A reader over hsx serve renews its claim while it lives: a second one of the same name and rank in another
+    process is refused (after waiting out a lease, as a trainer restarted after a kill waits out its dead self's);
+    once the first is gone (here: its renewals stop), the next one takes over."""
     import hsx.flight
 
     monkeypatch.setattr(hsx.flight, "CLAIM_RENEW_SECONDS", 0.1)
@@ -393,8 +393,10 @@ def test_a_second_live_deleting_reader_over_flight_is_refused_and_a_restarted_on
     out = copy_out(tmp_path, fault_reference)
     url = server_of(out)
     first = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
-    with pytest.raises(HsxError, match="consumer 't' rank 0 already has a live reader that deletes") as e:
-        hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", token=TOKEN)
+    with monkeypatch.context() as elsewhere:  # (another process: it knows of no reader of this one)
+        elsewhere.setattr(hsx.flight, "_IN_PROCESS", {})
+        with pytest.raises(HsxError, match="consumer 't' rank 0 already has a live reader that deletes") as e:
+            hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", token=TOKEN)
     assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
     it = iter(first)
     next(it)
@@ -405,6 +407,35 @@ def test_a_second_live_deleting_reader_over_flight_is_refused_and_a_restarted_on
     assert len(list(again)) == len(fault_reference.sample_ids) - 1  # from where the first one's ledger left off
     again.commit()
     assert files(out) == set()
+
+
+def test_a_newer_deleting_reader_over_flight_in_one_process_takes_over_at_once_and_the_older_records_nothing(
+        tmp_path, fault_reference, server_of, monkeypatch):
+    """Over hsx serve as on a local dir: a newer reader of a consumer rank in the same process (a notebook cell run
+    again, a trainer restarted in-process while its old loader is still referenced) takes the claim over at once,
+    under the older one's session, instead of waiting for a lease the older one keeps renewing; the older one's
+    commit is refused in one line and it renews nothing more; every row is read once between them."""
+    import time
+
+    import hsx.flight
+
+    monkeypatch.setattr(hsx.flight, "CLAIM_RENEW_SECONDS", 0.1)
+    out = copy_out(tmp_path, fault_reference)
+    url = server_of(out)
+    first = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
+    it = iter(first)
+    got = [next(it)["sample_id"] for _ in range(3)]
+    first.commit()
+    began = time.monotonic()
+    newer = hsx.follow(url, consumer="t", delete_consumed=True, rows="dict", commit="manual", token=TOKEN)
+    assert time.monotonic() - began < hsx.flight.CLAIM_LEASE_SECONDS  # not kept waiting for a lease
+    next(it)
+    with pytest.raises(HsxError, match="a newer hsx.follow of consumer 't' rank 0 in this process took over") as e:
+        first.commit()
+    assert "\n" not in str(e.value)
+    got += [row["sample_id"] for row in newer]
+    newer.commit()
+    assert sorted(got) == sorted(fault_reference.sample_ids) and files(out) == set()
 
 
 def test_declarations_are_bounded_and_a_damaged_declaration_file_is_one_line(tmp_path, fault_reference, monkeypatch):

@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -280,25 +281,56 @@ def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path,
     assert not list((out / "data").glob("train-*.arrow"))
 
 
-def test_hf_trainer_recipe_resumes_exactly_once_and_a_resume_that_skips_batches_is_refused(tmp_path,
-                                                                                          fault_reference):
-    from transformers.trainer_utils import get_last_checkpoint
+@contextmanager
+def source_of(out: Path, where: str):
+    """What a trainer follows for output dir `out`: its path ("local"), or the URL of an `hsx serve` of it (in a
+    thread of this process, with a token) and that token ("serve")."""
+    if where == "local":
+        yield out, None
+        return
+    import threading
 
+    from hsx.serve import make_server
+
+    server = make_server(out, "127.0.0.1", 0, "trainer-token-0123456789")
+    threading.Thread(target=server.serve, daemon=True).start()
+    try:
+        yield server.location, "trainer-token-0123456789"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("where", ["local", "serve"])
+def test_hf_trainer_recipe_resumes_exactly_once_and_a_resume_that_skips_batches_is_refused(tmp_path,
+                                                                                          fault_reference, where):
+    """The docs' Trainer recipe, the rows read from OUT or over `hsx serve` (units read ahead on connections of
+    their own): killed, resumed from its checkpoint's state, every row trained exactly once, OUT's units deleted."""
     out, work = tmp_path / "out", tmp_path / "t"
     shutil.copytree(fault_reference.out, out)
-    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    with source_of(out, where) as (src, token):
+        _trainer_recipe_resumes(out, work, src, token, fault_reference)
+
+
+def _trainer_recipe_resumes(out, work, src, token, fault_reference):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    def follow():
+        return hsx.follow(src, delete_consumed=True, commit="manual", poll_seconds=0.01,
+                          **({"token": token} if token else {}))
+
+    rows = follow()
     trainer, model = hf_trainer(rows, work, kill_at=11, recipe=True)
     with pytest.raises(Killed):
         trainer.train()
     last = get_last_checkpoint(str(work))
     assert last is not None
     # resumed the Trainer's way (it skips the batches its checkpoint trained): refused, nothing read
-    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    rows = follow()
     trainer, model = hf_trainer(rows, work, recipe=True, ignore_data_skip=False)
     with pytest.raises(HsxError, match="ignore_data_skip=True"):
         trainer.train(resume_from_checkpoint=last)
     # the recipe: hsx.follow resumes from the state saved with the checkpoint
-    rows = hsx.follow(out, delete_consumed=True, commit="manual", poll_seconds=0.01)
+    rows = follow()
     saved = torch.load(Path(last) / "hsx_follow.pt")
     rows.load_state_dict(saved["data"])
     trainer, model = hf_trainer(rows, work, recipe=True, dispatch=False)
