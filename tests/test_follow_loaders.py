@@ -260,27 +260,6 @@ def hf_trainer(rows, work: Path, kill_at=None, ga: int = 2, dispatch=None, recip
     return trainer, model
 
 
-def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path, fault_reference):
-    """The Trainer fetches its accumulation window (3 batches) before training the first: the old default
-    recorded units of batches fetched but not trained (a kill lost 20 of 96 rows)."""
-    out = tmp_path / "out"
-    shutil.copytree(fault_reference.out, out)
-    trained = []
-    for kill_at, dispatch in ((7, None), (5, False), (None, False)):  # (the Dispatcher is Trainer's default)
-        rows = hsx.follow(out, delete_consumed=True, poll_seconds=0.01)
-        trainer, model = hf_trainer(rows, tmp_path / "t", kill_at, ga=3, dispatch=dispatch)
-        if kill_at:
-            with pytest.raises(Killed):
-                trainer.train()
-        else:
-            trainer.train()  # (to the end of the rows: a Dispatcher then finds an empty epoch: accelerate's error)
-            rows.commit()
-            trained += model.pending  # (a last window short of 3 batches: Trainer runs its steps, no optimizer step)
-        trained += model.trained
-    assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
-    assert not list((out / "data").glob("train-*.arrow"))
-
-
 @contextmanager
 def source_of(out: Path, where: str):
     """What a trainer follows for output dir `out`: its path ("local"), or the URL of an `hsx serve` of it (in a
@@ -298,6 +277,34 @@ def source_of(out: Path, where: str):
         yield server.location, "trainer-token-0123456789"
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("where", ["local", "serve"])
+def test_hf_trainer_with_gradient_accumulation_loses_no_row_by_default(tmp_path, fault_reference, where):
+    """The Trainer fetches its accumulation window (3 batches) before training the first: the old default
+    recorded units of batches fetched but not trained (a kill lost 20 of 96 rows). The rows read from OUT or over
+    `hsx serve`, each restart in this process (its killed reader still referenced)."""
+    out = tmp_path / "out"
+    shutil.copytree(fault_reference.out, out)
+    with source_of(out, where) as (src, token):
+        _trainer_default_loses_no_row(out, tmp_path, src, token, fault_reference)
+
+
+def _trainer_default_loses_no_row(out, tmp_path, src, token, fault_reference):
+    trained = []
+    for kill_at, dispatch in ((7, None), (5, False), (None, False)):  # (the Dispatcher is Trainer's default)
+        rows = hsx.follow(src, delete_consumed=True, poll_seconds=0.01, **({"token": token} if token else {}))
+        trainer, model = hf_trainer(rows, tmp_path / "t", kill_at, ga=3, dispatch=dispatch)
+        if kill_at:
+            with pytest.raises(Killed):
+                trainer.train()
+        else:
+            trainer.train()  # (to the end of the rows: a Dispatcher then finds an empty epoch: accelerate's error)
+            rows.commit()
+            trained += model.pending  # (a last window short of 3 batches: Trainer runs its steps, no optimizer step)
+        trained += model.trained
+    assert sorted(set(trained)) == sorted(fault_reference.sample_ids)
+    assert not list((out / "data").glob("train-*.arrow"))
 
 
 @pytest.mark.parametrize("where", ["local", "serve"])
