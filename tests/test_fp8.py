@@ -887,7 +887,8 @@ def test_auto_runs_cublas_the_fastest_and_no_fbgemm_is_said_only_when_asked_for(
     with warnings_recorded() as seen:
         assert fp8_gemm.use_gemm(cpu, "cublas") == "cublas"  # asked for: fbgemm not even looked at
     assert not seen
-    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, flashinfer, triton"):
+    with pytest.raises(HsxError, match="fp8_gemm 'fast' is not one of auto, cublas, deepgemm, fbgemm, flashinfer, "
+                                       "triton"):
         fp8_gemm.use_gemm(cpu, "fast")
 
 

@@ -325,10 +325,11 @@ def _load_flashinfer():
 def _flashinfer_runner(device: torch.device):
     """This process's own runner of flashinfer's SM90 block-scale GEMM on `device`. flashinfer's public
     `fp8_blockscale_gemm_sm90` allocates, at every call, a workspace sized for its bf16 paths (which quantize
-    inside: M·K + N·K bytes and more, ~0.7 GB at a 27B down_proj of 32,768 rows) and configures it on one runner
-    that it shares process-wide; the e4m3 × e4m3 product reads no workspace but refuses to run without one. So hsx
-    builds a runner of its own (flashinfer's construction, uncached: the first one compiles the module with nvcc
-    and keeps it in flashinfer's JIT cache) and gives it a workspace of 128 bytes, which only that path ever sees."""
+    inside: M·K + N·K bytes and more, ~0.7 GB at a 27B down_proj of 32,768 rows by its formula) and configures it on
+    one runner that it shares process-wide; the e4m3 × e4m3 product reads no workspace but refuses to run without
+    one. So hsx builds a runner of its own (flashinfer's construction, uncached: the first one compiles the module
+    with nvcc and keeps it in flashinfer's JIT cache) and gives it a workspace of 128 bytes, which only that path
+    ever sees."""
     got = _FLASHINFER_RUNNERS.get(device.index)
     if got is None:
         runner = _flashinfer_module()[0].gemm_base.get_fp8_blockscale_gemm_runner_sm90.__wrapped__()
@@ -475,10 +476,10 @@ def gemm(name: str):
 
 def use_gemm(device: torch.device, choice: str = "auto") -> str:
     """Choose the block-scaled GEMM of `device`'s FP8 linears (config key fp8_gemm): `choice`, or with "auto" the
-    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512; DeepGEMM, flashinfer: JIT_MIN_ROWS
-    rows) agrees with the float32 reference, else the next that does (`_gemms_from`), with one warning saying which
-    runs instead (none for an fbgemm_gpu or deep_gemm that is not installed unless it was asked for). Each weight
-    shape is checked again at its first use (`_takes`)."""
+    first of GEMMS, if it is there and a small product (16 and 200 rows × 384 × 512; DeepGEMM, flashinfer:
+    JIT_MIN_ROWS rows) agrees with the float32 reference, else the next that does (`_gemms_from`), with one warning
+    saying which runs instead (none for an fbgemm_gpu, deep_gemm or flashinfer that is not installed unless it was
+    asked for). Each weight shape is checked again at its first use (`_takes`)."""
     if choice not in FP8_GEMM_CHOICES:
         raise HsxError(f"fp8_gemm {choice!r} is not one of {', '.join(FP8_GEMM_CHOICES)}")
     if _CHOSEN.get(device.index) == choice and device.index in _BACKEND:

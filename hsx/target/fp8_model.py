@@ -20,7 +20,8 @@ import torch
 from hsx.errors import one_line
 from hsx.target import fp8_gemm
 from hsx.target.fp8 import BLOCK, FP8_DTYPE, Fp8Config
-from hsx.target.fp8_gemm import JIT_GEMMS, JIT_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize, fp8_silu_mul_quantize
+from hsx.target.fp8_gemm import (JIT_GEMMS, JIT_MIN_ROWS, Fp8Linear, backend_of, fp8_mm, fp8_quantize,
+                                 fp8_silu_mul_quantize)
 
 FP8_EXPERTS = "_hsx_fp8_experts"  # set on an experts module (hsx.target.moe.use_experts) whose e4m3 experts hsx runs
 FP8_EXPERTS_RUN_ON = "_hsx_fp8_experts_run_on"  # set beside it: "triton" where both kernels passed their checks

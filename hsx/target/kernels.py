@@ -129,7 +129,8 @@ def choose(capability: Capability | None, packages: frozenset[str] = frozenset()
            fp8_gemm: str = "auto") -> dict[str, Pick]:
     """What runs for each kernel choice of a model (with MoE `experts`, Gated DeltaNet `linear_attention`, an FP8
     checkpoint `fp8`) of `dtype` on a GPU of `capability` (None: CPU, where the torch references run and nothing
-    is said) with these Python packages importable ("deep_gemm", "fbgemm_gpu", "flashinfer", "fla"). Pure: no GPU is asked."""
+    is said) with these Python packages importable ("deep_gemm", "fbgemm_gpu", "flashinfer", "fla"). Pure: no GPU
+    is asked."""
     if capability is None:
         return {}
     picks: dict[str, Pick] = {}
