@@ -261,13 +261,18 @@ def append_synced(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def atomic_tmp_name(name: str) -> str:
-    """The temporary name `atomic_write` writes `name` under (a failed write leaves it: hsx's own, never foreign)."""
-    return f".{name}.tmp"
+def atomic_tmp_name(name: str, writer: str | None = None) -> str:
+    """The temporary name `atomic_write` writes `name` under (a failed write leaves it: hsx's own, never foreign);
+    `writer`'s own where several processes write `name` at once."""
+    return f".{name}.tmp" if writer is None else f".{name}.{writer}.tmp"
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(atomic_tmp_name(path.name))
+def atomic_write(path: Path, text: str, writer: str | None = None) -> None:
+    """`text` as `path`, whole or not at all: written to a temporary name beside it, fsynced, renamed over it, the
+    folder fsynced. `writer` (e.g. "rank-00001"): where several processes may write `path` at once, each writes
+    its own temporary name (one name for all: one's rename takes the file another is about to rename), and the
+    last rename wins."""
+    tmp = path.with_name(atomic_tmp_name(path.name, writer))
     if tmp.is_symlink() or (os.path.lexists(tmp) and not tmp.is_dir() and not tmp.is_file()):
         tmp.unlink()  # hsx's own temporary name: a link there goes (the link, never its target), and a FIFO
     _write_synced(tmp, text, os.O_TRUNC)

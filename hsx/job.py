@@ -557,7 +557,7 @@ def finish(cfg: ExtractConfig, proc, out: OutputDir, units: list[Unit], summary:
                 "finish finalizes it")
             return {"complete": False, "rank": proc.rank, "run": stats}
         if not share.whole:  # this node's share of a job whose nodes each write their own dir
-            ledgers.mark_share_done(out.state, len(units) - len(missing), len(units))
+            ledgers.mark_share_done(out.state, len(units) - len(missing), len(units), proc.rank)
             log(f"hsx: {cfg.output_dir} holds {len(units) - len(missing)} of the job's {len(units)} units (this "
                 "node's share; the other nodes' dirs hold the rest): once every node has finished, join them with "
                 "`hsx merge OUT NODE_DIR...` (see docs/scale-out.md)")

@@ -399,10 +399,12 @@ def rank_stats(state: Path, run_id: str) -> list[dict[str, Any]]:
     return stats
 
 
-def mark_share_done(state: Path, units: int, of: int) -> None:
+def mark_share_done(state: Path, units: int, of: int, rank: int) -> None:
     """This dir holds a finished node's share of a job whose nodes each write their own dir: `units` of its `of`
-    units. Readers then name `hsx merge` as the next step, not the same `hsx extract` (nothing is left to run)."""
-    atomic_write(state / "share-done.json", json.dumps({"units": units, "of": of}) + "\n")
+    units. Readers then name `hsx merge` as the next step, not the same `hsx extract` (nothing is left to run).
+    Every rank of the node that finds the share done writes it (the same record), at once: each through a
+    temporary name of its own (`rank`)."""
+    atomic_write(state / "share-done.json", json.dumps({"units": units, "of": of}) + "\n", writer=f"rank-{rank:05d}")
 
 
 def finished_share(state: Path, data: Path) -> tuple[int, int] | None:

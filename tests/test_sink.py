@@ -331,6 +331,33 @@ def test_atomic_write_replaces_a_link_never_its_target(tmp_path, victim):
     assert (tmp_path / "job.json").read_text() == "mine" and not (tmp_path / "hsx.json").is_symlink()
 
 
+def test_ranks_marking_a_nodes_share_done_at_once_each_write_through_a_name_of_their_own(tmp_path):
+    """Every rank of a node that finds its share done writes .hsx/share-done.json, at the same moment: with one
+    temporary name for all, one rank's rename took the file another was about to rename (FileNotFoundError: a
+    finished node's job exited 1 in CI). Two ranks as threads, many times over: no error, one whole record."""
+    import threading
+
+    from hsx import ledgers
+
+    errors = []
+
+    def mark(rank):
+        try:
+            for _ in range(500):
+                ledgers.mark_share_done(tmp_path, 3, 6, rank)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=mark, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["share-done.json"]
+    assert json.loads((tmp_path / "share-done.json").read_text()) == {"units": 3, "of": 6}
+
+
 def test_a_fifo_at_an_atomic_writes_temporary_name_is_replaced(finished_copy):
     os.mkfifo(finished_copy / ".hsx" / ".summary.json.tmp")
     done, error = call_with_deadline(lambda: atomic_write(finished_copy / ".hsx" / "summary.json", "{}\n"), 60,
