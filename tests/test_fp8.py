@@ -992,30 +992,37 @@ def _deepgemm_contract(calls):
     return SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt)
 
 
+def _runs_from_its_row_floor(name: str, calls: list, cublas: list) -> None:
+    """JIT GEMM `name` (its stand-in recording `calls`) asked for on the CPU device: checked on JIT_MIN_ROWS rows
+    without a word; products from that floor (rows padded to ROW_ALIGN decide: floor - 1 rows are the floor's) run
+    on it, smaller ones on cuBLAS (`cublas`), each equal to the float32 product; the report names it and what runs
+    under its floor."""
+    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
+    with warnings_recorded() as seen:
+        assert fp8_gemm.use_gemm(cpu, name) == name and fp8_gemm.backend_of(cpu) == name
+    assert not seen and calls == [(floor, 384, 512)] and not cublas  # the device's check: the floor's rows
+    w, ws = _weights(256, 512)
+    for rows, runs_on in ((37, "cublas"), (floor - fp8_gemm.ROW_ALIGN, "cublas"), (floor - 1, name),
+                          (floor + 5, name)):
+        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8_gemm.ROW_ALIGN)
+        calls.clear(), cublas.clear()
+        y = fp8_gemm._block_mm(xq, xs, w, ws)
+        assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == name else \
+            (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
+        torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
+    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w, ws, None))
+    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
+    assert report["linear"] == f"hsx fp8 ({name})" and "gemm_by_shape" not in report
+    assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
+
+
 def test_deepgemm_runs_when_asked_from_its_row_floor_and_the_next_gemm_below(gemm_state):
     """DeepGEMM compiles a kernel per tile shape, which its heuristic picks from M: products of fewer than
     JIT_MIN_ROWS rows run on the next GEMM, and its checks multiply that many rows (the kernel larger ones run)."""
     monkeypatch, cublas = gemm_state
     calls = []
     monkeypatch.setattr(fp8_gemm, "_DEEPGEMM", [(_deepgemm_contract(calls), None)])
-    cpu, floor = torch.device("cpu"), fp8_gemm.JIT_MIN_ROWS
-    with warnings_recorded() as seen:
-        assert fp8_gemm.use_gemm(cpu, "deepgemm") == "deepgemm" and fp8_gemm.backend_of(cpu) == "deepgemm"
-    assert not seen and calls == [(floor, 384, 512)] and not cublas  # the device's check: the floor's rows
-    w, ws = _weights(256, 512)
-    # (rows padded to ROW_ALIGN decide: floor - 1 rows are the floor's)
-    for rows, runs_on in ((37, "cublas"), (floor - fp8_gemm.ROW_ALIGN, "cublas"), (floor - 1, "deepgemm"),
-                          (floor + 5, "deepgemm")):
-        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8_gemm.ROW_ALIGN)
-        calls.clear(), cublas.clear()
-        y = fp8_gemm._block_mm(xq, xs, w, ws)
-        assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == "deepgemm" else \
-            (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
-        torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
-    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w, ws, None))
-    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
-    assert report["linear"] == "hsx fp8 (deepgemm)" and "gemm_by_shape" not in report
-    assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
+    _runs_from_its_row_floor("deepgemm", calls, cublas)
 
 
 def test_deepgemm_kernels_are_built_before_the_first_batch_for_every_row_count_a_batch_can_have(gemm_state):
@@ -1177,23 +1184,8 @@ def test_flashinfer_runs_only_when_asked_from_its_row_floor_on_a_runner_of_its_o
     for name in ("_BACKEND", "_CHOSEN"):
         monkeypatch.setattr(fp8_gemm, name, {})
     cublas.clear()
-    with warnings_recorded() as seen:
-        assert fp8_gemm.use_gemm(cpu, "flashinfer") == "flashinfer" and fp8_gemm.backend_of(cpu) == "flashinfer"
-    assert not seen and calls == [(floor, 384, 512)] and not cublas
-    w, ws = _weights(256, 512)
-    for rows, runs_on in ((37, "cublas"), (floor - fp8_gemm.ROW_ALIGN, "cublas"), (floor - 1, "flashinfer"),
-                          (floor + 5, "flashinfer")):
-        xq, xs = fp8.quantize_activation_padded(torch.randn(rows, 512), fp8_gemm.ROW_ALIGN)
-        calls.clear(), cublas.clear()
-        y = fp8_gemm._block_mm(xq, xs, w, ws)
-        assert (calls[-1] == (xq.shape[0], 256, 512) and not cublas) if runs_on == "flashinfer" else \
-            (cublas[-1] == (256, 512) and all(m == floor for m, _, _ in calls)), (rows, calls, cublas)
-        torch.testing.assert_close(y.float(), fp8.reference_mm(xq, xs, w, ws, torch.float32), rtol=1e-2, atol=1e-3)
+    _runs_from_its_row_floor("flashinfer", calls, cublas)
     assert len(runners) == 1  # one runner for the device, its workspace configured once
-    layers = torch.nn.Sequential(fp8_gemm.Fp8Linear(w, ws, None))
-    report = fp8_model.report(layers, fp8.quantization_of(SimpleNamespace(quantization_config=OFFICIAL)))
-    assert report["linear"] == "hsx fp8 (flashinfer)" and "gemm_by_shape" not in report
-    assert report["gemm_under_rows"] == {"rows": floor, "gemm": "cublas"}
     w64, ws64 = _weights(192, 512)  # N = 192: not whole 128-blocks, so no block-scaled GEMM but Triton takes it
     assert fp8_gemm._runs(w64, ws64, floor) == "triton"
 

@@ -511,7 +511,7 @@ def _runs_here(name: str, device: torch.device) -> bool:
     """Whether GEMM `name` may run on `device` unasked (`hsx.target.kernels.fp8_gemm_order`: where it was checked or is
     documented to run; Triton, the portable one, anywhere)."""
     cap = kernels.capability_of(device)
-    return cap is None or name in kernels.fp8_gemm_order(cap, frozenset(("deep_gemm", "fbgemm_gpu")))
+    return cap is None or name in kernels.fp8_gemm_order(cap, frozenset(kernels.FP8_PACKAGES.values()))
 
 
 def _missing(name: str, choice: str) -> str | None:
